@@ -1,0 +1,92 @@
+"""Attention over the paged KV cache, with one switch between backends.
+
+The model calls :func:`write_kv` then :func:`attend`; the model runner fills one
+:class:`AttentionMetadata` per step. ``torch`` (CPU default) runs the references in
+``kernels/reference.py``; ``triton`` (CUDA default) runs the Triton kernels.
+A step is either all-decode (one new token per sequence, the decode kernel) or varlen
+(prefill chunks, possibly mixed with decodes as one-token chunks, the prefill kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.kernels import reference
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass
+class AttentionMetadata:
+    """What the attention of one step needs to know; built by the model runner.
+
+    slot_mapping:  [T] int64, cache slot of each new token (-1 = padding, not written).
+    block_tables:  [B, max_blocks] int32, the blocks of each sequence in order.
+    context_lens:  [B] int32, KV length of each sequence once this step's tokens are written.
+    cu_seqlens_q:  [B+1] int32, offsets of each sequence's new tokens in the packed batch
+                   (varlen steps only; None for an all-decode step).
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None
+    max_seqlen_q: int
+    max_context_len: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.cu_seqlens_q is None
+
+
+def write_kv(
+    backend: str,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """Store this step's ``k, v: [T, n_kv, d]`` into the paged cache."""
+    if backend == "triton":
+        from workers.engine.kernels.store_kv import store_kv
+
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        reference.store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+
+
+def attend(
+    backend: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``q: [T, h, d]`` over the cache (after :func:`write_kv`); returns ``[T, h, d]``."""
+    if backend == "triton":
+        if meta.is_decode:
+            from workers.engine.kernels.decode_attention import paged_decode_attention
+
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                max_context_len=meta.max_context_len,
+            )
+        from workers.engine.kernels.prefill_attention import paged_prefill_attention
+
+        assert meta.cu_seqlens_q is not None
+        return paged_prefill_attention(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+            scale, max_seqlen_q=meta.max_seqlen_q,
+        )
+    if meta.is_decode:
+        return reference.paged_decode_attention_ref(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+        )
+    assert meta.cu_seqlens_q is not None
+    return reference.paged_prefill_attention_ref(
+        q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale
+    )

@@ -1,0 +1,103 @@
+"""Plain torch references for the paged-KV kernels.
+
+Slow and obvious on purpose: the Triton kernels are tested against these, and the
+`torch` attention backend uses them on machines without a GPU.
+
+Cache layout (one pair per layer): ``k_cache, v_cache: [num_blocks, block_size, n_kv, d]``.
+A slot is ``block_id * block_size + offset``; slot ``-1`` means "padding, do not write".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``k, v: [T, n_kv, d]`` into the cache slots named by ``slot_mapping: [T]``."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+
+
+def gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return one sequence's first ``length`` keys and values as ``[length, n_kv, d]``."""
+    block_size = k_cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    ids = block_table[:n_blocks].long()
+    k = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:length]
+    v = v_cache[ids].reshape(-1, *v_cache.shape[2:])[:length]
+    return k, v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ``q: [n_q, h, d]`` placed at the end of ``k, v: [n_kv_len, h_kv, d]``."""
+    n_q, n_heads, _ = q.shape
+    n_k, n_kv_heads, _ = k.shape
+    group = n_heads // n_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    # Query i sits at absolute position n_k - n_q + i and sees keys 0..that position.
+    q_pos = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+    k_pos = torch.arange(n_k, device=q.device)[None, :]
+    mask = k_pos <= q_pos
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(),
+        k.transpose(0, 1).float(),
+        v.transpose(0, 1).float(),
+        attn_mask=mask,
+        scale=scale,
+    )
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per sequence: ``q: [B, h, d]`` attends to its ``context_lens[b]`` cached tokens."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], int(context_lens[b]))
+        out[b] = _attend(q[b : b + 1], k, v, scale)[0]
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Variable-length causal attention over paged KV.
+
+    ``q: [T, h, d]`` packs every sequence's new tokens (``cu_seqlens_q: [B+1]``); their K/V are
+    already in the cache, so sequence ``b`` attends over ``context_lens[b]`` cached tokens of
+    which its queries are the last ``q_len``. A cached prefix is simply the part before them.
+    """
+    out = torch.empty_like(q)
+    for b in range(cu_seqlens_q.shape[0] - 1):
+        start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        if end == start:
+            continue
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], int(context_lens[b]))
+        out[start:end] = _attend(q[start:end], k, v, scale)
+    return out
