@@ -1,0 +1,95 @@
+"""How one request wants its tokens chosen and when it wants to stop."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one request. ``temperature=0`` is greedy.
+
+    ``seed`` fixes the request's random stream: the same seed gives the same tokens whatever
+    else shares the batch. ``logprobs=k`` returns the chosen token's logprob and the top k.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self) -> None:
+        """Raise :class:`SamplingParamsError` naming the first bad parameter."""
+
+        def finite(name: str, value: float) -> None:
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise SamplingParamsError(name, f"must be a finite number, got {value!r}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            finite(name, getattr(self, name))
+        if self.temperature < 0:
+            raise SamplingParamsError("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", "must be in [0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingParamsError("top_k", "must be an integer >= 0 (0 or -1 = off)")
+        if self.repetition_penalty <= 0:
+            raise SamplingParamsError("repetition_penalty", "must be > 0")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise SamplingParamsError("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise SamplingParamsError("frequency_penalty", "must be in [-2, 2]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise SamplingParamsError("seed", "must be an integer in [0, 2**63)")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise SamplingParamsError("logprobs", "must be an integer in [0, 20]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError("stop", "must be non-empty strings")
+        if len(self.stop) > 16:
+            raise SamplingParamsError("stop", "at most 16 stop strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", "must be non-negative integers")
