@@ -1,0 +1,262 @@
+"""One typed configuration object for every service.
+
+Defaults come from DESIGN §3 (the field study's instance groups). A YAML file (``--config``
+or ``QOS_CONFIG``) overrides them, then ``QOS_*`` environment variables override that:
+``QOS_NATS__URL=nats://h:4222`` sets ``nats.url``; ``QOS_GROUPS__SHORT__MAX_BATCH=8`` sets
+``groups.short.max_batch``. Values in variables are read as YAML scalars. An unknown key
+or a bad value fails at start-up with a :class:`ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from common.errors import ConfigError
+
+ENV_PREFIX = "QOS_"
+Policy = Literal["static", "dynamic", "continuous", "hybrid"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BreakerConfig(_Strict):
+    """Per-group circuit breaker (field study: 10 samples, mean p99 > 500 ms → open, cap 4)."""
+
+    window_samples: int = Field(10, ge=1)
+    min_samples: int = Field(5, ge=1)
+    p99_threshold_ms: float = Field(500.0, gt=0)
+    error_rate_threshold: float = Field(0.2, gt=0, le=1)
+    open_batch_cap: int = Field(4, ge=1)
+    wait_open_s: float = Field(10.0, gt=0)
+    half_open_share: float = Field(0.25, gt=0, le=1)
+    close_after_healthy: int = Field(3, ge=1)
+
+
+class GroupConfig(_Strict):
+    """An instance group: its limits, SLOs, policy and fallback."""
+
+    max_batch: int = Field(ge=1)
+    max_seq_len: int = Field(ge=16)
+    slo_ttft_ms: float = Field(gt=0)
+    slo_e2e_p99_ms: float = Field(gt=0)
+    policy: Policy = "hybrid"
+    # Queued + running requests the gateway admits before it sheds with 429.
+    max_pending: int = Field(64, ge=1)
+    fallback: str | None = None
+    # Lower routes first when the classifier has a choice.
+    rank: int = 0
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+
+
+def default_groups() -> dict[str, GroupConfig]:
+    """The field study's three groups (DESIGN §3)."""
+    return {
+        "realtime": GroupConfig(
+            max_batch=1,
+            max_seq_len=1024,
+            slo_ttft_ms=100,
+            slo_e2e_p99_ms=200,
+            policy="continuous",
+            max_pending=8,
+            fallback="short",
+            rank=0,
+        ),
+        "short": GroupConfig(
+            max_batch=16,
+            max_seq_len=4096,
+            slo_ttft_ms=200,
+            slo_e2e_p99_ms=500,
+            policy="hybrid",
+            max_pending=256,
+            fallback="long",
+            rank=1,
+        ),
+        "long": GroupConfig(
+            max_batch=2,
+            max_seq_len=131072,
+            slo_ttft_ms=5000,
+            slo_e2e_p99_ms=60000,
+            policy="hybrid",
+            max_pending=16,
+            fallback=None,
+            rank=2,
+        ),
+    }
+
+
+class NatsConfig(_Strict):
+    """Connection, credentials/TLS and the JetStream names (DESIGN §2)."""
+
+    url: str = "nats://127.0.0.1:4222"
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    nkey_seed_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    subject_prefix: str = Field("qos", pattern=r"^[A-Za-z0-9_-]+$")
+    stream: str = Field("QOS_REQ", pattern=r"^[A-Za-z0-9_-]+$")
+    kv_bucket: str = Field("qos_state", pattern=r"^[A-Za-z0-9_-]+$")
+    ack_wait_s: float = Field(30.0, gt=0)
+    max_deliver: int = Field(5, ge=1)
+    duplicate_window_s: float = Field(120.0, gt=0)
+    max_payload_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    reconnect_wait_s: float = Field(0.5, gt=0)
+    max_reconnect_attempts: int = -1  # -1 = forever: services outlive a NATS restart
+
+
+class RedisConfig(_Strict):
+    """The shared cold KV tier."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    username: str | None = None
+    password: str | None = None
+    tls_ca_file: str | None = None
+    max_connections: int = Field(16, ge=1)
+    ttl_s: int = Field(3600, ge=1)
+    socket_timeout_s: float = Field(0.5, gt=0)
+
+
+class GatewayConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # sha256 hex digests of accepted API keys; empty = open (a warning is logged at start).
+    api_key_sha256: list[str] = Field(default_factory=list)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    default_deadline_ms: int = Field(120_000, ge=100)
+    default_max_tokens: int = Field(256, ge=1)
+    served_model_name: str | None = None
+
+
+class WorkerConfig(_Strict):
+    model: str = "demo"
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_cache_gib: float = Field(0.5, gt=0)
+    telemetry_interval_s: float = Field(1.0, gt=0)
+    coalesce_ms: float = Field(5.0, ge=0)
+    metrics_port: int = Field(0, ge=0, le=65535)  # 0 = pick a free one
+
+
+class SchedulerConfig(_Strict):
+    worker_silent_s: float = Field(3.0, gt=0)
+    rebalance_interval_s: float = Field(5.0, gt=0)
+    metrics_port: int = Field(9300, ge=0, le=65535)
+
+
+class Config(_Strict):
+    """Everything a qosserve service reads, loaded once at start-up and passed down."""
+
+    nats: NatsConfig = Field(default_factory=NatsConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    groups: dict[str, GroupConfig] = Field(default_factory=default_groups)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> Config:
+        if not self.groups:
+            raise ValueError("at least one instance group is required")
+        for name, group in self.groups.items():
+            if not name.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"group name {name!r} must be alphanumeric (it is a NATS token)")
+            if group.fallback is not None and group.fallback not in self.groups:
+                raise ValueError(f"groups.{name}.fallback names unknown group {group.fallback!r}")
+            if group.fallback == name:
+                raise ValueError(f"groups.{name}.fallback cannot be the group itself")
+        return self
+
+    def groups_by_rank(self) -> list[tuple[str, GroupConfig]]:
+        """Groups from the first choice (lowest rank) to the last."""
+        return sorted(self.groups.items(), key=lambda item: (item[1].rank, item[0]))
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """``QOS_A__B=v`` → ``{"a": {"b": yaml(v)}}``; ``QOS_CONFIG`` names the file, not a key."""
+    tree: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == "QOS_CONFIG":
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        if any(not part for part in path):
+            raise ConfigError(f"environment variable {name}: empty key segment")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"environment variable {name}: not a valid value ({exc})") from exc
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"environment variable {name}: conflicts with another variable")
+        node[path[-1]] = value
+    return tree
+
+
+def _format_validation(exc: ValidationError, source: str) -> str:
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        problems.append(f"{where}: {err['msg']}")
+    return f"invalid configuration ({source}): " + "; ".join(problems)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> Config:
+    """Defaults ← YAML file ← ``QOS_*`` environment. Raises :class:`ConfigError` naming the key."""
+    env = os.environ if env is None else env
+    path = path or env.get("QOS_CONFIG") or None
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file not found: {file}")
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {file}: not valid YAML ({exc})") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {file}: the top level must be a mapping")
+        data = loaded
+        source = str(file)
+    overrides = _env_overrides(env)
+    if overrides:
+        source += " + environment"
+    # Groups named in the file or environment start from their defaults when they have them.
+    defaults = {name: g.model_dump() for name, g in default_groups().items()}
+    groups_in = _deep_merge(data.get("groups") or {}, overrides.get("groups") or {})
+    merged = _deep_merge(data, overrides)
+    if "groups" in merged:
+        if not isinstance(groups_in, dict):
+            raise ConfigError(f"invalid configuration ({source}): groups must be a mapping")
+        base = defaults if not data.get("groups_replace_defaults") else {}
+        merged["groups"] = _deep_merge(base, groups_in)
+    merged.pop("groups_replace_defaults", None)
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, source)) from None

@@ -1,0 +1,63 @@
+"""NATS subject names (DESIGN §2), built in one place from the configured prefix."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Request ids and worker ids become subject tokens: no dots, wildcards or spaces.
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def is_subject_token(value: str) -> bool:
+    """True when ``value`` can stand as one token of a subject."""
+    return bool(_TOKEN.match(value))
+
+
+@dataclass(frozen=True)
+class Subjects:
+    prefix: str = "qos"
+
+    def _token(self, value: str, what: str) -> str:
+        if not is_subject_token(value):
+            raise ValueError(
+                f"{what} {value!r} is not a valid subject token ([A-Za-z0-9_-]{{1,128}})"
+            )
+        return value
+
+    def request(self, group: str) -> str:
+        return f"{self.prefix}.req.{self._token(group, 'group')}"
+
+    @property
+    def request_wildcard(self) -> str:
+        return f"{self.prefix}.req.*"
+
+    def out(self, request_id: str) -> str:
+        return f"{self.prefix}.out.{self._token(request_id, 'request id')}"
+
+    def resume(self, request_id: str) -> str:
+        return f"{self.prefix}.resume.{self._token(request_id, 'request id')}"
+
+    def telemetry(self, group: str, worker_id: str) -> str:
+        return (
+            f"{self.prefix}.tel.{self._token(group, 'group')}.{self._token(worker_id, 'worker id')}"
+        )
+
+    @property
+    def telemetry_wildcard(self) -> str:
+        return f"{self.prefix}.tel.>"
+
+    def control(self, worker_id: str) -> str:
+        return f"{self.prefix}.ctl.{self._token(worker_id, 'worker id')}"
+
+    def control_group(self, group: str) -> str:
+        return f"{self.prefix}.ctl.group.{self._token(group, 'group')}"
+
+    @property
+    def kv_events(self) -> str:
+        return f"{self.prefix}.kv.events"
+
+    @staticmethod
+    def consumer(group: str) -> str:
+        """The durable pull consumer every replica of ``group`` shares."""
+        return f"grp-{group}"
