@@ -1,0 +1,89 @@
+"""Configuration: defaults from the field study, YAML and QOS_* overrides, errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import load_config
+from common.errors import ConfigError
+
+
+def test_defaults_are_the_field_study_groups() -> None:
+    cfg = load_config(env={})
+    limits = {name: (g.max_batch, g.max_seq_len) for name, g in cfg.groups.items()}
+    assert limits == {"realtime": (1, 1024), "short": (16, 4096), "long": (2, 131072)}
+    assert cfg.groups["short"].breaker.window_samples == 10
+    assert cfg.groups["short"].breaker.p99_threshold_ms == 500
+    assert cfg.groups["short"].breaker.open_batch_cap == 4
+    assert [name for name, _ in cfg.groups_by_rank()] == ["realtime", "short", "long"]
+
+
+def test_yaml_file_overrides_defaults_and_env_overrides_the_file(tmp_path: Path) -> None:
+    file = tmp_path / "qos.yaml"
+    file.write_text(
+        "nats:\n  url: nats://10.0.0.1:4222\n"
+        "groups:\n  short:\n    max_batch: 32\n  batch:\n"
+        "    max_batch: 64\n    max_seq_len: 8192\n    slo_ttft_ms: 5000\n    slo_e2e_p99_ms: 600000\n"
+    )
+    cfg = load_config(file, env={"QOS_GROUPS__SHORT__MAX_BATCH": "8", "QOS_REDIS__TTL_S": "60"})
+    assert cfg.nats.url == "nats://10.0.0.1:4222"
+    assert cfg.groups["short"].max_batch == 8
+    assert cfg.groups["short"].max_seq_len == 4096  # untouched default survives the merge
+    assert cfg.groups["batch"].max_batch == 64
+    assert set(cfg.groups) == {"realtime", "short", "long", "batch"}
+    assert cfg.redis.ttl_s == 60
+
+
+def test_config_file_named_by_environment(tmp_path: Path) -> None:
+    file = tmp_path / "c.yaml"
+    file.write_text("gateway:\n  port: 9001\n")
+    assert load_config(env={"QOS_CONFIG": str(file)}).gateway.port == 9001
+
+
+def test_groups_can_replace_the_defaults(tmp_path: Path) -> None:
+    file = tmp_path / "c.yaml"
+    file.write_text(
+        "groups_replace_defaults: true\ngroups:\n  only:\n    max_batch: 4\n"
+        "    max_seq_len: 2048\n    slo_ttft_ms: 100\n    slo_e2e_p99_ms: 400\n"
+    )
+    assert list(load_config(file, env={}).groups) == ["only"]
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"QOS_NATS__ULR": "x"}, "nats.ulr"),
+        ({"QOS_GROUPS__SHORT__MAX_BATCH": "0"}, "groups.short.max_batch"),
+        ({"QOS_GROUPS__SHORT__MAX_BATCH": "many"}, "groups.short.max_batch"),
+        ({"QOS_GROUPS__SHORT__POLICY": "fifo"}, "groups.short.policy"),
+        ({"QOS_GROUPS__SHORT__FALLBACK": "nowhere"}, "unknown group 'nowhere'"),
+        ({"QOS_GATEWAY__PORT": "70000"}, "gateway.port"),
+        ({"QOS_NATS__SUBJECT_PREFIX": "a.b"}, "nats.subject_prefix"),
+        ({"QOS_NATS____URL": "x"}, "empty key segment"),
+    ],
+)
+def test_bad_setting_fails_naming_it(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(env=env)
+
+
+def test_new_group_missing_required_limits_is_named(tmp_path: Path) -> None:
+    file = tmp_path / "c.yaml"
+    file.write_text("groups:\n  tiny:\n    max_batch: 2\n")
+    with pytest.raises(ConfigError, match=r"groups\.tiny\.max_seq_len"):
+        load_config(file, env={})
+
+
+def test_missing_or_malformed_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml", env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nats: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, env={})
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(scalar, env={})

@@ -1,0 +1,53 @@
+"""Errors map once to OpenAI's error shape and survive the trip through a NATS chunk."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import (
+    ContextLengthExceededError,
+    InternalError,
+    InvalidRequestError,
+    RateLimitError,
+    ServiceUnavailableError,
+    error_from_code,
+)
+
+
+def test_openai_error_shape_has_exactly_the_four_fields() -> None:
+    err = InvalidRequestError("temperature must be >= 0", param="temperature")
+    assert err.http_status == 400
+    assert err.to_openai() == {
+        "error": {
+            "message": "temperature must be >= 0",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": "invalid_request",
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("err", "status", "retry"),
+    [
+        (RateLimitError("full", retry_after_s=2.4), 429, "2"),
+        (ServiceUnavailableError("no worker", retry_after_s=0.2), 503, "1"),
+        (InvalidRequestError("bad"), 400, None),
+    ],
+)
+def test_status_and_retry_after(err, status: int, retry: str | None) -> None:
+    assert err.http_status == status
+    assert err.headers().get("Retry-After") == retry
+
+
+def test_error_chunk_round_trip_keeps_the_type() -> None:
+    original = ContextLengthExceededError("prompt of 9000 tokens exceeds 4096")
+    wire = original.to_wire()
+    rebuilt = error_from_code(wire["code"], wire["message"])
+    assert type(rebuilt) is ContextLengthExceededError
+    assert rebuilt.http_status == 400 and rebuilt.code == "context_length_exceeded"
+
+
+def test_unknown_code_from_a_worker_is_a_500() -> None:
+    assert type(error_from_code("gpu_on_fire", "x")) is InternalError
+    assert error_from_code("gpu_on_fire", "x").http_status == 500
