@@ -1,0 +1,358 @@
+"""NATS plumbing every service shares (DESIGN §2): connect, and the JetStream objects.
+
+``ensure_*`` are idempotent: every gateway, worker and scheduler replica calls them at
+start-up, so whoever comes first creates the stream, the per-group durable consumers and
+the KV bucket, and the rest verify them. A setting that differs is updated when NATS can
+update it in place; when it cannot (retention, storage, ack policy), start-up fails with
+a :class:`ConfigError` that says what to do, rather than running against the wrong thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import math
+import ssl
+import time
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+
+from common.config import NatsConfig
+from common.errors import ConfigError
+from common.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+# Enough in flight for every replica's batch plus prefetch; admission bounds the rest.
+DEFAULT_MAX_ACK_PENDING = 1024
+DEFAULT_KV_HISTORY = 5
+
+
+def redact_url(url: str) -> str:
+    """``nats://user:secret@host`` → ``nats://user:***@host`` for logs and errors."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    # A lone token (``nats://token@host``) is a secret too.
+    shown = userinfo.split(":", 1)[0] + ":***" if ":" in userinfo else "***"
+    return urlunsplit(parts._replace(netloc=f"{shown}@{hostport}"))
+
+
+def _show(value: object) -> str:
+    """Server responses hold plain strings where our configs hold str enums."""
+    return str(value.value if isinstance(value, Enum) else value)
+
+
+def _tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
+    if not (cfg.tls_ca_file or cfg.tls_cert_file or cfg.tls_key_file):
+        return None
+    if bool(cfg.tls_cert_file) != bool(cfg.tls_key_file):
+        raise ConfigError("nats.tls_cert_file and nats.tls_key_file must be set together")
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.tls_ca_file)
+        if cfg.tls_cert_file and cfg.tls_key_file:
+            context.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"nats TLS files: {exc}") from exc
+    return context
+
+
+def _auth_options(cfg: NatsConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if cfg.user is not None or cfg.password is not None:
+        options["user"], options["password"] = cfg.user, cfg.password
+    if cfg.token is not None:
+        options["token"] = cfg.token
+    if cfg.creds_file or cfg.nkey_seed_file:
+        # nats-py signs the server nonce with the optional `nkeys` package.
+        if importlib.util.find_spec("nkeys") is None:
+            key = "nats.creds_file" if cfg.creds_file else "nats.nkey_seed_file"
+            raise ConfigError(f"{key} needs the `nkeys` package: pip install nkeys")
+        if cfg.creds_file:
+            options["user_credentials"] = cfg.creds_file
+        if cfg.nkey_seed_file:
+            options["nkeys_seed"] = cfg.nkey_seed_file
+    return options
+
+
+def _is_fatal(exc: Exception) -> bool:
+    """Errors that retrying cannot fix: bad credentials, a TLS failure."""
+    # During the handshake nats-py reports a refusal as a plain Error with the server's text.
+    text = str(exc).lower()
+    return (
+        isinstance(exc, nats.errors.AuthorizationError | ssl.SSLError)
+        or "authorization violation" in text
+        or "authentication" in text
+    )
+
+
+async def connect(cfg: NatsConfig, name: str, *, initial_timeout_s: float | None = None) -> Client:
+    """Connect with reconnect/backoff, credentials and TLS from ``cfg``; callbacks log.
+
+    nats-py retries the *first* connection forever when ``max_reconnect_attempts`` is
+    -1 (or 0), so the first connection is bounded here by ``initial_timeout_s``
+    (default ``cfg.connect_timeout_s``); bad credentials or TLS end it at once.
+    Raises :class:`ConnectionError` naming the server and the last error.
+    """
+    url = redact_url(cfg.url)
+    nc = Client()
+    refused = asyncio.Event()
+
+    async def on_error(exc: Exception) -> None:
+        if not nc.is_connected and _is_fatal(exc):
+            refused.set()
+        log.warning("nats %s (%s): %s", name, url, exc or type(exc).__name__)
+
+    async def on_disconnected() -> None:
+        # close() reports a disconnect too; only an unplanned one deserves a warning.
+        level = logging.INFO if nc.is_closed else logging.WARNING
+        log.log(level, "nats %s: disconnected from %s", name, url)
+
+    async def on_reconnected() -> None:
+        log.info("nats %s: reconnected to %s", name, nc.connected_url and nc.connected_url.netloc)
+
+    async def on_closed() -> None:
+        log.info("nats %s: connection closed", name)
+
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            servers=[cfg.url],
+            name=name,
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+            closed_cb=on_closed,
+            connect_timeout=math.ceil(cfg.connect_timeout_s),
+            reconnect_time_wait=cfg.reconnect_wait_s,  # type: ignore[arg-type]  # a float works
+            max_reconnect_attempts=cfg.max_reconnect_attempts,
+            tls=_tls_context(cfg),
+            **_auth_options(cfg),
+        )
+    )
+    refused_wait = asyncio.ensure_future(refused.wait())
+    timeout = cfg.connect_timeout_s if initial_timeout_s is None else initial_timeout_s
+    started = time.monotonic()
+    try:
+        await asyncio.wait(
+            {connecting, refused_wait}, timeout=timeout, return_when="FIRST_COMPLETED"
+        )
+    except BaseException:
+        connecting.cancel()  # a cancelled caller must not leave a retry loop behind
+        raise
+    finally:
+        refused_wait.cancel()
+    if connecting.done() and connecting.exception() is None:
+        return nc
+    connecting.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await connecting
+    last = nc.last_error
+    with contextlib.suppress(Exception):
+        await nc.close()
+    raise ConnectionError(
+        f"cannot connect to NATS at {url} as {name!r} "
+        f"(gave up after {time.monotonic() - started:.1f}s): {last or 'no answer'}"
+    ) from last
+
+
+async def _created_meanwhile(
+    js: JetStreamContext, stream: str, exc: nats.js.errors.APIError
+) -> api.StreamInfo:
+    """After a failed create: the stream another replica made, or the create's error."""
+    try:
+        return await js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        raise ConfigError(f"cannot create stream {stream}: {exc}") from exc
+
+
+def _stream_config(cfg: NatsConfig) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=cfg.stream,
+        description="qosserve requests, one subject per instance group",
+        subjects=[Subjects(cfg.subject_prefix).request_wildcard],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        storage=api.StorageType.FILE,
+        duplicate_window=cfg.duplicate_window_s,
+        max_msg_size=cfg.max_payload_bytes,
+        num_replicas=1,
+    )
+
+
+async def ensure_stream(
+    js: JetStreamContext, cfg: NatsConfig, groups: Iterable[str] = ()
+) -> api.StreamInfo:
+    """Create or verify the request stream (``QOS_REQ``: ``<prefix>.req.*``, WorkQueue, file).
+
+    ``groups`` are checked to be valid subject tokens. Subjects, the dedupe window and
+    the message size limit are updated in place when they differ; a different retention
+    or storage cannot be, and raises :class:`ConfigError`.
+    """
+    subjects = Subjects(cfg.subject_prefix)
+    for group in groups:
+        subjects.request(group)  # raises ValueError naming a bad group
+    want = _stream_config(cfg)
+    try:
+        info = await js.stream_info(cfg.stream)
+    except nats.js.errors.NotFoundError:
+        try:
+            return await js.add_stream(want)
+        except nats.js.errors.BadRequestError as exc:
+            info = await _created_meanwhile(js, cfg.stream, exc)
+    have = info.config
+    problems = [
+        f"{field} is {_show(getattr(have, field))}, expected {_show(getattr(want, field))}"
+        for field in ("retention", "storage")
+        if getattr(have, field) != getattr(want, field)
+    ]
+    if problems:
+        raise ConfigError(
+            f"stream {cfg.stream} exists with incompatible settings ({'; '.join(problems)}); "
+            f"these cannot change in place: delete it (nats stream rm {cfg.stream}) "
+            "or set nats.stream to another name"
+        )
+    if (
+        sorted(have.subjects or []) != sorted(want.subjects or [])
+        or not math.isclose(have.duplicate_window, want.duplicate_window)
+        or have.max_msg_size != want.max_msg_size
+    ):
+        log.info("stream %s: updating subjects/duplicate_window/max_msg_size", cfg.stream)
+        updated = have.evolve(
+            subjects=want.subjects,
+            duplicate_window=want.duplicate_window,
+            max_msg_size=want.max_msg_size,
+        )
+        try:
+            return await js.update_stream(updated)
+        except nats.js.errors.APIError as exc:
+            raise ConfigError(f"stream {cfg.stream}: cannot update it: {exc}") from exc
+    return info
+
+
+def _consumer_config(cfg: NatsConfig, group: str, max_ack_pending: int) -> api.ConsumerConfig:
+    name = Subjects.consumer(group)
+    return api.ConsumerConfig(
+        name=name,
+        durable_name=name,
+        description=f"qosserve workers of group {group}",
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        filter_subject=Subjects(cfg.subject_prefix).request(group),
+        ack_wait=cfg.ack_wait_s,
+        max_deliver=cfg.max_deliver,
+        max_ack_pending=max_ack_pending,
+    )
+
+
+async def ensure_group_consumer(
+    js: JetStreamContext,
+    cfg: NatsConfig,
+    group: str,
+    *,
+    max_ack_pending: int = DEFAULT_MAX_ACK_PENDING,
+) -> api.ConsumerInfo:
+    """Create or verify ``grp-<group>``, the durable pull consumer all replicas share.
+
+    Filter ``<prefix>.req.<group>``, explicit ack, ``ack_wait``/``max_deliver`` from
+    ``cfg``. Those and ``max_ack_pending`` are updated in place when they differ; a
+    different ack or deliver policy raises :class:`ConfigError`.
+    """
+    want = _consumer_config(cfg, group, max_ack_pending)
+    name = Subjects.consumer(group)
+    try:
+        info = await js.consumer_info(cfg.stream, name)
+    except nats.js.errors.NotFoundError:
+        info = None
+    if info is not None:
+        have = info.config
+        fixed = [
+            f"{field} is {_show(getattr(have, field))}, expected {_show(getattr(want, field))}"
+            for field in ("ack_policy", "deliver_policy")
+            if getattr(have, field) != getattr(want, field)
+        ]
+        if fixed:
+            raise ConfigError(
+                f"consumer {name} on stream {cfg.stream} exists with incompatible settings "
+                f"({'; '.join(fixed)}); delete it (nats consumer rm {cfg.stream} {name})"
+            )
+        if (
+            have.filter_subject == want.filter_subject
+            and have.ack_wait is not None
+            and math.isclose(have.ack_wait, cfg.ack_wait_s)
+            and have.max_deliver == want.max_deliver
+            and have.max_ack_pending == want.max_ack_pending
+        ):
+            return info
+        log.info("consumer %s: updating filter/ack_wait/max_deliver/max_ack_pending", name)
+    try:
+        # The server's create is create-or-update, and a no-op for an identical config.
+        return await js.add_consumer(cfg.stream, want)
+    except nats.js.errors.APIError as exc:
+        raise ConfigError(f"consumer {name} on stream {cfg.stream}: {exc}") from exc
+
+
+async def ensure_kv(
+    js: JetStreamContext, cfg: NatsConfig, *, history: int = DEFAULT_KV_HISTORY
+) -> KeyValue:
+    """Create or verify the state bucket (``qos_state``: file storage, ``history`` 1..5)."""
+    if not 1 <= history <= 5:
+        raise ValueError(f"KV history must be in 1..5, got {history}")
+    try:
+        kv = await js.key_value(cfg.kv_bucket)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_key_value(
+            bucket=cfg.kv_bucket,
+            description="qosserve breakers, worker registry, assignments",
+            history=history,
+            storage=api.StorageType.FILE,
+        )
+    have = (await kv.status()).stream_info.config
+    if have.storage != api.StorageType.FILE:
+        raise ConfigError(
+            f"KV bucket {cfg.kv_bucket} uses {have.storage} storage, expected file; "
+            f"delete it (nats kv del {cfg.kv_bucket}) or set nats.kv_bucket to another name"
+        )
+    if have.max_msgs_per_subject != history:
+        await js.update_stream(have.evolve(max_msgs_per_subject=history))
+    return kv
+
+
+async def group_pull_subscription(
+    js: JetStreamContext, cfg: NatsConfig, group: str
+) -> JetStreamContext.PullSubscription:
+    """Bind to the group's durable consumer, which every replica of the group shares.
+
+    The consumer must exist (:func:`ensure_group_consumer`): binding does not create one,
+    so a replica never makes a second, competing consumer by accident.
+    """
+    name = Subjects.consumer(group)
+    try:
+        await js.consumer_info(cfg.stream, name)
+    except nats.js.errors.NotFoundError as exc:
+        raise ConfigError(
+            f"consumer {name} on stream {cfg.stream} does not exist; "
+            "call ensure_group_consumer first"
+        ) from exc
+    # pull_subscribe_bind does not check the consumer; the lookup above does.
+    return await js.pull_subscribe_bind(consumer=name, stream=cfg.stream)
+
+
+async def ensure_jetstream(
+    js: JetStreamContext, cfg: NatsConfig, groups: Iterable[str]
+) -> tuple[api.StreamInfo, dict[str, api.ConsumerInfo], KeyValue]:
+    """Everything a deployment needs: the stream, one consumer per group, the KV bucket."""
+    groups = list(groups)
+    stream = await ensure_stream(js, cfg, groups)
+    consumers = {group: await ensure_group_consumer(js, cfg, group) for group in groups}
+    kv = await ensure_kv(js, cfg)
+    return stream, consumers, kv
