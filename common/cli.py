@@ -1,0 +1,67 @@
+"""``qosserve``: the umbrella command. Each subcommand runs one part of the system."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module run as __main__, one-line help)
+_MODULES: dict[str, tuple[str, str]] = {
+    "up": (
+        "common.launcher",
+        "run the whole stack locally: NATS, Redis, scheduler, workers, gateway",
+    ),
+    "gateway": ("gateway", "run the OpenAI-compatible gateway"),
+    "worker": ("workers", "run one worker replica of an instance group"),
+    "scheduler": ("scheduler", "run the scheduler service (breakers, rebalancing)"),
+    "bench": ("bench", "run a benchmark (engine, kernels, serve, kvtier, …)"),
+}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qosserve",
+        description="QoS-aware distributed LLM serving. `qosserve SUBCOMMAND --help` for details.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
+    for name, (_, help_text) in _MODULES.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    sub.add_parser("config", help="print the effective configuration (defaults + file + QOS_* env)")
+    sub.add_parser("version", help="print the version")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``qosserve`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    if not args or args[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command in _MODULES:
+        module = _MODULES[command][0]
+        sys.argv = [f"qosserve {command}", *rest]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return 0
+    if command == "config":
+        import yaml
+
+        from common.config import load_config
+
+        path = rest[0] if rest else None
+        print(yaml.safe_dump(load_config(path).model_dump(mode="json"), sort_keys=False))
+        return 0
+    if command == "version":
+        from importlib.metadata import version
+
+        print(version("qosserve"))
+        return 0
+    parser.error(f"unknown subcommand {command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
