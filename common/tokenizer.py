@@ -1,0 +1,443 @@
+"""Text <-> token ids and chat templates, the way transformers does it, without torch.
+
+The gateway tokenizes and renders chat prompts but never loads a model, so this module
+depends only on ``tokenizers`` and ``jinja2``. ``Tokenizer`` reads a Hugging Face folder
+and gives the same ids and chat strings as transformers' ``AutoTokenizer`` (the generic
+``TokenizersBackend`` path); ``ByteTokenizer`` serves ``dummy:*`` models that ship none.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Named special tokens, in transformers' order; chat templates see them by these names.
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# Older names for a message's reasoning; templates read ``reasoning_content`` or ``thinking``.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class TokenizerFileNotFoundError(FileNotFoundError):
+    """A file the tokenizer needs is missing; ``path`` names it."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path = path
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, or refused the messages (``raise_exception``)."""
+
+
+class BaseTokenizer(ABC):
+    """What the gateway and the engine need from a tokenizer; chat rendering is shared."""
+
+    bos_token_id: int | None
+    eos_token_ids: set[int]
+    pad_token_id: int | None
+    all_special_ids: list[int]  # every id ``skip_special_tokens`` drops, sorted
+    special_tokens: dict[str, str]  # name (``bos_token`` ...) -> text, for chat templates
+    chat_templates: dict[str, str]  # template name ("default", "tool_use", ...) -> source
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids this tokenizer can produce, added tokens included."""
+
+    @abstractmethod
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS as the model expects."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; an incomplete UTF-8 tail decodes to U+FFFD."""
+
+    @abstractmethod
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id``, or None when out of range."""
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's own EOS id (its config's ``eos_token``), else any stop id."""
+        eos = self.special_tokens.get("eos_token")
+        primary = self.token_to_id(eos) if eos is not None else None
+        return primary if primary is not None else min(self.eos_token_ids, default=None)
+
+    @abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        """The id of vocabulary entry ``token``, or None."""
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render ``messages`` into the prompt string, as transformers' ``tokenize=False``.
+
+        ``template_kwargs`` reach the template as variables (``enable_thinking=False``...).
+        Raises :class:`ChatTemplateError` when there is no template or it refuses the input.
+        """
+        if not messages:
+            raise ChatTemplateError("cannot apply a chat template to an empty conversation")
+        source = self._select_template(tools)
+        chat = [_normalize_message(m) for m in messages]
+        variables = {**self.special_tokens, **template_kwargs}
+        try:
+            return _compile(source).render(
+                messages=chat,
+                tools=[dict(t) for t in tools] if tools is not None else None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except (jinja2.TemplateError, TypeError) as e:
+            # A TypeError is the messages' shape meeting the template (content a list
+            # where it concatenates strings): bad input, not a server fault.
+            raise ChatTemplateError(f"chat template: {e}") from e
+
+    def _select_template(self, tools: object) -> str:
+        templates = self.chat_templates
+        if not templates:
+            raise ChatTemplateError(
+                "this tokenizer has no chat template (tokenizer_config.json 'chat_template' "
+                "or chat_template.jinja); send a plain prompt instead"
+            )
+        if tools is not None and "tool_use" in templates:
+            return templates["tool_use"]
+        if "default" in templates:
+            return templates["default"]
+        raise ChatTemplateError(
+            f"several chat templates and none named 'default': {sorted(templates)}"
+        )
+
+
+class Tokenizer(BaseTokenizer):
+    """A Hugging Face tokenizer folder, read with ``tokenizers`` (no transformers).
+
+    BOS/EOS come from tokenizer.json's post-processor alone: transformers 5 drops
+    tokenizer_config's ``add_bos_token``/``add_eos_token`` whenever tokenizer.json exists,
+    and ids must match what the model was evaluated with there.
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        config: Mapping[str, Any],
+        chat_templates: dict[str, str],
+        model_eos_ids: Sequence[int] = (),
+        model_bos_id: int | None = None,
+        model_pad_id: int | None = None,
+    ) -> None:
+        self._tok = backend
+        self.special_tokens = {
+            name: text
+            for name in SPECIAL_TOKEN_NAMES
+            if (text := _token_text(config.get(name))) is not None
+        }
+        self.chat_templates = chat_templates
+        self._add_missing_special_tokens()
+
+        self.bos_token_id = self._named_id("bos_token", model_bos_id)
+        self.pad_token_id = self._named_id("pad_token", model_pad_id)
+        eos = self._named_id("eos_token", None)
+        self.eos_token_ids = set(model_eos_ids) | ({eos} if eos is not None else set())
+        specials = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        specials |= {i for n in self.special_tokens if (i := self._named_id(n, None)) is not None}
+        self.all_special_ids = sorted(specials)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ eos ids from
+        ``generation_config.json``/``config.json``, chat template from
+        ``chat_template.jinja`` when present) from the folder ``path``."""
+        from tokenizers import Tokenizer as RustTokenizer
+
+        folder = Path(path)
+        if not folder.is_dir():
+            raise TokenizerFileNotFoundError(folder, "tokenizer folder does not exist")
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerFileNotFoundError(
+                tok_file, "missing; only fast (tokenizer.json) tokenizers are supported"
+            )
+        config = _read_json(folder / "tokenizer_config.json", required=True)
+        generation = _read_json(folder / "generation_config.json", required=False)
+        model = _read_json(folder / "config.json", required=False)
+
+        eos_ids: list[int] = []
+        for source in (generation, model):
+            eos_ids += _ids(source.get("eos_token_id"))
+        bos = _ids(generation.get("bos_token_id")) or _ids(model.get("bos_token_id"))
+        pad = _ids(generation.get("pad_token_id")) or _ids(model.get("pad_token_id"))
+        return cls(
+            RustTokenizer.from_file(str(tok_file)),
+            config,
+            _load_chat_templates(folder, config),
+            model_eos_ids=eos_ids,
+            model_bos_id=bos[0] if bos else None,
+            model_pad_id=pad[0] if pad else None,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # No clean_up_tokenization_spaces: transformers 5 ignores it for BPE, and it would
+        # make streamed text differ from the whole decode.
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        token = self._tok.id_to_token(token_id)
+        return None if token is None else str(token)
+
+    def token_to_id(self, token: str) -> int | None:
+        token_id = self._tok.token_to_id(token)
+        return None if token_id is None else int(token_id)
+
+    def _named_id(self, name: str, fallback: int | None) -> int | None:
+        text = self.special_tokens.get(name)
+        token_id = self.token_to_id(text) if text is not None else None
+        return token_id if token_id is not None else fallback
+
+    def _add_missing_special_tokens(self) -> None:
+        # transformers adds named special tokens the vocabulary lacks; ids must agree.
+        from tokenizers import AddedToken
+
+        missing = [t for t in self.special_tokens.values() if self._tok.token_to_id(t) is None]
+        if missing:
+            self._tok.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in missing]
+            )
+
+
+class ByteTokenizer(BaseTokenizer):
+    """UTF-8 bytes as tokens 0..255 plus BOS/EOS/PAD, for ``dummy:*`` models.
+
+    Ids past the specials (a random model's vocabulary is larger) decode to nothing.
+    """
+
+    BOS, EOS, PAD = 256, 257, 258
+    _SPECIALS: ClassVar[dict[int, str]] = {BOS: "<|bos|>", EOS: "<|eos|>", PAD: "<|pad|>"}
+    CHAT_TEMPLATE = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+
+    def __init__(self) -> None:
+        self.bos_token_id = self.BOS
+        self.eos_token_ids = {self.EOS}
+        self.pad_token_id = self.PAD
+        self.all_special_ids = sorted(self._SPECIALS)
+        self.special_tokens = {
+            "bos_token": self._SPECIALS[self.BOS],
+            "eos_token": self._SPECIALS[self.EOS],
+            "pad_token": self._SPECIALS[self.PAD],
+        }
+        self.chat_templates = {"default": self.CHAT_TEMPLATE}
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self._SPECIALS)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                out.append(i)
+            elif i in self._SPECIALS and not skip_special_tokens:
+                out += self._SPECIALS[i].encode()
+        return out.decode("utf-8", errors="replace")
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if 0 <= token_id < 256:
+            return f"<0x{token_id:02X}>"
+        return self._SPECIALS.get(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return next((i for i, t in self._SPECIALS.items() if t == token), None)
+
+
+def load_tokenizer(path_or_spec: str | Path) -> BaseTokenizer:
+    """A ``ByteTokenizer`` for ``dummy:*`` model specs, else the folder's ``Tokenizer``."""
+    if isinstance(path_or_spec, str) and path_or_spec.startswith("dummy:"):
+        return ByteTokenizer()
+    return Tokenizer.from_pretrained(path_or_spec)
+
+
+# ---- loading helpers -------------------------------------------------------------------
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise TokenizerFileNotFoundError(path, "missing")
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _ids(value: object) -> list[int]:
+    """An ``eos_token_id``-style field (int, list of ints or null) as a list."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as written in tokenizer_config: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _load_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """Templates by name; ``chat_template.jinja`` and ``additional_chat_templates/``
+    override tokenizer_config's ``chat_template``, as in transformers 5."""
+    templates: dict[str, str] = {}
+    raw = config.get("chat_template")
+    if isinstance(raw, str):
+        templates["default"] = raw
+    elif isinstance(raw, list):
+        templates.update({t["name"]: t["template"] for t in raw if isinstance(t, dict)})
+    from_files: dict[str, str] = {}
+    if (folder / "chat_template.jinja").is_file():
+        from_files["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    extra = folder / "additional_chat_templates"
+    if extra.is_dir():
+        for f in sorted(extra.glob("*.jinja")):
+            from_files[f.stem] = f.read_text(encoding="utf-8")
+    return from_files or templates
+
+
+def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    # As transformers: drop None-valued keys (OpenAI clients send content=None with
+    # tool calls) and expose reasoning under every name templates read.
+    if not isinstance(message, Mapping):
+        raise ChatTemplateError(f"a chat message must be a mapping, got {type(message).__name__}")
+    out = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((out[k] for k in _REASONING_FIELDS if k in out), None)
+    if reasoning is not None:
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+    return out
+
+
+# ---- the jinja environment, as transformers builds it -----------------------------------
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept ``{% generation %}...{% endgeneration %}`` (assistant masks) as a no-op."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja's Extension API declares it this way
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace()`` that refuses underscore attributes, closing a sandbox escape."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} not allowed")
+
+
+class _TemplateDict:
+    """``dict(...)`` for templates without handing them the ``dict`` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox: templates come from model repos, untrusted."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env.from_string(source)

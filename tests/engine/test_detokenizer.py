@@ -1,0 +1,218 @@
+"""Streaming text: incremental detokenization and stop strings that never leak."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common.tokenizer import ByteTokenizer, Tokenizer
+from tests.engine.test_tokenizer import write_hf_folder
+from workers.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+FFFD = "\ufffd"
+# Multi-byte characters a byte-level BPE splits across tokens: emoji (4 bytes, with
+# modifiers and flags), CJK (3 bytes), accents (2 bytes).
+TRICKY = [*"🙂🚀👍🏽🇨🇭日本語中文éøß€", "\U0001f468\u200d\U0001f469\u200d\U0001f467"]
+TEXT = st.lists(
+    st.one_of(st.characters(codec="utf-8", exclude_characters=FFFD), st.sampled_from(TRICKY)),
+    max_size=40,
+).map("".join)
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_pretrained(write_hf_folder(tmp_path_factory.mktemp("bpe")))
+
+
+def stream(detok: IncrementalDetokenizer, ids: Sequence[int]) -> list[str]:
+    return [detok.add(i) for i in ids]
+
+
+@FAST
+@given(prompt=TEXT, text=TEXT)
+def test_streamed_text_equals_the_whole_decode_and_never_shows_a_half_character(
+    bpe: Tokenizer, prompt: str, text: str
+) -> None:
+    ids = bpe.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(bpe, bpe.encode(prompt))
+    deltas = stream(detok, ids)
+    assert "".join(deltas) + detok.flush() == bpe.decode(ids) == text
+    assert not any(FFFD in d for d in deltas)
+
+
+@FAST
+@given(
+    ids=st.lists(st.integers(0, 419), max_size=40),
+    skip=st.booleans(),
+)
+def test_arbitrary_token_sequences_add_up_to_the_whole_decode(
+    bpe: Tokenizer, ids: list[int], skip: bool
+) -> None:
+    detok = IncrementalDetokenizer(bpe, bpe.encode("context: "), skip_special_tokens=skip)
+    deltas = stream(detok, ids)
+    whole = bpe.decode(ids, skip_special_tokens=skip)
+    assert "".join(deltas) + detok.flush() == whole
+    if FFFD not in whole:
+        assert not any(FFFD in d for d in deltas)
+
+
+@FAST
+@given(data=st.binary(max_size=40))
+def test_byte_tokens_hold_back_until_the_character_is_complete(data: bytes) -> None:
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, tok.encode("hi"))
+    deltas = stream(detok, list(data))
+    whole = data.decode("utf-8", errors="replace")
+    assert "".join(deltas) + detok.flush() == whole
+    for delta in deltas:
+        assert delta.count(FFFD) <= whole.count(FFFD)
+    assert not (deltas and deltas[-1].endswith(FFFD) and not whole.endswith(FFFD))
+
+
+def test_one_emoji_over_four_byte_tokens_arrives_whole_on_the_last() -> None:
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, tok.encode("a"))
+    assert stream(detok, list("🙂b".encode())) == ["", "", "", "🙂", "b"]
+    assert detok.flush() == ""
+
+
+def test_resumed_prompt_cut_inside_a_character_emits_that_character_whole() -> None:
+    # After a redelivery the prompt is prompt + delivered tokens, and those may end with
+    # the first bytes of a character the client never received.
+    tok = ByteTokenizer()
+    emoji = "🙂".encode()
+    detok = IncrementalDetokenizer(tok, [*tok.encode("ok "), *emoji[:2]])
+    assert stream(detok, [*emoji[2:], ord("!")]) == ["", "🙂", "!"]
+
+
+def test_a_real_replacement_character_ending_the_prompt_is_not_repeated() -> None:
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, tok.encode(f"bad {FFFD}"))
+    assert stream(detok, list(b"ok")) == ["o", "k"]
+
+
+def test_special_tokens_are_skipped_or_shown_as_asked(bpe: Tokenizer) -> None:
+    eot = bpe.token_to_id("<|eot|>")
+    assert eot is not None
+    ids = [*bpe.encode("hi", add_special_tokens=False), eot]
+    skipping = IncrementalDetokenizer(bpe, [])
+    assert "".join(stream(skipping, ids)) == "hi"
+    showing = IncrementalDetokenizer(bpe, [], skip_special_tokens=False)
+    assert "".join(stream(showing, ids)) == "hi<|eot|>"
+
+
+def test_work_per_token_stays_bounded_on_long_outputs(bpe: Tokenizer) -> None:
+    decoded: list[int] = []
+
+    class Counting:
+        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+            decoded.append(len(ids))
+            return bpe.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = bpe.encode("The quick brown fox 🙂 日本語. " * 60, add_special_tokens=False)
+    detok = IncrementalDetokenizer(Counting(), bpe.encode("prompt " * 100))
+    assert "".join(stream(detok, ids)) == bpe.decode(ids)
+    assert max(decoded) <= 16  # a window, never the whole output
+    assert sum(decoded) <= 16 * len(ids)
+
+
+# ---- stop strings ----------------------------------------------------------------------
+
+
+def feed_all(matcher: StopStringMatcher, deltas: Sequence[str]) -> tuple[list[str], bool]:
+    """Feed deltas until a stop; each entry is everything emitted so far."""
+    emitted, sent = [], ""
+    for delta in deltas:
+        check = matcher.feed(delta)
+        sent += check.text
+        emitted.append(sent)
+        if check.stopped:
+            return emitted, True
+    emitted.append(sent + matcher.flush())
+    return emitted, False
+
+
+def split_at(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({min(c, len(text)) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+
+
+STOPS = ["</s>", "STOP", "\n\n", "ab"]
+
+
+@FAST
+@given(
+    head=st.text(st.sampled_from("xyz\n/s<>STOPa"), max_size=20),
+    stop=st.sampled_from(STOPS),
+    tail=st.text(st.sampled_from("xyz\n/s<>STOPab"), max_size=10),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+    include=st.booleans(),
+)
+def test_a_stop_string_split_across_deltas_never_leaks(
+    head: str, stop: str, tail: str, cuts: list[int], include: bool
+) -> None:
+    text = head + stop + tail
+    # Where generation stops: the first stop string to complete.
+    end = min(text.find(s) + len(s) for s in STOPS if s in text)
+    first = min((s for s in STOPS if s in text), key=lambda s: (text.find(s) + len(s), -len(s)))
+    expected = text[:end] if include else text[: end - len(first)]
+
+    matcher = StopStringMatcher(STOPS, include)
+    emitted, stopped = feed_all(matcher, split_at(text, cuts))
+    assert stopped and matcher.matched == first
+    assert emitted[-1] == expected
+    # Everything ever sent is a prefix of the final output: no partial stop string went out.
+    assert all(expected.startswith(sent) for sent in emitted)
+
+
+@FAST
+@given(
+    text=st.text(st.sampled_from("xyz/s<>STO\na"), max_size=30), cuts=st.lists(st.integers(0, 30))
+)
+def test_text_without_a_stop_string_all_comes_out(text: str, cuts: list[int]) -> None:
+    stops = ["</s>", "STOP", "\n\n", "ab"]
+    if any(s in text for s in stops):
+        return
+    emitted, stopped = feed_all(StopStringMatcher(stops), split_at(text, cuts))
+    assert not stopped and emitted[-1] == text
+
+
+def test_held_back_prefix_is_released_when_it_stops_matching() -> None:
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("go ST") == ("go ", False)
+    assert matcher.feed("ART") == ("START", False)
+    assert matcher.feed("ST") == ("", False)
+    assert matcher.flush() == "ST"
+
+
+def test_stop_ends_the_output_before_or_after_the_stop_string() -> None:
+    assert StopStringMatcher(["STOP"]).feed("a STOP b") == ("a ", True)
+    assert StopStringMatcher(["STOP"], include_stop_str_in_output=True).feed("a STOP b") == (
+        "a STOP",
+        True,
+    )
+    matcher = StopStringMatcher(["bcd", "c"])
+    assert matcher.feed("abcd") == ("ab", True)  # "c" completes first
+    assert matcher.matched == "c"
+    assert matcher.feed("more") == ("", True) and matcher.flush() == ""
+
+
+def test_detokenizer_into_stop_matcher_cuts_inside_a_token(bpe: Tokenizer) -> None:
+    ids = bpe.encode("Hello world! Hello there", add_special_tokens=False)
+    detok, matcher = IncrementalDetokenizer(bpe, []), StopStringMatcher(["o th"])
+    sent = ""
+    for token in ids:
+        check = matcher.feed(detok.add(token))
+        sent += check.text
+        if check.stopped:
+            break
+    assert check.stopped and sent == "Hello world! Hell"
+
+
+def test_empty_stop_string_is_refused() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStringMatcher([""])

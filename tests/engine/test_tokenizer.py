@@ -1,0 +1,287 @@
+"""common.tokenizer against transformers' AutoTokenizer on tiny folders built here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from common.tokenizer import (
+    ByteTokenizer,
+    ChatTemplateError,
+    Tokenizer,
+    TokenizerFileNotFoundError,
+    load_tokenizer,
+)
+
+BOS, EOS, EOT, PAD = "<|begin|>", "<|end|>", "<|eot|>", "<|pad|>"
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! Hello there, how are you today?",
+    "Paged attention keeps the KV cache in fixed-size blocks.",
+    "日本語のテキストと中文文本 and emoji 🙂🚀 mixed in.",
+    "def f(x):\n    return x * 2  # tabs\tand  spaces",
+] * 4
+
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set system = none %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{% if system %}<|system|>
+{{ system | trim }}<|eot|>
+{% endif %}
+{% set ns = namespace(turns=0) %}
+{% for message in loop_messages %}
+    {% if message['role'] not in ['user', 'assistant', 'tool'] %}
+        {{ raise_exception('unknown role: ' + message['role']) }}
+    {% endif %}
+    {% set ns.turns = ns.turns + 1 %}
+    <|{{ message['role'] }}|>
+{% if message.tool_calls is defined %}{{ message.tool_calls | tojson }}{% endif %}
+{% if message.content is defined %}{{ message['content'] | trim }}{% endif %}<|eot|>
+{% endfor %}
+{% if tools %}<|tools|>{{ tools | tojson(indent=2) }}<|eot|>
+{% endif %}
+{% if add_generation_prompt %}<|assistant|>
+{% endif %}"""
+
+CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "Hi there"}],
+    [
+        {"role": "system", "content": "  You are terse.  "},
+        {"role": "user", "content": 'Say <b>"hé"</b> & 🙂'},
+        {"role": "assistant", "content": "hé 🙂"},
+        {"role": "user", "content": "日本語?"},
+    ],
+    [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"name": "get_weather", "arguments": {"city": "Zürich"}}],
+        },
+        {"role": "tool", "content": "12°C"},
+    ],
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"city": "str"}}}]
+TEXTS = [
+    "Hello world!",
+    " leading space and trailing ",
+    "日本語のテキスト 🙂🚀 mixed",
+    f"{BOS}special{EOT} tokens in text{EOS}",
+    "",
+    "def f(x):\n\treturn x",
+]
+
+
+def train_byte_bpe(specials: list[str] = [BOS, EOS, EOT, PAD]) -> RustTokenizer:  # noqa: B006
+    """A byte-level BPE (GPT-2/Llama-3 style) small enough to train in milliseconds."""
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def write_hf_folder(
+    folder: Path,
+    *,
+    bos_post_processor: bool = True,
+    config: dict[str, Any] | None = None,
+    generation_eos: object = "default",
+) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_byte_bpe()
+    if bos_post_processor:
+        bos_id = tok.token_to_id(BOS)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS}:0 $A:0",
+            pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1",
+            special_tokens=[(BOS, bos_id)],
+        )
+    tok.save(str(folder / "tokenizer.json"))
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    cfg.update(config or {})
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if generation_eos == "default":
+        generation_eos = [tok.token_to_id(EOS), tok.token_to_id(EOT)]
+    if generation_eos is not None:
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return folder
+
+
+def hf_auto_tokenizer(folder: Path) -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+# Ways a folder can ask for BOS/EOS. transformers 5 ignores tokenizer_config's flags when
+# tokenizer.json exists: its post-processor alone decides (value: BOS expected).
+BOS_EOS_LAYOUTS: dict[str, tuple[dict[str, Any], bool]] = {
+    "post_processor_only": (dict(bos_post_processor=True, config={}), True),
+    "flag_without_post_processor": (
+        dict(bos_post_processor=False, config={"add_bos_token": True}),
+        False,
+    ),
+    "flag_false_with_post_processor": (
+        dict(bos_post_processor=True, config={"add_bos_token": False}),
+        True,
+    ),
+    "no_post_processor_no_flags": (dict(bos_post_processor=False, config={}), False),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(BOS_EOS_LAYOUTS))
+def test_ids_and_decode_equal_transformers(tmp_path: Path, layout: str) -> None:
+    kwargs, adds_bos = BOS_EOS_LAYOUTS[layout]
+    folder = write_hf_folder(tmp_path, **kwargs)
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    assert (ours.encode("Hi")[0] == ours.bos_token_id) is adds_bos
+    for text in TEXTS:
+        for add in (True, False):
+            ids = ours.encode(text, add_special_tokens=add)
+            assert ids == ref.encode(text, add_special_tokens=add), (text, add)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(
+                    ids, skip_special_tokens=skip
+                )
+    assert ours.bos_token_id == ref.bos_token_id
+    assert ours.pad_token_id == ref.pad_token_id
+    assert ours.vocab_size == len(ref)
+    # Ours also lists special added tokens transformers leaves unnamed (<|eot|>): exactly
+    # the ids that skip_special_tokens drops.
+    assert set(ref.all_special_ids) <= set(ours.all_special_ids)
+    assert all(ours.decode([i]) == "" for i in ours.all_special_ids)
+    assert ours.token_to_id(EOT) in ours.all_special_ids
+    assert ours.id_to_token(ours.bos_token_id) == BOS  # type: ignore[arg-type]
+    assert ours.id_to_token(10**6) is None
+
+
+def test_special_token_missing_from_vocab_gets_the_same_id_as_transformers(
+    tmp_path: Path,
+) -> None:
+    folder = write_hf_folder(tmp_path, config={"pad_token": "<|brand_new_pad|>"})
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    assert ours.pad_token_id == ref.pad_token_id is not None
+    assert ours.encode("x<|brand_new_pad|>y") == ref.encode("x<|brand_new_pad|>y")
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_chat_template_renders_like_transformers(
+    tmp_path: Path, conversation: int, add_generation_prompt: bool
+) -> None:
+    folder = write_hf_folder(tmp_path)
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    messages = CONVERSATIONS[conversation]
+    for tools in (None, TOOLS):
+        expected = ref.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+        got = ours.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+        assert got == expected
+
+
+def test_chat_template_file_overrides_tokenizer_config(tmp_path: Path) -> None:
+    folder = write_hf_folder(tmp_path)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m.role }}]{% generation %}{{ m.content }}"
+        "{% endgeneration %}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    messages = CONVERSATIONS[1]
+    got = ours.apply_chat_template(messages)
+    assert got == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert got.startswith("[system]")
+
+
+def test_template_raise_exception_is_a_chat_template_error(tmp_path: Path) -> None:
+    ours = Tokenizer.from_pretrained(write_hf_folder(tmp_path))
+    with pytest.raises(ChatTemplateError, match="unknown role: wizard"):
+        ours.apply_chat_template([{"role": "wizard", "content": "hi"}])
+    with pytest.raises(ChatTemplateError, match="empty"):
+        ours.apply_chat_template([])
+
+
+def test_template_cannot_escape_the_sandbox(tmp_path: Path) -> None:
+    folder = write_hf_folder(
+        tmp_path, config={"chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"}
+    )
+    with pytest.raises(ChatTemplateError):
+        Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_eos_ids_join_generation_config_and_tokenizer_config(tmp_path: Path) -> None:
+    tok = Tokenizer.from_pretrained(write_hf_folder(tmp_path / "list"))
+    assert tok.eos_token_ids == {tok.token_to_id(EOS), tok.token_to_id(EOT)}
+    assert tok.eos_token_id == tok.token_to_id(EOS)
+
+    eot_id = tok.token_to_id(EOT)
+    single = Tokenizer.from_pretrained(write_hf_folder(tmp_path / "int", generation_eos=eot_id))
+    assert single.eos_token_ids == {eot_id, tok.token_to_id(EOS)}
+
+    no_generation = write_hf_folder(tmp_path / "none", generation_eos=None)
+    assert Tokenizer.from_pretrained(no_generation).eos_token_ids == {tok.token_to_id(EOS)}
+
+
+@pytest.mark.parametrize("missing", ["tokenizer.json", "tokenizer_config.json"])
+def test_missing_file_error_names_the_file(tmp_path: Path, missing: str) -> None:
+    folder = write_hf_folder(tmp_path)
+    (folder / missing).unlink()
+    with pytest.raises(FileNotFoundError, match=missing) as info:
+        Tokenizer.from_pretrained(folder)
+    assert isinstance(info.value, TokenizerFileNotFoundError)
+    assert info.value.path == folder / missing
+
+
+def test_missing_folder_is_a_file_not_found_error(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerFileNotFoundError, match="does-not-exist"):
+        load_tokenizer(tmp_path / "does-not-exist")
+
+
+def test_folder_without_chat_template_errors_only_when_chat_is_used(tmp_path: Path) -> None:
+    tok = Tokenizer.from_pretrained(write_hf_folder(tmp_path, config={"chat_template": None}))
+    assert tok.encode("plain prompts still work")
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_byte_tokenizer_round_trips_utf8_and_renders_chat() -> None:
+    tok = load_tokenizer("dummy:llama-1b")
+    assert isinstance(tok, ByteTokenizer)
+    text = "héllo 🙂 日本"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id and len(ids) == 1 + len(text.encode())
+    assert tok.decode(ids) == text
+    assert tok.decode([*ids, *sorted(tok.eos_token_ids)], skip_special_tokens=False).endswith(
+        "<|eos|>"
+    )
+    assert tok.decode(ids[:-1]).endswith("\ufffd")  # cut inside a character
+    assert tok.decode([70000, 104, 105]) == "hi"  # ids past the vocabulary decode to nothing
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<|user|>\nhi\n<|assistant|>\n"
+    assert max(tok.all_special_ids) < tok.vocab_size

@@ -1,0 +1,153 @@
+"""Streamed text: token ids to text deltas, and stop strings cut out of the stream.
+
+``IncrementalDetokenizer`` uses vLLM's prefix/read offsets: each step decodes only a
+small window of recent tokens, and text is released only once it ends in a complete
+character, so a client never sees U+FFFD for a character whose bytes are still coming.
+``StopStringMatcher`` holds back any tail that could still grow into a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens decoded as left context: enough for merges and SentencePiece spacing.
+_CONTEXT_TOKENS = 5
+
+
+class Decoder(Protocol):
+    """The part of ``common.tokenizer.BaseTokenizer`` the detokenizer needs."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turn one request's output tokens into text deltas, O(window) work per token.
+
+    The prompt's last tokens are decoded as left context, as in vLLM, so the first
+    output token keeps the leading space a SentencePiece decoder would strip at the start
+    of a text. For byte-level BPE the deltas add up to ``tokenizer.decode(output_ids)``;
+    call :meth:`flush` when the request ends to get any incomplete tail held back (after
+    ``flush``, ``add`` is not meant to be called again).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix = 0  # window start: decoded only as context for the next delta
+        self._read = len(self._tokens)  # tokens before this have been emitted as text
+
+    def add(self, token_id: int) -> str:
+        """Append one output token; return the text it completes (often ``""``)."""
+        self._tokens.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the end), for a finished request."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        prefix_text = self._decode(self._prefix, self._read)
+        full_text = self._decode(self._prefix, len(self._tokens))
+        start = len(prefix_text)
+        if prefix_text.endswith(_REPLACEMENT):
+            # Only a prompt ends so (a resumed request cut inside a character the client
+            # never got): emit that character whole once its bytes complete it.
+            start = _common_prefix_length(prefix_text, full_text)
+        if len(full_text) <= start:
+            return ""
+        if full_text.endswith(_REPLACEMENT) and not final:
+            return ""  # its bytes may still be coming
+        delta = full_text[start:]
+        # Next window starts where this delta's text began; drop what no window needs.
+        del self._tokens[: self._read]
+        self._prefix, self._read = 0, len(self._tokens)
+        return delta
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self._tokenizer.decode(self._tokens[start:end], skip_special_tokens=self._skip)
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class StopCheck(NamedTuple):
+    """Text that is safe to send now, and whether a stop string ended the output."""
+
+    text: str
+    stopped: bool
+
+
+class StopStringMatcher:
+    """Cut a streamed text at the first stop string, never leaking part of one.
+
+    Fed the detokenizer's deltas, it returns what can be sent now. A tail that is a prefix
+    of some stop string waits until the next delta decides it; on a match, the output ends
+    right before the stop string (or right after it with ``include_stop_str_in_output``).
+    The earliest-ending match wins: generation would have stopped there.
+    """
+
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self._stop = list(stop)
+        self._include = include_stop_str_in_output
+        self._held = ""
+        self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the output
+
+    def feed(self, delta: str) -> StopCheck:
+        """Add ``delta``; return the text now safe to emit and whether a stop matched."""
+        if self.stopped:
+            return StopCheck("", True)
+        if not self._stop:
+            return StopCheck(delta, False)
+        text = self._held + delta
+        match = self._first_match(text)
+        if match is not None:
+            start, end = match
+            self.stopped, self.matched = True, text[start:end]
+            self._held = ""
+            return StopCheck(text[: end if self._include else start], True)
+        keep = self._longest_partial_suffix(text)
+        self._held = text[len(text) - keep :] if keep else ""
+        return StopCheck(text[: len(text) - keep], False)
+
+    def flush(self) -> str:
+        """The held-back tail, once the output ended for another reason (length, EOS)."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _first_match(self, text: str) -> tuple[int, int] | None:
+        """(start, end) of the stop string that completes first in ``text``."""
+        best: tuple[int, int] | None = None
+        for s in self._stop:
+            start = text.find(s)
+            if start < 0:
+                continue
+            end = start + len(s)
+            # Earliest end first; for the same end, the longer string (earlier start).
+            if best is None or (end, start) < (best[1], best[0]):
+                best = (start, end)
+        return best
+
+    def _longest_partial_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,212 @@
+"""Logits in, next tokens out, for a batch whose requests each sample their own way.
+
+Order, as in vLLM v1: logprobs are read from the raw model distribution
+``log_softmax(logits)``; then penalties (repetition, then presence/frequency); greedy rows
+(temperature below 1e-5) take the argmax; the others are divided by their temperature, filtered by min-p, top-k and
+top-p, and sampled by an exponential race ``argmax(probs / E)``, ``E ~ Exp(1)``. A seeded
+request draws ``E`` from its own generator, one draw of ``V`` numbers per step, so its
+tokens do not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from workers.engine.sampling_params import SamplingParams
+
+_GREEDY_BELOW = 1e-5
+
+
+class SamplerInput(Protocol):
+    """What the sampler reads from a request; the engine's request objects satisfy it."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # on the logits' device; set when params.seed is
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SampleOutput:
+    """One step's choice per row. ``logprobs``/``top_logprobs`` are filled when any row
+    asked (rows that did not ask get their chosen logprob and an empty top list)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Sampler:
+    """Stateless: everything a step needs comes with the batch."""
+
+    def sample(self, logits: torch.Tensor, batch: Sequence[SamplerInput]) -> SampleOutput:
+        """Choose one token per row of ``logits`` ``[B, V]`` for ``batch[row]``."""
+        if logits.dim() != 2 or logits.shape[0] != len(batch):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of {len(batch)}")
+        logits = logits.float()
+        params = [r.params for r in batch]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            rows = torch.tensor(penalized, device=logits.device)
+            # index_put (not in place): the caller's logits stay untouched.
+            penalties = apply_penalties(logits[rows], [batch[i] for i in penalized])
+            logits = logits.index_put((rows,), penalties)
+
+        greedy = [_is_greedy(p) for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        elif not any(greedy):
+            tokens = _sample_random(logits, batch)
+        else:
+            tokens = torch.empty(len(batch), dtype=torch.long, device=logits.device)
+            mask = torch.tensor(greedy, device=logits.device)
+            tokens[mask] = logits[mask].argmax(dim=-1)
+            randoms = [r for r, g in zip(batch, greedy, strict=True) if not g]
+            tokens[~mask] = _sample_random(logits[~mask], randoms)
+
+        if raw_logprobs is None:
+            return SampleOutput(token_ids=tokens.tolist())
+        return _with_logprobs(tokens, raw_logprobs, params)
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    # vLLM's rule: a temperature this small would overflow logits / T; it means argmax.
+    return params.temperature < _GREEDY_BELOW
+
+
+def apply_penalties(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
+    """Penalized copy of ``logits`` ``[n, V]``.
+
+    Repetition (HF): a logit of a token seen in prompt or output is divided by the penalty
+    when positive, multiplied when negative. Presence/frequency (OpenAI), over output
+    tokens only: ``logit -= presence * (count > 0) + frequency * count``.
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    out = logits
+    # Decisions read the params on the host, never a device tensor: no sync per step.
+    if any(r.params.repetition_penalty != 1.0 for r in batch):
+        factor = torch.tensor([[r.params.repetition_penalty] for r in batch], device=device)
+        prompt_and_output = [[*r.prompt_token_ids, *r.output_token_ids] for r in batch]
+        seen = _token_counts(prompt_and_output, vocab, device) > 0
+        out = torch.where(seen, torch.where(out > 0, out / factor, out * factor), out)
+    if any(r.params.presence_penalty != 0 or r.params.frequency_penalty != 0 for r in batch):
+        presence = torch.tensor([[r.params.presence_penalty] for r in batch], device=device)
+        frequency = torch.tensor([[r.params.frequency_penalty] for r in batch], device=device)
+        counts = _token_counts([r.output_token_ids for r in batch], vocab, device)
+        out = out - frequency * counts - presence * (counts > 0)
+    return out
+
+
+def _token_counts(
+    token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """``[n, V]`` float counts of each id per row (ids outside the vocabulary ignored)."""
+    width = max(1, max((len(t) for t in token_lists), default=0))
+    # Padding points at an extra column that is dropped afterwards; ids are built on the
+    # host (small) and counted on the device (the [n, V] part).
+    ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for row, tokens in enumerate(token_lists):
+        if tokens:
+            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    ids = ids.masked_fill((ids < 0) | (ids > vocab), vocab).to(device)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def _sample_random(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
+    """Sampled ids for non-greedy rows ``[n, V]``: temperature, filters, exponential race."""
+    device = logits.device
+    params = [r.params for r in batch]
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature.unsqueeze(1)
+
+    if any(p.min_p > 0 for p in params):
+        logits = _apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+    vocab = logits.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_p):
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    elif any(top_k):
+        logits = _apply_top_k(logits, top_k)
+
+    probs = torch.softmax(logits, dim=-1)
+    return probs.div_(_exponential_noise(probs, batch)).argmax(dim=-1)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the top probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep each row's ``k`` largest logits (ties at the k-th value kept); 0 = all.
+
+    One ``topk`` of the largest k instead of a full-vocabulary sort.
+    """
+    k = torch.tensor(top_k, device=logits.device)
+    largest = logits.topk(max(top_k), dim=-1).values
+    kth = largest.gather(1, (k - 1).clamp(min=0).unsqueeze(1))
+    kth = torch.where(k.unsqueeze(1) > 0, kth, torch.full_like(kth, float("-inf")))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Top-k, then keep the smallest set of most likely tokens whose mass reaches ``p``."""
+    vocab = logits.shape[1]
+    device = logits.device
+    ordered, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([kk or vocab for kk in top_k], device=device)
+    kth = ordered.gather(1, (k - 1).unsqueeze(1))
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+
+    p = torch.tensor(top_p, device=device).unsqueeze(1)
+    probs = torch.softmax(ordered, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # p == 1 keeps everything: rounding in the cumsum must not drop the tail.
+    drop = (mass_before >= p) & (p < 1.0)
+    drop[:, 0] = False
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def _exponential_noise(probs: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
+    """``Exp(1)`` noise ``[n, V]``: seeded rows from their own generator, one draw each."""
+    noise = torch.empty_like(probs)
+    seeded = [i for i, r in enumerate(batch) if r.generator is not None]
+    if len(seeded) < len(batch):
+        noise.exponential_()
+    for i in seeded:
+        noise[i].exponential_(generator=batch[i].generator)
+    # Exp(1) can round to 0, and 0/0 would be a NaN that argmax picks.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _with_logprobs(
+    tokens: torch.Tensor, raw_logprobs: torch.Tensor, params: Sequence[SamplingParams]
+) -> SampleOutput:
+    """Attach the chosen token's raw logprob and the top ``k`` raw logprobs per row."""
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    k_max = max((p.logprobs or 0) for p in params)
+    token_ids: list[int] = tokens.tolist()
+    if k_max == 0:
+        return SampleOutput(token_ids, chosen.tolist(), [[] for _ in params])
+    top = raw_logprobs.topk(k_max, dim=-1)
+    top_values: list[list[float]] = top.values.tolist()
+    top_ids: list[list[int]] = top.indices.tolist()
+    tops = [
+        list(zip(top_ids[row][: p.logprobs or 0], top_values[row][: p.logprobs or 0], strict=True))
+        for row, p in enumerate(params)
+    ]
+    return SampleOutput(token_ids, chosen.tolist(), tops)
