@@ -148,7 +148,7 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
     """A ``preexec_fn`` that asks Linux to SIGKILL the child when this parent dies."""
 
     def preexec() -> None:
@@ -252,7 +252,7 @@ class ManagedServer:
             # PDEATHSIG fires when the forking *thread* exits, so only arm it from the
             # main thread; the atexit sweep covers the rest.
             on_main = threading.current_thread() is threading.main_thread()
-            preexec = _die_with_parent(os.getpid()) if sys.platform == "linux" and on_main else None
+            preexec = die_with_parent(os.getpid()) if sys.platform == "linux" and on_main else None
             self._proc = subprocess.Popen(
                 self._command(binary),
                 stdin=subprocess.DEVNULL,

@@ -1,0 +1,286 @@
+"""``qosserve up``: the whole stack on one machine, for a first look and for demos.
+
+Starts a real ``nats-server`` (JetStream, data under the state folder) and ``redis-server``,
+one worker process per replica of each instance group, the scheduler and the gateway;
+prints what runs where, waits until every group has a live worker, and on Ctrl-C (or
+SIGTERM) stops everything — gateway first, workers drained, servers last — leaving no
+orphan process (children are also tied to this process with PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import Config, load_config
+from common.models import resolve_model, served_name
+from common.services import NatsServer, RedisServer, die_with_parent, free_port
+
+log = logging.getLogger("qosserve.up")
+
+
+@dataclass
+class Child:
+    """One service process started by the launcher."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env={**env, **self.extra_env},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent(os.getpid()) if sys.platform == "linux" else None,
+            )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_or_kill(self, deadline: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def parse_replicas(text: str, config: Config) -> dict[str, int]:
+    """``"short=2,long=1"`` → per-group counts; groups not named get one replica."""
+    counts = dict.fromkeys(config.groups, 1)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in config.groups:
+            raise SystemExit(
+                f"--replicas: unknown group {name!r} (groups: {', '.join(config.groups)})"
+            )
+        if not value.isdigit():
+            raise SystemExit(f"--replicas: {part!r} must look like group=count")
+        counts[name] = int(value)
+    return counts
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="qosserve up", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="YAML config file (defaults + QOS_* env otherwise)")
+    p.add_argument("--model", default="demo", help="HF folder, dummy:<shape>, or 'demo' (default)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
+    p.add_argument("--engine", default="real", choices=["real", "sim"], help="worker engine")
+    p.add_argument("--replicas", default="", help="per-group replicas, e.g. short=2,long=1")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--state-dir", default=".qosserve", help="NATS store, logs (default .qosserve)")
+    p.add_argument("--no-scheduler", action="store_true", help="do not start the scheduler")
+    p.add_argument(
+        "--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness"
+    )
+    return p.parse_args(argv)
+
+
+def _port_or_free(preferred: int) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            return free_port()
+
+
+def _health(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return json.loads(resp.read())
+    except Exception:
+        return None
+
+
+def _live_workers(health: dict | None) -> dict[str, int]:
+    if not health:
+        return {}
+    groups = health.get("groups") or {}
+    return {g: int((info or {}).get("live_workers", 0)) for g, info in groups.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = _parse_args(argv)
+    config = load_config(args.config)
+    replicas = parse_replicas(args.replicas, config)
+    model = args.model if args.engine == "sim" else resolve_model(args.model)
+    state = Path(args.state_dir).resolve()
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+
+    nats = NatsServer(port=_port_or_free(4222), store_dir=state / "nats")
+    redis = RedisServer(port=_port_or_free(6379), state_dir=state / "redis")
+    print(f"starting nats-server and redis-server (state in {state}) …", flush=True)
+    nats.start()
+    redis.start()
+
+    env = dict(os.environ)
+    env.update(
+        QOS_NATS__URL=nats.url,
+        QOS_REDIS__URL=redis.url,
+        PYTHONUNBUFFERED="1",
+        # Several torch processes share the cores: one thread each avoids oversubscription.
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+    )
+    if args.config:
+        env["QOS_CONFIG"] = str(Path(args.config).resolve())
+    py = sys.executable
+    children: list[Child] = []
+    if not args.no_scheduler:
+        children.append(Child("scheduler", [py, "-m", "scheduler"], logs / "scheduler.log"))
+    for group, count in replicas.items():
+        for i in range(count):
+            worker_id = f"up-{group}-{i}"
+            argv_w = [
+                py,
+                "-m",
+                "workers",
+                "--group",
+                group,
+                "--model",
+                model,
+                "--engine",
+                args.engine,
+                "--worker-id",
+                worker_id,
+                "--device",
+                args.device,
+            ]
+            children.append(Child(f"worker {worker_id}", argv_w, logs / f"worker-{worker_id}.log"))
+    gateway_argv = [
+        py,
+        "-m",
+        "gateway",
+        "--model",
+        model,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--served-model-name",
+        served_name(args.model),
+    ]
+    children.append(Child("gateway", gateway_argv, logs / "gateway.log"))
+
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    for child in children:
+        child.start(env)
+
+    base = f"http://{args.host}:{args.port}"
+    print(f"  nats-server   {nats.url}  (monitor {nats.monitor_url})")
+    print(f"  redis-server  {redis.url}")
+    for child in children:
+        print(
+            f"  {child.name:<22} pid {child.proc.pid if child.proc else '-':<7} log {child.log_path}"
+        )
+    print(f"waiting for the gateway on {base} and a live worker in every group …", flush=True)
+
+    ready = False
+    started = time.monotonic()
+    last_report = ""
+    try:
+        while not stop.is_set():
+            dead = [c for c in children if not c.alive]
+            if dead:
+                for c in dead:
+                    print(
+                        f"{c.name} exited ({c.proc.returncode if c.proc else '?'}); last log lines:"
+                    )
+                    print(_tail(c.log_path))
+                return 1
+            if not ready:
+                live = _live_workers(_health(f"{base}/health"))
+                report = ", ".join(f"{g} {live.get(g, 0)}/{n}" for g, n in replicas.items() if n)
+                if report != last_report:
+                    print(f"  live workers: {report}", flush=True)
+                    last_report = report
+                if live and all(live.get(g, 0) >= 1 for g, n in replicas.items() if n):
+                    ready = True
+                    _print_ready(base, served_name(args.model), time.monotonic() - started)
+                elif time.monotonic() - started > args.ready_timeout:
+                    print(f"not ready after {args.ready_timeout:.0f}s; see the logs in {logs}")
+                    return 1
+            stop.wait(0.5)
+        return 0
+    finally:
+        print("stopping …", flush=True)
+        _shutdown(children)
+        nats.stop()
+        redis.stop()
+        print("stopped.", flush=True)
+
+
+def _shutdown(children: list[Child]) -> None:
+    """Gateway first (no new work), then workers drain, then the scheduler."""
+    order = sorted(
+        children, key=lambda c: 0 if c.name == "gateway" else 2 if c.name == "scheduler" else 1
+    )
+    for child in order:
+        child.terminate()
+        if child.name == "gateway":
+            child.wait_or_kill(time.monotonic() + 10)
+    deadline = time.monotonic() + 30
+    for child in order:
+        child.wait_or_kill(deadline)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _print_ready(base: str, model: str, took: float) -> None:
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "What does json.dumps do?"}],
+            "max_tokens": 32,
+        }
+    )
+    print(f"\nqosserve is up in {took:.1f}s — OpenAI API at {base}/v1  (Ctrl-C stops everything)\n")
+    print(
+        f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{body}'\n",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
