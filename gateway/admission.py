@@ -1,0 +1,124 @@
+"""Admission control: which group takes a classified request now, or why none can.
+
+For a request classified into group ``g`` (see :mod:`gateway.classifier`), the candidates
+are ``g`` and then its ``fallback`` chain (``realtime → short → long`` by default). The
+first candidate that passes all of these takes it:
+
+1. its breaker is not ``open`` (``half_open`` admits ``breaker.half_open_share`` of the
+   traffic, counted deterministically, and passes the rest down the chain);
+2. it has a live worker (:class:`~gateway.workers_view.WorkersView`);
+3. the request fits its ``max_seq_len`` (the classifier checked ``g`` itself).
+
+Then the chosen group's own cap applies: at most ``max_pending`` requests in flight
+through this gateway, else **429** with ``Retry-After``. When no candidate passes, the
+request waits up to ``min(deadline, wait_s)`` (2 s) for a worker of any candidate to
+appear, holding a slot of ``g`` so waiters are bounded too; then **503** with
+``Retry-After``. A route that is not ``g`` records why (``no_worker``, ``breaker_open``,
+``breaker_half_open``) for the response header and the fallback counter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import Config
+from common.errors import RateLimitError, ServiceUnavailableError
+from gateway.workers_view import WorkersView
+
+ADMISSION_WAIT_S = 2.0
+RETRY_AFTER_FULL_S = 1.0
+RETRY_AFTER_UNAVAILABLE_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where an admitted request goes, and, for a fallback, from where and why."""
+
+    group: str
+    requested: str
+    reason: str | None = None  # None = the requested group itself
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.group != self.requested
+
+
+class Admission:
+    """Per-group in-flight counts and the routing decision; one per gateway process."""
+
+    def __init__(
+        self, config: Config, view: WorkersView, *, wait_s: float = ADMISSION_WAIT_S
+    ) -> None:
+        self._groups = config.groups
+        self._view = view
+        self._wait_s = wait_s
+        self._in_flight: dict[str, int] = dict.fromkeys(config.groups, 0)
+        self._half_open_seen: dict[str, int] = dict.fromkeys(config.groups, 0)
+        self._chains = {name: self._chain(name) for name in config.groups}
+
+    def _chain(self, group: str) -> list[str]:
+        chain = [group]
+        nxt = self._groups[group].fallback
+        while nxt is not None and nxt not in chain:
+            chain.append(nxt)
+            nxt = self._groups[nxt].fallback
+        return chain
+
+    def in_flight(self, group: str) -> int:
+        return self._in_flight.get(group, 0)
+
+    async def admit(self, group: str, need_tokens: int, time_left_s: float) -> Route:
+        """Choose the group for a request needing ``need_tokens`` of context, and take a
+        slot in it; release it with :meth:`release`. Raises 429/503 errors."""
+        route = self._pick(group, need_tokens)
+        if route is None:
+            self._take(group)  # a waiter holds a slot too: waiting is bounded by max_pending
+            try:
+                await self._view.wait_live(self._chains[group], min(time_left_s, self._wait_s))
+            finally:
+                self.release(group)
+            route = self._pick(group, need_tokens)
+            if route is None:
+                raise ServiceUnavailableError(
+                    f"no worker of instance group {group!r} (or its fallbacks) is available",
+                    retry_after_s=RETRY_AFTER_UNAVAILABLE_S,
+                )
+        self._take(route.group)
+        return route
+
+    def release(self, group: str) -> None:
+        self._in_flight[group] -= 1
+
+    def _take(self, group: str) -> None:
+        limit = self._groups[group].max_pending
+        if self._in_flight[group] >= limit:
+            raise RateLimitError(
+                f"instance group {group!r} is at its limit of {limit} pending requests",
+                retry_after_s=RETRY_AFTER_FULL_S,
+            )
+        self._in_flight[group] += 1
+
+    def _pick(self, group: str, need_tokens: int) -> Route | None:
+        reason: str | None = None
+        for candidate in self._chains[group]:
+            state = self._view.breaker(candidate)
+            if state == "open":
+                reason = reason or "breaker_open"
+                continue
+            if state == "half_open" and not self._half_open_turn(candidate):
+                reason = reason or "breaker_half_open"
+                continue
+            if not self._view.is_live(candidate):
+                reason = reason or "no_worker"
+                continue
+            if candidate != group and need_tokens > self._groups[candidate].max_seq_len:
+                continue
+            return Route(candidate, group, None if candidate == group else reason)
+        return None
+
+    def _half_open_turn(self, group: str) -> bool:
+        # Deterministic share: request i is admitted when floor(i * share) steps up.
+        share = self._groups[group].breaker.half_open_share
+        seen = self._half_open_seen[group]
+        self._half_open_seen[group] = seen + 1
+        return int((seen + 1) * share) > int(seen * share)

@@ -1,0 +1,251 @@
+"""The gateway's FastAPI app: OpenAI-compatible routes over NATS.
+
+``create_app(config, tokenizer)`` builds it; its lifespan connects to NATS, makes sure the
+request stream, the per-group consumers and the state bucket exist, and starts the
+dispatcher (chunks, resume queries) and the workers view (telemetry, breakers).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` and the same under
+``/v1/<group>/…``; ``GET /v1/models``; ``GET /health`` (200 while NATS is connected, with
+live workers per group); ``GET /metrics``; FastAPI's ``/openapi.json`` and ``/docs``.
+Every error is OpenAI's ``{"error": {...}}`` with the status of its :class:`QosError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from nats.aio.client import Client
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from common.config import Config
+from common.errors import InternalError, InvalidRequestError, QosError, error_from_code
+from common.nats import connect, ensure_jetstream
+from common.subjects import Subjects
+from common.tokenizer import BaseTokenizer
+from gateway.admission import ADMISSION_WAIT_S, Admission
+from gateway.auth import ApiKeys
+from gateway.generate import Generator
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from gateway.responses import Kind
+from gateway.streams import Dispatcher
+from gateway.workers_view import LIVE_WINDOW_S, WorkersView
+
+log = logging.getLogger(__name__)
+
+
+def model_name(model: str | None) -> str | None:
+    """The name a model is served as: a folder's name, or a ``dummy:`` spec as given."""
+    if model is None:
+        return None
+    if model.startswith("dummy:"):
+        return model
+    return Path(model).name or model
+
+
+@dataclass
+class GatewayState:
+    """What the routes reach through ``app.state.gateway``; NATS parts exist while running."""
+
+    config: Config
+    keys: ApiKeys
+    metrics: GatewayMetrics
+    view: WorkersView
+    admission: Admission
+    served_model: str
+    created: int
+    nc: Client | None = None
+    generator: Generator | None = None
+
+
+def error_response(exc: QosError) -> JSONResponse:
+    return JSONResponse(exc.to_openai(), status_code=exc.http_status, headers=exc.headers())
+
+
+def create_app(
+    config: Config,
+    tokenizer: BaseTokenizer,
+    *,
+    model: str | None = None,
+    admission_wait_s: float = ADMISSION_WAIT_S,
+    live_window_s: float = LIVE_WINDOW_S,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """The gateway app for ``config``, serving ``model`` (a path or ``dummy:`` spec).
+
+    The served name is ``gateway.served_model_name``, else the model folder's name;
+    requests may also name the model exactly as ``model`` was given.
+    """
+    served = config.gateway.served_model_name or model_name(model) or "default"
+    aliases = [model] if model else []
+    view = WorkersView(config.groups, live_window_s=live_window_s)
+    state = GatewayState(
+        config=config,
+        keys=ApiKeys(config.gateway.api_key_sha256),
+        metrics=GatewayMetrics(registry),
+        view=view,
+        admission=Admission(config, view, wait_s=admission_wait_s),
+        served_model=served,
+        created=int(time.time()),
+    )
+    subjects = Subjects(config.nats.subject_prefix)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.keys.warn_if_open()
+        nc = await connect(config.nats, "qosserve-gateway")
+        js = nc.jetstream()
+        _, _, kv = await ensure_jetstream(js, config.nats, config.groups)
+        dispatcher = Dispatcher(nc, subjects, config.nats.max_payload_bytes)
+        await dispatcher.start()
+        await view.start(nc, subjects, kv)
+        state.nc = nc
+        state.generator = Generator(
+            config=config,
+            tokenizer=tokenizer,
+            served_model=served,
+            model_aliases=aliases,
+            js=js,
+            dispatcher=dispatcher,
+            admission=state.admission,
+            metrics=state.metrics,
+        )
+        log.info("gateway serving %r for groups %s", served, ", ".join(config.groups))
+        try:
+            yield
+        finally:
+            await view.stop()
+            await dispatcher.stop()
+            await nc.close()
+            state.nc = state.generator = None
+
+    app = FastAPI(title="qosserve gateway", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = state
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    _add_openapi(app)
+    return app
+
+
+def _add_routes(app: FastAPI, state: GatewayState) -> None:
+    def body_doc(model: type) -> dict[str, Any]:
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+    async def generate(kind: Kind, request: Request, group: str | None) -> Response:
+        state.keys.check(request.headers.get("authorization"))
+        if state.generator is None:
+            raise InternalError("the gateway is not connected to NATS yet")
+        return await state.generator.handle(kind, request, group)
+
+    # The fixed routes come first: /v1/chat/completions must not read as group "chat".
+    @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await generate("completion", request, None)
+
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await generate("chat", request, None)
+
+    @app.post("/v1/{group}/completions", openapi_extra=body_doc(CompletionRequest))
+    async def group_completions(group: str, request: Request) -> Response:
+        return await generate("completion", request, group)
+
+    @app.post("/v1/{group}/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
+    async def group_chat_completions(group: str, request: Request) -> Response:
+        return await generate("chat", request, group)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        state.keys.check(request.headers.get("authorization"))
+        longest = max(g.max_seq_len for g in state.config.groups.values())
+        card = {
+            "id": state.served_model,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "qosserve",
+            "max_model_len": longest,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        connected = state.nc is not None and state.nc.is_connected
+        groups = {
+            name: {
+                "live_workers": state.view.live_workers(name),
+                "breaker": state.view.breaker(name),
+                "in_flight": state.admission.in_flight(name),
+            }
+            for name in state.config.groups
+        }
+        body = {"status": "ok" if connected else "unavailable", "nats": connected, "groups": groups}
+        return JSONResponse(body, status_code=200 if connected else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.refresh_groups(state.view.live_counts(), state.view.breakers())
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(QosError)
+    async def qos_error(request: Request, exc: QosError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Only path parameters reach FastAPI's validation (bodies are parsed by hand):
+        # answer 400 in OpenAI's shape, never FastAPI's 422.
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "path", "query")]
+        param = ".".join(loc) or None
+        message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}"
+        return error_response(InvalidRequestError(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        error = error_from_code(code, str(exc.detail))
+        body = {
+            "error": {
+                "message": str(exc.detail),
+                "type": error.error_type,
+                "param": None,
+                "code": code,
+            }
+        }
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(InternalError("internal error in the gateway"))
+
+
+def _add_openapi(app: FastAPI) -> None:
+    """FastAPI's schema plus the request bodies the routes parse themselves."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,126 @@
+"""Which instance group a request belongs to.
+
+The rule, in order:
+
+1. **Explicit**: the URL path (``/v1/<group>/…``) or the ``X-QoS-Group`` header names a
+   configured group (an unknown path group is a 404, an unknown header value a 400 naming
+   the header, and the two disagreeing a 400). The request must fit that group's
+   ``max_seq_len`` or it is refused with ``context_length_exceeded``: the client asked for
+   that service class, and silently moving it would break its latency expectation.
+2. **By length**: otherwise the lowest-``rank`` group whose ``max_seq_len`` holds
+   ``prompt tokens + max_tokens``. Groups with ``max_batch == 1`` (``realtime``) are only
+   ever chosen explicitly: one slot would queue everyone behind one request. (If every
+   group has ``max_batch == 1``, all of them are candidates.)
+3. A request with no ``max_tokens`` asks for ``gateway.default_max_tokens``; when that does
+   not fit anywhere, it gets what is left of the first group that holds its prompt.
+4. Nothing holds it: 400 ``context_length_exceeded``.
+
+Values from the client (path, header) are only ever compared with configured names, so
+nothing a client sends becomes part of a NATS subject unchecked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from common.config import Config, GroupConfig
+from common.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
+
+GROUP_HEADER = "X-QoS-Group"
+Source = Literal["path", "header", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    group: str
+    max_tokens: int
+    source: Source
+
+
+def explicit_group(config: Config, path_group: str | None, header_group: str | None) -> str | None:
+    """The group the client named, validated against the configuration; None if none."""
+    if path_group is not None and path_group not in config.groups:
+        raise NotFoundError(
+            f"unknown instance group {path_group!r} in the path; "
+            f"configured: {', '.join(sorted(config.groups))}",
+            code="group_not_found",
+        )
+    if header_group is not None:
+        header_group = header_group.strip()
+        if header_group not in config.groups:
+            raise InvalidRequestError(
+                f"header {GROUP_HEADER} names no configured instance group "
+                f"(configured: {', '.join(sorted(config.groups))})",
+                param=GROUP_HEADER,
+                code="invalid_group",
+            )
+        if path_group is not None and header_group != path_group:
+            raise InvalidRequestError(
+                f"header {GROUP_HEADER}={header_group!r} contradicts the path's group "
+                f"{path_group!r}",
+                param=GROUP_HEADER,
+                code="invalid_group",
+            )
+    return path_group or header_group
+
+
+def auto_candidates(config: Config) -> list[tuple[str, GroupConfig]]:
+    """Groups length routing may choose, first choice first."""
+    ranked = config.groups_by_rank()
+    batched = [(name, group) for name, group in ranked if group.max_batch > 1]
+    return batched or ranked
+
+
+def classify(
+    config: Config,
+    *,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    path_group: str | None = None,
+    header_group: str | None = None,
+    prompt_param: str = "prompt",
+) -> Classification:
+    """Pick the group and settle ``max_tokens``; raise a 4xx :class:`QosError` if none fits."""
+    default = config.gateway.default_max_tokens
+    named = explicit_group(config, path_group, header_group)
+    if named is not None:
+        limit = config.groups[named].max_seq_len
+        settled = _settle(prompt_tokens, max_tokens, default, limit)
+        if settled is None:
+            raise _too_long(prompt_tokens, max_tokens, limit, prompt_param, f"group {named!r}")
+        return Classification(named, settled, "path" if path_group else "header")
+
+    candidates = auto_candidates(config)
+    want = max_tokens if max_tokens is not None else default
+    for name, group in candidates:
+        if prompt_tokens + want <= group.max_seq_len:
+            return Classification(name, want, "length")
+    if max_tokens is None:
+        for name, group in candidates:
+            if prompt_tokens < group.max_seq_len:
+                return Classification(name, group.max_seq_len - prompt_tokens, "length")
+    largest = max(group.max_seq_len for _, group in candidates)
+    raise _too_long(prompt_tokens, max_tokens, largest, prompt_param, "any instance group")
+
+
+def _settle(prompt: int, max_tokens: int | None, default: int, limit: int) -> int | None:
+    if max_tokens is not None:
+        return max_tokens if prompt + max_tokens <= limit else None
+    return min(default, limit - prompt) if prompt < limit else None
+
+
+def _too_long(
+    prompt: int, max_tokens: int | None, limit: int, prompt_param: str, where: str
+) -> ContextLengthExceededError:
+    if prompt >= limit or max_tokens is None:
+        return ContextLengthExceededError(
+            f"the prompt has {prompt} tokens; {where} accepts at most {limit} tokens "
+            "including at least one completion token",
+            param=prompt_param,
+        )
+    return ContextLengthExceededError(
+        f"this request needs {prompt + max_tokens} tokens ({prompt} in the prompt, "
+        f"{max_tokens} in max_tokens); {where} accepts at most {limit}",
+        param="max_tokens",
+    )

@@ -1,0 +1,464 @@
+"""One generation request's life: read, validate, tokenize, classify, admit, publish, answer.
+
+Everything that can be refused is refused before anything reaches NATS. Then the
+request is registered with the dispatcher (so no chunk can arrive unheard), published on
+``<prefix>.req.<group>`` through JetStream (``Nats-Msg-Id`` = request id, so a retried
+publish is deduplicated), and answered from its :class:`~gateway.streams.ResponseStream`.
+The HTTP response starts only when the first tokens (or an error) arrive, so an error a
+worker reports before any output still reaches the client as an HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from common.config import Config
+from common.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    QosError,
+    ServiceUnavailableError,
+)
+from common.protocol import GenerateRequest, RequestParams
+from common.subjects import Subjects
+from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
+from gateway.admission import Admission, Route
+from gateway.classifier import GROUP_HEADER, classify
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.responses import Kind, Shaper, merge, usage_dict
+from gateway.streams import SSE_DONE, Delivery, Dispatcher, ResponseStream
+
+DEADLINE_HEADER = "X-QoS-Deadline-Ms"
+MAX_DEADLINE_MS = 24 * 3600 * 1000
+# Prompts longer than this are tokenized in a thread, so the event loop keeps streaming.
+INLINE_TOKENIZE_CHARS = 16_384
+# How often a request waiting for its first token checks whether the client left.
+DISCONNECT_POLL_S = 1.0
+PUBLISH_TIMEOUT_S = 5.0
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass(slots=True)
+class Flight:
+    """An admitted request in flight: what its release must undo."""
+
+    route: Route
+    stream: ResponseStream
+    shaper: Shaper
+    prompt_tokens: int
+    started: float  # time.monotonic() at arrival
+    deadline: float  # time.monotonic() by which it must finish
+    first_token_at: float | None = None
+    completion_tokens: int = 0
+    worker_usage: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Generator:
+    """The request path shared by both endpoints (and their ``/v1/<group>/`` forms)."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        tokenizer: BaseTokenizer,
+        served_model: str,
+        model_aliases: Sequence[str],
+        js: JetStreamContext,
+        dispatcher: Dispatcher,
+        admission: Admission,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._config = config
+        self._tok = tokenizer
+        self._model = served_model
+        self._model_names = {served_model, *model_aliases}
+        self._js = js
+        self._dispatcher = dispatcher
+        self._admission = admission
+        self._metrics = metrics
+        self._subjects = Subjects(config.nats.subject_prefix)
+        self._check_vocab = not isinstance(tokenizer, ByteTokenizer)
+        self.token_text: Callable[[int], str] = lru_cache(maxsize=65536)(
+            lambda i: tokenizer.decode([i], skip_special_tokens=False)
+        )
+
+    # -- the whole request -----------------------------------------------------------------
+
+    async def handle(self, kind: Kind, request: Request, path_group: str | None) -> Response:
+        """Answer one generation request; a :class:`QosError` becomes the app's error reply."""
+        started = time.monotonic()
+        group_label = "-"
+        try:
+            body = parse_body(
+                CompletionRequest if kind == "completion" else ChatCompletionRequest,
+                await self._read_body(request),
+            )
+            body.check_stream_options()
+            if body.model is not None and body.model not in self._model_names:
+                raise ModelNotFoundError(
+                    f"The model '{body.model}' does not exist; this gateway serves '{self._model}'",
+                    param="model",
+                )
+            logprobs = body.top_logprobs_count()
+            prompt_ids, prompt_param = await self._tokenize(body)
+            max_tokens = (
+                body.requested_max_tokens()
+                if isinstance(body, ChatCompletionRequest)
+                else body.max_tokens
+            )
+            classified = classify(
+                self._config,
+                prompt_tokens=len(prompt_ids),
+                max_tokens=max_tokens,
+                path_group=path_group,
+                header_group=request.headers.get(GROUP_HEADER),
+                prompt_param=prompt_param,
+            )
+            group_label = classified.group
+            deadline_ms = _deadline_ms(request, self._config.gateway.default_deadline_ms)
+            route = await self._admission.admit(
+                classified.group, len(prompt_ids) + classified.max_tokens, deadline_ms / 1000
+            )
+            group_label = route.group
+        except QosError as exc:
+            self._metrics.requests.labels(group_label, str(exc.http_status)).inc()
+            raise
+        except ClientGone:
+            return Response(status_code=499)
+        flight = self._take_off(kind, body, route, prompt_ids, logprobs, started, deadline_ms)
+        streaming = False
+        try:
+            await self._publish(
+                flight, body, prompt_ids, classified.max_tokens, deadline_ms, request
+            )
+            first = await self._next(flight, request)
+            if first.error is not None:
+                raise first.error
+            if not body.stream:
+                return await self._collect(flight, first, request)
+            streaming = True
+            return _FlightResponse(
+                self._sse(flight, first),
+                on_close=lambda: self._land(flight, status=499),
+                media_type="text/event-stream",
+                headers={**flight.headers, **_SSE_HEADERS},
+            )
+        except ClientGone:
+            self._land(flight, status=499)
+            return Response(status_code=499)
+        except QosError as exc:
+            self._land(flight, status=exc.http_status)
+            raise
+        finally:
+            if not streaming:
+                self._land(flight, status=500)  # a no-op unless something unexpected broke
+
+    # -- before NATS -----------------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self._config.gateway.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError(f"request body over the {limit}-byte limit")
+        parts, size = [], 0
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise PayloadTooLargeError(f"request body over the {limit}-byte limit")
+                parts.append(part)
+        except ClientDisconnect:
+            raise ClientGone from None
+        return b"".join(parts)
+
+    async def _tokenize(
+        self, body: CompletionRequest | ChatCompletionRequest
+    ) -> tuple[list[int], str]:
+        """Prompt token ids and the parameter to blame if they are too many."""
+        if isinstance(body, ChatCompletionRequest):
+            try:
+                text = self._tok.apply_chat_template(
+                    [m.for_template() for m in body.messages],
+                    add_generation_prompt=body.add_generation_prompt,
+                    **(body.chat_template_kwargs or {}),
+                )
+            except ChatTemplateError as exc:
+                raise InvalidRequestError(str(exc), param="messages") from None
+            ids = await self._encode(text, add_special_tokens=False)
+            return ids, "messages"
+        prompt = body.prompt_input()
+        if isinstance(prompt, str):
+            ids = await self._encode(prompt, add_special_tokens=True)
+        else:
+            ids = prompt
+            if self._check_vocab and max(ids) >= self._tok.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token id {max(ids)} is outside the vocabulary "
+                    f"(size {self._tok.vocab_size})",
+                    param="prompt",
+                )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return ids, "prompt"
+
+    async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self._tok.encode, text, add_special_tokens)
+
+    # -- over NATS -------------------------------------------------------------------------
+
+    def _take_off(
+        self,
+        kind: Kind,
+        body: CompletionRequest | ChatCompletionRequest,
+        route: Route,
+        prompt_ids: list[int],
+        logprobs: int | None,
+        started: float,
+        deadline_ms: int,
+    ) -> Flight:
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        stream = self._dispatcher.open(request_id, route.group, self._decode_tail)
+        shaper = Shaper(
+            kind,
+            request_id,
+            self._model,
+            int(time.time()),
+            self.token_text,
+            logprobs=logprobs,
+            include_usage=body.include_usage(),
+        )
+        headers = {"X-Request-Id": request_id, GROUP_HEADER: route.group}
+        if route.is_fallback:
+            headers["X-QoS-Fallback-From"] = route.requested
+            self._metrics.fallbacks.labels(route.requested, route.group, route.reason or "").inc()
+        self._metrics.in_flight.labels(route.group).inc()
+        return Flight(
+            route, stream, shaper, len(prompt_ids), started, started + deadline_ms / 1000,
+            headers=headers,
+        )  # fmt: skip
+
+    async def _publish(
+        self,
+        flight: Flight,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompt_ids: list[int],
+        max_tokens: int,
+        deadline_ms: int,
+        request: Request,
+    ) -> None:
+        now_ms = int(time.time() * 1000)
+        params = RequestParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k in (None, -1) else body.top_k,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            # A seed for every request: its sampling is reproducible and traceable.
+            seed=body.seed if body.seed is not None else secrets.randbits(63),
+            stop=body.stop_list(),
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=bool(body.ignore_eos),
+            logprobs=flight.shaper.logprobs,
+        )
+        request_id = flight.stream.request_id
+        message = GenerateRequest(
+            id=request_id,
+            group=flight.route.group,
+            reply=self._subjects.out(request_id),
+            model=self._model,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            priority=body.priority or 0,
+            deadline_ms=now_ms + deadline_ms,
+            created_ms=now_ms,
+        )
+        headers = {"Nats-Msg-Id": request_id, "Qos-Deadline-Ms": str(now_ms + deadline_ms)}
+        traceparent = request.headers.get("traceparent")
+        if traceparent and _TRACEPARENT.match(traceparent.strip()):
+            headers["traceparent"] = traceparent.strip()
+            if tracestate := request.headers.get("tracestate"):
+                headers["tracestate"] = tracestate.strip()[:512]
+        timeout = max(0.1, min(PUBLISH_TIMEOUT_S, flight.deadline - time.monotonic()))
+        try:
+            await self._js.publish(
+                self._subjects.request(flight.route.group),
+                message.to_bytes(),
+                timeout=timeout,
+                stream=self._config.nats.stream,
+                headers=headers,
+            )
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            raise ServiceUnavailableError(
+                f"the request queue did not accept the request ({type(exc).__name__})",
+                retry_after_s=1,
+            ) from None
+        except nats.js.errors.APIError as exc:
+            raise ServiceUnavailableError(
+                f"the request queue refused the request: {exc.description}", retry_after_s=1
+            ) from None
+        except nats.errors.ConnectionClosedError:
+            raise ServiceUnavailableError(
+                "the gateway lost its NATS connection", retry_after_s=2
+            ) from None
+
+    # -- back to the client ----------------------------------------------------------------
+
+    async def _next(self, flight: Flight, request: Request | None) -> Delivery:
+        """The next delivery; 504 at the deadline; :class:`ClientGone` if the client left."""
+        while True:
+            left = flight.deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError("the request's deadline passed before it finished")
+            delivery = await flight.stream.next(min(left, DISCONNECT_POLL_S) if request else left)
+            if delivery is not None:
+                if delivery.token_ids and flight.first_token_at is None:
+                    flight.first_token_at = time.monotonic()
+                flight.completion_tokens += len(delivery.token_ids)
+                if delivery.usage is not None:
+                    flight.worker_usage = delivery.usage
+                return delivery
+            if request is not None and await request.is_disconnected():
+                raise ClientGone
+
+    async def _collect(self, flight: Flight, first: Delivery, request: Request) -> Response:
+        deliveries = [first]
+        while deliveries[-1].finish_reason is None:
+            delivery = await self._next(flight, request)
+            if delivery.error is not None:
+                raise delivery.error
+            deliveries.append(delivery)
+        whole = merge(deliveries)
+        usage = usage_dict(flight.prompt_tokens, flight.completion_tokens, flight.worker_usage)
+        body = flight.shaper.body(whole.text, whole.finish_reason, usage, whole)
+        self._land(flight, status=200)
+        content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        return Response(content, media_type="application/json", headers=flight.headers)
+
+    async def _sse(self, flight: Flight, first: Delivery) -> AsyncIterator[bytes]:
+        shaper = flight.shaper
+        status = 500
+        try:
+            if shaper.kind == "chat":
+                yield shaper.role_event()
+            delivery = first
+            while True:
+                if delivery.error is not None:
+                    status = delivery.error.http_status
+                    yield shaper.error_event(delivery.error)
+                    break
+                if (
+                    delivery.text
+                    or delivery.finish_reason
+                    or (shaper.logprobs is not None and delivery.token_ids)
+                ):
+                    yield shaper.delta_event(delivery)
+                if delivery.finish_reason is not None:
+                    if shaper.include_usage:
+                        usage = usage_dict(
+                            flight.prompt_tokens, flight.completion_tokens, flight.worker_usage
+                        )
+                        yield shaper.usage_event(usage)
+                    status = 200
+                    break
+                try:
+                    delivery = await self._next(flight, None)
+                except DeadlineExceededError as exc:
+                    status = exc.http_status
+                    yield shaper.error_event(exc)
+                    break
+            yield SSE_DONE
+        except BaseException:
+            # Cancelled by Starlette when the client disconnects: nothing may await here.
+            status = 499
+            raise
+        finally:
+            self._land(flight, status=status)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def _land(self, flight: Flight, *, status: int) -> None:
+        """Release everything a flight holds, once; abort the worker if it is not done."""
+        stream = flight.stream
+        if not self._dispatcher.is_open(stream):
+            return
+        reason = "client disconnected" if status == 499 else f"gateway answered {status}"
+        self._dispatcher.close(stream, abort=not stream.finished, reason=reason)
+        group = flight.route.group
+        self._admission.release(group)
+        self._metrics.in_flight.labels(group).dec()
+        self._metrics.requests.labels(group, str(status)).inc()
+        if flight.completion_tokens:
+            self._metrics.tokens.labels(group).inc(flight.completion_tokens)
+        if status == 200:
+            if flight.first_token_at is not None:
+                self._metrics.ttft.labels(group, self._model).observe(
+                    flight.first_token_at - flight.started
+                )
+            self._metrics.e2e.labels(group, self._model).observe(time.monotonic() - flight.started)
+
+    def _decode_tail(self, delivered: Sequence[int], new: Sequence[int]) -> str:
+        # Decode with a little context so a token that continues a word keeps its spacing.
+        context = list(delivered[-8:])
+        before = self._tok.decode(context)
+        after = self._tok.decode([*context, *new])
+        return after[len(before) :] if after.startswith(before) else self._tok.decode(list(new))
+
+
+def _deadline_ms(request: Request, default_ms: int) -> int:
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return default_ms
+    raw = raw.strip()
+    if not raw.isdigit() or not 0 < int(raw) <= MAX_DEADLINE_MS:
+        raise InvalidRequestError(
+            f"header {DEADLINE_HEADER} must be a whole number of milliseconds in 1..{MAX_DEADLINE_MS}",
+            param=DEADLINE_HEADER,
+        )
+    return int(raw)
+
+
+class _FlightResponse(StreamingResponse):
+    """A stream that lands its flight even if Starlette never iterates the generator
+    (the client left before the first byte went out)."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], *, on_close: Callable[[], None], **kwargs: Any
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,241 @@
+"""OpenAI request bodies, strictly validated, and the one place their errors are worded.
+
+The models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` plus the vLLM
+extensions users expect (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, ``priority``, ``chat_template_kwargs``). Validation is strict: an
+unknown parameter, a wrong type or an out-of-range value is a 400 naming the parameter,
+never a silent coercion, because a client that misspells ``max_tokens`` deserves to know.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from common.errors import InvalidRequestError
+
+MAX_STOP_SEQUENCES = 16
+MAX_LOGPROBS = 20
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class TextPart(_Strict):
+    """A content part; only text is served (no vision model behind this gateway)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (``tool_calls``, ``reasoning_content``...) reach the template."""
+
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template expects it: content parts flattened to text."""
+        out = self.model_dump(exclude_none=True)
+        if self.content is not None:
+            out["content"] = self.text()
+        return out
+
+
+class _SamplingBody(_Strict):
+    """Parameters both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    priority: int | None = Field(None, ge=-(2**31), lt=2**31)
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list):
+            if len(value) > MAX_STOP_SEQUENCES:
+                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+            if any(not s for s in value):
+                raise ValueError("stop sequences must be non-empty strings")
+        elif value == "":
+            raise ValueError("a stop sequence must be a non-empty string")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(not 0 <= t < 2**31 for t in value):
+            raise ValueError("token ids must be non-negative int32 values")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+
+class CompletionRequest(_SamplingBody):
+    """``POST /v1/completions``: a string, one-string list, or token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if len(value) == 0:
+                raise ValueError("prompt must not be empty")
+            if isinstance(value[0], str | list) and len(value) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt per request")
+            if isinstance(value[0], int) and any(not 0 <= t < 2**31 for t in value):
+                raise ValueError("token ids must be non-negative int32 values")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt: its text, or its token ids."""
+        value = self.prompt
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            value = value[0]
+        if isinstance(value, list) and not value:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        return value  # type: ignore[return-value]
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """``POST /v1/chat/completions``: rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError(
+                "top_logprobs requires logprobs to be true", param="top_logprobs"
+            )
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+def _param_of(loc: tuple[int | str, ...]) -> str | None:
+    """A pydantic error location as the parameter a client wrote: ``messages[0].content``."""
+    if not loc:
+        return None
+    param = str(loc[0])
+    if param == "messages" and len(loc) > 1 and isinstance(loc[1], int):
+        param += f"[{loc[1]}]"
+        if len(loc) > 2 and loc[2] in ChatMessage.model_fields:
+            param += f".{loc[2]}"
+    elif param == "stream_options" and len(loc) > 1 and loc[1] in StreamOptions.model_fields:
+        param += f".{loc[1]}"
+    return param
+
+
+def parse_body(model: type[Body], body: bytes) -> Body:
+    """Validate a raw JSON body; raise :class:`InvalidRequestError` naming the parameter."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _to_invalid_request(exc, body) from None
+
+
+def _to_invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestError:
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0]
+    kind = first["type"]
+    if kind == "json_invalid":
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            return InvalidRequestError("the request body is not valid UTF-8", code="invalid_utf8")
+        return InvalidRequestError(
+            f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}",
+            code="invalid_json",
+        )
+    if kind == "model_type":
+        return InvalidRequestError("the request body must be a JSON object", code="invalid_json")
+    param = _param_of(first["loc"])
+    if kind == "extra_forbidden":
+        return InvalidRequestError(
+            f"Unrecognized request argument supplied: {param}",
+            param=param,
+            code="unsupported_parameter",
+        )
+    if kind == "missing":
+        return InvalidRequestError(
+            f"Missing required parameter: '{param}'", param=param, code="missing_parameter"
+        )
+    # Unions report one error per alternative: the last is usually the closest match, but
+    # a validator's own wording (ValueError) says what is wrong best.
+    chosen = next((e for e in errors if e["type"] == "value_error"), first)
+    message = chosen["msg"].removeprefix("Value error, ")
+    return InvalidRequestError(
+        f"Invalid value for '{param}': {message}", param=param, code="invalid_value"
+    )

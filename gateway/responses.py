@@ -1,0 +1,244 @@
+"""OpenAI response objects: completions and chat, whole or as stream chunks.
+
+A :class:`Shaper` belongs to one request and turns its deliveries into exactly what
+OpenAI's API returns: ``text_completion`` / ``chat.completion`` bodies, SSE chunks
+(``text_completion`` / ``chat.completion.chunk``; the first chat chunk carries
+``delta.role``), the usage-only chunk for ``stream_options.include_usage``, and both APIs'
+logprobs shapes. The common stream chunk (text, no logprobs, not final) is built from a
+precomputed prefix and suffix: at a thousand streams a second, one ``json.dumps`` of a
+string beats one of a nested dict.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from common.errors import QosError
+from common.protocol import TopLogprobs, Usage
+from gateway.streams import Delivery, sse_event
+
+Kind = Literal["completion", "chat"]
+# OpenAI's stand-in for -inf: JSON has no infinity.
+MIN_LOGPROB = -9999.0
+TokenText = Callable[[int], str]
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, worker: Usage | None) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when the worker reported it."""
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if worker is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": worker.cached_tokens}
+    return usage
+
+
+class Shaper:
+    """Formats one request's output for one endpoint."""
+
+    def __init__(
+        self,
+        kind: Kind,
+        request_id: str,
+        model: str,
+        created: int,
+        token_text: TokenText,
+        *,
+        logprobs: int | None = None,
+        include_usage: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.model = model
+        self.created = created
+        self.token_text = token_text
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self._text_offset = 0  # completions' logprobs.text_offset runs across chunks
+        self._object = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        head = _dumps(
+            {"id": request_id, "object": self._object, "created": created, "model": model}
+        )
+        tail = ',"logprobs":null,"finish_reason":null}]' + (
+            ',"usage":null' if include_usage else ""
+        )
+        if kind == "completion":
+            self._fast_prefix = f'data: {head[:-1]},"choices":[{{"index":0,"text":'.encode()
+            self._fast_suffix = (tail + "}\n\n").encode()
+        else:
+            self._fast_prefix = (
+                f'data: {head[:-1]},"choices":[{{"index":0,"delta":{{"content":'.encode()
+            )
+            self._fast_suffix = ("}" + tail + "}\n\n").encode()
+
+    # -- streaming -------------------------------------------------------------------------
+
+    def role_event(self) -> bytes:
+        """The first chat chunk: the assistant's role and empty content, as OpenAI sends."""
+        return sse_event(
+            self._chunk(
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
+        )
+
+    def delta_event(self, delivery: Delivery) -> bytes:
+        """One SSE chunk with the delivery's text (and logprobs / finish reason)."""
+        if delivery.finish_reason is None and self.logprobs is None:
+            return self._fast_prefix + _dumps(delivery.text).encode() + self._fast_suffix
+        logprobs = self._logprobs(delivery) if self.logprobs is not None else None
+        if self.kind == "completion":
+            choice: dict[str, Any] = {"index": 0, "text": delivery.text}
+        else:
+            choice = {"index": 0, "delta": {"content": delivery.text} if delivery.text else {}}
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = delivery.finish_reason
+        return sse_event(self._chunk(choice))
+
+    def usage_event(self, usage: dict[str, Any]) -> bytes:
+        """The ``include_usage`` chunk: empty choices, the whole request's usage."""
+        return sse_event(
+            {
+                "id": self.request_id,
+                "object": self._object,
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage,
+            }
+        )
+
+    @staticmethod
+    def error_event(error: QosError) -> bytes:
+        """An error after the stream started: OpenAI's error object as one event."""
+        return sse_event(error.to_openai())
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {
+            "id": self.request_id,
+            "object": self._object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    # -- whole responses -------------------------------------------------------------------
+
+    def body(
+        self,
+        text: str,
+        finish_reason: str | None,
+        usage: dict[str, Any],
+        logprobs: Delivery | None = None,
+    ) -> dict[str, Any]:
+        """The non-streaming response; ``logprobs`` is every token merged into one delivery."""
+        lp = (
+            self._logprobs(logprobs) if logprobs is not None and self.logprobs is not None else None
+        )
+        if self.kind == "completion":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": finish_reason,
+            }
+            obj = "text_completion"
+        else:
+            message = {"role": "assistant", "content": text}
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": lp,
+                "finish_reason": finish_reason,
+            }
+            obj = "chat.completion"
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
+        }
+
+    # -- logprobs --------------------------------------------------------------------------
+
+    def _logprobs(self, delivery: Delivery) -> dict[str, Any] | None:
+        if not delivery.logprobs:
+            return {"content": []} if self.kind == "chat" else None
+        if self.kind == "chat":
+            return {"content": self._chat_logprobs(delivery)}
+        return self._completion_logprobs(delivery)
+
+    def _chat_logprobs(self, delivery: Delivery) -> list[dict[str, Any]]:
+        out = []
+        for i, (token_id, lp) in enumerate(
+            zip(delivery.token_ids, delivery.logprobs, strict=False)
+        ):
+            text = self.token_text(token_id)
+            entry: dict[str, Any] = {
+                "token": text,
+                "logprob": max(lp, MIN_LOGPROB),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": max(v, MIN_LOGPROB), "bytes": list(t.encode())}
+                    for t, v in self._top(delivery.top_logprobs, i)
+                ],
+            }
+            out.append(entry)
+        return out
+
+    def _completion_logprobs(self, delivery: Delivery) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for token_id in delivery.token_ids:
+            text = self.token_text(token_id)
+            tokens.append(text)
+            offsets.append(self._text_offset)
+            self._text_offset += len(text)
+        top: list[dict[str, float]] | None = None
+        if self.logprobs:
+            top = [
+                {t: max(v, MIN_LOGPROB) for t, v in self._top(delivery.top_logprobs, i)}
+                for i in range(len(delivery.token_ids))
+            ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [max(lp, MIN_LOGPROB) for lp in delivery.logprobs],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def _top(self, tops: Sequence[TopLogprobs], i: int) -> list[tuple[str, float]]:
+        if not self.logprobs or i >= len(tops):
+            return []
+        alternatives = tops[i]
+        pairs = zip(alternatives.token_ids, alternatives.logprobs, strict=False)
+        return [(self.token_text(t), v) for t, v in list(pairs)[: self.logprobs]]
+
+
+def merge(deliveries: Sequence[Delivery]) -> Delivery:
+    """All deliveries of a request as one (for non-streaming responses)."""
+    merged = Delivery()
+    for d in deliveries:
+        merged.token_ids.extend(d.token_ids)
+        merged.logprobs.extend(d.logprobs)
+        merged.top_logprobs.extend(d.top_logprobs)
+        merged.finish_reason = d.finish_reason or merged.finish_reason
+        merged.usage = d.usage or merged.usage
+    merged.text = "".join(d.text for d in deliveries)
+    return merged

@@ -1,0 +1,297 @@
+"""Per-request response streams: every output token exactly once, in order, across redeliveries.
+
+One :class:`Dispatcher` owns two wildcard subscriptions for the whole gateway,
+``<prefix>.out.*`` (chunks) and ``<prefix>.resume.*`` (resume queries), and routes each
+message by the subject's last token to the request's :class:`ResponseStream`. One
+subscription instead of one per request keeps SUB/UNSUB traffic and nats-py's per-
+subscription task off the hot path.
+
+Chunk rules (DESIGN §2, ``seq`` = index of the chunk's first token in the output):
+
+- ``seq == delivered``: delivered as is.
+- ``seq < delivered``: an overlap after a redelivery; the tokens already delivered are
+  trimmed and only the rest goes out (nothing left and not final: dropped).
+- ``seq > delivered``: a gap; the chunk waits in a small buffer until the gap fills.
+- ``attempt`` below the latest resume query's attempt: a stale worker still talking after
+  its request was redelivered; dropped, because the new attempt continues from exactly
+  what the client has.
+
+A resume query is answered with every token delivered so far and the length (in
+characters) of the text delivered with them. A closed stream is forgotten, so a resume
+query for it gets no answer and the worker drops the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from common.errors import (
+    InternalError,
+    ProtocolError,
+    QosError,
+    ServiceUnavailableError,
+    error_from_code,
+)
+from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprobs, Usage
+from common.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+# Out-of-order chunks held while a gap fills; a worker never needs more than a few.
+MAX_EARLY_CHUNKS = 256
+SSE_DONE = b"data: [DONE]\n\n"
+
+# (ids already delivered, new ids) -> the new ids' text, for chunks trimmed after an overlap.
+DecodeTail = Callable[[Sequence[int], Sequence[int]], str]
+
+
+def sse_event(obj: Any) -> bytes:
+    """One server-sent event: ``data: {json}`` and a blank line."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass(slots=True)
+class Delivery:
+    """Tokens ready for the client, in order; or the final state; or an error."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: QosError | None = None
+
+
+class ResponseStream:
+    """The chunks of one request, reordered and deduplicated; read with :meth:`next`."""
+
+    __slots__ = (
+        "_early",
+        "_ready",
+        "_waiter",
+        "decode_tail",
+        "finished",
+        "group",
+        "min_attempt",
+        "request_id",
+        "text_len",
+        "token_ids",
+    )
+
+    def __init__(self, request_id: str, group: str, decode_tail: DecodeTail) -> None:
+        self.request_id = request_id
+        self.group = group
+        self.decode_tail = decode_tail
+        self.token_ids: list[int] = []  # delivered so far: what a resume query gets back
+        self.text_len = 0
+        self.min_attempt = 1
+        self.finished = False
+        self._early: dict[int, Chunk] = {}
+        self._ready: deque[Delivery] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    # -- producer side (the dispatcher's callbacks) ---------------------------------------
+
+    def feed(self, chunk: Chunk) -> None:
+        """Take one chunk from a worker; whatever becomes deliverable wakes the reader."""
+        if self.finished or chunk.attempt < self.min_attempt:
+            return
+        if chunk.error is not None:
+            self.fail(error_from_code(chunk.error.code, chunk.error.message))
+            return
+        if chunk.finish_reason in ("abort", "error"):
+            # Only "stop" and "length" are OpenAI finish reasons; the others end in an error.
+            self.fail(
+                ServiceUnavailableError("the worker aborted the request", retry_after_s=1)
+                if chunk.finish_reason == "abort"
+                else InternalError("the worker failed the request")
+            )
+            return
+        if chunk.seq > len(self.token_ids):
+            if len(self._early) >= MAX_EARLY_CHUNKS:
+                self.fail(InternalError("worker stream has a gap that never filled"))
+                return
+            self._early[chunk.seq] = chunk
+            return
+        self._accept(chunk)
+        while self._early and not self.finished:
+            ready = [seq for seq in self._early if seq <= len(self.token_ids)]
+            if not ready:
+                break
+            for seq in sorted(ready):
+                self._accept(self._early.pop(seq))
+
+    def _accept(self, chunk: Chunk) -> None:
+        skip = len(self.token_ids) - chunk.seq
+        if skip >= len(chunk.token_ids) and chunk.finish_reason is None:
+            return  # everything in it was delivered already
+        if skip == 0:
+            ids, text = chunk.token_ids, chunk.text
+            logprobs, tops = chunk.logprobs, chunk.top_logprobs
+        else:
+            ids = chunk.token_ids[skip:]
+            text = self.decode_tail(self.token_ids, ids) if ids else ""
+            logprobs, tops = chunk.logprobs[skip:], chunk.top_logprobs[skip:]
+        self.token_ids.extend(ids)
+        self.text_len += len(text)
+        if chunk.finish_reason is not None:
+            self.finished = True
+            self._early.clear()
+        self._push(Delivery(ids, text, logprobs, tops, chunk.finish_reason, chunk.usage))
+
+    def fail(self, error: QosError) -> None:
+        """End the stream with ``error`` (the reader raises or sends it as an SSE event)."""
+        if not self.finished:
+            self.finished = True
+            self._push(Delivery(error=error))
+
+    def resume(self, query: ResumeQuery) -> ResumeReply:
+        """Answer a redelivered attempt: what the client has; older attempts go quiet."""
+        if query.attempt > self.min_attempt:
+            self.min_attempt = query.attempt
+            # Buffered chunks past a gap came from an older attempt; the new one resends.
+            self._early.clear()
+        return ResumeReply(
+            id=self.request_id, token_ids=list(self.token_ids), text_len=self.text_len
+        )
+
+    def _push(self, delivery: Delivery) -> None:
+        self._ready.append(delivery)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- consumer side (the HTTP handler) -------------------------------------------------
+
+    async def next(self, timeout_s: float) -> Delivery | None:
+        """The next delivery, or None when ``timeout_s`` passes first.
+
+        A timer handle, not a task or ``wait_for``: thousands of streams wait at once.
+        """
+        if self._ready:
+            return self._ready.popleft()
+        if timeout_s <= 0:
+            return None
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiter = waiter
+        timer = loop.call_later(timeout_s, _release, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+        return self._ready.popleft() if self._ready else None
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class Dispatcher:
+    """Routes ``out``/``resume`` messages to open streams and publishes aborts."""
+
+    def __init__(self, nc: Client, subjects: Subjects, max_payload_bytes: int) -> None:
+        self._nc = nc
+        self._subjects = subjects
+        self._max_payload = max_payload_bytes
+        self._streams: dict[str, ResponseStream] = {}
+        self._out_prefix = len(subjects.prefix) + len(".out.")
+        self._resume_prefix = len(subjects.prefix) + len(".resume.")
+        self._subs: list[Subscription] = []
+        # Aborts are queued, not awaited: they are raised from cancelled generators.
+        self._aborts: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
+        self._abort_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        prefix = self._subjects.prefix
+        self._subs = [
+            await self._nc.subscribe(f"{prefix}.out.*", cb=self._on_out),
+            await self._nc.subscribe(f"{prefix}.resume.*", cb=self._on_resume),
+        ]
+        self._abort_task = asyncio.create_task(self._publish_aborts(), name="gateway-aborts")
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection may be closing already
+                log.debug("unsubscribe failed", exc_info=True)
+        if self._abort_task is not None:
+            # Let queued aborts go out first: workers free their KV blocks on them.
+            while not self._aborts.empty() and self._nc.is_connected:
+                await asyncio.sleep(0.01)
+            self._abort_task.cancel()
+        for stream in list(self._streams.values()):
+            stream.fail(InternalError("the gateway is shutting down"))
+        self._streams.clear()
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def open(self, request_id: str, group: str, decode_tail: DecodeTail) -> ResponseStream:
+        """Register a stream; call before publishing the request, so no chunk is missed."""
+        stream = ResponseStream(request_id, group, decode_tail)
+        self._streams[request_id] = stream
+        return stream
+
+    def is_open(self, stream: ResponseStream) -> bool:
+        return self._streams.get(stream.request_id) is stream
+
+    def close(self, stream: ResponseStream, *, abort: bool = False, reason: str = "") -> None:
+        """Forget ``stream`` (resume queries go unanswered); ``abort`` tells the worker."""
+        self._streams.pop(stream.request_id, None)
+        if abort:
+            stream.finished = True
+            self._aborts.put_nowait((stream.group, stream.request_id, reason))
+
+    async def _on_out(self, msg: Msg) -> None:
+        stream = self._streams.get(msg.subject[self._out_prefix :])
+        if stream is None:
+            return  # finished, aborted, or another gateway's request
+        try:
+            chunk = Chunk.from_bytes(msg.data, self._max_payload)
+        except ProtocolError as exc:
+            stream.fail(InternalError(f"undecodable chunk from the worker: {exc.message}"))
+            return
+        stream.feed(chunk)
+
+    async def _on_resume(self, msg: Msg) -> None:
+        stream = self._streams.get(msg.subject[self._resume_prefix :])
+        if stream is None or not msg.reply:
+            return  # silence = the caller is gone; the worker drops the request
+        try:
+            query = ResumeQuery.from_bytes(msg.data, self._max_payload)
+        except ProtocolError as exc:
+            log.warning("bad resume query on %s: %s", msg.subject, exc.message)
+            return
+        await self._nc.publish(msg.reply, stream.resume(query).to_bytes())
+
+    async def _publish_aborts(self) -> None:
+        while True:
+            group, request_id, reason = await self._aborts.get()
+            control = Control(
+                action="abort",
+                issued_ms=int(time.time() * 1000),
+                group=group,
+                request_id=request_id,
+                reason=reason,
+            )
+            try:
+                await self._nc.publish(self._subjects.control_group(group), control.to_bytes())
+            except Exception:
+                log.warning("could not publish abort for %s", request_id, exc_info=True)

@@ -1,0 +1,189 @@
+"""Which instance groups can take work now: live workers and breaker state.
+
+**Live workers** come from telemetry (``<prefix>.tel.<group>.<worker>``, every second): a
+worker is live while its latest report is at most ``live_window_s`` (3 s) old and says
+``state == "serving"`` (``starting`` is not ready; ``draining`` takes no new work).
+
+**Breakers** come from the JetStream KV bucket ``nats.kv_bucket`` (default ``qos_state``),
+which the scheduler writes and this view watches:
+
+- key ``breaker.<group>`` (``<group>`` as configured, e.g. ``breaker.short``);
+- value: a JSON object or a msgpack map ``{"state": "closed" | "open" | "half_open", ...}``;
+  other fields (reason, since, batch cap...) are ignored here;
+- a missing, deleted or purged key, or a value that does not decode, reads as ``closed``,
+  so a scheduler that is down never takes a group out of service by accident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, Literal, cast
+
+import msgpack
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
+
+from common.errors import ProtocolError
+from common.protocol import Telemetry
+from common.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+BreakerState = Literal["closed", "open", "half_open"]
+BREAKER_STATES: frozenset[str] = frozenset({"closed", "open", "half_open"})
+BREAKER_KEY_PREFIX = "breaker."
+LIVE_WINDOW_S = 3.0
+
+
+def decode_breaker(value: bytes | None) -> BreakerState:
+    """A ``breaker.<group>`` value → its state; anything unreadable is ``closed``."""
+    if not value:
+        return "closed"
+    try:
+        obj: Any = json.loads(value) if value[:1] == b"{" else msgpack.unpackb(value, raw=False)
+    except Exception:
+        log.warning("undecodable breaker value %r; treating it as closed", value[:64])
+        return "closed"
+    state = obj.get("state") if isinstance(obj, dict) else None
+    if state not in BREAKER_STATES:
+        log.warning("breaker value without a known state: %r; treating it as closed", obj)
+        return "closed"
+    return cast(BreakerState, state)
+
+
+class WorkersView:
+    """Live worker counts per group and breaker states, fed by NATS, read by admission."""
+
+    def __init__(
+        self,
+        groups: Iterable[str],
+        *,
+        live_window_s: float = LIVE_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._groups = list(groups)
+        self._window = live_window_s
+        self._clock = clock
+        # group -> worker -> monotonic time of its latest "serving" report
+        self._serving: dict[str, dict[str, float]] = {g: {} for g in self._groups}
+        self._breakers: dict[str, BreakerState] = {}
+        self._waiters: list[tuple[Collection[str], asyncio.Future[None]]] = []
+        self._sub: Subscription | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def live_workers(self, group: str) -> int:
+        """Workers of ``group`` whose latest report is recent and says serving."""
+        seen = self._serving.get(group)
+        if not seen:
+            return 0
+        oldest = self._clock() - self._window
+        return sum(1 for t in seen.values() if t >= oldest)
+
+    def is_live(self, group: str) -> bool:
+        seen = self._serving.get(group)
+        if not seen:
+            return False
+        oldest = self._clock() - self._window
+        return any(t >= oldest for t in seen.values())
+
+    def live_counts(self) -> dict[str, int]:
+        return {g: self.live_workers(g) for g in self._groups}
+
+    def breaker(self, group: str) -> BreakerState:
+        return self._breakers.get(group, "closed")
+
+    def breakers(self) -> dict[str, BreakerState]:
+        return {g: self.breaker(g) for g in self._groups}
+
+    async def wait_live(self, groups: Collection[str], timeout_s: float) -> bool:
+        """Wait until a serving report arrives from any of ``groups``; False on timeout."""
+        if any(self.is_live(g) for g in groups):
+            return True
+        if timeout_s <= 0:
+            return False
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (groups, waiter)
+        self._waiters.append(entry)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        finally:
+            self._waiters.remove(entry)
+        return waiter.done()
+
+    # -- feeding ---------------------------------------------------------------------------
+
+    def on_telemetry(self, report: Telemetry) -> None:
+        """Record one worker report (also used by tests that have no NATS)."""
+        seen = self._serving.setdefault(report.group, {})
+        if report.state != "serving":
+            seen.pop(report.worker, None)
+            return
+        seen[report.worker] = self._clock()
+        for groups, waiter in self._waiters:
+            if report.group in groups and not waiter.done():
+                waiter.set_result(None)
+
+    def set_breaker(self, group: str, state: BreakerState) -> None:
+        previous = self._breakers.get(group, "closed")
+        self._breakers[group] = state
+        if state != previous:
+            log.info("breaker %s: %s -> %s", group, previous, state)
+
+    def on_breaker_entry(self, key: str, value: bytes | None, operation: str | None) -> None:
+        """Apply one KV update for ``breaker.<group>`` (DEL/PURGE = closed)."""
+        if not key.startswith(BREAKER_KEY_PREFIX):
+            return
+        group = key[len(BREAKER_KEY_PREFIX) :]
+        self.set_breaker(
+            group, "closed" if operation in ("DEL", "PURGE") else decode_breaker(value)
+        )
+
+    # -- NATS ------------------------------------------------------------------------------
+
+    async def start(self, nc: Client, subjects: Subjects, kv: KeyValue | None) -> None:
+        """Subscribe to telemetry and, given the bucket, watch ``breaker.*``."""
+        self._sub = await nc.subscribe(subjects.telemetry_wildcard, cb=self._on_message)
+        if kv is not None:
+            self._watch_task = asyncio.create_task(self._watch(kv), name="gateway-breakers")
+
+    async def stop(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            report = Telemetry.from_bytes(msg.data)
+        except ProtocolError as exc:
+            log.warning("bad telemetry on %s: %s", msg.subject, exc.message)
+            return
+        self.on_telemetry(report)
+
+    async def _watch(self, kv: KeyValue) -> None:
+        # The watcher replays current values first, then follows updates; if it fails
+        # (NATS restarted, stream recreated) start a new one rather than go blind.
+        while True:
+            try:
+                watcher = await kv.watch(BREAKER_KEY_PREFIX + "*")
+                async for entry in watcher:
+                    if entry is not None:
+                        self.on_breaker_entry(entry.key, entry.value, entry.operation)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("breaker watch failed; retrying in 1 s", exc_info=True)
+            await asyncio.sleep(1.0)

@@ -1,0 +1,80 @@
+"""Gateway fixtures: a small config, the app served by uvicorn on a free loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from common.config import Config, GatewayConfig, NatsConfig, default_groups
+from common.services import free_port
+from common.tokenizer import ByteTokenizer
+from gateway.app import create_app
+
+MODEL = "dummy:tiny"
+
+
+def gateway_config(nats_config: NatsConfig, **overrides: Any) -> Config:
+    """Three groups with small limits; ``short__max_pending=2`` style overrides per group."""
+    groups = default_groups()
+    limits = {"realtime": 64, "short": 256, "long": 2048}
+    for name, limit in limits.items():
+        groups[name] = groups[name].model_copy(update={"max_seq_len": limit})
+    gateway_kwargs: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if "__" in key:
+            group, field = key.split("__", 1)
+            groups[group] = groups[group].model_copy(update={field: value})
+        else:
+            gateway_kwargs[key] = value
+    return Config(
+        nats=nats_config,
+        groups=groups,
+        gateway=GatewayConfig(default_max_tokens=16, max_body_bytes=64 * 1024, **gateway_kwargs),
+    )
+
+
+@dataclass
+class Served:
+    app: FastAPI
+    url: str
+    config: Config
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+@contextlib.asynccontextmanager
+async def serve(config: Config, **app_kwargs: Any) -> AsyncIterator[Served]:
+    """Run the gateway with uvicorn in this event loop until the block ends."""
+    app_kwargs.setdefault("admission_wait_s", 0.3)
+    app = create_app(config, ByteTokenizer(), model=MODEL, **app_kwargs)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("uvicorn exited before it started")
+        await asyncio.sleep(0.01)
+    try:
+        yield Served(app, f"http://127.0.0.1:{port}", config)
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def gateway(nats_config: NatsConfig) -> AsyncIterator[Served]:
+    """The gateway with the default test config."""
+    async with serve(gateway_config(nats_config)) as served:
+        yield served
