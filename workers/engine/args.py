@@ -1,0 +1,102 @@
+"""EngineArgs: every knob of one engine instance, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.errors import ConfigError
+
+POLICIES = ("static", "dynamic", "continuous", "hybrid")
+BACKEND_CHOICES = ("auto", "torch", "triton")
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
+
+# Default KV budget on CPU, where there is no free-memory figure worth profiling.
+DEFAULT_CPU_KV_CACHE_GIB = 0.5
+
+
+@dataclass
+class EngineArgs:
+    """Configuration of one :class:`~workers.engine.engine.LLMEngine`.
+
+    ``model`` is a local Hugging Face folder or a ``dummy:<shape>`` spec. The KV cache is sized
+    by ``num_kv_blocks`` if given, else ``kv_cache_gib`` if given, else (CUDA) the fraction
+    ``gpu_memory_utilization`` of device memory left after a profile run, or (CPU)
+    ``DEFAULT_CPU_KV_CACHE_GIB``. ``max_seq_len=None`` means the model's context length,
+    capped to what the KV cache can hold.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    policy: str = "hybrid"
+    block_size: int = 16
+    kv_cache_gib: float | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_batch_size: int = 64
+    max_seq_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_wait_ms: float = 10.0
+    # Share of blocks kept free when admitting new requests, so running decodes can grow.
+    watermark: float = 0.01
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+
+        def bad(param: str, message: str) -> ConfigError:
+            return ConfigError(f"EngineArgs.{param}: {message}", param=param)
+
+        if not isinstance(self.model, str) or not self.model:
+            raise bad("model", "must be a model folder or a 'dummy:<shape>' spec")
+        if self.policy not in POLICIES:
+            raise bad("policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        if not _is_int(self.block_size) or not 1 <= self.block_size <= 1024:
+            raise bad("block_size", f"must be an integer in [1, 1024], got {self.block_size!r}")
+        if self.kv_cache_gib is not None and not (
+            isinstance(self.kv_cache_gib, int | float) and self.kv_cache_gib > 0
+        ):
+            raise bad("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib!r}")
+        if self.num_kv_blocks is not None and (
+            not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 1
+        ):
+            raise bad("num_kv_blocks", f"must be an integer >= 1, got {self.num_kv_blocks!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
+            raise bad("max_batch_size", f"must be an integer >= 1, got {self.max_batch_size!r}")
+        if self.max_seq_len is not None and (not _is_int(self.max_seq_len) or self.max_seq_len < 2):
+            raise bad("max_seq_len", f"must be an integer >= 2, got {self.max_seq_len!r}")
+        if not _is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", "must be an integer >= 1")
+        if self.max_num_batched_tokens < self.max_batch_size and self.policy == "hybrid":
+            raise bad(
+                "max_num_batched_tokens",
+                f"must be >= max_batch_size ({self.max_batch_size}) so every running "
+                "request can decode in one step",
+            )
+        if not isinstance(self.max_wait_ms, int | float) or self.max_wait_ms < 0:
+            raise bad("max_wait_ms", "must be >= 0")
+        if not 0.0 <= self.watermark < 0.5:
+            raise bad("watermark", "must be in [0, 0.5)")
+        if self.backend not in BACKEND_CHOICES:
+            raise bad("backend", f"must be one of {BACKEND_CHOICES}, got {self.backend!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise bad("dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise bad("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not _is_int(self.seed):
+            raise bad("seed", "must be an integer")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

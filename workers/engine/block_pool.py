@@ -1,0 +1,252 @@
+"""KV blocks: ref counts, the hash-chain prefix cache, an LRU free list and the watermark.
+
+A full block of ``block_size`` tokens is named by ``h_i = H(h_{i-1}, salt, tokens_i)``
+(:func:`hash_block`), so one name covers the whole prefix up to it: the KV tier can store
+and look blocks up by that name. A block whose last user left keeps its name and its data
+in the free list until the slot is handed out again; a new request whose prefix hashes
+to it takes it back instead of recomputing. Free blocks without a name are handed out
+first, named ones in least-recently-freed order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from workers.engine.request import Request
+
+HASH_BYTES = 16
+_ROOT = bytes(HASH_BYTES)
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: bytes = b"") -> bytes:
+    """Name of one full block: blake2b-128 over the parent's name, the salt, the tokens.
+
+    Tokens are hashed as packed little-endian int32, the same bytes as on the wire, so any
+    process (or language) can recompute a name. The first block's parent is all zeros.
+    """
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    h.update(parent if parent is not None else _ROOT)
+    h.update(len(salt).to_bytes(4, "little"))
+    h.update(salt)
+    h.update(np.asarray(token_ids, dtype="<i4").tobytes())
+    return h.digest()
+
+
+def hash_chain(
+    token_ids: Sequence[int], block_size: int, salt: bytes = b"", parents: Sequence[bytes] = ()
+) -> list[bytes]:
+    """Names of every full block of ``token_ids``; ``parents`` are names already known."""
+    chain = list(parents)
+    for i in range(len(chain), len(token_ids) // block_size):
+        chain.append(
+            hash_block(
+                chain[-1] if chain else None, token_ids[i * block_size : (i + 1) * block_size], salt
+            )
+        )
+    return chain
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()  # contents of a named block, compared on every hit
+
+
+class BlockPool:
+    """All KV blocks of one engine and the requests' claims on them.
+
+    The batcher asks :meth:`get_computed_blocks` for a cached prefix, then
+    :meth:`allocate_slots` for room for the tokens of a step, and :meth:`free` when a request
+    finishes, is preempted or aborted. After a step it calls :meth:`cache_full_blocks` so
+    the blocks that just filled become reusable by name.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        hash_salt: bytes = b"",
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_salt = hash_salt
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Head = next to hand out. Unnamed blocks go to the head, named ones to the tail.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._by_hash: dict[bytes, int] = {}
+        self.prefix_queries = 0  # tokens looked up at admission
+        self.prefix_hits = 0  # of which found in the cache
+
+    # --- figures -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a named, reusable prefix (in use or free)."""
+        return len(self._by_hash)
+
+    def usage(self) -> float:
+        """Share of blocks held by requests (named free blocks count as free)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def fragmentation(self, requests: Iterable[Request]) -> float:
+        """Allocated-but-unused slots / allocated slots, over the given (running) requests.
+
+        Only a request's last block can be partly empty, and it is never shared, so summing
+        per request counts every unused slot once.
+        """
+        allocated = self.num_used_blocks * self.block_size
+        if allocated == 0:
+            return 0.0
+        unused = sum(
+            max(0, len(r.block_table) * self.block_size - r.num_computed_tokens) for r in requests
+        )
+        return unused / allocated
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix cache --------------------------------------------------------------------
+
+    def update_hashes(self, req: Request) -> list[bytes]:
+        """Extend ``req.block_hashes`` to every full block of its tokens; return it."""
+        if len(req.block_hashes) < req.num_tokens // self.block_size:
+            req.block_hashes = hash_chain(
+                req.token_ids, self.block_size, self.hash_salt, req.block_hashes
+            )
+        return req.block_hashes
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request that has nothing computed: (block ids, tokens).
+
+        At least one token is always left to compute, since the step must produce logits.
+        Touches nothing: pass the ids to :meth:`allocate_slots` before any other allocation.
+        """
+        if not self.enable_prefix_caching or req.num_computed_tokens or req.block_table:
+            return [], 0
+        hashes = self.update_hashes(req)
+        limit = min(len(hashes), (req.num_tokens - 1) // self.block_size)
+        hits: list[int] = []
+        for i in range(limit):
+            block_id = self._by_hash.get(hashes[i])
+            if block_id is None:
+                break
+            start = i * self.block_size
+            # Equal names with different tokens would be a blake2b collision: never trust it.
+            if self.blocks[block_id].token_ids != tuple(
+                req.token_ids[start : start + self.block_size]
+            ):
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def cache_full_blocks(self, req: Request, start_token: int) -> None:
+        """Name the blocks that became full and computed since ``start_token``."""
+        if not self.enable_prefix_caching:
+            return
+        first = start_token // self.block_size
+        last = req.num_computed_tokens // self.block_size
+        if last <= first:
+            return
+        hashes = self.update_hashes(req)
+        for i in range(first, last):
+            block = self.blocks[req.block_table[i]]
+            if block.block_hash is not None or hashes[i] in self._by_hash:
+                continue  # already named, or another block holds the same prefix
+            block.block_hash = hashes[i]
+            block.token_ids = tuple(req.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            self._by_hash[hashes[i]] = block.block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every name (blocks in use keep their data)."""
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+        self._by_hash.clear()
+
+    # --- allocation ----------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[int] = (),
+        admission: bool = False,
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones (and the
+        ``computed_blocks`` prefix hit, which joins the block table first).
+
+        Admissions must leave the watermark free so that running decodes can still grow.
+        Returns False, changing nothing, when the blocks are not there.
+        """
+        total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(req.block_table) - len(computed_blocks)
+        # A hit on a free named block takes it off the free list too.
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        reserve = self.watermark_blocks if admission else 0
+        if self.num_free_blocks - max(num_new_blocks, 0) - revived < reserve:
+            return False
+        for block_id in computed_blocks:
+            self._touch(block_id)
+            req.block_table.append(block_id)
+        for _ in range(num_new_blocks):
+            req.block_table.append(self._take_free())
+        if admission:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += len(computed_blocks) * self.block_size
+        return True
+
+    def free(self, req: Request) -> None:
+        """Give back every block of ``req``. The tail goes first so that, once named blocks
+        are evicted oldest-first, a prefix outlives its own continuation."""
+        for block_id in reversed(req.block_table):
+            self._release(block_id)
+        req.block_table = []
+
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        if not self._free:
+            raise RuntimeError("block pool exhausted (allocate_slots checks this first)")
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            # Evict: the slot is about to hold new data.
+            if self._by_hash.get(block.block_hash) == block_id:
+                del self._by_hash[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of block {block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)

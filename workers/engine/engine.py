@@ -1,0 +1,435 @@
+"""LLMEngine: the step API that the worker service drives from its own thread.
+
+``add_request`` queues, ``step`` runs one forward pass and returns what it added to each
+request, ``abort`` frees a request's blocks at once. Not thread-safe: one thread owns it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
+from workers.engine.args import DEFAULT_CPU_KV_CACHE_GIB, EngineArgs
+from workers.engine.batcher import Batcher
+from workers.engine.block_pool import BlockPool
+from workers.engine.loader import is_dummy, load_model_config
+from workers.engine.model_runner import GiB, ModelRunner
+from workers.engine.outputs import EngineStats, RequestDelta, RequestOutput
+from workers.engine.request import Request
+from workers.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+# Upper bound of the profile run on CUDA when whole prompts may exceed the token budget.
+_MAX_PROFILE_TOKENS = 32768
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"EngineArgs.device: {name!r} asked but CUDA is not available", param="device"
+        )
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            "EngineArgs.backend: 'triton' needs CUDA (or TRITON_INTERPRET=1 for tests)",
+            param="backend",
+        )
+    return name
+
+
+class LLMEngine:
+    """One model, one KV cache, one batching policy. See :class:`EngineArgs`.
+
+    Priority: a lower value is served first (vLLM's convention); preemption takes the
+    least urgent, then newest, running request.
+    """
+
+    def __init__(self, args: EngineArgs, tokenizer: Any | None = None) -> None:
+        args.validate()
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.backend = resolve_backend(args.backend, self.device)
+        torch.manual_seed(args.seed)
+        self.model_config = load_model_config(args.model)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(args)
+        self.runner = ModelRunner(
+            args.model,
+            self.model_config,
+            self.device,
+            self.dtype,
+            self.backend,
+            args.block_size,
+            args.seed,
+        )
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.pool = BlockPool(
+            num_blocks, args.block_size, args.enable_prefix_caching, args.watermark
+        )
+        self.max_seq_len = self._resolve_max_seq_len()
+        capture = self.device.type == "cuda" and not args.enforce_eager and self.backend == "triton"
+        self.runner.prepare(self.max_seq_len, args.max_batch_size, capture=capture)
+        self.batcher = Batcher(
+            self.pool,
+            args.policy,
+            args.max_batch_size,
+            args.max_num_batched_tokens,
+            args.max_wait_ms,
+        )
+        from workers.engine.sampler import Sampler
+
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(
+            set(self.model_config.eos_token_ids)
+            | (set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set())
+            | _generation_config_eos(args.model)
+        )
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestDelta] = []
+        self.num_steps = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generation_tokens = 0
+        self.num_tokens_computed = 0
+        self.last_step_num_tokens = 0
+        log.info(
+            "engine ready: %s on %s/%s (%s), %d KV blocks x %d, max_seq_len %d, policy %s",
+            args.model,
+            self.device,
+            self.dtype,
+            self.backend,
+            num_blocks,
+            args.block_size,
+            self.max_seq_len,
+            args.policy,
+        )
+
+    # --- set-up --------------------------------------------------------------------------
+
+    def _num_kv_blocks(self) -> int:
+        args = self.args
+        per_block = self.runner.bytes_per_block()
+        if args.num_kv_blocks is not None:
+            n = args.num_kv_blocks
+        elif args.kv_cache_gib is not None:
+            n = int(args.kv_cache_gib * GiB // per_block)
+        elif self.device.type == "cuda":
+            max_tokens = args.max_num_batched_tokens
+            if args.policy != "hybrid":  # a whole prompt may exceed the budget
+                want = args.max_seq_len or self.model_config.max_position_embeddings
+                max_tokens = max(max_tokens, min(want, _MAX_PROFILE_TOKENS))
+            n = self.runner.profile_num_blocks(args.gpu_memory_utilization, max_tokens)
+        else:
+            n = int(DEFAULT_CPU_KV_CACHE_GIB * GiB // per_block)
+        if n < 1:
+            raise ConfigError(
+                f"EngineArgs: the KV cache budget holds no block of {per_block} bytes; "
+                "raise kv_cache_gib / gpu_memory_utilization or use a smaller model",
+                param="kv_cache_gib",
+            )
+        return n
+
+    def _resolve_max_seq_len(self) -> int:
+        cfg, bs = self.model_config, self.args.block_size
+        model_max = cfg.max_position_embeddings
+        if cfg.sliding_window:  # attention here is full; beyond the window it would differ
+            model_max = min(model_max, cfg.sliding_window)
+        # One request alone must be admissible (the watermark stays free) and able to grow.
+        capacity = (self.pool.num_blocks - self.pool.watermark_blocks) * bs
+        wanted = self.args.max_seq_len
+        if wanted is None:
+            return min(model_max, capacity)
+        if wanted > model_max:
+            raise ConfigError(
+                f"EngineArgs.max_seq_len: {wanted} exceeds the model's context length {model_max}",
+                param="max_seq_len",
+            )
+        if wanted > capacity:
+            raise ConfigError(
+                f"EngineArgs.max_seq_len: {wanted} tokens do not fit in the KV cache "
+                f"({capacity} tokens); raise kv_cache_gib/num_kv_blocks or lower max_seq_len",
+                param="max_seq_len",
+            )
+        return wanted
+
+    # --- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request (exactly one of ``prompt`` / ``prompt_token_ids``).
+
+        Raises :class:`InvalidRequestError` for a duplicate id or a bad prompt and
+        :class:`ContextLengthExceededError` when the prompt leaves no room for one token.
+        Generation stops with ``finish_reason="length"`` at ``max_seq_len``.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request {request_id!r} already exists", param="request_id")
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError(
+                "give exactly one of prompt / prompt_token_ids", param="prompt"
+            )
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    f"model {self.args.model!r} has no tokenizer: pass prompt_token_ids",
+                    param="prompt",
+                )
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt_token_ids or [])
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {vocab})", param="prompt_token_ids"
+            )
+        if len(ids) >= self.max_seq_len:
+            raise ContextLengthExceededError(
+                f"prompt has {len(ids)} tokens but this engine's max_seq_len is {self.max_seq_len} "
+                "(prompt plus at least one generated token)",
+                param="prompt",
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            priority=priority,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            prompt=prompt,
+            max_total_tokens=min(len(ids) + params.max_tokens, self.max_seq_len),
+        )
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            from workers.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, ids, params.skip_special_tokens
+            )
+            if params.stop:
+                req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.requests[request_id] = req
+        self.batcher.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; the next :meth:`step` reports it with
+        ``finish_reason="abort"``. False if it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.batcher.finish(req, "abort")
+        req.finish_time = time.time()
+        self._pending.append(
+            RequestDelta(
+                request_id,
+                [],
+                "",
+                finished=True,
+                finish_reason="abort",
+                output=RequestOutput.of(req),
+                num_output_tokens=req.num_output_tokens,
+            )
+        )
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.batcher.has_unfinished() or bool(self._pending)
+
+    # --- stepping ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        """Run one forward pass; one delta per request that got a token or finished."""
+        deltas, self._pending = self._pending, []
+        plan = self.batcher.schedule()
+        self.last_step_num_tokens = plan.num_tokens
+        if plan.is_empty:
+            return deltas
+        logits = self.runner.execute(plan)
+        self.batcher.commit(plan)
+        self.num_steps += 1
+        self.num_tokens_computed += plan.num_tokens
+        for seq, req in zip(plan.seqs, plan.requests, strict=True):
+            end = seq.start_pos + len(seq.token_ids)
+            n_prompt = req.num_prompt_tokens
+            self.num_prompt_tokens_computed += max(
+                0, min(end, n_prompt) - min(seq.start_pos, n_prompt)
+            )
+        sampling = [r for r, s in zip(plan.requests, plan.seqs, strict=True) if s.sample]
+        if not sampling:
+            return deltas
+        out = self.sampler.sample(logits, sampling)
+        self.num_generation_tokens += len(sampling)
+        now = time.time()
+        for i, req in enumerate(sampling):
+            logprob = out.logprobs[i] if out.logprobs is not None else None
+            top = out.top_logprobs[i] if out.top_logprobs is not None else None
+            deltas.append(self._accept(req, out.token_ids[i], logprob, top, now))
+        return deltas
+
+    def _accept(
+        self,
+        req: Request,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        now: float,
+    ) -> RequestDelta:
+        """Record a sampled token; decide whether it ends the request; release its text."""
+        params = req.params
+        req.append_token(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        asked = params.logprobs is not None
+        if asked:
+            lp = float(logprob) if logprob is not None else 0.0
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp
+            req.top_logprobs.append(list(top or []))
+        reason: str | None = None
+        if token in params.stop_token_ids:
+            reason, req.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        # A stop token's own text stays out unless asked for, as in vLLM.
+        hidden = reason is not None and not params.include_stop_str_in_output
+        text = ""
+        if req.detokenizer is not None:
+            piece = req.detokenizer.add(token)
+            text = self._match_stop(req, "" if hidden else piece)
+            if reason is None and req.stop_matcher is not None and req.stop_matcher.stopped:
+                reason = "stop"
+        if reason is None and (
+            req.num_output_tokens >= params.max_tokens or req.num_tokens >= req.max_total_tokens
+        ):
+            reason = "length"
+        stopped_by_string = req.stop_matcher is not None and req.stop_matcher.stopped
+        if reason is not None and req.detokenizer is not None and not stopped_by_string:
+            # Release what was held back: an unfinished character, a partial stop string.
+            text += self._match_stop(req, "" if hidden else req.detokenizer.flush())
+            if req.stop_matcher is not None:
+                text += req.stop_matcher.flush()
+        req.output_text += text
+        if reason is not None:
+            self._finish(req, reason, now)
+        return RequestDelta(
+            request_id=req.request_id,
+            token_ids=[token],
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=[req.logprobs[-1]] if asked else None,
+            top_logprobs=[req.top_logprobs[-1]] if asked else None,
+            output=RequestOutput.of(req) if reason is not None else None,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    @staticmethod
+    def _match_stop(req: Request, piece: str) -> str:
+        """Pass new text through the request's stop strings; remember which one matched."""
+        matcher = req.stop_matcher
+        if matcher is None or not piece:
+            return piece
+        longest = max(len(s) for s in req.params.stop)
+        req.stop_window = (req.stop_window + piece)[-2 * longest - len(piece) :]
+        check = matcher.feed(piece)
+        if check.stopped and req.stop_reason is None:
+            ends = {
+                s: req.stop_window.find(s) + len(s) for s in req.params.stop if s in req.stop_window
+            }
+            req.stop_reason = min(ends, key=lambda s: ends[s]) if ends else None
+        return str(check.text)
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        self.batcher.finish(req, reason)
+        req.finish_time = now
+        self.requests.pop(req.request_id, None)
+
+    # --- telemetry -----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """Counters and gauges for telemetry (cheap: no device work)."""
+        return EngineStats(
+            num_running=len(self.batcher.running),
+            num_waiting=len(self.batcher.waiting),
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            kv_usage=self.pool.usage(),
+            fragmentation=self.pool.fragmentation(self.batcher.running),
+            prefix_cache_queries=self.pool.prefix_queries,
+            prefix_cache_hits=self.pool.prefix_hits,
+            num_preemptions=self.batcher.num_preemptions,
+            num_steps=self.num_steps,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_generation_tokens=self.num_generation_tokens,
+            num_tokens_computed=self.num_tokens_computed,
+        )
+
+
+def _load_tokenizer(args: EngineArgs) -> Any | None:
+    """The model's tokenizer; None for a folder without one (token ids in and out only)."""
+    from common.tokenizer import TokenizerFileNotFoundError, load_tokenizer
+
+    source = args.tokenizer or args.model
+    try:
+        return load_tokenizer(source)
+    except TokenizerFileNotFoundError:
+        if args.tokenizer is not None:
+            raise
+        log.warning("no tokenizer in %s: the engine takes and returns token ids only", source)
+        return None
+
+
+def _generation_config_eos(model: str) -> set[int]:
+    """EOS ids of ``generation_config.json`` (what ``transformers.generate`` stops on)."""
+    if is_dummy(model):
+        return set()
+    path = Path(model) / "generation_config.json"
+    if not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}

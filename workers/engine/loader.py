@@ -1,0 +1,209 @@
+"""Model folder (or ``dummy:<shape>`` spec) to a ready :class:`LlamaForCausalLM`.
+
+A Hugging Face folder needs ``config.json`` and its ``*.safetensors`` (sharded ones are
+found through ``model.safetensors.index.json``); tensors are read with ``safetensors``
+straight onto the target device, no ``transformers`` import. ``dummy:<shape>`` builds
+random weights of a real model's shape on the target device, scaled so activations stay
+finite, for benchmarks without a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.errors import ConfigError
+from workers.engine.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# Real shapes (from the models' config.json), for benchmarks with random weights.
+DUMMY_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+    "qwen2-0.5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "llama-1b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_scaling=_LLAMA3_ROPE,
+        eos_token_id=[128001, 128008, 128009],
+    ),
+    "llama-8b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
+        eos_token_id=[128001, 128008, 128009],
+    ),
+}
+
+
+class ModelLoadError(ConfigError):
+    """The model cannot be loaded; the message names the file, tensor or architecture."""
+
+    default_code = "model_load_error"
+
+
+def is_dummy(model: str) -> bool:
+    return model.startswith("dummy:")
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """Read and check a folder's ``config.json``, or a dummy spec's shape."""
+    if is_dummy(model):
+        shape = model.split(":", 1)[1]
+        if shape not in DUMMY_SHAPES:
+            raise ModelLoadError(
+                f"unknown dummy model {model!r}; known: "
+                + ", ".join(f"dummy:{s}" for s in DUMMY_SHAPES)
+            )
+        return ModelConfig.from_hf(dict(DUMMY_SHAPES[shape]))
+    folder = Path(model)
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {model!r} does not exist")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing (a model folder needs config.json)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: unreadable ({exc})") from exc
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if archs and not known:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {archs}; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    if model_type not in SUPPORTED_ARCHITECTURES.values():
+        raise ModelLoadError(
+            f"{path}: unsupported model_type {model_type!r}; supported: "
+            + ", ".join(sorted(set(SUPPORTED_ARCHITECTURES.values())))
+        )
+    try:
+        return ModelConfig.from_hf(cfg)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's shards: those the index names, else every ``*.safetensors``."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: missing (named by {index.name})")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights found")
+    return files
+
+
+def iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, st.get_tensor(name)
+
+
+def load_model(
+    model: str,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Build the decoder on ``device`` in ``dtype`` and fill its weights."""
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg, backend)
+    # Allocate once, in the final dtype, on the final device: no fp32 or CPU staging copy.
+    net = net.to(dtype).to_empty(device=device)
+    net.inv_freq = rope_inv_freq(cfg).to(device)
+    if is_dummy(model):
+        init_dummy_weights(net, seed)
+    else:
+        files = safetensors_files(Path(model))
+        try:
+            with torch.no_grad():
+                net.load_weights(iter_safetensors(files, device))
+        except ValueError as exc:
+            raise ModelLoadError(f"{model}: {exc}") from exc
+    return net.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(net: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights in place: N(0, 0.02) matrices (activations stay O(1) through RMSNorm
+    and the residual stream), unit norms, zero biases. Drawn on the device itself."""
+    gen = torch.Generator(device=net.inv_freq.device).manual_seed(seed)
+    for name, p in net.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

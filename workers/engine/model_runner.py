@@ -1,0 +1,302 @@
+"""Tensors in, logits out: one :class:`BatchPlan` becomes one forward pass.
+
+The runner owns the model, the paged KV cache (one ``[num_blocks, block_size, n_kv, d]``
+pair per layer) and the per-step inputs. Inputs are built on the host with numpy, packed
+into one pinned int64 buffer and copied to the device with a single non-blocking copy.
+On CUDA, all-decode steps replay a CUDA graph captured for the next batch-size bucket
+(padding rows write to slot -1), since without graphs Python launch overhead dominates.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from workers.engine.attention import AttentionMetadata
+from workers.engine.batcher import BatchPlan, ScheduledSeq
+from workers.engine.loader import load_model
+from workers.engine.models.llama import KVCache, ModelConfig
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def graph_buckets(max_batch_size: int) -> list[int]:
+    """Batch sizes that get a decode graph: 1, 2, 4, 8, then every 8 up to the maximum."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch_size]
+    sizes += list(range(16, max_batch_size, 8))
+    return [*sizes, max_batch_size]
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+@dataclass
+class StepInputs:
+    """Device tensors of one step."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_idx: torch.Tensor  # rows of the hidden states that sample
+    num_seqs: int
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
+class ModelRunner:
+    """Loads the model, allocates the KV cache and runs steps."""
+
+    def __init__(
+        self,
+        model: str,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend: str,
+        block_size: int,
+        seed: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.backend = backend
+        self.block_size = block_size
+        self.model = load_model(model, cfg, device, dtype, backend, seed)
+        self.kv_caches: list[KVCache] = []
+        self.num_blocks = 0
+        self.max_seq_len = 0
+        self.max_batch_size = 0
+        self._graphs: dict[int, _Graph] = {}
+        self._graph_bufs: dict[str, torch.Tensor] = {}
+        self._pinned: torch.Tensor | None = None
+        self._copy_done: torch.cuda.Event | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    # --- KV cache ------------------------------------------------------------------------
+
+    def bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.cfg, self.block_size, self.dtype)
+
+    def profile_num_blocks(self, gpu_memory_utilization: float, max_tokens: int) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` of the device once the weights and
+        the peak activations of a ``max_tokens`` forward (measured, not guessed) are paid."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        # A throw-away cache just big enough for the profile run's sequences.
+        n_seqs = max(1, -(-max_tokens // 2048))
+        seq_len = -(-max_tokens // n_seqs)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self.allocate_kv_cache(n_seqs * blocks_per_seq)
+        seqs = [
+            ScheduledSeq(
+                request_id=str(i),
+                token_ids=[0] * seq_len,
+                start_pos=0,
+                block_table=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                sample=True,
+            )
+            for i in range(n_seqs)
+        ]
+        self.prepare(max_seq_len=seq_len, max_batch_size=n_seqs, capture=False)
+        self.execute(BatchPlan(seqs=seqs))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        cache_bytes = (
+            self.kv_caches[0][0].numel()
+            * 2
+            * len(self.kv_caches)
+            * self.kv_caches[0][0].element_size()
+        )
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        used_before = total - free  # weights, CUDA context, other processes
+        activations = max(0, peak - cache_bytes)
+        budget = total * gpu_memory_utilization - used_before - activations
+        log.info(
+            "kv budget: total %.1f GiB, in use %.1f GiB, activations %.2f GiB -> %.2f GiB",
+            total / GiB,
+            used_before / GiB,
+            activations / GiB,
+            budget / GiB,
+        )
+        return int(budget // self.bytes_per_block())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One K and one V tensor per layer, carved from a single allocation."""
+        cfg = self.cfg
+        cache = torch.zeros(
+            2,
+            cfg.num_layers,
+            num_blocks,
+            self.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.kv_caches = [(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)]
+        self.num_blocks = num_blocks
+
+    # --- preparing -----------------------------------------------------------------------
+
+    def prepare(self, max_seq_len: int, max_batch_size: int, capture: bool) -> None:
+        """Size host buffers for the engine's limits; capture decode graphs if asked."""
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+        self._pinned = None
+        self._graphs.clear()
+        if capture and self.is_cuda:
+            self._capture_graphs()
+
+    def _stage(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Move host int arrays to the device as int64, in one copy on CUDA."""
+        if not self.is_cuda:
+            return [torch.from_numpy(a.astype(np.int64, copy=False)) for a in arrays]
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if self._pinned is None or self._pinned.numel() < total:
+            self._pinned = torch.empty(max(total, 1 << 16), dtype=torch.int64, pin_memory=True)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous copy must be out of the buffer
+        host = self._pinned.numpy()
+        offset = 0
+        for a, n in zip(arrays, sizes, strict=True):
+            host[offset : offset + n] = a.reshape(-1)
+            offset += n
+        dev = self._pinned[:total].to(self.device, non_blocking=True)
+        self._copy_done = torch.cuda.Event()
+        self._copy_done.record()
+        out, offset = [], 0
+        for a, n in zip(arrays, sizes, strict=True):
+            out.append(dev[offset : offset + n].view(a.shape))
+            offset += n
+        return out
+
+    def build_inputs(self, seqs: list[ScheduledSeq], decode: bool) -> StepInputs:
+        """Packed inputs and attention metadata of one step (host work, one copy)."""
+        bs = self.block_size
+        n = len(seqs)
+        lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
+        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        t = int(cu[-1])
+        input_ids = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=t
+        )
+        seq_of_token = np.repeat(np.arange(n), lens)
+        positions = np.arange(t, dtype=np.int64) + np.repeat(starts - cu[:-1], lens)
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((n, width), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        context_lens = starts + lens
+        sample_rows = np.fromiter((i for i, s in enumerate(seqs) if s.sample), dtype=np.int64)
+        logits_idx = sample_rows if decode else cu[1:][sample_rows] - 1
+        ids_d, pos_d, slots_d, tables_d, ctx_d, cu_d, idx_d = self._stage(
+            [input_ids, positions, slots, tables, context_lens, cu, logits_idx]
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slots_d,
+            block_tables=tables_d.to(torch.int32),
+            context_lens=ctx_d.to(torch.int32),
+            cu_seqlens_q=None if decode else cu_d.to(torch.int32),
+            max_seqlen_q=int(lens.max()),
+            max_context_len=int(context_lens.max()),
+        )
+        return StepInputs(ids_d, pos_d, meta, idx_d, n)
+
+    # --- running -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan) -> torch.Tensor:
+        """Run one step; fp32 logits ``[num sampling seqs, vocab]`` in plan order."""
+        decode = plan.is_decode
+        inputs = self.build_inputs(plan.seqs, decode)
+        if decode and self._graphs and inputs.num_seqs <= self.max_batch_size:
+            return self._replay(inputs)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        return self.model.compute_logits(hidden[inputs.logits_idx])
+
+    # --- CUDA graphs ---------------------------------------------------------------------
+
+    def _capture_graphs(self) -> None:
+        """One graph per bucket, largest first so the smaller ones reuse its memory pool."""
+        max_bs = self.max_batch_size
+        width = -(-self.max_seq_len // self.block_size)
+        dev = self.device
+        bufs = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            "block_tables": torch.zeros(max_bs, width, dtype=torch.int32, device=dev),
+            # Padding rows have no context: the decode kernel writes zeros for them.
+            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+        }
+        self._graph_bufs = bufs
+        pool = None
+        for bs in reversed(graph_buckets(max_bs)):
+            meta = AttentionMetadata(
+                slot_mapping=bufs["slot_mapping"][:bs],
+                block_tables=bufs["block_tables"][:bs],
+                context_lens=bufs["context_lens"][:bs],
+                cu_seqlens_q=None,
+                max_seqlen_q=1,
+                max_context_len=self.max_seq_len,  # static grid: kernels stop at context_lens
+            )
+
+            def run(bs: int = bs, meta: AttentionMetadata = meta) -> torch.Tensor:
+                hidden = self.model(
+                    bufs["input_ids"][:bs], bufs["positions"][:bs], meta, self.kv_caches
+                )
+                return self.model.compute_logits(hidden)
+
+            with torch.inference_mode():
+                run()  # compile / autotune the kernels outside the capture
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = run()
+            pool = graph.pool()
+            self._graphs[bs] = _Graph(graph, logits)
+        torch.cuda.synchronize(dev)
+        log.info("captured decode graphs for batch sizes %s", sorted(self._graphs))
+
+    def _replay(self, inputs: StepInputs) -> torch.Tensor:
+        n = inputs.num_seqs
+        bucket = next(b for b in sorted(self._graphs) if b >= n)
+        bufs = self._graph_bufs
+        meta = inputs.meta
+        bufs["input_ids"][:n].copy_(inputs.input_ids)
+        bufs["positions"][:n].copy_(inputs.positions)
+        bufs["slot_mapping"][:n].copy_(meta.slot_mapping)
+        bufs["context_lens"][:n].copy_(meta.context_lens)
+        width = meta.block_tables.shape[1]
+        bufs["block_tables"][:n, :width].copy_(meta.block_tables)
+        if bucket > n:
+            bufs["input_ids"][n:bucket].zero_()
+            bufs["positions"][n:bucket].zero_()
+            bufs["slot_mapping"][n:bucket].fill_(-1)
+            bufs["context_lens"][n:bucket].zero_()
+        g = self._graphs[bucket]
+        g.graph.replay()
+        return g.logits[inputs.logits_idx]

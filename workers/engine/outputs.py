@@ -1,0 +1,113 @@
+"""What the engine hands back: per-step deltas, final outputs, and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.engine.request import Request
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Times are ``time.time()`` seconds; ``first_token_time - arrival_time`` is the TTFT."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    num_cached_tokens: int
+    num_preemptions: int
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's result. ``logprobs[i]`` is the logprob of ``token_ids[i]`` (when asked)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+    cumulative_logprob: float | None
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens
+
+    @classmethod
+    def of(cls, req: Request) -> RequestOutput:
+        """Snapshot of a request's state."""
+        asked = req.params.logprobs is not None
+        return cls(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            token_ids=list(req.output_token_ids),
+            text=req.output_text,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            cumulative_logprob=req.cumulative_logprob if asked else None,
+            logprobs=list(req.logprobs) if asked else None,
+            top_logprobs=[list(t) for t in req.top_logprobs] if asked else None,
+            metrics=RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                finish_time=req.finish_time,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+                num_preemptions=req.num_preemptions,
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step added to one request. ``output`` is set on the finishing delta only."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    output: RequestOutput | None = None
+    num_output_tokens: int = 0  # tokens generated so far, these included
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Telemetry of one engine at one moment; counters are totals since start."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    fragmentation: float
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens_computed: int
+    num_generation_tokens: int
+    num_tokens_computed: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )

@@ -1,0 +1,104 @@
+"""One request's state inside the engine: tokens, status, KV blocks and bookkeeping.
+
+Priority follows vLLM: a *lower* value is served first; the default is 0. The waiting
+queue of the ``hybrid`` policy is ordered by ``(priority, arrival_time)``, and preemption
+picks the request with the largest ``(priority, arrival_time)``: least urgent, then newest.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A request from ``add_request`` until it finishes (identity-compared, not by value).
+
+    ``token_ids`` holds prompt then output tokens; ``num_computed_tokens`` of them have their
+    K/V in the cache (``block_table``). ``block_hashes`` is the hash chain of every full block
+    of ``token_ids`` so far (see :mod:`workers.engine.block_pool`).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.time)
+    prompt: str | None = None
+    generator: torch.Generator | None = None
+    detokenizer: Any = None
+    stop_matcher: Any = None
+    eos_token_ids: frozenset[int] = frozenset()
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 = not admitted yet
+    num_preemptions: int = 0
+    # Decoding budget: min(prompt + max_tokens, max_seq_len), set by the engine.
+    max_total_tokens: int = 0
+
+    output_text: str = ""
+    stop_window: str = ""  # recent raw text, to name the stop string that matched
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if not self.max_total_tokens:
+            self.max_total_tokens = len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while the prompt (or, after preemption, prompt + output) is not all computed."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Queue order: most urgent first, then oldest."""
+        return (self.priority, self.arrival_time)
+
+    def append_token(self, token_id: int) -> None:
+        """Record one sampled token."""
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
