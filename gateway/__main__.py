@@ -8,6 +8,7 @@ import sys
 
 from common.config import load_config
 from common.errors import ConfigError
+from common.models import resolve_model, served_name
 from common.tokenizer import load_tokenizer
 
 
@@ -19,6 +20,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="model folder (its tokenizer and chat template) or dummy:<shape>; "
         "default: worker.model from the config",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        help="the model name clients send (default: gateway.served_model_name, else the "
+        "model folder's name)",
     )
     parser.add_argument("--host", help="listen address (default: gateway.host)")
     parser.add_argument("--port", type=int, help="listen port (default: gateway.port)")
@@ -39,17 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"qosserve-gateway: {exc.message}", file=sys.stderr)
         return 2
-    model = args.model or config.worker.model
+    spec = args.model or config.worker.model
     try:
+        model = resolve_model(spec)
         tokenizer = load_tokenizer(model)
     except (OSError, ValueError) as exc:
-        print(f"qosserve-gateway: cannot load the tokenizer of {model!r}: {exc}", file=sys.stderr)
+        print(f"qosserve-gateway: cannot load the tokenizer of {spec!r}: {exc}", file=sys.stderr)
         return 2
 
     import uvicorn
 
     from gateway.app import create_app
 
+    if args.served_model_name:
+        config.gateway.served_model_name = args.served_model_name
+    elif config.gateway.served_model_name is None:
+        config.gateway.served_model_name = served_name(spec)
     app = create_app(config, tokenizer, model=model)
     uvicorn.run(
         app,

@@ -113,9 +113,11 @@ class Generator:
         started = time.monotonic()
         group_label = "-"
         try:
-            body = parse_body(
-                CompletionRequest if kind == "completion" else ChatCompletionRequest,
-                await self._read_body(request),
+            raw = await self._read_body(request)
+            body: CompletionRequest | ChatCompletionRequest = (
+                parse_body(CompletionRequest, raw)
+                if kind == "completion"
+                else parse_body(ChatCompletionRequest, raw)
             )
             body.check_stream_options()
             if body.model is not None and body.model not in self._model_names:

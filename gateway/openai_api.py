@@ -9,6 +9,7 @@ never a silent coercion, because a client that misspells ``max_tokens`` deserves
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -184,6 +185,14 @@ class ChatCompletionRequest(_SamplingBody):
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 
 
+# Parameters that accept several shapes: one sentence beats one error per alternative.
+_UNION_HINTS = {
+    "prompt": "must be a string, a list with one string, or a list of token ids",
+    "stop": "must be a string or a list of strings",
+    "messages[].content": 'must be a string or a list of {"type": "text", "text": ...} parts',
+}
+
+
 def _param_of(loc: tuple[int | str, ...]) -> str | None:
     """A pydantic error location as the parameter a client wrote: ``messages[0].content``."""
     if not loc:
@@ -193,7 +202,7 @@ def _param_of(loc: tuple[int | str, ...]) -> str | None:
         param += f"[{loc[1]}]"
         if len(loc) > 2 and loc[2] in ChatMessage.model_fields:
             param += f".{loc[2]}"
-    elif param == "stream_options" and len(loc) > 1 and loc[1] in StreamOptions.model_fields:
+    elif param == "stream_options" and len(loc) > 1 and isinstance(loc[1], str):
         param += f".{loc[1]}"
     return param
 
@@ -234,8 +243,11 @@ def _to_invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestErro
         )
     # Unions report one error per alternative: the last is usually the closest match, but
     # a validator's own wording (ValueError) says what is wrong best.
-    chosen = next((e for e in errors if e["type"] == "value_error"), first)
-    message = chosen["msg"].removeprefix("Value error, ")
+    chosen = next((e for e in errors if e["type"] == "value_error"), None)
+    if chosen is not None:
+        message = chosen["msg"].removeprefix("Value error, ")
+    else:
+        message = _UNION_HINTS.get(re.sub(r"\[\d+\]", "[]", param or ""), first["msg"])
     return InvalidRequestError(
         f"Invalid value for '{param}': {message}", param=param, code="invalid_value"
     )

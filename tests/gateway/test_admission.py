@@ -1,0 +1,192 @@
+"""Admission: 429 when a group is full, 503 when nobody serves it, fallbacks, breakers."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+
+import httpx
+import msgpack
+import pytest
+
+from common.config import Config, NatsConfig
+from common.errors import RateLimitError, ServiceUnavailableError
+from common.nats import connect
+from common.protocol import Telemetry
+from gateway.admission import Admission
+from gateway.workers_view import WorkersView, decode_breaker
+from tests.gateway.conftest import MODEL, gateway_config, serve
+from tests.gateway.fake_worker import echo_alphabet, running_worker
+
+BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 6}
+
+
+def _report(group: str, worker: str = "w", state: str = "serving") -> Telemetry:
+    return Telemetry(worker=worker, group=group, ts_ms=0, state=state)  # type: ignore[arg-type]
+
+
+async def test_saturated_group_answers_429_with_retry_after(nats_config: NatsConfig):
+    slow = functools.partial(echo_alphabet, delay_s=0.4)
+    config = gateway_config(nats_config, short__max_pending=2)
+    async with (
+        serve(config) as gw,
+        running_worker(nats_config, "short", behaviour=slow),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        responses = await asyncio.gather(
+            *(http.post("/v1/completions", json=BODY) for _ in range(3))
+        )
+        statuses = sorted(r.status_code for r in responses)
+        assert statuses == [200, 200, 429]
+        shed = next(r for r in responses if r.status_code == 429)
+        assert shed.json()["error"]["type"] == "rate_limit_error"
+        assert int(shed.headers["Retry-After"]) >= 1
+        # Slots come back: the group admits again once the two finished.
+        assert (await http.post("/v1/completions", json=BODY)).status_code == 200
+        health = (await http.get("/health")).json()
+        assert health["groups"]["short"]["in_flight"] == 0
+
+
+async def test_group_without_worker_answers_503_after_a_short_wait(nats_config: NatsConfig):
+    async with (
+        serve(gateway_config(nats_config), admission_wait_s=0.3) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        started = time.monotonic()
+        response = await http.post("/v1/completions", json=BODY)
+        waited = time.monotonic() - started
+    assert response.status_code == 503 and "Retry-After" in response.headers
+    assert response.json()["error"]["code"] == "service_unavailable"
+    assert 0.25 <= waited < 2.0
+
+
+async def test_request_waits_for_a_worker_that_appears(nats_config: NatsConfig):
+    async with (
+        serve(gateway_config(nats_config), admission_wait_s=3.0) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        pending = asyncio.create_task(http.post("/v1/completions", json=BODY))
+        await asyncio.sleep(0.3)
+        assert not pending.done()
+        async with running_worker(nats_config, "short"):
+            response = await pending
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "abcdef"
+
+
+async def test_fallback_serves_a_group_without_workers(nats_config: NatsConfig):
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short") as short,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        response = await http.post("/v1/realtime/completions", json=BODY)
+        metrics = (await http.get("/metrics")).text
+    assert response.status_code == 200
+    assert response.headers["X-QoS-Group"] == "short"
+    assert response.headers["X-QoS-Fallback-From"] == "realtime"
+    assert len(short.jobs) == 1 and short.jobs[0].request.group == "short"
+    assert (
+        'qos_gateway_fallbacks_total{from_group="realtime",reason="no_worker",to_group="short"} 1.0'
+        in metrics
+    )
+
+
+async def test_open_breaker_sends_new_requests_to_the_fallback(nats_config: NatsConfig):
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short") as short,
+        running_worker(nats_config, "long") as long,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        nc = await connect(nats_config, "test-scheduler")
+        kv = await nc.jetstream().key_value(nats_config.kv_bucket)
+        try:
+            await kv.put("breaker.short", json.dumps({"state": "open", "reason": "p99"}).encode())
+            await _until(lambda: gw.app.state.gateway.view.breaker("short") == "open")
+            opened = await http.post("/v1/completions", json=BODY)
+            await kv.put("breaker.long", msgpack.packb({"state": "open"}))
+            await _until(lambda: gw.app.state.gateway.view.breaker("long") == "open")
+            nowhere = await http.post("/v1/completions", json=BODY)
+            await kv.delete("breaker.short")
+            await _until(lambda: gw.app.state.gateway.view.breaker("short") == "closed")
+            closed = await http.post("/v1/completions", json=BODY)
+        finally:
+            await nc.close()
+    assert opened.status_code == 200 and opened.headers["X-QoS-Group"] == "long"
+    assert opened.headers["X-QoS-Fallback-From"] == "short"
+    assert nowhere.status_code == 503  # short open, its fallback long open too
+    assert closed.status_code == 200 and closed.headers["X-QoS-Group"] == "short"
+    assert (len(short.jobs), len(long.jobs)) == (1, 1)
+
+
+async def test_worker_that_stops_reporting_is_no_longer_live(nats_config: NatsConfig):
+    async with (
+        serve(gateway_config(nats_config), live_window_s=0.5, admission_wait_s=0.2) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        async with running_worker(nats_config, "short", telemetry_s=0.1):
+            await _until(lambda: gw.app.state.gateway.view.live_workers("short") == 1)
+            health = (await http.get("/health")).json()
+        await asyncio.sleep(0.7)
+        response = await http.post("/v1/completions", json=BODY)
+    assert health["status"] == "ok" and health["groups"]["short"]["live_workers"] == 1
+    assert response.status_code == 503
+
+
+# -- without NATS: the decision itself ------------------------------------------------------
+
+
+async def test_draining_worker_takes_no_new_requests():
+    view = WorkersView(["short"])
+    view.on_telemetry(_report("short"))
+    assert view.is_live("short")
+    view.on_telemetry(_report("short", state="draining"))
+    assert not view.is_live("short")
+
+
+async def test_half_open_breaker_admits_its_share_and_passes_the_rest_on():
+    config = Config()
+    view = WorkersView(config.groups)
+    for group in config.groups:
+        view.on_telemetry(_report(group))
+    view.set_breaker("short", "half_open")  # default half_open_share = 0.25
+    admission = Admission(config, view)
+    routes = [await admission.admit("short", 10, 1.0) for _ in range(8)]
+    assert [r.group for r in routes].count("short") == 2
+    assert {r.reason for r in routes if r.is_fallback} == {"breaker_half_open"}
+
+
+async def test_waiting_requests_count_against_max_pending():
+    config = gateway_config(NatsConfig(), short__max_pending=1)
+    admission = Admission(config, WorkersView(config.groups), wait_s=0.5)
+    waiting = asyncio.create_task(admission.admit("short", 10, 5.0))
+    await asyncio.sleep(0.05)
+    with pytest.raises(RateLimitError):
+        await admission.admit("short", 10, 5.0)
+    with pytest.raises(ServiceUnavailableError):
+        await waiting
+    assert admission.in_flight("short") == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "state"),
+    [
+        (b'{"state": "open"}', "open"),
+        (msgpack.packb({"state": "half_open", "since": 1}), "half_open"),
+        (b'{"state": "melted"}', "closed"),
+        (b"\xc1garbage", "closed"),
+        (None, "closed"),
+    ],
+)
+def test_breaker_values_decode_and_anything_unreadable_is_closed(value, state):
+    assert decode_breaker(value) == state
+
+
+async def _until(condition, timeout_s: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)

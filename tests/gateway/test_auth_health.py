@@ -1,0 +1,118 @@
+"""API keys, /health, /metrics, and a non-streaming client that gives up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import openai
+import pytest
+
+from common.config import NatsConfig
+from common.protocol import Control
+from common.subjects import Subjects
+from gateway.auth import ApiKeys, key_digest
+from tests.gateway.conftest import MODEL, gateway_config, serve
+from tests.gateway.fake_worker import never_answer, running_worker
+
+BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+KEY = "sk-test-0123456789"
+
+
+async def test_api_keys_missing_or_wrong_is_401_right_is_200(nats_config: NatsConfig):
+    config = gateway_config(nats_config, api_key_sha256=[key_digest("other"), key_digest(KEY)])
+    async with (
+        serve(config) as gw,
+        running_worker(nats_config, "short"),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        missing = await http.post("/v1/completions", json=BODY)
+        wrong = await http.post(
+            "/v1/completions", json=BODY, headers={"Authorization": "Bearer sk-nope"}
+        )
+        models = await http.get("/v1/models")
+        health = await http.get("/health")  # probes stay open
+        right = await openai.AsyncOpenAI(
+            base_url=gw.base_url, api_key=KEY, max_retries=0
+        ).completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    for response in (missing, wrong, models):
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert health.status_code == 200
+    assert right.choices[0].text == "abc"
+
+
+async def test_no_keys_configured_is_open_and_warns(
+    nats_config: NatsConfig, caplog: pytest.LogCaptureFixture
+):
+    with caplog.at_level(logging.WARNING, logger="gateway.auth"):
+        async with (
+            serve(gateway_config(nats_config)) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+        ):
+            response = await http.get("/v1/models", headers={"Authorization": "Bearer anything"})
+    assert response.status_code == 200
+    assert any("no API keys configured" in r.message for r in caplog.records)
+
+
+def test_malformed_authorization_header_is_401():
+    keys = ApiKeys([key_digest(KEY)])
+    keys.check(f"Bearer {KEY}")
+    for header in ("", KEY, f"Basic {KEY}", "Bearer "):
+        with pytest.raises(Exception) as info:
+            keys.check(header)
+        assert getattr(info.value, "http_status", None) == 401
+
+
+async def test_health_and_metrics_report_groups_and_requests(nats_config: NatsConfig):
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short"),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        ok = await http.post("/v1/completions", json=BODY)
+        streamed = await http.post("/v1/completions", json={**BODY, "stream": True})
+        bad = await http.post("/v1/completions", json={**BODY, "top_p": 7})
+        health = (await http.get("/health")).json()
+        metrics = (await http.get("/metrics")).text
+    assert (ok.status_code, streamed.status_code, bad.status_code) == (200, 200, 400)
+    assert health["status"] == "ok" and health["nats"] is True
+    assert health["groups"]["short"] == {"live_workers": 1, "breaker": "closed", "in_flight": 0}
+    assert health["groups"]["long"]["live_workers"] == 0
+    assert 'qos_gateway_requests_total{group="short",status="200"} 2.0' in metrics
+    assert 'qos_gateway_requests_total{group="-",status="400"} 1.0' in metrics
+    assert (
+        'qos_gateway_time_to_first_token_seconds_count{group="short",model="dummy:tiny"} 2.0'
+        in metrics
+    )
+    assert (
+        'qos_gateway_e2e_request_latency_seconds_count{group="short",model="dummy:tiny"} 2.0'
+        in metrics
+    )
+    assert 'qos_gateway_requests_in_flight{group="short"} 0.0' in metrics
+    assert 'qos_gateway_live_workers{group="short"} 1.0' in metrics
+
+
+async def test_non_streaming_client_that_gives_up_aborts_the_worker(nats_config: NatsConfig):
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=never_answer) as worker,
+    ):
+        controls: list[Control] = []
+
+        async def on_msg(msg) -> None:  # type: ignore[no-untyped-def]
+            controls.append(Control.from_bytes(msg.data))
+
+        await worker.nc.subscribe(
+            Subjects(nats_config.subject_prefix).control_group("short"), cb=on_msg
+        )
+        async with httpx.AsyncClient(base_url=gw.url, timeout=0.3) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json=BODY)
+        for _ in range(100):  # the gateway looks for a gone client once a second
+            if controls:
+                break
+            await asyncio.sleep(0.03)
+        assert [c.request_id for c in controls] == [worker.jobs[0].request.id]
+        assert gw.app.state.gateway.admission.in_flight("short") == 0

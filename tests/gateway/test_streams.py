@@ -1,0 +1,268 @@
+"""Every token exactly once, in order: reordering, overlap trimming, resume after redelivery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import nats.errors
+import pytest
+
+from common.config import NatsConfig
+from common.errors import DeadlineExceededError, RateLimitError
+from common.protocol import Chunk, ErrorInfo, ResumeQuery, ResumeReply, Usage
+from common.subjects import Subjects
+from gateway.streams import Delivery, ResponseStream
+from tests.gateway.conftest import MODEL, gateway_config, serve
+from tests.gateway.fake_worker import Job, alphabet_tokens, running_worker
+
+
+def _stream() -> ResponseStream:
+    # Token ids are bytes here: the tail's text is just those bytes.
+    return ResponseStream("cmpl-x", "short", lambda _done, new: bytes(new).decode())
+
+
+def _chunk(seq: int, text: str, attempt: int = 1, **kwargs: object) -> Chunk:
+    return Chunk(
+        id="cmpl-x", seq=seq, attempt=attempt, token_ids=list(text.encode()), text=text, **kwargs
+    )  # type: ignore[arg-type]
+
+
+def _drain(stream: ResponseStream) -> list[Delivery]:
+    out = []
+    while stream._ready:
+        out.append(stream._ready.popleft())
+    return out
+
+
+def test_out_of_order_chunks_are_held_until_the_gap_fills():
+    stream = _stream()
+    stream.feed(_chunk(3, "def"))
+    stream.feed(_chunk(6, "g", finish_reason="stop"))
+    assert _drain(stream) == []
+    stream.feed(_chunk(0, "abc"))
+    out = _drain(stream)
+    assert "".join(d.text for d in out) == "abcdefg" and out[-1].finish_reason == "stop"
+    assert stream.token_ids == list(b"abcdefg")
+
+
+def test_overlapping_chunk_is_trimmed_to_the_new_tokens():
+    stream = _stream()
+    stream.feed(_chunk(0, "abcd"))
+    stream.feed(_chunk(2, "cdef"))
+    stream.feed(_chunk(1, "bc"))  # nothing new: dropped
+    assert [d.text for d in _drain(stream)] == ["abcd", "ef"]
+
+
+def test_resume_reports_what_was_delivered_and_silences_older_attempts():
+    stream = _stream()
+    stream.feed(_chunk(0, "abc"))
+    stream.feed(_chunk(5, "fg"))  # past a gap: a newer attempt will resend it
+    reply = stream.resume(ResumeQuery(id="cmpl-x", attempt=2))
+    assert reply.token_ids == list(b"abc") and reply.text_len == 3
+    stream.feed(_chunk(3, "de"))  # attempt 1, stale
+    stream.feed(_chunk(3, "xy", attempt=2))
+    stream.feed(_chunk(5, "z", attempt=2, finish_reason="length"))
+    assert "".join(d.text for d in _drain(stream)) == "abcxyz"
+
+
+def test_error_chunk_ends_the_stream_with_the_matching_error():
+    stream = _stream()
+    stream.feed(_chunk(0, "ab"))
+    stream.feed(
+        Chunk(id="cmpl-x", seq=2, error=ErrorInfo(code="deadline_exceeded", message="late"))
+    )
+    stream.feed(_chunk(2, "cd"))  # after the end: ignored
+    out = _drain(stream)
+    assert len(out) == 2 and isinstance(out[1].error, DeadlineExceededError)
+
+
+def test_abort_finish_reason_is_an_error_not_a_finish():
+    stream = _stream()
+    stream.feed(_chunk(0, "", finish_reason="abort"))
+    (delivery,) = _drain(stream)
+    assert delivery.error is not None and delivery.error.http_status == 503
+
+
+async def test_next_times_out_without_chunks_and_wakes_on_one():
+    stream = _stream()
+    assert await stream.next(0.01) is None
+    asyncio.get_running_loop().call_later(0.01, stream.feed, _chunk(0, "a"))
+    delivery = await stream.next(1.0)
+    assert delivery is not None and delivery.text == "a"
+
+
+def test_error_codes_map_to_their_types():
+    stream = _stream()
+    stream.feed(Chunk(id="cmpl-x", error=ErrorInfo(code="rate_limit_exceeded", message="busy")))
+    assert isinstance(_drain(stream)[0].error, RateLimitError)
+
+
+# -- over a real nats-server ----------------------------------------------------------------
+
+
+def _sse_payloads(body: str) -> list[str]:
+    return [line[len("data: ") :] for line in body.split("\n\n") if line.startswith("data: ")]
+
+
+async def test_redelivered_request_resumes_and_the_client_sees_every_token_once(
+    nats_config: NatsConfig,
+):
+    subjects = Subjects(nats_config.subject_prefix)
+    replies: list[ResumeReply] = []
+    ids = alphabet_tokens(10)
+
+    async def crash_and_resume(job: Job) -> None:
+        request_id = job.request.id
+        await job.send(0, ids[0:5])  # attempt 1 delivers tokens 0..4, then "dies"
+        # The replica that gets the redelivery asks what the client already has.
+        query = ResumeQuery(id=request_id, attempt=2, worker="w2")
+        answer = await job.worker.nc.request(
+            subjects.resume(request_id), query.to_bytes(), timeout=2
+        )
+        replies.append(ResumeReply.from_bytes(answer.data))
+        await job.send(5, ids[5:7], attempt=2)
+        await job.send(3, ids[3:8], attempt=2)  # overlaps 3..6, adds 7
+        await job.send(1, ids[1:3])  # the first attempt, late: ignored
+        usage = Usage(len(job.request.prompt_token_ids), 10, 0)
+        await job.send(8, ids[8:10], attempt=2, finish_reason="length", usage=usage)
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=crash_and_resume),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        body = {
+            "model": MODEL,
+            "prompt": "hi",
+            "max_tokens": 10,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        response = await http.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    payloads = _sse_payloads(response.text)
+    assert payloads[-1] == "[DONE]"
+    events = [json.loads(p) for p in payloads[:-1]]
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == "abcdefghij"
+    assert events[-1]["usage"]["completion_tokens"] == 10
+    assert replies and replies[0].token_ids == ids[0:5] and replies[0].text_len == 5
+
+
+async def test_worker_error_before_output_is_an_http_status(nats_config: NatsConfig):
+    async def too_long(job: Job) -> None:
+        await job.send(0, [], error=ErrorInfo(code="context_length_exceeded", message="too long"))
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=too_long),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True}
+        response = await http.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_worker_error_mid_stream_is_an_error_event_then_done(nats_config: NatsConfig):
+    async def fails_late(job: Job) -> None:
+        await job.send(0, alphabet_tokens(2))
+        await job.send(2, [], error=ErrorInfo(code="internal_error", message="GPU fell off"))
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=fails_late),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+        response = await http.post("/v1/chat/completions", json=body)
+    payloads = _sse_payloads(response.text)
+    assert response.status_code == 200 and payloads[-1] == "[DONE]"
+    error = json.loads(payloads[-2])["error"]
+    assert error["code"] == "internal_error" and error["message"] == "GPU fell off"
+    deltas = [json.loads(p)["choices"][0]["delta"] for p in payloads[:-2]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("content", "") for d in deltas) == "ab"
+
+
+async def _collect_controls(nats_config: NatsConfig, gw_nc, group: str):  # type: ignore[no-untyped-def]
+    got: list[bytes] = []
+
+    async def on_msg(msg) -> None:  # type: ignore[no-untyped-def]
+        got.append(msg.data)
+
+    await gw_nc.subscribe(Subjects(nats_config.subject_prefix).control_group(group), cb=on_msg)
+    return got
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_deadline_passing_is_504_or_an_error_event_and_aborts_the_worker(
+    nats_config: NatsConfig, stream: bool
+):
+    async def one_token_then_silence(job: Job) -> None:
+        await job.send(0, alphabet_tokens(1))
+        await asyncio.sleep(3600)
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=one_token_then_silence) as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        controls = await _collect_controls(nats_config, worker.nc, "short")
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "stream": stream}
+        response = await http.post(
+            "/v1/completions", json=body, headers={"X-QoS-Deadline-Ms": "400"}
+        )
+        await asyncio.sleep(0.1)
+    if stream:
+        payloads = _sse_payloads(response.text)
+        assert json.loads(payloads[0])["choices"][0]["text"] == "a"
+        assert json.loads(payloads[-2])["error"]["code"] == "deadline_exceeded"
+    else:
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "deadline_exceeded"
+    from common.protocol import Control
+
+    (abort,) = [Control.from_bytes(c) for c in controls]
+    assert abort.action == "abort" and abort.request_id == worker.jobs[0].request.id
+
+
+async def test_client_disconnect_mid_stream_aborts_the_worker_and_ends_resume(
+    nats_config: NatsConfig,
+):
+    from common.protocol import Control
+
+    async def slow(job: Job) -> None:
+        for i in range(26):
+            await job.send(i, alphabet_tokens(26)[i : i + 1])
+            await asyncio.sleep(0.05)
+
+    subjects = Subjects(nats_config.subject_prefix)
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=slow) as worker,
+    ):
+        controls = await _collect_controls(nats_config, worker.nc, "short")
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 26, "stream": True}
+        async with (
+            httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+            http.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break  # one event, then hang up
+        for _ in range(100):
+            if controls:
+                break
+            await asyncio.sleep(0.02)
+        request_id = worker.jobs[0].request.id
+        (abort,) = [Control.from_bytes(c) for c in controls]
+        assert (abort.action, abort.request_id, abort.group) == ("abort", request_id, "short")
+        # The gateway no longer answers for it: a redelivered attempt would drop it.
+        query = ResumeQuery(id=request_id, attempt=2)
+        with pytest.raises(nats.errors.TimeoutError):
+            await worker.nc.request(subjects.resume(request_id), query.to_bytes(), timeout=0.3)
+        assert gw.app.state.gateway.admission.in_flight("short") == 0

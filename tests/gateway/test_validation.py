@@ -1,0 +1,170 @@
+"""Bad input is refused with 400 (413, 404) in OpenAI's error shape, naming the parameter.
+
+Nothing here needs a worker: every refusal happens before the request reaches NATS.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from common.config import NatsConfig
+from common.services import NatsServer
+from tests.gateway.conftest import MODEL, gateway_config, serve
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+OK_COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(nats_server: NatsServer) -> AsyncIterator[httpx.AsyncClient]:
+    tag = uuid.uuid4().hex[:10]
+    nats_config = NatsConfig(
+        url=nats_server.url, subject_prefix=f"v{tag}", stream=f"V_{tag}", kv_bucket=f"v_{tag}"
+    )
+    async with (
+        serve(gateway_config(nats_config)) as served,
+        httpx.AsyncClient(base_url=served.url, timeout=5) as http,
+    ):
+        yield http
+
+
+def _assert_openai_error(
+    response: httpx.Response, status: int, param: str | None
+) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    return error
+
+
+# (endpoint, fields merged into a valid body, the parameter the error must name)
+BAD_PARAMETERS = [
+    ("completions", {"temperature": -0.1}, "temperature"),
+    ("completions", {"temperature": "hot"}, "temperature"),
+    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"top_k": -2}, "top_k"),
+    ("completions", {"min_p": 1.5}, "min_p"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": 2.5}, "max_tokens"),
+    ("completions", {"seed": -1}, "seed"),
+    ("completions", {"stop": [""]}, "stop"),
+    ("completions", {"stop": [str(i) for i in range(17)]}, "stop"),
+    ("completions", {"n": 2}, "n"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"presence_penalty": 3}, "presence_penalty"),
+    ("completions", {"frequency_penalty": -2.5}, "frequency_penalty"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": [1, -5]}, "prompt"),
+    ("completions", {"prompt": 42}, "prompt"),
+    ("completions", {"stream": "yes"}, "stream"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"stream": True, "stream_options": {"bogus": 1}}, "stream_options.bogus"),
+    ("completions", {"ignore_eos": 1}, "ignore_eos"),
+    ("completions", {"priority": "high"}, "priority"),
+    ("completions", {"user": 7}, "user"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"frobnicate": True}, "frobnicate"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content",
+    ),
+    ("chat/completions", {"logprobs": 3}, "logprobs"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "param"), BAD_PARAMETERS)
+async def test_bad_parameter_is_400_naming_it(
+    client: httpx.AsyncClient, endpoint: str, fields: dict[str, Any], param: str
+):
+    body = {**(OK_COMPLETION if endpoint == "completions" else OK_CHAT), **fields}
+    response = await client.post(f"/v1/{endpoint}", json=body)
+    error = _assert_openai_error(response, 400, param)
+    assert error["type"] == "invalid_request_error"
+    assert param.split("[")[0].split(".")[0] in error["message"]
+
+
+async def test_missing_prompt_is_400_naming_it(client: httpx.AsyncClient):
+    response = await client.post("/v1/completions", json={"model": MODEL})
+    _assert_openai_error(response, 400, "prompt")
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b'{"model": "x", "prompt": ', "invalid_json"),
+        (b"[1, 2]", "invalid_json"),
+        (b"", "invalid_json"),
+        (b'{"model": "' + MODEL.encode() + b'", "prompt": "\xff\xfe"}', "invalid_utf8"),
+    ],
+)
+async def test_malformed_body_is_400(client: httpx.AsyncClient, raw: bytes, code: str):
+    response = await client.post(
+        "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert _assert_openai_error(response, 400, None)["code"] == code
+
+
+async def test_oversized_body_is_413(client: httpx.AsyncClient):
+    body = json.dumps({**OK_COMPLETION, "prompt": "x" * 70_000}).encode()
+    response = await client.post("/v1/completions", content=body)
+    assert _assert_openai_error(response, 413, None)["code"] == "payload_too_large"
+
+
+async def test_oversized_chunked_body_without_length_is_413(client: httpx.AsyncClient):
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(20):
+            yield b" " * 4096
+
+    response = await client.post("/v1/completions", content=chunks())
+    _assert_openai_error(response, 413, None)
+
+
+async def test_unknown_model_is_404_model_not_found(client: httpx.AsyncClient):
+    response = await client.post("/v1/completions", json={**OK_COMPLETION, "model": "gpt-9"})
+    assert _assert_openai_error(response, 404, "model")["code"] == "model_not_found"
+
+
+async def test_unknown_group_in_path_is_404(client: httpx.AsyncClient):
+    response = await client.post("/v1/bogus/completions", json=OK_COMPLETION)
+    _assert_openai_error(response, 404, None)
+
+
+async def test_unknown_route_is_404_in_openai_shape(client: httpx.AsyncClient):
+    response = await client.get("/v1/nothing-here")
+    _assert_openai_error(response, 404, None)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "99999999999"])
+async def test_bad_deadline_header_is_400_naming_it(client: httpx.AsyncClient, value: str):
+    response = await client.post(
+        "/v1/completions", json=OK_COMPLETION, headers={"X-QoS-Deadline-Ms": value}
+    )
+    _assert_openai_error(response, 400, "X-QoS-Deadline-Ms")
+
+
+async def test_openapi_schema_describes_the_request_bodies(client: httpx.AsyncClient):
+    schema = (await client.get("/openapi.json")).json()
+    assert "CompletionRequest" in schema["components"]["schemas"]
+    assert "ChatMessage" in schema["components"]["schemas"]
+    post = schema["paths"]["/v1/chat/completions"]["post"]
+    ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref.endswith("/ChatCompletionRequest")
