@@ -1,0 +1,373 @@
+"""The NATS-native client, and the wire contract any NATS client can implement.
+
+Python: ``async with await QosClient.connect(config) as client`` (or ``QosClient(nc)``), then
+``async for chunk in client.generate(prompt=..., group="short", params=RequestParams(...))``.
+Each yielded :class:`~common.protocol.Chunk` holds only tokens not yielded before; the last
+one has ``finish_reason`` and ``usage``; a worker error raises the matching
+:class:`~common.errors.QosError`; the deadline raises ``DeadlineExceededError``.
+:class:`ResponseStream` is the transport-free core (dedupe, reorder, resume).
+
+Contract (wire version 1)
+=========================
+
+Names. ``P`` is the subject prefix (default ``qos``); ``<id>`` a request id and ``<group>``
+an instance group (``realtime``, ``short``, ``long`` by default), both matching
+``[A-Za-z0-9_-]{1,128}``. Requests go to the JetStream stream ``QOS_REQ`` (subjects
+``P.req.*``, work-queue retention, 2-minute duplicate window on ``Nats-Msg-Id``).
+
+Encoding. Every payload is one msgpack map (str keys, msgpack "bin" for bytes). Top-level
+maps carry ``"v": 1``; nested maps do not. Decoding is strict: an unknown key, a wrong
+type (an int where a float is expected is accepted; a float for an int is not), or an
+unknown ``v`` is rejected. Optional keys may be omitted or nil. ``token_ids`` fields are
+*bin*: token ids as little-endian int32, 4 bytes each; ``logprobs`` fields are bin of
+little-endian float32.
+
+1. Subscribe (core NATS) to ``P.out.<id>`` (chunks) and ``P.resume.<id>`` (resume
+   queries) *before* publishing, so no chunk is missed.
+2. Publish the request with JetStream to ``P.req.<group>`` with header
+   ``Nats-Msg-Id: <id>`` (a retry within the window is deduplicated) and wait for the
+   stream's ack. The request map:
+
+   ====================  ========  =========================================================
+   key                   type      meaning
+   ====================  ========  =========================================================
+   ``v``                 int       1
+   ``id``                str       request id (unique; also the dedupe id)
+   ``group``             str       the group of the subject
+   ``reply``             str       where chunks go: ``P.out.<id>``
+   ``prompt``            str       text prompt (the worker tokenizes it) — or:
+   ``prompt_token_ids``  bin i32   token ids; exactly one of the two
+   ``model``             str       optional, informational
+   ``params``            map       optional, see below
+   ``priority``          int       optional, lower is served first (default 0)
+   ``deadline_ms``       int       optional, absolute unix epoch milliseconds
+   ``created_ms``        int       optional, unix epoch ms when the caller made it
+   ====================  ========  =========================================================
+
+   ``params`` (every key optional): ``max_tokens`` int (256, >= 1), ``temperature`` float
+   (1.0; 0 = greedy), ``top_p`` float (1.0), ``top_k`` int (0 = off), ``min_p`` float,
+   ``repetition_penalty`` float (1.0), ``presence_penalty`` / ``frequency_penalty`` float
+   (0.0), ``seed`` int, ``stop`` [str], ``stop_token_ids`` [int], ``ignore_eos`` bool,
+   ``logprobs`` int (top-k alternatives to return, 0..20).
+3. Read chunks on ``P.out.<id>``:
+
+   =================  ========  ==========================================================
+   key                type      meaning
+   =================  ========  ==========================================================
+   ``v``              int       1
+   ``id``             str       request id
+   ``seq``            int       index (in the output) of this chunk's first token
+   ``attempt``        int       JetStream delivery count of the request that produced it
+   ``token_ids``      bin i32   new tokens (may be empty, e.g. in a final chunk)
+   ``text``           str       their text ("" when the model has no tokenizer)
+   ``finish_reason``  str       only on the last chunk: stop | length | abort | error
+   ``usage``          map       last chunk: prompt_tokens, completion_tokens, cached_tokens
+   ``error``          map       {code, message} on a failed request (finish_reason error)
+   ``logprobs``       bin f32   one per token, when asked
+   ``top_logprobs``   [map]     one {token_ids: bin i32, logprobs: bin f32} per token
+   ``worker``         str       the worker that sent it
+   =================  ========  ==========================================================
+
+   Keep ``delivered`` = tokens delivered so far and ``min_attempt`` = 1. Drop a chunk whose
+   ``attempt < min_attempt`` (a worker that lost the request still talking). If
+   ``seq > delivered``, hold it until the gap fills. Otherwise deliver
+   ``token_ids[delivered - seq:]`` (nothing if already delivered) and advance. The chunk
+   with ``finish_reason`` ends the stream; ``completion_tokens`` counts every output token,
+   resumed ones too. ``error.code`` is one of ``invalid_request``,
+   ``context_length_exceeded``, ``protocol_error``, ``deadline_exceeded``,
+   ``rate_limit_exceeded``, ``service_unavailable``, ``internal_error`` (OpenAI-style).
+4. Answer resume queries. When a worker dies, JetStream redelivers the request (after the
+   consumer's ``ack_wait``) and the new worker sends a request/reply on
+   ``P.resume.<id>`` with ``{v, id, attempt: int, worker: str}``. Reply to the message's
+   reply subject with ``{v: 1, id, token_ids: bin i32 (every token delivered so far, in
+   order), text_len: int (characters of text delivered)}`` and set ``min_attempt =
+   attempt``. The worker continues from prompt + those tokens, sending ``seq`` from
+   ``len(token_ids)``. Not answering (after the stream ended, or when the caller gave up)
+   makes the worker drop the request.
+5. To cancel, publish (core NATS) on ``P.ctl.group.<group>`` the map
+   ``{v: 1, action: "abort", request_id: <id>, group: <group>, issued_ms: int, reason:
+   str}`` and unsubscribe; the worker frees the request's KV cache at once.
+6. The caller enforces its own deadline; the worker also drops a request whose
+   ``deadline_ms`` passed, with a ``deadline_exceeded`` error chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
+from types import TracebackType
+from typing import Any, Self
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from common.config import Config, NatsConfig
+from common.errors import (
+    DeadlineExceededError,
+    InternalError,
+    ProtocolError,
+    QosError,
+    error_from_code,
+)
+from common.protocol import (
+    DEFAULT_MAX_PAYLOAD,
+    Chunk,
+    Control,
+    GenerateRequest,
+    RequestParams,
+    ResumeQuery,
+    ResumeReply,
+)
+from common.subjects import Subjects
+
+# Out-of-order chunks held while a gap fills; a worker never needs more than a few.
+MAX_EARLY_CHUNKS = 256
+DEFAULT_TIMEOUT_S = 120.0
+
+# (ids already delivered, new ids) -> text of the new ids; for chunks trimmed after an overlap.
+DecodeTail = Callable[[Sequence[int], Sequence[int]], str]
+
+
+class ResponseStream:
+    """One request's chunks → new tokens exactly once, in order, across redeliveries.
+
+    Transport-free: :meth:`feed` takes a decoded chunk and returns the chunks now
+    deliverable, trimmed to their new tokens; :meth:`resume` answers a resume query.
+    A chunk trimmed after an overlap keeps its text only when ``decode_tail`` is given
+    (text cannot be split by tokens without a tokenizer); overlaps are rare, since a
+    resumed worker starts exactly where the caller stands.
+    """
+
+    def __init__(self, request_id: str, decode_tail: DecodeTail | None = None) -> None:
+        self.request_id = request_id
+        self.decode_tail = decode_tail
+        self.token_ids: list[int] = []  # delivered so far: what a resume reply carries
+        self.text_len = 0
+        self.min_attempt = 1
+        self.finished = False
+        self._early: dict[int, Chunk] = {}
+
+    def feed(self, chunk: Chunk) -> list[Chunk]:
+        """Chunks to deliver now (possibly none). Raises the chunk's error as a QosError."""
+        if self.finished or chunk.attempt < self.min_attempt:
+            return []
+        if chunk.error is not None:
+            self.finished = True
+            raise error_from_code(chunk.error.code, chunk.error.message)
+        if chunk.finish_reason == "error":
+            self.finished = True
+            raise InternalError("the worker failed the request")
+        if chunk.seq > len(self.token_ids):
+            if len(self._early) >= MAX_EARLY_CHUNKS:
+                self.finished = True
+                raise InternalError("the worker's stream has a gap that never filled")
+            self._early[chunk.seq] = chunk
+            return []
+        out = self._accept(chunk)
+        while self._early and not self.finished:
+            ready = sorted(seq for seq in self._early if seq <= len(self.token_ids))
+            if not ready:
+                break
+            for seq in ready:
+                out += self._accept(self._early.pop(seq))
+        return out
+
+    def _accept(self, chunk: Chunk) -> list[Chunk]:
+        if self.finished:
+            return []
+        skip = len(self.token_ids) - chunk.seq
+        if skip >= len(chunk.token_ids) and chunk.finish_reason is None:
+            return []  # all of it was delivered already
+        if skip > 0:
+            ids = chunk.token_ids[skip:]
+            text = self.decode_tail(self.token_ids, ids) if self.decode_tail and ids else ""
+            chunk = replace(
+                chunk,
+                seq=len(self.token_ids),
+                token_ids=ids,
+                text=text,
+                logprobs=chunk.logprobs[skip:],
+                top_logprobs=chunk.top_logprobs[skip:],
+            )
+        self.token_ids.extend(chunk.token_ids)
+        self.text_len += len(chunk.text)
+        if chunk.finish_reason is not None:
+            self.finished = True
+            self._early.clear()
+        return [chunk]
+
+    def resume(self, query: ResumeQuery) -> ResumeReply:
+        """What the caller has; chunks of older attempts are ignored from now on."""
+        if query.attempt > self.min_attempt:
+            self.min_attempt = query.attempt
+            self._early.clear()  # held chunks came from an older attempt; the new one resends
+        return ResumeReply(
+            id=self.request_id, token_ids=list(self.token_ids), text_len=self.text_len
+        )
+
+
+class QosClient:
+    """Publishes requests onto NATS and streams their answers (see the module docstring)."""
+
+    def __init__(
+        self,
+        nc: Client,
+        subjects: Subjects | None = None,
+        *,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
+        owns_connection: bool = False,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.subjects = subjects or Subjects()
+        self._max_payload = max_payload_bytes
+        self._owns = owns_connection
+
+    @classmethod
+    async def connect(cls, config: Config | NatsConfig, name: str = "qos-client") -> Self:
+        """Connect with :func:`common.nats.connect`; :meth:`close` closes the connection."""
+        from common.nats import connect
+
+        cfg = config.nats if isinstance(config, Config) else config
+        nc = await connect(cfg, name)
+        return cls(
+            nc,
+            Subjects(cfg.subject_prefix),
+            max_payload_bytes=cfg.max_payload_bytes,
+            owns_connection=True,
+        )
+
+    async def close(self) -> None:
+        if self._owns:
+            await self.nc.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def generate(
+        self,
+        *,
+        group: str,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        params: RequestParams | None = None,
+        deadline_ms: int | None = None,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        model: str = "",
+        decode_tail: DecodeTail | None = None,
+    ) -> AsyncIterator[Chunk]:
+        """Yield the answer's chunks, each with only new tokens; the last one is final.
+
+        ``deadline_ms`` is absolute (epoch ms) and travels with the request; ``timeout_s``
+        is relative; the earlier wins (default: :data:`DEFAULT_TIMEOUT_S`). Leaving the
+        loop early, a timeout or cancellation aborts the request on the worker.
+        """
+        now_ms = int(time.time() * 1000)
+        if timeout_s is not None or deadline_ms is None:
+            relative = now_ms + int(1000 * (DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s))
+            deadline_ms = relative if deadline_ms is None else min(deadline_ms, relative)
+        rid = request_id or uuid.uuid4().hex
+        request = GenerateRequest(
+            id=rid,
+            group=group,
+            reply=self.subjects.out(rid),
+            model=model,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids or []),
+            params=params or RequestParams(),
+            priority=priority,
+            deadline_ms=deadline_ms,
+            created_ms=now_ms,
+        )
+        request.validate()
+        stream = ResponseStream(rid, decode_tail)
+        ready: asyncio.Queue[Chunk | QosError] = asyncio.Queue()
+
+        async def on_chunk(msg: Msg) -> None:
+            try:
+                chunks: list[Chunk | QosError] = list(
+                    stream.feed(Chunk.from_bytes(msg.data, self._max_payload))
+                )
+            except ProtocolError as exc:
+                chunks = [InternalError(f"undecodable chunk from the worker: {exc.message}")]
+                stream.finished = True
+            except QosError as exc:
+                chunks = [exc]
+            for item in chunks:
+                ready.put_nowait(item)
+
+        async def on_resume(msg: Msg) -> None:
+            if stream.finished or not msg.reply:
+                return  # silence: the worker drops the request
+            try:
+                query = ResumeQuery.from_bytes(msg.data, self._max_payload)
+            except ProtocolError:
+                return
+            await self.nc.publish(msg.reply, stream.resume(query).to_bytes())
+
+        subs = [
+            await self.nc.subscribe(self.subjects.out(rid), cb=on_chunk),
+            await self.nc.subscribe(self.subjects.resume(rid), cb=on_resume),
+        ]
+        done = False
+        try:
+            await self.js.publish(
+                self.subjects.request(group), request.to_bytes(), headers={"Nats-Msg-Id": rid}
+            )
+            while not done:
+                left = deadline_ms / 1000 - time.time()
+                try:
+                    item = await asyncio.wait_for(ready.get(), max(left, 0.0))
+                except TimeoutError:
+                    raise DeadlineExceededError(
+                        f"request {rid} passed its deadline", param="deadline_ms"
+                    ) from None
+                if isinstance(item, QosError):
+                    done = True
+                    raise item
+                done = item.finish_reason is not None
+                yield item
+        finally:
+            stream.finished = True
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            if not done:
+                await self._abort(group, rid, "client stopped reading")
+
+    async def _abort(self, group: str, request_id: str, reason: str) -> None:
+        control = Control(
+            action="abort",
+            issued_ms=int(time.time() * 1000),
+            group=group,
+            request_id=request_id,
+            reason=reason,
+        )
+        with contextlib.suppress(Exception):
+            await self.nc.publish(self.subjects.control_group(group), control.to_bytes())
+
+    async def collect(self, **kwargs: Any) -> tuple[list[int], str, Chunk]:
+        """Run :meth:`generate` to the end: (token ids, text, final chunk)."""
+        ids: list[int] = []
+        text = ""
+        final: Chunk | None = None
+        async for chunk in self.generate(**kwargs):
+            ids += chunk.token_ids
+            text += chunk.text
+            final = chunk
+        assert final is not None
+        return ids, text, final

@@ -1,0 +1,192 @@
+"""``python -m workers`` / ``qosserve-worker``: run one worker replica of an instance group.
+
+Examples::
+
+    qosserve-worker --group short --model demo                  # the demo model
+    qosserve-worker --group realtime --model /models/Llama-3.2-1B --device cuda
+    qosserve-worker --group short --engine sim --sim-base-ms 0  # message plane only
+
+Configuration comes from ``--config`` / ``QOS_CONFIG`` and ``QOS_*`` variables
+(:mod:`common.config`); flags override the ``worker.*`` keys they name. SIGTERM or SIGINT
+drains gracefully (``--grace-s``) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from common.config import Config, load_config
+from common.errors import ConfigError
+from workers.service import WorkerOptions, WorkerService
+
+log = logging.getLogger("workers")
+
+# `--model demo`: the model bench/train_tiny.py trains (bench/models/pystd-tiny).
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "bench" / "models" / "pystd-tiny"
+
+
+def default_worker_id() -> str:
+    """``<hostname>-<pid>``, made a valid subject token."""
+    raw = f"{socket.gethostname()}-{os.getpid()}"
+    return re.sub(r"[^A-Za-z0-9_-]", "-", raw)[:128]
+
+
+def resolve_model(model: str) -> str:
+    """``demo`` → the demo model's folder; anything else unchanged."""
+    if model != "demo":
+        return model
+    if not (DEMO_MODEL / "config.json").is_file():
+        raise ConfigError(
+            f"the demo model is not at {DEMO_MODEL}; train it with `python -m bench.train_tiny` "
+            "or pass --model PATH (or dummy:tiny)"
+        )
+    return str(DEMO_MODEL)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qosserve-worker", description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="YAML config file (else $QOS_CONFIG, else defaults)")
+    p.add_argument("--group", required=True, help="instance group to serve (e.g. short)")
+    p.add_argument("--model", help="model folder, dummy:<shape> or demo (default worker.model)")
+    p.add_argument("--engine", choices=("real", "sim"), default="real", help="engine kind")
+    p.add_argument("--worker-id", default=None, help="default <hostname>-<pid>")
+    p.add_argument("--nats-url", help="overrides nats.url")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default worker.device)")
+    p.add_argument("--dtype", help="auto | float32 | float16 | bfloat16 (default worker.dtype)")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default worker.kv_cache_gib)")
+    p.add_argument("--policy", choices=("static", "dynamic", "continuous", "hybrid"),
+                   help="batching policy (default: the group's)")  # fmt: skip
+    p.add_argument("--max-batch", type=int, help="engine batch size (default: the group's)")
+    p.add_argument("--max-seq-len", type=int, help="context length (default: the group's)")
+    p.add_argument("--grace-s", type=float, default=30.0, help="drain grace period on SIGTERM")
+    p.add_argument(
+        "--coalesce-ms", type=float, help="chunk coalescing (default worker.coalesce_ms)"
+    )
+    sim = p.add_argument_group("simulated engine (--engine sim)")
+    sim.add_argument("--sim-base-ms", type=float, default=5.0, help="fixed cost of a step")
+    sim.add_argument("--sim-prefill-us-per-token", type=float, default=10.0)
+    sim.add_argument("--sim-decode-us-per-seq", type=float, default=100.0)
+    sim.add_argument("--sim-slowdown-ms", type=float, default=0.0, help="extra time per step")
+    sim.add_argument("--tokenizer", help="tokenizer folder for sim text (default: the model's)")
+    p.add_argument("--log-level", default=os.environ.get("QOS_LOG_LEVEL", "INFO"))
+    return p
+
+
+def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
+    worker: dict[str, Any] = {}
+    for flag, key in (("model", "model"), ("device", "device"), ("dtype", "dtype"),
+                      ("kv_cache_gib", "kv_cache_gib"), ("coalesce_ms", "coalesce_ms")):  # fmt: skip
+        if getattr(args, flag) is not None:
+            worker[key] = getattr(args, flag)
+    update: dict[str, Any] = {"worker": config.worker.model_copy(update=worker)}
+    if args.nats_url:
+        update["nats"] = config.nats.model_copy(update={"url": args.nats_url})
+    merged = config.model_copy(update=update)
+    # model_copy skips validation: re-validate so a bad flag fails like a bad file.
+    return Config.model_validate(merged.model_dump())
+
+
+def build_engine(config: Config, args: argparse.Namespace) -> Any:
+    """The engine the flags ask for (slow for a real model: loads weights)."""
+    group = config.groups[args.group]
+    max_batch = args.max_batch or group.max_batch
+    model = resolve_model(config.worker.model)
+    if args.engine == "sim":
+        from workers.sim import SimCost, SimEngine
+
+        engine = SimEngine(
+            max_batch_size=max_batch,
+            max_seq_len=args.max_seq_len or group.max_seq_len,
+            cost=SimCost(
+                base_s=args.sim_base_ms / 1e3,
+                prefill_s_per_token=args.sim_prefill_us_per_token / 1e6,
+                decode_s_per_seq=args.sim_decode_us_per_seq / 1e6,
+            ),
+            tokenizer=_sim_tokenizer(args.tokenizer or model),
+        )
+        engine.set_slowdown(args.sim_slowdown_ms / 1e3)
+        return engine
+    from workers.engine import EngineArgs, LLMEngine
+    from workers.engine.loader import load_model_config
+
+    model_max = load_model_config(model).max_position_embeddings
+    engine_args = EngineArgs(
+        model=model,
+        policy=args.policy or group.policy,
+        max_batch_size=max_batch,
+        max_num_batched_tokens=max(2048, max_batch),
+        max_seq_len=args.max_seq_len or min(group.max_seq_len, model_max),
+        kv_cache_gib=config.worker.kv_cache_gib,
+        device=config.worker.device,
+        dtype=config.worker.dtype,
+    )
+    return LLMEngine(engine_args)
+
+
+def _sim_tokenizer(source: str) -> Any | None:
+    """A folder's tokenizer for the sim's text; None (ids only) for anything else."""
+    if not Path(source).is_dir():
+        return None
+    from common.tokenizer import load_tokenizer
+
+    return load_tokenizer(source)
+
+
+async def serve(config: Config, args: argparse.Namespace) -> int:
+    engine = await asyncio.to_thread(build_engine, config, args)
+    model_name = config.gateway.served_model_name or Path(config.worker.model).name
+    options = WorkerOptions(
+        group=args.group,
+        worker_id=args.worker_id or default_worker_id(),
+        model=model_name,
+        grace_s=args.grace_s,
+    )
+    service = WorkerService(config, engine, options)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.request_stop)
+    try:
+        await service.start()
+        await service.run()
+    finally:
+        await service.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``qosserve-worker`` and ``python -m workers``."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = _apply_flags(load_config(args.config), args)
+        if args.group not in config.groups:
+            raise ConfigError(f"--group {args.group!r}: not one of {sorted(config.groups)}")
+        if args.worker_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", args.worker_id):
+            raise ConfigError(f"--worker-id {args.worker_id!r}: use [A-Za-z0-9_-]{{1,128}}")
+        return asyncio.run(serve(config, args))
+    except ConfigError as exc:
+        print(f"qosserve-worker: {exc.message}", file=sys.stderr)
+        return 2
+    except ConnectionError as exc:
+        print(f"qosserve-worker: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

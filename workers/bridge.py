@@ -1,0 +1,332 @@
+"""EngineBridge: the engine in its own thread, talking to the asyncio service by queues.
+
+The engine (``LLMEngine`` or ``SimEngine``) is synchronous and not thread-safe, and one
+step can take long enough to starve an event loop. So one thread owns it: commands (add,
+abort, batch cap, arbitrary calls) go in through a thread-safe queue, and what each step
+produced goes back to the loop with ``loop.call_soon_threadsafe``. An idle thread sleeps
+on the queue; it never spins.
+
+An exception inside ``step`` fails only the requests it can have touched (the running
+batch, and any request the engine lost track of) with an ``internal_error``; the thread
+logs it and keeps serving the rest. A rejected ``add`` (bad prompt, too long) comes back
+as a :class:`RequestFailed` carrying the engine's error.
+
+The batch cap (:meth:`EngineBridge.set_batch_cap`) lowers how many requests the engine
+runs at once: ``LLMEngine``'s batcher (and ``SimEngine``) admit no new request while the
+running batch is at the cap; requests already running above it finish normally. The cap
+never exceeds the engine's configured ``max_batch_size``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from common.errors import InternalError, InvalidRequestError, QosError
+from workers.engine.outputs import EngineStats, RequestDelta
+from workers.engine.sampling_params import SamplingParams, SamplingParamsError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# A fresh stats snapshot at most this often while busy (and always when going idle).
+STATS_EVERY_S = 0.05
+# A step that did nothing while requests wait (dynamic batching's max_wait, no free
+# blocks): look at the queue again after this long instead of spinning.
+IDLE_POLL_S = 0.002
+
+
+class StepEngine(Protocol):
+    """What the bridge needs of an engine: ``LLMEngine`` and ``SimEngine`` both are one."""
+
+    tokenizer: Any
+    max_seq_len: int
+    requests: dict[str, Any]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """A request the engine rejected or lost; ``error.code`` goes into the error chunk."""
+
+    request_id: str
+    error: QosError
+
+
+BridgeEvent = RequestDelta | RequestFailed
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Everything ``add_request`` needs; ``resume_token_ids`` extend the prompt (redelivery)."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    resume_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    arrival_time: float | None = None
+
+
+def engine_max_batch(engine: Any) -> int:
+    """The batch size an engine was built with."""
+    args = getattr(engine, "args", None)
+    if args is not None:
+        return int(args.max_batch_size)
+    return int(getattr(engine, "_engine_max_batch", engine.max_batch_size))
+
+
+def apply_batch_cap(engine: Any, cap: int) -> int:
+    """Cap ``engine``'s running batch at ``cap`` (clamped to [1, built size]); returns it."""
+    cap = max(1, min(int(cap), engine_max_batch(engine)))
+    if hasattr(engine, "set_max_batch_size"):
+        engine.set_max_batch_size(cap)
+    else:  # LLMEngine: its batcher checks max_batch_size before every admission
+        engine.batcher.max_batch_size = cap
+    return cap
+
+
+def running_ids(engine: Any) -> list[str]:
+    """Ids of the requests in the engine's running batch."""
+    if hasattr(engine, "running_ids"):
+        return list(engine.running_ids())
+    return [r.request_id for r in engine.batcher.running]
+
+
+def encode_prompt(engine: Any, prompt: str) -> list[int]:
+    """A text prompt as the engine would tokenize it in ``add_request``."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is not None:
+        return list(tokenizer.encode(prompt))
+    if hasattr(engine, "encode"):
+        return list(engine.encode(prompt))
+    raise InvalidRequestError("this model has no tokenizer: send prompt_token_ids", param="prompt")
+
+
+class EngineBridge:
+    """Owns the engine thread. Create and use it from the event loop's thread."""
+
+    def __init__(
+        self,
+        engine: StepEngine,
+        on_events: Callable[[list[BridgeEvent]], None],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        name: str = "engine",
+    ) -> None:
+        self.engine = engine
+        self._on_events = on_events
+        self._loop = loop
+        self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._live: set[str] = set()  # added and not finished (engine thread only)
+        self._failed: set[str] = set()  # failed here: their abort deltas are swallowed
+        self.batch_cap = engine_max_batch(engine)
+        self.stats: EngineStats = engine.stats()
+        self.busy_s = 0.0  # wall time spent inside step() that did work
+        self._last_stats = 0.0
+
+    # --- event-loop side -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, command: AddRequest) -> None:
+        self._queue.put(("add", command))
+
+    def abort(self, request_id: str) -> None:
+        self._queue.put(("abort", request_id))
+
+    def set_batch_cap(self, cap: int) -> int:
+        """Cap the running batch (see the module docstring); returns the cap applied."""
+        self.batch_cap = max(1, min(int(cap), engine_max_batch(self.engine)))
+        self._queue.put(("cap", self.batch_cap))
+        return self.batch_cap
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps; await its result."""
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._queue.put(("call", (fn, future)))
+        return await future
+
+    async def stop(self) -> None:
+        """Stop the thread after the current step; requests still inside are left as is."""
+        if self._thread.is_alive():
+            self._queue.put(("stop", None))
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished()
+            if not busy:
+                self._snapshot(force=True)
+            try:
+                # Idle: sleep on the queue until a command comes.
+                item = self._queue.get() if not busy else self._queue.get_nowait()
+            except queue.Empty:
+                item = None
+            events: list[BridgeEvent] = []
+            while item is not None:
+                if item[0] == "stop":
+                    self._snapshot(force=True)
+                    return
+                self._handle(item, events)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            if engine.has_unfinished():
+                self._step(events)
+            self._emit(events)
+
+    def _handle(self, item: tuple[str, Any], events: list[BridgeEvent]) -> None:
+        kind, arg = item
+        try:
+            if kind == "add":
+                self._add(arg)
+            elif kind == "abort":
+                self.engine.abort(arg)
+            elif kind == "cap":
+                apply_batch_cap(self.engine, arg)
+            elif kind == "call":
+                fn, future = arg
+                try:
+                    result = fn(self.engine)
+                except Exception as exc:
+                    self._loop.call_soon_threadsafe(_set_exception, future, exc)
+                else:
+                    self._loop.call_soon_threadsafe(_set_result, future, result)
+        except QosError as exc:
+            if kind == "add":
+                events.append(RequestFailed(arg.request_id, exc))
+            else:
+                log.warning("engine command %s failed: %s", kind, exc)
+        except SamplingParamsError as exc:  # raised by engines that re-validate
+            if kind == "add":
+                events.append(
+                    RequestFailed(arg.request_id, InvalidRequestError(str(exc), param=exc.param))
+                )
+        except Exception as exc:
+            log.exception("engine command %s failed", kind)
+            if kind == "add":
+                events.append(RequestFailed(arg.request_id, InternalError(f"engine error: {exc}")))
+
+    def _add(self, cmd: AddRequest) -> None:
+        if cmd.resume_token_ids:
+            base = cmd.prompt_token_ids or encode_prompt(self.engine, cmd.prompt or "")
+            self.engine.add_request(
+                cmd.request_id, None, cmd.params,
+                prompt_token_ids=[*base, *cmd.resume_token_ids],
+                priority=cmd.priority, arrival_time=cmd.arrival_time,
+            )  # fmt: skip
+        else:
+            self.engine.add_request(
+                cmd.request_id, cmd.prompt, cmd.params,
+                prompt_token_ids=cmd.prompt_token_ids if cmd.prompt is None else None,
+                priority=cmd.priority, arrival_time=cmd.arrival_time,
+            )  # fmt: skip
+        self._live.add(cmd.request_id)
+
+    def _step(self, events: list[BridgeEvent]) -> None:
+        engine = self.engine
+        steps_before = getattr(engine, "num_steps", None)
+        started = time.perf_counter()
+        try:
+            deltas = engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the requests it touched")
+            self._fail_batch(exc, events)
+            return
+        elapsed = time.perf_counter() - started
+        did_work = bool(deltas) or getattr(engine, "num_steps", None) != steps_before
+        if did_work:
+            self.busy_s += elapsed
+        for delta in deltas:
+            if delta.request_id in self._failed:
+                if delta.finished:
+                    self._failed.discard(delta.request_id)
+                continue
+            if delta.finished:
+                self._live.discard(delta.request_id)
+            events.append(delta)
+        self._snapshot(force=False)
+        if not did_work:
+            time.sleep(IDLE_POLL_S)
+
+    def _fail_batch(self, exc: Exception, events: list[BridgeEvent]) -> None:
+        engine = self.engine
+        try:
+            touched = set(running_ids(engine))
+        except Exception:
+            touched = set(self._live)
+        # Requests the engine no longer holds would never finish otherwise.
+        touched |= {rid for rid in self._live if rid not in engine.requests}
+        error = InternalError(f"engine step failed: {type(exc).__name__}: {exc}")
+        for rid in sorted(touched):
+            self._live.discard(rid)
+            try:
+                if engine.abort(rid):
+                    self._failed.add(rid)
+            except Exception:
+                log.exception("abort of %s after a failed step failed too", rid)
+            events.append(RequestFailed(rid, error))
+        self._snapshot(force=True)
+
+    def _snapshot(self, *, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._last_stats >= STATS_EVERY_S:
+            try:
+                self.stats = self.engine.stats()
+            except Exception:
+                log.exception("engine stats failed")
+            self._last_stats = now
+
+    def _emit(self, events: list[BridgeEvent]) -> None:
+        if not events:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._on_events, events)
+        except RuntimeError:  # the loop closed under us: the service is gone
+            log.debug("event loop closed; dropping %d engine events", len(events))
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,159 @@
+"""Worker telemetry: latency windows and counters → :class:`Telemetry`; the KV heartbeat.
+
+Every ``worker.telemetry_interval_s`` the service publishes one :class:`Telemetry` on
+``<prefix>.tel.<group>.<worker>`` and puts a heartbeat under ``workers.<worker_id>`` in the
+``qos_state`` KV bucket: JSON ``{"worker", "group", "state", "model", "ts_ms"}``.
+
+TTFT and E2E percentiles cover a sliding window: the last :data:`WINDOW_SAMPLES` requests
+that finished within the last :data:`WINDOW_S` seconds. Both are measured from the
+request's ``created_ms`` (when the caller set it), so time spent queued in JetStream
+counts: a backlog is exactly what the scheduler's breakers must see. A resumed request
+(redelivery) contributes no TTFT sample: its first token went out on an earlier attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Literal
+
+from nats.aio.client import Client
+from nats.js.kv import KeyValue
+
+from common.protocol import Telemetry
+from common.subjects import Subjects
+from workers.engine.outputs import EngineStats
+
+log = logging.getLogger(__name__)
+
+WINDOW_SAMPLES = 512
+WINDOW_S = 10.0
+HEARTBEAT_KEY_PREFIX = "workers."
+State = Literal["starting", "serving", "draining", "stopped"]
+
+
+class LatencyWindow:
+    """The last ``max_samples`` latencies of the last ``horizon_s`` seconds."""
+
+    def __init__(
+        self,
+        max_samples: int = WINDOW_SAMPLES,
+        horizon_s: float = WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._horizon = horizon_s
+        self._clock = clock
+
+    def add(self, seconds: float) -> None:
+        self._samples.append((self._clock(), max(0.0, seconds)))
+
+    def values(self) -> list[float]:
+        cutoff = self._clock() - self._horizon
+        while self._samples and self._samples[0][0] < cutoff:
+            self._samples.popleft()
+        return [v for _, v in self._samples]
+
+    def percentiles_ms(self) -> tuple[float, float, int]:
+        """(p50, p99, samples) in milliseconds, nearest-rank; zeros when empty."""
+        values = sorted(self.values())
+        if not values:
+            return 0.0, 0.0, 0
+        return _rank(values, 0.50) * 1e3, _rank(values, 0.99) * 1e3, len(values)
+
+
+def _rank(sorted_values: list[float], q: float) -> float:
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+class WorkerTelemetry:
+    """Counters and windows the service feeds; :meth:`build` makes the next message."""
+
+    def __init__(self, worker_id: str, model: str, clock: Callable[[], float] = time.monotonic):
+        self.worker_id = worker_id
+        self.model = model
+        self.ttft = LatencyWindow(clock=clock)
+        self.e2e = LatencyWindow(clock=clock)
+        self.requests_done = 0
+        self.errors = 0
+        self.tokens_out = 0
+        self._clock = clock
+        self._last_at = clock()
+        self._last_tokens = 0
+        self._last_busy = 0.0
+
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.add(ttft_s)
+
+    def tokens(self, n: int) -> None:
+        self.tokens_out += n
+
+    def finished(self, e2e_s: float, *, error: bool) -> None:
+        """A request ended; errors count apart and stay out of the latency window."""
+        if error:
+            self.errors += 1
+            return
+        self.requests_done += 1
+        self.e2e.add(e2e_s)
+
+    def build(
+        self, group: str, state: State, stats: EngineStats, batch_cap: int, busy_s: float
+    ) -> Telemetry:
+        """The telemetry message now; rates cover the time since the previous call."""
+        now = self._clock()
+        dt = max(now - self._last_at, 1e-9)
+        tokens_per_s = (self.tokens_out - self._last_tokens) / dt
+        busy_ratio = min(1.0, max(0.0, (busy_s - self._last_busy) / dt))
+        self._last_at, self._last_tokens, self._last_busy = now, self.tokens_out, busy_s
+        ttft_p50, ttft_p99, _ = self.ttft.percentiles_ms()
+        e2e_p50, e2e_p99, samples = self.e2e.percentiles_ms()
+        return Telemetry(
+            worker=self.worker_id,
+            group=group,
+            ts_ms=int(time.time() * 1000),
+            model=self.model,
+            state=state,
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            batch_cap=batch_cap,
+            kv_usage=float(stats.kv_usage),
+            tokens_per_s=tokens_per_s,
+            requests_done=self.requests_done,
+            errors=self.errors,
+            ttft_p50_ms=ttft_p50,
+            ttft_p99_ms=ttft_p99,
+            e2e_p50_ms=e2e_p50,
+            e2e_p99_ms=e2e_p99,
+            samples=samples,
+            prefix_queried_tokens=stats.prefix_cache_queries,
+            prefix_hit_tokens=stats.prefix_cache_hits,
+            busy_ratio=busy_ratio,
+        )
+
+
+def heartbeat_value(message: Telemetry) -> bytes:
+    """The ``workers.<id>`` KV value: JSON, so ``nats kv get`` shows it as is."""
+    return json.dumps(
+        {
+            "worker": message.worker,
+            "group": message.group,
+            "state": message.state,
+            "model": message.model,
+            "ts_ms": message.ts_ms,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+async def publish(nc: Client, kv: KeyValue | None, subjects: Subjects, message: Telemetry) -> None:
+    """Send ``message`` and refresh the heartbeat; a NATS hiccup is logged, never raised."""
+    try:
+        await nc.publish(subjects.telemetry(message.group, message.worker), message.to_bytes())
+        if kv is not None:
+            await kv.put(HEARTBEAT_KEY_PREFIX + message.worker, heartbeat_value(message))
+    except Exception as exc:
+        log.warning("telemetry publish failed: %s", exc)
