@@ -25,7 +25,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from common.config import Config
 from common.errors import (
@@ -44,7 +44,14 @@ from gateway.classifier import GROUP_HEADER, classify
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.responses import Kind, Shaper, merge, usage_dict
-from gateway.streams import SSE_DONE, Delivery, Dispatcher, ResponseStream
+from gateway.streams import (
+    SSE_DONE,
+    ClientClosedRequest,
+    Delivery,
+    Dispatcher,
+    ResponseStream,
+    SseResponse,
+)
 
 DEADLINE_HEADER = "X-QoS-Deadline-Ms"
 MAX_DEADLINE_MS = 24 * 3600 * 1000
@@ -147,7 +154,7 @@ class Generator:
             )
             group_label = route.group
         except QosError as exc:
-            self._metrics.requests.labels(group_label, str(exc.http_status)).inc()
+            self._metrics.finished(group_label, exc.http_status)
             raise
         except ClientGone:
             return Response(status_code=499)
@@ -163,11 +170,11 @@ class Generator:
             if not body.stream:
                 return await self._collect(flight, first, request)
             streaming = True
-            return _FlightResponse(
+            return SseResponse(
                 self._sse(flight, first),
-                on_close=lambda: self._land(flight, status=499),
-                media_type="text/event-stream",
                 headers={**flight.headers, **_SSE_HEADERS},
+                on_disconnect=flight.stream.hang_up,
+                on_close=lambda: self._land(flight, status=499),
             )
         except ClientGone:
             self._land(flight, status=499)
@@ -260,7 +267,7 @@ class Generator:
         if route.is_fallback:
             headers["X-QoS-Fallback-From"] = route.requested
             self._metrics.fallbacks.labels(route.requested, route.group, route.reason or "").inc()
-        self._metrics.in_flight.labels(route.group).inc()
+        self._metrics.series(route.group, self._model).in_flight.inc()
         return Flight(
             route, stream, shaper, len(prompt_ids), started, started + deadline_ms / 1000,
             headers=headers,
@@ -374,6 +381,9 @@ class Generator:
                 yield shaper.role_event()
             delivery = first
             while True:
+                if isinstance(delivery.error, ClientClosedRequest):
+                    status = 499
+                    return  # nobody to tell; landing aborts the worker
                 if delivery.error is not None:
                     status = delivery.error.http_status
                     yield shaper.error_event(delivery.error)
@@ -400,7 +410,7 @@ class Generator:
                     break
             yield SSE_DONE
         except BaseException:
-            # Cancelled by Starlette when the client disconnects: nothing may await here.
+            # Cancelled (server shutdown): nothing may await here.
             status = 499
             raise
         finally:
@@ -417,16 +427,15 @@ class Generator:
         self._dispatcher.close(stream, abort=not stream.finished, reason=reason)
         group = flight.route.group
         self._admission.release(group)
-        self._metrics.in_flight.labels(group).dec()
-        self._metrics.requests.labels(group, str(status)).inc()
+        series = self._metrics.series(group, self._model)
+        series.in_flight.dec()
+        self._metrics.finished(group, status)
         if flight.completion_tokens:
-            self._metrics.tokens.labels(group).inc(flight.completion_tokens)
+            series.tokens.inc(flight.completion_tokens)
         if status == 200:
             if flight.first_token_at is not None:
-                self._metrics.ttft.labels(group, self._model).observe(
-                    flight.first_token_at - flight.started
-                )
-            self._metrics.e2e.labels(group, self._model).observe(time.monotonic() - flight.started)
+                series.ttft.observe(flight.first_token_at - flight.started)
+            series.e2e.observe(time.monotonic() - flight.started)
 
     def _decode_tail(self, delivered: Sequence[int], new: Sequence[int]) -> str:
         # Decode with a little context so a token that continues a word keeps its spacing.
@@ -447,20 +456,3 @@ def _deadline_ms(request: Request, default_ms: int) -> int:
             param=DEADLINE_HEADER,
         )
     return int(raw)
-
-
-class _FlightResponse(StreamingResponse):
-    """A stream that lands its flight even if Starlette never iterates the generator
-    (the client left before the first byte went out)."""
-
-    def __init__(
-        self, content: AsyncIterator[bytes], *, on_close: Callable[[], None], **kwargs: Any
-    ) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()

@@ -8,6 +8,8 @@ process; ``/metrics`` serves exactly this registry. Names follow DESIGN §7 with
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -18,12 +20,24 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class GroupSeries:
+    """One group's label children of the per-request metrics."""
+
+    in_flight: Any
+    ttft: Any
+    e2e: Any
+    tokens: Any
+
+
 class GatewayMetrics:
     """Counters, histograms and gauges the gateway updates per request."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self._finished: dict[tuple[str, int], Any] = {}
+        self._series: dict[str, GroupSeries] = {}
         self.requests = Counter(
             "qos_gateway_requests",
             "Finished HTTP generation requests by the group that served them and status code",
@@ -74,6 +88,26 @@ class GatewayMetrics:
             ["group"],
             registry=r,
         )
+
+    def finished(self, group: str, status: int) -> None:
+        """Count one finished request (label children cached: ``labels()`` is not free)."""
+        key = (group, status)
+        child = self._finished.get(key)
+        if child is None:
+            child = self._finished[key] = self.requests.labels(group, str(status))
+        child.inc()
+
+    def series(self, group: str, model: str) -> GroupSeries:
+        """The per-request series of ``group``, looked up once."""
+        found = self._series.get(group)
+        if found is None:
+            found = self._series[group] = GroupSeries(
+                in_flight=self.in_flight.labels(group),
+                ttft=self.ttft.labels(group, model),
+                e2e=self.e2e.labels(group, model),
+                tokens=self.tokens.labels(group),
+            )
+        return found
 
     def refresh_groups(self, live: Mapping[str, int], breakers: Mapping[str, str]) -> None:
         """Copy the workers view into gauges (at scrape time: nothing to do per request)."""

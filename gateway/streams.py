@@ -28,13 +28,15 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from common.errors import (
     InternalError,
@@ -59,6 +61,15 @@ DecodeTail = Callable[[Sequence[int], Sequence[int]], str]
 def sse_event(obj: Any) -> bytes:
     """One server-sent event: ``data: {json}`` and a blank line."""
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ClientClosedRequest(QosError):
+    """The client hung up (nginx's 499). It only ends the request's own loop: nobody
+    is left to send it to."""
+
+    http_status = 499
+    error_type = "client_closed_request"
+    default_code = "client_closed_request"
 
 
 @dataclass(slots=True)
@@ -157,6 +168,11 @@ class ResponseStream:
             self.finished = True
             self._push(Delivery(error=error))
 
+    def hang_up(self) -> None:
+        """The client left: wake the reader with :class:`ClientClosedRequest`. The stream
+        stays unfinished, so whoever lands the request aborts the worker."""
+        self._push(Delivery(error=ClientClosedRequest("the client closed the connection")))
+
     def resume(self, query: ResumeQuery) -> ResumeReply:
         """Answer a redelivered attempt: what the client has; older attempts go quiet."""
         if query.attempt > self.min_attempt:
@@ -199,6 +215,55 @@ class ResponseStream:
 def _release(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+class SseResponse(StreamingResponse):
+    """``text/event-stream`` that notices a client hanging up without Starlette's task group.
+
+    Starlette's StreamingResponse runs the body and a disconnect listener in an anyio task
+    group per response; at a thousand streams a second that machinery is a visible share
+    of the gateway's CPU. Here one plain task waits for ``http.disconnect`` and calls
+    ``on_disconnect`` (which wakes the generator); ``on_close`` runs however the response
+    ends, even if the generator never started.
+    """
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        *,
+        headers: Mapping[str, str],
+        on_disconnect: Callable[[], None],
+        on_close: Callable[[], None],
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._on_disconnect = on_disconnect
+        self._on_close = on_close
+        self._done = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(self._received)
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            async for event in self.body_iterator:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._done = True
+            watcher.cancel()
+            self._on_close()
+
+    def _received(self, watcher: asyncio.Future[Message]) -> None:
+        if self._done or watcher.cancelled() or watcher.exception() is not None:
+            return
+        if watcher.result().get("type") == "http.disconnect":
+            self._on_disconnect()
 
 
 class Dispatcher:

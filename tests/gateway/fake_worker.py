@@ -13,7 +13,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -162,7 +161,7 @@ class FakeWorker:
         while True:
             try:
                 msgs = await self._sub.fetch(8, timeout=0.5)
-            except nats.errors.TimeoutError:
+            except TimeoutError:
                 continue
             for msg in msgs:
                 request = GenerateRequest.from_bytes(msg.data)
