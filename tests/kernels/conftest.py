@@ -1,18 +1,26 @@
 """Kernel tests run the Triton kernels against the torch references.
 
 Without CUDA they run in the Triton interpreter, which must be switched on before Triton is
-first imported (``triton.jit`` reads it when the kernel modules are imported).
+first imported in the process.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+# Triton reads the switch when it is first imported; imported earlier with it off, the
+# interpreter fails with "Cannot call @triton.jit'd outside of the scope of a kernel".
+_TRITON_IMPORTED_TOO_EARLY = (
+    not torch.cuda.is_available()
+    and "triton" in sys.modules
+    and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -24,6 +32,15 @@ _TOLERANCES: dict[torch.dtype, dict[str, float]] = {
     torch.float16: {"atol": 4e-3, "rtol": 4e-3},
     torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
 }
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_was_on_in_time() -> None:
+    if _TRITON_IMPORTED_TOO_EARLY:
+        pytest.fail(
+            "triton was imported before tests/kernels/conftest.py turned TRITON_INTERPRET on; "
+            "set TRITON_INTERPRET=1 in the environment (or in tests/conftest.py) on CPU machines"
+        )
 
 
 @pytest.fixture
