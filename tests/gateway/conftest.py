@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from common.config import Config, GatewayConfig, NatsConfig, default_groups
 from common.services import free_port
-from common.tokenizer import ByteTokenizer
+from common.tokenizer import BaseTokenizer, ByteTokenizer
 from gateway.app import create_app
 
 MODEL = "dummy:tiny"
@@ -52,10 +52,13 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serve(config: Config, **app_kwargs: Any) -> AsyncIterator[Served]:
+async def serve(
+    config: Config, tokenizer: BaseTokenizer | None = None, **app_kwargs: Any
+) -> AsyncIterator[Served]:
     """Run the gateway with uvicorn in this event loop until the block ends."""
     app_kwargs.setdefault("admission_wait_s", 0.3)
-    app = create_app(config, ByteTokenizer(), model=MODEL, **app_kwargs)
+    app_kwargs.setdefault("model", MODEL)
+    app = create_app(config, tokenizer or ByteTokenizer(), **app_kwargs)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
