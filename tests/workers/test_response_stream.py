@@ -1,0 +1,60 @@
+"""ResponseStream: every token once, in order, across reordering and redeliveries."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.client import ResponseStream
+from common.errors import ContextLengthExceededError
+from common.protocol import Chunk, ErrorInfo, ResumeQuery, Usage
+
+
+def chunk(seq: int, ids: list[int], attempt: int = 1, final: bool = False) -> Chunk:
+    return Chunk(
+        id="r",
+        seq=seq,
+        attempt=attempt,
+        token_ids=ids,
+        text="".join(chr(97 + i % 26) for i in ids),
+        finish_reason="length" if final else None,
+        usage=Usage(1, seq + len(ids)) if final else None,
+    )
+
+
+def delivered(stream: ResponseStream, *chunks: Chunk) -> list[int]:
+    return [t for c in chunks for out in stream.feed(c) for t in out.token_ids]
+
+
+def test_out_of_order_chunks_wait_for_the_gap() -> None:
+    stream = ResponseStream("r")
+    assert delivered(stream, chunk(2, [3, 4])) == []
+    assert delivered(stream, chunk(0, [1, 2])) == [1, 2, 3, 4]
+    assert delivered(stream, chunk(4, [5], final=True)) == [5] and stream.finished
+
+
+def test_overlap_after_a_redelivery_is_trimmed() -> None:
+    stream = ResponseStream("r", decode_tail=lambda have, new: "+" * len(new))
+    delivered(stream, chunk(0, [1, 2, 3]))
+    (out,) = stream.feed(chunk(1, [2, 3, 4], attempt=2))
+    assert (out.seq, out.token_ids, out.text) == (3, [4], "+")
+    assert stream.feed(chunk(0, [1, 2], attempt=2)) == []  # nothing new
+
+
+def test_resume_answers_what_was_delivered_and_silences_older_attempts() -> None:
+    stream = ResponseStream("r")
+    delivered(stream, chunk(0, [1, 2]))
+    reply = stream.resume(ResumeQuery(id="r", attempt=2))
+    assert reply.token_ids == [1, 2] and reply.text_len == 2
+    assert delivered(stream, chunk(2, [9, 9], attempt=1)) == []  # the old worker, still talking
+    assert delivered(stream, chunk(2, [3], attempt=2, final=True)) == [3]
+    assert stream.token_ids == [1, 2, 3]
+
+
+def test_an_error_chunk_raises_the_matching_error() -> None:
+    stream = ResponseStream("r")
+    bad = Chunk(
+        id="r", finish_reason="error", error=ErrorInfo("context_length_exceeded", "too long")
+    )
+    with pytest.raises(ContextLengthExceededError):
+        stream.feed(bad)
+    assert stream.finished and stream.feed(chunk(0, [1])) == []

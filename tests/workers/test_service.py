@@ -1,0 +1,243 @@
+"""One worker replica over a real nats-server: streaming, rejections, control, telemetry."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+from nats.aio.client import Client
+
+from common.client import QosClient
+from common.config import Config
+from common.errors import ContextLengthExceededError, InternalError
+from common.protocol import Control, RequestParams, Telemetry
+from common.subjects import Subjects
+from tests.workers.conftest import expected_tokens, new_id
+from workers.sim import SimCost, SimEngine
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def read_until_final(sub: Any, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """Chunk maps up to the final one, decoded by hand (as the contract describes them)."""
+    out: list[dict[str, Any]] = []
+    while not out or "finish_reason" not in out[-1]:
+        msg = await sub.next_msg(timeout=timeout_s)
+        out.append(msgpack.unpackb(msg.data, raw=False))
+    return out
+
+
+def i32(data: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
+
+
+async def test_round_trip_streams_every_token_with_seq_usage_and_finish_reason(
+    start_worker: Any, client: QosClient
+) -> None:
+    await start_worker()
+    chunks = [
+        c
+        async for c in client.generate(
+            group="short",
+            prompt_token_ids=[1, 2, 3, 4],
+            params=RequestParams(max_tokens=30, seed=5),
+        )
+    ]
+    assert len(chunks[0].token_ids) == 1  # the first token goes out alone, at once
+    seen = 0
+    for c in chunks:
+        assert c.seq == seen and c.attempt == 1 and c.worker == "w0"
+        seen += len(c.token_ids)
+    final = chunks[-1]
+    assert [t for c in chunks for t in c.token_ids] == expected_tokens(4, 30, seed=5)
+    assert final.finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+    assert final.usage is not None
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (4, 30)
+
+
+async def test_a_raw_msgpack_request_written_from_the_contract_gets_an_answer(
+    start_worker: Any, nc: Client, subjects: Subjects
+) -> None:
+    await start_worker()
+    rid = new_id()
+    p = subjects.prefix
+    sub = await nc.subscribe(f"{p}.out.{rid}")
+    request = {
+        "v": 1,
+        "id": rid,
+        "group": "short",
+        "reply": f"{p}.out.{rid}",
+        "prompt_token_ids": struct.pack("<3i", 7, 8, 9),
+        "params": {"max_tokens": 6, "seed": 3, "temperature": 0},
+        "deadline_ms": int(time.time() * 1000) + 10_000,
+    }
+    await nc.jetstream().publish(
+        f"{p}.req.short", msgpack.packb(request), headers={"Nats-Msg-Id": rid}
+    )
+    chunks = await read_until_final(sub)
+    assert [t for c in chunks for t in i32(c["token_ids"])] == expected_tokens(3, 6, seed=3)
+    assert chunks[-1]["finish_reason"] == "length"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "cached_tokens": 0}
+    assert all(c["v"] == 1 and c["id"] == rid for c in chunks)
+
+
+async def test_a_malformed_request_gets_an_error_chunk_is_terminated_and_the_worker_keeps_serving(
+    start_worker: Any, nc: Client, client: QosClient, subjects: Subjects, worker_config: Config
+) -> None:
+    await start_worker()
+    js = nc.jetstream()
+    rid = new_id()
+    sub = await nc.subscribe(subjects.out(rid))
+    bad = {
+        "v": 1,
+        "id": rid,
+        "group": "short",
+        "reply": subjects.out(rid),
+        "prompt": "x",
+        "oops": 1,
+    }
+    await js.publish(subjects.request("short"), msgpack.packb(bad))
+    await js.publish(subjects.request("short"), b"\xc1 not msgpack at all")
+    (error,) = await read_until_final(sub)
+    assert error["finish_reason"] == "error" and error["error"]["code"] == "protocol_error"
+    assert "oops" in error["error"]["message"]
+    ids, _, final = await client.collect(
+        group="short", prompt_token_ids=[1], params=RequestParams(max_tokens=3)
+    )
+    assert ids == expected_tokens(1, 3) and final.finish_reason == "length"
+    info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
+    assert info.num_pending == 0 and info.num_ack_pending == 0  # terminated, not redelivered
+
+
+async def test_a_request_past_its_deadline_gets_deadline_exceeded(
+    start_worker: Any, nc: Client, subjects: Subjects
+) -> None:
+    await start_worker()
+    rid = new_id()
+    sub = await nc.subscribe(subjects.out(rid))
+    request = {
+        "v": 1,
+        "id": rid,
+        "group": "short",
+        "reply": subjects.out(rid),
+        "prompt": "late",
+        "deadline_ms": int(time.time() * 1000) - 1000,
+    }
+    await nc.jetstream().publish(subjects.request("short"), msgpack.packb(request))
+    (error,) = await read_until_final(sub)
+    assert error["error"]["code"] == "deadline_exceeded" and error["finish_reason"] == "error"
+
+
+async def test_a_prompt_too_long_for_the_engine_raises_context_length_exceeded(
+    start_worker: Any, client: QosClient
+) -> None:
+    await start_worker()  # the sim engine's max_seq_len is 256
+    with pytest.raises(ContextLengthExceededError):
+        await client.collect(group="short", prompt_token_ids=[1] * 300)
+
+
+class PoisonedSim(SimEngine):
+    """Fails every step once a request whose prompt starts with 666 has 3 tokens."""
+
+    def step(self) -> list[Any]:
+        if any(r.prompt_token_ids[0] == 666 and len(r.output_token_ids) >= 3 for r in self.running):
+            raise RuntimeError("simulated kernel failure")
+        return super().step()
+
+
+async def test_an_engine_exception_fails_only_the_affected_request(
+    start_worker: Any, client: QosClient
+) -> None:
+    # Batch 1: the request queued behind the failing one is not in the failed step.
+    engine = PoisonedSim(max_batch_size=1, cost=SimCost(base_s=0.05))
+    await start_worker(engine=engine)
+    poisoned = client.generate(group="short", prompt_token_ids=[666, 1])
+    await anext(poisoned)  # it runs
+    queued = asyncio.ensure_future(
+        client.collect(group="short", prompt_token_ids=[2], params=RequestParams(max_tokens=3))
+    )
+    with pytest.raises(InternalError, match="simulated kernel failure"):
+        async for _ in poisoned:
+            pass
+    ids, _, _ = await queued
+    assert ids == expected_tokens(1, 3)
+    ids, _, _ = await client.collect(
+        group="short", prompt_token_ids=[5, 6], params=RequestParams(max_tokens=2)
+    )
+    assert ids == expected_tokens(2, 2)
+
+
+async def test_control_caps_the_batch_drains_and_resumes(
+    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects
+) -> None:
+    service = await start_worker()
+    ctl = subjects.control_group("short")
+    await nc.publish(ctl, Control(action="set_batch_cap", batch_cap=1).to_bytes())
+    await eventually(lambda: service.bridge.batch_cap == 1)
+    assert await service.bridge.call(lambda e: e.max_batch_size) == 1
+    await nc.publish(subjects.control("w0"), Control(action="drain").to_bytes())
+    await eventually(lambda: service.state == "draining")
+    pending = asyncio.ensure_future(
+        client.collect(group="short", prompt_token_ids=[1], params=RequestParams(max_tokens=2))
+    )
+    await asyncio.sleep(0.7)  # more than a fetch long-poll: a drained worker fetches nothing
+    assert not pending.done()
+    await nc.publish(ctl, Control(action="resume").to_bytes())
+    ids, _, _ = await asyncio.wait_for(pending, 5)
+    assert ids == expected_tokens(1, 2) and service.state == "serving"
+
+
+async def test_assign_group_moves_the_replica_to_the_new_groups_consumer(
+    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects
+) -> None:
+    service = await start_worker()
+    await nc.publish(
+        subjects.control("w0"), Control(action="assign_group", group="realtime").to_bytes()
+    )
+    await eventually(lambda: service.group == "realtime" and service.state == "serving")
+    assert service.bridge.batch_cap == 1  # realtime's max batch
+    ids, _, final = await client.collect(
+        group="realtime", prompt_token_ids=[3], params=RequestParams(max_tokens=2)
+    )
+    assert ids == expected_tokens(1, 2) and final.worker == "w0"
+
+
+async def test_telemetry_arrives_every_interval_with_sane_values(
+    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    sub = await nc.subscribe(subjects.telemetry("short", "w0"))
+    await start_worker()
+    for _ in range(3):
+        await client.collect(
+            group="short", prompt_token_ids=[1, 2], params=RequestParams(max_tokens=8)
+        )
+    reports: list[tuple[float, Telemetry]] = []
+    deadline = time.monotonic() + 1.2
+    while time.monotonic() < deadline:
+        msg = await sub.next_msg(timeout=1)
+        reports.append((time.monotonic(), Telemetry.from_bytes(msg.data)))
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(reports)]
+    assert len(reports) >= 4 and all(0.1 < g < 0.5 for g in gaps[1:])
+    last = reports[-1][1]
+    assert (last.worker, last.group, last.state, last.batch_cap) == ("w0", "short", "serving", 4)
+    assert last.requests_done == 3 and last.errors == 0 and last.samples == 3
+    assert 0 < last.ttft_p50_ms <= last.ttft_p99_ms < 2000
+    assert 0 < last.e2e_p50_ms <= last.e2e_p99_ms < 2000 and last.ttft_p50_ms <= last.e2e_p99_ms
+    assert (last.running, last.waiting, last.kv_usage) == (0, 0, 0.0)
+    assert 0.0 <= last.busy_ratio <= 1.0 and last.prefix_queried_tokens == 6
+    kv = await nc.jetstream().key_value(worker_config.nats.kv_bucket)
+    beat = json.loads((await kv.get("workers.w0")).value)
+    assert (beat["group"], beat["state"]) == ("short", "serving")
+    assert abs(beat["ts_ms"] / 1000 - time.time()) < 2

@@ -1,0 +1,102 @@
+"""SimEngine: the step API, the cost model and deterministic tokens, without NATS."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import ContextLengthExceededError
+from common.tokenizer import ByteTokenizer
+from workers.engine.sampling_params import SamplingParams
+from workers.sim import SimCost, SimEngine, sim_token
+
+
+def run(engine: SimEngine) -> dict[str, list]:
+    """Step until idle: request id -> its deltas."""
+    out: dict[str, list] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out.setdefault(delta.request_id, []).append(delta)
+    return out
+
+
+def test_step_time_follows_the_cost_model() -> None:
+    slept: list[float] = []
+    cost = SimCost(base_s=0.01, prefill_s_per_token=0.001, decode_s_per_seq=0.002)
+    engine = SimEngine(cost=cost, sleep=slept.append)
+    engine.add_request("a", params=SamplingParams(max_tokens=3), prompt_token_ids=[1] * 10)
+    engine.add_request("b", params=SamplingParams(max_tokens=3), prompt_token_ids=[1] * 20)
+    run(engine)
+    # Step 1 prefills both (30 tokens); steps 2 and 3 decode both.
+    assert slept == pytest.approx([0.01 + 0.03, 0.01 + 0.004, 0.01 + 0.004])
+    engine.set_slowdown(0.5)
+    engine.add_request("c", params=SamplingParams(max_tokens=1), prompt_token_ids=[1])
+    run(engine)
+    assert slept[-1] == pytest.approx(0.01 + 0.001 + 0.5)
+
+
+def test_tokens_are_a_function_of_seed_and_position_so_a_resumed_request_continues_exactly() -> (
+    None
+):
+    engine = SimEngine(cost=SimCost(0, 0, 0))
+    params = SamplingParams(max_tokens=8, seed=7)
+    engine.add_request("full", params=params, prompt_token_ids=[5, 6, 7])
+    full = [t for d in run(engine)["full"] for t in d.token_ids]
+    assert full == [sim_token(7, 3 + i) for i in range(8)]
+    engine.add_request(
+        "resumed",
+        params=SamplingParams(max_tokens=5, seed=7),
+        prompt_token_ids=[5, 6, 7, *full[:3]],
+    )
+    assert [t for d in run(engine)["resumed"] for t in d.token_ids] == full[3:]
+
+
+def test_batch_cap_limits_the_running_batch() -> None:
+    engine = SimEngine(max_batch_size=4, cost=SimCost(0, 0, 0))
+    engine.set_max_batch_size(2)
+    for i in range(3):
+        engine.add_request(f"r{i}", params=SamplingParams(max_tokens=4), prompt_token_ids=[1])
+    engine.step()
+    assert (engine.stats().num_running, engine.stats().num_waiting) == (2, 1)
+    engine.set_max_batch_size(99)  # clamped to the size it was built with
+    assert engine.max_batch_size == 4
+
+
+def test_stop_token_max_tokens_and_ignore_eos() -> None:
+    engine = SimEngine(cost=SimCost(0, 0, 0), eos_token_ids=frozenset({sim_token(0, 2)}))
+    engine.add_request("eos", params=SamplingParams(max_tokens=9), prompt_token_ids=[1, 2])
+    engine.add_request(
+        "ignore", params=SamplingParams(max_tokens=4, ignore_eos=True), prompt_token_ids=[1, 2]
+    )
+    stop_at = sim_token(0, 5)
+    engine.add_request(
+        "stop",
+        params=SamplingParams(max_tokens=9, stop_token_ids=[stop_at]),
+        prompt_token_ids=[3] * 4,
+    )
+    out = run(engine)
+    assert [d.num_output_tokens for d in out["eos"]][-1] == 1 and out["eos"][
+        -1
+    ].finish_reason == "stop"
+    assert out["ignore"][-1].num_output_tokens == 4 and out["ignore"][-1].finish_reason == "length"
+    assert out["stop"][-1].token_ids == [stop_at] and out["stop"][-1].finish_reason == "stop"
+
+
+def test_abort_frees_blocks_and_reports_abort() -> None:
+    engine = SimEngine(cost=SimCost(0, 0, 0), num_kv_blocks=64, block_size=16)
+    engine.add_request("a", params=SamplingParams(max_tokens=100), prompt_token_ids=[1] * 40)
+    engine.step()
+    assert engine.stats().num_free_blocks == 64 - 9  # ceil(140 / 16) reserved
+    assert engine.abort("a") and not engine.abort("a")
+    assert engine.stats().num_free_blocks == 64
+    (delta,) = engine.step()
+    assert delta.finish_reason == "abort" and not engine.has_unfinished()
+
+
+def test_text_comes_from_the_tokenizer_and_long_prompts_are_rejected() -> None:
+    engine = SimEngine(cost=SimCost(0, 0, 0), tokenizer=ByteTokenizer(), max_seq_len=32)
+    engine.add_request("t", "hi", SamplingParams(max_tokens=6, ignore_eos=True))
+    deltas = run(engine)["t"]
+    assert "".join(d.text for d in deltas) == deltas[-1].output.text
+    assert deltas[-1].output.prompt_token_ids == ByteTokenizer().encode("hi")
+    with pytest.raises(ContextLengthExceededError):
+        engine.add_request("long", prompt_token_ids=[1] * 32)
