@@ -217,6 +217,10 @@ class Generator:
                 )
             except ChatTemplateError as exc:
                 raise InvalidRequestError(str(exc), param="messages") from None
+            except TypeError as exc:  # a chat_template_kwargs key that shadows an argument
+                raise InvalidRequestError(
+                    f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
+                ) from None
             ids = await self._encode(text, add_special_tokens=False)
             return ids, "messages"
         prompt = body.prompt_input()

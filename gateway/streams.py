@@ -146,15 +146,16 @@ class ResponseStream:
 
     def _accept(self, chunk: Chunk) -> None:
         skip = len(self.token_ids) - chunk.seq
-        if skip >= len(chunk.token_ids) and chunk.finish_reason is None:
-            return  # everything in it was delivered already
         if skip == 0:
+            # Text without tokens is legal too: a detokenizer releasing held-back text.
             ids, text = chunk.token_ids, chunk.text
             logprobs, tops = chunk.logprobs, chunk.top_logprobs
         else:
             ids = chunk.token_ids[skip:]
             text = self.decode_tail(self.token_ids, ids) if ids else ""
             logprobs, tops = chunk.logprobs[skip:], chunk.top_logprobs[skip:]
+        if not ids and not text and chunk.finish_reason is None:
+            return  # nothing new: delivered already
         self.token_ids.extend(ids)
         self.text_len += len(text)
         if chunk.finish_reason is not None:

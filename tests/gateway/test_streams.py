@@ -55,6 +55,16 @@ def test_overlapping_chunk_is_trimmed_to_the_new_tokens():
     assert [d.text for d in _drain(stream)] == ["abcd", "ef"]
 
 
+def test_text_without_tokens_is_delivered_when_it_is_new():
+    stream = _stream()
+    stream.feed(Chunk(id="cmpl-x", seq=0, token_ids=[0xC3], text=""))  # half a character
+    stream.feed(Chunk(id="cmpl-x", seq=1, token_ids=[0xA9], text=""))
+    stream.feed(Chunk(id="cmpl-x", seq=2, text="é"))  # the detokenizer lets it go
+    stream.feed(Chunk(id="cmpl-x", seq=1, text="stale"))  # behind what was delivered
+    assert "".join(d.text for d in _drain(stream)) == "é"
+    assert stream.token_ids == [0xC3, 0xA9] and stream.text_len == 1
+
+
 def test_resume_reports_what_was_delivered_and_silences_older_attempts():
     stream = _stream()
     stream.feed(_chunk(0, "abc"))

@@ -88,6 +88,7 @@ BAD_PARAMETERS = [
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
 ]
 
 
