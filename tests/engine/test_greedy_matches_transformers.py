@@ -30,7 +30,7 @@ def expected(path: Path, batch: list[list[int]], n: int = MAX_TOKENS) -> list[li
 
 
 def run_llm(path: Path, batch: list[list[int]], **kw: object) -> list[list[int]]:
-    llm = LLM(str(path), block_size=BS, **{"num_kv_blocks": 64, **kw})  # type: ignore[arg-type]
+    llm = LLM(str(path), block_size=BS, dtype="float32", **{"num_kv_blocks": 64, **kw})  # type: ignore[arg-type]
     return [o.token_ids for o in llm.generate(prompt_token_ids=batch, sampling_params=GREEDY)]
 
 
@@ -63,6 +63,7 @@ def test_requests_arriving_while_others_decode_get_transformers_tokens(
     engine = LLMEngine(
         EngineArgs(
             str(path),
+            dtype="float32",
             policy=policy,
             block_size=BS,
             num_kv_blocks=64,
@@ -97,7 +98,9 @@ def test_prefix_cache_hits_reuse_blocks_and_keep_tokens(policy: str, root: str) 
     path = checkpoint("qwen2", root)
     shared = prompts(BS, seed=5)[-1] * 2  # 28 tokens = 7 full blocks
     batch = [[*shared, 7], [*shared, 8, 9], shared[:10], [*shared, 7]]
-    engine = LLMEngine(EngineArgs(str(path), policy=policy, block_size=BS, num_kv_blocks=64))
+    engine = LLMEngine(
+        EngineArgs(str(path), dtype="float32", policy=policy, block_size=BS, num_kv_blocks=64)
+    )
     outputs = {}
     for i, p in enumerate(batch):  # one after another: each finds the previous ones' blocks
         engine.add_request(str(i), prompt_token_ids=p, params=GREEDY)
@@ -125,6 +128,7 @@ def test_preemption_by_recompute_gives_transformers_tokens(policy: str, root: st
         engine = LLMEngine(
             EngineArgs(
                 str(path),
+                dtype="float32",
                 policy=policy,
                 block_size=BS,
                 num_kv_blocks=14,

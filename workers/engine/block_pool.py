@@ -218,6 +218,9 @@ class BlockPool:
     def free(self, req: Request) -> None:
         """Give back every block of ``req``. The tail goes first so that, once named blocks
         are evicted oldest-first, a prefix outlives its own continuation."""
+        # A block computed alongside an identical one stayed unnamed; if that twin has been
+        # evicted since, this copy takes over the name instead of being lost.
+        self.cache_full_blocks(req, 0)
         for block_id in reversed(req.block_table):
             self._release(block_id)
         req.block_table = []

@@ -120,7 +120,8 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
         self.num_tokens_computed = 0
-        self.last_step_num_tokens = 0
+        self.last_step_num_tokens = 0  # 0: the step ran nothing (e.g. a dynamic batch collecting)
+        self.last_step_num_seqs = 0
         log.info(
             "engine ready: %s on %s/%s (%s), %d KV blocks x %d, max_seq_len %d, policy %s",
             args.model,
@@ -285,6 +286,7 @@ class LLMEngine:
         deltas, self._pending = self._pending, []
         plan = self.batcher.schedule()
         self.last_step_num_tokens = plan.num_tokens
+        self.last_step_num_seqs = len(plan.seqs)
         if plan.is_empty:
             return deltas
         logits = self.runner.execute(plan)

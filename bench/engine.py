@@ -1,0 +1,391 @@
+"""Engine benchmark: the four batching policies side by side on one workload, JSON out.
+
+Offline mode (nano-vllm's protocol): ``--num-seqs`` random prompts, input and output lengths
+uniform in ``[--min-len, --max-len]``, ``ignore_eos``, fixed seed. Every policy runs the same
+requests; reported: output tok/s, req/s, in-engine mean TTFT and TPOT, and ratios against
+``static``. ``--hf-baseline`` adds ``transformers.generate`` static batching on the same
+prompts. The roofline divides the bytes a decode step must read (weights + KV) by the
+measured device copy bandwidth.
+
+Fixed-shape mode (``--fixed-batch B --input-len I --output-len O``): B identical-length
+requests decoded together; reports the decode step time against its roofline.
+
+    python -m bench.engine                      # CPU defaults: dummy:tiny, 32 seqs, 16..128
+    python -m bench.engine --model dummy:llama-8b --dtype bf16 \\
+        --fixed-batch 256 --input-len 512 --output-len 128   # the H200 comparison
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers.engine import EngineArgs, LLMEngine, SamplingParams
+from workers.engine.args import POLICIES
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+@dataclass
+class StepLog:
+    """Per-step figures, to split prefill from decode and compare decode with its roofline."""
+
+    seconds: list[float] = field(default_factory=list)
+    is_decode: list[bool] = field(default_factory=list)
+    batch: list[int] = field(default_factory=list)
+    context_tokens: list[int] = field(default_factory=list)  # KV tokens read by the step
+
+
+def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)
+    ]
+    return Workload(prompts, [rng.randint(min_len, max_len) for _ in range(n)])
+
+
+def engine_args(ns: argparse.Namespace, policy: str, **over: Any) -> EngineArgs:
+    kw: dict[str, Any] = dict(
+        model=ns.model,
+        policy=policy,
+        device=ns.device,
+        dtype=ns.dtype,
+        max_batch_size=ns.max_batch_size,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        block_size=ns.block_size,
+        enforce_eager=ns.enforce_eager,
+        seed=ns.seed,
+    )
+    if ns.kv_cache_gib is not None:
+        kw["kv_cache_gib"] = ns.kv_cache_gib
+    if ns.num_kv_blocks is not None:
+        kw["num_kv_blocks"] = ns.num_kv_blocks
+    kw.update(over)
+    return EngineArgs(**kw)
+
+
+def drive(
+    engine: LLMEngine, work: Workload, temperature: float
+) -> tuple[float, list[Any], StepLog]:
+    """Submit everything at once, step to the end; (wall seconds, outputs, step log)."""
+    log = StepLog()
+    outputs: dict[str, Any] = {}
+    start = time.perf_counter()
+    for i, (p, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
+        params = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+        engine.add_request(str(i), prompt_token_ids=p, params=params)
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        deltas = engine.step()
+        dt = time.perf_counter() - t0
+        for d in deltas:
+            if d.output is not None:
+                outputs[d.request_id] = d.output
+        if engine.last_step_num_tokens == 0:
+            time.sleep(0.0005)  # a dynamic batch still collecting
+            continue
+        log.seconds.append(dt)
+        log.is_decode.append(engine.last_step_num_tokens == engine.last_step_num_seqs)
+        log.batch.append(engine.last_step_num_seqs)
+        log.context_tokens.append(sum(r.num_computed_tokens for r in engine.batcher.running))
+    wall = time.perf_counter() - start
+    return wall, [outputs[str(i)] for i in range(len(work.prompts))], log
+
+
+def warm_up(engine: LLMEngine) -> None:
+    engine.add_request("warm", prompt_token_ids=[1] * 8, params=SamplingParams(max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device memory bandwidth in bytes/s from a large copy (read + write counted)."""
+    n = (256 if device.type == "cuda" else 64) << 20
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    reps = 20 if device.type == "cuda" else 5
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n * reps / (time.perf_counter() - t0)
+
+
+class Roofline:
+    """Decode step time if it only had to stream its bytes at copy bandwidth."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        model = engine.runner.model
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        cfg = engine.model_config
+        elem = torch.empty((), dtype=engine.dtype).element_size()
+        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        self.bandwidth = copy_bandwidth(engine.device)
+
+    def step_seconds(self, context_tokens: int) -> float:
+        return (self.weight_bytes + context_tokens * self.kv_bytes_per_token) / self.bandwidth
+
+    def summary(self, batch: int, context_per_seq: int) -> dict[str, Any]:
+        t = self.step_seconds(batch * context_per_seq)
+        return {
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "copy_bandwidth_gb_s": round(self.bandwidth / 1e9, 2),
+            "example_step": {
+                "batch": batch,
+                "context_per_seq": context_per_seq,
+                "predicted_step_ms": round(t * 1e3, 3),
+                "predicted_tok_s": round(batch / t, 1),
+            },
+        }
+
+
+def summarize(wall: float, outputs: list[Any], log: StepLog, roof: Roofline) -> dict[str, Any]:
+    n_out = sum(len(o.token_ids) for o in outputs)
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    tpot = [
+        (o.metrics.finish_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
+        for o in outputs
+        if len(o.token_ids) > 1
+    ]
+    decode = [i for i, d in enumerate(log.is_decode) if d]
+    decode_s = sum(log.seconds[i] for i in decode)
+    roof_s = sum(roof.step_seconds(log.context_tokens[i]) for i in decode)
+    return {
+        "wall_s": round(wall, 3),
+        "output_tokens": n_out,
+        "output_tok_s": round(n_out / wall, 2),
+        "req_s": round(len(outputs) / wall, 3),
+        "mean_ttft_ms": round(1e3 * statistics.fmean(ttft), 2),
+        "mean_tpot_ms": round(1e3 * statistics.fmean(tpot), 2) if tpot else None,
+        "steps": len(log.seconds),
+        "decode_steps": len(decode),
+        "mean_decode_batch": round(statistics.fmean(log.batch[i] for i in decode), 2)
+        if decode
+        else 0,
+        "decode_s": round(decode_s, 3),
+        "mean_decode_step_ms": round(1e3 * decode_s / len(decode), 3) if decode else None,
+        "roofline_decode_s": round(roof_s, 4),
+        "decode_vs_roofline": round(decode_s / roof_s, 2) if roof_s else None,
+        "preemptions": sum(o.metrics.num_preemptions for o in outputs),
+    }
+
+
+def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {"mode": "offline", "policies": {}}
+    work: Workload | None = None
+    roof: Roofline | None = None
+    for policy in ns.policies:
+        engine = LLMEngine(engine_args(ns, policy, max_wait_ms=ns.max_wait_ms))
+        if work is None:
+            vocab = min(engine.model_config.vocab_size, 32000)
+            work = make_workload(ns.num_seqs, ns.min_len, ns.max_len, vocab, ns.seed)
+            roof = Roofline(engine)
+            result["workload"] = {
+                "num_seqs": ns.num_seqs,
+                "min_len": ns.min_len,
+                "max_len": ns.max_len,
+                "input_tokens": sum(map(len, work.prompts)),
+                "output_tokens": sum(work.output_lens),
+                "seed": ns.seed,
+                "temperature": ns.temperature,
+                "ignore_eos": True,
+            }
+            result["engine"] = {
+                "num_kv_blocks": engine.pool.num_blocks,
+                "max_seq_len": engine.max_seq_len,
+                "backend": engine.backend,
+                "dtype": str(engine.dtype),
+                "device": str(engine.device),
+            }
+        assert roof is not None
+        warm_up(engine)
+        wall, outputs, log = drive(engine, work, ns.temperature)
+        result["policies"][policy] = summarize(wall, outputs, log, roof)
+        print(f"{policy}: {result['policies'][policy]}", file=sys.stderr)
+        del engine
+    assert work is not None and roof is not None
+    batch = min(ns.max_batch_size, ns.num_seqs)
+    result["roofline"] = roof.summary(batch, (ns.min_len + ns.max_len) * 3 // 4)
+    base = result["policies"].get("static")
+    if base:
+        result["ratios_vs_static"] = {
+            p: {
+                "output_tok_s": round(r["output_tok_s"] / base["output_tok_s"], 3),
+                "req_s": round(r["req_s"] / base["req_s"], 3),
+                "mean_ttft": round(r["mean_ttft_ms"] / base["mean_ttft_ms"], 3),
+            }
+            for p, r in result["policies"].items()
+        }
+    if ns.hf_baseline:
+        result["hf_baseline"] = hf_baseline(ns, work)
+        hf = result["hf_baseline"].get("output_tok_s")
+        if hf:
+            result["ratios_vs_hf"] = {
+                p: round(r["output_tok_s"] / hf, 3) for p, r in result["policies"].items()
+            }
+    return result
+
+
+def hf_baseline(ns: argparse.Namespace, work: Workload) -> dict[str, Any]:
+    """``transformers.generate`` in static batches of ``--max-batch-size`` (left padded)."""
+    try:
+        import transformers as tf
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    from workers.engine.engine import resolve_device, resolve_dtype
+    from workers.engine.loader import DUMMY_SHAPES, is_dummy
+
+    device = resolve_device(ns.device)
+    dtype = resolve_dtype(ns.dtype, device)
+    if is_dummy(ns.model):
+        shape = dict(DUMMY_SHAPES[ns.model.split(":", 1)[1]])
+        kind = shape.pop("model_type")
+        cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config}[kind]
+        with torch.device(device):
+            model = tf.AutoModelForCausalLM.from_config(cls(**shape), dtype=dtype)
+    else:
+        model = tf.AutoModelForCausalLM.from_pretrained(ns.model, dtype=dtype).to(device)
+    model.eval()
+    model.generation_config.eos_token_id = None  # ignore_eos, as in the engine runs
+    bs = ns.max_batch_size
+    n_out = 0
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), bs):
+        batch = work.prompts[i : i + bs]
+        width = max(map(len, batch))
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, p in enumerate(batch):
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
+        new = max(work.output_lens[i : i + bs])
+        with torch.no_grad():
+            model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        n_out += sum(work.output_lens[i : i + bs])  # useful tokens only
+    wall = time.perf_counter() - start
+    return {
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(n_out / wall, 2),
+        "req_s": round(len(work.prompts) / wall, 3),
+        "batch": bs,
+    }
+
+
+def run_fixed(ns: argparse.Namespace) -> dict[str, Any]:
+    """B requests of I prompt tokens, O output tokens each, decoded as one batch."""
+    b, i_len, o_len = ns.fixed_batch, ns.input_len, ns.output_len
+    over: dict[str, Any] = {"max_batch_size": b, "max_seq_len": i_len + o_len + ns.block_size}
+    on_cpu = ns.device == "cpu" or (ns.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and ns.kv_cache_gib is None and ns.num_kv_blocks is None:
+        over["num_kv_blocks"] = b * (-(-(i_len + o_len) // ns.block_size) + 1)
+    engine = LLMEngine(engine_args(ns, "continuous", **over))
+    roof = Roofline(engine)
+    warm_up(engine)
+    vocab = min(engine.model_config.vocab_size, 32000)
+    rng = random.Random(ns.seed)
+    work = Workload([[rng.randrange(vocab) for _ in range(i_len)] for _ in range(b)], [o_len] * b)
+    wall, outputs, log = drive(engine, work, ns.temperature)
+    summary = summarize(wall, outputs, log, roof)
+    decode = [k for k, d in enumerate(log.is_decode) if d and log.batch[k] == b]
+    step_s = statistics.median(log.seconds[k] for k in decode) if decode else float("nan")
+    mid_ctx = b * (i_len + o_len // 2)
+    predicted = roof.step_seconds(mid_ctx)
+    return {
+        "mode": "fixed",
+        "shape": {"batch": b, "input_len": i_len, "output_len": o_len},
+        "engine": {
+            "model": ns.model,
+            "dtype": str(engine.dtype),
+            "device": str(engine.device),
+            "backend": engine.backend,
+            "cuda_graphs": bool(engine.runner._graphs),
+        },
+        "decode_step_ms_median": round(step_s * 1e3, 3),
+        "roofline_step_ms": round(predicted * 1e3, 3),
+        "decode_vs_roofline": round(step_s / predicted, 2),
+        "decode_tok_s": round(b / step_s, 1),
+        "roofline_tok_s": round(b / predicted, 1),
+        "run": summary,
+        "roofline": roof.summary(b, i_len + o_len // 2),
+    }
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="dummy:tiny")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--num-seqs", type=int, default=32)
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-wait-ms", type=float, default=10.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--hf-baseline", action="store_true")
+    p.add_argument("--fixed-batch", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    ns = p.parse_args(argv)
+    ns.policies = [s.strip() for s in ns.policies.split(",") if s.strip()]
+    unknown = [s for s in ns.policies if s not in POLICIES]
+    if unknown:
+        p.error(f"unknown policies {unknown}; choose from {POLICIES}")
+    return ns
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parse(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    result = run_fixed(ns) if ns.fixed_batch else run_policies(ns)
+    result["config"] = {
+        **{k: v for k, v in vars(ns).items() if k != "out"},
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

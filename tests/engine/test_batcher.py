@@ -1,0 +1,221 @@
+"""Who runs when, per policy: the batcher alone, with a real block pool and no model."""
+
+from __future__ import annotations
+
+from workers.engine.batcher import Batcher, BatchPlan
+from workers.engine.block_pool import BlockPool
+from workers.engine.request import Request, RequestStatus
+from workers.engine.sampling_params import SamplingParams
+
+BS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_batcher(
+    policy: str,
+    num_blocks: int = 64,
+    max_batch_size: int = 4,
+    budget: int = 64,
+    max_wait_ms: float = 0.0,
+    clock: Clock | None = None,
+) -> Batcher:
+    pool = BlockPool(num_blocks, BS, watermark=0.0)
+    return Batcher(pool, policy, max_batch_size, budget, max_wait_ms, clock or Clock())
+
+
+def req(
+    rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, arrival: float = 0.0
+) -> Request:
+    return Request(
+        request_id=rid,
+        # Distinct per id, so prefix-cache hits happen only where a test wants them.
+        prompt_token_ids=[(sum(map(ord, rid)) * 31 + i) % 97 + 1 for i in range(prompt_len)],
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        priority=priority,
+        arrival_time=arrival,
+    )
+
+
+def run(b: Batcher) -> BatchPlan:
+    """One step as the engine does it: schedule, compute, sample token 5, finish at max_tokens."""
+    plan = b.schedule()
+    b.commit(plan)
+    for seq, r in zip(plan.seqs, plan.requests, strict=True):
+        if seq.sample:
+            r.append_token(5)
+            if r.num_output_tokens >= r.params.max_tokens:
+                b.finish(r, "length")
+    return plan
+
+
+def ids(plan: BatchPlan) -> list[str]:
+    return [s.request_id for s in plan.seqs]
+
+
+def test_static_runs_a_fixed_batch_to_completion_without_joins() -> None:
+    b = make_batcher("static", max_batch_size=2)
+    b.add(req("a", 5, max_tokens=2))
+    b.add(req("b", 3, max_tokens=6))
+    b.add(req("c", 3))
+    assert sorted(ids(run(b))) == ["a", "b"]  # the batch: the two oldest, prefilled together
+    b.add(req("d", 2))
+    seen: set[str] = set()
+    while "b" in {r.request_id for r in b.running}:
+        seen |= set(ids(run(b)))
+    # a finished early, yet c and d waited until b, the last member, was done.
+    assert seen == {"a", "b"}
+    assert sorted(ids(run(b))) == ["c", "d"]
+
+
+def test_dynamic_waits_for_a_full_batch_or_the_deadline() -> None:
+    clock = Clock()
+    b = make_batcher("dynamic", max_batch_size=3, max_wait_ms=50, clock=clock)
+    b.add(req("a", 4, arrival=clock.now))
+    b.add(req("b", 4, arrival=clock.now))
+    assert run(b).is_empty  # two of three, deadline not reached
+    clock.now += 0.049
+    assert run(b).is_empty
+    clock.now += 0.002
+    assert sorted(ids(run(b))) == ["a", "b"]
+    # A full batch goes at once.
+    b2 = make_batcher("dynamic", max_batch_size=2, max_wait_ms=1e6, clock=clock)
+    b2.add(req("x", 4, arrival=clock.now))
+    b2.add(req("y", 4, arrival=clock.now))
+    assert sorted(ids(run(b2))) == ["x", "y"]
+
+
+def test_continuous_admits_arrivals_at_the_next_step_preferring_prefill() -> None:
+    b = make_batcher("continuous")
+    b.add(req("a", 5, max_tokens=10))
+    assert ids(run(b)) == ["a"]
+    assert ids(run(b)) == ["a"]  # decode
+    b.add(req("b", 6, max_tokens=10))
+    plan = run(b)
+    assert ids(plan) == ["b"] and len(plan.seqs[0].token_ids) == 6  # prefill-only step
+    plan = run(b)
+    assert ids(plan) == ["a", "b"] and plan.is_decode
+
+
+def test_continuous_admits_a_prompt_longer_than_the_token_budget() -> None:
+    b = make_batcher("continuous", budget=8)
+    b.add(req("long", 30))
+    b.add(req("short", 3))
+    plan = run(b)
+    assert ids(plan) == ["long"] and plan.num_tokens == 30  # alone, but never stuck
+    assert ids(run(b)) == ["short"]
+
+
+def test_max_batch_size_caps_running_requests() -> None:
+    for policy in ("continuous", "hybrid", "static", "dynamic"):
+        b = make_batcher(policy, max_batch_size=2)
+        for i in range(5):
+            b.add(req(str(i), 3, max_tokens=3))
+        for _ in range(6):
+            run(b)
+            assert len(b.running) <= 2
+
+
+def test_hybrid_decodes_first_then_prefill_chunks_within_the_token_budget() -> None:
+    b = make_batcher("hybrid", budget=8)
+    b.add(req("a", 3, max_tokens=20))
+    run(b)
+    b.add(req("b", 20, max_tokens=20))
+    plans = [run(b) for _ in range(4)]
+    for plan in plans:
+        assert plan.num_tokens <= 8
+    # Step 1: a's decode, then 7 tokens of b's prompt; b's chunks continue until done.
+    assert ids(plans[0]) == ["a", "b"]
+    assert [len(s.token_ids) for s in plans[0].seqs] == [1, 7]
+    assert not plans[0].seqs[1].sample  # an unfinished chunk needs no logits
+    assert [s.start_pos for s in plans[1].seqs] == [4, 7]
+    assert [len(s.token_ids) for s in plans[2].seqs] == [1, 6]  # 7 + 7 + 6 = 20
+    assert plans[2].seqs[1].sample
+    assert plans[3].is_decode
+
+
+def test_hybrid_waiting_queue_is_ordered_by_priority_then_arrival() -> None:
+    b = make_batcher("hybrid", max_batch_size=1)
+    b.add(req("late-low", 3, priority=5, arrival=1.0))
+    b.add(req("early-normal", 3, priority=0, arrival=2.0))
+    b.add(req("urgent", 3, priority=-1, arrival=3.0))
+    b.add(req("later-normal", 3, priority=0, arrival=4.0))
+    order = []
+    while b.has_unfinished():
+        order += [i for i in ids(run(b)) if i not in order]
+    assert order == ["urgent", "early-normal", "later-normal", "late-low"]
+
+
+def test_preemption_takes_the_least_urgent_then_newest_and_requeues_it_in_front() -> None:
+    # 6 blocks of 4: three requests of 8 tokens (2 full blocks each) fill the pool.
+    b = make_batcher("continuous", num_blocks=6, budget=64)
+    b.add(req("old-low", 8, max_tokens=8, priority=1, arrival=1.0))
+    b.add(req("new-low", 8, max_tokens=8, priority=1, arrival=2.0))
+    b.add(req("newest-high", 8, max_tokens=8, priority=0, arrival=3.0))
+    b.add(req("queued", 3, priority=0, arrival=4.0))
+    run(b)
+    assert b.pool.num_free_blocks == 0
+    plan = run(b)  # every decode needs a third block: someone must go
+    assert [r.request_id for r in plan.preempted] == ["new-low"]
+    victim = plan.preempted[0]
+    assert victim.status == RequestStatus.PREEMPTED and victim.block_table == []
+    assert victim.num_computed_tokens == 0 and victim.num_output_tokens == 1
+    assert b.waiting[0] is victim  # back in front of the queue, ahead of "queued"
+    assert b.num_preemptions == 1
+
+
+def test_a_preempted_request_recomputes_its_prompt_and_output() -> None:
+    b = make_batcher("hybrid", num_blocks=4, budget=64)
+    b.add(req("a", 8, max_tokens=8, arrival=1.0))
+    b.add(req("b", 8, max_tokens=8, arrival=2.0))
+    run(b)
+    plan = run(b)
+    assert [r.request_id for r in plan.preempted] == ["b"]
+    while not any(r.request_id == "b" for r in b.running):
+        plan = run(b)
+    seq = next(s for s in plan.seqs if s.request_id == "b")
+    # Its 8 prompt tokens and its 1 generated token are computed again (a's growth took
+    # the freed blocks, so nothing is left in the prefix cache), then it samples again.
+    assert seq.start_pos == 0 and len(seq.token_ids) == 9 and seq.sample
+    assert seq.token_ids[-1] == 5
+
+
+def test_abort_frees_blocks_at_once() -> None:
+    b = make_batcher("hybrid")
+    r = req("a", 9, max_tokens=50)
+    b.add(r)
+    run(b)
+    assert b.pool.num_free_blocks < b.pool.num_blocks
+    b.finish(r, "abort")
+    assert b.pool.num_free_blocks == b.pool.num_blocks
+    assert r.status == RequestStatus.FINISHED and r.finish_reason == "abort"
+    assert not b.has_unfinished()
+    waiting = req("w", 3)
+    b.add(waiting)
+    b.finish(waiting, "abort")
+    assert not b.waiting
+
+
+def test_static_batch_member_preempted_rejoins_before_any_newcomer() -> None:
+    b = make_batcher("static", num_blocks=4, max_batch_size=2)
+    b.add(req("a", 8, max_tokens=6, arrival=1.0))
+    b.add(req("b", 8, max_tokens=6, arrival=2.0))
+    b.add(req("c", 2, arrival=3.0))
+    seen: set[str] = set()
+    preempted = 0
+    while (
+        "a" in {r.request_id for r in b.running}
+        or "b" in {r.request_id for r in b.running}
+        or any(r.request_id in ("a", "b") for r in b.waiting)
+    ):
+        plan = run(b)
+        seen |= set(ids(plan))
+        preempted += len(plan.preempted)
+    assert preempted >= 1
+    assert seen == {"a", "b"}

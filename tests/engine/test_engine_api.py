@@ -1,0 +1,203 @@
+"""The offline and step APIs: finish reasons, stop strings, logprobs, seeds, abort, stats."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.engine.tiny_checkpoints import EOS, checkpoint, hf_greedy, prompts
+from workers.engine import LLM, EngineArgs, LLMEngine, SamplingParams
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+class LetterTokenizer:
+    """Token i is one letter (i mod 26); EOS is special. Clean text for stop-string tests."""
+
+    def __init__(self) -> None:
+        self.eos_token_ids = {EOS}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [LETTERS.index(c) + 2 for c in text]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(LETTERS[i % 26] for i in ids if not (skip_special_tokens and i == EOS))
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return checkpoint("qwen3", str(tmp_path_factory.mktemp("ckpt")))
+
+
+@pytest.fixture
+def llm(path: Path) -> LLM:
+    return LLM(
+        str(path), tokenizer=LetterTokenizer(), block_size=4, num_kv_blocks=64, dtype="float32"
+    )
+
+
+def greedy(n: int = 12, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)  # type: ignore[arg-type]
+
+
+def test_outputs_come_back_in_input_order_with_text_and_metrics(llm: LLM, path: Path) -> None:
+    batch = prompts(4, seed=11)
+    outs = llm.generate(prompt_token_ids=batch, sampling_params=greedy())
+    assert [o.prompt_token_ids for o in outs] == batch
+    for o, p in zip(outs, batch, strict=True):
+        assert o.token_ids == hf_greedy(path, p, 12)
+        assert o.text == LetterTokenizer().decode(o.token_ids)
+        assert o.finish_reason == "length"
+        m = o.metrics
+        assert m.first_token_time is not None and m.finish_time is not None
+        assert m.arrival_time <= m.first_token_time <= m.finish_time
+
+
+def test_text_prompts_and_per_prompt_params(llm: LLM) -> None:
+    outs = llm.generate(["abc", "hello"], [greedy(3), greedy(5)])
+    assert [len(o.token_ids) for o in outs] == [3, 5]
+    assert outs[1].prompt == "hello" and outs[1].prompt_token_ids == LetterTokenizer().encode(
+        "hello"
+    )
+
+
+def test_stop_string_cuts_the_text_and_ends_the_request(llm: LLM) -> None:
+    base = llm.generate(["abcabc"], greedy(16))[0]
+    stop = base.text[4:6]
+    cut = base.text.find(stop)
+    out = llm.generate(["abcabc"], greedy(16, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[:cut]
+    # Generation ran until the token that completed the stop string, no further.
+    assert out.token_ids == base.token_ids[: cut + len(stop)]
+    kept = llm.generate(["abcabc"], greedy(16, stop=[stop], include_stop_str_in_output=True))[0]
+    assert kept.text == base.text[: cut + len(stop)]
+
+
+def test_step_deltas_add_up_to_the_final_text_with_a_stop_string_held_back(path: Path) -> None:
+    engine = LLMEngine(
+        EngineArgs(str(path), block_size=4, num_kv_blocks=64, dtype="float32"),
+        tokenizer=LetterTokenizer(),
+    )
+    engine.add_request("base", "abcabc", greedy(16))
+    base = ""
+    while engine.has_unfinished():
+        base += "".join(d.text for d in engine.step())
+    stop = base[5:8]  # three letters: a partial match must be held back, not streamed
+    engine.add_request("r", "abcabc", greedy(16, stop=[stop, "zzzz"]))
+    streamed, final = "", None
+    while engine.has_unfinished():
+        for d in engine.step():
+            streamed += d.text
+            assert stop not in streamed
+            final = d.output or final
+    assert final is not None and streamed == final.text == base[: base.find(stop)]
+
+
+def test_stop_token_ids_and_eos(llm: LLM, path: Path) -> None:
+    base = llm.generate(["hello"], greedy(12))[0].token_ids
+    stop_token = base[4]
+    out = llm.generate(["hello"], greedy(12, stop_token_ids=[stop_token]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    assert out.token_ids == base[: base.index(stop_token) + 1]
+    assert out.text == LetterTokenizer().decode(out.token_ids[:-1])  # its text stays out
+    # This checkpoint answers "abcd" with EOS at once; ignore_eos runs on to max_tokens.
+    eos = llm.generate(["abcd"], greedy(12))[0]
+    assert eos.token_ids == [EOS] and eos.finish_reason == "stop" and eos.text == ""
+    assert eos.stop_reason is None
+    ignored = llm.generate(["abcd"], greedy(12, ignore_eos=True))[0]
+    assert len(ignored.token_ids) == 12 and ignored.token_ids[0] == EOS
+
+
+def test_logprobs_are_those_of_the_chosen_tokens(llm: LLM) -> None:
+    out = llm.generate(["hello"], greedy(6, logprobs=3))[0]
+    assert out.logprobs is not None and out.top_logprobs is not None
+    assert len(out.logprobs) == len(out.token_ids) == len(out.top_logprobs) == 6
+    assert out.cumulative_logprob == pytest.approx(sum(out.logprobs))
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+        assert len(top) == 3
+        assert top[0][0] == tok and top[0][1] == pytest.approx(lp)  # greedy picks the top one
+        assert lp <= 0 and math.isfinite(lp)
+    plain = llm.generate(["hello"], greedy(6))[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
+
+
+def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, max_tokens=10, seed=7)
+    alone = llm.generate(["abc"], seeded)[0].token_ids
+    crowd = llm.generate(
+        ["xyz", "abc", "hello"], [SamplingParams(temperature=1.0, max_tokens=10), seeded, greedy()]
+    )
+    assert crowd[1].token_ids == alone
+    other = llm.generate(["abc"], SamplingParams(temperature=1.0, max_tokens=10, seed=8))[0]
+    assert other.token_ids != alone
+
+
+def test_abort_frees_blocks_at_once_and_reports_abort_on_the_next_step(path: Path) -> None:
+    engine = LLMEngine(
+        EngineArgs(
+            str(path),
+            block_size=4,
+            num_kv_blocks=64,
+            dtype="float32",
+            max_batch_size=2,
+            max_num_batched_tokens=64,
+        )
+    )
+    forever = greedy(50, ignore_eos=True)
+    engine.add_request("a", prompt_token_ids=list(range(2, 20)), params=forever)
+    engine.add_request("b", prompt_token_ids=list(range(30, 40)), params=forever)
+    engine.add_request("queued", prompt_token_ids=[5, 6], params=forever)
+    for _ in range(3):
+        engine.step()
+    used = engine.pool.num_used_blocks
+    assert engine.abort("a")
+    assert engine.pool.num_used_blocks == used - 5  # 18 prompt + 2 tokens: 5 blocks, at once
+    assert engine.abort("queued")
+    deltas = engine.step()
+    aborted = {d.request_id: d for d in deltas if d.finish_reason == "abort"}
+    assert set(aborted) == {"a", "queued"}
+    assert aborted["a"].output is not None and len(aborted["a"].output.token_ids) == 3
+    assert {d.request_id for d in deltas if d.token_ids} == {"b"}
+    assert engine.abort("b")
+    engine.step()
+    assert not engine.has_unfinished()
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_max_seq_len_ends_generation_with_length(path: Path) -> None:
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype="float32", max_seq_len=20)
+    out = llm.generate(prompt_token_ids=[list(range(2, 17))], sampling_params=greedy(100))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stats_report_usage_cache_and_work(path: Path) -> None:
+    engine = LLMEngine(
+        EngineArgs(str(path), block_size=4, num_kv_blocks=64, dtype="float32", policy="hybrid")
+    )
+    engine.add_request("a", prompt_token_ids=list(range(2, 12)), params=greedy(20))
+    engine.step()
+    s = engine.stats()
+    assert (s.num_running, s.num_waiting) == (1, 0)
+    assert s.kv_usage == pytest.approx(3 / 64)
+    assert s.fragmentation == pytest.approx(2 / 12)  # 10 tokens in 3 blocks of 4
+    assert s.num_prompt_tokens_computed == 10 and s.num_generation_tokens == 1
+    engine.add_request("b", prompt_token_ids=list(range(2, 12)), params=greedy(2))
+    while engine.has_unfinished():
+        engine.step()
+    s = engine.stats()
+    assert s.prefix_cache_hits == 8 and s.prefix_cache_queries == 20
+    assert s.prefix_cache_hit_rate == pytest.approx(0.4)
+    assert s.kv_usage == 0.0 and s.num_running == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_on_cpu(dtype: str) -> None:
+    llm = LLM("dummy:tiny", dtype=dtype, num_kv_blocks=32)
+    outs = llm.generate(
+        ["hello", "a longer prompt here"], SamplingParams(temperature=0.0, max_tokens=5)
+    )
+    assert all(len(o.token_ids) == 5 or o.finish_reason == "stop" for o in outs)

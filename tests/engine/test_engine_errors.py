@@ -1,0 +1,144 @@
+"""Clear errors: bad model folders, bad EngineArgs, bad requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from common.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
+from tests.engine.tiny_checkpoints import checkpoint
+from workers.engine import EngineArgs, LLMEngine, SamplingParams
+from workers.engine.loader import ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return checkpoint("llama", str(tmp_path_factory.mktemp("ckpt")))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLMEngine:
+    return LLMEngine(EngineArgs("dummy:tiny", num_kv_blocks=32, block_size=4, max_seq_len=24))
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_unknown_architecture_is_named(llama: Path, tmp_path: Path) -> None:
+    folder = copy_checkpoint(llama, tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        LLMEngine(EngineArgs(str(folder), num_kv_blocks=8))
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="falcon")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="falcon"):
+        LLMEngine(EngineArgs(str(folder), num_kv_blocks=8))
+
+
+def test_missing_files_are_named(llama: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLMEngine(EngineArgs(str(tmp_path / "nowhere")))
+    folder = copy_checkpoint(llama, tmp_path / "no-config")
+    (folder / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
+        LLMEngine(EngineArgs(str(folder)))
+    folder = copy_checkpoint(llama, tmp_path / "no-weights")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        LLMEngine(EngineArgs(str(folder), num_kv_blocks=8))
+    folder = copy_checkpoint(llama, tmp_path / "bad-index")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
+    )
+    with pytest.raises(ModelLoadError, match=r"model-00002-of-00002\.safetensors"):
+        LLMEngine(EngineArgs(str(folder), num_kv_blocks=8))
+
+
+def test_a_missing_tensor_is_named(llama: Path, tmp_path: Path) -> None:
+    folder = copy_checkpoint(llama, tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.gate_up_proj"):
+        LLMEngine(EngineArgs(str(folder), num_kv_blocks=8))
+
+
+def test_unknown_dummy_spec_lists_the_known_ones() -> None:
+    with pytest.raises(ModelLoadError, match="dummy:llama-8b"):
+        LLMEngine(EngineArgs("dummy:gpt-5"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("policy", "fifo"),
+        ("block_size", 0),
+        ("max_batch_size", 0),
+        ("num_kv_blocks", 0),
+        ("kv_cache_gib", -1.0),
+        ("gpu_memory_utilization", 1.5),
+        ("max_seq_len", 1),
+        ("max_num_batched_tokens", 0),
+        ("dtype", "int8"),
+        ("device", "tpu"),
+        ("backend", "flash"),
+        ("max_wait_ms", -1),
+    ],
+)
+def test_bad_engine_args_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"EngineArgs.{field}") as info:
+        EngineArgs("dummy:tiny", **{field: value})  # type: ignore[arg-type]
+    assert info.value.param == field
+
+
+def test_engine_args_that_do_not_fit_the_model_or_cache() -> None:
+    with pytest.raises(ConfigError, match=r"max_seq_len.*do not fit in the KV cache"):
+        LLMEngine(EngineArgs("dummy:tiny", num_kv_blocks=4, block_size=4, max_seq_len=64))
+    with pytest.raises(ConfigError, match=r"max_seq_len.*context length 4096"):
+        LLMEngine(EngineArgs("dummy:tiny", num_kv_blocks=1024, max_seq_len=8192))
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        EngineArgs("dummy:tiny", policy="hybrid", max_batch_size=64, max_num_batched_tokens=16)
+    with pytest.raises(ConfigError, match="triton"):
+        LLMEngine(EngineArgs("dummy:tiny", device="cpu", backend="triton"))
+
+
+def test_a_prompt_too_long_is_rejected_up_front(tiny: LLMEngine) -> None:
+    with pytest.raises(ContextLengthExceededError, match=r"24 tokens.*max_seq_len is 24") as info:
+        tiny.add_request("long", prompt_token_ids=[3] * 24)
+    assert info.value.http_status == 400
+    tiny.add_request("fits", prompt_token_ids=[3] * 23, params=SamplingParams(max_tokens=50))
+    deltas = tiny.step()
+    # No room beyond max_seq_len: one token, then "length", whatever max_tokens says.
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("fits", "length")]
+    assert not tiny.has_unfinished()
+
+
+def test_bad_requests_are_rejected(tiny: LLMEngine) -> None:
+    with pytest.raises(InvalidRequestError, match="empty"):
+        tiny.add_request("e", prompt_token_ids=[])
+    with pytest.raises(InvalidRequestError, match=r"\[0, 512\)"):
+        tiny.add_request("v", prompt_token_ids=[1, 512])
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        tiny.add_request("b", "hi", prompt_token_ids=[1])
+    tiny.add_request("dup", prompt_token_ids=[1, 2])
+    with pytest.raises(InvalidRequestError, match="already exists"):
+        tiny.add_request("dup", prompt_token_ids=[1, 2])
+    assert tiny.abort("dup")
+    assert not tiny.abort("dup")
+
+
+def test_text_needs_a_tokenizer(llama: Path) -> None:
+    engine = LLMEngine(EngineArgs(str(llama), num_kv_blocks=8))
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        engine.add_request("t", "hello")
+    with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):
+        engine.add_request("s", prompt_token_ids=[1, 2], params=SamplingParams(stop=["x"]))
