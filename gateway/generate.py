@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -36,7 +35,7 @@ from common.errors import (
     QosError,
     ServiceUnavailableError,
 )
-from common.protocol import GenerateRequest, RequestParams
+from common.protocol import GenerateRequest
 from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
 from gateway.admission import Admission, Route
@@ -287,22 +286,7 @@ class Generator:
         request: Request,
     ) -> None:
         now_ms = int(time.time() * 1000)
-        params = RequestParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k in (None, -1) else body.top_k,
-            min_p=body.min_p or 0.0,
-            repetition_penalty=body.repetition_penalty or 1.0,
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            # A seed for every request: its sampling is reproducible and traceable.
-            seed=body.seed if body.seed is not None else secrets.randbits(63),
-            stop=body.stop_list(),
-            stop_token_ids=list(body.stop_token_ids or []),
-            ignore_eos=bool(body.ignore_eos),
-            logprobs=flight.shaper.logprobs,
-        )
+        params = body.wire_params(max_tokens, flight.shaper.logprobs)
         request_id = flight.stream.request_id
         message = GenerateRequest(
             id=request_id,

@@ -10,11 +10,13 @@ never a silent coercion, because a client that misspells ``max_tokens`` deserves
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.errors import InvalidRequestError
+from common.protocol import RequestParams
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
@@ -111,6 +113,25 @@ class _SamplingBody(_Strict):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def wire_params(self, max_tokens: int, logprobs: int | None) -> RequestParams:
+        """The sampling parameters as they travel to the worker, OpenAI's defaults filled in."""
+        return RequestParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            # A seed for every request: its sampling is reproducible and traceable.
+            seed=self.seed if self.seed is not None else secrets.randbits(63),
+            stop=self.stop_list(),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+        )
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
