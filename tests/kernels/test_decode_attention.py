@@ -82,11 +82,18 @@ def test_decode_with_more_splits_than_tiles_leaves_empty_splits_harmless(
 def test_decode_padding_sequence_of_length_zero_gives_zeros(
     make_paged_kv, assert_close, num_splits
 ) -> None:
-    lens = [0, 20, 0]
-    got, want = _run(make_paged_kv, lens, 8, 2, 16, torch.float32, num_splits=num_splits)
+    kv = make_paged_kv([0, 20, 0], 8, KV_HEADS, 16, torch.float32)
+    q = torch.randn(3, KV_HEADS * 2, 16, device=kv.k_cache.device)
+    got = paged_decode_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.25, num_splits=num_splits
+    )
     assert torch.isfinite(got).all()
     assert torch.count_nonzero(got[0]) == 0 and torch.count_nonzero(got[2]) == 0
-    assert_close(got, want)
+    # The reference is asked about the real sequence only: SDPA over no keys is not its job.
+    want = paged_decode_attention_ref(
+        q[1:2], kv.k_cache, kv.v_cache, kv.block_tables[1:2], kv.context_lens[1:2], 0.25
+    )
+    assert_close(got[1:2], want)
 
 
 def test_decode_reads_a_strided_q_and_writes_into_out(make_paged_kv, assert_close) -> None:
@@ -133,6 +140,16 @@ def test_num_splits_is_a_pure_function_that_fills_the_gpu_and_respects_length() 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_llama_like_heads_with_default_heuristics_on_gpu(
+    make_paged_kv, assert_close
+) -> None:
+    lens = [1, 17, 1000, 2049, 4096, 300]
+    got, want = _run(make_paged_kv, lens, 16, 4, 128, torch.bfloat16, max_context_len=4096)
+    assert_close(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_decode_replays_in_a_cuda_graph_with_new_lengths(make_paged_kv, assert_close) -> None:
     block_size, group, head_dim, bucket = 16, 4, 128, 512
     kv = make_paged_kv([bucket] * 4, block_size, KV_HEADS, head_dim, torch.bfloat16)
@@ -154,5 +171,9 @@ def test_decode_replays_in_a_cuda_graph_with_new_lengths(make_paged_kv, assert_c
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         q.normal_()
         graph.replay()
-        want = paged_decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, lens, 0.1)
-        assert_close(out, want)
+        real = lens > 0
+        want = paged_decode_attention_ref(
+            q[real], kv.k_cache, kv.v_cache, kv.block_tables[real], lens[real], 0.1
+        )
+        assert_close(out[real], want)
+        assert torch.count_nonzero(out[~real]) == 0

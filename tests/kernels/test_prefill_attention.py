@@ -133,3 +133,11 @@ def test_prefill_rejects_tiles_narrower_than_the_group(make_paged_kv) -> None:
             q, kv.k_cache, kv.v_cache, cu, kv.context_lens, kv.block_tables, 1.0,
             config=PrefillConfig(block_m=16),
         )  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefill_llama_like_heads_with_default_config_on_gpu(make_paged_kv, assert_close) -> None:
+    seqs = [(1000, 1000), (512, 4096), (1, 777), (0, 64), (300, 333)]
+    got, want = _run(make_paged_kv, seqs, 16, 4, 128, torch.bfloat16, max_seqlen_q=1000)
+    assert_close(got, want)
