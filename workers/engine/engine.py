@@ -148,7 +148,9 @@ class LLMEngine:
             if args.policy != "hybrid":  # a whole prompt may exceed the budget
                 want = args.max_seq_len or self.model_config.max_position_embeddings
                 max_tokens = max(max_tokens, min(want, _MAX_PROFILE_TOKENS))
-            n = self.runner.profile_num_blocks(args.gpu_memory_utilization, max_tokens)
+            n = self.runner.profile_num_blocks(
+                args.gpu_memory_utilization, max_tokens, args.max_batch_size
+            )
         else:
             n = int(DEFAULT_CPU_KV_CACHE_GIB * GiB // per_block)
         if n < 1:

@@ -49,12 +49,6 @@ class StepInputs:
     num_seqs: int
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor
-
-
 class ModelRunner:
     """Loads the model, allocates the KV cache and runs steps."""
 
@@ -78,7 +72,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.max_seq_len = 0
         self.max_batch_size = 0
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_bufs: dict[str, torch.Tensor] = {}
         self._pinned: torch.Tensor | None = None
         self._copy_done: torch.cuda.Event | None = None
@@ -92,9 +86,12 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.cfg, self.block_size, self.dtype)
 
-    def profile_num_blocks(self, gpu_memory_utilization: float, max_tokens: int) -> int:
-        """Blocks that fit in ``gpu_memory_utilization`` of the device once the weights and
-        the peak activations of a ``max_tokens`` forward (measured, not guessed) are paid."""
+    def profile_num_blocks(
+        self, gpu_memory_utilization: float, max_tokens: int, max_batch_size: int
+    ) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` of the device once the weights, the
+        peak activations of a ``max_tokens`` forward (measured, not guessed) and the
+        sampler's work on ``[max_batch_size, vocab]`` logits are paid."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -129,7 +126,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         used_before = total - free  # weights, CUDA context, other processes
         activations = max(0, peak - cache_bytes)
-        budget = total * gpu_memory_utilization - used_before - activations
+        # Softmax, sort and noise for top-p/top-k sampling: a few fp32 copies of the logits.
+        sampler = 6 * max_batch_size * self.cfg.vocab_size * 4
+        budget = total * gpu_memory_utilization - used_before - activations - sampler
         log.info(
             "kv budget: total %.1f GiB, in use %.1f GiB, activations %.2f GiB -> %.2f GiB",
             total / GiB,
@@ -240,7 +239,12 @@ class ModelRunner:
     # --- CUDA graphs ---------------------------------------------------------------------
 
     def _capture_graphs(self) -> None:
-        """One graph per bucket, largest first so the smaller ones reuse its memory pool."""
+        """One graph per bucket, largest first so the smaller ones reuse its memory pool.
+
+        A graph ends at the final norm, writing into one shared ``hidden`` buffer: the LM head
+        runs eagerly on the sampling rows only, so no bucket keeps a ``[bucket, vocab]``
+        logits tensor alive.
+        """
         max_bs = self.max_batch_size
         width = -(-self.max_seq_len // self.block_size)
         dev = self.device
@@ -251,6 +255,7 @@ class ModelRunner:
             "block_tables": torch.zeros(max_bs, width, dtype=torch.int32, device=dev),
             # Padding rows have no context: the decode kernel writes zeros for them.
             "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "hidden": torch.zeros(max_bs, self.cfg.hidden_size, dtype=self.dtype, device=dev),
         }
         self._graph_bufs = bufs
         pool = None
@@ -264,20 +269,20 @@ class ModelRunner:
                 max_context_len=self.max_seq_len,  # static grid: kernels stop at context_lens
             )
 
-            def run(bs: int = bs, meta: AttentionMetadata = meta) -> torch.Tensor:
+            def run(bs: int = bs, meta: AttentionMetadata = meta) -> None:
                 hidden = self.model(
                     bufs["input_ids"][:bs], bufs["positions"][:bs], meta, self.kv_caches
                 )
-                return self.model.compute_logits(hidden)
+                bufs["hidden"][:bs].copy_(hidden)
 
             with torch.inference_mode():
                 run()  # compile / autotune the kernels outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = run()
+                    run()
             pool = graph.pool()
-            self._graphs[bs] = _Graph(graph, logits)
+            self._graphs[bs] = graph
         torch.cuda.synchronize(dev)
         log.info("captured decode graphs for batch sizes %s", sorted(self._graphs))
 
@@ -297,6 +302,5 @@ class ModelRunner:
             bufs["positions"][n:bucket].zero_()
             bufs["slot_mapping"][n:bucket].fill_(-1)
             bufs["context_lens"][n:bucket].zero_()
-        g = self._graphs[bucket]
-        g.graph.replay()
-        return g.logits[inputs.logits_idx]
+        self._graphs[bucket].replay()
+        return self.model.compute_logits(bufs["hidden"][inputs.logits_idx])
