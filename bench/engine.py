@@ -134,6 +134,9 @@ class Roofline:
     def __init__(self, engine: LLMEngine) -> None:
         model = engine.runner.model
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if model.lm_head is not None:  # a step reads only B rows of an untied embedding
+            emb = model.model.embed_tokens
+            self.weight_bytes -= emb.numel() * emb.element_size()
         cfg = engine.model_config
         elem = torch.empty((), dtype=engine.dtype).element_size()
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
