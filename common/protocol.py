@@ -10,6 +10,7 @@ bad message becomes an error chunk, not a crash. No pickle anywhere.
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import types
 import typing
@@ -100,130 +101,217 @@ class Message:
 
 
 # -- generic strict (de)coding of dataclasses ---------------------------------------------
+# Each dataclass gets its field plan compiled once (name, packing, checker), so a chunk on
+# the hot path costs a msgpack call and a few closure calls, not a walk over type hints.
+
+Checker = typing.Callable[[Any, str], Any]
+
+
+def _pack(values: typing.Sequence[Any], dtype: np.dtype) -> bytes:
+    if dtype is _INT32:
+        if len(values) <= 64:  # struct beats numpy's set-up cost for short lists
+            try:
+                return struct.pack(f"<{len(values)}i", *values)
+            except struct.error:
+                raise ProtocolError("token id out of int32 range") from None
+        return pack_ints(values)
+    return np.asarray(values, dtype=_FLOAT32).tobytes()
+
+
+def _unpack(value: Any, dtype: np.dtype, where: str) -> list[Any]:
+    if not isinstance(value, bytes):
+        raise ProtocolError(f"{where}: expected packed {dtype.name} bytes")
+    if len(value) % 4:
+        raise ProtocolError(f"{where}: packed length is not a multiple of 4")
+    if dtype is _INT32:
+        return list(struct.unpack(f"<{len(value) // 4}i", value))
+    arr = np.frombuffer(value, dtype=_FLOAT32)
+    # -inf logprobs are legitimate; NaN never is.
+    if arr.size and np.isnan(arr).any():
+        raise ProtocolError(f"{where}: NaN")
+    return arr.tolist()
+
+
+@dataclass(frozen=True)
+class _FieldPlan:
+    name: str
+    packed: np.dtype | None
+    check: Checker
+    required: bool
+    nested: bool
+
+
+@cache
+def _plan(cls: type) -> tuple[_FieldPlan, ...]:
+    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+    plan = []
+    for f in fields(cls):
+        hint = hints[f.name]
+        plan.append(
+            _FieldPlan(
+                name=f.name,
+                packed=f.metadata.get("packed"),
+                check=_checker(hint),
+                required=f.default is MISSING and f.default_factory is MISSING,
+                nested=_mentions_dataclass(hint),
+            )
+        )
+    return tuple(plan)
+
+
+def _mentions_dataclass(hint: Any) -> bool:
+    if isinstance(hint, type) and is_dataclass(hint):
+        return True
+    return any(_mentions_dataclass(a) for a in typing.get_args(hint))
 
 
 def _encode_value(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
-        return {k: v for k, v in _encode_dataclass(value).items() if k != "v"}
+        return _encode_fields(value)
     if isinstance(value, list):
         return [_encode_value(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _encode_value(v) for k, v in value.items()}
     return value
 
 
-def _encode_dataclass(obj: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"v": WIRE_VERSION}
-    for f in fields(obj):
+def _encode_fields(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cls: type = type(obj)
+    for f in _plan(cls):
         value = getattr(obj, f.name)
         if value is None:
             continue  # absent = None: keeps chunks small
-        packed = f.metadata.get("packed")
-        if packed is _INT32:
-            out[f.name] = pack_ints(value)
-        elif packed is _FLOAT32:
-            out[f.name] = np.asarray(value, dtype=_FLOAT32).tobytes()
-        else:
+        if f.packed is not None:
+            if value:
+                out[f.name] = _pack(value, f.packed)
+        elif f.nested:
             out[f.name] = _encode_value(value)
+        else:
+            out[f.name] = value
     return out
 
 
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+def _encode_dataclass(obj: Any) -> dict[str, Any]:
+    return {"v": WIRE_VERSION, **_encode_fields(obj)}
 
 
-def _check(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
+def _check_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{where}: expected a bool")
+    return value
+
+
+def _check_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{where}: expected an integer")
+    if not -(2**63) <= value < 2**64:
+        raise ProtocolError(f"{where}: integer out of range")
+    return value
+
+
+def _check_float(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(f"{where}: expected a number")
+    if not math.isfinite(value):
+        raise ProtocolError(f"{where}: must be finite")
+    return float(value)
+
+
+def _check_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{where}: expected a string")
+    return value
+
+
+def _check_bytes(value: Any, where: str) -> bytes:
+    if not isinstance(value, bytes):
+        raise ProtocolError(f"{where}: expected bytes")
+    return value
+
+
+_SCALARS: dict[Any, Checker] = {
+    bool: _check_bool,
+    int: _check_int,
+    float: _check_float,
+    str: _check_str,
+    bytes: _check_bytes,
+}
+
+
+def _checker(hint: Any) -> Checker:
+    """Build the validating converter for one type hint (once per field)."""
     if hint is Any:
-        return value
+        return lambda value, where: value
+    if hint in _SCALARS:
+        return _SCALARS[hint]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for option in args:
-            if option is type(None):
-                continue
-            try:
-                return _check(value, option, where)
-            except ProtocolError as exc:
-                errors.append(str(exc))
-        raise ProtocolError(errors[0] if len(errors) == 1 else f"{where}: wrong type")
+        nullable = type(None) in args
+        options = [_checker(a) for a in args if a is not type(None)]
+
+        def check_union(value: Any, where: str) -> Any:
+            if value is None and nullable:
+                return None
+            first: ProtocolError | None = None
+            for option in options:
+                try:
+                    return option(value, where)
+                except ProtocolError as exc:
+                    first = first or exc
+            raise first if len(options) == 1 and first else ProtocolError(f"{where}: wrong type")
+
+        return check_union
     if origin is Literal:
-        if value not in args:
-            raise ProtocolError(f"{where}: {value!r} is not one of {list(args)}")
-        return value
+        allowed = args
+
+        def check_literal(value: Any, where: str) -> Any:
+            if isinstance(value, bool | int | float | str) and value in allowed:
+                return value
+            raise ProtocolError(f"{where}: {value!r} is not one of {list(allowed)}")
+
+        return check_literal
     if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list")
-        return [_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map")
-        return {
-            _check(k, args[0], f"{where} key"): _check(v, args[1], f"{where}.{k}")
-            for k, v in value.items()
-        }
+        item = _checker(args[0])
+
+        def check_list(value: Any, where: str) -> list[Any]:
+            if not isinstance(value, list):
+                raise ProtocolError(f"{where}: expected a list")
+            return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+        return check_list
     if isinstance(hint, type) and is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map")
-        return _decode_dataclass(hint, value, where)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ProtocolError(f"{where}: expected a bool")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError(f"{where}: expected an integer")
-        if not -(2**63) <= value < 2**64:
-            raise ProtocolError(f"{where}: integer out of range")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ProtocolError(f"{where}: expected a number")
-        if not math.isfinite(value):
-            raise ProtocolError(f"{where}: must be finite")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ProtocolError(f"{where}: expected a string")
-        return value
-    if hint is bytes:
-        if not isinstance(value, bytes):
-            raise ProtocolError(f"{where}: expected bytes")
-        return value
-    raise ProtocolError(f"{where}: unsupported field type {hint!r}")  # a bug in a schema
+        cls = hint
+
+        def check_nested(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise ProtocolError(f"{where}: expected a map")
+            return _decode_dataclass(cls, value, where)
+
+        return check_nested
+    raise TypeError(f"unsupported wire field type {hint!r}")  # a bug in a schema, at import
 
 
 def _decode_dataclass(cls: type, obj: dict[str, Any], where: str) -> Any:
-    hints = _hints(cls)
-    known = {f.name: f for f in fields(cls)}
-    unknown = [k for k in obj if k not in known]
-    if unknown:
+    plan = _plan(cls)
+    if len(obj) > len(plan) or any(k not in _names(cls) for k in obj):
+        unknown = [k for k in obj if k not in _names(cls)]
         raise ProtocolError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
     kwargs: dict[str, Any] = {}
-    for name, f in known.items():
-        path = f"{where}.{name}"
-        if name not in obj or obj[name] is None:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise ProtocolError(f"{path}: missing")
+    for f in plan:
+        value = obj.get(f.name)
+        if value is None:
+            if f.required:
+                raise ProtocolError(f"{where}.{f.name}: missing")
             continue
-        packed = f.metadata.get("packed")
-        value = obj[name]
-        if packed is not None:
-            if not isinstance(value, bytes):
-                raise ProtocolError(f"{path}: expected packed {packed.name} bytes")
-            if len(value) % 4:
-                raise ProtocolError(f"{path}: packed length is not a multiple of 4")
-            arr = np.frombuffer(value, dtype=packed)
-            # -inf logprobs are legitimate; NaN never is.
-            if packed is _FLOAT32 and arr.size and np.isnan(arr).any():
-                raise ProtocolError(f"{path}: NaN")
-            kwargs[name] = arr.tolist()
+        if f.packed is not None:
+            kwargs[f.name] = _unpack(value, f.packed, f"{where}.{f.name}")
         else:
-            kwargs[name] = _check(value, hints[name], path)
+            kwargs[f.name] = f.check(value, f"{where}.{f.name}")
     return cls(**kwargs)
+
+
+@cache
+def _names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
 
 
 # -- messages -------------------------------------------------------------------------
