@@ -23,10 +23,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import msgpack
-import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -45,24 +43,17 @@ from common.errors import (
 from common.protocol import (
     Chunk,
     Control,
-    ErrorInfo,
     GenerateRequest,
     ResumeQuery,
-    ResumeReply,
-    TopLogprobs,
-    Usage,
 )
 from common.subjects import Subjects
 from workers import telemetry
 from workers.bridge import AddRequest, BridgeEvent, EngineBridge, RequestFailed, StepEngine
-from workers.engine.outputs import RequestDelta
-from workers.engine.sampling_params import SamplingParams, SamplingParamsError
+from workers.engine.sampling_params import SamplingParamsError
+from workers.intake import Intake, RecentIds, ask_resume, reject_undecodable, settle
+from workers.outbox import Flight, sampling_params
 
 log = logging.getLogger(__name__)
-
-# Aborts remembered for requests not fetched yet, so a late fetch drops them.
-ABORT_MEMORY_S = 600.0
-ABORT_MEMORY_MAX = 10_000
 
 
 @dataclass
@@ -75,25 +66,6 @@ class WorkerOptions:
     grace_s: float = 30.0
     fetch_timeout_s: float = 0.5  # long-poll length; also bounds how fast fetching stops
     resume_timeout_s: float = 1.0
-
-
-@dataclass(eq=False)
-class _Flight:
-    """One request this replica holds, from its fetch to its ack."""
-
-    request: GenerateRequest
-    msg: Msg
-    attempt: int
-    base: int  # tokens the caller already had when this attempt began (resume)
-    start: float  # time.time() the latency clock starts (created_ms when known)
-    sent: int = 0  # absolute index of the next token to publish = the next chunk's seq
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    tops: list[TopLogprobs] = field(default_factory=list)
-    flush_at: float | None = None
-    first_sent: bool = False
-    error: QosError | None = None  # why it was aborted here (deadline), if it was
 
 
 class WorkerService:
@@ -116,17 +88,15 @@ class WorkerService:
         self.js: JetStreamContext | None = None
         self.kv: KeyValue | None = None
         self.bridge: EngineBridge | None = None
-        self._psub: JetStreamContext.PullSubscription | None = None
+        self._intake: Intake | None = None
         self._ctl_subs: list[Subscription] = []
         self._group_ctl: Subscription | None = None
-        self._inflight: dict[str, _Flight] = {}
-        self._starting: dict[asyncio.Task[None], Msg] = {}
-        self._aborted: dict[str, float] = {}
+        self._inflight: dict[str, Flight] = {}
+        self._starting: dict[asyncio.Task[None], Msg] = {}  # fetched, not in the engine yet
+        self._aborted = RecentIds()
         self._accepting = False
-        self._fetch_stop = False
-        self._fetch_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._wake = asyncio.Event()  # a slot freed, or the fetch state changed
+        self._wake = asyncio.Event()  # a request finished, or the state changed
         self._pump_wake = asyncio.Event()
         self._events: list[BridgeEvent] = []
         self._stop_requested = asyncio.Event()
@@ -180,7 +150,8 @@ class WorkerService:
         self._stop_requested.set()
         grace = self.options.grace_s if grace_s is None else grace_s
         self._set_serving(False)
-        await self._halt_fetching()
+        if self._intake is not None:
+            await self._intake.halt()
         await self._wait_idle(grace)
         await self._publish_telemetry("stopped")
         for task in self._tasks:
@@ -201,45 +172,39 @@ class WorkerService:
         """Join ``group``: its consumer (created if missing) and its control subject."""
         assert self.nc is not None and self.js is not None
         await qnats.ensure_group_consumer(self.js, self.config.nats, group)
-        self._psub = await qnats.group_pull_subscription(self.js, self.config.nats, group)
+        psub = await qnats.group_pull_subscription(self.js, self.config.nats, group)
         self._group_ctl = await self.nc.subscribe(
             self.subjects.control_group(group), cb=self._on_control
         )
-        self._fetch_stop = False
-        self._fetch_task = asyncio.create_task(self._fetch_loop(self._psub), name="worker-fetch")
+        self._intake = Intake(
+            psub,
+            ready=self._has_room,
+            accept=self._accept,
+            fetch_timeout_s=self.options.fetch_timeout_s,
+        )
+        self._intake.start()
+        await self.nc.flush()  # the server has our subscriptions before anyone is told we serve
 
     async def _unbind(self) -> None:
-        """Leave the current group (fetching must have been halted)."""
+        """Leave the current group: its consumer and its control subject."""
+        if self._intake is not None:
+            await self._intake.close()
+            self._intake = None
         if self._group_ctl is not None:
             with contextlib.suppress(Exception):
                 await self._group_ctl.unsubscribe()
             self._group_ctl = None
-        if self._psub is not None:
-            with contextlib.suppress(Exception):
-                await self._psub.unsubscribe()
-            self._psub = None
 
     def _set_serving(self, on: bool) -> None:
         self._accepting = on
         self.state = "serving" if on else "draining"
-        self._wake.set()
+        self._poke()
 
-    async def _halt_fetching(self) -> None:
-        """End the fetch loop (at most one long-poll away) and nak what it left behind."""
-        self._fetch_stop = True
+    def _poke(self) -> None:
+        """Something changed that the intake or a waiting drain must look at."""
         self._wake.set()
-        if self._fetch_task is not None:
-            with contextlib.suppress(Exception):
-                await self._fetch_task
-            self._fetch_task = None
-        psub = self._psub
-        # A long-poll answered right at its expiry lands in the local queue: hand it back.
-        while psub is not None and psub.pending_msgs > 0:
-            try:
-                for msg in await psub.fetch(1, timeout=0.05):
-                    await _settle(msg.nak)
-            except Exception:
-                break
+        if self._intake is not None:
+            self._intake.wake()
 
     async def _wait_idle(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
@@ -257,49 +222,28 @@ class WorkerService:
         )
         for task, msg in list(self._starting.items()):
             task.cancel()
-            await _settle(msg.nak)
+            await settle(msg.nak)
         for st in list(self._inflight.values()):
             await self._flush(st)  # what was generated reaches the caller; the next replica resumes
             self._inflight.pop(st.request.id, None)
             if self.bridge is not None:
                 self.bridge.abort(st.request.id)
-            await _settle(st.msg.nak)
+            await settle(st.msg.nak)
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await self.nc.flush(timeout=2)
 
-    # --- fetching ------------------------------------------------------------------------
-
-    def _free_slots(self) -> int:
-        cap = self.bridge.batch_cap if self.bridge is not None else 0
-        return cap - len(self._inflight) - len(self._starting)
-
-    async def _fetch_loop(self, psub: JetStreamContext.PullSubscription) -> None:
-        while not self._fetch_stop:
-            if not self._accepting or self._free_slots() <= 0:
-                self._wake.clear()
-                if not self._fetch_stop and (not self._accepting or self._free_slots() <= 0):
-                    await self._wake.wait()
-                continue
-            try:
-                # One at a time: a batch fetch lingers for the rest of its batch.
-                msgs = await psub.fetch(1, timeout=self.options.fetch_timeout_s)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except Exception as exc:
-                if self._fetch_stop:
-                    break
-                log.warning("fetch failed: %s", exc)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                if self._fetch_stop or not self._accepting:
-                    await _settle(msg.nak)
-                    continue
-                task = asyncio.create_task(self._serve(msg))
-                self._starting[task] = msg
-
     # --- one request ---------------------------------------------------------------------
+
+    def _has_room(self) -> bool:
+        """Fetch only what the engine can batch now: the cap less what is held here."""
+        if not self._accepting or self.bridge is None:
+            return False
+        return len(self._inflight) + len(self._starting) < self.bridge.batch_cap
+
+    def _accept(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._serve(msg))
+        self._starting[task] = msg
 
     async def _serve(self, msg: Msg) -> None:
         task = asyncio.current_task()
@@ -307,11 +251,11 @@ class WorkerService:
             await self._admit(msg)
         except Exception:
             log.exception("request handling failed")
-            await _settle(msg.term)
+            await settle(msg.term)
         finally:
             if task is not None:
                 self._starting.pop(task, None)
-            self._wake.set()
+            self._poke()
 
     async def _admit(self, msg: Msg) -> None:
         try:
@@ -321,17 +265,19 @@ class WorkerService:
         try:
             req = GenerateRequest.from_bytes(msg.data, self._max_payload)
         except ProtocolError as exc:
-            await self._reject_raw(msg, exc)
+            assert self.nc is not None
+            await reject_undecodable(self.nc, msg, exc, self.worker_id)
+            self.telemetry.finished(0.0, error=True)
             return
-        if self._was_aborted(req.id):
-            await _settle(msg.ack)
+        if req.id in self._aborted:
+            await settle(msg.ack)
             return
         existing = self._inflight.get(req.id)
         if existing is not None:  # our own request, redelivered after a late in_progress
             existing.msg = msg
             return
         start = req.created_ms / 1000.0 if req.created_ms > 0 else time.time()
-        st = _Flight(req, msg, attempt, base=0, start=start)
+        st = Flight(req, msg, attempt, start=start)
         if req.deadline_ms is not None and time.time() * 1000 >= req.deadline_ms:
             await self._send_error(
                 st, DeadlineExceededError("the request's deadline passed before it started")
@@ -339,19 +285,27 @@ class WorkerService:
             return
         resume: list[int] = []
         if attempt > 1:
-            reply = await self._ask_resume(req, attempt)
+            assert self.nc is not None
+            reply = await ask_resume(
+                self.nc, self.subjects.resume(req.id),
+                ResumeQuery(id=req.id, attempt=attempt, worker=self.worker_id),
+                self.options.resume_timeout_s, self._max_payload,
+            )  # fmt: skip
             if reply is None:
                 log.info("request %s: no caller answers the resume query; dropping it", req.id)
-                await _settle(msg.ack)
+                await settle(msg.ack)
                 return
             resume = reply.token_ids
-            st.base = st.sent = len(resume)
+            st.resumed_at(len(resume))
+            if req.id in self._aborted:  # aborted while we asked
+                await settle(msg.ack)
+                return
         remaining = req.params.max_tokens - st.base
         if remaining <= 0:  # everything was delivered but the final chunk
-            await self._send_final(st, "length", prompt_tokens=0, cached=0)
+            await self._complete(st, st.final_chunk(self.worker_id, "length"), error=False)
             return
         try:
-            params = _sampling_params(req, remaining)
+            params = sampling_params(req, remaining)
         except SamplingParamsError as exc:
             await self._send_error(st, InvalidRequestError(str(exc), param=exc.param))
             return
@@ -368,37 +322,6 @@ class WorkerService:
                 arrival_time=start,
             )
         )
-
-    async def _ask_resume(self, req: GenerateRequest, attempt: int) -> ResumeReply | None:
-        """The caller's answer to ``resume.<id>``; None when nobody answers (caller gone)."""
-        assert self.nc is not None
-        query = ResumeQuery(id=req.id, attempt=attempt, worker=self.worker_id)
-        try:
-            answer = await self.nc.request(
-                self.subjects.resume(req.id),
-                query.to_bytes(),
-                timeout=self.options.resume_timeout_s,
-            )
-            return ResumeReply.from_bytes(answer.data, self._max_payload)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
-            return None
-        except ProtocolError as exc:
-            log.warning("request %s: bad resume reply (%s); dropping it", req.id, exc.message)
-            return None
-
-    async def _reject_raw(self, msg: Msg, exc: ProtocolError) -> None:
-        """An undecodable request: an error chunk to its reply when one can be read, then term."""
-        reply, rid = _raw_reply(msg.data)
-        log.warning("undecodable request (reply %r): %s", reply, exc.message)
-        if reply is not None and self.nc is not None:
-            chunk = Chunk(
-                id=rid, finish_reason="error", worker=self.worker_id,
-                error=ErrorInfo(exc.code, exc.message),
-            )  # fmt: skip
-            with contextlib.suppress(Exception):
-                await self.nc.publish(reply, chunk.to_bytes())
-        self.telemetry.finished(0.0, error=True)
-        await _settle(msg.term)
 
     # --- engine output -------------------------------------------------------------------
 
@@ -437,84 +360,49 @@ class WorkerService:
             error = event.error
             if st.base > 0 and isinstance(error, ContextLengthExceededError):
                 # Resumed right at the context limit: the first attempt would have ended here.
-                await self._send_final(st, "length", prompt_tokens=0, cached=0)
+                await self._complete(st, st.final_chunk(self.worker_id, "length"), error=False)
             else:
-                await self._send_error(st, error)
+                await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
             return
-        self._absorb(st, event)
+        st.absorb(event)
         if event.finished:
             if st.error is not None and event.finish_reason == "abort":
-                await self._send_error(st, st.error)
-                return
-            output = event.output
-            prompt = len(output.prompt_token_ids) - st.base if output is not None else 0
-            cached = min(output.num_cached_tokens, prompt) if output is not None else 0
-            await self._send_final(
-                st, event.finish_reason or "stop", prompt_tokens=prompt, cached=cached
-            )
+                await self._complete(st, st.error_chunk(self.worker_id, st.error), error=True)
+            else:
+                reason = event.finish_reason or "stop"
+                await self._complete(st, st.final_chunk(self.worker_id, reason, event), error=False)
         elif not st.first_sent or self._coalesce_s <= 0:
-            await self._flush(st)
+            await self._flush(st)  # the first token goes out at once: it is the TTFT
         elif st.flush_at is None:
             st.flush_at = asyncio.get_running_loop().time() + self._coalesce_s
 
-    @staticmethod
-    def _absorb(st: _Flight, delta: RequestDelta) -> None:
-        st.ids.extend(delta.token_ids)
-        st.text += delta.text
-        if delta.logprobs:
-            st.logprobs.extend(delta.logprobs)
-        if delta.top_logprobs:
-            st.tops.extend(
-                TopLogprobs([t for t, _ in top], [lp for _, lp in top])
-                for top in delta.top_logprobs
-            )
-
-    def _take_chunk(self, st: _Flight) -> Chunk:
-        chunk = Chunk(
-            id=st.request.id, seq=st.sent, attempt=st.attempt, token_ids=st.ids, text=st.text,
-            logprobs=st.logprobs if len(st.logprobs) == len(st.ids) else [],
-            top_logprobs=st.tops if len(st.tops) == len(st.ids) else [], worker=self.worker_id,
-        )  # fmt: skip
-        if st.ids and not st.first_sent and st.base == 0:
+    def _count(self, st: Flight, chunk: Chunk) -> None:
+        """Telemetry for a chunk about to go out."""
+        n = len(chunk.token_ids)
+        if n and chunk.seq == st.base and st.base == 0:
             self.telemetry.first_token(time.time() - st.start)
-        if st.ids:
-            st.first_sent = True
-        st.sent += len(st.ids)
-        self.telemetry.tokens(len(st.ids))
-        st.ids, st.text, st.logprobs, st.tops, st.flush_at = [], "", [], [], None
-        return chunk
+        self.telemetry.tokens(n)
 
-    async def _flush(self, st: _Flight) -> None:
-        if st.ids or st.text:
-            await self._publish(st, self._take_chunk(st))
+    async def _flush(self, st: Flight) -> None:
+        if st.has_pending:
+            chunk = st.take_chunk(self.worker_id)
+            self._count(st, chunk)
+            await self._publish(st, chunk)
         st.flush_at = None
 
-    async def _send_final(
-        self, st: _Flight, reason: str, *, prompt_tokens: int, cached: int
-    ) -> None:
-        chunk = self._take_chunk(st)
-        chunk.finish_reason = reason  # type: ignore[assignment]  # engine reasons are wire reasons
-        chunk.usage = Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=st.sent, cached_tokens=cached
-        )
-        await self._complete(st, chunk, error=False)
+    async def _send_error(self, st: Flight, error: QosError) -> None:
+        await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
 
-    async def _send_error(self, st: _Flight, error: QosError) -> None:
-        chunk = Chunk(
-            id=st.request.id, seq=st.sent, attempt=st.attempt, finish_reason="error",
-            error=ErrorInfo(error.code, error.message), worker=self.worker_id,
-        )  # fmt: skip
-        await self._complete(st, chunk, error=True)
-
-    async def _complete(self, st: _Flight, chunk: Chunk, *, error: bool) -> None:
+    async def _complete(self, st: Flight, chunk: Chunk, *, error: bool) -> None:
         """Publish the last chunk, then ack: the request is answered (no redelivery)."""
         self._inflight.pop(st.request.id, None)
+        self._count(st, chunk)
         await self._publish(st, chunk)
-        await _settle(st.msg.ack)
+        await settle(st.msg.ack)
         self.telemetry.finished(time.time() - st.start, error=error)
-        self._wake.set()
+        self._poke()
 
-    async def _publish(self, st: _Flight, chunk: Chunk) -> None:
+    async def _publish(self, st: Flight, chunk: Chunk) -> None:
         assert self.nc is not None
         try:
             await self.nc.publish(st.request.reply, chunk.to_bytes())
@@ -541,9 +429,9 @@ class WorkerService:
             if time.monotonic() - last_progress >= progress_every - tick / 2:
                 last_progress = time.monotonic()
                 for st in list(self._inflight.values()):
-                    await _settle(st.msg.in_progress)
+                    await settle(st.msg.in_progress)
                 for msg in list(self._starting.values()):
-                    await _settle(msg.in_progress)
+                    await settle(msg.in_progress)
 
     async def _telemetry_loop(self) -> None:
         while True:
@@ -568,14 +456,14 @@ class WorkerService:
             return
         action = control.action
         if action == "abort" and control.request_id:
-            self._remember_abort(control.request_id)
+            self._aborted.add(control.request_id)
             if control.request_id in self._inflight and self.bridge is not None:
                 self.bridge.abort(control.request_id)
         elif action == "set_batch_cap" and self.bridge is not None:
             group_max = self.config.groups[self.group].max_batch
             cap = self.bridge.set_batch_cap(min(control.batch_cap or group_max, group_max))
             log.info("batch cap set to %d (%s)", cap, control.reason or "control")
-            self._wake.set()
+            self._poke()
         elif action == "drain":
             log.info("draining (%s)", control.reason or "control")
             self._set_serving(False)
@@ -594,7 +482,8 @@ class WorkerService:
                 return
             if group != self.group:
                 self._set_serving(False)
-                await self._halt_fetching()
+                if self._intake is not None:
+                    await self._intake.halt()
                 # Still subscribed to the old group's control: aborts keep reaching us.
                 await self._wait_idle(self.options.grace_s)
                 await self._unbind()
@@ -605,54 +494,8 @@ class WorkerService:
                 log.info("moved from group %s to %s", old, group)
             self._set_serving(True)
 
-    def _remember_abort(self, request_id: str) -> None:
-        now = time.monotonic()
-        if len(self._aborted) >= ABORT_MEMORY_MAX:
-            self._aborted = {k: t for k, t in self._aborted.items() if now - t < ABORT_MEMORY_S}
-            while len(self._aborted) >= ABORT_MEMORY_MAX:
-                self._aborted.pop(next(iter(self._aborted)))
-        self._aborted[request_id] = now
-
-    def _was_aborted(self, request_id: str) -> bool:
-        at = self._aborted.get(request_id)
-        return at is not None and time.monotonic() - at < ABORT_MEMORY_S
-
     # --- for tests and the CLI ------------------------------------------------------------
 
     @property
     def inflight_ids(self) -> list[str]:
         return list(self._inflight)
-
-
-def _sampling_params(req: GenerateRequest, max_tokens: int) -> SamplingParams:
-    p = req.params
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-        min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos, logprobs=p.logprobs,
-    )  # fmt: skip
-
-
-def _raw_reply(data: bytes) -> tuple[str | None, str]:
-    """(reply, id) read leniently from a payload that failed strict decoding."""
-    try:
-        obj = msgpack.unpackb(bytes(data), raw=False)
-    except Exception:
-        return None, ""
-    if not isinstance(obj, dict):
-        return None, ""
-    reply, rid = obj.get("reply"), obj.get("id")
-    rid = rid if isinstance(rid, str) and len(rid) <= 128 else ""
-    if not isinstance(reply, str) or not reply or any(c in reply for c in " \t\r\n*>"):
-        return None, rid
-    return reply, rid
-
-
-async def _settle(action: object) -> None:
-    """Run an ack/nak/term/in_progress; a message already settled or a closed link is fine."""
-    try:
-        await action()  # type: ignore[operator]
-    except Exception as exc:
-        log.debug("message settle failed: %s", exc)

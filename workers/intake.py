@@ -1,0 +1,174 @@
+"""Intake: pull a group's requests from its shared JetStream consumer, only when there is room.
+
+Also what a fetched message may need before the engine sees it: the resume query of a
+redelivered request, and the error chunk of an undecodable one.
+
+Fetches are one message at a time: nats-py's batch fetch keeps a pull request open on
+the server for the rest of its batch, which would hoard messages another replica could
+start now, and strand them in this one's inbox when it drains. A single-message long-poll
+is answered the moment a request arrives and expires with the call.
+
+Halting waits for the current long-poll (at most ``fetch_timeout_s``) instead of
+cancelling it, because a cancelled pull can still be answered: the message would sit in
+the local queue until ``ack_wait`` expires. Whatever arrived anyway is ``nak()``-ed, so
+another replica gets it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from common.errors import ProtocolError
+from common.protocol import Chunk, ErrorInfo, ResumeQuery, ResumeReply
+from workers.outbox import raw_reply
+
+log = logging.getLogger(__name__)
+
+
+class Intake:
+    """The fetch loop of one pull subscription; ``ready()`` gates it, ``accept`` takes messages."""
+
+    def __init__(
+        self,
+        psub: JetStreamContext.PullSubscription,
+        *,
+        ready: Callable[[], bool],
+        accept: Callable[[Msg], None],
+        fetch_timeout_s: float = 0.5,
+    ) -> None:
+        self.psub = psub
+        self._ready = ready
+        self._accept = accept
+        self._timeout = fetch_timeout_s
+        self._wake = asyncio.Event()
+        self._stop = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="worker-intake")
+
+    def wake(self) -> None:
+        """Look at ``ready()`` again (a slot freed, the cap or the state changed)."""
+        self._wake.set()
+
+    async def halt(self) -> None:
+        """Stop fetching and hand back (``nak``) anything fetched after that."""
+        self._stop = True
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+            self._task = None
+        # A long-poll answered right at its expiry lands in the local queue.
+        while self.psub.pending_msgs > 0:
+            try:
+                for msg in await self.psub.fetch(1, timeout=0.05):
+                    await settle(msg.nak)
+            except Exception:
+                break
+
+    async def close(self) -> None:
+        """Halt, then leave the consumer (it stays on the server for the other replicas)."""
+        await self.halt()
+        with contextlib.suppress(Exception):
+            await self.psub.unsubscribe()
+
+    async def _loop(self) -> None:
+        while not self._stop:
+            if not self._ready():
+                self._wake.clear()
+                if not self._stop and not self._ready():  # re-check: no lost wake-up
+                    await self._wake.wait()
+                continue
+            try:
+                msgs = await self.psub.fetch(1, timeout=self._timeout)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except Exception as exc:
+                if self._stop:
+                    break
+                log.warning("fetch failed: %s", exc)  # NATS reconnecting: try again shortly
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                # Drained (or capped) during the long-poll: another replica takes it now.
+                if self._stop or not self._ready():
+                    await settle(msg.nak)
+                else:
+                    self._accept(msg)
+
+
+class RecentIds:
+    """Ids seen in the last ``ttl_s`` seconds, at most ``max_size`` of them (oldest go first).
+
+    Remembers aborts of requests not fetched yet, so a later fetch drops them.
+    """
+
+    def __init__(
+        self,
+        ttl_s: float = 600.0,
+        max_size: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ttl = ttl_s
+        self._max = max_size
+        self._clock = clock
+        self._seen: dict[str, float] = {}
+
+    def add(self, key: str) -> None:
+        now = self._clock()
+        self._seen.pop(key, None)
+        self._seen[key] = now
+        while len(self._seen) > self._max or (
+            self._seen and now - next(iter(self._seen.values())) >= self._ttl
+        ):
+            self._seen.pop(next(iter(self._seen)))
+
+    def __contains__(self, key: object) -> bool:
+        at = self._seen.get(key) if isinstance(key, str) else None
+        return at is not None and self._clock() - at < self._ttl
+
+
+async def ask_resume(
+    nc: Client, subject: str, query: ResumeQuery, timeout_s: float, max_payload: int
+) -> ResumeReply | None:
+    """The caller's answer to a resume query; None when nobody answers (the caller is gone)."""
+    try:
+        answer = await nc.request(subject, query.to_bytes(), timeout=timeout_s)
+        return ResumeReply.from_bytes(answer.data, max_payload)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
+        return None
+    except ProtocolError as exc:
+        log.warning("request %s: bad resume reply (%s); dropping it", query.id, exc.message)
+        return None
+
+
+async def reject_undecodable(nc: Client, msg: Msg, exc: ProtocolError, worker_id: str) -> None:
+    """An error chunk to the request's reply when one can be read from it, then ``term()``:
+    a payload that cannot be decoded never will be, so it must not be redelivered."""
+    reply, rid = raw_reply(msg.data)
+    log.warning("undecodable request (reply %r): %s", reply, exc.message)
+    if reply is not None:
+        chunk = Chunk(
+            id=rid, finish_reason="error", worker=worker_id, error=ErrorInfo(exc.code, exc.message)
+        )
+        with contextlib.suppress(Exception):
+            await nc.publish(reply, chunk.to_bytes())
+    await settle(msg.term)
+
+
+async def settle(action: Callable[[], object]) -> None:
+    """Run an ack/nak/term/in_progress; a message settled already or a closed link is fine."""
+    try:
+        await action()  # type: ignore[misc]
+    except Exception as exc:
+        log.debug("message settle failed: %s", exc)

@@ -1,0 +1,126 @@
+"""What one request sends back: engine deltas → coalesced chunks with exact ``seq`` numbers.
+
+A :class:`Flight` is a request this replica holds, from its fetch to its ack. It buffers
+the engine's deltas until the service flushes them into a :class:`Chunk` whose ``seq`` is
+the index (in the whole output) of its first token. ``seq`` counts from ``base``, the
+tokens the caller already had when a redelivered attempt began, so a resumed stream
+continues where the caller stands. Pure: no NATS, no asyncio; the service does the I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import msgpack
+
+from common.errors import QosError
+from common.protocol import Chunk, ErrorInfo, FinishReason, GenerateRequest, TopLogprobs, Usage
+from workers.engine.outputs import RequestDelta
+from workers.engine.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Flight:
+    """One request in flight here: its message, its attempt, and tokens not yet sent."""
+
+    request: GenerateRequest
+    msg: Any  # nats.aio.msg.Msg: acked after the final chunk
+    attempt: int  # JetStream delivery count, stamped on every chunk
+    start: float  # time.time() the latency clock starts (created_ms when known)
+    base: int = 0  # tokens the caller already had when this attempt began (resume)
+    sent: int = 0  # absolute index of the next token to publish = the next chunk's seq
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[TopLogprobs] = field(default_factory=list)
+    flush_at: float | None = None  # loop time the buffered tokens are due
+    first_sent: bool = False
+    error: QosError | None = None  # why it was aborted here (deadline), if it was
+
+    def resumed_at(self, delivered: int) -> None:
+        """The caller already has ``delivered`` tokens: number from there."""
+        self.base = self.sent = delivered
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.ids or self.text)
+
+    def absorb(self, delta: RequestDelta) -> None:
+        """Buffer what one engine step added."""
+        self.ids.extend(delta.token_ids)
+        self.text += delta.text
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.top_logprobs:
+            self.tops.extend(
+                TopLogprobs([t for t, _ in top], [lp for _, lp in top])
+                for top in delta.top_logprobs
+            )
+
+    def take_chunk(self, worker: str) -> Chunk:
+        """A chunk of everything buffered (possibly nothing); advances ``sent``."""
+        n = len(self.ids)
+        chunk = Chunk(
+            id=self.request.id, seq=self.sent, attempt=self.attempt, token_ids=self.ids,
+            text=self.text, logprobs=self.logprobs if len(self.logprobs) == n else [],
+            top_logprobs=self.tops if len(self.tops) == n else [], worker=worker,
+        )  # fmt: skip
+        self.first_sent = self.first_sent or n > 0
+        self.sent += n
+        self.ids, self.text, self.logprobs, self.tops, self.flush_at = [], "", [], [], None
+        return chunk
+
+    def final_chunk(self, worker: str, reason: str, delta: RequestDelta | None = None) -> Chunk:
+        """The last chunk: what is buffered, ``finish_reason`` and ``usage``.
+
+        Usage counts the original prompt (a resumed attempt's engine prompt also holds the
+        ``base`` tokens) and every output token, resumed ones included.
+        """
+        output = delta.output if delta is not None else None
+        prompt = len(output.prompt_token_ids) - self.base if output is not None else 0
+        cached = min(output.num_cached_tokens, prompt) if output is not None else 0
+        chunk = self.take_chunk(worker)
+        chunk.finish_reason = cast(FinishReason, reason)
+        chunk.usage = Usage(prompt_tokens=prompt, completion_tokens=self.sent, cached_tokens=cached)
+        return chunk
+
+    def error_chunk(self, worker: str, error: QosError) -> Chunk:
+        """The last chunk of a failed request: ``finish_reason="error"`` and the error."""
+        return Chunk(
+            id=self.request.id, seq=self.sent, attempt=self.attempt, finish_reason="error",
+            error=ErrorInfo(error.code, error.message), worker=worker,
+        )  # fmt: skip
+
+
+def sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams:
+    """The engine's parameters for ``request`` (``max_tokens`` less any resumed tokens).
+
+    Raises :class:`~workers.engine.sampling_params.SamplingParamsError` for a bad value.
+    """
+    p = request.params
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+    )  # fmt: skip
+
+
+def raw_reply(data: bytes) -> tuple[str | None, str]:
+    """(reply, id) read leniently from a payload that failed strict decoding.
+
+    The reply must at least be a concrete subject; the id is "" when unreadable.
+    """
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False)
+    except Exception:  # msgpack raises several unrelated types
+        return None, ""
+    if not isinstance(obj, dict):
+        return None, ""
+    reply, rid = obj.get("reply"), obj.get("id")
+    rid = rid if isinstance(rid, str) and len(rid) <= 128 else ""
+    if not isinstance(reply, str) or not reply or any(c in reply for c in " \t\r\n*>"):
+        return None, rid
+    return reply, rid
