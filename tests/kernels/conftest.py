@@ -24,13 +24,14 @@ _TRITON_IMPORTED_TOO_EARLY = (
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# fp32 products are exact in the interpreter and 3-pass tf32 on GPU. bf16 outputs are rounded
-# once (the interpreter truncates: up to one ulp, 2^-8 relative) on top of p being rounded to
-# bf16 for the PV product. A wrong mask or a lost tile moves outputs by far more than this.
-_TOLERANCES: dict[torch.dtype, dict[str, float]] = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
-    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
+# Absolute and relative tolerance per output dtype. fp32 products are exact in the interpreter
+# and 3-pass tf32 on GPU. bf16 outputs are rounded once (the interpreter truncates: up to one
+# ulp, 2^-8 relative) on top of p being rounded to bf16 for the PV product. A wrong mask or a
+# lost tile moves outputs by far more than this.
+_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float32: 1e-5,
+    torch.float16: 4e-3,
+    torch.bfloat16: 1.6e-2,
 }
 
 
@@ -54,7 +55,8 @@ def assert_close() -> Callable[[torch.Tensor, torch.Tensor], None]:
 
     def check(got: torch.Tensor, want: torch.Tensor) -> None:
         assert got.dtype == want.dtype
-        torch.testing.assert_close(got, want, **_TOLERANCES[want.dtype])
+        tol = _TOLERANCES[want.dtype]
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
     return check
 
