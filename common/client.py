@@ -102,6 +102,8 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any, Self
 
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -111,6 +113,7 @@ from common.errors import (
     InternalError,
     ProtocolError,
     QosError,
+    ServiceUnavailableError,
     error_from_code,
 )
 from common.protocol import (
@@ -325,9 +328,17 @@ class QosClient:
         ]
         done = False
         try:
-            await self.js.publish(
-                self.subjects.request(group), request.to_bytes(), headers={"Nats-Msg-Id": rid}
-            )
+            try:
+                await self.js.publish(
+                    self.subjects.request(group), request.to_bytes(), headers={"Nats-Msg-Id": rid}
+                )
+            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError) as exc:
+                done = True  # nothing was queued: nothing to abort
+                raise ServiceUnavailableError(
+                    f"no JetStream stream takes {self.subjects.request(group)}: is a worker "
+                    "or gateway running against this NATS?",
+                    retry_after_s=1,
+                ) from exc
             while not done:
                 left = deadline_ms / 1000 - time.time()
                 try:

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from common.config import Config, load_config
 from common.errors import ConfigError
 from workers.service import WorkerOptions, WorkerService
@@ -94,14 +96,17 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
         update["nats"] = config.nats.model_copy(update={"url": args.nats_url})
     merged = config.model_copy(update=update)
     # model_copy skips validation: re-validate so a bad flag fails like a bad file.
-    return Config.model_validate(merged.model_dump())
+    try:
+        return Config.model_validate(merged.model_dump())
+    except ValidationError as exc:
+        where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid flag value ({where})") from None
 
 
 def build_engine(config: Config, args: argparse.Namespace) -> Any:
     """The engine the flags ask for (slow for a real model: loads weights)."""
     group = config.groups[args.group]
     max_batch = args.max_batch or group.max_batch
-    model = resolve_model(config.worker.model)
     if args.engine == "sim":
         from workers.sim import SimCost, SimEngine
 
@@ -113,13 +118,14 @@ def build_engine(config: Config, args: argparse.Namespace) -> Any:
                 prefill_s_per_token=args.sim_prefill_us_per_token / 1e6,
                 decode_s_per_seq=args.sim_decode_us_per_seq / 1e6,
             ),
-            tokenizer=_sim_tokenizer(args.tokenizer or model),
+            tokenizer=_sim_tokenizer(args.tokenizer or config.worker.model),
         )
         engine.set_slowdown(args.sim_slowdown_ms / 1e3)
         return engine
     from workers.engine import EngineArgs, LLMEngine
     from workers.engine.loader import load_model_config
 
+    model = resolve_model(config.worker.model)
     model_max = load_model_config(model).max_position_embeddings
     engine_args = EngineArgs(
         model=model,
@@ -136,6 +142,8 @@ def build_engine(config: Config, args: argparse.Namespace) -> Any:
 
 def _sim_tokenizer(source: str) -> Any | None:
     """A folder's tokenizer for the sim's text; None (ids only) for anything else."""
+    if source == "demo":
+        source = str(DEMO_MODEL)
     if not Path(source).is_dir():
         return None
     from common.tokenizer import load_tokenizer

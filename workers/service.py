@@ -494,6 +494,13 @@ class WorkerService:
                 log.info("moved from group %s to %s", old, group)
             self._set_serving(True)
 
+    async def set_slowdown(self, seconds: float) -> bool:
+        """Add ``seconds`` to every engine step (SimEngine only), to provoke SLO breaches."""
+        if self.bridge is None or not hasattr(self.engine, "set_slowdown"):
+            return False
+        await self.bridge.call(lambda engine: engine.set_slowdown(seconds))
+        return True
+
     # --- for tests and the CLI ------------------------------------------------------------
 
     @property

@@ -54,7 +54,11 @@ async def start_worker(worker_config: Config) -> AsyncIterator[Callable[..., Any
             engine = SimEngine(
                 max_batch_size=cfg.groups[group].max_batch, max_seq_len=256, cost=FAST
             )
-        opts = WorkerOptions(group=group, worker_id=options.pop("worker_id", f"w{len(started)}"))
+        opts = WorkerOptions(
+            group=group,
+            worker_id=options.pop("worker_id", f"w{len(started)}"),
+            fetch_timeout_s=0.25,  # stopping waits out one long-poll
+        )
         for key, value in options.items():
             setattr(opts, key, value)
         service = WorkerService(cfg, engine, opts)

@@ -16,7 +16,7 @@ from nats.aio.client import Client
 
 from common.client import QosClient
 from common.config import Config
-from common.errors import ContextLengthExceededError, InternalError
+from common.errors import ContextLengthExceededError, InternalError, ServiceUnavailableError
 from common.protocol import Control, RequestParams, Telemetry
 from common.subjects import Subjects
 from tests.workers.conftest import expected_tokens, new_id
@@ -140,6 +140,53 @@ async def test_a_request_past_its_deadline_gets_deadline_exceeded(
     assert error["error"]["code"] == "deadline_exceeded" and error["finish_reason"] == "error"
 
 
+async def test_a_deadline_passing_while_generating_stops_the_request_with_deadline_exceeded(
+    start_worker: Any, nc: Client, subjects: Subjects
+) -> None:
+    service = await start_worker(engine=SimEngine(cost=SimCost(base_s=0.02)))
+    rid = new_id()
+    sub = await nc.subscribe(subjects.out(rid))
+    request = {
+        "v": 1,
+        "id": rid,
+        "group": "short",
+        "reply": subjects.out(rid),
+        "prompt": "slow",
+        "params": {"max_tokens": 500},
+        "deadline_ms": int(time.time() * 1000) + 300,
+    }
+    await nc.jetstream().publish(subjects.request("short"), msgpack.packb(request))
+    chunks = await read_until_final(sub)
+    assert chunks[-1]["error"]["code"] == "deadline_exceeded" and len(chunks) > 1
+    await eventually(lambda: service.bridge.stats.num_running == 0)
+
+
+async def test_tokens_are_coalesced_but_the_first_goes_out_alone(
+    start_worker: Any, client: QosClient, worker_config: Config
+) -> None:
+    config = worker_config.model_copy(
+        update={"worker": worker_config.worker.model_copy(update={"coalesce_ms": 50.0})}
+    )
+    await start_worker(engine=SimEngine(cost=SimCost(base_s=0.005)), config=config)
+    params = RequestParams(max_tokens=40)
+    chunks = [c async for c in client.generate(group="short", prompt="hi", params=params)]
+    assert len(chunks[0].token_ids) == 1
+    assert sum(len(c.token_ids) for c in chunks) == 40 and len(chunks) <= 12
+
+
+async def test_in_progress_keeps_a_request_longer_than_ack_wait_from_redelivering(
+    start_worker: Any, client: QosClient, worker_config: Config
+) -> None:
+    assert worker_config.nats.ack_wait_s == 2.0
+    await start_worker(engine=SimEngine(cost=SimCost(base_s=0.025)))
+    params = RequestParams(max_tokens=110, seed=1)
+    started = time.monotonic()
+    chunks = [c async for c in client.generate(group="short", prompt_token_ids=[4], params=params)]
+    assert time.monotonic() - started > 2.5  # outlived ack_wait
+    assert {c.attempt for c in chunks} == {1}
+    assert [t for c in chunks for t in c.token_ids] == expected_tokens(1, 110, seed=1)
+
+
 async def test_a_prompt_too_long_for_the_engine_raises_context_length_exceeded(
     start_worker: Any, client: QosClient
 ) -> None:
@@ -241,3 +288,10 @@ async def test_telemetry_arrives_every_interval_with_sane_values(
     beat = json.loads((await kv.get("workers.w0")).value)
     assert (beat["group"], beat["state"]) == ("short", "serving")
     assert abs(beat["ts_ms"] / 1000 - time.time()) < 2
+
+
+async def test_the_client_says_service_unavailable_when_no_stream_takes_the_request(
+    client: QosClient,
+) -> None:
+    with pytest.raises(ServiceUnavailableError):
+        await client.collect(group="short", prompt="anyone?")
