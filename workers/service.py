@@ -12,6 +12,16 @@ chunk. Delivery and failure semantics are DESIGN §2's; the wire contract is in
 Chunks are coalesced: the first token goes out at once (TTFT), later ones at most every
 ``worker.coalesce_ms``, and the final chunk carries ``finish_reason`` and ``usage``.
 
+Control messages (``<prefix>.ctl.<worker>`` and ``<prefix>.ctl.group.<group>``):
+
+- ``abort`` ``request_id``: the engine drops it and frees its KV blocks at once; the final
+  chunk says ``abort``. An id not fetched yet is remembered (10 min) and dropped on fetch.
+- ``set_batch_cap`` ``batch_cap``: cap the running batch (at most the group's
+  ``max_batch``; no value = back to it); see :meth:`EngineBridge.set_batch_cap`.
+- ``drain`` / ``resume``: stop / restart fetching; requests in flight finish either way.
+- ``assign_group`` ``group``: drain, wait for the requests in flight (grace period), then
+  move to that group's consumer, control subject and batch limit.
+
 Stopping (SIGTERM, :meth:`WorkerService.stop`) stops fetching, lets requests in flight
 finish within a grace period, then ``nak()``s the rest so another replica resumes them
 where the caller's stream stands, publishes a last ``stopped`` telemetry and closes.

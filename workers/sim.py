@@ -7,12 +7,15 @@ a real step would take:
 
     step_s = base_s + prefill_s_per_token × prefill tokens + decode_s_per_seq × decoding seqs
 
-The defaults approximate a ~1B-parameter Llama in bf16 with CUDA graphs on one H200 (the
-shape ``bench/engine.py`` measures); refit them from its JSON output for other hardware
-(``--sim-base-ms`` etc.). Zero costs make steps free, which measures the message plane alone.
+The defaults are order-of-magnitude figures for a ~1B-parameter Llama in bf16 with CUDA
+graphs on one H200 (5 ms a step, 10 µs a prefill token, 0.1 ms a decoding sequence); they
+have not been fitted on this project's hardware yet. To fit them, run ``bench/engine.py``
+on the target GPU and regress its per-step times on (prefill tokens, decoding sequences);
+pass the result with ``--sim-base-ms`` / ``--sim-prefill-us-per-token`` /
+``--sim-decode-us-per-seq``. Zero costs make steps free, which measures the message plane.
 
-Continuous batching: each step admits waiting requests (oldest first, lower ``priority``
-first) while the batch cap, the token budget and the simulated KV blocks allow; an admitted
+Continuous batching: each step admits waiting requests (lower ``priority`` first, then
+oldest) while the batch cap, the token budget and the simulated KV blocks allow; an admitted
 request prefills its whole prompt and samples its first token in that step, and every other
 running request decodes one token. KV blocks are reserved for prompt + ``max_tokens`` at
 admission, so the simulation never preempts.
