@@ -253,7 +253,7 @@ def hf_baseline(ns: argparse.Namespace, work: Workload) -> dict[str, Any]:
         import transformers as tf
     except ImportError:
         return {"skipped": "transformers is not installed"}
-    from workers.engine.engine import resolve_device, resolve_dtype
+    from workers.engine.args import resolve_device, resolve_dtype
     from workers.engine.loader import DUMMY_SHAPES, is_dummy
 
     device = resolve_device(ns.device)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+import torch
 
 from common.errors import ConfigError
 
@@ -100,3 +103,43 @@ class EngineArgs:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when there is one, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"EngineArgs.device: {name!r} asked but CUDA is not available", param="device"
+        )
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bf16 on CUDA, fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``auto`` is Triton on CUDA, torch elsewhere (Triton on CPU only in its interpreter)."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            "EngineArgs.backend: 'triton' needs CUDA (or TRITON_INTERPRET=1 for tests)",
+            param="backend",
+        )
+    return name

@@ -6,20 +6,23 @@ request, ``abort`` frees a request's blocks at once. Not thread-safe: one thread
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from common.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
-from workers.engine.args import DEFAULT_CPU_KV_CACHE_GIB, EngineArgs
+from workers.engine.args import (
+    DEFAULT_CPU_KV_CACHE_GIB,
+    EngineArgs,
+    resolve_backend,
+    resolve_device,
+    resolve_dtype,
+)
 from workers.engine.batcher import Batcher
 from workers.engine.block_pool import BlockPool
-from workers.engine.loader import is_dummy, load_model_config
+from workers.engine.loader import generation_config_eos, load_model_config
 from workers.engine.model_runner import GiB, ModelRunner
 from workers.engine.outputs import EngineStats, RequestDelta, RequestOutput
 from workers.engine.request import Request
@@ -27,43 +30,8 @@ from workers.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
 # Upper bound of the profile run on CUDA when whole prompts may exceed the token budget.
 _MAX_PROFILE_TOKENS = 32768
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(
-            f"EngineArgs.device: {name!r} asked but CUDA is not available", param="device"
-        )
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(
-            "EngineArgs.backend: 'triton' needs CUDA (or TRITON_INTERPRET=1 for tests)",
-            param="backend",
-        )
-    return name
 
 
 class LLMEngine:
@@ -112,7 +80,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(
             set(self.model_config.eos_token_ids)
             | (set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set())
-            | _generation_config_eos(args.model)
+            | generation_config_eos(args.model)
         )
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestDelta] = []
@@ -424,16 +392,3 @@ def _load_tokenizer(args: EngineArgs) -> Any | None:
             raise
         log.warning("no tokenizer in %s: the engine takes and returns token ids only", source)
         return None
-
-
-def _generation_config_eos(model: str) -> set[int]:
-    """EOS ids of ``generation_config.json`` (what ``transformers.generate`` stops on)."""
-    if is_dummy(model):
-        return set()
-    path = Path(model) / "generation_config.json"
-    if not path.is_file():
-        return set()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {int(eos)}

@@ -144,6 +144,19 @@ def load_model_config(model: str) -> ModelConfig:
         raise ModelLoadError(f"{path}: {exc}") from exc
 
 
+def generation_config_eos(model: str) -> set[int]:
+    """EOS ids of ``generation_config.json`` (what ``transformers.generate`` stops on)."""
+    if is_dummy(model):
+        return set()
+    path = Path(model) / "generation_config.json"
+    if not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The checkpoint's shards: those the index names, else every ``*.safetensors``."""
     index = folder / "model.safetensors.index.json"
