@@ -55,7 +55,7 @@ def test_prefill_matches_reference_on_a_mixed_chunked_batch(
     seqs = _mixed_batch(block_size)
     # Small tiles: several query tiles per sequence, and prefixes long enough for key tiles
     # that skip the causal mask.
-    config = PrefillConfig(block_m=max(16, 4 * group), block_n=16, num_warps=4, num_stages=2)
+    config = PrefillConfig(block_m=max(32, 8 * group), block_n=16, num_warps=4, num_stages=2)
     got, want = _run(
         make_paged_kv, seqs, block_size, group, 32, torch.float32,
         max_seqlen_q=max(q for q, _ in seqs), config=config,
