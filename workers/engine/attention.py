@@ -72,15 +72,26 @@ def attend(
             from workers.engine.kernels.decode_attention import paged_decode_attention
 
             return paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                scale,
                 max_context_len=meta.max_context_len,
             )
         from workers.engine.kernels.prefill_attention import paged_prefill_attention
 
         assert meta.cu_seqlens_q is not None
         return paged_prefill_attention(
-            q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-            scale, max_seqlen_q=meta.max_seqlen_q,
+            q,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            meta.block_tables,
+            scale,
+            max_seqlen_q=meta.max_seqlen_q,
         )
     if meta.is_decode:
         return reference.paged_decode_attention_ref(

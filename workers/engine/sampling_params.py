@@ -65,9 +65,17 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"must be a finite number, got {value!r}")
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingParamsError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
+            raise SamplingParamsError(
+                "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
+            )
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             finite(name, getattr(self, name))
         if self.temperature < 0:
             raise SamplingParamsError("temperature", "must be >= 0")
@@ -85,7 +93,9 @@ class SamplingParams:
             raise SamplingParamsError("frequency_penalty", "must be in [-2, 2]")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise SamplingParamsError("seed", "must be an integer in [0, 2**63)")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+        ):
             raise SamplingParamsError("logprobs", "must be an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop", "must be non-empty strings")
