@@ -276,7 +276,8 @@ async def test_telemetry_arrives_every_interval_with_sane_values(
         msg = await sub.next_msg(timeout=1)
         reports.append((time.monotonic(), Telemetry.from_bytes(msg.data)))
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(reports)]
-    assert len(reports) >= 4 and all(0.1 < g < 0.5 for g in gaps[1:])
+    # Every 0.2 s: on average, and never far off even on a loaded machine.
+    assert len(reports) >= 4 and 0.15 < sum(gaps) / len(gaps) < 0.3 and max(gaps) < 0.8
     last = reports[-1][1]
     assert (last.worker, last.group, last.state, last.batch_cap) == ("w0", "short", "serving", 4)
     assert last.requests_done == 3 and last.errors == 0 and last.samples == 3
