@@ -81,14 +81,20 @@ little-endian float32.
    ``P.resume.<id>`` with ``{v, id, attempt: int, worker: str}``. Reply to the message's
    reply subject with ``{v: 1, id, token_ids: bin i32 (every token delivered so far, in
    order), text_len: int (characters of text delivered)}`` and set ``min_attempt =
-   attempt``. The worker continues from prompt + those tokens, sending ``seq`` from
+   max(min_attempt, attempt)``; drop any held chunk of an older attempt. The worker continues from prompt + those tokens, sending ``seq`` from
    ``len(token_ids)``. Not answering (after the stream ended, or when the caller gave up)
    makes the worker drop the request.
 5. To cancel, publish (core NATS) on ``P.ctl.group.<group>`` the map
    ``{v: 1, action: "abort", request_id: <id>, group: <group>, issued_ms: int, reason:
    str}`` and unsubscribe; the worker frees the request's KV cache at once.
-6. The caller enforces its own deadline; the worker also drops a request whose
-   ``deadline_ms`` passed, with a ``deadline_exceeded`` error chunk.
+6. Deadlines. The worker answers a request whose ``deadline_ms`` passed (before or while
+   generating) with a ``deadline_exceeded`` error chunk. Chunks travel on core NATS (at
+   most once), so the caller also enforces the deadline itself rather than wait for a gap
+   that may never fill.
+
+A final ``finish_reason`` of ``abort`` means the request was cancelled (by the caller or
+an operator); ``error`` always comes with ``error``. Optional request headers:
+``traceparent`` / ``tracestate`` (W3C trace context).
 """
 
 from __future__ import annotations
