@@ -1,8 +1,8 @@
 """Attention over the paged KV cache, with one switch between backends.
 
 The model calls :func:`write_kv` then :func:`attend`; the model runner fills one
-:class:`AttentionMetadata` per step. ``torch`` (CPU default) runs the references in
-``kernels/reference.py``; ``triton`` (CUDA default) runs the Triton kernels.
+:class:`AttentionMetadata` per step. ``torch`` (CPU default) runs the batched torch
+paths in ``kernels/torch_paged.py`` (checked against ``kernels/reference.py``); ``triton`` (CUDA default) runs the Triton kernels.
 A step is either all-decode (one new token per sequence, the decode kernel) or varlen
 (prefill chunks, possibly mixed with decodes as one-token chunks, the prefill kernel).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.kernels import reference
+from workers.engine.kernels import reference, torch_paged
 
 BACKENDS = ("torch", "triton")
 
@@ -94,10 +94,10 @@ def attend(
             max_seqlen_q=meta.max_seqlen_q,
         )
     if meta.is_decode:
-        return reference.paged_decode_attention_ref(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+        return torch_paged.paged_decode_attention_torch(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len
         )
     assert meta.cu_seqlens_q is not None
-    return reference.paged_prefill_attention_ref(
+    return torch_paged.paged_prefill_attention_torch(
         q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale
     )

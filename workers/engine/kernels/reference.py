@@ -41,7 +41,7 @@ def gather_kv(
     return k, v
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``q: [n_q, h, d]`` placed at the end of ``k, v: [n_kv_len, h_kv, d]``."""
     n_q, n_heads, _ = q.shape
     n_k, n_kv_heads, _ = k.shape
@@ -74,7 +74,7 @@ def paged_decode_attention_ref(
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         k, v = gather_kv(k_cache, v_cache, block_tables[b], int(context_lens[b]))
-        out[b] = _attend(q[b : b + 1], k, v, scale)[0]
+        out[b] = attend_causal(q[b : b + 1], k, v, scale)[0]
     return out
 
 
@@ -99,5 +99,5 @@ def paged_prefill_attention_ref(
         if end == start:
             continue
         k, v = gather_kv(k_cache, v_cache, block_tables[b], int(context_lens[b]))
-        out[start:end] = _attend(q[start:end], k, v, scale)
+        out[start:end] = attend_causal(q[start:end], k, v, scale)
     return out
