@@ -38,6 +38,11 @@ class BreakerConfig(_Strict):
     wait_open_s: float = Field(10.0, gt=0)
     half_open_share: float = Field(0.25, gt=0, le=1)
     close_after_healthy: int = Field(3, ge=1)
+    # Which latency the breaker watches; its threshold is never below the group's SLO of
+    # that kind (slo_e2e_p99_ms / slo_ttft_ms): a group meeting its SLO is healthy.
+    p99_kind: Literal["e2e", "ttft"] = "e2e"
+    # The error rate is judged only over at least this many finished requests.
+    min_requests: int = Field(10, ge=1)
 
 
 class GroupConfig(_Strict):
@@ -152,7 +157,28 @@ class WorkerConfig(_Strict):
 class SchedulerConfig(_Strict):
     worker_silent_s: float = Field(3.0, gt=0)
     rebalance_interval_s: float = Field(5.0, gt=0)
-    metrics_port: int = Field(9300, ge=0, le=65535)
+    metrics_port: int = Field(9300, ge=0, le=65535)  # 0 = no /metrics server
+    # Breakers are sampled and evaluated every tick: a transition acts within one tick.
+    tick_interval_s: float = Field(0.5, gt=0)
+    # Per-group telemetry windows (metrics, rebalancer): the last N group samples of T seconds.
+    window_samples: int = Field(20, ge=1)
+    window_s: float = Field(10.0, gt=0)
+    # Leader lease `sched.lease` in the state bucket: renewed every renew_s, stale after ttl_s.
+    lease_ttl_s: float = Field(3.0, gt=0)
+    lease_renew_s: float = Field(1.0, gt=0)
+    # Breaker transitions are POSTed here as JSON (in a thread, never blocking), when set.
+    alert_webhook_url: str | None = None
+    # Rebalancer: move idle replicas between groups (False = only publish desired replicas).
+    move_replicas: bool = True
+    move_after_ticks: int = Field(3, ge=1)  # the move condition must hold this many ticks
+    move_cooldown_s: float = Field(60.0, ge=0)  # no move out of a group/worker after a move
+    default_min_replicas: int = Field(1, ge=0)
+    min_replicas: dict[str, int] = Field(default_factory=dict)  # per group, overrides default
+    max_replicas: int = Field(64, ge=1)
+    # A replica counts as full at this share of its group's max batch (desired replicas).
+    target_utilization: float = Field(0.8, gt=0, le=1)
+    # Weight of the newest hour in the hour-of-week demand history (EWMA per slot).
+    history_alpha: float = Field(0.5, gt=0, le=1)
 
 
 class Config(_Strict):

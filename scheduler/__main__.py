@@ -1,0 +1,93 @@
+"""``python -m scheduler`` / ``qosserve-scheduler``: run one scheduler replica.
+
+Examples::
+
+    qosserve-scheduler --config deploy/local.yaml
+    qosserve-scheduler --nats-url nats://nats:4222 --metrics-port 9300
+
+Configuration comes from ``--config`` / ``QOS_CONFIG`` and ``QOS_*`` variables
+(:mod:`common.config`, keys ``scheduler.*`` and ``groups.<g>.breaker.*``); flags override
+the keys they name. Several replicas may run: one holds the lease and acts, the others
+watch. SIGTERM or SIGINT hands the lease over and exits 0; the breaker state stays in the
+bucket for the gateways and the next scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from common.config import Config, load_config
+from common.errors import ConfigError
+from scheduler.service import SchedulerService
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qosserve-scheduler", description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="YAML config file (else $QOS_CONFIG, else defaults)")
+    p.add_argument("--nats-url", help="overrides nats.url")
+    p.add_argument("--metrics-port", type=int, help="overrides scheduler.metrics_port (0 = off)")
+    p.add_argument("--scheduler-id", help="this replica's name (default sched-<host>-<pid>-…)")
+    p.add_argument("--log-level", default=os.environ.get("QOS_LOG_LEVEL", "INFO"))
+    return p
+
+
+def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
+    update: dict[str, Any] = {}
+    if args.nats_url:
+        update["nats"] = config.nats.model_copy(update={"url": args.nats_url})
+    if args.metrics_port is not None:
+        update["scheduler"] = config.scheduler.model_copy(
+            update={"metrics_port": args.metrics_port}
+        )
+    # model_copy skips validation: re-validate so a bad flag fails like a bad file.
+    return Config.model_validate(config.model_copy(update=update).model_dump())
+
+
+async def serve(config: Config, scheduler_id: str | None) -> int:
+    service = SchedulerService(config, scheduler_id=scheduler_id)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.request_stop)
+    try:
+        await service.start()
+        await service.run()
+    finally:
+        await service.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``qosserve-scheduler`` and ``python -m scheduler``."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = _apply_flags(load_config(args.config), args)
+        if args.scheduler_id is not None and not re.fullmatch(
+            r"[A-Za-z0-9_-]{1,128}", args.scheduler_id
+        ):
+            raise ConfigError(f"--scheduler-id {args.scheduler_id!r}: use [A-Za-z0-9_-]{{1,128}}")
+        return asyncio.run(serve(config, args.scheduler_id))
+    except ConfigError as exc:
+        print(f"qosserve-scheduler: {exc.message}", file=sys.stderr)
+        return 2
+    except ConnectionError as exc:
+        print(f"qosserve-scheduler: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

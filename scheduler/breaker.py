@@ -1,0 +1,195 @@
+"""A per-group circuit breaker: a pure state machine (no I/O, no clock of its own).
+
+CLOSED → OPEN → HALF_OPEN → CLOSED, as in resilience4j, fed one :class:`BreakerSample`
+per scheduler tick in which the group reported (:meth:`Breaker.observe`) and told the time
+(:meth:`Breaker.tick`). Both return the :class:`Transition` they made, or None; the
+service acts on it (batch cap, KV state, alert).
+
+- CLOSED: a window of the last ``window_samples`` samples. It opens when, with at least
+  ``min_samples`` in the window, the **mean of their p99s** exceeds the threshold (the
+  field study: 10 samples, mean p99 > 500 ms), or when the window's error rate (errors /
+  finished requests, judged over at least ``min_requests``) exceeds ``error_rate_threshold``.
+- OPEN: samples are ignored (they describe the incident the breaker already acted on);
+  after ``wait_open_s`` it goes HALF_OPEN.
+- HALF_OPEN: each sample is judged alone: unhealthy (p99 over the threshold, or the error
+  rate since half-open over the limit) re-opens; ``close_after_healthy`` healthy samples
+  in a row close it.
+
+Every transition empties the window, so no state judges data from before its start.
+
+The threshold is ``max(breaker.p99_threshold_ms, the group's SLO)`` of the watched kind
+(E2E by default, ``breaker.p99_kind``): the field study's 500 ms applies to chat, and a
+group meeting its own SLO (128k documents take seconds) is healthy by definition.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from common.config import GroupConfig
+
+State = Literal["closed", "open", "half_open"]
+STATES: tuple[State, ...] = ("closed", "open", "half_open")
+# Every move the machine can make; tests hold it to these.
+LEGAL: frozenset[tuple[State, State]] = frozenset(
+    {("closed", "open"), ("open", "half_open"), ("half_open", "closed"), ("half_open", "open")}
+)
+# qos_breaker_state values (DESIGN §7).
+STATE_GAUGE: dict[State, int] = {"closed": 0, "half_open": 1, "open": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSample:
+    """One group-level observation: its p99 now and the requests finished since the last."""
+
+    p99_ms: float
+    requests: int = 0  # finished, errors included
+    errors: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A state change; ``at`` is the caller's clock (monotonic seconds)."""
+
+    group: str
+    source: State
+    target: State
+    at: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    """The thresholds of one group's breaker, resolved from its config."""
+
+    window_samples: int = 10
+    min_samples: int = 5
+    p99_threshold_ms: float = 500.0
+    error_rate_threshold: float = 0.2
+    min_requests: int = 10
+    wait_open_s: float = 10.0
+    close_after_healthy: int = 3
+
+    @classmethod
+    def for_group(cls, group: GroupConfig) -> BreakerSettings:
+        b = group.breaker
+        slo = group.slo_e2e_p99_ms if b.p99_kind == "e2e" else group.slo_ttft_ms
+        return cls(
+            window_samples=b.window_samples,
+            min_samples=min(b.min_samples, b.window_samples),
+            p99_threshold_ms=max(b.p99_threshold_ms, slo),
+            error_rate_threshold=b.error_rate_threshold,
+            min_requests=b.min_requests,
+            wait_open_s=b.wait_open_s,
+            close_after_healthy=b.close_after_healthy,
+        )
+
+
+class Breaker:
+    """One group's breaker. ``since`` is when the current state began (caller's clock)."""
+
+    def __init__(
+        self,
+        group: str,
+        settings: BreakerSettings,
+        state: State = "closed",
+        since: float = 0.0,
+        reason: str = "",
+    ) -> None:
+        self.group = group
+        self.settings = settings
+        self.state: State = state
+        self.since = since
+        self.reason = reason
+        self.window: deque[BreakerSample] = deque(maxlen=settings.window_samples)
+        self.healthy_in_row = 0
+
+    # --- reading -------------------------------------------------------------------------
+
+    def mean_p99_ms(self) -> float:
+        """Mean of the window's p99s (0 when empty)."""
+        if not self.window:
+            return 0.0
+        return sum(s.p99_ms for s in self.window) / len(self.window)
+
+    def error_rate(self) -> tuple[float, int]:
+        """(errors / finished requests, finished requests) over the window."""
+        requests = sum(s.requests for s in self.window)
+        errors = sum(s.errors for s in self.window)
+        return (errors / requests if requests else 0.0), requests
+
+    # --- feeding -------------------------------------------------------------------------
+
+    def observe(self, sample: BreakerSample, now: float) -> Transition | None:
+        """Take one sample; returns the transition it caused, if any."""
+        moved = self.tick(now)  # a due OPEN → HALF_OPEN happens before judging the sample
+        if moved is not None or self.state == "open":
+            return moved
+        self.window.append(sample)
+        if self.state == "closed":
+            return self._judge_closed(now)
+        return self._judge_half_open(sample, now)
+
+    def tick(self, now: float) -> Transition | None:
+        """Let time pass: OPEN becomes HALF_OPEN after ``wait_open_s``."""
+        if self.state == "open" and now - self.since >= self.settings.wait_open_s:
+            return self._move(
+                "half_open", now, f"probing after {self.settings.wait_open_s:g}s open"
+            )
+        return None
+
+    def restore(self, state: State, since: float, reason: str = "") -> None:
+        """Continue from a state persisted elsewhere (a restart); not a transition."""
+        if (state, since) != (self.state, self.since):
+            self.window.clear()
+            self.healthy_in_row = 0
+        self.state, self.since, self.reason = state, since, reason
+
+    # --- rules ---------------------------------------------------------------------------
+
+    def _judge_closed(self, now: float) -> Transition | None:
+        s = self.settings
+        if len(self.window) >= s.min_samples:
+            mean = self.mean_p99_ms()
+            if mean > s.p99_threshold_ms:
+                return self._move(
+                    "open",
+                    now,
+                    f"mean p99 {mean:.0f} ms over {len(self.window)} samples "
+                    f"> {s.p99_threshold_ms:g} ms",
+                )
+        return self._error_trip(now)
+
+    def _judge_half_open(self, sample: BreakerSample, now: float) -> Transition | None:
+        s = self.settings
+        if sample.p99_ms > s.p99_threshold_ms:
+            return self._move(
+                "open", now, f"p99 {sample.p99_ms:.0f} ms > {s.p99_threshold_ms:g} ms while probing"
+            )
+        tripped = self._error_trip(now)
+        if tripped is not None:
+            return tripped
+        self.healthy_in_row += 1
+        if self.healthy_in_row >= s.close_after_healthy:
+            return self._move("closed", now, f"{self.healthy_in_row} healthy samples")
+        return None
+
+    def _error_trip(self, now: float) -> Transition | None:
+        s = self.settings
+        rate, requests = self.error_rate()
+        if requests >= s.min_requests and rate > s.error_rate_threshold:
+            return self._move(
+                "open",
+                now,
+                f"error rate {rate:.0%} of {requests} requests > {s.error_rate_threshold:.0%}",
+            )
+        return None
+
+    def _move(self, target: State, now: float, reason: str) -> Transition:
+        transition = Transition(self.group, self.state, target, now, reason)
+        self.state, self.since, self.reason = target, now, reason
+        self.window.clear()  # no state judges samples from before it began
+        self.healthy_in_row = 0
+        return transition

@@ -1,0 +1,70 @@
+"""The scheduler's Prometheus metrics (DESIGN §7), on a registry of its own.
+
+A registry per service (rather than the global one) lets tests run several schedulers in
+one process; ``serve(port)`` exposes it on ``/metrics`` (port 0 = not served).
+"""
+
+from __future__ import annotations
+
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from scheduler.breaker import STATE_GAUGE, State
+
+
+class SchedulerMetrics:
+    """Gauges and counters the service sets; names are ``qos_*``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._server: WSGIServer | None = None
+        r = self.registry
+        self.breaker_state = Gauge(
+            "qos_breaker_state", "Breaker state: 0 closed, 1 half-open, 2 open", ["group"],
+            registry=r,
+        )  # fmt: skip
+        self.breaker_transitions = Counter(
+            "qos_breaker_transitions", "Breaker transitions", ["group", "from", "to"], registry=r
+        )
+        self.desired_replicas = Gauge(
+            "qos_desired_replicas", "Replicas the rebalancer wants per group", ["group"], registry=r
+        )
+        self.group_replicas = Gauge(
+            "qos_group_replicas", "Live serving replicas per group", ["group"], registry=r
+        )
+        self.group_p99 = Gauge(
+            "qos_group_p99_seconds", "Group p99 over the window (kind: e2e | ttft)",
+            ["group", "kind"], registry=r,
+        )  # fmt: skip
+        self.queue_depth = Gauge(
+            "qos_group_queue_depth", "JetStream pending + ack-pending requests", ["group"],
+            registry=r,
+        )  # fmt: skip
+        self.error_rate = Gauge(
+            "qos_group_error_rate", "Errors / finished requests over the window", ["group"],
+            registry=r,
+        )  # fmt: skip
+        self.moves = Counter(
+            "qos_rebalance_moves", "Replicas moved between groups", ["from", "to"], registry=r
+        )
+        self.leader = Gauge(
+            "qos_scheduler_leader", "1 while this replica holds the lease and acts", registry=r
+        )
+
+    def set_breaker(self, group: str, state: State) -> None:
+        self.breaker_state.labels(group).set(STATE_GAUGE[state])
+
+    def transition(self, group: str, source: State, target: State) -> None:
+        self.breaker_transitions.labels(group, source, target).inc()
+
+    def serve(self, port: int) -> None:
+        """Expose ``/metrics`` on ``port``; 0 serves nothing."""
+        if port:
+            self._server, _ = start_http_server(port, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,85 @@
+"""The values the scheduler keeps in the state bucket (``nats.kv_bucket``, default ``qos_state``).
+
+All are JSON so ``nats kv get`` shows them as they are; all times are unix milliseconds.
+
+``breaker.<group>`` — read by every gateway (:mod:`gateway.workers_view`; missing = closed)
+and by a scheduler that (re)starts, which continues the state machine from it::
+
+    {"v": 1, "state": "closed" | "open" | "half_open", "since_ms": int, "reason": str,
+     "fallback": str | null, "batch_cap": int, "scheduler": str}
+
+``batch_cap`` is the cap the group's workers should run at in this state (``open_batch_cap``
+while open or half-open, the group's ``max_batch`` once closed).
+
+``desired.<group>`` — for an autoscaler (KEDA/HPA read ``qos_desired_replicas`` too)::
+
+    {"v": 1, "replicas": int, "current": int, "why": str, "ts_ms": int}
+
+``history.<group>`` is :mod:`scheduler.history`'s; ``sched.lease`` is :mod:`scheduler.lease`'s.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from scheduler.breaker import STATES, State
+
+BREAKER_PREFIX = "breaker."
+DESIRED_PREFIX = "desired."
+
+
+def breaker_key(group: str) -> str:
+    return BREAKER_PREFIX + group
+
+
+def desired_key(group: str) -> str:
+    return DESIRED_PREFIX + group
+
+
+def _dump(obj: dict[str, Any]) -> bytes:
+    return json.dumps({"v": 1, **obj}, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerRecord:
+    state: State
+    since_ms: int
+    reason: str = ""
+    fallback: str | None = None
+    batch_cap: int = 0
+    scheduler: str = ""
+
+    def to_bytes(self) -> bytes:
+        return _dump(asdict(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes | None) -> BreakerRecord | None:
+        """None when absent or unreadable: the group counts as closed, as gateways read it."""
+        try:
+            obj = json.loads(data or b"")
+            state = obj["state"]
+            if state not in STATES:
+                return None
+            return cls(
+                state=state,
+                since_ms=int(obj.get("since_ms", 0)),
+                reason=str(obj.get("reason", "")),
+                fallback=obj.get("fallback"),
+                batch_cap=int(obj.get("batch_cap", 0)),
+                scheduler=str(obj.get("scheduler", "")),
+            )
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class DesiredRecord:
+    replicas: int
+    current: int
+    why: str
+    ts_ms: int
+
+    def to_bytes(self) -> bytes:
+        return _dump(asdict(self))

@@ -1,0 +1,475 @@
+"""SchedulerService: telemetry in, breaker and rebalancing decisions out, over NATS.
+
+- Subscribes to ``<prefix>.tel.>`` and keeps per-group windows (:mod:`scheduler.windows`).
+- Every ``scheduler.tick_interval_s`` (0.5 s): reads each group's queue depth from its
+  JetStream consumer (``num_pending + num_ack_pending``), turns the reports since the last
+  tick into one sample per group, feeds the breakers (:mod:`scheduler.breaker`) and acts on
+  each transition at once: ``breaker.<group>`` in the state bucket (gateways divert on
+  it), ``set_batch_cap`` on ``<prefix>.ctl.group.<group>`` (``open_batch_cap`` when it
+  opens, ``max_batch`` when it closes), an alert (:mod:`scheduler.alerts`) and metrics.
+  A worker whose reported cap disagrees with its group's breaker (it restarted, or moved
+  into the group) gets ``set_batch_cap`` on ``<prefix>.ctl.<worker>``.
+- Every ``scheduler.rebalance_interval_s`` (5 s): the rebalancer (:mod:`scheduler.rebalancer`)
+  sets desired replicas (``desired.<group>``, ``qos_desired_replicas``) and may move an idle
+  replica with ``assign_group`` on ``<prefix>.ctl.<worker>``; the hour-of-week history
+  (:mod:`scheduler.history`) learns the demand.
+- Only the holder of the lease (:mod:`scheduler.lease`) acts; a standby keeps its windows
+  warm and its breakers in step with the bucket, so it takes over where the leader stood.
+  A scheduler that starts continues each breaker from ``breaker.<group>``. Nothing is
+  deleted on exit: with no scheduler, gateways and workers keep the last state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+import common.nats as qnats
+from common.config import Config
+from common.errors import ProtocolError
+from common.protocol import Control, Telemetry
+from common.subjects import Subjects
+from scheduler.alerts import Alerter
+from scheduler.breaker import Breaker, BreakerSample, BreakerSettings, State, Transition
+from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
+from scheduler.history import DemandHistory
+from scheduler.lease import Lease
+from scheduler.metrics import SchedulerMetrics
+from scheduler.rebalancer import (
+    GroupView,
+    Move,
+    RebalancerState,
+    RebalanceSettings,
+    ReplicaView,
+    decide,
+)
+from scheduler.records import BreakerRecord, DesiredRecord, breaker_key, desired_key
+from scheduler.windows import GroupSample, TelemetryWindows, backlog
+
+log = logging.getLogger(__name__)
+
+# A worker told its cap is not told again sooner: its next report may predate the order.
+CAP_RESEND_S = 2.0
+HISTORY_SAVE_S = 60.0
+QUEUE_POLL_TIMEOUT_S = 0.5
+
+
+def default_scheduler_id() -> str:
+    """``sched-<hostname>-<pid>-<random>``, a valid subject token."""
+    raw = f"sched-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    return re.sub(r"[^A-Za-z0-9_-]", "-", raw)[:128]
+
+
+class SchedulerService:
+    """One scheduler replica; :meth:`start`, then :meth:`run` (or :meth:`stop`)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        scheduler_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.cfg = config.scheduler
+        self.id = scheduler_id or default_scheduler_id()
+        self.groups = list(config.groups)
+        self.subjects = Subjects(config.nats.subject_prefix)
+        self._clock, self._wall = clock, wall
+        self.breakers = {
+            g: Breaker(g, BreakerSettings.for_group(gc), since=clock())
+            for g, gc in config.groups.items()
+        }
+        self.windows = TelemetryWindows(
+            self.groups,
+            silent_s=self.cfg.worker_silent_s,
+            window_samples=self.cfg.window_samples,
+            window_s=self.cfg.window_s,
+        )
+        self.metrics = SchedulerMetrics()
+        self.alerter = Alerter(self.cfg.alert_webhook_url)
+        self.rebalance_settings = RebalanceSettings(
+            move_replicas=self.cfg.move_replicas,
+            move_after_ticks=self.cfg.move_after_ticks,
+            cooldown_s=self.cfg.move_cooldown_s,
+            target_utilization=self.cfg.target_utilization,
+            max_replicas=self.cfg.max_replicas,
+        )
+        self.rebalancer_state = RebalancerState()
+        self.histories: dict[str, DemandHistory] = {g: DemandHistory() for g in self.groups}
+        self.queue_depths: dict[str, int] = dict.fromkeys(self.groups, -1)
+        self.desired: dict[str, int] = {}
+        self.acted: list[Transition] = []  # transitions this replica acted on
+        self.moves: list[Move] = []  # moves this replica ordered
+        self.nc: Client | None = None
+        self.js: JetStreamContext | None = None
+        self.kv: KeyValue | None = None
+        self.lease: Lease | None = None
+        self._sub: Subscription | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._cap_sent: dict[str, float] = {}  # worker -> when it was last told its cap
+        self._history_saved = 0.0
+        self._stop_requested = asyncio.Event()
+        self._stopped = False
+
+    @property
+    def is_leader(self) -> bool:
+        return self.lease is not None and self.lease.held
+
+    # --- life cycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, make sure the stream/consumers/bucket exist, load state, start the loops."""
+        self.nc = await qnats.connect(self.config.nats, f"scheduler-{self.id}")
+        self.js = self.nc.jetstream()
+        _, _, self.kv = await qnats.ensure_jetstream(self.js, self.config.nats, self.groups)
+        self._sub = await self.nc.subscribe(self.subjects.telemetry_wildcard, cb=self._on_telemetry)
+        await self._load_breakers()
+        await self._load_histories()
+        self.lease = Lease(self.kv, self.id, self.cfg.lease_ttl_s)
+        await self._refresh_lease()
+        self.metrics.serve(self.cfg.metrics_port)
+        self._tasks = [
+            asyncio.create_task(
+                self._every(self.cfg.tick_interval_s, self.tick), name="sched-tick"
+            ),
+            asyncio.create_task(
+                self._every(self.cfg.lease_renew_s, self._refresh_lease), name="sched-lease"
+            ),
+            asyncio.create_task(
+                self._every(self.cfg.rebalance_interval_s, self.rebalance), name="sched-rebalance"
+            ),
+        ]
+        log.info("scheduler %s started (groups %s)", self.id, ", ".join(self.groups))
+
+    async def run(self) -> None:
+        """Serve until :meth:`request_stop` (a signal), then stop."""
+        await self._stop_requested.wait()
+        await self.stop()
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    async def stop(self) -> None:
+        """Stop acting, save the history, hand the lease over; the bucket's state stays."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop_requested.set()
+        await self._cancel_tasks()
+        if self.is_leader:
+            with contextlib.suppress(Exception):
+                await self._save_histories()
+        if self.lease is not None:
+            await self.lease.release()
+        await self._close()
+        log.info("scheduler %s stopped", self.id)
+
+    async def crash(self) -> None:
+        """Vanish without a word (tests): no release, no last writes; the lease goes stale."""
+        self._stopped = True
+        await self._cancel_tasks()
+        await self._close()
+
+    async def _cancel_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+
+    async def _close(self) -> None:
+        self.metrics.close()
+        self.metrics.leader.set(0)
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=2)
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+    async def _every(self, interval_s: float, step: Callable[[], Any]) -> None:
+        """Run ``step`` every ``interval_s``; an error is logged and the loop goes on."""
+        while True:
+            started = self._clock()
+            try:
+                await step()
+            except Exception:
+                log.exception("scheduler %s: %s failed", self.id, getattr(step, "__name__", step))
+            await asyncio.sleep(max(0.0, interval_s - (self._clock() - started)))
+
+    # --- telemetry -----------------------------------------------------------------------
+
+    async def _on_telemetry(self, msg: Msg) -> None:
+        try:
+            report = Telemetry.from_bytes(msg.data, self.config.nats.max_payload_bytes)
+        except ProtocolError as exc:
+            log.warning("bad telemetry on %s: %s", msg.subject, exc.message)
+            return
+        self.windows.observe(report, self._clock())
+
+    async def _poll_queue_depths(self) -> None:
+        """``num_pending + num_ack_pending`` of each group's consumer; -1 when unknown."""
+        assert self.js is not None
+        js, stream = self.js, self.config.nats.stream
+
+        async def depth(group: str) -> int:
+            info = await js.consumer_info(stream, Subjects.consumer(group))
+            return (info.num_pending or 0) + (info.num_ack_pending or 0)
+
+        results = await asyncio.wait_for(
+            asyncio.gather(*(depth(g) for g in self.groups), return_exceptions=True),
+            QUEUE_POLL_TIMEOUT_S * 2,
+        )
+        for group, result in zip(self.groups, results, strict=True):
+            self.queue_depths[group] = result if isinstance(result, int) else -1
+
+    # --- the tick: breakers ----------------------------------------------------------------
+
+    async def tick(self) -> None:
+        """Sample the windows, feed the breakers, act on transitions (leader only)."""
+        now = self._clock()
+        for gone in self.windows.expire(now):
+            log.info("worker %s (group %s) went silent", gone.worker, gone.group)
+            self._cap_sent.pop(gone.worker, None)
+        with contextlib.suppress(Exception):
+            await self._poll_queue_depths()
+        samples = self.windows.sample(now, self.queue_depths)
+        self._export_groups(now)
+        if not self.is_leader:
+            return
+        for group, breaker in self.breakers.items():
+            sample = samples.get(group)
+            if sample is not None:
+                transition = breaker.observe(self._breaker_sample(group, sample), now)
+            else:
+                transition = breaker.tick(now)
+            if transition is not None:
+                await self._act(transition)
+        await self._reconcile_caps(now)
+
+    def _breaker_sample(self, group: str, sample: GroupSample) -> BreakerSample:
+        kind = self.config.groups[group].breaker.p99_kind
+        p99 = sample.latency_ms if kind == "e2e" else sample.ttft_p99_ms
+        return BreakerSample(p99_ms=p99, requests=sample.requests, errors=sample.errors)
+
+    def _cap_for(self, group: str, state: State) -> int:
+        gc = self.config.groups[group]
+        return gc.max_batch if state == "closed" else min(gc.breaker.open_batch_cap, gc.max_batch)
+
+    async def _act(self, t: Transition) -> None:
+        """Publish a transition: bucket first (gateways divert), then workers, then alert."""
+        assert self.nc is not None and self.kv is not None
+        gc = self.config.groups[t.group]
+        cap = self._cap_for(t.group, t.target)
+        since_ms = int((self._wall() - (self._clock() - t.at)) * 1000)
+        record = BreakerRecord(t.target, since_ms, t.reason, gc.fallback, cap, self.id)
+        self.acted.append(t)
+        self.metrics.transition(t.group, t.source, t.target)
+        self.metrics.set_breaker(t.group, t.target)
+        try:
+            await self.kv.put(breaker_key(t.group), record.to_bytes())
+        except Exception as exc:  # the next restore or takeover rewrites it
+            log.error("breaker %s: writing the state failed: %s", t.group, exc)
+        if t.target in ("open", "closed"):  # half-open keeps the open cap while probing
+            control = Control(
+                action="set_batch_cap",
+                issued_ms=int(self._wall() * 1000),
+                group=t.group,
+                batch_cap=cap,
+                reason=f"breaker {t.target}: {t.reason}",
+            )
+            await self._publish(self.subjects.control_group(t.group), control)
+            for report in self.windows.workers(t.group):
+                self._cap_sent[report.worker] = self._clock()
+        self.alerter.breaker(
+            {
+                "group": t.group,
+                "from": t.source,
+                "to": t.target,
+                "reason": t.reason,
+                "fallback": gc.fallback,
+                "batch_cap": cap,
+                "ts_ms": since_ms,
+                "scheduler": self.id,
+            }
+        )
+
+    async def _reconcile_caps(self, now: float) -> None:
+        """Tell a worker whose cap disagrees with its group's breaker (joined, restarted)."""
+        for group, breaker in self.breakers.items():
+            gc = self.config.groups[group]
+            want = self._cap_for(group, breaker.state)
+            open_cap = self._cap_for(group, "open")
+            for report in self.windows.workers(group):
+                if report.state not in ("serving", "draining"):
+                    continue
+                wrong = (
+                    report.batch_cap > want
+                    if breaker.state != "closed"
+                    # Only undo our own cap: an engine may be built smaller than max_batch.
+                    else report.batch_cap == open_cap < gc.max_batch
+                )
+                if not wrong or now - self._cap_sent.get(report.worker, -1e9) < CAP_RESEND_S:
+                    continue
+                self._cap_sent[report.worker] = now
+                control = Control(
+                    action="set_batch_cap",
+                    issued_ms=int(self._wall() * 1000),
+                    group=group,
+                    batch_cap=want,
+                    reason=f"breaker {breaker.state}",
+                )
+                await self._publish(self.subjects.control(report.worker), control)
+
+    # --- rebalancing ---------------------------------------------------------------------
+
+    async def rebalance(self) -> None:
+        """Desired replicas per group, at most one move, the history (leader only)."""
+        if not self.is_leader:
+            return
+        now, epoch = self._clock(), self._wall()
+        views = []
+        for group, gc in self.config.groups.items():
+            stats = self.windows.stats(group, now, self.queue_depths[group])
+            reports = list(self.windows.workers(group))
+            held = sum(r.running + r.waiting for r in reports)
+            waiting = backlog(self.queue_depths[group], held)
+            self.histories[group].observe(held + waiting, epoch, self.cfg.history_alpha)
+            kind = gc.breaker.p99_kind
+            views.append(
+                GroupView(
+                    name=group,
+                    replicas=tuple(
+                        ReplicaView(r.worker, r.running, r.waiting, r.state == "serving")
+                        for r in reports
+                    ),
+                    backlog=waiting,
+                    concurrency=max(stats.concurrency, held + waiting),
+                    p99_ms=stats.e2e_p99_ms if kind == "e2e" else stats.ttft_p99_ms,
+                    slo_ms=gc.slo_e2e_p99_ms if kind == "e2e" else gc.slo_ttft_ms,
+                    max_batch=gc.max_batch,
+                    min_replicas=self.cfg.min_replicas.get(group, self.cfg.default_min_replicas),
+                    forecast=self.histories[group].forecast(epoch),
+                    breaker=self.breakers[group].state,
+                )
+            )
+        decision = decide(views, self.rebalancer_state, self.rebalance_settings, now)
+        self.rebalancer_state = decision.state
+        for view in views:
+            await self._publish_desired(view, decision.desired[view.name], decision.why[view.name])
+        for move in decision.moves:
+            await self._order_move(move)
+        if now - self._history_saved >= HISTORY_SAVE_S:
+            await self._save_histories()
+
+    async def _publish_desired(self, view: GroupView, replicas: int, why: str) -> None:
+        assert self.kv is not None
+        self.metrics.desired_replicas.labels(view.name).set(replicas)
+        if self.desired.get(view.name) == replicas:
+            return
+        self.desired[view.name] = replicas
+        record = DesiredRecord(replicas, view.serving, why, int(self._wall() * 1000))
+        try:
+            await self.kv.put(desired_key(view.name), record.to_bytes())
+        except Exception as exc:
+            self.desired.pop(view.name, None)  # try again next round
+            log.warning("desired.%s: write failed: %s", view.name, exc)
+        log.info("desired replicas %s: %d (%s; now %d)", view.name, replicas, why, view.serving)
+
+    async def _order_move(self, move: Move) -> None:
+        control = Control(
+            action="assign_group",
+            issued_ms=int(self._wall() * 1000),
+            group=move.dst,
+            reason=f"rebalance: {move.reason}",
+        )
+        await self._publish(self.subjects.control(move.worker), control)
+        self.moves.append(move)
+        self.metrics.moves.labels(move.src, move.dst).inc()
+        log.info("moving worker %s from %s to %s: %s", move.worker, move.src, move.dst, move.reason)
+
+    # --- state in the bucket ---------------------------------------------------------------
+
+    async def _refresh_lease(self) -> None:
+        assert self.lease is not None
+        was = self.lease.held
+        held = await self.lease.refresh()
+        if held and not was:
+            # Continue from where the previous leader left the breakers.
+            await self._load_breakers()
+            self.rebalancer_state = RebalancerState()
+            self.desired.clear()
+        elif not held:
+            await self._load_breakers()  # a standby follows the leader's decisions
+        self.metrics.leader.set(1 if held else 0)
+
+    async def _load_breakers(self) -> None:
+        """Each breaker continues from ``breaker.<group>`` (missing = closed)."""
+        assert self.kv is not None
+        now, wall_ms = self._clock(), self._wall() * 1000
+        for group, breaker in self.breakers.items():
+            try:
+                entry = await self.kv.get(breaker_key(group))
+                record = BreakerRecord.from_bytes(entry.value)
+            except nats.js.errors.KeyNotFoundError:
+                record = None
+            if record is None:
+                if breaker.state != "closed":
+                    breaker.restore("closed", now)
+            else:
+                since = breaker.since
+                if record.state != breaker.state or record.reason != breaker.reason:
+                    since = now - max(0.0, wall_ms - record.since_ms) / 1000
+                if record.state != breaker.state:
+                    log.info("breaker %s: continuing %s (%s)", group, record.state, record.reason)
+                breaker.restore(record.state, since, record.reason)
+            self.metrics.set_breaker(group, breaker.state)
+
+    async def _load_histories(self) -> None:
+        assert self.kv is not None
+        for group in self.groups:
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                entry = await self.kv.get(HISTORY_PREFIX + group)
+                self.histories[group] = DemandHistory.from_bytes(entry.value or b"")
+
+    async def _save_histories(self) -> None:
+        assert self.kv is not None
+        self._history_saved = self._clock()
+        for group, history in self.histories.items():
+            await self.kv.put(HISTORY_PREFIX + group, history.to_bytes())
+
+    # --- helpers -------------------------------------------------------------------------
+
+    async def _publish(self, subject: str, control: Control) -> None:
+        assert self.nc is not None
+        try:
+            await self.nc.publish(subject, control.to_bytes())
+        except Exception as exc:
+            log.warning("control on %s failed: %s", subject, exc)
+
+    def _export_groups(self, now: float) -> None:
+        m = self.metrics
+        for group in self.groups:
+            stats = self.windows.stats(group, now, self.queue_depths[group])
+            m.group_replicas.labels(group).set(stats.replicas)
+            m.group_p99.labels(group, "e2e").set(stats.e2e_p99_ms / 1e3)
+            m.group_p99.labels(group, "ttft").set(stats.ttft_p99_ms / 1e3)
+            m.queue_depth.labels(group).set(stats.queue_depth)
+            m.error_rate.labels(group).set(stats.error_rate)
