@@ -1,0 +1,179 @@
+"""The breaker state machine, table by table, and its legal moves under any input."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.config import BreakerConfig, default_groups
+from scheduler.breaker import LEGAL, Breaker, BreakerSample, BreakerSettings
+
+S = BreakerSettings(
+    window_samples=10,
+    min_samples=5,
+    p99_threshold_ms=500,
+    error_rate_threshold=0.2,
+    min_requests=10,
+    wait_open_s=10,
+    close_after_healthy=3,
+)
+SLOW, FAST = BreakerSample(900), BreakerSample(100)
+
+
+def feed(b: Breaker, samples: list[BreakerSample], start: float = 0.0, step: float = 1.0):
+    """Observe each sample one ``step`` apart; returns the transitions made."""
+    out = []
+    for i, s in enumerate(samples):
+        t = b.observe(s, start + i * step)
+        if t is not None:
+            out.append(t)
+    return out
+
+
+def opened(at: float = 0.0) -> Breaker:
+    return Breaker("short", S, state="open", since=at)
+
+
+def test_opens_when_mean_p99_of_the_window_exceeds_the_threshold():
+    b = Breaker("short", S)
+    moves = feed(b, [BreakerSample(400)] * 5 + [BreakerSample(1000)] * 2)
+    # mean of 5×400 + 1000 = 500 is not over; + another 1000 → 571 > 500
+    assert [(m.source, m.target) for m in moves] == [("closed", "open")]
+    assert moves[0].at == 6.0 and "mean p99" in moves[0].reason
+
+
+def test_needs_min_samples_before_judging_latency():
+    b = Breaker("short", S)
+    assert feed(b, [SLOW] * 4) == []
+    assert b.state == "closed"
+    assert feed(b, [SLOW], start=4.0)[0].target == "open"
+
+
+def test_only_the_last_window_samples_count():
+    b = Breaker("short", S)
+    feed(b, [BreakerSample(1000)] + [FAST] * 10)  # 1000 + 4×100: mean 280
+    assert b.state == "closed" and b.mean_p99_ms() == 100
+
+
+def test_error_rate_over_the_limit_opens_with_fast_latency():
+    b = Breaker("short", S)
+    moves = feed(b, [BreakerSample(50, requests=4, errors=1)] * 3)
+    assert moves[0].target == "open" and "error rate" in moves[0].reason
+
+
+def test_error_rate_needs_min_requests():
+    b = Breaker("short", S)
+    assert feed(b, [BreakerSample(50, requests=2, errors=2)] * 4) == []  # 8 < min_requests
+
+
+def test_open_ignores_samples_then_half_opens_after_wait():
+    b = opened(at=0.0)
+    assert b.observe(FAST, 5.0) is None and b.state == "open"
+    assert len(b.window) == 0  # nothing from the open period is kept
+    assert b.tick(9.9) is None
+    t = b.tick(10.0)
+    assert t is not None and (t.source, t.target) == ("open", "half_open")
+
+
+def test_half_open_closes_after_consecutive_healthy_samples():
+    b = opened()
+    b.tick(10.0)
+    moves = feed(b, [FAST] * 3, start=10.5)
+    assert [(m.source, m.target) for m in moves] == [("half_open", "closed")]
+    assert moves[0].at == 12.5
+
+
+def test_half_open_reopens_on_one_unhealthy_sample():
+    b = opened()
+    b.tick(10.0)
+    moves = feed(b, [FAST, FAST, SLOW], start=11.0)
+    assert [(m.source, m.target) for m in moves] == [("half_open", "open")]
+    assert b.since == 13.0  # a new wait starts
+    assert b.tick(22.9) is None and b.tick(23.0) is not None
+
+
+def test_half_open_reopens_on_errors():
+    b = opened()
+    b.tick(10.0)
+    moves = feed(b, [BreakerSample(50, requests=10, errors=5)], start=11.0)
+    assert moves[0].target == "open"
+
+
+def test_every_transition_resets_the_window():
+    b = Breaker("short", S)
+    feed(b, [SLOW] * 5)
+    assert b.state == "open" and len(b.window) == 0
+    b.tick(20.0)
+    feed(b, [FAST] * 3, start=21.0)
+    assert b.state == "closed" and len(b.window) == 0
+    # Closed again: needs min_samples of its own before opening, whatever came before.
+    assert feed(b, [SLOW] * 4, start=30.0) == []
+
+
+def test_a_sample_arriving_after_the_wait_half_opens_without_being_judged():
+    b = opened()
+    t = b.observe(SLOW, 11.0)
+    assert t is not None and t.target == "half_open" and b.state == "half_open"
+
+
+def test_restore_continues_a_persisted_state():
+    b = Breaker("short", S)
+    b.restore("open", since=-8.0, reason="p99")
+    assert b.state == "open" and b.tick(1.9) is None
+    assert b.tick(2.0) is not None  # 10 s after -8
+
+
+def test_threshold_is_the_configured_one_but_never_below_the_group_slo():
+    groups = default_groups()
+    assert BreakerSettings.for_group(groups["short"]).p99_threshold_ms == 500
+    assert BreakerSettings.for_group(groups["long"]).p99_threshold_ms == 60000
+    realtime = groups["realtime"].model_copy(
+        update={"breaker": BreakerConfig(p99_threshold_ms=200)}
+    )
+    assert BreakerSettings.for_group(realtime).p99_threshold_ms == 200
+    ttft = groups["short"].model_copy(
+        update={"breaker": BreakerConfig(p99_kind="ttft", p99_threshold_ms=50)}
+    )
+    assert BreakerSettings.for_group(ttft).p99_threshold_ms == 200  # short's TTFT SLO
+
+
+events = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("sample"),
+            st.floats(0, 3000),
+            st.integers(0, 20),
+            st.integers(0, 20),
+            st.floats(0, 6),
+        ),
+        st.tuples(st.just("tick"), st.floats(0, 15)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=events)
+def test_transitions_are_only_the_legal_ones_under_any_input(events):
+    b = Breaker(
+        "g", BreakerSettings(window_samples=4, min_samples=2, min_requests=3, wait_open_s=5)
+    )
+    now = 0.0
+    for event in events:
+        before, since = b.state, b.since
+        if event[0] == "sample":
+            _, p99, requests, errors, dt = event
+            now += dt
+            t = b.observe(BreakerSample(p99, requests, min(errors, requests)), now)
+        else:
+            now += event[1]
+            t = b.tick(now)
+        if t is None:
+            assert b.state == before
+            continue
+        assert (t.source, t.target) in LEGAL
+        assert t.source == before and b.state == t.target and b.since == t.at == now
+        if t.target == "half_open":
+            assert now - since >= 5  # never probes before wait_open_s
+        if t.source == "open":
+            assert t.target == "half_open"  # never straight back to closed

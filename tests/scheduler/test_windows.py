@@ -1,0 +1,94 @@
+"""Telemetry → group samples: p99 across workers, stalls, counter deltas, silent workers."""
+
+from __future__ import annotations
+
+from common.protocol import Telemetry
+from scheduler.history import HOURS_PER_WEEK, DemandHistory, hour_of_week
+from scheduler.windows import SlidingWindow, TelemetryWindows
+
+MONDAY_0900_UTC = 1_700_000_000 - (1_700_000_000 % 604_800) + 4 * 86_400 + 9 * 3600
+
+
+def tel(worker: str, group: str = "short", **kw) -> Telemetry:
+    return Telemetry(worker=worker, group=group, ts_ms=0, **kw)
+
+
+def windows() -> TelemetryWindows:
+    return TelemetryWindows(["short", "long"], silent_s=3.0, window_samples=5, window_s=10.0)
+
+
+def test_group_p99_is_the_slowest_worker_with_samples_and_p50_is_weighted():
+    w = windows()
+    w.observe(tel("a", e2e_p99_ms=300, e2e_p50_ms=100, samples=30), 0.0)
+    w.observe(tel("b", e2e_p99_ms=900, e2e_p50_ms=400, samples=10), 0.0)
+    w.observe(tel("c", e2e_p99_ms=0, samples=0), 0.0)
+    s = w.sample(0.5, {"short": 7})["short"]
+    assert s.e2e_p99_ms == 900 and s.e2e_p50_ms == 175 and s.queue_depth == 7
+    assert s.workers == 3 and s.replicas == 3
+
+
+def test_only_groups_that_reported_since_the_last_tick_get_a_sample():
+    w = windows()
+    w.observe(tel("a"), 0.0)
+    assert set(w.sample(0.5, {})) == {"short"}
+    assert w.sample(1.0, {}) == {}
+
+
+def test_requests_and_errors_are_deltas_since_the_previous_sample():
+    w = windows()
+    w.observe(tel("a", requests_done=100, errors=5), 0.0)  # history before we saw it
+    w.sample(0.1, {})
+    w.observe(tel("a", requests_done=110, errors=8), 1.0)
+    s = w.sample(1.1, {})["short"]
+    assert (s.requests, s.errors) == (13, 3)
+    w.observe(tel("a", requests_done=4, errors=1), 2.0)  # restarted: counters began anew
+    s = w.sample(2.1, {})["short"]
+    assert (s.requests, s.errors) == (5, 1)
+
+
+def test_stall_bounds_the_latency_when_nothing_finishes():
+    w = windows()
+    w.observe(tel("a", running=0), 0.0)
+    w.observe(tel("a", running=3), 1.0)
+    w.observe(tel("a", running=3), 2.0)
+    s = w.sample(4.0, {})["short"]
+    # Running since the report at t=1 with nothing finished: some request is >= 3 s old.
+    assert s.stall_ms == 3000 and s.latency_ms == 3000
+    w.observe(tel("a", running=3, requests_done=1), 5.0)  # progress resets the bound
+    assert w.sample(5.5, {})["short"].stall_ms == 500
+
+
+def test_silent_and_stopped_workers_are_gone_and_a_moved_worker_changes_group():
+    w = windows()
+    w.observe(tel("a"), 0.0)
+    w.observe(tel("b"), 2.0)
+    assert [r.worker for r in w.expire(3.0)] == ["a"]
+    w.observe(tel("b", state="stopped"), 2.5)
+    assert w.replicas("short") == 0
+    w.observe(tel("c", group="short"), 3.0)
+    w.observe(tel("c", group="long"), 4.0)
+    assert w.replicas("short") == 0 and w.replicas("long") == 1
+
+
+def test_sliding_window_keeps_last_n_of_last_t_seconds():
+    sw: SlidingWindow[int] = SlidingWindow(3, horizon_s=10.0)
+    for t in range(5):
+        sw.add(float(t), t)
+    assert sw.items(4.0) == [2, 3, 4]
+    assert sw.items(13.5) == [4]
+
+
+def test_history_folds_each_hour_and_forecasts_now_or_the_next_hour():
+    h = DemandHistory()
+    assert hour_of_week(MONDAY_0900_UTC) == 9
+    h.observe(2.0, MONDAY_0900_UTC, alpha=0.5)
+    h.observe(4.0, MONDAY_0900_UTC + 60, alpha=0.5)
+    h.observe(1.0, MONDAY_0900_UTC + 3600, alpha=0.5)  # 10:00 folds 09:00's mean
+    assert h.slots[9] == 3.0
+    assert h.forecast(MONDAY_0900_UTC - 3600) == 3.0  # 08:00 sees the 09:00 peak coming
+    h.observe(0.0, MONDAY_0900_UTC + 604_800, alpha=0.5)  # a week on: 10:00 folds, then 09:00
+    h.observe(0.0, MONDAY_0900_UTC + 604_800 + 3600, alpha=0.5)
+    assert h.slots[9] == 1.5 and h.slots[10] == 1.0
+    back = DemandHistory.from_bytes(h.to_bytes())
+    assert back.slots == h.slots and (back.hour, back.count) == (h.hour, h.count)
+    assert DemandHistory.from_bytes(b"junk").slots == [None] * HOURS_PER_WEEK
