@@ -49,6 +49,9 @@ class Child:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 preexec_fn=die_with_parent(os.getpid()) if sys.platform == "linux" else None,
+                # Out of the terminal's process group: Ctrl-C reaches only the launcher,
+                # which stops the children in order.
+                start_new_session=True,
             )
 
     @property
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     nats = NatsServer(port=_port_or_free(4222), store_dir=state / "nats")
     redis = RedisServer(port=_port_or_free(6379), state_dir=state / "redis")
+    nats.own_session = redis.own_session = True
     print(f"starting nats-server and redis-server (state in {state}) …", flush=True)
     nats.start()
     redis.start()

@@ -192,6 +192,9 @@ class ManagedServer:
         self._binary = binary
         self.ready_timeout_s = ready_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
+        # A launcher sets this so a terminal's Ctrl-C reaches only the launcher, which then
+        # stops everything in order (servers last); PDEATHSIG still ties the child to it.
+        self.own_session = False
 
     # Subclasses say how to run and how to probe.
     def _command(self, binary: Path) -> list[str]:
@@ -259,7 +262,7 @@ class ManagedServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.state_dir,
-                start_new_session=False,
+                start_new_session=self.own_session,
                 preexec_fn=preexec,
             )
         _LIVE.add(self)
