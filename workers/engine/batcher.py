@@ -17,6 +17,10 @@ Four policies (``EngineArgs.policy``):
 When blocks run out, the least urgent then newest running request is preempted: its blocks
 are freed and it goes back to the front of the waiting queue, to recompute its prompt and
 output later (the prefix cache usually still holds most of it).
+
+With a KV tier (host memory, Redis), admission extends the device cache's prefix hit with
+the tier's: those blocks are allocated like computed ones and their bytes ride in the plan
+(``kv_loads``) for the engine to copy in before the step runs.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from workers.engine.block_pool import BlockPool
+from workers.engine.block_pool import BlockPool, KVTier
 from workers.engine.request import Request, RequestStatus
 
 
@@ -48,6 +52,10 @@ class BatchPlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # (block id, bytes) loaded from a KV tier: copied into the cache before the step runs.
+    kv_loads: list[tuple[int, memoryview]] = field(default_factory=list)
+    # (name, block id) of prompt blocks the step filled: written through to the KV tier.
+    kv_stores: list[tuple[bytes, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -74,8 +82,10 @@ class Batcher:
         max_num_batched_tokens: int,
         max_wait_ms: float = 0.0,
         clock: Callable[[], float] = time.time,
+        kv_tier: KVTier | None = None,
     ) -> None:
         self.pool = pool
+        self.kv_tier = kv_tier
         self.policy = policy
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -84,6 +94,8 @@ class Batcher:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.tier_query_tokens = 0  # tokens asked of the KV tier at admission
+        self.tier_hit_tokens = 0  # of which loaded from it
         # static/dynamic: ids of the batch in flight; empty = a new batch may form.
         self._members: set[str] = set()
 
@@ -113,9 +125,16 @@ class Batcher:
 
     def commit(self, plan: BatchPlan) -> None:
         """After the step ran: its tokens are in the cache, and full blocks get names."""
+        stores = self.kv_tier is not None and self.kv_tier.accepts_stores
+        bs = self.pool.block_size
         for seq, req in zip(plan.seqs, plan.requests, strict=True):
             req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             self.pool.cache_full_blocks(req, seq.start_pos)
+            last = min(req.num_computed_tokens, req.num_prompt_tokens) // bs
+            if stores and seq.start_pos // bs < last and self.pool.enable_prefix_caching:
+                hashes = self.pool.update_hashes(req)
+                for i in range(seq.start_pos // bs, last):
+                    plan.kv_stores.append((hashes[i], req.block_table[i]))
 
     # --- scheduling ----------------------------------------------------------------------
 
@@ -172,14 +191,19 @@ class Batcher:
             if len(self.running) >= self.max_batch_size or budget <= 0:
                 break
             hit_blocks, hit_tokens = self.pool.get_computed_blocks(req)
-            remaining = req.num_tokens - hit_tokens
+            tier_tokens = self._tier_lookup(req, len(hit_blocks))
+            remaining = req.num_tokens - hit_tokens - tier_tokens
             if whole and remaining > budget and not plan.is_empty:
                 break
             num_new = remaining if whole else min(remaining, budget)
-            if not self.pool.allocate_slots(req, num_new, hit_blocks, admission=True):
+            if not self.pool.allocate_slots(req, tier_tokens + num_new, hit_blocks, admission=True):
                 break
             self.waiting.remove(req)
             req.num_computed_tokens = hit_tokens
+            if tier_tokens:
+                hit_tokens += self._tier_load(req, plan, len(hit_blocks), tier_tokens)
+                if whole:  # blocks that failed to load are computed in this step after all
+                    num_new = req.num_tokens - hit_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_tokens
             if req.first_scheduled_time is None:
@@ -188,6 +212,33 @@ class Batcher:
             self.running.append(req)
             self._add_seq(plan, req, num_new)
             budget -= num_new
+
+    def _tier_lookup(self, req: Request, first: int) -> int:
+        """Tokens of the full blocks after the device-cache hit that the KV tier holds (one
+        token is always left to compute, as for the device cache)."""
+        if self.kv_tier is None or not self.pool.enable_prefix_caching:
+            return 0
+        bs = self.pool.block_size
+        limit = (req.num_tokens - 1) // bs
+        if first >= limit:
+            return 0
+        self.tier_query_tokens += (limit - first) * bs
+        return self.kv_tier.lookup(self.pool.update_hashes(req)[first:limit]) * bs
+
+    def _tier_load(self, req: Request, plan: BatchPlan, first: int, tokens: int) -> int:
+        """Fetch the tier's blocks into the request's freshly allocated ones; name them in
+        the device cache. Returns the tokens that arrived (a value may have vanished)."""
+        assert self.kv_tier is not None
+        bs = self.pool.block_size
+        data = self.kv_tier.load(req.block_hashes[first : first + tokens // bs])
+        block_ids = req.block_table[first : first + len(data)]
+        plan.kv_loads.extend(zip(block_ids, data, strict=True))
+        loaded = len(data) * bs
+        start = req.num_computed_tokens
+        req.num_computed_tokens += loaded
+        self.pool.cache_full_blocks(req, start)
+        self.tier_hit_tokens += loaded
+        return loaded
 
     def _schedule_running(self, plan: BatchPlan, budget: int | None) -> None:
         """Give running requests their next tokens: decodes first, then unfinished prefill

@@ -14,6 +14,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -49,6 +50,47 @@ def hash_chain(
             )
         )
     return chain
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """One block of the device cache: ``[2, num_layers, block_size, num_kv_heads, head_dim]``
+    elements of ``dtype`` (a torch dtype name such as "bfloat16"), K then V."""
+
+    block_size: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class KVTier(Protocol):
+    """Tiers below the device cache (host memory, a shared Redis), by block name.
+
+    Synchronous and never raising: a tier that cannot answer answers "miss". Implemented by
+    ``kvstore.tiers.KVTiers``; the engine only ever sees this interface. ``data`` rows are
+    one block each: uint8 ``[n, kv_bytes_per_block]`` in the runner's layout.
+    """
+
+    accepts_stores: bool  # store_async is worth a copy of the blocks
+    accepts_offloads: bool  # offload is worth a copy of the evicted blocks
+
+    def bind(self, model: str, seed: int, layout: KVCacheLayout) -> None:
+        """Called once by the engine: which model and cache layout the blocks belong to."""
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many of ``hashes``, from the first, the tiers hold."""
+        ...
+
+    def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
+        """The bytes of a prefix of ``hashes`` (maybe shorter than asked, never longer)."""
+        ...
+
+    def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
+        """Write computed blocks through; returns at once (the tier may drop them)."""
+
+    def offload(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
+        """Keep blocks that the device cache evicts."""
 
 
 @dataclass
@@ -89,6 +131,8 @@ class BlockPool:
         self._by_hash: dict[bytes, int] = {}
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of which found in the cache
+        # (block id, name) of named blocks handed out again; None = nobody wants them.
+        self.evictions: list[tuple[int, bytes]] | None = None
 
     # --- figures -------------------------------------------------------------------------
 
@@ -240,6 +284,8 @@ class BlockPool:
             # Evict: the slot is about to hold new data.
             if self._by_hash.get(block.block_hash) == block_id:
                 del self._by_hash[block.block_hash]
+                if self.evictions is not None:  # a lower tier keeps it (before the step runs)
+                    self.evictions.append((block_id, block.block_hash))
             block.block_hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id

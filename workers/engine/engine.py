@@ -20,8 +20,8 @@ from workers.engine.args import (
     resolve_device,
     resolve_dtype,
 )
-from workers.engine.batcher import Batcher
-from workers.engine.block_pool import BlockPool
+from workers.engine.batcher import Batcher, BatchPlan
+from workers.engine.block_pool import BlockPool, KVTier
 from workers.engine.loader import generation_config_eos, load_model_config
 from workers.engine.model_runner import GiB, ModelRunner
 from workers.engine.outputs import EngineStats, RequestDelta, RequestOutput
@@ -38,10 +38,14 @@ class LLMEngine:
     """One model, one KV cache, one batching policy. See :class:`EngineArgs`.
 
     Priority: a lower value is served first (vLLM's convention); preemption takes the
-    least urgent, then newest, running request.
+    least urgent, then newest, running request. ``kv_tier`` (e.g. ``kvstore.KVTiers``)
+    extends the prefix cache below the device: hits load, prefills write through, evicted
+    blocks go down a tier.
     """
 
-    def __init__(self, args: EngineArgs, tokenizer: Any | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, tokenizer: Any | None = None, kv_tier: KVTier | None = None
+    ) -> None:
         args.validate()
         self.args = args
         self.device = resolve_device(args.device)
@@ -64,6 +68,11 @@ class LLMEngine:
         self.pool = BlockPool(
             num_blocks, args.block_size, args.enable_prefix_caching, args.watermark
         )
+        self.kv_tier = kv_tier
+        if kv_tier is not None:
+            kv_tier.bind(args.model, args.seed, self.runner.kv_layout())
+            if kv_tier.accepts_offloads:
+                self.pool.evictions = []
         self.max_seq_len = self._resolve_max_seq_len()
         capture = self.device.type == "cuda" and not args.enforce_eager and self.backend == "triton"
         self.runner.prepare(self.max_seq_len, args.max_batch_size, capture=capture)
@@ -73,6 +82,7 @@ class LLMEngine:
             args.max_batch_size,
             args.max_num_batched_tokens,
             args.max_wait_ms,
+            kv_tier=kv_tier,
         )
         from workers.engine.sampler import Sampler
 
@@ -257,10 +267,15 @@ class LLMEngine:
         plan = self.batcher.schedule()
         self.last_step_num_tokens = plan.num_tokens
         self.last_step_num_seqs = len(plan.seqs)
+        if self.kv_tier is not None and (plan.kv_loads or self.pool.evictions):
+            self._swap_kv(plan)
         if plan.is_empty:
             return deltas
         logits = self.runner.execute(plan)
         self.batcher.commit(plan)
+        if plan.kv_stores and self.kv_tier is not None:
+            hashes, ids = zip(*plan.kv_stores, strict=True)
+            self.kv_tier.store_async(hashes, self.runner.export_blocks(ids))
         self.num_steps += 1
         self.num_tokens_computed += plan.num_tokens
         for seq, req in zip(plan.seqs, plan.requests, strict=True):
@@ -280,6 +295,16 @@ class LLMEngine:
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
             deltas.append(self._accept(req, out.token_ids[i], logprob, top, now))
         return deltas
+
+    def _swap_kv(self, plan: BatchPlan) -> None:
+        """Before the step overwrites them, evicted named blocks go down to the host tier;
+        tier hits come in. Loads may be views of host-tier slots: offload goes last."""
+        assert self.kv_tier is not None
+        evicted = self.pool.evictions or []
+        saved = self.runner.swap_blocks([b for b, _ in evicted], plan.kv_loads)
+        if evicted:
+            self.kv_tier.offload([h for _, h in evicted], saved)
+            evicted.clear()
 
     def _accept(
         self,
@@ -377,6 +402,8 @@ class LLMEngine:
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generation_tokens=self.num_generation_tokens,
             num_tokens_computed=self.num_tokens_computed,
+            kv_tier_queries=self.batcher.tier_query_tokens,
+            kv_tier_hits=self.batcher.tier_hit_tokens,
         )
 
 

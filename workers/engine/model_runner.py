@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 
 from workers.engine.attention import AttentionMetadata
 from workers.engine.batcher import BatchPlan, ScheduledSeq
+from workers.engine.block_pool import KVCacheLayout
 from workers.engine.loader import load_model
 from workers.engine.models.llama import KVCache, ModelConfig
 
@@ -69,6 +71,7 @@ class ModelRunner:
         self.block_size = block_size
         self.model = load_model(model, cfg, device, dtype, backend, seed)
         self.kv_caches: list[KVCache] = []
+        self._kv: torch.Tensor | None = None  # [2, layers, blocks, block_size, kv_heads, dim]
         self.num_blocks = 0
         self.max_seq_len = 0
         self.max_batch_size = 0
@@ -122,7 +125,7 @@ class ModelRunner:
             * len(self.kv_caches)
             * self.kv_caches[0][0].element_size()
         )
-        self.kv_caches = []
+        self.kv_caches, self._kv = [], None
         torch.cuda.empty_cache()
         used_before = total - free  # weights, CUDA context, other processes
         activations = max(0, peak - cache_bytes)
@@ -152,7 +155,48 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = [(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)]
+        self._kv = cache
         self.num_blocks = num_blocks
+
+    def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
+        """A host copy of whole blocks for the KV tiers: uint8 ``[n, bytes_per_block]``, row
+        ``i`` the ``[2, layers, block_size, kv_heads, head_dim]`` K/V of ``block_ids[i]``."""
+        assert self._kv is not None
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        blocks = self._kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+        return blocks.view(torch.uint8).reshape(len(ids), -1).cpu().numpy()
+
+    def kv_layout(self) -> KVCacheLayout:
+        """What a KV tier needs to tell this cache's blocks from other layouts'."""
+        return KVCacheLayout(
+            block_size=self.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_layers=self.cfg.num_layers,
+            num_kv_heads=self.cfg.num_kv_heads,
+            head_dim=self.cfg.head_dim,
+        )
+
+    def swap_blocks(
+        self, out_ids: Sequence[int], loads: Sequence[tuple[int, memoryview]]
+    ) -> np.ndarray:
+        """Copy ``out_ids`` out (see :meth:`export_blocks`), then the loads in: a block may
+        be both, evicted and then reused for a load."""
+        saved = self.export_blocks(out_ids) if out_ids else np.empty((0, 0), dtype=np.uint8)
+        if loads:
+            self.import_blocks([b for b, _ in loads], [d for _, d in loads])
+        return saved
+
+    def import_blocks(self, block_ids: Sequence[int], data: Sequence[memoryview]) -> None:
+        """Copy blocks in the :meth:`export_blocks` format into the cache."""
+        assert self._kv is not None
+        n = len(block_ids)
+        host = np.empty((n, self.bytes_per_block()), dtype=np.uint8)
+        for i, buf in enumerate(data):
+            host[i] = np.frombuffer(buf, dtype=np.uint8)
+        shape = (n, *self._kv.shape[:2], *self._kv.shape[3:])
+        src = torch.from_numpy(host).to(self.device).view(self.dtype).view(shape)
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        self._kv.index_copy_(2, ids, src.permute(1, 2, 0, 3, 4, 5))
 
     # --- preparing -----------------------------------------------------------------------
 

@@ -105,6 +105,8 @@ class EngineStats:
     num_prompt_tokens_computed: int
     num_generation_tokens: int
     num_tokens_computed: int
+    kv_tier_queries: int = 0  # tokens asked of the KV tier (past the prefix-cache hit)
+    kv_tier_hits: int = 0  # tokens loaded from it instead of computed
 
     @property
     def prefix_cache_hit_rate(self) -> float:

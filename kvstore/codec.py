@@ -1,0 +1,162 @@
+"""One KV block as bytes: a 64-byte versioned header, then the raw K/V of every layer.
+
+Layout (little-endian)::
+
+    0  magic "QKVB"   4  version u8   5  dtype u8   6  quant u8   7  flags u8 (0)
+    8  layout fingerprint (8 bytes)   16 block hash (16 bytes)
+    32 num_layers u16  34 block_size u16  36 num_kv_heads u16  38 head_dim u16
+    40 scale bytes u32 44 payload bytes u32
+    48 blake2b-128 over bytes 0..47, the scales and the payload
+    64 scales (quantised formats only), then the payload: [2, layers, block, heads, dim]
+
+No pickle: decoding only slices bytes and compares numbers, so a value written by anyone
+(a bug, another version, an attacker with Redis access) is at worst a miss. The block hash
+in the header ties a value to its key: a value copied under another key does not load.
+The checksum covers everything, so garbage, truncation and torn writes are all
+:class:`CorruptBlock`. Encoding writes each block once into its final buffer and decoding
+returns a zero-copy view into the value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.identity import KVLayout
+
+MAGIC = b"QKVB"
+VERSION = 1
+HEADER_BYTES = 64
+_FIXED = struct.Struct("<4sBBBB8s16sHHHHII")  # bytes 0..47; the checksum follows
+CHECKSUM_BYTES = 16
+assert _FIXED.size + CHECKSUM_BYTES == HEADER_BYTES
+
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "int8": 5}
+QUANT_CODES = {"none": 0}  # fp8/int8 with scales come later; the field is reserved for them
+
+
+class CorruptBlock(ValueError):
+    """A stored value that is not a valid block of this layout: treat it as a miss."""
+
+
+def _checksum(head: bytes | memoryview, scales: memoryview, payload: memoryview) -> bytes:
+    h = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    h.update(head)
+    h.update(scales)
+    h.update(payload)  # hashlib drops the GIL for large buffers: other threads keep going
+    return h.digest()
+
+
+def _fixed_header(
+    layout: KVLayout, layout_fp: bytes, block_hash: bytes, scale_len: int, payload_len: int
+) -> bytes:
+    return _FIXED.pack(
+        MAGIC,
+        VERSION,
+        DTYPE_CODES[layout.dtype],
+        QUANT_CODES[layout.quant],
+        0,
+        layout_fp,
+        block_hash,
+        layout.num_layers,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+        scale_len,
+        payload_len,
+    )
+
+
+def encode_blocks(
+    layout: KVLayout, layout_fp: bytes, hashes: Sequence[bytes], payload: np.ndarray
+) -> list[memoryview]:
+    """Values for ``len(hashes)`` blocks; ``payload`` is uint8 ``[n, layout.block_bytes]``.
+
+    The values are rows of one new buffer (one copy of the payload in all); each is a
+    ``memoryview`` that redis-py sends without copying it again.
+    """
+    n, size = payload.shape
+    if n != len(hashes) or size != layout.block_bytes or payload.dtype != np.uint8:
+        raise ValueError(
+            f"payload {payload.shape} {payload.dtype} does not hold {len(hashes)} blocks of "
+            f"{layout.block_bytes} bytes"
+        )
+    out = np.empty((n, HEADER_BYTES + size), dtype=np.uint8)
+    out[:, HEADER_BYTES:] = payload
+    empty = memoryview(b"")
+    values = []
+    for i, block_hash in enumerate(hashes):
+        head = _fixed_header(layout, layout_fp, block_hash, 0, size)
+        row = out[i]
+        row[: _FIXED.size] = np.frombuffer(head, dtype=np.uint8)
+        digest = _checksum(head, empty, memoryview(row[HEADER_BYTES:]))
+        row[_FIXED.size : HEADER_BYTES] = np.frombuffer(digest, dtype=np.uint8)
+        values.append(memoryview(row))
+    return values
+
+
+def encode_block(
+    layout: KVLayout, layout_fp: bytes, block_hash: bytes, payload: bytes | memoryview
+) -> bytes:
+    """One block's value as ``bytes`` (tests, tools; the hot path uses :func:`encode_blocks`)."""
+    data = np.frombuffer(payload, dtype=np.uint8).reshape(1, -1)
+    return bytes(encode_blocks(layout, layout_fp, [block_hash], data)[0])
+
+
+def decode_block(
+    value: bytes | memoryview, layout: KVLayout, layout_fp: bytes, block_hash: bytes
+) -> memoryview:
+    """The payload of a stored value (a view into ``value``), or :class:`CorruptBlock`.
+
+    Checks, in order: length, magic, version, the layout (fingerprint, dtype, quant,
+    shape), that it is this block, the sizes, and the checksum.
+    """
+    view = memoryview(value).cast("B")
+    if len(view) < HEADER_BYTES:
+        raise CorruptBlock(f"value of {len(view)} bytes is shorter than a header")
+    (
+        magic,
+        version,
+        dtype,
+        quant,
+        flags,
+        got_layout,
+        got_hash,
+        layers,
+        block_size,
+        heads,
+        head_dim,
+        scale_len,
+        payload_len,
+    ) = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        raise CorruptBlock("bad magic")
+    if version != VERSION:
+        raise CorruptBlock(f"unknown version {version}")
+    if got_layout != layout_fp or (dtype, quant, flags) != (
+        DTYPE_CODES[layout.dtype],
+        QUANT_CODES[layout.quant],
+        0,
+    ):
+        raise CorruptBlock("value of another layout")
+    if (layers, block_size, heads, head_dim) != (
+        layout.num_layers,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+    ):
+        raise CorruptBlock("shape does not match the layout")
+    if got_hash != block_hash:
+        raise CorruptBlock("value of another block")
+    if payload_len != layout.block_bytes or scale_len != 0:
+        raise CorruptBlock(f"payload of {payload_len} bytes, scales {scale_len}")
+    if len(view) != HEADER_BYTES + scale_len + payload_len:
+        raise CorruptBlock(f"value of {len(view)} bytes, header says {payload_len}")
+    scales = view[HEADER_BYTES : HEADER_BYTES + scale_len]
+    payload = view[HEADER_BYTES + scale_len :]
+    if _checksum(view[: _FIXED.size], scales, payload) != bytes(view[_FIXED.size : HEADER_BYTES]):
+        raise CorruptBlock("checksum mismatch")
+    return payload

@@ -1,0 +1,99 @@
+"""G2: a host-memory pool of KV blocks with an LRU, sized in bytes.
+
+One slab of fixed-size slots, allocated once (page-locked when CUDA is there, so copies
+to and from the GPU run at full PCIe speed without a staging copy; plain memory on CPU).
+Blocks evicted from the device cache land here; a request that finds its prefix here
+copies it back instead of recomputing or fetching it from Redis. Used by the engine
+thread only, so nothing here locks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def _slab(num_slots: int, slot_bytes: int, pin: bool) -> np.ndarray:
+    if pin:
+        import torch  # local: only a CUDA worker pins, and kvstore stays importable without it
+
+        if torch.cuda.is_available():
+            pinned = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=True)
+            return pinned.numpy()
+    return np.empty((num_slots, slot_bytes), dtype=np.uint8)
+
+
+class HostTier:
+    """Up to ``capacity_bytes // block_bytes`` blocks, least recently used out first.
+
+    ``get`` returns a view into the slab: it stays valid until the next :meth:`put`, which
+    may reuse that slot. The engine consumes loads before it offloads, so that is enough.
+    """
+
+    def __init__(self, capacity_bytes: int, block_bytes: int, pin: bool = True) -> None:
+        if block_bytes < 1:
+            raise ValueError("block_bytes must be >= 1")
+        self.block_bytes = block_bytes
+        self.num_slots = max(0, capacity_bytes // block_bytes)
+        self.capacity_bytes = self.num_slots * block_bytes
+        self._slab = _slab(self.num_slots, block_bytes, pin) if self.num_slots else None
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, LRU first
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self.num_evictions = 0
+        self.num_puts = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._slots)
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._slots) * self.block_bytes
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._slots
+
+    def prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many of ``hashes``, from the first, are here."""
+        n = 0
+        for h in hashes:
+            if h not in self._slots:
+                break
+            n += 1
+        return n
+
+    def get(self, block_hash: bytes) -> memoryview | None:
+        """The block's bytes (a view, see the class docstring), marked most recently used."""
+        slot = self._slots.get(block_hash)
+        if slot is None or self._slab is None:
+            return None
+        self._slots.move_to_end(block_hash)
+        return memoryview(self._slab[slot])
+
+    def put(self, block_hash: bytes, data: np.ndarray | bytes | memoryview) -> bool:
+        """Copy one block in (evicting the least recently used one if full); False when the
+        tier has no room at all or the data is not one block."""
+        if self._slab is None:
+            return False
+        row = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        if row.nbytes != self.block_bytes:
+            return False
+        slot = self._slots.get(block_hash)
+        if slot is not None:  # same name, same tokens, same bytes: only refresh its age
+            self._slots.move_to_end(block_hash)
+            return True
+        if self._free:
+            slot = self._free.pop()
+        else:
+            _, slot = self._slots.popitem(last=False)
+            self.num_evictions += 1
+        self._slab[slot] = row.reshape(-1).view(np.uint8)
+        self._slots[block_hash] = slot
+        self.num_puts += 1
+        return True
+
+    def clear(self) -> None:
+        self._slots.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))

@@ -1,0 +1,237 @@
+"""G3: KV blocks in Redis, shared by every node, behind a circuit breaker.
+
+``redis.asyncio`` (hiredis parses replies when installed) over a bounded, blocking
+connection pool. A batch is cut into sub-batches of about ``batch_bytes`` that run
+concurrently, one pipelined round trip each (MGET to read, SET ... EX to write, no MULTI:
+blocks are independent and content-addressed, so there is nothing to make atomic).
+Several connections in flight are what keep loopback busy: one connection waits for the
+server to copy a value while another parses the previous reply.
+
+The breaker makes Redis optional at run time: timeouts and connection errors open it,
+and while it is open every call is an immediate miss (reads) or no-op (writes) instead of
+a stall per request. After ``open_s`` one probe goes through; success closes it, failure
+reopens it for twice as long (up to ``max_open_s``). Nothing here raises into callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import redis.asyncio as aredis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
+
+from common.config import RedisConfig
+from kvstore.identity import KVIdentity
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Failures a breaker counts: the server or the network, not a bad reply to one command.
+_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class CircuitBreaker:
+    """CLOSED -> (``failures_to_open`` consecutive failures) -> OPEN for ``open_s`` ->
+    HALF_OPEN (one probe) -> CLOSED on success, OPEN again (twice as long) on failure."""
+
+    CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+    def __init__(
+        self,
+        failures_to_open: int = 2,
+        open_s: float = 2.0,
+        max_open_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.failures_to_open = failures_to_open
+        self.base_open_s = open_s
+        self.max_open_s = max_open_s
+        self.clock = clock
+        self.state = self.CLOSED
+        self.num_opens = 0
+        self._failures = 0
+        self._open_s = open_s
+        self._reopen_at = 0.0
+        self._probing = False
+
+    def rejecting(self) -> bool:
+        """True while calls must not even be tried (read-only: safe from any thread)."""
+        if self.state == self.OPEN:
+            return self.clock() < self._reopen_at
+        return self.state == self.HALF_OPEN and self._probing
+
+    def allow(self) -> bool:
+        """May a call go out now? Turns an expired OPEN into HALF_OPEN with one probe."""
+        if self.state == self.CLOSED:
+            return True
+        if self.state == self.OPEN and self.clock() >= self._reopen_at:
+            self.state = self.HALF_OPEN
+            self._probing = False
+        if self.state == self.HALF_OPEN and not self._probing:
+            self._probing = True
+            return True
+        return False
+
+    def success(self) -> None:
+        if self.state != self.CLOSED:
+            log.info("redis tier: breaker closed")
+        self.state = self.CLOSED
+        self._failures = 0
+        self._open_s = self.base_open_s
+        self._probing = False
+
+    def failure(self) -> None:
+        self._failures += 1
+        if self.state == self.HALF_OPEN or self._failures >= self.failures_to_open:
+            if self.state == self.HALF_OPEN:
+                self._open_s = min(self._open_s * 2, self.max_open_s)
+            elif self.state == self.CLOSED:
+                self.num_opens += 1
+                log.warning("redis tier: breaker open for %.1fs", self._open_s)
+            self.state = self.OPEN
+            self._reopen_at = self.clock() + self._open_s
+            self._probing = False
+
+
+def connection_pool(config: RedisConfig, read_size: int) -> aredis.BlockingConnectionPool:
+    """A pool of at most ``max_connections``; waiting for a free one counts as a timeout.
+
+    redis-py's own retries are off: the breaker decides when to try again, and a retry
+    with back-off inside one call would stall the engine thread that waits for it.
+    """
+    kwargs: dict[str, object] = dict(
+        max_connections=config.max_connections,
+        timeout=config.socket_timeout_s,
+        socket_timeout=config.socket_timeout_s,
+        socket_connect_timeout=config.socket_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        # Large reads: a 2 MB value in a few syscalls instead of 32 (the default is 64 KiB).
+        socket_read_size=read_size,
+        username=config.username,
+        password=config.password,
+    )
+    if config.tls_ca_file:
+        kwargs["ssl_ca_certs"] = config.tls_ca_file
+    return aredis.BlockingConnectionPool.from_url(config.url, **kwargs)
+
+
+class RedisTier:
+    """Blocks by hash in one Redis, for one worker identity. Create and use it on one
+    event loop (the tier thread's); every method returns a miss or False on failure."""
+
+    def __init__(
+        self,
+        config: RedisConfig,
+        identity: KVIdentity,
+        breaker: CircuitBreaker | None = None,
+        batch_bytes: int = 8 << 20,
+        read_size: int = 1 << 20,
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.value_bytes = identity.layout.block_bytes + 64
+        # Blocks per pipelined round trip: big values in few commands, never one huge reply.
+        self.batch_blocks = max(1, batch_bytes // self.value_bytes)
+        self._client = aredis.Redis(connection_pool=connection_pool(config, read_size))
+        self.num_failures = 0
+        self.num_rejected = 0  # calls the open breaker answered without trying
+        self.num_store_errors = 0  # SETs the server refused (e.g. out of memory)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def _chunks(self, items: Sequence[bytes]) -> list[Sequence[bytes]]:
+        step = self.batch_blocks
+        return [items[i : i + step] for i in range(0, len(items), step)]
+
+    async def _guarded(self, call: Callable[[], Awaitable[T]]) -> T | None:
+        """``await call()`` through the breaker; None when refused or failed."""
+        if not self.breaker.allow():
+            self.num_rejected += 1
+            return None
+        try:
+            result = await call()
+        except _FAILURES as exc:
+            self.num_failures += 1
+            self.breaker.failure()
+            log.debug("redis tier: %s: %s", type(exc).__name__, exc)
+            return None
+        self.breaker.success()
+        return result
+
+    async def prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many of ``hashes``, from the first, Redis holds (0 on any failure).
+
+        EXPIRE answers "exists" and refreshes the TTL in one command, so blocks that keep
+        being hit outlive ones that are only ever written.
+        """
+        if not hashes:
+            return 0
+        keys = [self.identity.key(h) for h in hashes]
+        ttl = self.config.ttl_s
+
+        async def run() -> list[object]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.expire(key, ttl)
+            return list(await pipe.execute())
+
+        found = await self._guarded(run)
+        if found is None:
+            return 0
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        return n
+
+    async def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        """Values of ``hashes`` (None = absent); all None when Redis cannot be reached."""
+        if not hashes:
+            return []
+        keys = [self.identity.key(h) for h in hashes]
+
+        async def run() -> list[bytes | None]:
+            parts = await asyncio.gather(*(self._client.mget(c) for c in self._chunks(keys)))
+            return [v if isinstance(v, bytes) else None for part in parts for v in part]
+
+        values = await self._guarded(run)
+        if values is None:
+            return [None] * len(hashes)
+        return values
+
+    async def set(self, hashes: Sequence[bytes], values: Sequence[memoryview | bytes]) -> int:
+        """Write blocks with the TTL; how many the server took (0 on failure)."""
+        if not hashes:
+            return 0
+        items = [(self.identity.key(h), v) for h, v in zip(hashes, values, strict=True)]
+        ttl = self.config.ttl_s
+        step = self.batch_blocks
+
+        async def one(batch: Sequence[tuple[bytes, memoryview | bytes]]) -> list[object]:
+            pipe = self._client.pipeline(transaction=False)
+            for key, value in batch:
+                pipe.set(key, value, ex=ttl)
+            return list(await pipe.execute(raise_on_error=False))
+
+        async def run() -> list[object]:
+            parts = await asyncio.gather(
+                *(one(items[i : i + step]) for i in range(0, len(items), step))
+            )
+            return [r for part in parts for r in part]
+
+        results = await self._guarded(run)
+        if results is None:
+            return 0
+        refused = sum(1 for r in results if isinstance(r, ResponseError))
+        self.num_store_errors += refused
+        return len(results) - refused
