@@ -230,13 +230,11 @@ class SchedulerService:
         js, stream = self.js, self.config.nats.stream
 
         async def depth(group: str) -> int:
-            info = await js.consumer_info(stream, Subjects.consumer(group))
+            name = Subjects.consumer(group)
+            info = await js.consumer_info(stream, name, timeout=QUEUE_POLL_TIMEOUT_S)
             return (info.num_pending or 0) + (info.num_ack_pending or 0)
 
-        results = await asyncio.wait_for(
-            asyncio.gather(*(depth(g) for g in self.groups), return_exceptions=True),
-            QUEUE_POLL_TIMEOUT_S * 2,
-        )
+        results = await asyncio.gather(*(depth(g) for g in self.groups), return_exceptions=True)
         for group, result in zip(self.groups, results, strict=True):
             self.queue_depths[group] = result if isinstance(result, int) else -1
 
@@ -248,8 +246,7 @@ class SchedulerService:
         for gone in self.windows.expire(now):
             log.info("worker %s (group %s) went silent", gone.worker, gone.group)
             self._cap_sent.pop(gone.worker, None)
-        with contextlib.suppress(Exception):
-            await self._poll_queue_depths()
+        await self._poll_queue_depths()
         samples = self.windows.sample(now, self.queue_depths)
         self._export_groups(now)
         if not self.is_leader:
