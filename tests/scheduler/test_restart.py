@@ -1,0 +1,115 @@
+"""Restarts and replicas: the state lives in the bucket, the lease picks who acts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nats.js.errors
+import yaml
+
+from common.services import free_port
+from scheduler.lease import LEASE_KEY, Lease, LeaseRecord
+from tests.scheduler.conftest import MAX_TOKENS, Load, make_config, until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def spawn_scheduler(config, tmp_path: Path, scheduler_id: str) -> subprocess.Popen[bytes]:
+    """``python -m scheduler --config FILE`` in a child process."""
+    data = config.model_dump(mode="json")
+    data["groups_replace_defaults"] = True
+    file = tmp_path / "qos.yaml"
+    file.write_text(yaml.safe_dump(data))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
+    log = (tmp_path / f"{scheduler_id}.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "scheduler", "--config", str(file), "--scheduler-id", scheduler_id],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+        return response.read().decode()
+
+
+async def test_scheduler_killed_mid_incident_resumes_from_the_bucket(
+    nats_config, start_worker, start_scheduler, client, observer, tmp_path
+):
+    port = free_port()
+    config = make_config(nats_config, metrics_port=port)
+    workers = [await start_worker("w1"), await start_worker("w2")]
+    child = spawn_scheduler(config, tmp_path, "sched-old")
+    try:
+        load = Load(client, "short", per_s=5).start()
+        await _wait_for_holder(observer.kv, "sched-old", 15)
+        for w in workers:
+            w.engine.set_slowdown(0.15)
+        await until(lambda: observer.state("short") == "open", 15, "the breaker to open")
+        metrics = await asyncio.to_thread(scrape, port)
+        assert 'qos_breaker_state{group="short"} 2.0' in metrics
+        assert 'qos_breaker_transitions_total{from="closed",group="short",to="open"} 1.0' in metrics
+        child.send_signal(signal.SIGKILL)
+        child.wait(5)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    killed = time.monotonic()
+    # Nobody acts now; the bucket keeps the state for the gateways.
+    entry = await observer.kv.get("breaker.short")
+    assert json.loads(entry.value)["state"] in ("open", "half_open")
+
+    new = await start_scheduler("sched-new", make_config(nats_config))
+    assert new.breakers["short"].state in ("open", "half_open")  # read at start
+    await until(lambda: new.is_leader, 5, "the new scheduler to take over the stale lease")
+    took_over_s = time.monotonic() - killed
+    # A replica joining the open group is told the open cap on its own subject.
+    workers.append(await start_worker("w3"))
+    await until(lambda: workers[2].bridge.batch_cap == 4, 5, "the joiner to get the open cap")
+    assert 4 in observer.caps(".ctl.w3")
+    assert observer.state("short") != "closed"  # still slow: it must not close
+    for w in workers:
+        w.engine.set_slowdown(0.0)
+    await until(lambda: observer.state("short") == "closed", 30, "the breaker to close")
+    assert new.acted and new.acted[0].source in ("open", "half_open")  # continued, not restarted
+    await until(lambda: all(w.bridge.batch_cap == 8 for w in workers), 2, "the cap restored")
+    results = await load.finish()
+    assert [r for r in results if r != MAX_TOKENS] == []
+    assert 1.0 <= took_over_s < 5  # waited for the TTL (1.5 s), not much longer
+
+
+async def _wait_for_holder(kv, holder: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            record = LeaseRecord.from_bytes((await kv.get(LEASE_KEY)).value)
+            if record is not None and record.holder == holder:
+                return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{holder} never took the lease")
+
+
+async def test_lease_one_holder_takeover_when_stale_and_handover_on_release(nats_config, js):
+    from common.nats import ensure_kv
+
+    kv = await ensure_kv(js, nats_config)
+    a, b = Lease(kv, "a", ttl_s=0.6), Lease(kv, "b", ttl_s=0.6)
+    won = await asyncio.gather(a.refresh(), b.refresh())
+    assert sorted(won) == [False, True]  # the create is a compare-and-set: one wins
+    holder, other = (a, b) if a.held else (b, a)
+    assert await holder.refresh() and not await other.refresh()
+    await asyncio.sleep(0.7)  # the holder stops renewing: stale
+    assert await other.refresh() and other.held
+    assert not await holder.refresh()  # the old holder sees it lost
+    await other.release()
+    assert await holder.refresh()  # released: taken at once, no TTL to wait out
