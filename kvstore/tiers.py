@@ -21,7 +21,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -38,7 +37,6 @@ from kvstore.redis_tier import CircuitBreaker, RedisTier
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_RECENT_STORES = 1 << 16  # hashes remembered as written, so a recompute does not rewrite them
 
 
 class KVTiers:
@@ -74,9 +72,8 @@ class KVTiers:
         self._codec = ThreadPoolExecutor(codec_threads, thread_name_prefix="kv-codec")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()  # guards the queue figure and the recent-store set
+        self._lock = threading.Lock()  # the queue figure changes on both threads
         self._queued_bytes = 0
-        self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._block_tokens = 0
         # A wait for Redis that outlives every socket timeout: the loop itself is stuck.
         self._wait_s = 30.0 if redis is None else max(5.0, 20 * redis.socket_timeout_s)
@@ -217,28 +214,23 @@ class KVTiers:
 
     def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         """Write blocks through to Redis in the background; ``data`` is uint8
-        ``[len(hashes), block bytes]`` and belongs to the tiers from now on."""
+        ``[len(hashes), block bytes]`` and belongs to the tiers from now on.
+
+        No "already stored" memory: the engine computes a block only after the tiers
+        missed it, and Redis may have lost it since (eviction, TTL, restart).
+        """
         if self.redis is None or self._loop is None or not len(hashes):
             return
         c = self.redis_counters
         if self.breaker.rejecting():
             c.drops += len(hashes)
             return
+        nbytes = data.nbytes
         with self._lock:
-            keep = [i for i, h in enumerate(hashes) if h not in self._recent]
-            nbytes = len(keep) * data.shape[1]
-            if not keep:
-                return
             if self._queued_bytes + nbytes > self.store_queue_bytes:
-                c.drops += len(keep)
+                c.drops += len(hashes)
                 return
             self._queued_bytes += nbytes
-            for i in keep:
-                self._recent[hashes[i]] = None
-            while len(self._recent) > _RECENT_STORES:
-                self._recent.popitem(last=False)
-        if len(keep) < len(hashes):
-            hashes, data = [hashes[i] for i in keep], data[keep]
         asyncio.run_coroutine_threadsafe(self._store(list(hashes), data, nbytes), self._loop)
 
     async def _store(self, hashes: list[bytes], data: np.ndarray, nbytes: int) -> None:
@@ -259,9 +251,6 @@ class KVTiers:
         finally:
             with self._lock:
                 self._queued_bytes -= nbytes
-                if stored < len(hashes):  # not written: let a later computation try again
-                    for h in hashes:
-                        self._recent.pop(h, None)
         if stored:
             c.stores += 1
             c.store_blocks += stored

@@ -72,8 +72,13 @@ class KVTier(Protocol):
     one block each: uint8 ``[n, kv_bytes_per_block]`` in the runner's layout.
     """
 
-    accepts_stores: bool  # store_async is worth a copy of the blocks
-    accepts_offloads: bool  # offload is worth a copy of the evicted blocks
+    @property
+    def accepts_stores(self) -> bool:
+        """``store_async`` is worth a copy of the blocks."""
+
+    @property
+    def accepts_offloads(self) -> bool:
+        """``offload`` is worth a copy of the evicted blocks."""
 
     def bind(self, model: str, seed: int, layout: KVCacheLayout) -> None:
         """Called once by the engine: which model and cache layout the blocks belong to."""

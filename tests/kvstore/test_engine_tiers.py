@@ -1,0 +1,142 @@
+"""The engine with KV tiers: hits load instead of computing and change no token, evicted
+device blocks come back from host memory, and Redis failing costs recomputation only."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from common.config import RedisConfig
+from common.services import RedisServer
+from kvstore.redis_tier import CircuitBreaker
+from kvstore.tiers import KVTiers
+from workers.engine import EngineArgs, LLMEngine, SamplingParams
+from workers.engine.block_pool import hash_chain
+
+BS = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def prompt(seed: int, n: int = 5 * BS + 2) -> list[int]:
+    return [(seed * 31 + 7 * i) % 290 + 3 for i in range(n)]
+
+
+def engine(model: Path, tier: KVTiers | None = None, **kw: object) -> LLMEngine:
+    args = dict(dtype="float32", block_size=BS, num_kv_blocks=64) | kw
+    return LLMEngine(EngineArgs(str(model), **args), kv_tier=tier)  # type: ignore[arg-type]
+
+
+def serve(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """One request after another (each may hit what the previous ones left)."""
+    outs: list[list[int]] = []
+    for p in prompts:
+        rid = f"r{eng.num_steps}-{len(outs)}"
+        eng.add_request(rid, prompt_token_ids=p, params=GREEDY)
+        tokens: list[int] = []
+        while eng.has_unfinished():
+            for delta in eng.step():
+                tokens += delta.token_ids
+        outs.append(tokens)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> Callable[[list[list[int]]], list[list[int]]]:
+    """Tokens without any tier or prefix cache: what every tiered run must reproduce."""
+    eng = engine(tiny_llama, enable_prefix_caching=False)
+    return lambda prompts: serve(eng, prompts)
+
+
+def test_blocks_evicted_from_the_device_come_back_from_host_memory(
+    tiny_llama: Path, reference: Callable[[list[list[int]]], list[list[int]]]
+) -> None:
+    prompts = [prompt(s) for s in range(5)]
+    with KVTiers(host_capacity_bytes=64 * 2048, pin_host=False) as tier:
+        eng = engine(tiny_llama, tier, num_kv_blocks=16)  # room for two requests' blocks
+        first = serve(eng, prompts)  # the later prompts evict the first one's named blocks
+        again = serve(eng, prompts[:1])
+        s, t = eng.stats(), tier.stats()
+    assert first + again == reference(prompts + prompts[:1])
+    assert t.host.store_blocks > 0  # evictions went down to G2 ...
+    assert s.kv_tier_hits == t.host.hit_tokens == 5 * BS  # ... and the re-request found them
+    assert s.num_prompt_tokens_computed == 6 * len(prompts[0]) - 5 * BS
+
+
+def test_host_tier_keeps_within_its_capacity(tiny_llama: Path) -> None:
+    with KVTiers(host_capacity_bytes=6 * 2048 + 100, pin_host=False) as tier:
+        eng = engine(tiny_llama, tier, num_kv_blocks=16)
+        serve(eng, [prompt(s) for s in range(8)])
+        t = tier.stats()
+    assert t.host_capacity_blocks == 6 and t.host_blocks == 6
+    assert t.host_evictions > 0 and t.host.store_blocks == 6 + t.host_evictions
+
+
+@pytest.mark.parametrize("policy", ["continuous", "hybrid"])
+def test_a_second_engine_loads_the_prefix_and_keeps_the_tokens(
+    tiny_llama: Path,
+    redis_config: RedisConfig,
+    reference: Callable[[list[list[int]]], list[list[int]]],
+    policy: str,
+) -> None:
+    # hybrid with a small budget: the tail after the loaded prefix is prefilled in chunks.
+    kw = dict(policy=policy, max_num_batched_tokens=8, max_batch_size=4)
+    prompts = [prompt(1, 9 * BS + 1), prompt(2)]
+    with KVTiers(redis_config) as a_tier:
+        serve(engine(tiny_llama, a_tier, **kw), prompts)
+    with KVTiers(redis_config) as b_tier:
+        b = engine(tiny_llama, b_tier, **kw)
+        got = serve(b, prompts)
+        assert b.stats().kv_tier_hits == 9 * BS + 5 * BS
+        assert b.stats().num_prompt_tokens_computed == 1 + 2
+    assert got == reference(prompts)
+
+
+def test_a_corrupt_block_is_recomputed_and_counted(
+    tiny_llama: Path,
+    redis_config: RedisConfig,
+    reference: Callable[[list[list[int]]], list[list[int]]],
+) -> None:
+    p = prompt(3)
+    with KVTiers(redis_config) as a_tier:
+        serve(engine(tiny_llama, a_tier), [p])
+        ident = a_tier.identity
+    assert ident is not None
+    key = ident.key(hash_chain(p, BS)[2])
+    client = redis.Redis.from_url(redis_config.url)
+    client.set(key, b"\x00" * 100)
+    client.close()
+    with KVTiers(redis_config) as b_tier:
+        b = engine(tiny_llama, b_tier)
+        assert serve(b, [p]) == reference([p])
+        assert b.stats().kv_tier_hits == 2 * BS  # the blocks before the garbage
+        assert b_tier.stats().redis.corrupt == 1
+
+
+def test_redis_dying_mid_run_costs_recomputation_not_requests(
+    tiny_llama: Path,
+    fresh_redis_server: Callable[..., RedisServer],
+    reference: Callable[[list[list[int]]], list[list[int]]],
+) -> None:
+    server = fresh_redis_server()
+    config = RedisConfig(url=server.url, socket_timeout_s=0.2)
+    prompts = [prompt(s) for s in range(10, 14)]
+    breaker = CircuitBreaker(failures_to_open=1, open_s=0.3)
+    with KVTiers(config, breaker=breaker) as tier:
+        eng = engine(tiny_llama, tier)
+        assert serve(eng, prompts[:2]) == reference(prompts[:2])
+        server.kill()
+        assert serve(eng, prompts[2:]) == reference(prompts[2:])
+        s = tier.stats()
+        assert s.breaker_opens == 1 and s.redis.errors >= 1 and s.redis.drops > 0
+        server.restart()
+        time.sleep(0.35)
+        assert serve(eng, [prompt(20)]) == reference([prompt(20)])  # written through again
+        assert tier.flush()
+    with KVTiers(config) as other:
+        b = engine(tiny_llama, other)
+        assert serve(b, [prompt(20)]) == reference([prompt(20)])
+        assert b.stats().kv_tier_hits == 5 * BS

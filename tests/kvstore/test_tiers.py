@@ -1,0 +1,143 @@
+"""The sync tier interface against a real redis-server: write-through, lookup, load, and every
+failure (garbage, truncation, another layout, a full queue, a dead server) is a counted miss."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import redis
+
+from common.config import RedisConfig
+from common.services import RedisServer
+from kvstore.identity import KVLayout
+from kvstore.redis_tier import CircuitBreaker
+from kvstore.tiers import KVTiers
+
+LAYOUT = KVLayout(block_size=4, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
+HASHES = [bytes([i]) * 16 for i in range(6)]
+
+
+def blocks(n: int, seed: int = 0, layout: KVLayout = LAYOUT) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, layout.block_bytes), dtype=np.uint8)
+
+
+def make(config: RedisConfig, layout: KVLayout = LAYOUT, **kw: object) -> KVTiers:
+    tiers = KVTiers(config, **kw)  # type: ignore[arg-type]
+    tiers.bind("dummy:tiny", 0, layout)
+    return tiers
+
+
+@pytest.fixture
+def tiers(redis_config: RedisConfig) -> Iterator[KVTiers]:
+    with make(redis_config) as t:
+        yield t
+
+
+def test_blocks_written_by_one_node_load_on_another(
+    tiers: KVTiers, redis_config: RedisConfig
+) -> None:
+    data = blocks(4)
+    tiers.store_async(HASHES[:4], data)
+    assert tiers.flush()
+    with make(redis_config) as other:
+        assert other.lookup(HASHES) == 4  # the chain stops at the first block not stored
+        loaded = other.load(HASHES[:4])
+        assert [bytes(v) for v in loaded] == [bytes(r) for r in data]
+        s = other.stats().redis
+        assert s.hit_tokens == 4 * LAYOUT.block_size and s.query_tokens == 6 * 4
+    assert tiers.stats().redis.store_blocks == 4
+
+
+def test_garbage_or_truncated_values_under_real_keys_are_counted_misses(
+    tiers: KVTiers, redis_config: RedisConfig
+) -> None:
+    tiers.store_async(HASHES[:4], blocks(4))
+    assert tiers.flush()
+    assert tiers.identity is not None
+    raw = redis.Redis.from_url(redis_config.url)
+    raw.set(tiers.identity.key(HASHES[1]), b"not a block")
+    value = raw.get(tiers.identity.key(HASHES[3]))
+    assert isinstance(value, bytes)
+    raw.set(tiers.identity.key(HASHES[3]), value[:-7])
+    raw.close()
+    assert tiers.lookup(HASHES) == 4  # present, but ...
+    assert len(tiers.load(HASHES[:4])) == 1  # ... only the block before the garbage loads
+    assert len(tiers.load(HASHES[2:4])) == 1  # the truncated one is refused too
+    assert tiers.stats().redis.corrupt == 2
+
+
+def test_another_block_size_or_dtype_sees_none_of_the_keys(
+    tiers: KVTiers, redis_config: RedisConfig
+) -> None:
+    tiers.store_async(HASHES[:3], blocks(3))
+    assert tiers.flush()
+    for other_layout in (
+        KVLayout(block_size=8, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8),
+        KVLayout(block_size=4, dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=8),
+    ):
+        with make(redis_config, other_layout) as other:
+            assert other.lookup(HASHES[:3]) == 0
+            assert other.load(HASHES[:3]) == []
+
+
+def test_a_full_store_queue_drops_and_counts_instead_of_blocking(
+    redis_config: RedisConfig,
+) -> None:
+    with make(redis_config, store_queue_bytes=3 * LAYOUT.block_bytes) as tiers:
+        t0 = time.perf_counter()
+        for i in range(20):  # far more than the queue holds until Redis acknowledges
+            tiers.store_async([bytes([100 + i]) * 16, bytes([200 + i]) * 16], blocks(2, i))
+        assert time.perf_counter() - t0 < 0.5
+        assert tiers.flush()
+        s = tiers.stats().redis
+        assert s.drops > 0
+        assert s.drops + s.store_blocks == 40
+
+
+def test_breaker_opens_while_redis_is_down_and_hits_resume_after_restart(
+    fresh_redis_server: Callable[..., RedisServer],
+) -> None:
+    server = fresh_redis_server()
+    config = RedisConfig(url=server.url, socket_timeout_s=0.2)
+    breaker = CircuitBreaker(failures_to_open=1, open_s=0.2)
+    with make(config, breaker=breaker) as tiers:
+        tiers.store_async(HASHES[:2], blocks(2))
+        assert tiers.flush() and tiers.lookup(HASHES[:2]) == 2
+        server.kill()
+        t0 = time.perf_counter()
+        assert tiers.lookup(HASHES[:2]) == 0  # the failure that opens the breaker
+        assert tiers.stats().breaker_state == "open"
+        for _ in range(20):  # while open: immediate misses and dropped stores, no waits
+            assert tiers.lookup(HASHES[:2]) == 0 and tiers.load(HASHES[:2]) == []
+            tiers.store_async(HASHES[2:3], blocks(1))
+        assert time.perf_counter() - t0 < 1.0
+        s = tiers.stats()
+        assert s.breaker_opens == 1 and s.redis.errors >= 1 and s.redis.drops >= 20
+        server.restart()
+        time.sleep(0.25)  # the breaker lets a probe through after open_s
+        tiers.store_async(HASHES[:2], blocks(2))  # the restarted server has no data
+        assert tiers.flush()
+        assert tiers.lookup(HASHES[:2]) == 2 and len(tiers.load(HASHES[:2])) == 2
+        assert tiers.stats().breaker_state == "closed"
+
+
+def test_breaker_probes_once_after_the_open_period_and_backs_off_on_failure() -> None:
+    now = [0.0]
+    b = CircuitBreaker(failures_to_open=2, open_s=1.0, max_open_s=3.0, clock=lambda: now[0])
+    b.failure()
+    assert b.allow() and b.state == "closed"
+    b.failure()
+    assert b.state == "open" and not b.allow() and b.rejecting()
+    now[0] = 1.0
+    assert b.allow() and not b.allow()  # one probe at a time
+    b.failure()  # the probe failed: open for twice as long
+    now[0] = 2.5
+    assert not b.allow()
+    now[0] = 3.0
+    assert b.allow()
+    b.success()
+    assert b.state == "closed" and b.allow() and b.num_opens == 1
