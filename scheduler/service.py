@@ -124,6 +124,7 @@ class SchedulerService:
         self._sub: Subscription | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._cap_sent: dict[str, float] = {}  # worker -> when it was last told its cap
+        self._unsaved: dict[str, BreakerRecord] = {}  # breaker states the bucket lacks
         self._history_saved = 0.0
         self._stop_requested = asyncio.Event()
         self._stopped = False
@@ -259,6 +260,8 @@ class SchedulerService:
                 transition = breaker.tick(now)
             if transition is not None:
                 await self._act(transition)
+        if self._unsaved:
+            await self._save_breakers()
         await self._reconcile_caps(now)
 
     def _breaker_sample(self, group: str, sample: GroupSample) -> BreakerSample:
@@ -280,10 +283,8 @@ class SchedulerService:
         self.acted.append(t)
         self.metrics.transition(t.group, t.source, t.target)
         self.metrics.set_breaker(t.group, t.target)
-        try:
-            await self.kv.put(breaker_key(t.group), record.to_bytes())
-        except Exception as exc:  # the next restore or takeover rewrites it
-            log.error("breaker %s: writing the state failed: %s", t.group, exc)
+        self._unsaved[t.group] = record
+        await self._save_breakers()
         if t.target in ("open", "closed"):  # half-open keeps the open cap while probing
             control = Control(
                 action="set_batch_cap",
@@ -307,6 +308,16 @@ class SchedulerService:
                 "scheduler": self.id,
             }
         )
+
+    async def _save_breakers(self) -> None:
+        """Write the breaker states not yet in the bucket (a failed write is retried)."""
+        assert self.kv is not None
+        for group, record in list(self._unsaved.items()):
+            try:
+                await self.kv.put(breaker_key(group), record.to_bytes())
+                del self._unsaved[group]
+            except Exception as exc:
+                log.error("breaker %s: writing the state failed (retrying): %s", group, exc)
 
     async def _reconcile_caps(self, now: float) -> None:
         """Tell a worker whose cap disagrees with its group's breaker (joined, restarted)."""
@@ -414,6 +425,7 @@ class SchedulerService:
             self.rebalancer_state = RebalancerState()
             self.desired.clear()
         elif not held:
+            self._unsaved.clear()  # the leader's word counts now, not ours
             await self._load_breakers()  # a standby follows the leader's decisions
         self.metrics.leader.set(1 if held else 0)
 
