@@ -37,6 +37,23 @@ from kvstore.redis_tier import CircuitBreaker, RedisTier
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_Fetched = tuple[list[memoryview], bool, int]  # views, all of them, corrupt values
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (it comes with uvicorn[standard]): its transports copy less,
+    about 20% more store throughput on loopback here; plain asyncio otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def _spans(n: int, parts: int) -> list[range]:
+    """``range(n)`` cut into at most ``parts`` contiguous pieces (one per codec thread)."""
+    step = max(1, -(-n // max(1, parts)))
+    return [range(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 class KVTiers:
@@ -56,6 +73,7 @@ class KVTiers:
         batch_bytes: int = 8 << 20,
         breaker: CircuitBreaker | None = None,
         codec_threads: int = 2,
+        checksum: str = "blake2b",
     ) -> None:
         self.redis_config = redis
         self.host_capacity_bytes = host_capacity_bytes
@@ -63,6 +81,8 @@ class KVTiers:
         self.store_queue_bytes = store_queue_bytes
         self.batch_bytes = batch_bytes
         self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.checksum = checksum  # what stores write; loads accept either kind
+        self.codec_threads = codec_threads
         self.identity: KVIdentity | None = None
         self.host: HostTier | None = None
         self.redis: RedisTier | None = None
@@ -99,7 +119,7 @@ class KVTiers:
         if self.host_capacity_bytes > 0:
             self.host = HostTier(self.host_capacity_bytes, kv_layout.block_bytes, self.pin_host)
         if self.redis_config is not None:
-            loop = asyncio.new_event_loop()
+            loop = _new_loop()
             self._loop = loop
             self._thread = threading.Thread(target=loop.run_forever, name="kv-redis", daemon=True)
             self._thread.start()
@@ -175,42 +195,54 @@ class KVTiers:
         return out
 
     def _load_redis(self, hashes: Sequence[bytes]) -> list[memoryview]:
-        assert self.redis is not None and self.identity is not None
         c = self.redis_counters
         t0 = time.perf_counter()
         try:
-            values = self._wait(self.redis.get(hashes))
+            parts = self._wait(self._fetch(hashes))
         except Exception as exc:
             c.errors += 1
             log.warning("kv tiers: load failed: %r", exc)
             return []
-        n_present = 0
-        for v in values:
-            if v is None:
-                break
-            n_present += 1
-        layout, layout_fp = self.identity.layout, self.identity.layout_fp
-
-        def decode(i: int) -> memoryview | None:
-            try:
-                return decode_block(values[i], layout, layout_fp, hashes[i])  # type: ignore[arg-type]
-            except CorruptBlock as exc:
-                log.warning("kv tiers: corrupt block %s: %s", hashes[i].hex(), exc)
-                return None
-
-        decoded = list(self._codec.map(decode, range(n_present)))
         out: list[memoryview] = []
-        for view in decoded:
-            if view is None:
-                c.corrupt += 1
-                break
-            out.append(view)
+        for views, complete, corrupt in parts:
+            out.extend(views)
+            c.corrupt += corrupt
+            if not complete:
+                break  # a miss or a bad block ends the usable prefix
         if out:
             c.loads += 1
             c.hit_tokens += len(out) * self._block_tokens
-            c.load_bytes += sum(len(v or b"") for v in values[: len(out)])
+            c.load_bytes += len(out) * (self.redis.value_bytes if self.redis else 0)
             c.load_s += time.perf_counter() - t0
         return out
+
+    async def _fetch(self, hashes: Sequence[bytes]) -> list[_Fetched]:
+        """MGET sub-batches in parallel; each is verified on a codec thread as soon as it
+        arrives, while the others are still on the wire. Per sub-batch: the views up to
+        the first miss or corrupt value, whether it got them all, and the corrupt count."""
+        assert self.redis is not None and self.identity is not None
+        redis, layout, layout_fp = self.redis, self.identity.layout, self.identity.layout_fp
+        loop = asyncio.get_running_loop()
+
+        def decode(values: list[bytes | None], names: Sequence[bytes]) -> _Fetched:
+            views: list[memoryview] = []
+            for value, name in zip(values, names, strict=True):
+                if value is None:
+                    return views, False, 0
+                try:
+                    views.append(decode_block(value, layout, layout_fp, name))
+                except CorruptBlock as exc:
+                    log.warning("kv tiers: corrupt block %s: %s", name.hex(), exc)
+                    return views, False, 1
+            return views, True, 0
+
+        async def one(names: Sequence[bytes]) -> _Fetched:
+            values = await redis.get(names)
+            return await loop.run_in_executor(self._codec, decode, values, names)
+
+        step = redis.batch_blocks
+        spans = [hashes[i : i + step] for i in range(0, len(hashes), step)]
+        return list(await asyncio.gather(*(one(names) for names in spans)))
 
     def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         """Write blocks through to Redis in the background; ``data`` is uint8
@@ -240,11 +272,22 @@ class KVTiers:
         stored = 0
         try:
             loop = asyncio.get_running_loop()
-            ident = self.identity
-            values = await loop.run_in_executor(
-                self._codec, encode_blocks, ident.layout, ident.layout_fp, hashes, data
+            ident, kind = self.identity, self.checksum
+            parts = await asyncio.gather(
+                *(
+                    loop.run_in_executor(
+                        self._codec,
+                        encode_blocks,
+                        ident.layout,
+                        ident.layout_fp,
+                        hashes[span.start : span.stop],
+                        data[span.start : span.stop],
+                        kind,
+                    )
+                    for span in _spans(len(hashes), self.codec_threads)
+                )
             )
-            stored = await self.redis.set(hashes, values)
+            stored = await self.redis.set(hashes, [v for part in parts for v in part])
         except Exception as exc:  # encoding bugs must not kill the loop either
             c.errors += 1
             log.warning("kv tiers: store failed: %r", exc)

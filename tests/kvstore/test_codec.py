@@ -29,6 +29,14 @@ def test_round_trip_returns_the_payload_as_a_view_of_the_value() -> None:
     assert out.obj is value  # no copy on the load path
 
 
+def test_crc32_values_decode_and_catch_flips_too() -> None:
+    value = bytearray(encode_block(LAYOUT, FP, HASH, payload(), checksum="crc32"))
+    assert bytes(decode_block(bytes(value), LAYOUT, FP, HASH)) == payload()
+    value[-1] ^= 0x80
+    with pytest.raises(CorruptBlock, match="checksum"):
+        decode_block(bytes(value), LAYOUT, FP, HASH)
+
+
 def test_batch_encoding_gives_each_block_its_own_header() -> None:
     rows = np.stack([np.frombuffer(payload(i), np.uint8) for i in range(3)])
     hashes = [bytes([i]) * 16 for i in range(3)]
