@@ -369,7 +369,7 @@ class SchedulerService:
                         for r in reports
                     ),
                     backlog=waiting,
-                    concurrency=max(stats.concurrency, held + waiting),
+                    concurrency=stats.concurrency,  # the window's mean: a burst is not a trend
                     p99_ms=stats.e2e_p99_ms if kind == "e2e" else stats.ttft_p99_ms,
                     slo_ms=gc.slo_e2e_p99_ms if kind == "e2e" else gc.slo_ttft_ms,
                     max_batch=gc.max_batch,
