@@ -18,7 +18,7 @@ from workers.engine import EngineArgs, LLMEngine, SamplingParams
 from workers.engine.block_pool import hash_chain
 
 BS = 4
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def prompt(seed: int, n: int = 5 * BS + 2) -> list[int]:
@@ -93,6 +93,21 @@ def test_a_second_engine_loads_the_prefix_and_keeps_the_tokens(
         assert b.stats().kv_tier_hits == 9 * BS + 5 * BS
         assert b.stats().num_prompt_tokens_computed == 1 + 2
     assert got == reference(prompts)
+
+
+def test_generated_blocks_are_written_through_for_a_resumed_request(
+    tiny_llama: Path,
+    redis_config: RedisConfig,
+    reference: Callable[[list[list[int]]], list[list[int]]],
+) -> None:
+    p = prompt(4)  # 22 tokens; 6 generated, 5 of them fed back: blocks 0..6 are full
+    with KVTiers(redis_config) as a_tier:
+        (first,) = serve(engine(tiny_llama, a_tier), [p])
+    resumed = [*p, *first[:5]]  # what a replica continues from after a redelivery
+    with KVTiers(redis_config) as b_tier:
+        b = engine(tiny_llama, b_tier)
+        assert serve(b, [resumed]) == reference([resumed])
+        assert b.stats().kv_tier_hits == 6 * BS  # all but the last token: 6 full blocks
 
 
 def test_a_corrupt_block_is_recomputed_and_counted(

@@ -33,7 +33,8 @@ def test_node_b_computes_only_the_tail_that_node_a_did_not_store(
     prompt = [(7 * i) % 290 + 3 for i in range(6 * BS + 3)]  # 6 full blocks, then 3 tokens
     (a,) = node(tiny_llama, redis_config, prompt)
     assert a["tier_hits"] == 0 and a["prompt_tokens_computed"] == len(prompt)
-    assert a["redis"]["store_blocks"] == 6
+    # 27 prompt + 7 fed-back generated tokens: 8 full blocks, generated ones included.
+    assert a["redis"]["store_blocks"] == 8
 
     off, on = node(tiny_llama, redis_config, prompt, "--also-without-tier")
     assert off["prompt_tokens_computed"] == len(prompt)

@@ -54,7 +54,8 @@ class BatchPlan:
     preempted: list[Request] = field(default_factory=list)
     # (block id, bytes) loaded from a KV tier: copied into the cache before the step runs.
     kv_loads: list[tuple[int, memoryview]] = field(default_factory=list)
-    # (name, block id) of prompt blocks the step filled: written through to the KV tier.
+    # (name, block id) of blocks the step filled, prompt or generated: written through to
+    # the KV tier (a next turn resends the answer; a resumed request continues after it).
     kv_stores: list[tuple[bytes, int]] = field(default_factory=list)
 
     @property
@@ -125,16 +126,16 @@ class Batcher:
 
     def commit(self, plan: BatchPlan) -> None:
         """After the step ran: its tokens are in the cache, and full blocks get names."""
-        stores = self.kv_tier is not None and self.kv_tier.accepts_stores
+        tier = self.kv_tier
+        stores = tier is not None and tier.accepts_stores and self.pool.enable_prefix_caching
         bs = self.pool.block_size
         for seq, req in zip(plan.seqs, plan.requests, strict=True):
             req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             self.pool.cache_full_blocks(req, seq.start_pos)
-            last = min(req.num_computed_tokens, req.num_prompt_tokens) // bs
-            if stores and seq.start_pos // bs < last and self.pool.enable_prefix_caching:
+            first, last = seq.start_pos // bs, req.num_computed_tokens // bs
+            if stores and first < last:
                 hashes = self.pool.update_hashes(req)
-                for i in range(seq.start_pos // bs, last):
-                    plan.kv_stores.append((hashes[i], req.block_table[i]))
+                plan.kv_stores += [(hashes[i], req.block_table[i]) for i in range(first, last)]
 
     # --- scheduling ----------------------------------------------------------------------
 

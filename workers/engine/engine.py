@@ -39,7 +39,7 @@ class LLMEngine:
 
     Priority: a lower value is served first (vLLM's convention); preemption takes the
     least urgent, then newest, running request. ``kv_tier`` (e.g. ``kvstore.KVTiers``)
-    extends the prefix cache below the device: hits load, prefills write through, evicted
+    extends the prefix cache below the device: hits load, full blocks write through, evicted
     blocks go down a tier.
     """
 
