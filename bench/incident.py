@@ -367,10 +367,12 @@ def plot(result: dict[str, Any], path: str) -> None:
                   f"(shaded); open after {result['time_to_open_s']} s, closed "
                   f"{result['time_to_close_after_heal_s']} s after healing")  # fmt: skip
     top.legend(loc="upper right", fontsize=8)
-    samples = result["timeline"]["breaker"]
+    end = len(next(iter(result["timeline"]["p99_ms_per_second"].values())))
     for k, g in enumerate(result["per_group"]):
-        ts = [s["t"] for s in samples]
-        ys = [STATE_VALUE[s[g]] + k * 0.08 for s in samples]
+        moves = [x for x in result["breaker_transitions"] if x["group"] == g]
+        ts = [0.0] + [x["t"] for x in moves] + [end]
+        states = ["closed"] + [x["to"] for x in moves]
+        ys = [STATE_VALUE[st] + k * 0.08 for st in [*states, states[-1]]]  # offset: no overlap
         bottom.step(ts, ys, where="post", color=colors.get(g), label=g)
     bottom.set_yticks([0, 1, 2], ["closed", "half-open", "open"])
     bottom.set_xlabel("seconds")
