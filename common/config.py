@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from common.errors import ConfigError
 
@@ -150,6 +157,8 @@ class WorkerConfig(_Strict):
     dtype: str = "auto"
     kv_cache_gib: float = Field(0.5, gt=0)
     telemetry_interval_s: float = Field(1.0, gt=0)
+    # Latency percentiles in telemetry cover requests finished in the last this-many seconds.
+    latency_window_s: float = Field(3.0, gt=0)
     coalesce_ms: float = Field(5.0, ge=0)
     metrics_port: int = Field(0, ge=0, le=65535)  # 0 = pick a free one
 
@@ -181,6 +190,22 @@ class SchedulerConfig(_Strict):
     history_alpha: float = Field(0.5, gt=0, le=1)
 
 
+class LogConfig(_Strict):
+    """Logging of every service (:mod:`common.logging`); flags override these."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"  # json in deployments: QOS_LOG__FORMAT=json
+    # Prompts in debug logs: off unless asked for, and even then only at level debug.
+    log_prompts: bool = False
+    # The gateway's access log: one line per HTTP request (method, path, status, group, …).
+    access_log: bool = True
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+
 class Config(_Strict):
     """Everything a qosserve service reads, loaded once at start-up and passed down."""
 
@@ -190,6 +215,7 @@ class Config(_Strict):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
     def _check_groups(self) -> Config:

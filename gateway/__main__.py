@@ -1,15 +1,20 @@
-"""``python -m gateway`` / ``qosserve-gateway``: the OpenAI-compatible front over NATS."""
+"""``python -m gateway`` / ``qosserve-gateway``: the OpenAI-compatible front over NATS.
+
+Logs: ``--log-format text|json``, ``--log-level``, ``--no-access-log`` (else ``log.*``).
+Traces: the standard ``OTEL_*`` variables (:mod:`common.tracing`); off when unset.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from common.config import load_config
 from common.errors import ConfigError
+from common.logging import add_log_flags, log_config_from, setup_logging
 from common.models import resolve_model, served_name
 from common.tokenizer import load_tokenizer
+from common.tracing import init_tracing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,8 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--host", help="listen address (default: gateway.host)")
     parser.add_argument("--port", type=int, help="listen port (default: gateway.port)")
+    add_log_flags(parser)
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--no-access-log", action="store_true", help="no line per HTTP request (log.access_log)"
     )
     return parser.parse_args(argv)
 
@@ -37,13 +43,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Load the config and tokenizer, then serve with uvicorn (uvloop + httptools)."""
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
         config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"qosserve-gateway: {exc.message}", file=sys.stderr)
+        config.log = log_config_from(config.log, args)
+        if args.no_access_log:
+            config.log.access_log = False
+        setup_logging("gateway", config.log)
+        init_tracing("qosserve-gateway")
+    except (ConfigError, ValueError) as exc:
+        print(f"qosserve-gateway: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 2
     spec = args.model or config.worker.model
     try:
@@ -68,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port if args.port is not None else config.gateway.port,
         loop="uvloop",
         http="httptools",
-        log_level=args.log_level,
-        access_log=False,  # a log line per request costs more than the request at 1k req/s
+        log_level=config.log.level,
+        log_config=None,  # our handlers (common.logging), not uvicorn's
+        access_log=False,  # ours (gateway.observe) has the group and request id
         timeout_graceful_shutdown=10,
     )
     return 0

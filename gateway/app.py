@@ -24,19 +24,23 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from nats.aio.client import Client
+from opentelemetry.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from common.config import Config
 from common.errors import InternalError, InvalidRequestError, QosError, error_from_code
+from common.logging import prompts_loggable
 from common.nats import connect, ensure_jetstream
 from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer
+from common.tracing import tracer_for
 from gateway.admission import ADMISSION_WAIT_S, Admission
 from gateway.auth import ApiKeys
 from gateway.generate import Generator
 from gateway.metrics import GatewayMetrics
+from gateway.observe import ObserveMiddleware
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from gateway.responses import Kind
 from gateway.streams import Dispatcher
@@ -81,12 +85,16 @@ def create_app(
     admission_wait_s: float = ADMISSION_WAIT_S,
     live_window_s: float = LIVE_WINDOW_S,
     registry: CollectorRegistry | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
     """The gateway app for ``config``, serving ``model`` (a path or ``dummy:`` spec).
 
     The served name is ``gateway.served_model_name``, else the model folder's name;
-    requests may also name the model exactly as ``model`` was given.
+    requests may also name the model exactly as ``model`` was given. Spans go to
+    ``tracer_provider``, else to the process's (:func:`common.tracing.init_tracing`), and
+    nowhere when neither is set.
     """
+    tracer = tracer_for(tracer_provider, "qosserve.gateway")
     served = config.gateway.served_model_name or model_name(model) or "default"
     aliases = [model] if model else []
     view = WorkersView(config.groups, live_window_s=live_window_s)
@@ -120,6 +128,8 @@ def create_app(
             dispatcher=dispatcher,
             admission=state.admission,
             metrics=state.metrics,
+            tracer=tracer,
+            log_prompts=prompts_loggable(config.log),
         )
         log.info("gateway serving %r for groups %s", served, ", ".join(config.groups))
         try:
@@ -132,6 +142,8 @@ def create_app(
 
     app = FastAPI(title="qosserve gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state
+    if tracer is not None or config.log.access_log:
+        app.add_middleware(ObserveMiddleware, tracer=tracer, access_log=config.log.access_log)
     _add_error_handlers(app)
     _add_routes(app, state)
     _add_openapi(app)

@@ -11,8 +11,9 @@ worker reports before any output still reaches the client as an HTTP status.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import re
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,6 +24,7 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
+from opentelemetry.trace import Span, Tracer
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -35,9 +37,11 @@ from common.errors import (
     QosError,
     ServiceUnavailableError,
 )
+from common.logging import bind_request
 from common.protocol import GenerateRequest
 from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
+from gateway import tracing as traced
 from gateway.admission import Admission, Route
 from gateway.classifier import GROUP_HEADER, classify
 from gateway.metrics import GatewayMetrics
@@ -59,8 +63,8 @@ INLINE_TOKENIZE_CHARS = 16_384
 # How often a request waiting for its first token checks whether the client left.
 DISCONNECT_POLL_S = 1.0
 PUBLISH_TIMEOUT_S = 5.0
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):
@@ -80,7 +84,9 @@ class Flight:
     first_token_at: float | None = None
     completion_tokens: int = 0
     worker_usage: Any = None
+    finish_reason: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    span: Span | None = None  # the server span, while tracing is on
 
 
 class Generator:
@@ -97,6 +103,8 @@ class Generator:
         dispatcher: Dispatcher,
         admission: Admission,
         metrics: GatewayMetrics,
+        tracer: Tracer | None = None,
+        log_prompts: bool = False,
     ) -> None:
         self._config = config
         self._tok = tokenizer
@@ -106,6 +114,8 @@ class Generator:
         self._dispatcher = dispatcher
         self._admission = admission
         self._metrics = metrics
+        self._tracer = tracer
+        self._log_prompts = log_prompts
         self._subjects = Subjects(config.nats.subject_prefix)
         self._check_vocab = not isinstance(tokenizer, ByteTokenizer)
         self.token_text: Callable[[int], str] = lru_cache(maxsize=65536)(
@@ -158,6 +168,14 @@ class Generator:
         except ClientGone:
             return Response(status_code=499)
         flight = self._take_off(kind, body, route, prompt_ids, logprobs, started, deadline_ms)
+        if self._tracer is not None:
+            flight.span = traced.admitted(
+                kind=kind, model=self._model, group=route.group,
+                request_id=flight.stream.request_id, body=body,
+                max_tokens=classified.max_tokens, prompt_tokens=len(prompt_ids),
+            )  # fmt: skip
+        if self._log_prompts:
+            log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
         streaming = False
         try:
             await self._publish(
@@ -256,6 +274,7 @@ class Generator:
     ) -> Flight:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        bind_request(request_id)
         stream = self._dispatcher.open(request_id, route.group, self._decode_tail)
         shaper = Shaper(
             kind,
@@ -300,20 +319,22 @@ class Generator:
             created_ms=now_ms,
         )
         headers = {"Nats-Msg-Id": request_id, "Qos-Deadline-Ms": str(now_ms + deadline_ms)}
-        traceparent = request.headers.get("traceparent")
-        if traceparent and _TRACEPARENT.match(traceparent.strip()):
-            headers["traceparent"] = traceparent.strip()
-            if tracestate := request.headers.get("tracestate"):
-                headers["tracestate"] = tracestate.strip()[:512]
+        subject = self._subjects.request(flight.route.group)
+        publish_span: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self._tracer is not None:
+            publish_span = traced.publishing(self._tracer, subject, request_id, headers)
+        else:
+            traced.forward_traceparent(request.headers, headers)
         timeout = max(0.1, min(PUBLISH_TIMEOUT_S, flight.deadline - time.monotonic()))
         try:
-            await self._js.publish(
-                self._subjects.request(flight.route.group),
-                message.to_bytes(),
-                timeout=timeout,
-                stream=self._config.nats.stream,
-                headers=headers,
-            )
+            with publish_span:
+                await self._js.publish(
+                    subject,
+                    message.to_bytes(),
+                    timeout=timeout,
+                    stream=self._config.nats.stream,
+                    headers=headers,
+                )
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             raise ServiceUnavailableError(
                 f"the request queue did not accept the request ({type(exc).__name__})",
@@ -343,6 +364,8 @@ class Generator:
                 flight.completion_tokens += len(delivery.token_ids)
                 if delivery.usage is not None:
                     flight.worker_usage = delivery.usage
+                if delivery.finish_reason is not None:
+                    flight.finish_reason = delivery.finish_reason
                 return delivery
             if request is not None and await request.is_disconnected():
                 raise ClientGone
@@ -415,6 +438,11 @@ class Generator:
         self._dispatcher.close(stream, abort=not stream.finished, reason=reason)
         group = flight.route.group
         self._admission.release(group)
+        if flight.span is not None:
+            traced.landed(
+                flight.span, status=status, prompt_tokens=flight.prompt_tokens,
+                completion_tokens=flight.completion_tokens, finish_reason=flight.finish_reason,
+            )  # fmt: skip
         series = self._metrics.series(group, self._model)
         series.in_flight.dec()
         self._metrics.finished(group, status)

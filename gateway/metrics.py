@@ -1,8 +1,9 @@
 """The gateway's Prometheus metrics, in a registry of its own.
 
 A registry per app (not the process-wide default) lets tests build many apps in one
-process; ``/metrics`` serves exactly this registry. Names follow DESIGN §7 with a
-``qos_gateway_`` prefix, so they never collide with the workers' engine-side series.
+process; ``/metrics`` serves exactly this registry. Names, labels and buckets live in
+:mod:`common.metrics`; the gateway's carry a ``qos_gateway_`` prefix because they measure
+what the client sees at the HTTP edge, which the workers' engine-side series do not.
 """
 
 from __future__ import annotations
@@ -11,13 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-# Seconds: from a few ms (a cached token on loopback) to a long-context minute.
-LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-    1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+from common import metrics as m
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,56 +35,15 @@ class GatewayMetrics:
         r = self.registry
         self._finished: dict[tuple[str, int], Any] = {}
         self._series: dict[str, GroupSeries] = {}
-        self.requests = Counter(
-            "qos_gateway_requests",
-            "Finished HTTP generation requests by the group that served them and status code",
-            ["group", "status"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "qos_gateway_time_to_first_token_seconds",
-            "Request arrival to the first token ready for the client",
-            ["group", "model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "qos_gateway_e2e_request_latency_seconds",
-            "Request arrival to the last token",
-            ["group", "model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "qos_gateway_requests_in_flight",
-            "Requests admitted to a group and not yet finished",
-            ["group"],
-            registry=r,
-        )
-        self.fallbacks = Counter(
-            "qos_gateway_fallbacks",
-            "Requests sent to a fallback group instead of the classified one",
-            ["from_group", "to_group", "reason"],
-            registry=r,
-        )
-        self.tokens = Counter(
-            "qos_gateway_generation_tokens",
-            "Completion tokens delivered to clients",
-            ["group"],
-            registry=r,
-        )
-        self.live_workers = Gauge(
-            "qos_gateway_live_workers",
-            "Workers per group whose telemetry is recent and says serving",
-            ["group"],
-            registry=r,
-        )
-        self.breaker_state = Gauge(
-            "qos_gateway_breaker_state",
-            "Breaker state per group as the gateway sees it (0 closed, 1 half-open, 2 open)",
-            ["group"],
-            registry=r,
-        )
+        self.requests = m.counter(m.GW_REQUESTS, r)
+        self.ttft = m.histogram(m.GW_TTFT, r)
+        self.e2e = m.histogram(m.GW_E2E, r)
+        self.in_flight = m.gauge(m.GW_IN_FLIGHT, r)
+        self.fallbacks = m.counter(m.GW_FALLBACKS, r)
+        self.tokens = m.counter(m.GW_TOKENS, r)
+        self.live_workers = m.gauge(m.GW_LIVE_WORKERS, r)
+        self.breaker_state = m.gauge(m.GW_BREAKER, r)
+        m.register_build_info(r, "gateway")
 
     def finished(self, group: str, status: int) -> None:
         """Count one finished request (label children cached: ``labels()`` is not free)."""

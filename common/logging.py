@@ -1,0 +1,157 @@
+"""Log set-up for every service: text for people, JSON lines for machines.
+
+``--log-format text`` (the default, what ``qosserve up`` writes) reads like
+``12:00:01 INFO gateway.app: … [req=chatcmpl-… trace=4bf9…]``; ``--log-format json`` (for
+deployments, ``QOS_LOG__FORMAT=json``) writes one object a line::
+
+    {"ts": "2025-01-01T12:00:01.234Z", "level": "info", "logger": "qosserve.access",
+     "service": "gateway", "msg": "POST /v1/chat/completions 200", "request_id": "chatcmpl-…",
+     "trace_id": "4bf9…", "span_id": "00f0…", "status": 200, "duration_ms": 12.5, …}
+
+``request_id`` comes from :func:`bind_request` (the gateway binds it when it names a request,
+a worker when it fetches one; a context variable, so it follows the request's task and no
+other); ``trace_id``/``span_id`` from the current OpenTelemetry span. Structured fields ride
+in ``extra={"fields": {...}}``.
+
+Prompts and secrets stay out: nothing here logs a body, credentials in URLs and bearer
+tokens are masked in every message, and :func:`prompts_loggable` is true only with
+``--log-level debug`` *and* ``--log-prompts`` (``log.log_prompts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from contextvars import ContextVar
+from typing import IO, Any
+
+from opentelemetry import trace
+
+from common.config import LogConfig
+
+# The request a log line is about, in the task handling it (see bind_request).
+_REQUEST_ID: ContextVar[str | None] = ContextVar("qos_request_id", default=None)
+
+_URL_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@")
+_BEARER = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]+")
+_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def bind_request(request_id: str | None) -> None:
+    """Tag the log lines of the current task (and tasks it starts) with ``request_id``."""
+    _REQUEST_ID.set(request_id)
+
+
+def redact(message: str) -> str:
+    """``message`` with URL credentials and bearer tokens masked."""
+    if "://" in message:
+        message = _URL_CREDENTIALS.sub(r"\1***@", message)
+    if "earer" in message:
+        message = _BEARER.sub(r"\1***", message)
+    return message
+
+
+def context_fields() -> dict[str, str]:
+    """``request_id``, ``trace_id`` and ``span_id`` of the current context, where known."""
+    fields: dict[str, str] = {}
+    request_id = _REQUEST_ID.get()
+    if request_id:
+        fields["request_id"] = request_id
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        fields["trace_id"] = format(ctx.trace_id, "032x")
+        fields["span_id"] = format(ctx.span_id, "016x")
+    return fields
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record (see the module docstring for the keys)."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        out: dict[str, Any] = {
+            "ts": f"{ts}.{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "service": self.service,
+            "msg": redact(record.getMessage()),
+        }
+        out.update(context_fields())
+        extra = getattr(record, "fields", None)
+        if isinstance(extra, dict):
+            out.update(extra)
+        if record.exc_info:
+            out["exc"] = redact(self.formatException(record.exc_info))
+        return json.dumps(out, ensure_ascii=False, default=str, separators=(",", ":"))
+
+
+class TextFormatter(logging.Formatter):
+    """The classic line, then ``key=value`` fields and ``[req=… trace=…]`` when known."""
+
+    def __init__(self) -> None:
+        super().__init__(_TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = redact(super().format(record))
+        extra = getattr(record, "fields", None)
+        if isinstance(extra, dict) and extra:
+            line += " " + " ".join(f"{k}={v}" for k, v in extra.items())
+        ctx = context_fields()
+        tags = [f"req={ctx['request_id']}"] if "request_id" in ctx else []
+        if "trace_id" in ctx:
+            tags.append(f"trace={ctx['trace_id']}")
+        return f"{line} [{' '.join(tags)}]" if tags else line
+
+
+def setup_logging(service: str, config: LogConfig, stream: IO[str] | None = None) -> None:
+    """Route every logger (uvicorn's too) through one handler in ``config``'s format."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter(service) if config.format == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(config.level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True
+
+
+def prompts_loggable(config: LogConfig) -> bool:
+    """Whether prompts may be logged: only at debug level and only when asked for."""
+    return config.log_prompts and config.level.lower() == "debug"
+
+
+def add_log_flags(parser: argparse.ArgumentParser) -> None:
+    """``--log-level``, ``--log-format`` and ``--log-prompts`` (defaults from ``log.*``)."""
+    parser.add_argument(
+        "--log-level", type=str.lower, choices=("debug", "info", "warning", "error"),
+        help="default log.level (info)",
+    )  # fmt: skip
+    parser.add_argument("--log-format", choices=("text", "json"), help="default log.format (text)")
+    parser.add_argument(
+        "--log-prompts", action="store_true", default=None,
+        help="with --log-level debug, log prompts (never by default)",
+    )  # fmt: skip
+
+
+def log_config_from(config: LogConfig, args: argparse.Namespace) -> LogConfig:
+    """``config`` with the flags that were given applied."""
+    update = {
+        key: value
+        for key, value in (
+            ("level", args.log_level),
+            ("format", args.log_format),
+            ("log_prompts", args.log_prompts),
+        )
+        if value is not None
+    }
+    return config.model_copy(update=update) if update else config

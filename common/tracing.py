@@ -1,0 +1,188 @@
+"""OpenTelemetry tracing: set-up from the ``OTEL_*`` variables, W3C propagation over NATS.
+
+One trace per request (DESIGN §7)::
+
+    POST /v1/chat/completions            gateway, SERVER (parent: the client's traceparent)
+    └── publish <prefix>.req.<group>     gateway, PRODUCER: traceparent/tracestate → NATS headers
+        └── chat <model>                 worker, CONSUMER, one per delivery (qos.attempt)
+            ├── queue                    fetched → first scheduled by the engine
+            ├── kv load                  when the engine reports a KV-tier load time
+            ├── prefill                  first scheduled → first token
+            ├── decode                   first token → finished
+            └── stream                   first chunk published → last chunk published
+
+Tracing is off unless configured, and off costs nothing: services ask :func:`tracer_for`
+once and get None without a real provider, so no span, attribute or header is built.
+Set-up (:func:`init_tracing`) reads the standard variables:
+
+- ``OTEL_TRACES_EXPORTER``: ``otlp``, ``console`` or ``none`` (comma-separated for several).
+  Unset means ``none`` here, unlike the SDK's default, so a service never tries to reach a
+  collector nobody configured.
+- ``OTEL_EXPORTER_OTLP_PROTOCOL`` (or ``…_TRACES_PROTOCOL``): ``grpc`` (default) or
+  ``http/protobuf``; ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``…_TRACES_ENDPOINT``), plus the
+  exporters' own ``OTEL_EXPORTER_OTLP_*`` headers/timeout/TLS variables.
+- ``OTEL_SERVICE_NAME`` (default: the service's name), ``OTEL_RESOURCE_ATTRIBUTES``,
+  ``OTEL_TRACES_SAMPLER``/``…_ARG`` (default parent-based always-on), ``OTEL_SDK_DISABLED``.
+
+The tracer provider is the one piece of global state tracing adds (STYLE §7); tests pass
+a provider explicitly instead (``init_tracing(..., exporter=..., set_global=False)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.trace import Span, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger(__name__)
+
+# OpenTelemetry GenAI semantic conventions (gen_ai.*) and this project's own (qos.*).
+OPERATION = "gen_ai.operation.name"
+REQUEST_MODEL = "gen_ai.request.model"
+MAX_TOKENS = "gen_ai.request.max_tokens"
+TEMPERATURE = "gen_ai.request.temperature"
+TOP_P = "gen_ai.request.top_p"
+RESPONSE_ID = "gen_ai.response.id"
+INPUT_TOKENS = "gen_ai.usage.input_tokens"
+OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+FINISH_REASONS = "gen_ai.response.finish_reasons"
+GROUP = "qos.group"
+WORKER = "qos.worker"
+ATTEMPT = "qos.attempt"
+
+_W3C = TraceContextTextMapPropagator()  # traceparent + tracestate only; stateless
+_TRUE = ("true", "1", "yes", "on")
+
+
+def _exporters(env: Mapping[str, str]) -> list[SpanExporter]:
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "none").split(",")]
+    exporters: list[SpanExporter] = []
+    for name in filter(None, names):
+        if name == "none":
+            continue
+        if name == "console":
+            exporters.append(ConsoleSpanExporter())
+        elif name == "otlp":
+            exporters.append(_otlp_exporter(env))
+        else:
+            log.warning("OTEL_TRACES_EXPORTER=%s: unknown exporter ignored", name)
+    return exporters
+
+
+def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
+    protocol = env.get(
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    ).strip()
+    signal_endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=signal_endpoint or base)
+    if protocol in ("http/protobuf", "http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
+
+        # Per the spec, only the base endpoint gets the signal's path appended.
+        endpoint = signal_endpoint or (base.rstrip("/") + "/v1/traces" if base else None)
+        return HttpExporter(endpoint=endpoint)
+    raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: use grpc or http/protobuf")
+
+
+def init_tracing(
+    service_name: str,
+    *,
+    exporter: SpanExporter | None = None,
+    env: Mapping[str, str] | None = None,
+    batch: bool = True,
+    set_global: bool = True,
+) -> TracerProvider | None:
+    """The tracer provider the environment (or ``exporter``) asks for; None when tracing
+    is off. ``set_global`` makes it the process's provider (services); tests keep it local.
+
+    ``batch`` exports from a background thread (BatchSpanProcessor, for services); False
+    exports as each span ends (SimpleSpanProcessor, for tests reading an in-memory exporter).
+    """
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
+        return None
+    exporters = [exporter] if exporter is not None else _exporters(env)
+    if not exporters:
+        return None
+    resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service_name})
+    provider = TracerProvider(resource=resource)
+    for exp in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exp) if batch else SimpleSpanProcessor(exp))
+    if set_global:
+        trace.set_tracer_provider(provider)
+    log.info(
+        "tracing on: %s exporting to %s",
+        resource.attributes.get(SERVICE_NAME),
+        ", ".join(type(e).__name__ for e in exporters),
+    )
+    return provider
+
+
+def tracer_for(provider: trace.TracerProvider | None, name: str) -> Tracer | None:
+    """A tracer from ``provider`` (else the process's), or None while tracing is off.
+
+    Decided once, at start-up: the request path then tests ``tracer is None`` and does
+    nothing else, which is what keeps tracing free when it is off.
+    """
+    provider = provider if provider is not None else trace.get_tracer_provider()
+    if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+        return None
+    return provider.get_tracer(name)
+
+
+def inject(headers: MutableMapping[str, str], span: Span) -> None:
+    """Write ``span``'s W3C ``traceparent`` (and ``tracestate``) into ``headers``."""
+    _W3C.inject(headers, context=trace.set_span_in_context(span))
+
+
+def extract(headers: Mapping[str, str] | None) -> Context | None:
+    """The remote parent carried by ``headers`` (W3C), or None when there is none."""
+    if not headers or "traceparent" not in headers:
+        return None
+    return _W3C.extract(headers)
+
+
+def ns(seconds: float) -> int:
+    """``time.time()`` seconds → the nanoseconds spans take."""
+    return int(seconds * 1e9)
+
+
+def finish_reasons(reason: str | None) -> tuple[str, ...]:
+    """``gen_ai.response.finish_reasons``: an array, one reason per choice."""
+    return (reason,) if reason else ()
+
+
+def set_error(span: Span, code: str, message: str) -> None:
+    """Mark ``span`` failed with the error's code (``error.type``) and message."""
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_attribute("error.type", code)
+    span.set_status(Status(StatusCode.ERROR, message))
+
+
+def describe(span: Span) -> dict[str, Any]:
+    """The ids of ``span`` as log fields (``trace_id``, ``span_id``), empty when invalid."""
+    ctx = span.get_span_context()
+    if not ctx.is_valid:
+        return {}
+    return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}

@@ -1,0 +1,110 @@
+"""What each HTTP request looked like: its server span and its access-log line.
+
+A pure ASGI middleware, so a streamed answer is measured to its last byte (the app call
+returns only when the body is sent) and nothing is buffered. The span (tracing on, paths
+under ``/v1/``) continues the client's W3C ``traceparent`` and is current while the
+request runs, so the generator's publish span and the worker's spans hang under it.
+
+The access log (``qosserve.access``, ``log.access_log``) has method, path, status, group,
+duration and request id; never a body, a query string or a header value. ``/health`` and
+``/metrics`` log at debug only: probes and scrapes would drown everything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from opentelemetry import context, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from common import tracing
+
+access = logging.getLogger("qosserve.access")
+_QUIET = ("/health", "/metrics")
+
+
+class ObserveMiddleware:
+    """Server span (when ``tracer``) and access-log line (when ``access_log``) per request."""
+
+    def __init__(self, app: ASGIApp, *, tracer: Tracer | None, access_log: bool) -> None:
+        self.app = app
+        self.tracer = tracer
+        self.access_log = access_log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        seen: dict[str, Any] = {"status": 500}
+
+        async def send_and_look(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+                for key, value in message.get("headers", ()):
+                    if key in (b"x-request-id", b"x-qos-group"):
+                        seen[key.decode()] = value.decode("latin-1")
+            await send(message)
+
+        path: str = scope["path"]
+        span = token = None
+        if self.tracer is not None and path.startswith("/v1/"):
+            headers = {
+                k.decode("latin-1"): v.decode("latin-1")
+                for k, v in scope["headers"]
+                if k in (b"traceparent", b"tracestate")
+            }
+            span = self.tracer.start_span(
+                f"{scope['method']} {path}",
+                context=tracing.extract(headers),
+                kind=SpanKind.SERVER,
+                attributes={"http.request.method": scope["method"], "url.path": path},
+            )
+            token = context.attach(trace.set_span_in_context(span))
+        try:
+            await self.app(scope, receive, send_and_look)
+        except Exception as exc:
+            if span is not None:
+                span.record_exception(exc)
+            raise
+        finally:
+            status = seen["status"]
+            if span is not None:
+                self._end_span(span, scope, status)
+            if self.access_log:
+                self._log(scope, path, status, started, seen)
+            if token is not None:
+                context.detach(token)
+
+    @staticmethod
+    def _end_span(span: Any, scope: Scope, status: int) -> None:
+        route = getattr(scope.get("route"), "path", None)
+        if route:  # the route template, not the path: /v1/{group}/completions
+            span.update_name(f"{scope['method']} {route}")
+            span.set_attribute("http.route", route)
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+    @staticmethod
+    def _log(scope: Scope, path: str, status: int, started: float, seen: dict[str, Any]) -> None:
+        level = logging.DEBUG if path in _QUIET else logging.INFO
+        if not access.isEnabledFor(level):
+            return
+        duration_ms = round((time.perf_counter() - started) * 1000, 2)
+        fields = {
+            "method": scope["method"],
+            "path": path,
+            "status": status,
+            "group": seen.get("x-qos-group", "-"),
+            "duration_ms": duration_ms,
+            "request_id": seen.get("x-request-id", "-"),
+        }
+        access.log(
+            level, "%s %s %d %.1fms", scope["method"], path, status, duration_ms,
+            extra={"fields": fields},
+        )  # fmt: skip
