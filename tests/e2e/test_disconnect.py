@@ -1,0 +1,55 @@
+"""A client that hangs up mid-stream stops its generation: the engine frees every KV block."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from tests.e2e.stack import Stack
+from workers.engine.outputs import EngineStats
+
+MAX_TOKENS = 450  # ~1 s or more of decoding on the `long` worker: far longer than the test
+
+
+def wait_idle(stack: Stack, worker_id: str, timeout_s: float = 10.0) -> EngineStats:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = stack.engine_stats(worker_id)
+        idle = stats.num_running == 0 and stats.num_waiting == 0
+        if idle and not stack.workers[worker_id].inflight_ids:
+            return stats
+        assert time.monotonic() < deadline, f"{worker_id} still busy: {stats}"
+        time.sleep(0.02)
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_the_kv_cache(real_stack: Stack) -> None:
+    before = wait_idle(real_stack, "long-0")
+    body = {
+        "model": real_stack.model,
+        "prompt": "The quick brown fox jumps over the lazy dog.",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events = 0
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{real_stack.base_url}/long/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break
+        busy = real_stack.engine_stats("long-0")
+        assert busy.num_running == 1 and busy.num_free_blocks < busy.num_blocks
+    # Leaving the block closed the connection: the gateway must abort the worker.
+
+    after = wait_idle(real_stack, "long-0")
+    assert after.num_free_blocks == after.num_blocks
+    generated = after.num_generation_tokens - before.num_generation_tokens
+    assert generated < MAX_TOKENS // 2, f"generated {generated}: the abort came late or never"
+    final = real_stack.chunks[request_id][-1]
+    assert final.finish_reason == "abort"
