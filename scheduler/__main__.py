@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
-import os
 import re
 import signal
 import sys
@@ -27,6 +25,7 @@ from typing import Any
 
 from common.config import Config, load_config
 from common.errors import ConfigError
+from common.logging import add_log_flags, log_config_from, setup_logging
 from scheduler.service import SchedulerService
 
 
@@ -36,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", help="overrides nats.url")
     p.add_argument("--metrics-port", type=int, help="overrides scheduler.metrics_port (0 = off)")
     p.add_argument("--scheduler-id", help="this replica's name (default sched-<host>-<pid>-…)")
-    p.add_argument("--log-level", default=os.environ.get("QOS_LOG_LEVEL", "INFO"))
+    add_log_flags(p)
     return p
 
 
@@ -71,11 +70,10 @@ async def serve(config: Config, scheduler_id: str | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``qosserve-scheduler`` and ``python -m scheduler``."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
         config = _apply_flags(load_config(args.config), args)
+        config.log = log_config_from(config.log, args)
+        setup_logging("scheduler", config.log)
         if args.scheduler_id is not None and not re.fullmatch(
             r"[A-Za-z0-9_-]{1,128}", args.scheduler_id
         ):

@@ -1,7 +1,8 @@
 """The scheduler's Prometheus metrics (DESIGN §7), on a registry of its own.
 
 A registry per service (rather than the global one) lets tests run several schedulers in
-one process; ``serve(port)`` exposes it on ``/metrics`` (port 0 = not served).
+one process; ``serve(port)`` exposes it on ``/metrics`` (port 0 = not served). The names
+the dashboard reads (breaker state, desired replicas) are defined in :mod:`common.metrics`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from common import metrics as m
 from scheduler.breaker import STATE_GAUGE, State
 
 
@@ -20,16 +22,9 @@ class SchedulerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._server: WSGIServer | None = None
         r = self.registry
-        self.breaker_state = Gauge(
-            "qos_breaker_state", "Breaker state: 0 closed, 1 half-open, 2 open", ["group"],
-            registry=r,
-        )  # fmt: skip
-        self.breaker_transitions = Counter(
-            "qos_breaker_transitions", "Breaker transitions", ["group", "from", "to"], registry=r
-        )
-        self.desired_replicas = Gauge(
-            "qos_desired_replicas", "Replicas the rebalancer wants per group", ["group"], registry=r
-        )
+        self.breaker_state = m.gauge(m.BREAKER_STATE, r)
+        self.breaker_transitions = m.counter(m.BREAKER_TRANSITIONS, r)
+        self.desired_replicas = m.gauge(m.DESIRED_REPLICAS, r)
         self.group_replicas = Gauge(
             "qos_group_replicas", "Live serving replicas per group", ["group"], registry=r
         )
@@ -51,6 +46,7 @@ class SchedulerMetrics:
         self.leader = Gauge(
             "qos_scheduler_leader", "1 while this replica holds the lease and acts", registry=r
         )
+        m.register_build_info(r, "scheduler")
 
     def set_breaker(self, group: str, state: State) -> None:
         self.breaker_state.labels(group).set(STATE_GAUGE[state])

@@ -8,7 +8,9 @@ Examples::
 
 Configuration comes from ``--config`` / ``QOS_CONFIG`` and ``QOS_*`` variables
 (:mod:`common.config`); flags override the ``worker.*`` keys they name. SIGTERM or SIGINT
-drains gracefully (``--grace-s``) and exits 0.
+drains gracefully (``--grace-s``) and exits 0. ``/metrics`` is served on
+``--metrics-port`` (default ``worker.metrics_port``, 0 = a free port, logged and put in the
+heartbeat); traces follow the ``OTEL_*`` variables (:mod:`common.tracing`), off when unset.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pydantic import ValidationError
 
 from common.config import Config, load_config
 from common.errors import ConfigError
+from common.logging import add_log_flags, log_config_from, setup_logging
+from common.tracing import init_tracing
 from workers.service import WorkerOptions, WorkerService
 
 log = logging.getLogger("workers")
@@ -81,14 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-decode-us-per-seq", type=float, default=100.0)
     sim.add_argument("--sim-slowdown-ms", type=float, default=0.0, help="extra time per step")
     sim.add_argument("--tokenizer", help="tokenizer folder for sim text (default: the model's)")
-    p.add_argument("--log-level", default=os.environ.get("QOS_LOG_LEVEL", "INFO"))
+    p.add_argument("--metrics-port", type=int, help="/metrics port (default worker.metrics_port)")
+    add_log_flags(p)
     return p
 
 
 def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
     worker: dict[str, Any] = {}
     for flag, key in (("model", "model"), ("device", "device"), ("dtype", "dtype"),
-                      ("kv_cache_gib", "kv_cache_gib"), ("coalesce_ms", "coalesce_ms")):  # fmt: skip
+                      ("kv_cache_gib", "kv_cache_gib"), ("coalesce_ms", "coalesce_ms"),
+                      ("metrics_port", "metrics_port")):  # fmt: skip
         if getattr(args, flag) is not None:
             worker[key] = getattr(args, flag)
     update: dict[str, Any] = {"worker": config.worker.model_copy(update=worker)}
@@ -178,11 +184,11 @@ async def serve(config: Config, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``qosserve-worker`` and ``python -m workers``."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
         config = _apply_flags(load_config(args.config), args)
+        config.log = log_config_from(config.log, args)
+        setup_logging("worker", config.log)
+        init_tracing("qosserve-worker")
         if args.group not in config.groups:
             raise ConfigError(f"--group {args.group!r}: not one of {sorted(config.groups)}")
         if args.worker_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", args.worker_id):
@@ -190,6 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(serve(config, args))
     except ConfigError as exc:
         print(f"qosserve-worker: {exc.message}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a bad OTEL_* value
+        print(f"qosserve-worker: {exc}", file=sys.stderr)
         return 2
     except ConnectionError as exc:
         print(f"qosserve-worker: {exc}", file=sys.stderr)

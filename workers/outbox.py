@@ -37,6 +37,7 @@ class Flight:
     flush_at: float | None = None  # loop time the buffered tokens are due
     first_sent: bool = False
     error: QosError | None = None  # why it was aborted here (deadline), if it was
+    watch: Any = None  # metrics/tracing state (workers.observe.Watch), while observed
 
     def resumed_at(self, delivered: int) -> None:
         """The caller already has ``delivered`` tokens: number from there."""

@@ -34,12 +34,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
+from opentelemetry.trace import TracerProvider
 
 import common.nats as qnats
 from common.config import Config
@@ -57,10 +59,13 @@ from common.protocol import (
     ResumeQuery,
 )
 from common.subjects import Subjects
+from common.tracing import tracer_for
 from workers import telemetry
 from workers.bridge import AddRequest, BridgeEvent, EngineBridge, RequestFailed, StepEngine
 from workers.engine.sampling_params import SamplingParamsError
 from workers.intake import Intake, RecentIds, ask_resume, reject_undecodable, settle
+from workers.metrics import EngineView
+from workers.observe import WorkerObserver
 from workers.outbox import Flight, sampling_params
 
 log = logging.getLogger(__name__)
@@ -79,9 +84,20 @@ class WorkerOptions:
 
 
 class WorkerService:
-    """Serves one group from ``engine``; :meth:`start`, then :meth:`run` or :meth:`stop`."""
+    """Serves one group from ``engine``; :meth:`start`, then :meth:`run` or :meth:`stop`.
 
-    def __init__(self, config: Config, engine: StepEngine, options: WorkerOptions) -> None:
+    Spans go to ``tracer_provider``, else to the process's (:mod:`common.tracing`); metrics
+    to ``self.observer.registry``, served on ``worker.metrics_port``.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        engine: StepEngine,
+        options: WorkerOptions,
+        *,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
         if options.group not in config.groups:
             raise ValueError(
                 f"unknown group {options.group!r} (configured: {sorted(config.groups)})"
@@ -94,6 +110,12 @@ class WorkerService:
         self.engine = engine
         self.state: telemetry.State = "starting"
         self.telemetry = telemetry.WorkerTelemetry(options.worker_id, options.model)
+        self.observer = WorkerObserver(
+            worker_id=options.worker_id,
+            model=options.model or Path(config.worker.model).name,
+            view=self._engine_view,
+            tracer=tracer_for(tracer_provider, "qosserve.worker"),
+        )
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.kv: KeyValue | None = None
@@ -121,6 +143,7 @@ class WorkerService:
         """Connect, make sure the stream/consumer/bucket exist, start serving."""
         cfg = self.config.nats
         loop = asyncio.get_running_loop()
+        self.observer.start(self.config.worker.metrics_port)
         self.bridge = EngineBridge(
             self.engine, self._on_engine_events, loop, name=f"engine-{self.worker_id}"
         )
@@ -176,6 +199,7 @@ class WorkerService:
                 await self.nc.flush(timeout=2)  # acks, naks and the last telemetry go out
             with contextlib.suppress(Exception):
                 await self.nc.close()
+        self.observer.close()
         log.info("worker %s stopped", self.worker_id)
 
     async def _bind(self, group: str) -> None:
@@ -239,6 +263,7 @@ class WorkerService:
             if self.bridge is not None:
                 self.bridge.abort(st.request.id)
             await settle(st.msg.nak)
+            self.observer.abandoned(st, "handed_back")
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await self.nc.flush(timeout=2)
@@ -288,6 +313,7 @@ class WorkerService:
             return
         start = req.created_ms / 1000.0 if req.created_ms > 0 else time.time()
         st = Flight(req, msg, attempt, start=start)
+        self.observer.fetched(st, msg, self.group)
         if req.deadline_ms is not None and time.time() * 1000 >= req.deadline_ms:
             await self._send_error(
                 st, DeadlineExceededError("the request's deadline passed before it started")
@@ -304,11 +330,13 @@ class WorkerService:
             if reply is None:
                 log.info("request %s: no caller answers the resume query; dropping it", req.id)
                 await settle(msg.ack)
+                self.observer.abandoned(st, "no_caller")
                 return
             resume = reply.token_ids
             st.resumed_at(len(resume))
             if req.id in self._aborted:  # aborted while we asked
                 await settle(msg.ack)
+                self.observer.abandoned(st, "aborted")
                 return
         remaining = req.params.max_tokens - st.base
         if remaining <= 0:  # everything was delivered but the final chunk
@@ -375,6 +403,7 @@ class WorkerService:
                 await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
             return
         st.absorb(event)
+        self.observer.output(st, event)
         if event.finished:
             if st.error is not None and event.finish_reason == "abort":
                 await self._complete(st, st.error_chunk(self.worker_id, st.error), error=True)
@@ -392,6 +421,7 @@ class WorkerService:
         if n and chunk.seq == st.base and st.base == 0:
             self.telemetry.first_token(time.time() - st.start)
         self.telemetry.tokens(n)
+        self.observer.chunk(st, chunk)
 
     async def _flush(self, st: Flight) -> None:
         if st.has_pending:
@@ -410,6 +440,7 @@ class WorkerService:
         await self._publish(st, chunk)
         await settle(st.msg.ack)
         self.telemetry.finished(time.time() - st.start, error=error)
+        self.observer.answered(st, chunk, error=error)
         self._poke()
 
     async def _publish(self, st: Flight, chunk: Chunk) -> None:
@@ -454,7 +485,19 @@ class WorkerService:
         message = self.telemetry.build(
             self.group, state, self.bridge.stats, self.bridge.batch_cap, self.bridge.busy_s
         )
-        await telemetry.publish(self.nc, self.kv, self.subjects, message)
+        await telemetry.publish(
+            self.nc, self.kv, self.subjects, message, self.observer.metrics_port
+        )
+
+    def _engine_view(self) -> EngineView | None:
+        """The engine as ``/metrics`` reads it (from the scrape thread: snapshots only)."""
+        bridge = self.bridge
+        if bridge is None:
+            return None
+        return EngineView(
+            self.group, bridge.stats, bridge.batch_cap, bridge.busy_s,
+            getattr(self.engine, "kv_tier", None),
+        )  # fmt: skip
 
     # --- control -------------------------------------------------------------------------
 

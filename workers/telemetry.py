@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +35,7 @@ WINDOW_SAMPLES = 512
 WINDOW_S = 10.0
 HEARTBEAT_KEY_PREFIX = "workers."
 State = Literal["starting", "serving", "draining", "stopped"]
+_HOST = socket.gethostname()
 
 
 class LatencyWindow:
@@ -135,8 +137,11 @@ class WorkerTelemetry:
         )
 
 
-def heartbeat_value(message: Telemetry) -> bytes:
-    """The ``workers.<id>`` KV value: JSON, so ``nats kv get`` shows it as is."""
+def heartbeat_value(message: Telemetry, metrics_port: int = 0) -> bytes:
+    """The ``workers.<id>`` KV value: JSON, so ``nats kv get`` shows it as is.
+
+    ``host`` and ``metrics_port`` say where to scrape the worker's ``/metrics`` (0: nowhere).
+    """
     return json.dumps(
         {
             "worker": message.worker,
@@ -144,16 +149,25 @@ def heartbeat_value(message: Telemetry) -> bytes:
             "state": message.state,
             "model": message.model,
             "ts_ms": message.ts_ms,
+            "host": _HOST,
+            "metrics_port": metrics_port,
         },
         separators=(",", ":"),
     ).encode()
 
 
-async def publish(nc: Client, kv: KeyValue | None, subjects: Subjects, message: Telemetry) -> None:
+async def publish(
+    nc: Client,
+    kv: KeyValue | None,
+    subjects: Subjects,
+    message: Telemetry,
+    metrics_port: int = 0,
+) -> None:
     """Send ``message`` and refresh the heartbeat; a NATS hiccup is logged, never raised."""
     try:
         await nc.publish(subjects.telemetry(message.group, message.worker), message.to_bytes())
         if kv is not None:
-            await kv.put(HEARTBEAT_KEY_PREFIX + message.worker, heartbeat_value(message))
+            value = heartbeat_value(message, metrics_port)
+            await kv.put(HEARTBEAT_KEY_PREFIX + message.worker, value)
     except Exception as exc:
         log.warning("telemetry publish failed: %s", exc)

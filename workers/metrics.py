@@ -1,0 +1,180 @@
+"""A worker's Prometheus metrics: per-request series and the engine's state at scrape time.
+
+Per-request series (TTFT, ITL, E2E, queue time, finished requests, tokens) are observed on
+the event loop as requests move (:mod:`workers.observe`). The engine's state — running
+and waiting requests, KV usage, prefix-cache queries and hits per tier, preemptions — is
+*read* when Prometheus scrapes (:class:`EngineCollector`), from the snapshot the engine
+thread already keeps for telemetry, so serving pays nothing for it. GPU series come from
+NVML when it is there (:mod:`common.gpu_metrics`).
+
+Counters read from the engine are totals since the engine started, labelled with the
+group the replica serves *now*: after an ``assign_group`` move the totals continue under
+the new group's label (``rate()`` starts afresh there; the old series goes stale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from common import metrics as m
+from common.gpu_metrics import nvml_collector
+from workers.engine.outputs import EngineStats
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What the collector reads at scrape time: the replica's group and engine snapshot."""
+
+    group: str
+    stats: EngineStats
+    batch_cap: int
+    busy_s: float
+    kv_tier: Any = None  # kvstore.KVTiers when the engine has one: per-tier counters
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSeries:
+    """One group's label children of the per-request series (``labels()`` is not free)."""
+
+    ttft: Any
+    itl: Any
+    e2e: Any
+    queue: Any
+    prompt_tokens: Any
+    generation_tokens: Any
+    resumed: Any
+
+
+class WorkerMetrics:
+    """The worker's registry: request series, the engine collector, build info, GPUs."""
+
+    def __init__(
+        self,
+        model: str,
+        view: Callable[[], EngineView | None],
+        registry: CollectorRegistry | None = None,
+        *,
+        gpus: bool = True,
+    ) -> None:
+        self.model = model
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = m.histogram(m.TTFT, r)
+        self.itl = m.histogram(m.ITL, r)
+        self.e2e = m.histogram(m.E2E, r)
+        self.queue = m.histogram(m.QUEUE_TIME, r)
+        self.success = m.counter(m.SUCCESS, r)
+        self.errors = m.counter(m.ERRORS, r)
+        self.resumed = m.counter(m.RESUMED, r)
+        self.prompt_tokens = m.counter(m.PROMPT_TOKENS, r)
+        self.generation_tokens = m.counter(m.GENERATION_TOKENS, r)
+        self._series: dict[str, RequestSeries] = {}
+        self._outcomes: dict[tuple[str, str, bool], Any] = {}
+        r.register(EngineCollector(model, view))
+        m.register_build_info(r, "worker")
+        gpu = nvml_collector() if gpus else None
+        if gpu is not None:
+            r.register(gpu)
+
+    def series(self, group: str) -> RequestSeries:
+        """The per-request series of ``group``, looked up once."""
+        found = self._series.get(group)
+        if found is None:
+            labels = (group, self.model)
+            found = self._series[group] = RequestSeries(
+                ttft=self.ttft.labels(*labels),
+                itl=self.itl.labels(*labels),
+                e2e=self.e2e.labels(*labels),
+                queue=self.queue.labels(*labels),
+                prompt_tokens=self.prompt_tokens.labels(*labels),
+                generation_tokens=self.generation_tokens.labels(*labels),
+                resumed=self.resumed.labels(*labels),
+            )
+        return found
+
+    def outcome(self, group: str, reason: str, *, error: bool) -> Any:
+        """The counter child of a finished request: success by reason, errors by code."""
+        key = (group, reason, error)
+        child = self._outcomes.get(key)
+        if child is None:
+            family = self.errors if error else self.success
+            child = self._outcomes[key] = family.labels(group, self.model, reason)
+        return child
+
+
+class EngineCollector(Collector):
+    """The engine's gauges and counters, built from an :class:`EngineView` per scrape."""
+
+    def __init__(self, model: str, view: Callable[[], EngineView | None]) -> None:
+        self._model = model
+        self._view = view
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._view()
+        if view is None:  # not started yet: nothing to say
+            return
+        yield from self._families(view)
+
+    def _families(self, view: EngineView | None = None) -> Iterator[Metric]:
+        samples = _samples(view, self._model) if view is not None else {}
+        for spec, kind in _ENGINE_FAMILIES:
+            family = kind(spec.name, spec.doc, labels=list(spec.labels))
+            for labels, value in samples.get(spec.name, ()):
+                family.add_metric(labels, value)
+            yield family
+
+
+_ENGINE_FAMILIES: tuple[tuple[m.Spec, type[Any]], ...] = (
+    (m.RUNNING, GaugeMetricFamily),
+    (m.WAITING, GaugeMetricFamily),
+    (m.KV_USAGE, GaugeMetricFamily),
+    (m.BATCH_CAP, GaugeMetricFamily),
+    (m.PREEMPTIONS, CounterMetricFamily),
+    (m.ENGINE_BUSY, CounterMetricFamily),
+    (m.PREFIX_QUERIES, CounterMetricFamily),
+    (m.PREFIX_HITS, CounterMetricFamily),
+)
+
+
+def _samples(view: EngineView, model: str) -> dict[str, list[tuple[list[str], float]]]:
+    """Family name → (label values, value) of one scrape."""
+    s, base = view.stats, [view.group, model]
+    queries, hits = _tier_tokens(view)
+    return {
+        m.RUNNING.name: [(base, s.num_running)],
+        m.WAITING.name: [(base, s.num_waiting)],
+        m.KV_USAGE.name: [(base, s.kv_usage)],
+        m.BATCH_CAP.name: [(base, view.batch_cap)],
+        m.PREEMPTIONS.name: [(base, s.num_preemptions)],
+        m.ENGINE_BUSY.name: [(base, view.busy_s)],
+        m.PREFIX_QUERIES.name: [([*base, tier], v) for tier, v in queries],
+        m.PREFIX_HITS.name: [([*base, tier], v) for tier, v in hits],
+    }
+
+
+def _tier_tokens(view: EngineView) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(queries, hits) as (tier, tokens): the device cache (G1), then the KV tiers present."""
+    s = view.stats
+    queries = [("device", s.prefix_cache_queries)]
+    hits = [("device", s.prefix_cache_hits)]
+    tier = view.kv_tier
+    if tier is not None:
+        stats = tier.stats()
+        present = {
+            "host": stats.host_capacity_blocks > 0,
+            "redis": getattr(tier, "redis_config", None) is not None,
+        }
+        for name, counters in (("host", stats.host), ("redis", stats.redis)):
+            if present[name]:
+                queries.append((name, counters.query_tokens))
+                hits.append((name, counters.hit_tokens))
+    return queries, hits

@@ -1,0 +1,130 @@
+"""A worker's spans for one delivery of one request (see :mod:`common.tracing` for the tree).
+
+The request span starts when the message is fetched, as a child of the gateway's publish
+span (W3C ``traceparent`` in the NATS headers), and ends when the final chunk is out, or
+when the message is handed back (``nak``): a redelivered request shows one span per
+attempt, each with ``qos.attempt``. The engine is never traced from inside: its phases
+(queue, KV load, prefill, decode) are recorded afterwards, on the event loop, with the
+start and end times the engine already keeps in the request's metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Tracer
+
+from common import tracing as t
+from common.protocol import Chunk, GenerateRequest
+
+
+def operation(request_id: str) -> str:
+    """``gen_ai.operation.name`` from the gateway's id prefix (``chatcmpl-`` → chat)."""
+    return "chat" if request_id.startswith("chatcmpl-") else "text_completion"
+
+
+class RequestSpans:
+    """Starts and ends the spans of deliveries; one per worker, stateless."""
+
+    def __init__(self, tracer: Tracer, worker_id: str, model: str) -> None:
+        self.tracer = tracer
+        self.worker_id = worker_id
+        self.model = model
+
+    def start(
+        self,
+        req: GenerateRequest,
+        headers: dict[str, str] | None,
+        *,
+        group: str,
+        attempt: int,
+        subject: str,
+        fetched_at: float,
+    ) -> Span:
+        """The CONSUMER span of this delivery, started at ``fetched_at`` (``time.time()``)."""
+        op = operation(req.id)
+        model = req.model or self.model
+        attributes: dict[str, Any] = {
+            t.OPERATION: op,
+            t.REQUEST_MODEL: model,
+            t.MAX_TOKENS: req.params.max_tokens,
+            t.TEMPERATURE: req.params.temperature,
+            t.TOP_P: req.params.top_p,
+            t.RESPONSE_ID: req.id,
+            t.GROUP: group,
+            t.WORKER: self.worker_id,
+            t.ATTEMPT: attempt,
+            "messaging.system": "nats",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": subject,
+        }
+        if req.created_ms > 0:  # how long JetStream held it (clocks of two hosts: roughly)
+            attributes["qos.jetstream_wait_s"] = max(0.0, fetched_at - req.created_ms / 1000)
+        return self.tracer.start_span(
+            f"{op} {model}",
+            context=t.extract(headers),
+            kind=SpanKind.CONSUMER,
+            attributes=attributes,
+            start_time=t.ns(fetched_at),
+        )
+
+    def finish(
+        self,
+        span: Span,
+        chunk: Chunk,
+        *,
+        output: Any,
+        fetched_at: float,
+        stream: tuple[float, float] | None,
+        resumed_tokens: int,
+    ) -> None:
+        """End ``span`` with the final ``chunk``: usage, finish reason, the engine's phases
+        (from ``output.metrics``) and the ``stream`` interval (first, last chunk out)."""
+        if chunk.usage is not None:
+            span.set_attribute(t.INPUT_TOKENS, chunk.usage.prompt_tokens)
+            span.set_attribute(t.OUTPUT_TOKENS, chunk.usage.completion_tokens)
+            span.set_attribute("qos.cached_tokens", chunk.usage.cached_tokens)
+        span.set_attribute(t.FINISH_REASONS, t.finish_reasons(chunk.finish_reason))
+        if resumed_tokens:
+            span.set_attribute("qos.resumed_tokens", resumed_tokens)
+        if chunk.error is not None:
+            t.set_error(span, chunk.error.code, chunk.error.message)
+        phases = _phases(output.metrics, fetched_at) if output is not None else []
+        if stream is not None:
+            phases.append(("stream", *stream))
+        parent = trace.set_span_in_context(span)
+        for name, start, end in phases:
+            child = self.tracer.start_span(name, context=parent, start_time=t.ns(start))
+            child.end(end_time=t.ns(max(start, end)))
+        if output is not None and output.metrics.num_preemptions:
+            span.set_attribute("qos.preemptions", output.metrics.num_preemptions)
+        span.end()
+
+    @staticmethod
+    def abandon(span: Span, outcome: str) -> None:
+        """End a delivery this replica did not answer (handed back, dropped): say why."""
+        span.set_attribute("qos.outcome", outcome)
+        span.add_event(outcome)
+        span.end()
+
+
+def _phases(metrics: Any, fetched_at: float) -> list[tuple[str, float, float]]:
+    """(name, start, end) of the engine's phases that happened, in ``time.time()`` seconds."""
+    scheduled = metrics.first_scheduled_time
+    first = metrics.first_token_time
+    done = metrics.finish_time
+    phases: list[tuple[str, float, float]] = []
+    if scheduled is None:
+        return phases
+    phases.append(("queue", fetched_at, max(fetched_at, scheduled)))
+    # An engine that times its KV-tier loads reports them here; the sim and today's
+    # engine do not, and then there is no span rather than a made-up one.
+    kv_load_s = getattr(metrics, "kv_load_s", None)
+    if kv_load_s:
+        phases.append(("kv load", scheduled, scheduled + kv_load_s))
+    if first is not None:
+        phases.append(("prefill", scheduled, first))
+        if done is not None:
+            phases.append(("decode", first, done))
+    return phases
