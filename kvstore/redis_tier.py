@@ -141,6 +141,9 @@ class RedisTier:
         # Blocks per pipelined round trip: big values in few commands, never one huge reply.
         self.batch_blocks = max(1, batch_bytes // self.value_bytes)
         self._client = aredis.Redis(connection_pool=connection_pool(config, read_size))
+        # Writes take at most half the connections: a lookup at admission (on the engine's
+        # critical path) must never queue behind a burst of write-through.
+        self._writers = asyncio.Semaphore(max(1, config.max_connections // 2))
         self.num_failures = 0
         self.num_rejected = 0  # calls the open breaker answered without trying
         self.num_store_errors = 0  # SETs the server refused (e.g. out of memory)
@@ -218,10 +221,11 @@ class RedisTier:
         step = self.batch_blocks
 
         async def one(batch: Sequence[tuple[bytes, memoryview | bytes]]) -> list[object]:
-            pipe = self._client.pipeline(transaction=False)
-            for key, value in batch:
-                pipe.set(key, value, ex=ttl)
-            return list(await pipe.execute(raise_on_error=False))
+            async with self._writers:
+                pipe = self._client.pipeline(transaction=False)
+                for key, value in batch:
+                    pipe.set(key, value, ex=ttl)
+                return list(await pipe.execute(raise_on_error=False))
 
         async def run() -> list[object]:
             parts = await asyncio.gather(

@@ -148,7 +148,14 @@ class KVTiers:
 
     def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
         assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._wait_s)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(self._wait_s)
+        except TimeoutError:
+            # Every socket timeout has passed: the loop itself is stuck. Stop asking it.
+            future.cancel()
+            self.breaker.failure()
+            raise
 
     # --- the engine's calls --------------------------------------------------------------
 

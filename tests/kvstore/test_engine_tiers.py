@@ -7,8 +7,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
+import torch
 
 from common.config import RedisConfig
 from common.services import RedisServer
@@ -49,6 +51,24 @@ def reference(tiny_llama: Path) -> Callable[[list[list[int]]], list[list[int]]]:
     """Tokens without any tier or prefix cache: what every tiered run must reproduce."""
     eng = engine(tiny_llama, enable_prefix_caching=False)
     return lambda prompts: serve(eng, prompts)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exported_blocks_are_whole_blocks_and_import_back_bit_exact(dtype: str) -> None:
+    eng = engine(Path("dummy:tiny"), dtype=dtype, num_kv_blocks=8)
+    runner = eng.runner
+    for k, v in runner.kv_caches:
+        k.copy_(torch.randn(k.shape))
+        v.copy_(torch.randn(v.shape))
+    rows = runner.export_blocks([3, 1])
+    assert rows.shape == (2, runner.bytes_per_block())
+    layer, block = 1, 1  # row 1 is block 1: [K|V, layer, token, head, dim]
+    as_kv = (
+        torch.from_numpy(rows[1].copy()).view(runner.dtype).view(2, len(runner.kv_caches), BS, -1)
+    )
+    assert torch.equal(as_kv[1, layer].flatten(), runner.kv_caches[layer][1][block].flatten())
+    runner.import_blocks([6, 5], [memoryview(r) for r in rows])
+    assert np.array_equal(runner.export_blocks([6, 5]), rows)
 
 
 def test_blocks_evicted_from_the_device_come_back_from_host_memory(

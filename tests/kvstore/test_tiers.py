@@ -3,6 +3,8 @@ failure (garbage, truncation, another layout, a full queue, a dead server) is a 
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 
@@ -50,6 +52,10 @@ def test_blocks_written_by_one_node_load_on_another(
         s = other.stats().redis
         assert s.hit_tokens == 4 * LAYOUT.block_size and s.query_tokens == 6 * 4
     assert tiers.stats().redis.store_blocks == 4
+    assert tiers.identity is not None
+    client = redis.Redis.from_url(redis_config.url)
+    assert 0 < client.ttl(tiers.identity.key(HASHES[0])) <= redis_config.ttl_s
+    client.close()
 
 
 def test_garbage_or_truncated_values_under_real_keys_are_counted_misses(
@@ -123,6 +129,30 @@ def test_breaker_opens_while_redis_is_down_and_hits_resume_after_restart(
         assert tiers.flush()
         assert tiers.lookup(HASHES[:2]) == 2 and len(tiers.load(HASHES[:2])) == 2
         assert tiers.stats().breaker_state == "closed"
+
+
+def test_a_hung_redis_times_out_once_then_the_breaker_answers_at_once(
+    fresh_redis_server: Callable[..., RedisServer],
+) -> None:
+    server = fresh_redis_server()
+    assert server.pid is not None
+    config = RedisConfig(url=server.url, socket_timeout_s=0.2)
+    breaker = CircuitBreaker(failures_to_open=1, open_s=30.0)
+    with make(config, breaker=breaker) as tiers:
+        tiers.store_async(HASHES[:2], blocks(2))
+        assert tiers.flush() and tiers.lookup(HASHES[:2]) == 2
+        os.kill(server.pid, signal.SIGSTOP)  # alive but silent: only timeouts tell
+        try:
+            t0 = time.perf_counter()
+            assert tiers.lookup(HASHES[:2]) == 0
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(10):
+                assert tiers.lookup(HASHES[:2]) == 0 and tiers.load(HASHES[:2]) == []
+            assert time.perf_counter() - t0 < 0.1 < first  # one timeout, then none
+            assert tiers.stats().breaker_state == "open"
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
 
 
 def test_breaker_probes_once_after_the_open_period_and_backs_off_on_failure() -> None:
