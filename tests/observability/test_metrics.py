@@ -1,0 +1,137 @@
+"""``/metrics`` of every service, parsed as Prometheus parses it, after a known load."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from common import metrics as m
+from common.config import Config
+from common.gpu_metrics import nvml_collector
+from tests.observability.conftest import (
+    MODEL,
+    Samples,
+    StartWorker,
+    parse_metrics,
+    run_requests,
+    value,
+)
+
+PLAN = {"short": 3, "long": 2}
+MAX_TOKENS = 5
+
+
+def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+async def test_after_n_requests_counters_moved_by_n_and_histograms_hold_n_per_group(
+    config: Config, start_worker: StartWorker
+) -> None:
+    run = await run_requests(config, start_worker, PLAN, MAX_TOKENS)
+    gw_before, gw_after = run.gateway
+    for group, n in PLAN.items():
+        g = {"group": group}
+        assert delta(gw_before, gw_after, "qos_gateway_requests_total", status="200", **g) == n
+        for hist in ("qos_gateway_time_to_first_token_seconds", m.GW_E2E.name):
+            assert delta(gw_before, gw_after, f"{hist}_count", model=MODEL, **g) == n, hist
+        tokens = delta(gw_before, gw_after, "qos_gateway_generation_tokens_total", **g)
+        assert tokens == n * MAX_TOKENS
+        assert value(gw_after, "qos_gateway_requests_in_flight", **g) == 0
+
+        before, after = run.workers[group]
+        labels = {"group": group, "model": MODEL}
+        success = delta(
+            before, after, "qos_request_success_total", finished_reason="length", **labels
+        )
+        assert success == n
+        for spec in (m.TTFT, m.E2E, m.QUEUE_TIME):
+            assert delta(before, after, f"{spec.name}_count", **labels) == n, spec.name
+            inf = value(after, f"{spec.name}_bucket", le="+Inf", **labels)
+            assert inf == value(after, f"{spec.name}_count", **labels)
+        assert delta(before, after, f"{m.ITL.name}_count", **labels) == n * (MAX_TOKENS - 1)
+        generated = delta(before, after, "qos_generation_tokens_total", **labels)
+        assert generated == n * MAX_TOKENS
+        # "req i": BOS + five bytes (i < 10)
+        assert delta(before, after, "qos_prompt_tokens_total", **labels) == n * 6
+        other = next(o for o in PLAN if o != group)
+        assert value(after, f"{m.E2E.name}_count", group=other) == 0  # only its own group
+
+        # The engine's state, read at scrape time.
+        for spec in (m.RUNNING, m.WAITING, m.KV_USAGE, m.BATCH_CAP):
+            assert (spec.name, frozenset(labels.items())) in after, spec.name
+        assert value(after, "qos_batch_cap", **labels) == config.groups[group].max_batch
+        device = {**labels, "tier": "device"}
+        assert (f"{m.PREFIX_QUERIES.name}_total", frozenset(device.items())) in after
+        assert (f"{m.PREFIX_HITS.name}_total", frozenset(device.items())) in after
+        assert (f"{m.PREEMPTIONS.name}_total", frozenset(labels.items())) in after
+        assert value(after, "qos_build_info", service="worker") == 1
+
+    assert value(gw_after, "qos_build_info", service="gateway") == 1
+    assert value(run.scheduler, "qos_build_info", service="scheduler") == 1
+    for group in PLAN:
+        assert value(run.scheduler, "qos_breaker_state", group=group) == 0  # closed
+        assert ("qos_desired_replicas", frozenset({("group", group)})) in run.scheduler
+
+
+async def test_workers_on_one_host_get_their_own_port_and_publish_it_in_the_heartbeat(
+    config: Config, start_worker: StartWorker
+) -> None:
+    run = await run_requests(config, start_worker, {"short": 1, "long": 1}, MAX_TOKENS)
+    ports = run.ports
+    assert len(set(ports.values())) == 2 and 0 not in ports.values()
+    for worker_id, port in ports.items():
+        assert run.heartbeats[worker_id]["metrics_port"] == port
+        assert run.heartbeats[worker_id]["host"]
+
+
+def test_without_nvml_gpu_series_are_absent_not_zero(config: Config) -> None:
+    if "pynvml" in sys.modules or _importable("pynvml"):
+        pytest.skip("pynvml is installed here")
+    assert nvml_collector() is None
+    from workers.metrics import WorkerMetrics
+
+    text = generate_latest(WorkerMetrics(MODEL, lambda: None).registry).decode()
+    assert "qos_gpu_" not in text
+
+
+def test_nvml_collector_exports_the_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in for NVML's Python binding (not for anything this project talks to).
+    devices = [("GPU-aaa", 37, 10, 80), ("GPU-bbb", 90, 70, 80)]
+
+    def handle(i: int) -> int:
+        return i
+
+    fake: Any = types.ModuleType("pynvml")
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetCount = lambda: len(devices)
+    fake.nvmlDeviceGetHandleByIndex = handle
+    fake.nvmlDeviceGetUUID = lambda h: devices[h][0]
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=devices[h][1])
+    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        used=devices[h][2] << 30, total=devices[h][3] << 30
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+
+    everything = nvml_collector(env={})
+    only_b = nvml_collector(env={"CUDA_VISIBLE_DEVICES": "GPU-bbb"})
+    assert everything is not None and only_b is not None
+    registry = CollectorRegistry()
+    registry.register(everything)
+    samples = parse_metrics(generate_latest(registry).decode())
+    assert value(samples, "qos_gpu_utilization_ratio", gpu="0") == pytest.approx(0.37)
+    assert value(samples, "qos_gpu_utilization_ratio", gpu="1") == pytest.approx(0.90)
+    assert value(samples, "qos_gpu_memory_used_bytes", gpu="1") == 70 << 30
+    assert value(samples, "qos_gpu_memory_total_bytes", gpu="0") == 80 << 30
+    assert [label for label, _ in only_b._devices] == ["1"]
+    assert nvml_collector(env={"CUDA_VISIBLE_DEVICES": "1"}) is not None
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None

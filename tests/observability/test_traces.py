@@ -1,0 +1,226 @@
+"""One trace per request: gateway server span → publish span → worker spans, over real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from nats.aio.client import Client
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanKind
+
+from common.config import Config
+from common.subjects import Subjects
+from common.tracing import init_tracing, tracer_for
+from tests.gateway.conftest import serve
+from tests.observability.conftest import (
+    MODEL,
+    SLOW,
+    StartWorker,
+    Traced,
+    stream_completion,
+    wait_live,
+)
+
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+
+
+def by_kind(spans: list[ReadableSpan], kind: SpanKind) -> list[ReadableSpan]:
+    return [s for s in spans if s.kind == kind]
+
+
+def parent_id(span: ReadableSpan) -> int | None:
+    return span.parent.span_id if span.parent is not None else None
+
+
+def children(spans: list[ReadableSpan], parent: ReadableSpan) -> dict[str, ReadableSpan]:
+    return {s.name: s for s in spans if parent_id(s) == parent.context.span_id}
+
+
+def worker_done(spans: list[ReadableSpan], attempts: int = 1) -> bool:
+    done = [s for s in by_kind(spans, SpanKind.CONSUMER) if "qos.outcome" not in s.attributes]
+    return len(by_kind(spans, SpanKind.CONSUMER)) >= attempts and bool(done)
+
+
+async def test_streamed_request_is_one_trace_from_gateway_to_worker_with_genai_attributes(
+    config: Config, start_worker: StartWorker, traced: Traced
+) -> None:
+    await start_worker("w-trace", tracer_provider=traced.provider)
+    async with (
+        serve(config, tracer_provider=traced.provider) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        await wait_live(http, "short")
+        events = await stream_completion(
+            http, "/v1/short/completions", prompt="hello", max_tokens=6, temperature=0.5,
+            top_p=0.9,
+        )  # fmt: skip
+    assert events[-1] == "[DONE]"
+    spans = await traced.wait_for(worker_done)
+
+    assert {s.context.trace_id for s in spans} == {spans[0].context.trace_id}  # ONE trace
+    (server,) = by_kind(spans, SpanKind.SERVER)
+    (publish,) = by_kind(spans, SpanKind.PRODUCER)
+    (worker,) = by_kind(spans, SpanKind.CONSUMER)
+    assert server.parent is None  # the client sent no traceparent: the gateway starts it
+    assert server.name == "POST /v1/{group}/completions"
+    assert parent_id(publish) == server.context.span_id
+    assert publish.name == f"publish {Subjects(config.nats.subject_prefix).request('short')}"
+    assert parent_id(worker) == publish.context.span_id
+    assert worker.parent is not None and worker.parent.is_remote  # crossed NATS
+    phases = children(spans, worker)
+    assert set(phases) == {"queue", "prefill", "decode", "stream"}
+    assert phases["queue"].end_time <= phases["prefill"].start_time <= phases["decode"].start_time
+    for phase in phases.values():
+        assert worker.start_time <= phase.start_time <= phase.end_time <= worker.end_time
+    assert server.start_time <= publish.start_time <= worker.start_time <= server.end_time
+
+    request_id = server.attributes["gen_ai.response.id"]
+    expected = {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.request.model": MODEL,
+        "gen_ai.request.max_tokens": 6,
+        "gen_ai.request.temperature": 0.5,
+        "gen_ai.request.top_p": 0.9,
+        "gen_ai.response.id": request_id,
+        "gen_ai.usage.input_tokens": 6,  # BOS + "hello", a token a byte
+        "gen_ai.usage.output_tokens": 6,
+        "gen_ai.response.finish_reasons": ("length",),
+        "qos.group": "short",
+    }
+    for span in (server, worker):
+        assert {k: span.attributes.get(k) for k in expected} == expected, span.name
+    assert worker.attributes["qos.worker"] == "w-trace"
+    assert worker.attributes["qos.attempt"] == 1
+    assert worker.name == f"text_completion {MODEL}"
+    assert server.attributes["http.response.status_code"] == 200
+    assert publish.attributes["messaging.message.id"] == request_id
+
+
+async def test_the_clients_traceparent_is_the_parent_of_the_gateway_span(
+    config: Config, start_worker: StartWorker, traced: Traced
+) -> None:
+    await start_worker("w-parent", tracer_provider=traced.provider)
+    async with (
+        serve(config, tracer_provider=traced.provider) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        await wait_live(http, "short")
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        response = await http.post(
+            "/v1/short/chat/completions", json=body, headers={"traceparent": TRACEPARENT}
+        )
+    assert response.status_code == 200
+    spans = await traced.wait_for(worker_done)
+    assert {format(s.context.trace_id, "032x") for s in spans} == {CLIENT_TRACE}
+    (server,) = by_kind(spans, SpanKind.SERVER)
+    assert format(parent_id(server) or 0, "016x") == CLIENT_SPAN
+    (worker,) = by_kind(spans, SpanKind.CONSUMER)
+    assert worker.attributes["gen_ai.operation.name"] == "chat"
+    assert server.attributes["gen_ai.operation.name"] == "chat"
+
+
+async def test_a_redelivered_request_shows_both_attempts_in_one_trace(
+    config: Config, start_worker: StartWorker, traced: Traced
+) -> None:
+    first = await start_worker("w-first", cost=SLOW, tracer_provider=traced.provider)
+    async with (
+        serve(config, tracer_provider=traced.provider) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=20) as http,
+    ):
+        await wait_live(http, "short")
+        streaming = asyncio.create_task(
+            stream_completion(http, "/v1/short/completions", prompt="abc", max_tokens=40)
+        )
+        while not first.inflight_ids:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # ~10 of 40 tokens out: hand it back mid-stream
+        await first.stop(grace_s=0)
+        await start_worker("w-second", cost=SLOW, tracer_provider=traced.provider)
+        assert (await streaming)[-1] == "[DONE]"
+    spans = await traced.wait_for(lambda s: worker_done(s, attempts=2), timeout_s=15)
+    attempts = sorted(by_kind(spans, SpanKind.CONSUMER), key=lambda s: s.attributes["qos.attempt"])
+    assert [s.attributes["qos.attempt"] for s in attempts] == [1, 2]
+    assert [s.attributes["qos.worker"] for s in attempts] == ["w-first", "w-second"]
+    assert attempts[0].attributes["qos.outcome"] == "handed_back"
+    assert attempts[1].attributes["qos.resumed_tokens"] > 0
+    assert attempts[1].attributes["gen_ai.usage.output_tokens"] == 40
+    (publish,) = by_kind(spans, SpanKind.PRODUCER)
+    assert {parent_id(s) for s in attempts} == {publish.context.span_id}
+    assert len({s.context.trace_id for s in spans}) == 1
+
+
+async def test_tracing_off_builds_no_spans_and_still_forwards_the_clients_traceparent(
+    config: Config, start_worker: StartWorker, nc: Client
+) -> None:
+    # Nobody in this process set a provider: the API's proxy, which records nothing.
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    assert tracer_for(None, "x") is None
+    assert init_tracing("off", env={}) is None
+    assert init_tracing("off", env={"OTEL_TRACES_EXPORTER": "none"}) is None
+    assert (
+        init_tracing("off", env={"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"})
+        is None
+    )
+    worker = await start_worker("w-off")
+    assert worker.observer.spans is None
+    seen: list[dict[str, str]] = []
+
+    async def on_request(msg) -> None:  # type: ignore[no-untyped-def]
+        seen.append(dict(msg.headers or {}))
+
+    await nc.subscribe(Subjects(config.nats.subject_prefix).request("short"), cb=on_request)
+    async with (
+        serve(config) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        await wait_live(http, "short")
+        generator = gw.app.state.gateway.generator
+        assert generator is not None and generator._tracer is None
+        response = await http.post(
+            "/v1/short/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={"traceparent": TRACEPARENT, "tracestate": "vendor=1"},
+        )
+    assert response.status_code == 200
+    for _ in range(50):
+        if seen:
+            break
+        await asyncio.sleep(0.02)
+    assert seen[0]["traceparent"] == TRACEPARENT and seen[0]["tracestate"] == "vendor=1"
+
+
+def test_otel_variables_pick_the_exporter() -> None:
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    def exporters(env: dict[str, str]) -> list[object]:
+        provider = init_tracing("svc", env=env, set_global=False)
+        assert provider is not None
+        processors = provider._active_span_processor._span_processors
+        found = [p.span_exporter for p in processors]
+        provider.shutdown()
+        return found
+
+    (grpc,) = exporters({"OTEL_TRACES_EXPORTER": "otlp"})
+    assert isinstance(grpc, Grpc)
+    (http,) = exporters(
+        {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
+        }
+    )
+    assert isinstance(http, Http) and http._endpoint == "http://collector:4318/v1/traces"
+    assert [type(e) for e in exporters({"OTEL_TRACES_EXPORTER": "console,otlp"})] == [
+        ConsoleSpanExporter,
+        Grpc,
+    ]
+    provider = init_tracing("svc", env={"OTEL_TRACES_EXPORTER": "console",
+                                        "OTEL_SERVICE_NAME": "gw-eu"}, set_global=False)  # fmt: skip
+    assert provider is not None and provider.resource.attributes["service.name"] == "gw-eu"
+    provider.shutdown()
