@@ -4,7 +4,7 @@ device blocks come back from host memory, and Redis failing costs recomputation 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +128,54 @@ def test_generated_blocks_are_written_through_for_a_resumed_request(
         b = engine(tiny_llama, b_tier)
         assert serve(b, [resumed]) == reference([resumed])
         assert b.stats().kv_tier_hits == 6 * BS  # all but the last token: 6 full blocks
+
+
+class VanishingTier:
+    """Claims every block at lookup, then loses them all: the worst a tier can do."""
+
+    accepts_stores = accepts_offloads = False
+
+    def __init__(self) -> None:
+        self.lookups = 0
+
+    def bind(self, model: str, seed: int, layout: object) -> None:
+        pass
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        self.lookups += 1
+        return len(hashes)
+
+    def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
+        return []
+
+    def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
+        pass
+
+    def offload(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
+        pass
+
+
+@pytest.mark.parametrize("policy", ["continuous", "hybrid"])
+def test_a_tier_that_loses_blocks_costs_recompute_and_a_waiting_head_asks_once(
+    tiny_llama: Path, reference: Callable[[list[list[int]]], list[list[int]]], policy: str
+) -> None:
+    tier = VanishingTier()
+    eng = engine(tiny_llama, tier, num_kv_blocks=16, policy=policy)  # type: ignore[arg-type]
+    first, second = prompt(30, 7 * BS), prompt(31, 10 * BS)  # 7 + 10 blocks > 16: one waits
+    for i, p in enumerate((first, second)):
+        eng.add_request(str(i), prompt_token_ids=p, params=GREEDY)
+    outs = drain_all(eng)
+    assert [outs["0"], outs["1"]] == reference([first, second])
+    assert eng.stats().num_prompt_tokens_computed == len(first) + len(second)
+    assert tier.lookups == 2  # not once per step while "1" waited for blocks
+
+
+def drain_all(eng: LLMEngine) -> dict[str, list[int]]:
+    outs: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for delta in eng.step():
+            outs.setdefault(delta.request_id, []).extend(delta.token_ids)
+    return outs
 
 
 def test_a_corrupt_block_is_recomputed_and_counted(

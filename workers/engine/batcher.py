@@ -97,6 +97,9 @@ class Batcher:
         self.num_preemptions = 0
         self.tier_query_tokens = 0  # tokens asked of the KV tier at admission
         self.tier_hit_tokens = 0  # of which loaded from it
+        # request id -> (tokens, device hit, tier hit) of a lookup whose admission then waited
+        # for blocks: a queue head that waits must not cost a Redis round trip every step.
+        self._tier_seen: dict[str, tuple[int, int, int]] = {}
         # static/dynamic: ids of the batch in flight; empty = a new batch may form.
         self._members: set[str] = set()
 
@@ -117,6 +120,7 @@ class Batcher:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._members.discard(req.request_id)
+        self._tier_seen.pop(req.request_id, None)
         self.pool.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -198,7 +202,11 @@ class Batcher:
                 break
             num_new = remaining if whole else min(remaining, budget)
             if not self.pool.allocate_slots(req, tier_tokens + num_new, hit_blocks, admission=True):
+                if tier_tokens:
+                    key = (req.num_tokens, len(hit_blocks), tier_tokens)
+                    self._tier_seen[req.request_id] = key
                 break
+            self._tier_seen.pop(req.request_id, None)
             self.waiting.remove(req)
             req.num_computed_tokens = hit_tokens
             if tier_tokens:
@@ -223,6 +231,9 @@ class Batcher:
         limit = (req.num_tokens - 1) // bs
         if first >= limit:
             return 0
+        seen = self._tier_seen.get(req.request_id)
+        if seen is not None and seen[:2] == (req.num_tokens, first):
+            return seen[2]
         self.tier_query_tokens += (limit - first) * bs
         return self.kv_tier.lookup(self.pool.update_hashes(req)[first:limit]) * bs
 
