@@ -109,7 +109,9 @@ class WorkerService:
         self.subjects = Subjects(config.nats.subject_prefix)
         self.engine = engine
         self.state: telemetry.State = "starting"
-        self.telemetry = telemetry.WorkerTelemetry(options.worker_id, options.model)
+        self.telemetry = telemetry.WorkerTelemetry(
+            options.worker_id, options.model, window_s=config.worker.latency_window_s
+        )
         self.observer = WorkerObserver(
             worker_id=options.worker_id,
             model=options.model or Path(config.worker.model).name,

@@ -5,7 +5,9 @@ Every ``worker.telemetry_interval_s`` the service publishes one :class:`Telemetr
 ``qos_state`` KV bucket: JSON ``{"worker", "group", "state", "model", "ts_ms"}``.
 
 TTFT and E2E percentiles cover a sliding window: the last :data:`WINDOW_SAMPLES` requests
-that finished within the last :data:`WINDOW_S` seconds. Both are measured from the
+that finished within the last ``worker.latency_window_s`` seconds (default 3 s). Kept short on
+purpose: the scheduler's breaker averages its own window of samples, and a long worker window
+would keep reporting a healed group as slow and re-open the breaker while it probes. Both are measured from the
 request's ``created_ms`` (when the caller set it), so time spent queued in JetStream
 counts: a backlog is exactly what the scheduler's breakers must see. A resumed request
 (redelivery) contributes no TTFT sample: its first token went out on an earlier attempt.
@@ -32,7 +34,7 @@ from workers.engine.outputs import EngineStats
 log = logging.getLogger(__name__)
 
 WINDOW_SAMPLES = 512
-WINDOW_S = 10.0
+WINDOW_S = 3.0
 HEARTBEAT_KEY_PREFIX = "workers."
 State = Literal["starting", "serving", "draining", "stopped"]
 _HOST = socket.gethostname()
@@ -75,11 +77,17 @@ def _rank(sorted_values: list[float], q: float) -> float:
 class WorkerTelemetry:
     """Counters and windows the service feeds; :meth:`build` makes the next message."""
 
-    def __init__(self, worker_id: str, model: str, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        worker_id: str,
+        model: str,
+        clock: Callable[[], float] = time.monotonic,
+        window_s: float = WINDOW_S,
+    ):
         self.worker_id = worker_id
         self.model = model
-        self.ttft = LatencyWindow(clock=clock)
-        self.e2e = LatencyWindow(clock=clock)
+        self.ttft = LatencyWindow(horizon_s=window_s, clock=clock)
+        self.e2e = LatencyWindow(horizon_s=window_s, clock=clock)
         self.requests_done = 0
         self.errors = 0
         self.tokens_out = 0
