@@ -101,14 +101,15 @@ class CircuitBreaker:
 
 
 def connection_pool(config: RedisConfig, read_size: int) -> aredis.BlockingConnectionPool:
-    """A pool of at most ``max_connections``; waiting for a free one counts as a timeout.
+    """A pool of at most ``max_connections`` (plus the breaker's probe: see RedisTier).
 
     redis-py's own retries are off: the breaker decides when to try again, and a retry
-    with back-off inside one call would stall the engine thread that waits for it.
+    with back-off inside one call would stall the engine thread that waits for it. Waiting
+    for a free connection is our own queue, not a sick server, so it gets no short timeout.
     """
     kwargs: dict[str, object] = dict(
-        max_connections=config.max_connections,
-        timeout=config.socket_timeout_s,
+        max_connections=config.max_connections + 1,
+        timeout=None,
         socket_timeout=config.socket_timeout_s,
         socket_connect_timeout=config.socket_timeout_s,
         retry=Retry(NoBackoff(), 0),
@@ -141,9 +142,13 @@ class RedisTier:
         # Blocks per pipelined round trip: big values in few commands, never one huge reply.
         self.batch_blocks = max(1, batch_bytes // self.value_bytes)
         self._client = aredis.Redis(connection_pool=connection_pool(config, read_size))
-        # Writes take at most half the connections: a lookup at admission (on the engine's
-        # critical path) must never queue behind a burst of write-through.
-        self._writers = asyncio.Semaphore(max(1, config.max_connections // 2))
+        # Sub-batches in flight never outnumber the connections, so nobody waits on the
+        # pool; writes take at most half, so a lookup at admission (on the engine's critical
+        # path) never queues behind a burst of write-through. The pool's one spare
+        # connection is for the small EXPIRE pipelines of lookups.
+        writers = max(1, config.max_connections // 2)
+        self._writers = asyncio.Semaphore(writers)
+        self._readers = asyncio.Semaphore(max(1, config.max_connections - writers))
         self.num_failures = 0
         self.num_rejected = 0  # calls the open breaker answered without trying
         self.num_store_errors = 0  # SETs the server refused (e.g. out of memory)
@@ -204,13 +209,17 @@ class RedisTier:
         keys = [self.identity.key(h) for h in hashes]
 
         async def run() -> list[bytes | None]:
-            parts = await asyncio.gather(*(self._client.mget(c) for c in self._chunks(keys)))
+            parts = await asyncio.gather(*(self._mget(c) for c in self._chunks(keys)))
             return [v if isinstance(v, bytes) else None for part in parts for v in part]
 
         values = await self._guarded(run)
         if values is None:
             return [None] * len(hashes)
         return values
+
+    async def _mget(self, keys: Sequence[bytes]) -> list[object]:
+        async with self._readers:
+            return list(await self._client.mget(keys))
 
     async def set(self, hashes: Sequence[bytes], values: Sequence[memoryview | bytes]) -> int:
         """Write blocks with the TTL; how many the server took (0 on failure)."""
