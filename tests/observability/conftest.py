@@ -160,6 +160,7 @@ class Scrapes:
     texts: list[str]  # every exposition text scraped after the run
     heartbeats: dict[str, dict[str, Any]]  # worker id -> heartbeat JSON
     ports: dict[str, int]  # worker id -> metrics port
+    targets: list[dict[str, Any]]  # file-SD entries from the heartbeats
 
 
 async def run_requests(
@@ -173,6 +174,7 @@ async def run_requests(
     from common.services import free_port
     from scheduler.service import SchedulerService
     from tests.gateway.conftest import serve
+    from workers.scrape_targets import scrape_targets
 
     sched_cfg = config.model_copy(
         update={
@@ -216,6 +218,7 @@ async def run_requests(
             w.worker_id: json.loads((await kv.get(f"workers.{w.worker_id}")).value or b"{}")
             for w in workers.values()
         }
+        targets = await scrape_targets(kv)
         await nc.close()
     finally:
         await scheduler.stop()
@@ -226,6 +229,7 @@ async def run_requests(
         texts=[gw_text, sched_text, *w_texts],
         heartbeats=heartbeats,
         ports={w.worker_id: w.observer.metrics_port for w in workers.values()},
+        targets=targets,
     )
 
 

@@ -87,6 +87,12 @@ async def test_workers_on_one_host_get_their_own_port_and_publish_it_in_the_hear
     for worker_id, port in ports.items():
         assert run.heartbeats[worker_id]["metrics_port"] == port
         assert run.heartbeats[worker_id]["host"]
+    # ... which is what Prometheus's file-SD gets (python -m workers.scrape_targets).
+    found = {t["labels"]["worker"]: (t["targets"], t["labels"]["group"]) for t in run.targets}
+    assert found == {
+        worker_id: ([f"{run.heartbeats[worker_id]['host']}:{port}"], worker_id.removeprefix("w-"))
+        for worker_id, port in ports.items()
+    }
 
 
 def test_without_nvml_gpu_series_are_absent_not_zero(config: Config) -> None:

@@ -1,0 +1,105 @@
+"""deploy/observability: the dashboard asks only for series the services export; configs load."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from common import metrics as m
+from common.config import Config
+from tests.observability.conftest import StartWorker, run_requests
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "observability"
+METRIC = re.compile(r"\bqos_[a-z0-9_]+\b")
+BY = re.compile(r"\bby\s*\(([^)]*)\)")
+SCRAPE_LABELS = {"instance", "job", "service", "le"}  # added by Prometheus or histograms
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
+
+
+def expressions(node: Any) -> Iterator[str]:
+    """Every PromQL string in the dashboard: panel targets and template variable queries."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("expr", "definition") and isinstance(value, str):
+                yield value
+            elif key == "query" and isinstance(value, dict) and "query" in value:
+                yield value["query"]
+            else:
+                yield from expressions(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from expressions(item)
+
+
+async def test_every_promql_expression_names_only_series_the_services_export(
+    config: Config, start_worker: StartWorker
+) -> None:
+    dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    run = await run_requests(config, start_worker, {"short": 2, "long": 1}, max_tokens=3)
+    specs = {spec.name: spec for spec in vars(m).values() if isinstance(spec, m.Spec)}
+    labels: dict[str, set[str]] = {}  # sample name -> label names
+    for text in run.texts:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels.setdefault(sample.name, set()).update(sample.labels)
+            # A family with no sample yet (no error happened) is still exported, empty.
+            spec_labels = set(specs[family.name].labels) if family.name in specs else set()
+            for suffix in SUFFIXES.get(family.type, ("",)):
+                labels.setdefault(family.name + suffix, set()).update(spec_labels)
+    # GPU series exist only where NVML does; their names and labels come from the specs.
+    for spec in m.GPU_SPECS:
+        labels.setdefault(spec.name, set()).update(spec.labels)
+
+    exprs = list(expressions(dashboard))
+    assert len(exprs) >= 25
+    for expr in exprs:
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+        names = METRIC.findall(expr)
+        assert names, f"no qos_* series in {expr!r}"
+        unknown = [n for n in names if n not in labels]
+        assert not unknown, f"{unknown} in {expr!r} are not exported"
+        known = set().union(*(labels[n] for n in names)) | SCRAPE_LABELS
+        for clause in BY.findall(expr):
+            missing = {label.strip() for label in clause.split(",")} - known
+            assert not missing, f"by ({clause}) in {expr!r}: {missing} not on {names}"
+
+
+def test_the_dashboard_covers_design_section_7() -> None:
+    dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    titles = " | ".join(p["title"] for p in dashboard["panels"])
+    for topic in ("TTFT", "Inter-token", "E2E", "Requests/s", "Queue depth", "Running batch",
+                  "KV cache usage", "hit rate per tier", "Breaker state", "Replicas per group",
+                  "GPU utilisation"):  # fmt: skip
+        assert topic in titles, topic
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["group"]["includeAll"]
+
+
+def test_prometheus_collector_and_grafana_provisioning_configs_load() -> None:
+    prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
+    assert set(jobs) == {"qosserve-gateway", "qosserve-scheduler", "qosserve-workers"}
+    assert all(job["metrics_path"] == "/metrics" for job in jobs.values())
+    assert jobs["qosserve-workers"]["file_sd_configs"]
+
+    collector = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text())
+    assert set(collector["receivers"]["otlp"]["protocols"]) == {"grpc", "http"}
+    pipeline = collector["service"]["pipelines"]["traces"]
+    assert pipeline["receivers"] == ["otlp"] and "debug" in pipeline["exporters"]
+    assert set(pipeline["exporters"]) <= set(collector["exporters"])
+    assert set(pipeline["processors"]) <= set(collector["processors"])
+
+    provisioning = DEPLOY / "grafana-provisioning"
+    datasource = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())
+    assert datasource["datasources"][0]["type"] == "prometheus"
+    provider = yaml.safe_load((provisioning / "dashboards" / "qosserve.yaml").read_text())
+    assert provider["providers"][0]["type"] == "file"
