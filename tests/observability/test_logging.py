@@ -1,0 +1,137 @@
+"""Logs: JSON lines with request and trace ids, the gateway's access log, no prompts or secrets."""
+
+from __future__ import annotations
+
+import contextvars
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from common.config import Config, LogConfig
+from common.logging import JsonFormatter, TextFormatter, bind_request, redact, setup_logging
+from tests.gateway.conftest import serve
+from tests.observability.conftest import MODEL, StartWorker, Traced, wait_live
+
+SECRET_PROMPT = "SECRET-PROMPT-7f3a"
+
+
+@pytest.fixture
+def access_lines() -> Iterator[io.StringIO]:
+    """JSON lines of the ``qosserve.access`` logger, formatted as they are written."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter("gateway"))
+    logger = logging.getLogger("qosserve.access")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    yield out
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+
+
+def test_a_json_line_in_a_request_context_has_the_request_and_trace_ids(traced: Traced) -> None:
+    formatter = JsonFormatter("worker")
+    tracer = traced.provider.get_tracer("test")
+
+    def in_request() -> dict[str, object]:
+        bind_request("chatcmpl-abc")
+        with tracer.start_as_current_span("work") as span:
+            record = logging.LogRecord("workers.service", logging.INFO, __file__, 1,
+                                       "request %s: %d tokens", ("chatcmpl-abc", 7), None)  # fmt: skip
+            record.fields = {"group": "short"}
+            line = json.loads(formatter.format(record))
+            assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
+            return line
+
+    line = contextvars.copy_context().run(in_request)  # the request id stays in that context
+    assert line["request_id"] == "chatcmpl-abc" and line["group"] == "short"
+    assert line["msg"] == "request chatcmpl-abc: 7 tokens"
+    assert (line["level"], line["logger"], line["service"]) == ("info", "workers.service", "worker")
+    assert line["ts"].endswith("Z")
+    outside = logging.LogRecord("x", logging.INFO, __file__, 1, "idle", (), None)
+    assert "request_id" not in json.loads(formatter.format(outside))
+    assert "trace_id" not in json.loads(formatter.format(outside))
+
+
+def test_credentials_and_bearer_tokens_are_masked_in_every_format() -> None:
+    message = (
+        "connect nats://qos:hunter2@nats:4222 failed; header Authorization: Bearer sk-live-123"
+    )
+    masked = redact(message)
+    assert "hunter2" not in masked and "sk-live-123" not in masked
+    assert "nats://***@nats:4222" in masked and "Bearer ***" in masked
+    record = logging.LogRecord("x", logging.ERROR, __file__, 1, "%s", (message,), None)
+    assert "hunter2" not in JsonFormatter("gw").format(record)
+    assert "hunter2" not in TextFormatter().format(record)
+
+
+def test_setup_logging_writes_json_lines_for_every_logger() -> None:
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    out = io.StringIO()
+    try:
+        setup_logging("scheduler", LogConfig(format="json", level="warning"), stream=out)
+        logging.getLogger("scheduler.service").warning("breaker %s opened", "short")
+        logging.getLogger("uvicorn.error").info("not at warning level")
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(line["service"], line["msg"]) for line in lines] == [
+        ("scheduler", "breaker short opened")
+    ]
+
+
+async def test_the_access_log_has_method_path_status_group_duration_and_request_id(
+    config: Config, start_worker: StartWorker, traced: Traced, access_lines: io.StringIO
+) -> None:
+    await start_worker("w-log")
+    async with (
+        serve(config, tracer_provider=traced.provider) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        await wait_live(http, "short")
+        ok = await http.post(
+            "/v1/short/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        )
+        bad = await http.post("/v1/short/completions", json={"model": MODEL, "top_p": 7})
+    lines = [json.loads(line) for line in access_lines.getvalue().splitlines()]
+    posts = [line for line in lines if line["method"] == "POST"]
+    assert [line["status"] for line in posts] == [ok.status_code, bad.status_code] == [200, 400]
+    first = posts[0]
+    assert first["path"] == "/v1/short/completions" and first["group"] == "short"
+    assert first["request_id"] == ok.headers["x-request-id"]
+    assert first["duration_ms"] > 0
+    assert len(first["trace_id"]) == 32  # the server span's, so logs and traces join
+    assert posts[1]["group"] == "-" and posts[1]["request_id"] == "-"  # refused before routing
+    assert not [line for line in lines if line["path"] == "/health"]  # probes: debug only
+
+
+@pytest.mark.parametrize(("level", "log_prompts", "logged"), [
+    ("debug", False, False), ("info", True, False), ("debug", True, True),
+])  # fmt: skip
+async def test_prompts_are_logged_only_at_debug_level_when_asked_for(
+    config: Config,
+    start_worker: StartWorker,
+    caplog: pytest.LogCaptureFixture,
+    level: str,
+    log_prompts: bool,
+    logged: bool,
+) -> None:
+    config = config.model_copy(update={"log": LogConfig(level=level, log_prompts=log_prompts)})
+    await start_worker("w-prompts")
+    with caplog.at_level(logging.DEBUG):
+        async with (
+            serve(config) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+        ):
+            await wait_live(http, "short")
+            body = {"model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": 2}
+            assert (await http.post("/v1/short/completions", json=body)).status_code == 200
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert (SECRET_PROMPT in text) is logged
