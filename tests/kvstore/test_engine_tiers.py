@@ -210,9 +210,14 @@ def test_redis_dying_mid_run_costs_recomputation_not_requests(
     breaker = CircuitBreaker(failures_to_open=1, open_s=0.3)
     with KVTiers(config, breaker=breaker) as tier:
         eng = engine(tiny_llama, tier)
-        assert serve(eng, prompts[:2]) == reference(prompts[:2])
+        assert serve(eng, prompts[:1]) == reference(prompts[:1])
+        for i, p in enumerate(prompts[1:]):  # three in flight together when Redis dies
+            eng.add_request(f"late{i}", prompt_token_ids=p, params=GREEDY)
+        first = {d.request_id: d.token_ids for d in eng.step()}
         server.kill()
-        assert serve(eng, prompts[2:]) == reference(prompts[2:])
+        outs = drain_all(eng)
+        outs = {rid: first.get(rid, []) + tokens for rid, tokens in outs.items()}
+        assert [outs[f"late{i}"] for i in range(3)] == reference(prompts[1:])
         s = tier.stats()
         assert s.breaker_opens == 1 and s.redis.errors >= 1 and s.redis.drops > 0
         server.restart()
