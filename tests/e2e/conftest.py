@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ REAL_GROUPS: dict[str, tuple[int, int, int, str | None, int]] = {
 PACED_STEP_S = 0.05
 
 
-def nats_config_for(server: NatsServer, **overrides: object) -> NatsConfig:
+def nats_config_for(server: NatsServer, **overrides: Any) -> NatsConfig:
     """Names of its own on the session server, so stacks never see each other's messages."""
     tag = uuid.uuid4().hex[:10]
     return NatsConfig(
@@ -51,7 +52,7 @@ def nats_config_for(server: NatsServer, **overrides: object) -> NatsConfig:
         kv_bucket=f"qos_state_{tag}",
         connect_timeout_s=2.0,
         reconnect_wait_s=0.1,
-        **overrides,  # type: ignore[arg-type]
+        **overrides,
     )
 
 

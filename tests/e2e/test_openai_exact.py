@@ -27,7 +27,7 @@ MESSAGES = [
     {"role": "user", "content": "Hello there, how are you today?"},
 ]
 MAX_TOKENS = 24
-SAMPLING = {
+SAMPLING: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 1234},
 }

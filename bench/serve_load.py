@@ -1,0 +1,212 @@
+"""What ``bench/serve.py`` sends and how it times it: workloads, arrivals, the HTTP client.
+
+Prompts are random token ids (exact input lengths); outputs run to ``max_tokens``
+(``ignore_eos``). The client streams each completion with httpx and times every text
+event: TTFT is the first, ITL the gaps after it, E2E the whole response. The in-process
+baseline sends the same requests, at the same times, to a zero-cost sim engine through
+the worker's own engine bridge: what serving costs without HTTP and NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class Result:
+    """One request as the client saw it; times in seconds (``start`` from the run's start)."""
+
+    start: float = 0.0
+    ok: bool = False
+    status: int = 0
+    error: str = ""
+    ttft: float | None = None
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+
+# --- workload -----------------------------------------------------------------------------
+
+
+def make_workload(n: int, input_len: int, output_len: int, ratio: float, seed: int) -> list[Req]:
+    """Random token-id prompts (ids 4..249: inside any real vocabulary and ByteTokenizer's)."""
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        return max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio))))
+
+    prompts = [[rng.randrange(4, 250) for _ in range(length(input_len))] for _ in range(n)]
+    return [Req(prompt, length(output_len)) for prompt in prompts]
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """When each request is sent (s from the start): gamma gaps of mean 1/rate (Poisson at 1)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed + 1)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+# --- the client ---------------------------------------------------------------------------
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: Result) -> None:
+    """One streamed completion; fills ``res`` (token events timed as they arrive)."""
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            res.status = resp.status_code
+            if resp.status_code != 200:
+                res.error = (await resp.aread()).decode(errors="replace")[:200]
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    res.ok = res.ttft is not None or res.output_tokens > 0
+                    break
+                event = json.loads(line[6:])
+                if "error" in event:
+                    res.error = str(event["error"].get("code"))
+                    return
+                if event.get("usage"):
+                    res.output_tokens = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if res.ttft is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+    except httpx.HTTPError as exc:
+        res.error = type(exc).__name__
+    finally:
+        res.e2e = time.perf_counter() - t0
+
+
+async def run_load(
+    base_url: str,
+    path: str,
+    model: str,
+    work: list[Req],
+    offsets: list[float],
+    max_concurrency: int | None,
+) -> tuple[list[Result], float]:
+    """Send ``work`` at ``offsets``; returns the results and the run's duration."""
+    limits = httpx.Limits(max_connections=max_concurrency or 4096, max_keepalive_connections=512)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    results = [Result() for _ in work]
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=300) as client:
+        start = time.perf_counter()
+
+        async def one(req: Req, res: Result) -> None:
+            body = {
+                "model": model,
+                "prompt": req.prompt,
+                "max_tokens": req.output_len,
+                "temperature": 0,
+                "ignore_eos": True,  # every request produces its whole output
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with gate or contextlib.nullcontext():
+                res.start = time.perf_counter() - start
+                await send(client, path, body, res)
+
+        tasks = []
+        for req, res, at in zip(work, results, offsets, strict=True):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req, res)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return results, duration
+
+
+async def run_floor(base_url: str, offsets: list[float]) -> tuple[list[Result], float]:
+    """``GET /v1/models`` at ``offsets``: the HTTP round trip without NATS or a worker."""
+    results = [Result() for _ in offsets]
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        start = time.perf_counter()
+
+        async def one(res: Result) -> None:
+            t0 = time.perf_counter()
+            res.start = t0 - start
+            res.status = (await client.get("/v1/models")).status_code
+            res.e2e = time.perf_counter() - t0
+            res.ok = res.status == 200
+
+        tasks = []
+        for res, at in zip(results, offsets, strict=True):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(res)))
+        await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+async def run_in_process(
+    work: list[Req], offsets: list[float], max_batch: int
+) -> tuple[list[Result], float]:
+    """The same requests into a zero-cost sim engine through the worker's engine bridge."""
+    from workers.bridge import AddRequest, BridgeEvent, EngineBridge
+    from workers.engine.sampling_params import SamplingParams
+    from workers.sim import SimCost, SimEngine
+
+    loop = asyncio.get_running_loop()
+    results = [Result() for _ in work]
+    t0s = [0.0] * len(work)
+    done = asyncio.Event()
+    left = len(work)
+
+    def on_events(events: list[BridgeEvent]) -> None:
+        nonlocal left
+        now = time.perf_counter()
+        for event in events:
+            i = int(event.request_id)
+            res = results[i]
+            tokens = getattr(event, "token_ids", [])
+            if tokens and res.ttft is None:
+                res.ttft = now - t0s[i]
+            res.output_tokens += len(tokens)
+            if getattr(event, "finished", True):
+                res.e2e, res.ok, res.status = now - t0s[i], True, 200
+                left -= 1
+        if left == 0:
+            done.set()
+
+    engine = SimEngine(max_batch_size=max_batch, max_seq_len=4096, cost=SimCost(0.0, 0.0, 0.0))
+    bridge = EngineBridge(engine, on_events, loop, name="bench-inproc")
+    bridge.start()
+    start = time.perf_counter()
+    for i, (req, at) in enumerate(zip(work, offsets, strict=True)):
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        t0s[i] = time.perf_counter()
+        results[i].start = t0s[i] - start
+        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        bridge.add(AddRequest(str(i), params, prompt_token_ids=req.prompt))
+    await done.wait()
+    duration = time.perf_counter() - start
+    await bridge.stop()
+    return results, duration
