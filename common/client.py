@@ -5,7 +5,7 @@ Python: ``async with await QosClient.connect(config) as client`` (or ``QosClient
 Each yielded :class:`~common.protocol.Chunk` holds only tokens not yielded before; the last
 one has ``finish_reason`` and ``usage``; a worker error raises the matching
 :class:`~common.errors.QosError`; the deadline raises ``DeadlineExceededError``.
-:class:`ResponseStream` is the transport-free core (dedupe, reorder, resume).
+:class:`~common.sequencer.ChunkSequencer` is the transport-free core (dedupe, reorder, resume).
 
 Contract (wire version 1)
 =========================
@@ -103,8 +103,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -120,7 +119,6 @@ from common.errors import (
     ProtocolError,
     QosError,
     ServiceUnavailableError,
-    error_from_code,
 )
 from common.protocol import (
     DEFAULT_MAX_PAYLOAD,
@@ -129,94 +127,11 @@ from common.protocol import (
     GenerateRequest,
     RequestParams,
     ResumeQuery,
-    ResumeReply,
 )
+from common.sequencer import ChunkSequencer, DecodeTail
 from common.subjects import Subjects
 
-# Out-of-order chunks held while a gap fills; a worker never needs more than a few.
-MAX_EARLY_CHUNKS = 256
 DEFAULT_TIMEOUT_S = 120.0
-
-# (ids already delivered, new ids) -> text of the new ids; for chunks trimmed after an overlap.
-DecodeTail = Callable[[Sequence[int], Sequence[int]], str]
-
-
-class ResponseStream:
-    """One request's chunks → new tokens exactly once, in order, across redeliveries.
-
-    Transport-free: :meth:`feed` takes a decoded chunk and returns the chunks now
-    deliverable, trimmed to their new tokens; :meth:`resume` answers a resume query.
-    A chunk trimmed after an overlap keeps its text only when ``decode_tail`` is given
-    (text cannot be split by tokens without a tokenizer); overlaps are rare, since a
-    resumed worker starts exactly where the caller stands.
-    """
-
-    def __init__(self, request_id: str, decode_tail: DecodeTail | None = None) -> None:
-        self.request_id = request_id
-        self.decode_tail = decode_tail
-        self.token_ids: list[int] = []  # delivered so far: what a resume reply carries
-        self.text_len = 0
-        self.min_attempt = 1
-        self.finished = False
-        self._early: dict[int, Chunk] = {}
-
-    def feed(self, chunk: Chunk) -> list[Chunk]:
-        """Chunks to deliver now (possibly none). Raises the chunk's error as a QosError."""
-        if self.finished or chunk.attempt < self.min_attempt:
-            return []
-        if chunk.error is not None:
-            self.finished = True
-            raise error_from_code(chunk.error.code, chunk.error.message)
-        if chunk.finish_reason == "error":
-            self.finished = True
-            raise InternalError("the worker failed the request")
-        if chunk.seq > len(self.token_ids):
-            if len(self._early) >= MAX_EARLY_CHUNKS:
-                self.finished = True
-                raise InternalError("the worker's stream has a gap that never filled")
-            self._early[chunk.seq] = chunk
-            return []
-        out = self._accept(chunk)
-        while self._early and not self.finished:
-            ready = sorted(seq for seq in self._early if seq <= len(self.token_ids))
-            if not ready:
-                break
-            for seq in ready:
-                out += self._accept(self._early.pop(seq))
-        return out
-
-    def _accept(self, chunk: Chunk) -> list[Chunk]:
-        if self.finished:
-            return []
-        skip = len(self.token_ids) - chunk.seq
-        if skip >= len(chunk.token_ids) and chunk.finish_reason is None:
-            return []  # all of it was delivered already
-        if skip > 0:
-            ids = chunk.token_ids[skip:]
-            text = self.decode_tail(self.token_ids, ids) if self.decode_tail and ids else ""
-            chunk = replace(
-                chunk,
-                seq=len(self.token_ids),
-                token_ids=ids,
-                text=text,
-                logprobs=chunk.logprobs[skip:],
-                top_logprobs=chunk.top_logprobs[skip:],
-            )
-        self.token_ids.extend(chunk.token_ids)
-        self.text_len += len(chunk.text)
-        if chunk.finish_reason is not None:
-            self.finished = True
-            self._early.clear()
-        return [chunk]
-
-    def resume(self, query: ResumeQuery) -> ResumeReply:
-        """What the caller has; chunks of older attempts are ignored from now on."""
-        if query.attempt > self.min_attempt:
-            self.min_attempt = query.attempt
-            self._early.clear()  # held chunks came from an older attempt; the new one resends
-        return ResumeReply(
-            id=self.request_id, token_ids=list(self.token_ids), text_len=self.text_len
-        )
 
 
 class QosClient:
@@ -303,7 +218,7 @@ class QosClient:
             created_ms=now_ms,
         )
         request.validate()
-        stream = ResponseStream(rid, decode_tail)
+        stream = ChunkSequencer(rid, decode_tail)
         ready: asyncio.Queue[Chunk | QosError] = asyncio.Queue()
 
         async def on_chunk(msg: Msg) -> None:

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,19 +43,14 @@ from common.errors import (
     ProtocolError,
     QosError,
     ServiceUnavailableError,
-    error_from_code,
 )
 from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprobs, Usage
+from common.sequencer import ChunkSequencer, DecodeTail
 from common.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
-# Out-of-order chunks held while a gap fills; a worker never needs more than a few.
-MAX_EARLY_CHUNKS = 256
 SSE_DONE = b"data: [DONE]\n\n"
-
-# (ids already delivered, new ids) -> the new ids' text, for chunks trimmed after an overlap.
-DecodeTail = Callable[[Sequence[int], Sequence[int]], str]
 
 
 def sse_event(obj: Any) -> bytes:
@@ -86,82 +81,57 @@ class Delivery:
 
 
 class ResponseStream:
-    """The chunks of one request, reordered and deduplicated; read with :meth:`next`."""
+    """The chunks of one request, reordered and deduplicated; read with :meth:`next`.
 
-    __slots__ = (
-        "_early",
-        "_ready",
-        "_waiter",
-        "decode_tail",
-        "finished",
-        "group",
-        "min_attempt",
-        "request_id",
-        "text_len",
-        "token_ids",
-    )
+    Sequencing (dedupe, reorder, resume) is :class:`~common.sequencer.ChunkSequencer`, the
+    same core the NATS-native client uses; this adds the waiting reader and OpenAI's view
+    of endings (only "stop" and "length" are finish reasons; the rest end in an error).
+    """
+
+    __slots__ = ("_ready", "_seq", "_waiter", "finished", "group")
 
     def __init__(self, request_id: str, group: str, decode_tail: DecodeTail) -> None:
-        self.request_id = request_id
         self.group = group
-        self.decode_tail = decode_tail
-        self.token_ids: list[int] = []  # delivered so far: what a resume query gets back
-        self.text_len = 0
-        self.min_attempt = 1
+        self._seq = ChunkSequencer(request_id, decode_tail)
         self.finished = False
-        self._early: dict[int, Chunk] = {}
         self._ready: deque[Delivery] = deque()
         self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._seq.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Tokens delivered so far: what a resume query gets back."""
+        return self._seq.token_ids
+
+    @property
+    def text_len(self) -> int:
+        return self._seq.text_len
 
     # -- producer side (the dispatcher's callbacks) ---------------------------------------
 
     def feed(self, chunk: Chunk) -> None:
         """Take one chunk from a worker; whatever becomes deliverable wakes the reader."""
-        if self.finished or chunk.attempt < self.min_attempt:
+        if self.finished:
             return
-        if chunk.error is not None:
-            self.fail(error_from_code(chunk.error.code, chunk.error.message))
+        try:
+            ready = self._seq.feed(chunk)
+        except QosError as exc:
+            self.fail(exc)
             return
-        if chunk.finish_reason in ("abort", "error"):
-            # Only "stop" and "length" are OpenAI finish reasons; the others end in an error.
-            self.fail(
-                ServiceUnavailableError("the worker aborted the request", retry_after_s=1)
-                if chunk.finish_reason == "abort"
-                else InternalError("the worker failed the request")
-            )
-            return
-        if chunk.seq > len(self.token_ids):
-            if len(self._early) >= MAX_EARLY_CHUNKS:
-                self.fail(InternalError("worker stream has a gap that never filled"))
+        for c in ready:
+            if c.finish_reason == "abort":
+                self.fail(
+                    ServiceUnavailableError("the worker aborted the request", retry_after_s=1)
+                )
                 return
-            self._early[chunk.seq] = chunk
-            return
-        self._accept(chunk)
-        while self._early and not self.finished:
-            ready = [seq for seq in self._early if seq <= len(self.token_ids)]
-            if not ready:
-                break
-            for seq in sorted(ready):
-                self._accept(self._early.pop(seq))
-
-    def _accept(self, chunk: Chunk) -> None:
-        skip = len(self.token_ids) - chunk.seq
-        if skip == 0:
-            # Text without tokens is legal too: a detokenizer releasing held-back text.
-            ids, text = chunk.token_ids, chunk.text
-            logprobs, tops = chunk.logprobs, chunk.top_logprobs
-        else:
-            ids = chunk.token_ids[skip:]
-            text = self.decode_tail(self.token_ids, ids) if ids else ""
-            logprobs, tops = chunk.logprobs[skip:], chunk.top_logprobs[skip:]
-        if not ids and not text and chunk.finish_reason is None:
-            return  # nothing new: delivered already
-        self.token_ids.extend(ids)
-        self.text_len += len(text)
-        if chunk.finish_reason is not None:
-            self.finished = True
-            self._early.clear()
-        self._push(Delivery(ids, text, logprobs, tops, chunk.finish_reason, chunk.usage))
+            if c.finish_reason is not None:
+                self.finished = True
+            self._push(
+                Delivery(c.token_ids, c.text, c.logprobs, c.top_logprobs, c.finish_reason, c.usage)
+            )
 
     def fail(self, error: QosError) -> None:
         """End the stream with ``error`` (the reader raises or sends it as an SSE event)."""
@@ -176,13 +146,7 @@ class ResponseStream:
 
     def resume(self, query: ResumeQuery) -> ResumeReply:
         """Answer a redelivered attempt: what the client has; older attempts go quiet."""
-        if query.attempt > self.min_attempt:
-            self.min_attempt = query.attempt
-            # Buffered chunks past a gap came from an older attempt; the new one resends.
-            self._early.clear()
-        return ResumeReply(
-            id=self.request_id, token_ids=list(self.token_ids), text_len=self.text_len
-        )
+        return self._seq.resume(query)
 
     def _push(self, delivery: Delivery) -> None:
         self._ready.append(delivery)

@@ -1,10 +1,10 @@
-"""ResponseStream: every token once, in order, across reordering and redeliveries."""
+"""ChunkSequencer (client and gateway): every token once, in order, across reordering and redeliveries."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.client import ResponseStream
+from common.sequencer import ChunkSequencer as ResponseStream
 from common.errors import ContextLengthExceededError
 from common.protocol import Chunk, ErrorInfo, ResumeQuery, Usage
 

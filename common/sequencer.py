@@ -1,0 +1,113 @@
+"""One request's chunks → new tokens exactly once, in order, across redeliveries.
+
+Shared by the NATS-native client (``common/client.py``) and the gateway's streams: both
+keep ``delivered`` tokens and the highest resumed ``attempt``, drop chunks of older
+attempts, hold chunks past a gap until it fills, and trim overlaps (DESIGN §2). Pure and
+transport-free: :meth:`ChunkSequencer.feed` takes a decoded chunk and returns what is
+deliverable now; :meth:`ChunkSequencer.resume` answers a worker's resume query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from common.errors import InternalError, error_from_code
+from common.protocol import Chunk, ResumeQuery, ResumeReply
+
+# Out-of-order chunks held while a gap fills; a worker never needs more than a few.
+MAX_EARLY_CHUNKS = 256
+
+# (ids already delivered, new ids) -> text of the new ids; for chunks trimmed after an overlap.
+DecodeTail = Callable[[Sequence[int], Sequence[int]], str]
+
+
+class ChunkSequencer:
+    """Dedupe, reorder and resume state of one request.
+
+    A chunk trimmed after an overlap keeps its text only when ``decode_tail`` is given
+    (text cannot be split by tokens without a tokenizer); overlaps are rare, since a
+    resumed worker starts exactly where the caller stands. A chunk with text but no
+    tokens is delivered (a detokenizer releasing held-back text).
+    """
+
+    __slots__ = (
+        "_early",
+        "decode_tail",
+        "finished",
+        "min_attempt",
+        "request_id",
+        "text_len",
+        "token_ids",
+    )
+
+    def __init__(self, request_id: str, decode_tail: DecodeTail | None = None) -> None:
+        self.request_id = request_id
+        self.decode_tail = decode_tail
+        self.token_ids: list[int] = []  # delivered so far: what a resume reply carries
+        self.text_len = 0
+        self.min_attempt = 1
+        self.finished = False
+        self._early: dict[int, Chunk] = {}
+
+    def feed(self, chunk: Chunk) -> list[Chunk]:
+        """Chunks to deliver now (possibly none), trimmed to what is new.
+
+        Raises the chunk's error as a :class:`~common.errors.QosError` (the stream is then
+        finished); ``finish_reason="error"`` without details is an internal error.
+        """
+        if self.finished or chunk.attempt < self.min_attempt:
+            return []
+        if chunk.error is not None:
+            self.finished = True
+            raise error_from_code(chunk.error.code, chunk.error.message)
+        if chunk.finish_reason == "error":
+            self.finished = True
+            raise InternalError("the worker failed the request")
+        if chunk.seq > len(self.token_ids):
+            if len(self._early) >= MAX_EARLY_CHUNKS:
+                self.finished = True
+                raise InternalError("the worker's stream has a gap that never filled")
+            self._early[chunk.seq] = chunk
+            return []
+        out = self._accept(chunk)
+        while self._early and not self.finished:
+            ready = sorted(seq for seq in self._early if seq <= len(self.token_ids))
+            if not ready:
+                break
+            for seq in ready:
+                out += self._accept(self._early.pop(seq))
+        return out
+
+    def _accept(self, chunk: Chunk) -> list[Chunk]:
+        if self.finished:
+            return []
+        skip = len(self.token_ids) - chunk.seq
+        if skip > 0:
+            ids = chunk.token_ids[skip:]
+            text = self.decode_tail(self.token_ids, ids) if self.decode_tail and ids else ""
+            chunk = replace(
+                chunk,
+                seq=len(self.token_ids),
+                token_ids=ids,
+                text=text,
+                logprobs=chunk.logprobs[skip:],
+                top_logprobs=chunk.top_logprobs[skip:],
+            )
+        if not chunk.token_ids and not chunk.text and chunk.finish_reason is None:
+            return []  # nothing new: delivered already
+        self.token_ids.extend(chunk.token_ids)
+        self.text_len += len(chunk.text)
+        if chunk.finish_reason is not None:
+            self.finished = True
+            self._early.clear()
+        return [chunk]
+
+    def resume(self, query: ResumeQuery) -> ResumeReply:
+        """What the caller has; chunks of older attempts are ignored from now on."""
+        if query.attempt > self.min_attempt:
+            self.min_attempt = query.attempt
+            self._early.clear()  # held chunks came from an older attempt; the new one resends
+        return ResumeReply(
+            id=self.request_id, token_ids=list(self.token_ids), text_len=self.text_len
+        )
