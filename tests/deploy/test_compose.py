@@ -1,0 +1,175 @@
+"""docker-compose.yml and the Dockerfile: valid Compose, healthy-before-used, real config keys.
+
+No Docker engine is needed: the file is checked against the Compose specification's JSON
+schema (``deploy/compose/compose-spec.json``, the copy ``check-jsonschema`` vendors) and
+its structure is read as data.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from common.config import default_groups, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = ROOT / "deploy" / "compose"
+COMPOSE = COMPOSE_DIR / "docker-compose.yml"
+GPU_OVERRIDE = COMPOSE_DIR / "gpu.override.yml"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+# Distroless images have no shell to run a probe in; they publish a health port instead.
+NO_SHELL = {"otel-collector": "13133:13133"}
+QOS_SERVICES = ("gateway", "scheduler", "scrape-targets")
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return load(COMPOSE)
+
+
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+def env_of(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE], ids=lambda p: p.name)
+def test_compose_files_validate_against_the_compose_specification(path: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((COMPOSE_DIR / "compose-spec.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(load(path)), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_the_shipped_schema_is_the_one_check_jsonschema_vendors() -> None:
+    vendor = pytest.importorskip("check_jsonschema.builtin_schemas.vendor")
+    shipped = json.loads((COMPOSE_DIR / "compose-spec.json").read_text())
+    vendored = json.loads((Path(vendor.__path__[0]) / "compose-spec.json").read_text())
+    # A newer check-jsonschema may carry a newer schema; ours must still be a Compose spec.
+    assert shipped["title"] == vendored["title"] == "Compose Specification"
+
+
+def test_every_service_is_probed_or_waits_for_a_healthy_dependency(
+    compose: dict[str, Any],
+) -> None:
+    for name, svc in services(compose).items():
+        if name in NO_SHELL:
+            assert NO_SHELL[name] in svc["ports"], f"{name}: no health port published"
+            continue
+        has_check = bool(svc.get("healthcheck", {}).get("test"))
+        conditions = [d.get("condition") for d in (svc.get("depends_on") or {}).values()]
+        assert has_check or any(conditions), f"{name}: no healthcheck and no depends_on condition"
+
+
+def test_services_that_need_nats_start_after_it_is_healthy(compose: dict[str, Any]) -> None:
+    for name, svc in services(compose).items():
+        if "QOS_NATS__URL" in env_of(svc):
+            assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+
+
+def test_every_qos_variable_is_a_configuration_key_the_loader_accepts(
+    compose: dict[str, Any],
+) -> None:
+    for name, svc in services(compose).items():
+        env = {k: v for k, v in env_of(svc).items() if k.startswith("QOS_")}
+        if env:
+            config = load_config(env=env)  # raises ConfigError naming an unknown key
+            assert config.nats.url == "nats://nats:4222", name
+    # The GPU override's variables too, on top of the base file's.
+    for name, svc in load(GPU_OVERRIDE)["services"].items():
+        base = env_of(services(compose)[name])
+        config = load_config(env={k: v for k, v in {**base, **env_of(svc)}.items() if "QOS_" in k})
+        assert config.worker.device == "cuda", name
+
+
+def test_one_worker_service_per_default_group_with_replicas_and_a_drain_window(
+    compose: dict[str, Any],
+) -> None:
+    for group in default_groups():
+        svc = services(compose)[f"worker-{group}"]
+        argv = svc["command"]
+        assert argv[:3] == ["python", "-m", "workers"]
+        assert argv[argv.index("--group") + 1] == group
+        assert svc["deploy"]["replicas"] >= 1
+        grace = float(argv[argv.index("--grace-s") + 1])
+        assert _seconds(svc["stop_grace_period"]) >= grace + 10, "no time left to drain"
+        assert env_of(svc)["QOS_WORKER__METRICS_PORT"] in env_of(svc)["HEALTHCHECK_URL"]
+
+
+def test_qosserve_services_probe_their_own_served_endpoints(compose: dict[str, Any]) -> None:
+    svc = services(compose)
+    assert env_of(svc["gateway"])["HEALTHCHECK_URL"].endswith(":8000/health")
+    port = env_of(svc["scheduler"])["QOS_SCHEDULER__METRICS_PORT"]
+    assert env_of(svc["scheduler"])["HEALTHCHECK_URL"].endswith(f":{port}/metrics")
+    for name in QOS_SERVICES:
+        assert "build" in svc[name] and svc[name]["build"]["dockerfile"] == "deploy/Dockerfile"
+
+
+def test_infrastructure_is_configured_as_the_design_says(compose: dict[str, Any]) -> None:
+    svc = services(compose)
+    nats = svc["nats"]["command"]
+    assert "-js" in nats and nats[nats.index("-sd") + 1] == "/data" and "8222" in nats
+    redis = svc["redis"]["command"]
+    assert redis[redis.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert redis[redis.index("--save") + 1] == "" and redis[redis.index("--appendonly") + 1] == "no"
+
+
+def test_observability_mounts_name_files_that_exist(compose: dict[str, Any]) -> None:
+    mounted = 0
+    for name in ("prometheus", "grafana", "otel-collector"):
+        for volume in services(compose)[name]["volumes"]:
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (COMPOSE_DIR / source).exists(), f"{name}: {source} does not exist"
+                mounted += 1
+    assert mounted >= 5
+    prometheus_yml = load(ROOT / "deploy" / "observability" / "prometheus.yml")
+    file_sd = [c for c in prometheus_yml["scrape_configs"] if "file_sd_configs" in c]
+    targets_dir = "/etc/prometheus/targets"
+    assert all(
+        f.startswith(targets_dir)
+        for c in file_sd
+        for sd in c["file_sd_configs"]
+        for f in sd["files"]
+    )
+    assert any(v.endswith(f":{targets_dir}:ro") for v in services(compose)["prometheus"]["volumes"])
+
+
+def test_dockerfile_builds_cpu_and_cuda_as_a_non_root_user_with_a_healthcheck() -> None:
+    text = DOCKERFILE.read_text()
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, re.M)
+    assert {"torch-cpu", "torch-cuda", "runtime"} <= set(stages)
+    assert re.search(r"^FROM torch-\$\{VARIANT\} AS runtime", text, re.M)
+    assert "download.pytorch.org/whl/cpu" in text
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert re.search(r'pip install "/src\[local\]"', text)
+    assert re.search(r"^HEALTHCHECK .*\n\s+CMD \[\"qos-healthcheck\"\]", text, re.M)
+    assert (ROOT / "deploy" / "healthcheck.py").is_file()
+    joined = text.replace("\\\n", " ")
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(re.findall(r"^ENV (.*)$", joined, re.M))))
+    assert "HEALTHCHECK_URL" in env
+    config = load_config(env={k: v for k, v in env.items() if k.startswith("QOS_")})
+    assert config.worker.model == "/opt/qosserve/models/pystd-tiny"
+
+
+def _seconds(value: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", value)
+    assert match, value
+    number, unit = float(match[1]), match[2]
+    return number * {"ms": 1e-3, "s": 1.0, "m": 60.0}[unit]
