@@ -161,6 +161,14 @@ class WorkerConfig(_Strict):
     latency_window_s: float = Field(3.0, gt=0)
     coalesce_ms: float = Field(5.0, ge=0)
     metrics_port: int = Field(0, ge=0, le=65535)  # 0 = pick a free one
+    # KV tiers below the device cache (DESIGN §5): host memory (G2) and the shared Redis
+    # (G3, at redis.url). Off by default so a lone worker never waits on a Redis that is
+    # not there; `qosserve up`, compose and Kubernetes switch the Redis tier on.
+    kv_host_cache_gib: float = Field(0.0, ge=0)
+    kv_redis: bool = False
+    # blake2b catches any corruption; crc32 is ~3x cheaper and the block hash in each
+    # value's header already ties it to its key.
+    kv_checksum: Literal["blake2b", "crc32"] = "crc32"
 
 
 class SchedulerConfig(_Strict):

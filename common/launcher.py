@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     env.update(
         QOS_NATS__URL=nats.url,
         QOS_REDIS__URL=redis.url,
+        QOS_WORKER__KV_REDIS=env.get("QOS_WORKER__KV_REDIS", "true"),
         PYTHONUNBUFFERED="1",
         # Several torch processes share the cores: one thread each avoids oversubscription.
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),

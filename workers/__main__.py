@@ -143,7 +143,21 @@ def build_engine(config: Config, args: argparse.Namespace) -> Any:
         device=config.worker.device,
         dtype=config.worker.dtype,
     )
-    return LLMEngine(engine_args)
+    return LLMEngine(engine_args, kv_tier=build_kv_tier(config))
+
+
+def build_kv_tier(config: Config) -> Any | None:
+    """The host/Redis KV tiers the config asks for, or None when both are off."""
+    worker = config.worker
+    if not worker.kv_redis and worker.kv_host_cache_gib <= 0:
+        return None
+    from kvstore.tiers import KVTiers
+
+    return KVTiers(
+        config.redis if worker.kv_redis else None,
+        host_capacity_bytes=int(worker.kv_host_cache_gib * (1 << 30)),
+        checksum=worker.kv_checksum,
+    )
 
 
 def _sim_tokenizer(source: str) -> Any | None:

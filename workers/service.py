@@ -202,6 +202,10 @@ class WorkerService:
             with contextlib.suppress(Exception):
                 await self.nc.close()
         self.observer.close()
+        tier = getattr(self.engine, "kv_tier", None)
+        if tier is not None:
+            # Off the loop: it flushes queued write-through stores for up to a few seconds.
+            await asyncio.to_thread(tier.close)
         log.info("worker %s stopped", self.worker_id)
 
     async def _bind(self, group: str) -> None:
