@@ -1,0 +1,288 @@
+"""deploy/k8s: every overlay renders, validates against the Kubernetes schemas, and says
+what the services actually do (groups, probe paths, ports, drain time, autoscaling names).
+
+Rendering uses ``kubectl kustomize`` when it is installed and the Python renderer in
+:mod:`tests.deploy.kustomize` otherwise; where both exist they must agree. Built-in kinds are
+validated with ``kubernetes-validate`` (its bundled schemas, strict: unknown fields fail);
+KEDA's ScaledObject is a CRD, so its fields are checked here by name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from common.config import Config, default_groups, load_config
+from common.subjects import Subjects
+from tests.deploy import kustomize
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ("cpu-demo", "gpu")
+K8S_VERSION = "1.30.0"  # the oldest minor still in upstream support when this was written
+# What each component serves over HTTP (gateway/app.py, workers' and scheduler's /metrics).
+SERVED = {"gateway": {"/health", "/metrics", "/v1/models"}, "worker": {"/metrics"}}
+SERVED["scheduler"] = {"/metrics"}
+
+Obj = dict[str, Any]
+
+
+def render(folder: Path) -> list[Obj]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return kustomize.build(folder)
+    out = subprocess.run(
+        [kubectl, "kustomize", str(folder)], capture_output=True, text=True, check=True, timeout=60
+    )
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def hpa_overlay(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """base + components/hpa: the documented alternative to the KEDA component."""
+    folder = tmp_path_factory.mktemp("hpa-overlay")
+    spec = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": "qosserve",
+        # kustomize takes relative paths only.
+        "resources": [os.path.relpath(K8S / "base", folder)],
+        "components": [os.path.relpath(K8S / "components" / "hpa", folder)],
+    }
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def rendered(hpa_overlay: Path) -> dict[str, list[Obj]]:
+    out = {name: render(K8S / "overlays" / name) for name in OVERLAYS}
+    out["hpa"] = render(hpa_overlay)
+    return out
+
+
+def by_kind(objects: list[Obj], kind: str) -> dict[str, Obj]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def config_of(objects: list[Obj], tmp_path: Path, env: dict[str, str] | None = None) -> Config:
+    data = by_kind(objects, "ConfigMap")["qosserve-config"]["data"]["config.yaml"]
+    path = tmp_path / "config.yaml"
+    path.write_text(data)
+    return load_config(path, env=env or {})
+
+
+def containers(objects: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
+    for deploy in by_kind(objects, "Deployment").values():
+        for container in deploy["spec"]["template"]["spec"]["containers"]:
+            yield deploy, container
+
+
+def env_of(container: Obj) -> dict[str, str]:
+    return {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
+
+
+def test_python_renderer_agrees_with_kubectl_kustomize(hpa_overlay: Path) -> None:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the Python renderer is the only one")
+    for folder in [K8S / "overlays" / n for n in OVERLAYS] + [hpa_overlay]:
+
+        def key(o: Obj) -> tuple[str, str]:
+            return o["kind"], o["metadata"]["name"]
+
+        ours = {key(o): o for o in kustomize.build(folder)}
+        theirs = {key(o): o for o in render(folder)}
+        assert ours == theirs, folder.name
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "hpa"])
+def test_built_in_kinds_validate_against_the_kubernetes_schemas(
+    rendered: dict[str, list[Obj]], overlay: str
+) -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    checked = 0
+    for obj in rendered[overlay]:
+        if obj["apiVersion"].startswith("keda.sh/"):
+            continue
+        try:
+            kv.validate(obj, K8S_VERSION, strict=True)
+        except kv.ValidationError as exc:
+            raise AssertionError(
+                f"{obj['kind']}/{obj['metadata']['name']}: {exc.message}"
+            ) from None
+        checked += 1
+    assert checked >= 14
+
+
+def test_every_namespaced_object_lands_in_the_qosserve_namespace(
+    rendered: dict[str, list[Obj]],
+) -> None:
+    for objects in rendered.values():
+        for obj in objects:
+            if obj["kind"] != "Namespace":
+                where = f"{obj['kind']}/{obj['metadata']['name']}"
+                assert obj["metadata"].get("namespace") == "qosserve", where
+
+
+def test_the_configmap_is_a_config_the_loader_accepts_with_the_default_groups(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    config = config_of(rendered["cpu-demo"], tmp_path)
+    assert config.groups == default_groups(), "the ConfigMap's groups drifted from the defaults"
+    assert config.nats.url == "nats://nats:4222"  # the nats Helm release's Service
+    assert config.redis.url.startswith("redis://redis-master:6379")
+    assert config.scheduler.move_replicas is False, "Deployments, not the scheduler, own groups"
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "hpa"])
+def test_every_group_has_a_deployment_a_pdb_and_an_autoscaler(
+    rendered: dict[str, list[Obj]], overlay: str, tmp_path: Path
+) -> None:
+    objects = rendered[overlay]
+    config = config_of(objects, tmp_path)
+    deployments, pdbs = by_kind(objects, "Deployment"), by_kind(objects, "PodDisruptionBudget")
+    scalers = by_kind(objects, "HorizontalPodAutoscaler" if overlay == "hpa" else "ScaledObject")
+    for group in config.groups:
+        name = f"worker-{group}"
+        deploy = deployments[name]
+        args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[:3] == ["python", "-m", "workers"]
+        assert args[args.index("--group") + 1] == group
+        pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+        selector = pdbs[name]["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= pod_labels.items(), f"{name}: the PDB selects other pods"
+        assert deploy["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        assert scalers[name]["spec"]["scaleTargetRef"]["name"] == name
+    for name in ("gateway", "scheduler"):
+        assert name in deployments and name in pdbs
+    assert set(scalers) == {f"worker-{g}" for g in config.groups}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_scales_each_group_on_its_own_jetstream_consumer(
+    rendered: dict[str, list[Obj]], overlay: str, tmp_path: Path
+) -> None:
+    objects = rendered[overlay]
+    config = config_of(objects, tmp_path)
+    services = by_kind(objects, "Service")
+    for name, scaled in by_kind(objects, "ScaledObject").items():
+        group = name.removeprefix("worker-")
+        spec = scaled["spec"]
+        assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+        assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "nats-jetstream"
+        meta = trigger["metadata"]
+        assert meta["stream"] == config.nats.stream == "QOS_REQ"
+        assert meta["consumer"] == Subjects.consumer(group) == f"grp-{group}"
+        assert meta["account"] == "$G"
+        assert meta["natsServerMonitoringEndpoint"].endswith(":8222")
+        assert int(meta["lagThreshold"]) >= 1
+        assert all(isinstance(v, str) for v in meta.values()), "KEDA metadata values are strings"
+    assert "gateway" in services and "workers-metrics" in services
+
+
+def test_the_hpa_alternative_reads_qos_desired_replicas_per_group(
+    rendered: dict[str, list[Obj]],
+) -> None:
+    for name, hpa in by_kind(rendered["hpa"], "HorizontalPodAutoscaler").items():
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["type"] == "External"
+        assert metric["external"]["metric"]["name"] == "qos_desired_replicas"
+        selector = metric["external"]["metric"]["selector"]["matchLabels"]
+        assert selector == {"group": name.removeprefix("worker-")}
+        # replicas = ceil(metric / averageValue): 1 makes the HPA follow the scheduler.
+        assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    adapter = yaml.safe_load((K8S / "helm-values" / "prometheus-adapter.yaml").read_text())
+    assert "qos_desired_replicas" in adapter["rules"]["external"][0]["seriesQuery"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_point_at_paths_and_ports_the_services_serve(
+    rendered: dict[str, list[Obj]], overlay: str, tmp_path: Path
+) -> None:
+    objects = rendered[overlay]
+    for deploy, container in containers(objects):
+        component = deploy["metadata"]["labels"]["app.kubernetes.io/component"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        probes = [
+            container[k]
+            for k in ("readinessProbe", "livenessProbe", "startupProbe")
+            if k in container
+        ]
+        assert "readinessProbe" in container and "livenessProbe" in container, component
+        for probe in probes:
+            action = probe.get("httpGet") or probe.get("tcpSocket")
+            assert action is not None and action["port"] in ports, f"{component}: {probe}"
+            if "httpGet" in probe:
+                assert probe["httpGet"]["path"] in SERVED[component], f"{component}: {probe}"
+        env = env_of(container)
+        config = config_of(
+            objects,
+            tmp_path,
+            {k: v for k, v in env.items() if k.startswith("QOS_") and k != "QOS_CONFIG"},
+        )
+        expected = {
+            "gateway": config.gateway.port,
+            "scheduler": config.scheduler.metrics_port,
+            "worker": config.worker.metrics_port,
+        }[component]
+        assert expected in ports.values(), f"{component} listens on {expected}, not {ports}"
+        assert env.get("QOS_CONFIG") == "/etc/qosserve/config.yaml"
+    gateway = by_kind(objects, "Deployment")["gateway"]["spec"]["template"]["spec"]
+    readiness = gateway["containers"][0]["readinessProbe"]["httpGet"]["path"]
+    assert readiness == "/health"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_get_time_to_drain_and_everything_spreads_across_zones(
+    rendered: dict[str, list[Obj]], overlay: str
+) -> None:
+    for deploy, container in containers(rendered[overlay]):
+        pod = deploy["spec"]["template"]["spec"]
+        keys = {c["topologyKey"] for c in pod["topologySpreadConstraints"]}
+        assert "topology.kubernetes.io/zone" in keys, deploy["metadata"]["name"]
+        if "--grace-s" in container["args"]:
+            grace = float(container["args"][container["args"].index("--grace-s") + 1])
+            assert pod["terminationGracePeriodSeconds"] >= grace + 10
+        if deploy["metadata"]["name"] == "gateway":
+            assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_only_the_gpu_overlay_gives_workers_gpus_and_the_cuda_image(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    for overlay in OVERLAYS:
+        for deploy, container in containers(rendered[overlay]):
+            limits = container["resources"].get("limits", {})
+            is_gpu_worker = overlay == "gpu" and deploy["metadata"]["name"].startswith("worker-")
+            assert ("nvidia.com/gpu" in limits) == is_gpu_worker, deploy["metadata"]["name"]
+            assert container["image"].endswith(":cuda") == is_gpu_worker
+            if is_gpu_worker:
+                env = {
+                    k: v
+                    for k, v in env_of(container).items()
+                    if k.startswith("QOS_") and k != "QOS_CONFIG"
+                }
+                assert config_of(rendered[overlay], tmp_path, env).worker.device == "cuda"
+
+
+def test_helm_values_configure_jetstream_and_an_lru_cache_redis() -> None:
+    nats = yaml.safe_load((K8S / "helm-values" / "nats.yaml").read_text())["config"]
+    assert nats["jetstream"]["enabled"] and nats["jetstream"]["fileStore"]["enabled"]
+    assert nats["monitor"]["enabled"] and nats["monitor"]["port"] == 8222
+    assert nats["merge"]["max_payload"] >= Config().nats.max_payload_bytes
+    redis = yaml.safe_load((K8S / "helm-values" / "redis.yaml").read_text())
+    settings = dict(
+        line.split(None, 1) for line in redis["commonConfiguration"].splitlines() if line.strip()
+    )
+    assert settings["maxmemory-policy"] == "allkeys-lru"
+    assert settings["save"] == '""' and settings["appendonly"] == "no"
+    assert redis["master"]["persistence"]["enabled"] is False
