@@ -83,7 +83,9 @@ little-endian float32.
    order), text_len: int (characters of text delivered)}`` and set ``min_attempt =
    max(min_attempt, attempt)``; drop any held chunk of an older attempt. The worker continues from prompt + those tokens, sending ``seq`` from
    ``len(token_ids)``. Not answering (after the stream ended, or when the caller gave up)
-   makes the worker drop the request.
+   makes the worker drop the request. After a NATS reconnect a worker asks the same
+   question with its *current* attempt (nothing changes on your side) and re-sends every
+   chunk past your answer, so chunks lost in the outage arrive again (drop them by ``seq``).
 5. To cancel, publish (core NATS) on ``P.ctl.group.<group>`` the map
    ``{v: 1, action: "abort", request_id: <id>, group: <group>, issued_ms: int, reason:
    str}`` and unsubscribe; the worker frees the request's KV cache at once.

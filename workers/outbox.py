@@ -38,6 +38,7 @@ class Flight:
     first_sent: bool = False
     error: QosError | None = None  # why it was aborted here (deadline), if it was
     watch: Any = None  # metrics/tracing state (workers.observe.Watch), while observed
+    sent_chunks: list[Chunk] = field(default_factory=list)  # for a resync (workers.resync)
 
     def resumed_at(self, delivered: int) -> None:
         """The caller already has ``delivered`` tokens: number from there."""

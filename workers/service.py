@@ -67,6 +67,7 @@ from workers.intake import Intake, RecentIds, ask_resume, reject_undecodable, se
 from workers.metrics import EngineView
 from workers.observe import WorkerObserver
 from workers.outbox import Flight, sampling_params
+from workers.resync import Resync
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,9 @@ class WorkerService:
         self._switch_lock = asyncio.Lock()
         self._coalesce_s = config.worker.coalesce_ms / 1000.0
         self._max_payload = config.nats.max_payload_bytes
+        self._resync = Resync(
+            self.subjects, options.worker_id, self._max_payload, timeout_s=options.resume_timeout_s
+        )
 
     # --- life cycle ----------------------------------------------------------------------
 
@@ -194,6 +198,7 @@ class WorkerService:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self._resync.close()
         if self.bridge is not None:
             await self.bridge.stop()
         if self.nc is not None:
@@ -445,12 +450,14 @@ class WorkerService:
         self._count(st, chunk)
         await self._publish(st, chunk)
         await settle(st.msg.ack)
+        self._resync.finished(st)
         self.telemetry.finished(time.time() - st.start, error=error)
         self.observer.answered(st, chunk, error=error)
         self._poke()
 
     async def _publish(self, st: Flight, chunk: Chunk) -> None:
         assert self.nc is not None
+        st.sent_chunks.append(chunk)
         try:
             await self.nc.publish(st.request.reply, chunk.to_bytes())
         except Exception as exc:
@@ -459,12 +466,15 @@ class WorkerService:
     # --- periodic work -------------------------------------------------------------------
 
     async def _ticker(self) -> None:
-        """Keep held messages from redelivering; abort requests whose deadline passed."""
+        """Keep held messages from redelivering; abort requests whose deadline passed;
+        resync callers after a NATS reconnect."""
         progress_every = self.config.nats.ack_wait_s / 3
         tick = min(progress_every, 0.5)
         last_progress = time.monotonic()
         while True:
             await asyncio.sleep(tick)
+            if self.nc is not None:
+                self._resync.tick(self.nc, list(self._inflight.values()))
             now_ms = time.time() * 1000
             for st in list(self._inflight.values()):
                 deadline = st.request.deadline_ms

@@ -1,0 +1,126 @@
+"""Resync: after a NATS reconnect, every caller gets the chunks it missed.
+
+Chunks travel on core NATS (at most once). Around a NATS restart some are gone: those
+written to the old socket just before it died, and those published while the caller's
+own connection was not back yet. Without a resync the caller holds a gap that never
+fills (or never sees the final chunk) until its deadline, although the worker finished.
+
+So the worker watches its client's reconnect count. After a reconnect it asks the caller
+of each request in flight, and of each finished shortly before or during the outage,
+what it has, with the resume query a redelivered attempt sends (``qos.resume.<id>``,
+DESIGN §2) but with the *same* attempt number, which changes nothing on the caller's
+side, then re-publishes every chunk past that point; the caller drops what it already
+has by ``seq``. No responder means the caller is not back yet: ask again, for up to
+``window_s``. Silence from a subscribed caller means it has finished or is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import nats.errors
+from nats.aio.client import Client
+
+from common.errors import ProtocolError
+from common.protocol import ResumeQuery, ResumeReply
+from common.subjects import Subjects
+from workers.outbox import Flight
+
+log = logging.getLogger(__name__)
+
+# A finished request is kept this long for a resync (longer while the link is down).
+KEEP_S = 2.0
+# How long a resync keeps asking a caller that is not reconnected yet.
+WINDOW_S = 10.0
+RETRY_S = 0.2
+
+
+class Resync:
+    """Remembers what each flight sent; after a reconnect re-sends what callers lack."""
+
+    def __init__(
+        self,
+        subjects: Subjects,
+        worker_id: str,
+        max_payload: int,
+        *,
+        timeout_s: float = 1.0,
+        keep_s: float = KEEP_S,
+        window_s: float = WINDOW_S,
+    ) -> None:
+        self._subjects = subjects
+        self._worker_id = worker_id
+        self._max_payload = max_payload
+        self._timeout_s = timeout_s
+        self._keep_s = keep_s
+        self._window_s = window_s
+        self._recent: dict[str, tuple[float, Flight]] = {}
+        self._reconnects = 0
+        self._last_down = -float("inf")
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def finished(self, st: Flight) -> None:
+        """``st`` sent its final chunk: keep it a while in case that chunk is lost."""
+        self._recent[st.request.id] = (time.monotonic(), st)
+
+    def tick(self, nc: Client, inflight: list[Flight]) -> None:
+        """Called periodically: start resyncs after a reconnect, forget old flights."""
+        now = time.monotonic()
+        reconnects = int(nc.stats.get("reconnects", 0))
+        if reconnects != self._reconnects:
+            self._reconnects = reconnects
+            flights = {st.request.id: st for _, st in self._recent.values()}
+            flights.update((st.request.id, st) for st in inflight)
+            if flights:
+                log.info("NATS reconnected: resyncing %d requests with their callers", len(flights))
+            for st in flights.values():
+                task = asyncio.create_task(self._resync(nc, st), name="worker-resync")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        if not nc.is_connected:
+            self._last_down = now
+        # Whatever finished during an outage is kept until the resync window has passed.
+        calm = now - self._last_down > self._window_s
+        for rid, (at, _) in list(self._recent.items()):
+            if now - at > self._keep_s and (calm or at < self._last_down - self._keep_s):
+                del self._recent[rid]
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._recent.clear()
+
+    async def _resync(self, nc: Client, st: Flight) -> None:
+        reply = await self._ask(nc, st)
+        if reply is None:
+            return
+        delivered = len(reply.token_ids)
+        resent = 0
+        for chunk in list(st.sent_chunks):
+            if chunk.seq + len(chunk.token_ids) > delivered or chunk.finish_reason is not None:
+                with contextlib.suppress(Exception):
+                    await nc.publish(st.request.reply, chunk.to_bytes())
+                    resent += 1
+        if resent:
+            log.info("request %s: re-sent %d chunks after a reconnect", st.request.id, resent)
+
+    async def _ask(self, nc: Client, st: Flight) -> ResumeReply | None:
+        """The caller's answer; None when it stays silent (done or gone) or never returns."""
+        query = ResumeQuery(id=st.request.id, attempt=st.attempt, worker=self._worker_id)
+        subject = self._subjects.resume(st.request.id)
+        give_up = time.monotonic() + self._window_s
+        while time.monotonic() < give_up:
+            try:
+                answer = await nc.request(subject, query.to_bytes(), timeout=self._timeout_s)
+                return ResumeReply.from_bytes(answer.data, self._max_payload)
+            except (nats.errors.TimeoutError, TimeoutError, ProtocolError):
+                return None  # subscribed but silent: it has the whole answer, or left
+            except Exception:  # no responder yet, or our own link is still down
+                await asyncio.sleep(RETRY_S)
+        return None
