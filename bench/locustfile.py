@@ -1,0 +1,242 @@
+"""Locust stress test of the OpenAI API with the field study's mix (``bench/field_mix.py``).
+
+Each simulated user picks, per request, long-document QA (19 %), a multi-turn conversation
+that resends its whole history every turn (28 %), a short generation (48 %) or an invalid
+request (5 %): malformed JSON, wrong types, unknown parameters, out-of-range values, empty
+messages, over-long prompts. Valid requests stream; invalid ones must get a 4xx — a 5xx, a
+2xx or a hang (``--invalid-timeout-s``) is a failure. Besides each request's end-to-end time
+(its own row), TTFT and inter-token latency are recorded as custom events, so they show up
+in locust's stats and CSV files as request types ``TTFT`` and ``ITL``.
+
+Long documents are sized to the long group's limit (the server's ``max_model_len``) by
+default; the demo model has a 2k context, so pass ``--long-tokens 1500`` (or
+``LOCUST_LONG_TOKENS``) against it. The field study's run::
+
+    locust -f bench/locustfile.py --headless --users 100 --spawn-rate 10 \\
+        --host http://127.0.0.1:8000 --csv=report -t 1h
+
+Options (flags or ``LOCUST_*`` variables): ``--long-tokens``, ``--max-tokens``,
+``--turns``, ``--mix long_doc=19,conversation=28,short=48,invalid=5``, ``--tokenizer``
+(a tokenizer folder to size documents exactly; default the demo model's), ``--seed``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from locust import HttpUser, between, events
+
+from bench.field_mix import (
+    INVALID_KINDS,
+    MIX,
+    QA,
+    invalid_request,
+    load_qa,
+    long_doc_messages,
+    long_document,
+    parse_mix,
+    short_prompt,
+)
+from bench.field_mix import conversation_questions as conversation
+
+DEMO_TOKENIZER = Path(__file__).resolve().parent / "models" / "pystd-tiny"
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser: Any) -> None:
+    group = parser.add_argument_group("qosserve field mix")
+    group.add_argument(
+        "--long-tokens",
+        type=int,
+        default=0,
+        env_var="LOCUST_LONG_TOKENS",
+        help="long-document prompt tokens (0 = the server's max_model_len)",
+    )
+    group.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        env_var="LOCUST_MAX_TOKENS",
+        help="max_tokens of every valid request",
+    )
+    group.add_argument(
+        "--turns",
+        type=int,
+        default=3,
+        env_var="LOCUST_TURNS",
+        help="turns of a multi-turn conversation",
+    )
+    group.add_argument(
+        "--mix",
+        default="",
+        env_var="LOCUST_MIX",
+        help="weights, e.g. long_doc=19,conversation=28,short=48,invalid=5",
+    )
+    group.add_argument(
+        "--tokenizer",
+        default=str(DEMO_TOKENIZER),
+        env_var="LOCUST_TOKENIZER",
+        help="tokenizer folder to size long documents ('' = ~4 chars/token)",
+    )
+    group.add_argument(
+        "--invalid-timeout-s",
+        type=float,
+        default=30.0,
+        env_var="LOCUST_INVALID_TIMEOUT_S",
+        help="an invalid request slower than this hangs",
+    )
+    group.add_argument("--seed", type=int, default=0, env_var="LOCUST_SEED")  # fmt: skip
+
+
+@events.init.add_listener
+def _apply_mix(environment: Any, **_: Any) -> None:
+    options = environment.parsed_options
+    if options is None:
+        return
+    weights = parse_mix(options.mix)
+    FieldMixUser.tasks = [
+        getattr(FieldMixUser, name) for name, weight in weights.items() for _ in range(weight)
+    ]
+
+
+class FieldMixUser(HttpUser):
+    """One client of the field mix; see the module docstring."""
+
+    wait_time = between(0.05, 0.5)
+    # Shared by the users of this process: the data, the documents, the server's model card.
+    _qa: ClassVar[list[QA]] = []
+    _documents: ClassVar[dict[int, str]] = {}
+    _server: ClassVar[dict[str, Any]] = {}
+    _users: ClassVar[int] = 0
+
+    def on_start(self) -> None:
+        options = self.environment.parsed_options
+        FieldMixUser._users += 1
+        self.rng = random.Random((options.seed if options else 0) * 100_003 + FieldMixUser._users)
+        self.max_tokens = options.max_tokens if options else 32
+        self.turns = options.turns if options else 3
+        self.invalid_timeout_s = options.invalid_timeout_s if options else 30.0
+        if not FieldMixUser._qa:
+            FieldMixUser._qa = load_qa()
+        if not FieldMixUser._server:
+            card = self.client.get("/v1/models", name="/v1/models").json()["data"][0]
+            FieldMixUser._server = {"model": card["id"], "max_model_len": card["max_model_len"]}
+        self.model = FieldMixUser._server["model"]
+        long_tokens = options.long_tokens if options else 0
+        self.long_tokens = (
+            long_tokens or FieldMixUser._server["max_model_len"] - self.max_tokens - 16
+        )
+        self.tokenizer_path = options.tokenizer if options else str(DEMO_TOKENIZER)
+
+    # --- the mix (task names are the field_mix.MIX keys) -----------------------------------
+
+    def long_doc(self) -> None:
+        """Long-document QA on the long group (its path: never the short group by length)."""
+        key = self.rng.randrange(4)  # a few documents, so some prompts share a prefix
+        if key not in FieldMixUser._documents:
+            FieldMixUser._documents[key] = long_document(
+                self._qa, self.long_tokens, self._tokenizer(), random.Random(key)
+            )
+        messages = long_doc_messages(FieldMixUser._documents[key], self._qa, self.rng)
+        self._chat("/v1/long/chat/completions", "long_doc", messages)
+
+    def conversation(self) -> None:
+        """Several turns; each resends the history, the model's answers included."""
+        history: list[dict[str, str]] = []
+        for turn, question in enumerate(conversation(self._qa, self.rng, self.turns)):
+            history.append({"role": "user", "content": question})
+            answer = self._chat("/v1/chat/completions", f"conversation turn {turn + 1}", history)
+            if answer is None:
+                return
+            history.append({"role": "assistant", "content": answer})
+
+    def short(self) -> None:
+        self._chat("/v1/chat/completions", "short", short_prompt(self._qa, self.rng))
+
+    def invalid(self) -> None:
+        """A request the gateway must refuse with a 4xx."""
+        kind = self.rng.choice(INVALID_KINDS)
+        raw = invalid_request(kind, self.model, FieldMixUser._server["max_model_len"])
+        headers = {"Content-Type": "application/json"}
+        with self.client.post(
+            raw.path, data=raw.body, headers=headers, name=f"invalid {kind}",
+            catch_response=True, timeout=self.invalid_timeout_s,
+        ) as resp:  # fmt: skip
+            if 400 <= resp.status_code < 500:
+                resp.success()
+            elif resp.status_code == 0:
+                resp.failure(f"no answer within {self.invalid_timeout_s:.0f}s: {resp.error}")
+            else:
+                resp.failure(f"{kind}: HTTP {resp.status_code} (want 4xx): {resp.text[:200]}")
+
+    # A weighted task list (locust picks one uniformly); _apply_mix rebuilds it from --mix.
+    tasks = [long_doc] * MIX["long_doc"] + [conversation] * MIX["conversation"]
+    tasks += [short] * MIX["short"] + [invalid] * MIX["invalid"]
+
+    # --- streaming ---------------------------------------------------------------------------
+
+    def _tokenizer(self) -> Any | None:
+        if not self.tokenizer_path or not Path(self.tokenizer_path, "tokenizer.json").is_file():
+            return None
+        from common.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.tokenizer_path)
+
+    def _chat(self, path: str, name: str, messages: list[dict[str, str]]) -> str | None:
+        """Stream one chat completion; fire TTFT/ITL events; the text, or None on failure."""
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": self.max_tokens,
+            "temperature": 0.7,
+            "stream": True,
+        }
+        started = time.perf_counter()
+        parts: list[str] = []
+        with self.client.post(
+            path, json=body, name=name, stream=True, catch_response=True, timeout=(5, 120)
+        ) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                return None
+            last: float | None = None
+            done = False
+            try:
+                for line in resp.iter_lines(decode_unicode=True):
+                    if not line or not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        resp.failure(f"error event: {event['error']}")
+                        return None
+                    choices = event.get("choices") or [{}]
+                    delta = (choices[0].get("delta") or {}).get("content")
+                    if delta:
+                        now = time.perf_counter()
+                        kind, since = ("TTFT", started) if last is None else ("ITL", last)
+                        self._event(kind, name, (now - since) * 1e3)
+                        last = now
+                        parts.append(delta)
+            except Exception as exc:  # a broken stream is this request's failure, not a crash
+                resp.failure(f"stream broke: {exc!r}")
+                return None
+            # The row's time is the whole stream, not the time to the response headers.
+            resp.request_meta["response_time"] = (time.perf_counter() - started) * 1e3
+            if not done:
+                resp.failure("the stream ended without [DONE]")
+                return None
+            resp.success()
+        return "".join(parts)
+
+    def _event(self, kind: str, name: str, ms: float) -> None:
+        self.environment.events.request.fire(
+            request_type=kind, name=name, response_time=ms, response_length=0,
+            exception=None, context={},
+        )  # fmt: skip
