@@ -2,9 +2,10 @@
 
 Prompts are random token ids (exact input lengths); outputs run to ``max_tokens``
 (``ignore_eos``). The client streams each completion with httpx and times every text
-event: TTFT is the first, ITL the gaps after it, E2E the whole response. The in-process
-baseline sends the same requests, at the same times, to a zero-cost sim engine through
-the worker's own engine bridge: what serving costs without HTTP and NATS.
+event: TTFT is the first, ITL the gaps after it, E2E the whole response. Two baselines
+send the same requests at the same times: NATS-natively with :class:`QosClient` (the
+message plane without HTTP), and into a zero-cost sim engine in this process through the
+worker's own engine bridge (neither HTTP nor NATS).
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from common.client import QosClient
+from common.config import NatsConfig
+from common.errors import QosError
+from common.protocol import RequestParams
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,21 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: R
         res.e2e = time.perf_counter() - t0
 
 
+async def paced(
+    offsets: list[float], one: Callable[[int, float], Coroutine[Any, Any, None]]
+) -> float:
+    """Start ``one(i, start)`` at ``start + offsets[i]``; wait for all; the run's duration."""
+    start = time.perf_counter()
+    tasks: list[asyncio.Task[None]] = []
+    for i, at in enumerate(offsets):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, start)))
+    await asyncio.gather(*tasks)
+    return time.perf_counter() - start
+
+
 async def run_load(
     base_url: str,
     path: str,
@@ -113,57 +135,61 @@ async def run_load(
     offsets: list[float],
     max_concurrency: int | None,
 ) -> tuple[list[Result], float]:
-    """Send ``work`` at ``offsets``; returns the results and the run's duration."""
+    """Send ``work`` to the gateway at ``offsets``; the results and the run's duration."""
     limits = httpx.Limits(max_connections=max_concurrency or 4096, max_keepalive_connections=512)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results = [Result() for _ in work]
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=300) as client:
-        start = time.perf_counter()
 
-        async def one(req: Req, res: Result) -> None:
+        async def one(i: int, start: float) -> None:
             body = {
                 "model": model,
-                "prompt": req.prompt,
-                "max_tokens": req.output_len,
+                "prompt": work[i].prompt,
+                "max_tokens": work[i].output_len,
                 "temperature": 0,
                 "ignore_eos": True,  # every request produces its whole output
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
             async with gate or contextlib.nullcontext():
-                res.start = time.perf_counter() - start
-                await send(client, path, body, res)
+                results[i].start = time.perf_counter() - start
+                await send(client, path, body, results[i])
 
-        tasks = []
-        for req, res, at in zip(work, results, offsets, strict=True):
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(req, res)))
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        duration = await paced(offsets, one)
     return results, duration
 
 
-async def run_floor(base_url: str, offsets: list[float]) -> tuple[list[Result], float]:
-    """``GET /v1/models`` at ``offsets``: the HTTP round trip without NATS or a worker."""
-    results = [Result() for _ in offsets]
-    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
-        start = time.perf_counter()
+async def run_nats(
+    nats: NatsConfig, group: str, work: list[Req], offsets: list[float]
+) -> tuple[list[Result], float]:
+    """The same requests NATS-natively (:class:`QosClient`): the message plane, no HTTP."""
+    results = [Result() for _ in work]
+    async with await QosClient.connect(nats, "bench-serve") as client:
 
-        async def one(res: Result) -> None:
+        async def one(i: int, start: float) -> None:
+            res, req = results[i], work[i]
+            params = RequestParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
             t0 = time.perf_counter()
-            res.start = t0 - start
-            res.status = (await client.get("/v1/models")).status_code
+            res.start, last = t0 - start, t0
+            try:
+                async for chunk in client.generate(
+                    group=group, prompt_token_ids=req.prompt, params=params, timeout_s=60
+                ):
+                    now = time.perf_counter()
+                    if chunk.token_ids:
+                        if res.ttft is None:
+                            res.ttft = now - t0
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                    res.output_tokens += len(chunk.token_ids)
+                res.ok, res.status = True, 200
+            except QosError as exc:
+                res.status, res.error = exc.http_status, exc.code
             res.e2e = time.perf_counter() - t0
-            res.ok = res.status == 200
 
-        tasks = []
-        for res, at in zip(results, offsets, strict=True):
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(res)))
-        await asyncio.gather(*tasks)
-    return results, time.perf_counter() - start
+        duration = await paced(offsets, one)
+    return results, duration
 
 
 async def run_in_process(
@@ -177,11 +203,9 @@ async def run_in_process(
     loop = asyncio.get_running_loop()
     results = [Result() for _ in work]
     t0s = [0.0] * len(work)
-    done = asyncio.Event()
-    left = len(work)
+    finished = [loop.create_future() for _ in work]
 
     def on_events(events: list[BridgeEvent]) -> None:
-        nonlocal left
         now = time.perf_counter()
         for event in events:
             i = int(event.request_id)
@@ -190,23 +214,21 @@ async def run_in_process(
             if tokens and res.ttft is None:
                 res.ttft = now - t0s[i]
             res.output_tokens += len(tokens)
-            if getattr(event, "finished", True):
+            if getattr(event, "finished", True):  # a RequestFailed has no `finished`
                 res.e2e, res.ok, res.status = now - t0s[i], True, 200
-                left -= 1
-        if left == 0:
-            done.set()
+                finished[i].set_result(None)
 
     engine = SimEngine(max_batch_size=max_batch, max_seq_len=4096, cost=SimCost(0.0, 0.0, 0.0))
     bridge = EngineBridge(engine, on_events, loop, name="bench-inproc")
     bridge.start()
-    start = time.perf_counter()
-    for i, (req, at) in enumerate(zip(work, offsets, strict=True)):
-        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+
+    async def one(i: int, start: float) -> None:
         t0s[i] = time.perf_counter()
         results[i].start = t0s[i] - start
-        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-        bridge.add(AddRequest(str(i), params, prompt_token_ids=req.prompt))
-    await done.wait()
-    duration = time.perf_counter() - start
+        params = SamplingParams(max_tokens=work[i].output_len, temperature=0.0, ignore_eos=True)
+        bridge.add(AddRequest(str(i), params, prompt_token_ids=work[i].prompt))
+        await finished[i]
+
+    duration = await paced(offsets, one)
     await bridge.stop()
     return results, duration

@@ -53,7 +53,7 @@ def draw(
     ax.legend()
     written.append(_save(fig, folder / f"serve_{mode}_latency_cdf.png"))
 
-    timeline = result.get("per_second") or result.get("stack", {}).get("per_second")
+    timeline = result.get("per_second")
     if timeline:
         fig, ax = plt.subplots(figsize=(7, 4))
         t = [row["t"] for row in timeline]

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from common.config import default_groups
+from common.config import NatsConfig, default_groups
 from common.models import resolve_model, served_name
 from common.services import NatsServer, die_with_parent, free_port
 
@@ -101,6 +101,11 @@ class LocalStack:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def nats_config(self) -> NatsConfig:
+        """What a NATS-native client of this stack connects with (default names)."""
+        return NatsConfig(url=self.nats.url)
 
     @property
     def gateway_pid(self) -> int | None:
