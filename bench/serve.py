@@ -147,6 +147,7 @@ def workload(args: argparse.Namespace, n: int, rate: float) -> tuple[list[Req], 
 
 
 async def mode_serve(args: argparse.Namespace, target: Target) -> tuple[dict[str, Any], Series]:
+    """One run as the flags describe it."""
     work, offsets = workload(args, args.num_prompts, args.request_rate)
     results, duration = await target.load(work, offsets, args.max_concurrency)
     summary = summarize(results, duration, args.slo_ttft_ms, args.slo_e2e_ms)
@@ -154,6 +155,7 @@ async def mode_serve(args: argparse.Namespace, target: Target) -> tuple[dict[str
 
 
 async def mode_overhead(args: argparse.Namespace, target: Target) -> tuple[dict[str, Any], Series]:
+    """The same requests over HTTP, NATS-natively and in-process (see the module docstring)."""
     work, offsets = workload(args, args.num_prompts, args.request_rate)
     await target.load(work[:50], offsets[:50], None)  # warm-up: connections, caches
     cpu0 = target.cpu_seconds()
@@ -186,6 +188,7 @@ async def mode_overhead(args: argparse.Namespace, target: Target) -> tuple[dict[
 
 
 async def mode_max_rps(args: argparse.Namespace, target: Target) -> tuple[dict[str, Any], Series]:
+    """Ramp the offered rate until the p99 or the achieved rate gives (the module docstring)."""
     steps: list[dict[str, Any]] = []
     rate, best = args.request_rate, 0.0
     await target.load(*workload(args, 50, math.inf), None)  # warm-up: connections, caches
@@ -305,9 +308,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.num_prompts = args.num_prompts or n
     args.request_rate = args.request_rate if args.request_rate is not None else rate
     args.input_len, args.output_len = args.input_len or inp, args.output_len or out
+    if args.mode == "overhead" and args.base_url:
+        p.error("--mode overhead compares against a zero-cost sim stack: use --launch sim")
     if args.mode != "serve":
         if args.launch == "real":
-            p.error(f"--mode {args.mode} measures the message plane: use --launch sim")
+            p.error(f"--mode {args.mode} measures the serving path: use --launch sim")
         args.sim_base_ms = args.sim_prefill_us_per_token = args.sim_decode_us_per_seq = 0.0
     if not args.base_url and not args.launch:
         args.launch = "sim"
