@@ -8,7 +8,8 @@ Layout (little-endian)::
     40 scale bytes u32 44 payload bytes u32
     48 checksum over bytes 0..47, the scales and the payload: blake2b-128 (kind 0), or
        crc32 in the first 4 bytes, the rest zero (kind 1)
-    64 scales (quantised formats only), then the payload: [2, layers, block, heads, dim]
+    64 scales (quantised formats only: fp32 [2, layers, block, heads]), then the payload:
+       [2, layers, block, heads, dim]
 
 No pickle: decoding only slices bytes and compares numbers, so a value written by anyone
 (a bug, another version, an attacker with Redis access) is at worst a miss. The block hash
@@ -39,7 +40,7 @@ CHECKSUM_BYTES = 16
 assert _FIXED.size + CHECKSUM_BYTES == HEADER_BYTES
 
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "int8": 5}
-QUANT_CODES = {"none": 0}  # fp8/int8 with scales come later; the field is reserved for them
+QUANT_CODES = {"none": 0, "per_token_head": 1}  # int8/fp8 with fp32 scales per token per head
 CHECKSUMS = {"blake2b": 0, "crc32": 1}
 
 
@@ -93,7 +94,8 @@ def encode_blocks(
     payload: np.ndarray,
     checksum: str = "blake2b",
 ) -> list[memoryview]:
-    """Values for ``len(hashes)`` blocks; ``payload`` is uint8 ``[n, layout.block_bytes]``.
+    """Values for ``len(hashes)`` blocks; ``payload`` is uint8 ``[n, layout.block_bytes]``
+    (a quantised layout's rows start with its ``layout.scale_bytes`` of scales).
 
     The values are rows of one new buffer (one copy of the payload in all); each is a
     ``memoryview`` that redis-py sends without copying it again.
@@ -107,13 +109,15 @@ def encode_blocks(
         )
     out = np.empty((n, HEADER_BYTES + size), dtype=np.uint8)
     out[:, HEADER_BYTES:] = payload
-    empty = memoryview(b"")
+    split = HEADER_BYTES + layout.scale_bytes
     values = []
     for i, block_hash in enumerate(hashes):
-        head = _fixed_header(layout, layout_fp, block_hash, 0, size, kind)
+        head = _fixed_header(
+            layout, layout_fp, block_hash, layout.scale_bytes, size - layout.scale_bytes, kind
+        )
         row = out[i]
         row[: _FIXED.size] = np.frombuffer(head, dtype=np.uint8)
-        digest = _checksum(kind, head, empty, memoryview(row[HEADER_BYTES:]))
+        digest = _checksum(kind, head, memoryview(row[HEADER_BYTES:split]), memoryview(row[split:]))
         row[_FIXED.size : HEADER_BYTES] = np.frombuffer(digest, dtype=np.uint8)
         values.append(memoryview(row))
     return values
@@ -134,7 +138,8 @@ def encode_block(
 def decode_block(
     value: bytes | memoryview, layout: KVLayout, layout_fp: bytes, block_hash: bytes
 ) -> memoryview:
-    """The payload of a stored value (a view into ``value``), or :class:`CorruptBlock`.
+    """The block's row (scales, if any, then the payload: a view into ``value``) in the
+    format :func:`encode_blocks` took, or :class:`CorruptBlock`.
 
     Checks, in order: length, magic, version, the layout (fingerprint, dtype, quant,
     shape), that it is this block, the sizes, and the checksum.
@@ -177,12 +182,12 @@ def decode_block(
         raise CorruptBlock("shape does not match the layout")
     if got_hash != block_hash:
         raise CorruptBlock("value of another block")
-    if payload_len != layout.block_bytes or scale_len != 0:
+    if payload_len != layout.block_bytes - layout.scale_bytes or scale_len != layout.scale_bytes:
         raise CorruptBlock(f"payload of {payload_len} bytes, scales {scale_len}")
     if len(view) != HEADER_BYTES + scale_len + payload_len:
-        raise CorruptBlock(f"value of {len(view)} bytes, header says {payload_len}")
+        raise CorruptBlock(f"value of {len(view)} bytes, header says {scale_len + payload_len}")
     scales = view[HEADER_BYTES : HEADER_BYTES + scale_len]
     payload = view[HEADER_BYTES + scale_len :]
     if _checksum(kind, view[: _FIXED.size], scales, payload) != view[_FIXED.size : HEADER_BYTES]:
         raise CorruptBlock("checksum mismatch")
-    return payload
+    return view[HEADER_BYTES:]

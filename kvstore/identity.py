@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
+SCALE_BYTES = 4  # fp32 scales of quantised layouts
 FP_BYTES = 8  # 64-bit fingerprints: collisions between deployed models are not a concern
 KEY_NAMESPACE = "qos:kv"
 
@@ -65,7 +66,9 @@ class CacheLayout(Protocol):
 @dataclass(frozen=True)
 class KVLayout:
     """How one block's K/V sit in memory: ``[2, num_layers, block_size, num_kv_heads,
-    head_dim]`` elements of ``dtype`` (``quant`` names a quantised format, "none" for now)."""
+    head_dim]`` elements of ``dtype``. ``quant`` names a quantised format: "none", or
+    "per_token_head" (int8/fp8 values, preceded by ``[2, num_layers, block_size,
+    num_kv_heads]`` fp32 scales)."""
 
     block_size: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
@@ -85,19 +88,26 @@ class KVLayout:
         return (2, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes of one block's scales (0 unless quantised)."""
+        if self.quant == "none":
+            return 0
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * SCALE_BYTES
+
+    @property
     def block_bytes(self) -> int:
-        """Payload bytes of one block (all layers' K and V)."""
+        """Bytes of one block as the engine exports it: its scales, then all layers' K and V."""
         n = 1
         for d in self.shape:
             n *= d
-        return n * self.elem_bytes
+        return self.scale_bytes + n * self.elem_bytes
 
     def fingerprint(self) -> bytes:
         return _digest(b"layout", json.dumps(asdict(self), sort_keys=True).encode())
 
 
-# Element sizes of the KV dtypes the codec knows; fp8/int8 are here for the quantised
-# formats to come (their scales travel in the codec's scale field).
+# Element sizes of the KV dtypes the codec knows; fp8/int8 blocks are quantised and carry
+# fp32 scales, which travel in the codec's scale field.
 DTYPE_BYTES = {
     "float32": 4,
     "float16": 2,

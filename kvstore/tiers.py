@@ -111,6 +111,7 @@ class KVTiers:
             num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim,
+            quant=getattr(layout, "quant", "none"),
             tp_rank=getattr(layout, "tp_rank", 0),
             tp_size=getattr(layout, "tp_size", 1),
         )

@@ -34,7 +34,7 @@ def test_graph_replay_equals_eager_for_padded_buckets() -> None:
         for i, n in enumerate([0, 15, 16, 17, 40])
     ]
     for e in (eager, graphed):
-        for kc, vc in e.runner.kv_caches:
+        for kc, vc, *_ in e.runner.kv_caches:
             torch.manual_seed(0)
             kc.normal_()
             vc.normal_()

@@ -57,7 +57,7 @@ def reference(tiny_llama: Path) -> Callable[[list[list[int]]], list[list[int]]]:
 def test_exported_blocks_are_whole_blocks_and_import_back_bit_exact(dtype: str) -> None:
     eng = engine(Path("dummy:tiny"), dtype=dtype, num_kv_blocks=8)
     runner = eng.runner
-    for k, v in runner.kv_caches:
+    for k, v, *_ in runner.kv_caches:
         k.copy_(torch.randn(k.shape))
         v.copy_(torch.randn(v.shape))
     rows = runner.export_blocks([3, 1])

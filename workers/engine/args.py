@@ -8,10 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import ConfigError
+from workers.engine.kernels.kv_quant import KV_QUANT_DTYPES
 
 POLICIES = ("static", "dynamic", "continuous", "hybrid")
 BACKEND_CHOICES = ("auto", "torch", "triton")
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
+# "auto": the KV cache holds the model dtype; the others quantise (workers/engine/kernels/kv_quant.py).
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3", "int8")
 
 # Default KV budget on CPU, where there is no free-memory figure worth profiling.
 DEFAULT_CPU_KV_CACHE_GIB = 0.5
@@ -25,7 +28,8 @@ class EngineArgs:
     by ``num_kv_blocks`` if given, else ``kv_cache_gib`` if given, else (CUDA) the fraction
     ``gpu_memory_utilization`` of device memory left after a profile run, or (CPU)
     ``DEFAULT_CPU_KV_CACHE_GIB``. ``max_seq_len=None`` means the model's context length,
-    capped to what the KV cache can hold.
+    capped to what the KV cache can hold. ``kv_cache_dtype`` "int8" or "fp8_e4m3" stores
+    K/V quantised with a scale per token per KV head (about half the bytes of bf16).
     """
 
     model: str
@@ -44,6 +48,7 @@ class EngineArgs:
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
@@ -93,6 +98,11 @@ class EngineArgs:
             raise bad("backend", f"must be one of {BACKEND_CHOICES}, got {self.backend!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise bad("dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise bad(
+                "kv_cache_dtype",
+                f"must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}",
+            )
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
@@ -131,6 +141,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``auto`` is the model dtype; ``int8`` / ``fp8_e4m3`` are quantised storage dtypes."""
+    if name == "auto":
+        return model_dtype
+    return KV_QUANT_DTYPES[name]
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

@@ -10,12 +10,23 @@ A step is either all-decode (one new token per sequence, the decode kernel) or v
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from workers.engine.kernels import reference, torch_paged
 
 BACKENDS = ("torch", "triton")
+
+
+class LayerKV(NamedTuple):
+    """One layer's paged cache: ``k, v: [num_blocks, block_size, n_kv, d]``; for an int8/fp8
+    cache also its fp32 scales ``k_scale, v_scale: [num_blocks, block_size, n_kv]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -45,28 +56,29 @@ def write_kv(
     backend: str,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     meta: AttentionMetadata,
 ) -> None:
-    """Store this step's ``k, v: [T, n_kv, d]`` into the paged cache."""
+    """Store this step's ``k, v: [T, n_kv, d]`` into the paged cache (quantised if it is)."""
     if backend == "triton":
         from workers.engine.kernels.store_kv import store_kv
 
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
     else:
-        reference.store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        reference.store_kv_ref(
+            k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale
+        )
 
 
 def attend(
     backend: str,
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Attention of ``q: [T, h, d]`` over the cache (after :func:`write_kv`); returns ``[T, h, d]``."""
+    k_cache, v_cache, k_scale, v_scale = cache
     if backend == "triton":
         if meta.is_decode:
             from workers.engine.kernels.decode_attention import paged_decode_attention
@@ -79,6 +91,8 @@ def attend(
                 meta.context_lens,
                 scale,
                 max_context_len=meta.max_context_len,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         from workers.engine.kernels.prefill_attention import paged_prefill_attention
 
@@ -92,12 +106,16 @@ def attend(
             meta.block_tables,
             scale,
             max_seqlen_q=meta.max_seqlen_q,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     if meta.is_decode:
         return torch_paged.paged_decode_attention_torch(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len
-        )
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+            meta.max_context_len, k_scale, v_scale,
+        )  # fmt: skip
     assert meta.cu_seqlens_q is not None
     return torch_paged.paged_prefill_attention_torch(
-        q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale
-    )
+        q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale,
+        k_scale, v_scale,
+    )  # fmt: skip

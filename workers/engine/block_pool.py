@@ -55,13 +55,15 @@ def hash_chain(
 @dataclass(frozen=True)
 class KVCacheLayout:
     """One block of the device cache: ``[2, num_layers, block_size, num_kv_heads, head_dim]``
-    elements of ``dtype`` (a torch dtype name such as "bfloat16"), K then V."""
+    elements of ``dtype`` (a torch dtype name such as "bfloat16"), K then V. ``quant`` is
+    "per_token_head" for int8/fp8 caches, whose fp32 scales precede the values."""
 
     block_size: int
     dtype: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    quant: str = "none"
 
 
 class KVTier(Protocol):

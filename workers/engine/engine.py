@@ -19,6 +19,7 @@ from workers.engine.args import (
     resolve_backend,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
 )
 from workers.engine.batcher import Batcher, BatchPlan
 from workers.engine.block_pool import BlockPool, KVTier
@@ -62,6 +63,7 @@ class LLMEngine:
             self.backend,
             args.block_size,
             args.seed,
+            kv_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype),
         )
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)

@@ -1,7 +1,8 @@
 """Tensors in, logits out: one :class:`BatchPlan` becomes one forward pass.
 
 The runner owns the model, the paged KV cache (one ``[num_blocks, block_size, n_kv, d]``
-pair per layer) and the per-step inputs. Inputs are built on the host with numpy, packed
+pair per layer, plus ``[num_blocks, block_size, n_kv]`` fp32 scales when the cache is int8 or
+fp8) and the per-step inputs. Inputs are built on the host with numpy, packed
 into one pinned int64 buffer and copied to the device with a single non-blocking copy.
 On CUDA, all-decode steps replay a CUDA graph captured for the next batch-size bucket
 (padding rows write to slot -1), since without graphs Python launch overhead dominates.
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.engine.attention import AttentionMetadata
+from workers.engine.attention import AttentionMetadata, LayerKV
 from workers.engine.batcher import BatchPlan, ScheduledSeq
 from workers.engine.block_pool import KVCacheLayout
+from workers.engine.kernels.kv_quant import SCALE_DTYPE, is_quantized
 from workers.engine.loader import load_model
 from workers.engine.models.llama import KVCache, ModelConfig
 
@@ -36,8 +38,11 @@ def graph_buckets(max_batch_size: int) -> list[int]:
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block's K and V over all layers in a cache of ``dtype``, scales included."""
+    slots = 2 * cfg.num_layers * block_size * cfg.num_kv_heads
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    scales = slots * SCALE_DTYPE.itemsize if is_quantized(dtype) else 0
+    return slots * cfg.head_dim * elem + scales
 
 
 @dataclass
@@ -63,15 +68,18 @@ class ModelRunner:
         backend: str,
         block_size: int,
         seed: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # int8 / float8_e4m3fn: quantised with scales
         self.backend = backend
         self.block_size = block_size
         self.model = load_model(model, cfg, device, dtype, backend, seed)
         self.kv_caches: list[KVCache] = []
         self._kv: torch.Tensor | None = None  # [2, layers, blocks, block_size, kv_heads, dim]
+        self._kv_scale: torch.Tensor | None = None  # [2, layers, blocks, block_size, kv_heads]
         self.num_blocks = 0
         self.max_seq_len = 0
         self.max_batch_size = 0
@@ -87,7 +95,7 @@ class ModelRunner:
     # --- KV cache ------------------------------------------------------------------------
 
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.cfg, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)
 
     def profile_num_blocks(
         self, gpu_memory_utilization: float, max_tokens: int, max_batch_size: int
@@ -119,13 +127,8 @@ class ModelRunner:
         self.execute(BatchPlan(seqs=seqs))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        cache_bytes = (
-            self.kv_caches[0][0].numel()
-            * 2
-            * len(self.kv_caches)
-            * self.kv_caches[0][0].element_size()
-        )
-        self.kv_caches, self._kv = [], None
+        cache_bytes = n_seqs * blocks_per_seq * self.bytes_per_block()
+        self.kv_caches, self._kv, self._kv_scale = [], None, None
         torch.cuda.empty_cache()
         used_before = total - free  # weights, CUDA context, other processes
         activations = max(0, peak - cache_bytes)
@@ -142,38 +145,53 @@ class ModelRunner:
         return int(budget // self.bytes_per_block())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One K and one V tensor per layer, carved from a single allocation."""
+        """One K and one V tensor per layer (and their scales if quantised), carved from a
+        single allocation each."""
         cfg = self.cfg
-        cache = torch.zeros(
-            2,
-            cfg.num_layers,
-            num_blocks,
-            self.block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.kv_caches = [(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)]
-        self._kv = cache
+        shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads)
+        cache = torch.zeros(*shape, cfg.head_dim, dtype=self.kv_dtype, device=self.device)
+        scale = None
+        if is_quantized(self.kv_dtype):
+            scale = torch.zeros(shape, dtype=SCALE_DTYPE, device=self.device)
+        self.kv_caches = [
+            LayerKV(
+                cache[0, i],
+                cache[1, i],
+                None if scale is None else scale[0, i],
+                None if scale is None else scale[1, i],
+            )
+            for i in range(cfg.num_layers)
+        ]
+        self._kv, self._kv_scale = cache, scale
         self.num_blocks = num_blocks
+
+    def _kv_bytes(self) -> list[torch.Tensor]:
+        """Byte views of the cache tensors, scales first: the tier row order."""
+        assert self._kv is not None
+        parts = [self._kv] if self._kv_scale is None else [self._kv_scale, self._kv]
+        # A block's bytes are dim 2 of a [2, layers, blocks, row bytes] view.
+        return [p.view(torch.uint8).view(*p.shape[:3], -1) for p in parts]
 
     def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
         """A host copy of whole blocks for the KV tiers: uint8 ``[n, bytes_per_block]``, row
-        ``i`` the ``[2, layers, block_size, kv_heads, head_dim]`` K/V of ``block_ids[i]``."""
-        assert self._kv is not None
+        ``i`` the ``[2, layers, block_size, kv_heads, head_dim]`` K/V of ``block_ids[i]``,
+        preceded in a quantised cache by their ``[2, layers, block_size, kv_heads]`` scales."""
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        blocks = self._kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
-        return blocks.view(torch.uint8).reshape(len(ids), -1).cpu().numpy()
+        rows = [
+            p.index_select(2, ids).permute(2, 0, 1, 3).reshape(len(ids), -1)
+            for p in self._kv_bytes()
+        ]
+        return torch.cat(rows, dim=1).cpu().numpy()
 
     def kv_layout(self) -> KVCacheLayout:
         """What a KV tier needs to tell this cache's blocks from other layouts'."""
         return KVCacheLayout(
             block_size=self.block_size,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(self.kv_dtype).removeprefix("torch."),
             num_layers=self.cfg.num_layers,
             num_kv_heads=self.cfg.num_kv_heads,
             head_dim=self.cfg.head_dim,
+            quant="per_token_head" if is_quantized(self.kv_dtype) else "none",
         )
 
     def swap_blocks(
@@ -188,15 +206,18 @@ class ModelRunner:
 
     def import_blocks(self, block_ids: Sequence[int], data: Sequence[memoryview]) -> None:
         """Copy blocks in the :meth:`export_blocks` format into the cache."""
-        assert self._kv is not None
         n = len(block_ids)
         host = np.empty((n, self.bytes_per_block()), dtype=np.uint8)
         for i, buf in enumerate(data):
             host[i] = np.frombuffer(buf, dtype=np.uint8)
-        shape = (n, *self._kv.shape[:2], *self._kv.shape[3:])
-        src = torch.from_numpy(host).to(self.device).view(self.dtype).view(shape)
+        src = torch.from_numpy(host).to(self.device)
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        self._kv.index_copy_(2, ids, src.permute(1, 2, 0, 3, 4, 5))
+        offset = 0
+        for part in self._kv_bytes():  # byte views: index_copy_ writes the cache itself
+            two, layers, _, width = part.shape
+            chunk = src[:, offset : offset + two * layers * width].view(n, two, layers, width)
+            part.index_copy_(2, ids, chunk.permute(1, 2, 0, 3))
+            offset += two * layers * width
 
     # --- preparing -----------------------------------------------------------------------
 

@@ -12,6 +12,9 @@ Each sequence's context is cut into ``num_splits`` equal, tile-aligned parts, so
 long sequences in one batch all get the same number of programs. ``num_splits`` is picked on
 the host from the batch size, the KV heads and ``max_context_len`` (a host int), so there is
 no device sync and the grid is fixed for a fixed batch and length bucket: CUDA-graph safe.
+An int8/fp8 cache (``k_scale, v_scale`` given) is dequantised in the loop: its tiles are
+cast exactly to q's dtype and the per-token scales are folded into the scores (K) and into
+the probabilities (V), which is ``(value * scale)`` without a multiply per element.
 The contract is :func:`workers.engine.kernels.reference.paged_decode_attention_ref`.
 """
 
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from workers.engine.kernels.kv_quant import check_scales
 
 _LOG2E = 1.4426950408889634
 # Stage-1 programs per SM to aim for: a few resident CTAs per SM keep enough loads in flight.
@@ -57,15 +62,17 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter."""
+    knobs = getattr(triton, "knobs", None)  # Triton < 3.3 has no knobs, only the variable
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def upcast_dot(dtype: torch.dtype) -> bool:
     """The Triton interpreter multiplies bf16 tiles as raw uint16: upcast them there."""
-    knobs = getattr(triton, "knobs", None)  # Triton < 3.3 has no knobs, only the variable
-    interpreting = (
-        bool(knobs.runtime.interpret)
-        if knobs is not None
-        else os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    )
-    return interpreting and dtype == torch.bfloat16
+    return interpreting() and dtype == torch.bfloat16
 
 
 @functools.lru_cache(maxsize=8)
@@ -96,6 +103,8 @@ def _decode_stage1_kernel(
     out_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2e,
     num_splits,
     stride_qb,
@@ -114,6 +123,8 @@ def _decode_stage1_kernel(
     stride_mo_s,
     stride_ml_b,
     stride_ml_h,
+    stride_sc_blk,
+    stride_sc_off,
     PAGE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -123,6 +134,7 @@ def _decode_stage1_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -167,10 +179,16 @@ def _decode_stage1_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if QUANT:  # int8 and e4m3 values are exact in fp16/bf16/fp32
+            k = k.to(tl.float32 if UPCAST_DOT else q_ptr.dtype.element_ty)
+            sc = blk * stride_sc_blk + off * stride_sc_off + kv_head
+            k_sc = tl.load(k_scale_ptr + sc, mask=mask_n, other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-        s = tl.where(mask_n[None, :], s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if QUANT:
+            s = s * k_sc[None, :]
+        s = tl.where(mask_n[None, :], s * scale_log2e, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -180,8 +198,11 @@ def _decode_stage1_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        # p is rounded to the cache dtype as the tensor-core product needs.
-        p = p.to(v_cache_ptr.dtype.element_ty)
+        if QUANT:  # scale each key's probability instead of each value element
+            v = v.to(tl.float32 if UPCAST_DOT else q_ptr.dtype.element_ty)
+            p = p * tl.load(v_scale_ptr + sc, mask=mask_n, other=0.0)[None, :]
+        # p is rounded to q's (the unquantised cache's) dtype as the tensor-core product needs.
+        p = p.to(q_ptr.dtype.element_ty)
         if UPCAST_DOT:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
@@ -270,6 +291,7 @@ def _check_inputs(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    quantized: bool,
 ) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [B, n_heads, head_dim], got {tuple(q.shape)}")
@@ -284,7 +306,7 @@ def _check_inputs(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if n_heads % n_kv:
         raise ValueError(f"n_heads {n_heads} is not a multiple of the KV heads {n_kv}")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+    if not quantized and (q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype):
         raise ValueError(f"q {q.dtype} and the caches {k_cache.dtype} must share a dtype")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dimension must be contiguous")
@@ -310,6 +332,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: ``q: [B, h, d]`` attends to its ``context_lens[b]`` cached tokens.
 
@@ -317,8 +341,10 @@ def paged_decode_attention(
     bucket); it only sizes the split count, never a loop. ``None`` uses the block table's
     capacity. ``num_splits`` and ``config`` override the heuristics (tests, benchmarks).
     A sequence of length 0 (batch padding) gets a zero output. Returns ``[B, h, d]``.
+    An int8/fp8 cache comes with ``k_scale, v_scale: [num_blocks, block_size, n_kv]`` fp32.
     """
-    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    quantized = check_scales(k_cache, v_cache, k_scale, v_scale)
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens, quantized)
     batch, n_heads, head_dim = q.shape
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
@@ -363,6 +389,8 @@ def paged_decode_attention(
         out,
         mid_o,
         mid_lse,
+        k_scale if k_scale is not None else out,  # unused pointer slots when not quantised
+        v_scale if v_scale is not None else out,
         scale * _LOG2E,
         num_splits,
         q.stride(0),
@@ -378,6 +406,7 @@ def paged_decode_attention(
         out.stride(1),
         *mo_strides,
         *ml_strides,
+        *((k_scale.stride(0), k_scale.stride(1)) if k_scale is not None else (0, 0)),
         PAGE=block_size,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -387,6 +416,7 @@ def paged_decode_attention(
         SINGLE_SPLIT=single,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.dtype),
+        QUANT=quantized,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -10,6 +10,8 @@ The new tokens' K/V are already in the cache (the engine writes them first): the
 sequence ``b`` are the last ``q_len`` of its ``context_lens[b]`` tokens, and any cached
 prefix is the part before them. Key tiles wholly below the tile's first query are visible to
 every row and run without a mask; only the diagonal tiles pay for the causal mask.
+An int8/fp8 cache is dequantised in the loop as in the decode kernel: exact casts of the
+tiles to q's dtype, the per-token scales folded into the scores (K) and probabilities (V).
 The contract is :func:`workers.engine.kernels.reference.paged_prefill_attention_ref`.
 """
 
@@ -22,6 +24,7 @@ import triton
 import triton.language as tl
 
 from workers.engine.kernels.decode_attention import dot_precision, upcast_dot
+from workers.engine.kernels.kv_quant import check_scales
 
 _LOG2E = 1.4426950408889634
 
@@ -59,6 +62,7 @@ def default_prefill_config(
 @triton.jit
 def _attend_tile(
     q,
+    q_ptr,
     m_i,
     l_i,
     acc,
@@ -75,10 +79,15 @@ def _attend_tile(
     scale_log2e,
     offs_n,
     mask_d,
+    k_scale_base,
+    v_scale_base,
+    stride_sc_blk,
+    stride_sc_off,
     PAGE: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     pos = n0 + offs_n
     if CAUSAL:
@@ -87,6 +96,7 @@ def _attend_tile(
         blk = tl.load(table + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
     else:
+        mask_n = pos >= 0  # all true: a full tile
         blk = tl.load(table + pos // PAGE).to(tl.int64)
         kv_mask = mask_d[None, :]
     off = pos % PAGE
@@ -95,9 +105,16 @@ def _attend_tile(
         mask=kv_mask,
         other=0.0,
     )
+    if QUANT:  # int8 and e4m3 values are exact in fp16/bf16/fp32
+        k = k.to(tl.float32 if UPCAST_DOT else q_ptr.dtype.element_ty)
+        sc = blk * stride_sc_blk + off * stride_sc_off
+        k_sc = tl.load(k_scale_base + sc, mask=mask_n, other=0.0)
     if UPCAST_DOT:
         k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if QUANT:
+        s = s * k_sc[None, :]
+    s = s * scale_log2e
     if CAUSAL:
         visible = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -111,7 +128,11 @@ def _attend_tile(
         mask=kv_mask,
         other=0.0,
     )
-    p = p.to(v_base.dtype.element_ty)
+    if QUANT:  # scale each key's probability instead of each value element
+        v = v.to(tl.float32 if UPCAST_DOT else q_ptr.dtype.element_ty)
+        p = p * tl.load(v_scale_base + sc, mask=mask_n, other=0.0)[None, :]
+    # p is rounded to q's (the unquantised cache's) dtype as the tensor-core product needs.
+    p = p.to(q_ptr.dtype.element_ty)
     if UPCAST_DOT:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
@@ -128,6 +149,8 @@ def _prefill_kernel(
     cu_seqlens_q_ptr,
     context_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2e,
     stride_qt,
     stride_qh,
@@ -140,6 +163,8 @@ def _prefill_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    stride_sc_blk,
+    stride_sc_off,
     PAGE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -149,6 +174,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # Last tiles first: they walk the most keys, so the long programs start earliest.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -188,21 +214,25 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kc_h + offs_d[None, :]
     v_base = v_cache_ptr + kv_head * stride_vc_h + offs_d[None, :]
+    k_scale_base = k_scale_ptr + kv_head  # scales: [num_blocks, block_size, n_kv]
+    v_scale_base = v_scale_ptr + kv_head
     last_tok = tl.minimum(tok0 + TOKENS_PER_TILE, q_len) - 1
     kv_end = prefix + last_tok + 1
     # Keys below the tile's first query position are visible to every row of the tile.
     full_end = ((prefix + tok0 + 1) // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_base, v_base, table, n0, q_pos, kv_end,
+            q, q_ptr, m_i, l_i, acc, k_base, v_base, table, n0, q_pos, kv_end,
             stride_kc_blk, stride_kc_off, stride_vc_blk, stride_vc_off, scale_log2e,
-            offs_n, mask_d, PAGE, False, DOT_PRECISION, UPCAST_DOT,
+            offs_n, mask_d, k_scale_base, v_scale_base, stride_sc_blk, stride_sc_off,
+            PAGE, False, DOT_PRECISION, UPCAST_DOT, QUANT,
         )  # fmt: skip
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_base, v_base, table, n0, q_pos, kv_end,
+            q, q_ptr, m_i, l_i, acc, k_base, v_base, table, n0, q_pos, kv_end,
             stride_kc_blk, stride_kc_off, stride_vc_blk, stride_vc_off, scale_log2e,
-            offs_n, mask_d, PAGE, True, DOT_PRECISION, UPCAST_DOT,
+            offs_n, mask_d, k_scale_base, v_scale_base, stride_sc_blk, stride_sc_off,
+            PAGE, True, DOT_PRECISION, UPCAST_DOT, QUANT,
         )  # fmt: skip
 
     o = acc / l_i[:, None]
@@ -225,6 +255,8 @@ def paged_prefill_attention(
     *,
     config: PrefillConfig | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length causal attention of packed ``q: [T, h, d]`` over paged KV.
 
@@ -232,7 +264,9 @@ def paged_prefill_attention(
     one for a decode in a mixed step); they are the last ``q_len`` of its ``context_lens[b]``
     cached tokens. ``max_seqlen_q`` is a host-side upper bound of the ``q_len``s that sizes the
     grid; ``None`` uses ``T`` (no device sync either way). Returns ``[T, h, d]``.
+    An int8/fp8 cache comes with ``k_scale, v_scale: [num_blocks, block_size, n_kv]`` fp32.
     """
+    quantized = check_scales(k_cache, v_cache, k_scale, v_scale)
     if q.dim() != 3:
         raise ValueError(f"q must be [T, n_heads, head_dim], got {tuple(q.shape)}")
     n_tokens, n_heads, head_dim = q.shape
@@ -246,7 +280,7 @@ def paged_prefill_attention(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if n_heads % n_kv:
         raise ValueError(f"n_heads {n_heads} is not a multiple of the KV heads {n_kv}")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+    if not quantized and (q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype):
         raise ValueError(f"q {q.dtype} and the caches {k_cache.dtype} must share a dtype")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dimension must be contiguous")
@@ -285,6 +319,8 @@ def paged_prefill_attention(
         cu_seqlens_q,
         context_lens,
         block_tables,
+        k_scale if k_scale is not None else out,  # unused pointer slots when not quantised
+        v_scale if v_scale is not None else out,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -297,6 +333,7 @@ def paged_prefill_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        *((k_scale.stride(0), k_scale.stride(1)) if k_scale is not None else (0, 0)),
         PAGE=block_size,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -306,6 +343,7 @@ def paged_prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.dtype),
+        QUANT=quantized,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

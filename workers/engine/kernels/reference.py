@@ -5,12 +5,16 @@ Slow and obvious on purpose: the Triton kernels are tested against these, and th
 
 Cache layout (one pair per layer): ``k_cache, v_cache: [num_blocks, block_size, n_kv, d]``.
 A slot is ``block_id * block_size + offset``; slot ``-1`` means "padding, do not write".
+A quantised cache (int8/fp8, see ``kv_quant.py``) also has ``k_scale, v_scale:
+[num_blocks, block_size, n_kv]``; the references quantise on write and dequantise on read.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from workers.engine.kernels.kv_quant import dequantize, quantize
 
 
 def store_kv_ref(
@@ -19,25 +23,44 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write ``k, v: [T, n_kv, d]`` into the cache slots named by ``slot_mapping: [T]``."""
+    """Write ``k, v: [T, n_kv, d]`` into the cache slots named by ``slot_mapping: [T]``.
+
+    With ``k_scale, v_scale`` the cache is quantised: values and scales are both written.
+    """
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scale is None:
+            cache[blocks, offsets] = x[valid].to(cache.dtype)
+        else:
+            values, scales = quantize(x[valid], cache.dtype)
+            cache[blocks, offsets] = values
+            scale[blocks, offsets] = scales
 
 
 def gather_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, length: int
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return one sequence's first ``length`` keys and values as ``[length, n_kv, d]``."""
+    """Return one sequence's first ``length`` keys and values as ``[length, n_kv, d]``
+    (fp32 when the cache is quantised: only the gathered blocks are dequantised)."""
     block_size = k_cache.shape[1]
     n_blocks = (length + block_size - 1) // block_size
     ids = block_table[:n_blocks].long()
     k = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:length]
     v = v_cache[ids].reshape(-1, *v_cache.shape[2:])[:length]
+    if k_scale is not None and v_scale is not None:
+        k = dequantize(k, k_scale[ids].reshape(-1, k_cache.shape[2])[:length])
+        v = dequantize(v, v_scale[ids].reshape(-1, v_cache.shape[2])[:length])
     return k, v
 
 
@@ -69,11 +92,14 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: ``q: [B, h, d]`` attends to its ``context_lens[b]`` cached tokens."""
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], int(context_lens[b]))
+        length = int(context_lens[b])
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], length, k_scale, v_scale)
         out[b] = attend_causal(q[b : b + 1], k, v, scale)[0]
     return out
 
@@ -86,6 +112,8 @@ def paged_prefill_attention_ref(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length causal attention over paged KV.
 
@@ -98,6 +126,7 @@ def paged_prefill_attention_ref(
         start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         if end == start:
             continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], int(context_lens[b]))
+        length = int(context_lens[b])
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], length, k_scale, v_scale)
         out[start:end] = attend_causal(q[start:end], k, v, scale)
     return out

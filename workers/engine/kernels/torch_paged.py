@@ -4,12 +4,15 @@ The references in ``reference.py`` loop over sequences, which is right for tests
 slow for serving (the loop dominated CPU decode steps). Here a whole decode batch is one
 gather of its blocks into a padded ``[B, L, n_kv, d]`` view plus two einsums with a length
 mask; GQA is handled by grouping query heads per KV head instead of repeating K/V.
+A quantised cache (``k_scale, v_scale`` given) is dequantised after the gather, so only the
+batch's blocks are ever widened to fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from workers.engine.kernels.kv_quant import dequantize
 from workers.engine.kernels.reference import attend_causal, gather_kv
 
 
@@ -21,6 +24,8 @@ def paged_decode_attention_torch(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: ``q: [B, h, d]`` over its ``context_lens[b]`` cached tokens."""
     batch, n_heads, head_dim = q.shape
@@ -30,6 +35,9 @@ def paged_decode_attention_torch(
     length = n_blocks * block_size
     k = k_cache[ids].reshape(batch, length, n_kv, head_dim)
     v = v_cache[ids].reshape(batch, length, n_kv, head_dim)
+    if k_scale is not None and v_scale is not None:
+        k = dequantize(k, k_scale[ids].reshape(batch, length, n_kv))
+        v = dequantize(v, v_scale[ids].reshape(batch, length, n_kv))
     group = n_heads // n_kv
     qg = q.reshape(batch, n_kv, group, head_dim).float()
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k.float()) * scale
@@ -49,6 +57,8 @@ def paged_prefill_attention_torch(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention for a mixed step: one-token rows (decodes riding along with
     prefill chunks) go through the batched decode path, prompt chunks one by one."""
@@ -61,11 +71,13 @@ def paged_prefill_attention_torch(
         idx = torch.tensor(singles, device=q.device)
         lens = context_lens[idx]
         out[rows] = paged_decode_attention_torch(
-            q[rows], k_cache, v_cache, block_tables[idx], lens, scale, int(lens.max())
-        )
+            q[rows], k_cache, v_cache, block_tables[idx], lens, scale, int(lens.max()),
+            k_scale, v_scale,
+        )  # fmt: skip
     for b, n in enumerate(q_lens):
         if n > 1:
             start = starts[b]
-            k, v = gather_kv(k_cache, v_cache, block_tables[b], int(context_lens[b]))
+            length = int(context_lens[b])
+            k, v = gather_kv(k_cache, v_cache, block_tables[b], length, k_scale, v_scale)
             out[start : start + n] = attend_causal(q[start : start + n], k, v, scale)
     return out

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.engine.attention import AttentionMetadata, attend, write_kv
+from workers.engine.attention import AttentionMetadata, LayerKV, attend, write_kv
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = LayerKV
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -188,9 +188,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k_cache, v_cache = kv_cache
-        write_kv(self.backend, k, v, k_cache, v_cache, meta)
-        out = attend(self.backend, q, k_cache, v_cache, meta, self.scale)
+        write_kv(self.backend, k, v, kv_cache, meta)
+        out = attend(self.backend, q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
