@@ -1,0 +1,139 @@
+"""What ``bench/policies.py`` sends and what it reads back: the field mix as token ids, a
+session driver on ``bench/serve_load.py``'s streamed client, and worker telemetry.
+
+A *session* is one arrival: a short generation, a long-document question (on the ``long``
+group), or a conversation whose turns go one after another, each resending the whole history
+(the previous prompt, the previous answer, the new user message). Prompts are token ids
+(exact lengths, no tokenizer in the load generator); outputs run to ``max_tokens``
+(``ignore_eos``), so every policy produces the same tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import nats
+
+from bench.field_mix import MIX
+from bench.serve_load import Req, Result, paced, send
+from common.protocol import Telemetry
+from common.subjects import Subjects
+
+GROUP_OF = {"long_doc": "long", "conversation": "short", "short": "short"}
+DOCUMENTS = 4  # long documents are drawn from a few, as users ask about the same manuals
+
+
+@dataclass(frozen=True)
+class Session:
+    kind: str  # long_doc | conversation | short
+    group: str
+    turns: tuple[Req, ...]
+
+
+@dataclass
+class Sent:
+    """One request of a session, as the client saw it."""
+
+    kind: str
+    group: str
+    result: Result = field(default_factory=Result)
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 250) for _ in range(n)]
+
+
+def make_sessions(n: int, seed: int, long_tokens: int, turns: int = 3) -> list[Session]:
+    """``n`` sessions in the field's proportions (invalid requests are locust's business)."""
+    rng = random.Random(seed)
+    kinds = [k for k in ("long_doc", "conversation", "short") for _ in range(MIX[k])]
+    docs = [_ids(random.Random(seed * 31 + d), long_tokens) for d in range(DOCUMENTS)]
+    sessions = []
+    for _ in range(n):
+        kind = rng.choice(kinds)
+        if kind == "long_doc":
+            prompt = rng.choice(docs) + _ids(rng, 16)
+            reqs: tuple[Req, ...] = (Req(prompt, 32),)
+        elif kind == "conversation":
+            prompt, built = _ids(rng, 48), []
+            for _ in range(turns):
+                built.append(Req(list(prompt), 32))
+                prompt = prompt + _ids(rng, 32) + _ids(rng, 24)  # answer, then the next question
+            reqs = tuple(built)
+        else:
+            reqs = (Req(_ids(rng, rng.randint(16, 64)), rng.randint(16, 32)),)
+        sessions.append(Session(kind, GROUP_OF[kind], reqs))
+    return sessions
+
+
+async def run_sessions(
+    url: str, model: str, sessions: list[Session], offsets: list[float]
+) -> tuple[list[Sent], float]:
+    """Start each session at its offset (turns in order); every request and the duration."""
+    sent: list[list[Sent]] = [[] for _ in sessions]
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+
+        async def one(i: int, start: float) -> None:
+            session = sessions[i]
+            for req in session.turns:
+                item = Sent(session.kind, session.group)
+                sent[i].append(item)
+                item.result.start = time.perf_counter() - start
+                body = {
+                    "model": model,
+                    "prompt": req.prompt,
+                    "max_tokens": req.output_len,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                await send(client, f"/v1/{session.group}/completions", body, item.result)
+                if not item.result.ok:
+                    return  # a conversation stops at its first failed turn
+
+        duration = await paced(offsets, one)
+    return [s for per in sent for s in per], duration
+
+
+class TelemetryLog:
+    """Every worker telemetry message while connected: (monotonic time, message)."""
+
+    def __init__(self, nats_url: str, prefix: str = "qos") -> None:
+        self.nats_url, self.subjects = nats_url, Subjects(prefix)
+        self.samples: list[tuple[float, Telemetry]] = []
+        self._nc: Any = None
+
+    async def __aenter__(self) -> TelemetryLog:
+        self._nc = await nats.connect(self.nats_url)
+
+        async def on(msg: Any) -> None:
+            try:
+                self.samples.append((time.monotonic(), Telemetry.from_bytes(msg.data)))
+            except Exception:
+                return  # not a telemetry message of this version: not ours to judge
+
+        await self._nc.subscribe(self.subjects.telemetry_wildcard, cb=on)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._nc is not None:
+            await self._nc.drain()
+
+    def window(self, t0: float, t1: float) -> dict[str, dict[str, float]]:
+        """Per group, over messages sent in [t0, t1]: mean engine busy fraction and batch."""
+        out: dict[str, dict[str, float]] = {}
+        for group in sorted({m.group for _, m in self.samples}):
+            ms = [m for t, m in self.samples if t0 <= t <= t1 and m.group == group]
+            if ms:
+                out[group] = {
+                    "busy_fraction": round(sum(m.busy_ratio for m in ms) / len(ms), 3),
+                    "mean_running": round(sum(m.running for m in ms) / len(ms), 2),
+                    "samples": len(ms),
+                }
+        return out
