@@ -1,0 +1,322 @@
+"""One Markdown report from every benchmark result present: ``REPORT.md`` + PNGs.
+
+Reads the JSON each benchmark writes with ``--out`` (and locust's ``*_stats.csv``) from a
+results folder — by default ``bench/results/`` and each of its subfolders (``cpu/``, ``gpu/``
+…) as its own part — and writes ``REPORT.md`` next to them with the commands that produced
+them, the machines they ran on, the headline figures and plots. A benchmark without a
+result gets a line saying so. Known: engine, kernels, serve, kvtier, incident, policies,
+golden, tracing_overhead, locust; any other JSON is listed with its scalar figures.
+
+    python -m bench.report                         # bench/results/REPORT.md
+    python -m bench.report --results bench/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import report_plots
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KNOWN = ("engine", "kernels", "serve", "kvtier", "incident", "policies", "golden",
+         "tracing_overhead", "locust")  # fmt: skip
+# How each benchmark is run when its JSON does not record the command line.
+DEFAULT_COMMANDS = {
+    "engine": "python -m bench.engine --model bench/models/pystd-tiny --out engine.json",
+    "kernels": "python -m bench.kernels --out kernels.json",
+    "serve": "python -m bench.serve --launch real --out serve.json",
+    "kvtier": "python -m bench.kvtier --out kvtier.json",
+    "incident": "python -m bench.incident --png incident.png > incident.json",
+    "policies": "python -m bench.policies --out policies.json",
+    "golden": "python -m bench.golden --out golden.json",
+    "tracing_overhead": "python -m bench.tracing_overhead --out tracing_overhead.json",
+    "locust": "locust -f bench/locustfile.py --headless --users 100 --spawn-rate 10 "
+    "--host http://127.0.0.1:8000 --csv=locust -t 1h",
+}
+Doc = dict[str, Any]
+
+
+def kind_of(path: Path, doc: Doc) -> str:
+    """The benchmark a JSON file holds: its ``benchmark`` key, else its file name."""
+    name = str(doc.get("benchmark") or path.stem)
+    return next((k for k in KNOWN if name == k or name.startswith(k)), name)
+
+
+def collect(folder: Path) -> dict[str, list[tuple[Path, Doc]]]:
+    """Every result JSON (and locust CSV) directly in ``folder``, by benchmark."""
+    found: dict[str, list[tuple[Path, Doc]]] = {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            found.setdefault(kind_of(path, doc), []).append((path, doc))
+    # Locust writes CSV; a locust JSON (command, machine) may name its stats file.
+    named = {d.get("stats_csv") for _, d in found.get("locust", [])}
+    for _, doc in found.get("locust", []):
+        doc["rows"] = _csv_rows(folder / str(doc.get("stats_csv", "")))
+    for path in sorted(folder.glob("*_stats.csv")):
+        if path.name not in named:
+            found.setdefault("locust", []).append((path, {"rows": _csv_rows(path)}))
+    return found
+
+
+def _csv_rows(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def table(head: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return "—" if v is None else str(v)
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# --- sections --------------------------------------------------------------------------------
+
+
+def section_policies(doc: Doc, png: Path) -> list[str]:
+    out = [f"Workload: {doc['workload']['mix']}; fixed rate {doc['workload']['rate_sessions_s']} "
+           f"sessions/s for {doc['workload']['duration_s']} s, sweep x{doc['workload']['sweep_factors']}."]  # fmt: skip
+    rows = []
+    for policy, r in doc["results"].items():
+        for group, g in r["fixed_rate"]["groups"].items():
+            busy = r["fixed_rate"]["engine"].get(group, {}).get("busy_fraction")
+            rows.append([policy, group, g["req_s"], g["out_tok_s"], g["goodput_req_s"],
+                         g["ttft_p50_ms"], g["ttft_p99_ms"], g["e2e_p50_ms"], g["e2e_p99_ms"], busy])  # fmt: skip
+    out.append(table(["policy", "group", "req/s", "out tok/s", "goodput/s", "TTFT p50 ms",
+                      "TTFT p99 ms", "E2E p50 ms", "E2E p99 ms", "engine busy"], rows))  # fmt: skip
+    rel = doc.get("ratios_vs_dynamic", {})
+    sat = [[p, r["saturation_req_s"], r["saturation_out_tok_s"], rel.get(p, {}).get("saturation_req_s"),
+            rel.get(p, {}).get("fixed_goodput_req_s")] for p, r in doc["results"].items()]  # fmt: skip
+    out.append(table(["policy", "saturation req/s", "saturation tok/s", "x dynamic (saturation)",
+                      "x dynamic (fixed-rate goodput)"], sat))  # fmt: skip
+    out.append(f"The field study reports {doc.get('field_study_ratio', 2.9)}x req/s for continuous "
+               "batching with instance groups over dynamic batching.")  # fmt: skip
+    if report_plots.policies(doc, png):
+        out.append(f"![policies]({png.name})")
+    return out
+
+
+def section_golden(doc: Doc, png: Path) -> list[str]:
+    s = doc["set"]
+    out = [f"{s['prompts']} prompts, {s['domains']} domains, {s['adversarial_share']:.0%} adversarial; "
+           f"references {', '.join(s['reference_model'])} ({s.get('reference_generator')}); served "
+           f"{s['served_model']} — same checkpoint: {s['same_checkpoint']}. "
+           f"References with no words (blank answers): {s.get('references_without_words', '?')}. "
+           f"Bar: EM > {doc['bar']['exact_match']:.0%}, ROUGE-L > {doc['bar']['rouge_l']:.0%}."]  # fmt: skip
+    rows = []
+    for policy, by_kv in doc["results"].items():
+        for kv, r in by_kv.items():
+            if "status" in r:
+                rows.append([policy, kv, r["status"], None, None, None, None, None])
+                continue
+            rows.append([policy, kv, r["exact_match"], r["rouge_l"], r["clean"].get("exact_match"),
+                         r["adversarial"].get("exact_match"), r["errors"], r["meets_bar"]])  # fmt: skip
+    out.append(table(["policy", "KV dtype", "EM", "ROUGE-L", "EM clean", "EM adversarial",
+                      "errors", "meets bar"], rows))  # fmt: skip
+    misses = [
+        m
+        for by_kv in doc["results"].values()
+        for r in by_kv.values()
+        for m in r.get("mismatches", [])
+    ]
+    if misses:
+        out.append(
+            "First mismatches: "
+            + "; ".join(f"`{m['id']}` at char {m['diverges_at_char']}" for m in misses[:8])
+        )
+    if report_plots.golden(doc, png):
+        out.append(f"![golden]({png.name})")
+    return out
+
+
+def section_serve(doc: Doc, png: Path) -> list[str]:
+    r = doc.get("result", {})
+    if "request_throughput" not in r:
+        return generic(doc)
+    return [f"Mode `{doc.get('mode')}`, target {doc.get('target')}.",
+            table(["completed", "failed", "req/s", "out tok/s", "TTFT p50/p99 ms", "E2E p50/p99 ms"],
+                  [[r["completed"], r["failed"], r["request_throughput"], r["output_throughput"],
+                    f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f}",
+                    f"{r['e2e_ms']['p50']:.0f} / {r['e2e_ms']['p99']:.0f}"]])]  # fmt: skip
+
+
+def section_engine(doc: Doc, png: Path) -> list[str]:
+    if "policies" not in doc:
+        return generic(doc)
+    rel = doc.get("ratios_vs_static", {})
+    rows = [[p, r.get("output_tok_s"), r.get("req_s"), r.get("mean_ttft_ms"), r.get("mean_tpot_ms"),
+             rel.get(p, {}).get("output_tok_s")] for p, r in doc["policies"].items()]  # fmt: skip
+    return [
+        table(["policy", "out tok/s", "req/s", "mean TTFT ms", "mean TPOT ms", "x static"], rows)
+    ]
+
+
+def section_locust(doc: Doc, png: Path) -> list[str]:
+    head = [doc["summary"]] if doc.get("summary") else []
+    rows = [[r["Type"], r["Name"], r["Request Count"], r["Failure Count"], r["Median Response Time"],
+             r.get("95%"), r.get("99%")] for r in doc["rows"]]  # fmt: skip
+    return [
+        *head,
+        table(["type", "name", "requests", "failures", "median ms", "p95 ms", "p99 ms"], rows),
+    ]
+
+
+def generic(doc: Doc, limit: int = 24) -> list[str]:
+    """Scalar figures of an unknown layout, as ``a.b.c = value`` lines."""
+    lines: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        if len(lines) >= limit:
+            return
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key not in ("command", "machine", "config", "argv"):
+                    walk(value, f"{prefix}.{key}" if prefix else str(key))
+        elif isinstance(node, int | float | str | bool) and len(str(node)) < 80:
+            lines.append(f"- `{prefix}` = {node}")
+
+    walk(doc, "")
+    return lines or ["(no scalar figures)"]
+
+
+SECTIONS: dict[str, Callable[[Doc, Path], list[str]]] = {
+    "policies": section_policies,
+    "golden": section_golden,
+    "serve": section_serve,
+    "engine": section_engine,
+    "locust": section_locust,
+}
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def this_machine() -> str:
+    """The machine building the report (where the results usually came from too)."""
+    cpu = ""
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    try:
+        mem_kb = next(
+            int(line.split()[1])
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal")
+        )
+        mem = f"{mem_kb / 2**20:.0f} GiB"
+    except (OSError, StopIteration):
+        mem = "?"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{platform.platform()}; Python {platform.python_version()}; {os.cpu_count()} CPUs "
+            f"({cpu or platform.processor() or '?'}); {mem} memory; load average {load}")  # fmt: skip
+
+
+def part(folder: Path, title: str) -> list[str]:
+    """The report's part for one results folder."""
+    found = collect(folder)
+    out = [f"## {title}", ""]
+    machines = {
+        json.dumps(d["machine"], sort_keys=True)
+        for docs in found.values()
+        for _, d in docs
+        if isinstance(d.get("machine"), dict)
+    }
+    for m in sorted(machines):
+        out.append(f"- machine (from the results): `{m}`")
+    out.append("")
+    for kind in [*KNOWN, *sorted(set(found) - set(KNOWN))]:
+        docs = found.get(kind)
+        if not docs:
+            out += [
+                f"### {kind}",
+                "",
+                f"No result in `{folder.name}/` (run `{DEFAULT_COMMANDS.get(kind, '?')}`).",
+                "",
+            ]
+            continue
+        for path, doc in docs:
+            out += [f"### {kind} — `{path.name}`", ""]
+            command = doc.get("command")
+            out.append(
+                f"Command: `{command}`"
+                if command
+                else f"Command (not recorded in the file; the usual one): `{DEFAULT_COMMANDS.get(kind, '?')}`"
+            )
+            out.append("")
+            try:
+                body = SECTIONS.get(kind, lambda d, _p: generic(d))(
+                    doc, folder / f"{path.stem}.png"
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                body = [f"(layout not understood: {exc!r}; its scalars:)", *generic(doc)]
+            for block in body:  # Markdown needs a blank line around tables and images
+                out += [block, ""]
+        for png in sorted(folder.glob("*.png")):
+            if not any(png.stem == p.stem for p, _ in docs) and png.stem.startswith(kind):
+                out += [f"![{png.stem}]({png.name})", ""]
+    return out
+
+
+def build(results: Path) -> Path:
+    """Write ``results/REPORT.md``; returns its path."""
+    folders = [results] if list(results.glob("*.json")) or list(results.glob("*.csv")) else []
+    folders += sorted(p for p in results.iterdir() if p.is_dir())
+    lines = [
+        "# qosserve benchmark report",
+        "",
+        f"Built by `python -m bench.report` on: {this_machine()}.",
+        "",
+    ]
+    if not folders:
+        lines.append(f"No results in `{results}`.")
+    for folder in folders:
+        lines += part(folder, "results" if folder == results else f"{folder.name} results")
+    # Images live next to the JSON they come from: link them relative to REPORT.md.
+    text = "\n".join(lines) + "\n"
+    for folder in folders:
+        if folder != results:
+            for png in folder.glob("*.png"):
+                text = text.replace(f"]({png.name})", f"]({folder.name}/{png.name})")
+    out = results / "REPORT.md"
+    out.write_text(text)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.report", description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=str(RESULTS), help="folder of result JSON files")
+    args = p.parse_args(argv)
+    results = Path(args.results)
+    if not results.is_dir():
+        print(f"bench.report: no folder {results}", file=sys.stderr)
+        return 2
+    print(build(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

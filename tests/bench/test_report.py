@@ -1,0 +1,72 @@
+"""bench/report.py on a results folder made here: sections, missing benchmarks, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.report import build
+
+
+def _policies() -> dict:
+    row = {"req_s": 2.0, "out_tok_s": 50.0, "goodput_req_s": 1.0, "ttft_p50_ms": 100.0,
+           "ttft_p99_ms": 300.0, "e2e_p50_ms": 400.0, "e2e_p99_ms": 900.0,
+           "completed": 20, "failed": 0}  # fmt: skip
+    step = {
+        "groups": {"short": row, "all": row},
+        "engine": {"short": {"busy_fraction": 0.5}},
+        "errors": {},
+    }
+    result = {
+        "fixed_rate": step,
+        "sweep": [step],
+        "saturation_req_s": 2.0,
+        "saturation_out_tok_s": 50.0,
+    }
+    return {
+        "benchmark": "policies",
+        "command": "python -m bench.policies --quick",
+        "machine": {"cores": 2},
+        "workload": {"mix": "the mix", "rate_sessions_s": 2, "duration_s": 6, "sweep_factors": [4]},
+        "results": {"dynamic": result, "continuous": result},
+        "ratios_vs_dynamic": {
+            "dynamic": {"saturation_req_s": 1.0},
+            "continuous": {"saturation_req_s": 1.0},
+        },
+    }
+
+
+def test_report_has_every_benchmark_a_line_for_missing_ones_and_the_plots(tmp_path: Path) -> None:
+    cpu = tmp_path / "cpu"
+    cpu.mkdir()
+    (cpu / "policies.json").write_text(json.dumps(_policies()))
+    (cpu / "mystery.json").write_text(json.dumps({"figure": 3.5, "nested": {"ratio": 0.25}}))
+    (cpu / "locust_stats.csv").write_text(
+        "Type,Name,Request Count,Failure Count,Median Response Time,95%,99%\n"
+        "TTFT,short,10,0,20,40,50\n"
+    )
+    (cpu / "broken.json").write_text("{not json")
+    report = build(tmp_path).read_text()
+
+    assert report.startswith("# qosserve benchmark report")
+    assert "## cpu results" in report
+    assert "Command: `python -m bench.policies --quick`" in report
+    assert "| continuous | all | 2 |" in report
+    assert "![policies](cpu/policies.png)" in report and (cpu / "policies.png").stat().st_size > 0
+    for missing in (
+        "engine",
+        "kernels",
+        "serve",
+        "kvtier",
+        "incident",
+        "golden",
+        "tracing_overhead",
+    ):
+        assert f"### {missing}\n\nNo result in `cpu/`" in report, missing
+    assert "| TTFT | short | 10 | 0 |" in report
+    assert "`figure` = 3.5" in report and "`nested.ratio` = 0.25" in report
+    assert "CPUs" in report  # the machine that built it
+
+
+def test_an_empty_results_folder_says_so(tmp_path: Path) -> None:
+    assert "No results in" in build(tmp_path).read_text()
