@@ -1,0 +1,100 @@
+"""Run ``bench/locustfile.py`` headless against a stack this starts on loopback; JSON summary.
+
+``qosserve up`` (real engine with the demo model by default, or ``--engine sim``) on a free
+port, then locust for ``-t`` with ``--users``/``--spawn-rate``, CSV files under
+``--out-dir`` (``locust_stats.csv`` …), and ``locust.json`` beside them: the command lines,
+the machine, and per request kind the counts, failures and TTFT/ITL/E2E percentiles — what
+``bench/report.py`` shows. Against a deployment, run locust itself (see the locust file).
+
+    python -m bench.locust_run --users 20 --spawn-rate 5 -t 60s --out-dir bench/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.serve_stack import machine_info
+from bench.up_stack import ROOT, UpStack
+
+
+def summary(rows: list[dict[str, str]]) -> dict[str, Any]:
+    """Counts and percentiles per (type, name), and the invalid requests' verdict."""
+    by: dict[str, Any] = {}
+    for r in rows:
+        if r["Name"] == "Aggregated":
+            continue
+        by[f"{r['Type']} {r['Name']}"] = {
+            "requests": int(r["Request Count"]),
+            "failures": int(r["Failure Count"]),
+            "p50_ms": float(r["50%"] or 0),
+            "p95_ms": float(r["95%"] or 0),
+            "p99_ms": float(r["99%"] or 0),
+            "req_s": float(r["Requests/s"] or 0),
+        }
+    invalid = {k: v for k, v in by.items() if " invalid " in f" {k} "}
+    posts = [v for k, v in by.items() if k.startswith("POST ")]
+    return {
+        "requests": sum(v["requests"] for v in posts),
+        "failures": sum(v["failures"] for v in posts),
+        "req_s": round(sum(v["req_s"] for v in posts), 2),
+        "invalid_requests": sum(v["requests"] for v in invalid.values()),
+        "invalid_answered_4xx": all(v["failures"] == 0 for v in invalid.values()),
+        "by_request": by,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.locust_run", description=__doc__.split("\n")[0])
+    p.add_argument("--engine", choices=("real", "sim"), default="real")
+    p.add_argument("--users", type=int, default=20)
+    p.add_argument("--spawn-rate", type=float, default=5)
+    p.add_argument("-t", "--run-time", default="60s")
+    p.add_argument("--long-tokens", type=int, default=1500, help="the demo model has 2k context")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--out-dir", default="bench/results/cpu")
+    args = p.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    locust = shutil.which("locust", path=str(Path(sys.executable).parent)) or "locust"
+    machine = machine_info()
+    with UpStack(engine=args.engine, replicas={"realtime": 1}) as stack:
+        argv_l = [locust, "-f", "bench/locustfile.py", "--headless", "--users", str(args.users),
+                  "--spawn-rate", str(args.spawn_rate), "--host", stack.url,
+                  "--csv", str(out / "locust"), "-t", args.run_time, "--only-summary",
+                  "--long-tokens", str(args.long_tokens), "--max-tokens", str(args.max_tokens)]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
+        proc = subprocess.run(argv_l, cwd=ROOT, env=env, capture_output=True, text=True)
+    with (out / "locust_stats.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    shown = " ".join(["locust", *argv_l[1:]]).replace(stack.url, "http://127.0.0.1:<port>")
+    report = {
+        "benchmark": "locust",
+        "command": " ".join(["python -m bench.locust_run", *(argv or sys.argv[1:])]),
+        "locust_command": shown,
+        "stack": f"qosserve up --engine {args.engine} (demo model on CPU), one worker per group",
+        "machine": {**machine, "load_avg_after": machine_info()["load_avg"]},
+        "locust_exit_code": proc.returncode,
+        "stats_csv": "locust_stats.csv",
+        "result": summary(rows),
+    }
+    result = report["result"]
+    report["summary"] = (
+        f"{result['requests']} requests in {args.run_time} at {result['req_s']} req/s, "
+        f"{result['failures']} failures; {result['invalid_requests']} invalid requests, all 4xx: "
+        f"{result['invalid_answered_4xx']}. Locust: `{shown}`."
+    )
+    (out / "locust.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
