@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
-import pkgutil
 import runpy
 import sys
-from pathlib import Path
 
-# Modules of bench/ that are not benchmarks.
-_NOT_BENCHMARKS = {"__main__", "train_tiny", "report"}
+# The runnable benchmarks and tools of bench/ (the other modules are their parts).
+COMMANDS: dict[str, str] = {
+    "engine": "offline throughput per batching policy vs transformers, roofline",
+    "kernels": "paged decode/prefill attention vs torch SDPA and a device copy",
+    "serve": "serving benchmark through the gateway (like vllm bench serve)",
+    "policies": "the four batching policies side by side through the full stack",
+    "golden": "golden set scored with EM and ROUGE-L through the served stack",
+    "kvtier": "KV tiers: Redis GB/s, hit rates, fragmentation, break-even",
+    "kvquant": "KV quantisation quality: fp32 vs int8 vs fp8 KV",
+    "incident": "scripted incident: breaker opens, falls back, recovers",
+    "tracing_overhead": "tracing on vs off through the gateway",
+    "locust_run": "locust headless with the field mix against a stack it starts",
+    "report": "one Markdown report with plots from every result in bench/results",
+    "make_golden": "rebuild bench/data/golden.jsonl and its references",
+    "train_tiny": "train the demo model pystd-tiny",
+}
 
 
 def available() -> list[str]:
-    """Benchmark names, one per module of this package."""
-    here = Path(__file__).parent
-    return sorted(
-        m.name for m in pkgutil.iter_modules([str(here)]) if m.name not in _NOT_BENCHMARKS
-    )
+    """Names ``qosserve bench`` accepts."""
+    return sorted(COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     names = available()
     if not args or args[0] in ("-h", "--help"):
         print("usage: qosserve bench NAME [ARGS]   (NAME --help for its options)")
-        print("benchmarks: " + ", ".join(names))
+        for name in names:
+            print(f"  {name:<17} {COMMANDS[name]}")
         return 0 if args else 2
     name = args[0]
     if name not in names:
