@@ -145,6 +145,10 @@ class GatewayConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     # sha256 hex digests of accepted API keys; empty = open (a warning is logged at start).
     api_key_sha256: list[str] = Field(default_factory=list)
+    # Per API key: sustained requests/s and burst (a token bucket each); 0 = unlimited.
+    # A key over its rate gets 429 rate_limit_exceeded with Retry-After.
+    api_key_rate_limit_rps: float = Field(0.0, ge=0)
+    api_key_rate_limit_burst: int = Field(0, ge=0)  # 0 = one second's worth (at least 1)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     default_deadline_ms: int = Field(120_000, ge=100)
     default_max_tokens: int = Field(256, ge=1)

@@ -100,7 +100,11 @@ def create_app(
     view = WorkersView(config.groups, live_window_s=live_window_s)
     state = GatewayState(
         config=config,
-        keys=ApiKeys(config.gateway.api_key_sha256),
+        keys=ApiKeys(
+            config.gateway.api_key_sha256,
+            rate_per_s=config.gateway.api_key_rate_limit_rps,
+            burst=config.gateway.api_key_rate_limit_burst,
+        ),
         metrics=GatewayMetrics(registry),
         view=view,
         admission=Admission(config, view, wait_s=admission_wait_s),

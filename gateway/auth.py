@@ -1,9 +1,15 @@
-"""API keys: ``Authorization: Bearer <key>`` checked against configured sha256 digests.
+"""API keys: ``Authorization: Bearer <key>`` checked against configured sha256 digests,
+each key with a request rate limit of its own.
 
 Only digests are configured (``gateway.api_key_sha256``), so the config file holds no
 secret. Every configured digest is compared with :func:`hmac.compare_digest`, so the time
 taken says nothing about which key or how much of it matched. No digests configured means
 the gateway is open; :func:`warn_if_open` logs that once at start-up.
+
+With ``gateway.api_key_rate_limit_rps`` set, each key has a token bucket of that rate
+(``api_key_rate_limit_burst`` deep): a request over it is refused with 429
+``rate_limit_exceeded`` and a ``Retry-After`` of when the next token is due, before it
+costs anything else. Limits are per gateway process.
 """
 
 from __future__ import annotations
@@ -11,9 +17,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Iterable
+import math
+import time
+from collections.abc import Callable, Iterable
 
-from common.errors import AuthenticationError
+from common.errors import AuthenticationError, RateLimitError
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +31,51 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-class ApiKeys:
-    """The accepted keys (as digests); ``check`` raises 401 in OpenAI's shape."""
+class TokenBucket:
+    """``rate`` tokens a second, at most ``burst`` saved up; :meth:`take` one or say when."""
 
-    def __init__(self, digests: Iterable[str]) -> None:
-        self._digests = [bytes.fromhex(d.strip().lower()) for d in digests]
+    def __init__(
+        self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+
+    def take(self) -> float:
+        """0.0 when a token was taken; else the seconds until one is due."""
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return 0.0
+        return (1.0 - self._tokens) / self.rate
+
+
+class ApiKeys:
+    """The accepted keys (as digests); ``check`` raises 401 (or 429 over a key's rate)."""
+
+    def __init__(
+        self,
+        digests: Iterable[str],
+        *,
+        rate_per_s: float = 0.0,
+        burst: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        wrong = ValueError("gateway.api_key_sha256 entries must be sha256 hex digests")
+        try:
+            self._digests = [bytes.fromhex(d.strip().lower()) for d in digests]
+        except ValueError:
+            raise wrong from None
         if any(len(d) != 32 for d in self._digests):
-            raise ValueError("gateway.api_key_sha256 entries must be sha256 hex digests")
+            raise wrong
+        self._buckets: list[TokenBucket] | None = None
+        if rate_per_s > 0:
+            depth = burst or max(1, math.ceil(rate_per_s))
+            self._buckets = [TokenBucket(rate_per_s, depth, clock) for _ in self._digests]
 
     @property
     def open(self) -> bool:
@@ -42,7 +88,8 @@ class ApiKeys:
             )
 
     def check(self, authorization: str | None) -> None:
-        """Accept the request or raise :class:`AuthenticationError` (401)."""
+        """Accept the request or raise :class:`AuthenticationError` (401) or, for a key
+        over its rate, :class:`RateLimitError` (429)."""
         if self.open:
             return
         if not authorization:
@@ -53,9 +100,19 @@ class ApiKeys:
         if scheme.lower() != "bearer" or not key.strip():
             raise AuthenticationError("malformed Authorization header: expected 'Bearer <key>'")
         digest = hashlib.sha256(key.strip().encode()).digest()
-        matched = False
-        for accepted in self._digests:
+        matched = -1
+        for i, accepted in enumerate(self._digests):
             # No early exit: every key costs the same.
-            matched |= hmac.compare_digest(digest, accepted)
-        if not matched:
+            if hmac.compare_digest(digest, accepted):
+                matched = i
+        if matched < 0:
             raise AuthenticationError("incorrect API key provided")
+        if self._buckets is not None:
+            wait_s = self._buckets[matched].take()
+            if wait_s > 0:
+                raise RateLimitError(
+                    "this API key is over its request rate limit "
+                    f"({self._buckets[matched].rate:g} requests/s)",
+                    retry_after_s=wait_s,
+                    code="rate_limit_exceeded",
+                )
