@@ -1,0 +1,346 @@
+"""Security: API keys (hashed, constant-time, rate-limited per key), NATS credentials and
+TLS, Redis AUTH for the KV tier, no unsafe deserialisation in the product, no secrets or
+prompts in logs.
+
+The open gateway's start-up warning is pinned in ``tests/gateway/test_auth_health.py``;
+request size limits (413) in ``tests/gateway/test_validation.py`` and
+``tests/reliability/test_bad_input.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import hmac
+import ipaddress
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+import common.nats as qnats
+from common.config import NatsConfig, RedisConfig
+from common.services import NatsServer, RedisServer
+from gateway import auth
+from gateway.auth import ApiKeys, TokenBucket, key_digest
+from kvstore.identity import KVLayout
+from kvstore.tiers import KVTiers
+from tests.reliability.conftest import StackFactory
+from tests.reliability.harness import PROMPT, ROOT, body, completion, group
+
+KEY = "sk-live-51HqVdR7tQ0aTZ3vX9mK2pLsN8wYcE4b"  # looks like a real secret on purpose
+OTHER_KEY = "sk-live-other-key-0000000000000000"
+PRODUCT = ("common", "gateway", "workers", "scheduler", "kvstore", "bench")
+
+
+# --- API keys -------------------------------------------------------------------------
+
+
+def test_api_keys_are_configured_as_digests_and_every_digest_is_compared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ValueError, match="sha256 hex digests"):
+        ApiKeys([KEY])  # a plaintext key in the config is refused
+    digests = [key_digest(f"k{i}") for i in range(5)]
+    keys = ApiKeys([*digests, key_digest(KEY)])
+    assert KEY not in repr(vars(keys))  # only digests are held
+    calls: list[bytes] = []
+    compare = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append(b)
+        return compare(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", counting)
+    for key in ("k0", KEY, "wrong"):  # first, last, none: the same work each time
+        calls.clear()
+        try:
+            keys.check(f"Bearer {key}")
+        except Exception as exc:
+            assert getattr(exc, "http_status", None) == 401
+        assert len(calls) == 6, key
+
+
+def test_token_bucket_refills_at_its_rate_up_to_its_burst() -> None:
+    now = [0.0]
+    bucket = TokenBucket(rate=2.0, burst=3, clock=lambda: now[0])
+    assert [bucket.take() for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.take() == pytest.approx(0.5)
+    now[0] += 0.5
+    assert bucket.take() == 0.0
+    now[0] += 100.0  # a long pause saves up only the burst
+    assert [bucket.take() == 0.0 for _ in range(4)] == [True, True, True, False]
+
+
+async def test_each_api_key_over_its_rate_gets_429_with_retry_after_and_others_are_unaffected(
+    private_nats: NatsServer, make_stack: StackFactory
+) -> None:
+    stack = make_stack(
+        private_nats.url,
+        workers={},
+        api_key_sha256=[key_digest(KEY), key_digest(OTHER_KEY)],
+        api_key_rate_limit_rps=2.0,
+        api_key_rate_limit_burst=2,
+    )
+    mine = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=stack.url, timeout=10) as http:
+        burst = [(await http.get("/v1/models", headers=mine)).status_code for _ in range(2)]
+        over = await http.get("/v1/models", headers=mine)
+        other = await http.get("/v1/models", headers={"Authorization": f"Bearer {OTHER_KEY}"})
+        also_over = await http.post(
+            f"{stack.base_url}/completions", json=body(stack.model, 1), headers=mine
+        )
+        unknown = await http.get("/v1/models", headers={"Authorization": "Bearer sk-unknown"})
+    assert burst == [200, 200]
+    assert over.status_code == 429 and also_over.status_code == 429
+    assert over.json()["error"]["code"] == "rate_limit_exceeded"
+    assert over.json()["error"]["type"] == "rate_limit_error"
+    assert int(over.headers["retry-after"]) >= 1
+    assert other.status_code == 200
+    assert unknown.status_code == 401  # a wrong key is refused before any bucket is touched
+
+
+# --- NATS credentials and TLS --------------------------------------------------------
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+
+
+def make_ca(folder: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, Path]:
+    """A self-signed CA; (certificate, key, path of its PEM)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(name))
+        .issuer_name(_name(name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    path = folder / f"{name}.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return cert, key, path
+
+
+def make_server_cert(
+    folder: Path, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey
+) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 / localhost signed by ``ca``; (cert PEM, key PEM)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    san = x509.SubjectAlternativeName(
+        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("qos-nats"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(san, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "server.pem", folder / "server-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(key, key_path)
+    return cert_path, key_path
+
+
+@pytest.fixture
+def tls_nats(
+    tmp_path: Path, fresh_nats_server: Callable[..., NatsServer]
+) -> tuple[NatsServer, Path, Path]:
+    """A nats-server that requires TLS and user/password; (server, its CA, a foreign CA)."""
+    ca, ca_key, ca_path = make_ca(tmp_path, "qos-ca")
+    _, _, foreign = make_ca(tmp_path, "foreign-ca")
+    cert, key = make_server_cert(tmp_path, ca, ca_key)
+    config = f"""
+tls {{
+  cert_file: "{cert}"
+  key_file: "{key}"
+  timeout: 2
+}}
+authorization {{
+  users = [ {{ user: "svc", password: "s3cret-pw" }} ]
+}}
+"""
+    return fresh_nats_server(extra_config=config), ca_path, foreign
+
+
+async def test_nats_connect_needs_the_right_password_and_the_servers_ca(
+    tls_nats: tuple[NatsServer, Path, Path],
+) -> None:
+    server, ca, foreign = tls_nats
+    good = NatsConfig(
+        url=server.url, user="svc", password="s3cret-pw", tls_ca_file=str(ca), connect_timeout_s=3
+    )
+    nc = await qnats.connect(good, "tls-ok")
+    try:
+        sub = await nc.subscribe("qos.ping")
+        await nc.publish("qos.ping", b"pong")
+        assert (await sub.next_msg(timeout=2)).data == b"pong"
+    finally:
+        await nc.close()
+    refused = {
+        "wrong password": good.model_copy(update={"password": "guess"}),
+        "no credentials": good.model_copy(update={"user": None, "password": None}),
+        "foreign CA": good.model_copy(update={"tls_ca_file": str(foreign)}),
+        "no TLS": good.model_copy(update={"tls_ca_file": None}),
+    }
+    for why, cfg in refused.items():
+        with pytest.raises(ConnectionError) as info:
+            await qnats.connect(cfg, f"tls-{why.replace(' ', '-')}")
+        assert "s3cret-pw" not in str(info.value) and "guess" not in str(info.value), why
+
+
+# --- Redis AUTH ----------------------------------------------------------------------
+
+LAYOUT = KVLayout(block_size=4, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
+HASHES = [bytes([i]) * 16 for i in range(3)]
+
+
+def test_the_kv_tier_authenticates_to_redis_and_a_wrong_password_only_costs_hits(
+    fresh_redis_server: Callable[..., RedisServer],
+) -> None:
+    server = fresh_redis_server(password="r3dis-pw")
+    data = np.random.default_rng(0).integers(0, 256, (3, LAYOUT.block_bytes), dtype=np.uint8)
+    with KVTiers(RedisConfig(url=server.url, password="r3dis-pw")) as tiers:
+        tiers.bind("dummy:tiny", 0, LAYOUT)
+        tiers.store_async(HASHES, data)
+        assert tiers.flush()
+        assert tiers.lookup(HASHES) == 3
+        assert [bytes(v) for v in tiers.load(HASHES)] == [bytes(r) for r in data]
+    for password in ("wrong", None):
+        with KVTiers(RedisConfig(url=server.url, password=password, socket_timeout_s=0.2)) as t:
+            t.bind("dummy:tiny", 0, LAYOUT)
+            assert t.lookup(HASHES) == 0  # refused by the server: a miss, never an exception
+            assert t.stats().redis.errors >= 1
+
+
+# --- the product tree ----------------------------------------------------------------
+
+UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle"}
+
+
+def unsafe_calls(source: str) -> list[str]:
+    """Deserialisation or code execution of untrusted data in ``source``, by line."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+            )
+            found += [
+                f"{node.lineno}: import {n}" for n in names if n.split(".")[0] in UNSAFE_MODULES
+            ]
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = (
+            func.id
+            if isinstance(func, ast.Name)
+            else func.attr
+            if isinstance(func, ast.Attribute)
+            else ""
+        )
+        owner = (
+            func.value.id
+            if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+            else ""
+        )
+        keywords = {k.arg: k.value for k in node.keywords}
+        if isinstance(func, ast.Name) and name in ("eval", "exec"):
+            found.append(f"{node.lineno}: {name}(")
+        elif owner == "yaml" and name in ("load", "load_all", "unsafe_load", "full_load"):
+            loader = keywords.get("Loader")
+            safe = isinstance(loader, ast.Attribute) and loader.attr in (
+                "SafeLoader",
+                "CSafeLoader",
+            )
+            if not safe:
+                found.append(f"{node.lineno}: yaml.{name}(")
+        elif owner == "torch" and name == "load":
+            weights_only = keywords.get("weights_only")
+            if not (isinstance(weights_only, ast.Constant) and weights_only.value is True):
+                found.append(f"{node.lineno}: torch.load( without weights_only=True")
+    return found
+
+
+def test_the_scan_finds_what_it_looks_for() -> None:
+    bad = (
+        "import pickle\neval('1')\nyaml.load(s)\nyaml.load(s, Loader=yaml.Loader)\ntorch.load(f)\n"
+    )
+    assert len(unsafe_calls(bad)) == 5
+    ok = "yaml.safe_load(s)\nyaml.load(s, Loader=yaml.SafeLoader)\ntorch.load(f, weights_only=True)\n"
+    assert unsafe_calls(ok) == []
+
+
+def test_no_pickle_eval_exec_marshal_or_unsafe_yaml_anywhere_in_the_product() -> None:
+    problems = {}
+    for package in PRODUCT:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found = unsafe_calls(path.read_text())
+            if found:
+                problems[str(path.relative_to(ROOT))] = found
+    assert problems == {}
+
+
+# --- logs ----------------------------------------------------------------------------
+
+
+async def test_no_api_key_or_prompt_reaches_the_logs_at_info(
+    private_nats: NatsServer, make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    prompt = "zebra-umbrella-4711 tell me the launch codes"
+    caplog.set_level(logging.INFO)
+    stack = make_stack(
+        private_nats.url, {"short": group(4)}, {"short": 1}, api_key_sha256=[key_digest(KEY)]
+    )
+    url = f"{stack.base_url}/completions"
+    async with httpx.AsyncClient(timeout=30) as http:
+        ok = await completion(
+            http,
+            url,
+            {**body(stack.model, 3), "prompt": prompt},
+            {"Authorization": f"Bearer {KEY}"},
+        )
+        wrong = await completion(
+            http, url, body(stack.model, 4), {"Authorization": f"Bearer {KEY[:-4]}XXXX"}
+        )
+        failed = await completion(  # a worker-side error path logs too
+            http, url, {**body(stack.model, 5), "prompt": prompt, "max_tokens": 10_000},
+            {"Authorization": f"Bearer {KEY}"},
+        )  # fmt: skip
+    assert ok.kind == "complete" and wrong.status == 401 and failed.kind == "error"
+    lines = [record.getMessage() for record in caplog.records]
+    lines += [caplog.text]
+    assert len(caplog.records) > 3  # the services did log at INFO
+    for secret in (KEY, KEY[:-4], "zebra-umbrella", "launch codes", PROMPT):
+        leaked = [line for line in lines if secret in line]
+        assert not leaked, f"{secret!r} in the logs: {leaked[:2]}"
