@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.metrics_text import rouge_l
+from bench.rouge import rouge_l
 from workers.engine import LLM, SamplingParams
 from workers.engine.kernels.kv_quant import KV_QUANT_DTYPES, QMAX, dequantize, quantize
 
@@ -125,7 +125,7 @@ def main() -> None:
     for kv in KV_DTYPES[1:]:
         toks = results[kv]["tokens"]
         exact = sum(a == b for a, b in zip(toks, base_tokens, strict=True))  # type: ignore[arg-type]
-        rouge = [rouge_l(c, r) for c, r in zip(texts[kv], texts["auto"], strict=True)]
+        rouge = [rouge_l(c, r).f1 for c, r in zip(texts[kv], texts["auto"], strict=True)]
         results[kv]["exact_match_pct"] = round(100 * exact / len(prompts), 2)
         results[kv]["rouge_l_pct"] = round(100 * sum(rouge) / len(rouge), 2)
     for kv in KV_DTYPES:
