@@ -1,0 +1,115 @@
+"""``deploy/nats/permissions.conf`` on a real nats-server: each service works as its own user
+and nothing more (a worker cannot publish requests, the scheduler never sees a chunk)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import nats.errors
+import pytest
+
+import common.nats as qnats
+from common.config import Config, NatsConfig
+from common.services import NatsServer
+from common.tokenizer import BaseTokenizer
+from scheduler.service import SchedulerService
+from tests.e2e.stack import Stack
+from tests.reliability.harness import ROOT, body, completion, expected_text, group, sim_engine
+from tests.reliability.harness import stack_config as build_config
+from workers.service import WorkerOptions, WorkerService
+
+PERMISSIONS = ROOT / "deploy" / "nats" / "permissions.conf"
+PASSWORDS = {"gateway": "gw-pw-1", "worker": "wk-pw-2", "scheduler": "sc-pw-3"}
+
+
+@pytest.fixture
+def secured_nats(
+    fresh_nats_server: Callable[..., NatsServer], monkeypatch: pytest.MonkeyPatch
+) -> NatsServer:
+    """A nats-server whose only users are the ones permissions.conf defines."""
+    for service, password in PASSWORDS.items():
+        monkeypatch.setenv(f"QOS_NATS_{service.upper()}_PASSWORD", password)
+    return fresh_nats_server(extra_config=PERMISSIONS.read_text())
+
+
+def as_user(config: Config, service: str) -> Config:
+    nats = config.nats.model_copy(update={"user": f"qos-{service}", "password": PASSWORDS[service]})
+    return config.model_copy(update={"nats": nats})
+
+
+@pytest.fixture
+def secured_stack(
+    secured_nats: NatsServer, tokenizer: BaseTokenizer, model_dir: Path, tmp_path: Path
+) -> Iterator[tuple[Stack, Config]]:
+    """Gateway, one sim worker and the scheduler, each connected as its own user."""
+    # Default names: the permissions are written for prefix qos, QOS_REQ and qos_state.
+    nats = NatsConfig(url=secured_nats.url, connect_timeout_s=2.0, reconnect_wait_s=0.1)
+    config = build_config(nats, {"short": group(4)})
+    config.scheduler.metrics_port = 0
+    with Stack(as_user(config, "gateway"), tokenizer, str(model_dir), tmp_path) as stack:
+        worker = WorkerService(
+            as_user(config, "worker"), sim_engine(tokenizer),
+            WorkerOptions(group="short", worker_id="w-perm", fetch_timeout_s=0.25),
+        )  # fmt: skip
+        stack.call(worker.start())
+        stack.workers["w-perm"] = worker
+        scheduler = SchedulerService(as_user(config, "scheduler"), scheduler_id="s-perm")
+        stack.call(scheduler.start())
+        stack.wait_live({"short": 1})
+        yield stack, config
+        stack.call(scheduler.stop())
+        # The stack's own cleanup deletes the stream: a right no user here has.
+        snoop, stack._nc = stack._nc, None
+        if snoop is not None:
+            stack.call(snoop.close())
+
+
+async def test_each_service_works_with_its_own_nats_user(
+    secured_stack: tuple[Stack, Config], secured_nats: NatsServer, tokenizer: BaseTokenizer
+) -> None:
+    stack, _ = secured_stack
+    async with httpx.AsyncClient(timeout=30) as http:
+        outcomes = await asyncio.gather(
+            *(completion(http, f"{stack.base_url}/completions", body(stack.model, s, 12))
+              for s in range(4))
+        )  # fmt: skip
+    for seed, outcome in enumerate(outcomes):
+        assert outcome.kind == "complete", outcome
+        assert outcome.text == expected_text(tokenizer, 12, seed)
+    await asyncio.sleep(1.0)  # a few scheduler ticks and heartbeats
+    log = secured_nats.log_tail(400).splitlines()
+    assert [line for line in log if "Violation" in line] == []
+
+
+async def test_a_worker_user_cannot_publish_requests_or_read_chunks(
+    secured_stack: tuple[Stack, Config], secured_nats: NatsServer
+) -> None:
+    _, config = secured_stack
+    gateway = await qnats.connect(as_user(config, "gateway").nats, "perm-gateway")
+    worker = await qnats.connect(as_user(config, "worker").nats, "perm-worker")
+    scheduler = await qnats.connect(as_user(config, "scheduler").nats, "perm-scheduler")
+    try:
+        seen = await gateway.subscribe("qos.req.>")
+        await gateway.flush()
+        await worker.publish("qos.req.short", b"forged")
+        await worker.flush()
+        with pytest.raises(nats.errors.TimeoutError):
+            await seen.next_msg(timeout=0.5)
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await worker.jetstream().publish("qos.req.short", b"forged", timeout=1)
+        for client, subject in ((worker, "qos.out.*"), (scheduler, "qos.out.*"),
+                                (scheduler, "qos.req.>")):  # fmt: skip
+            await client.subscribe(subject)
+            await client.flush()
+        await asyncio.sleep(0.2)
+    finally:
+        for client in (gateway, worker, scheduler):
+            await client.close()
+    log = secured_nats.log_tail(400)
+    assert 'user:qos-worker" - Publish Violation - Subject "qos.req.short"' in log
+    assert 'user:qos-worker" - Subscription Violation - Subject "qos.out.*"' in log
+    assert 'user:qos-scheduler" - Subscription Violation - Subject "qos.out.*"' in log
+    assert 'user:qos-scheduler" - Subscription Violation - Subject "qos.req.>"' in log
