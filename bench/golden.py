@@ -61,6 +61,7 @@ async def serve_all(url: str, rows: list[dict[str, Any]], concurrency: int) -> l
                 "messages": row["messages"],
                 "max_tokens": row["max_tokens"],
                 "temperature": 0,
+                "ignore_eos": bool(row.get("ignore_eos", False)),
             }
             async with gate:
                 resp = await client.post("/v1/short/chat/completions", json=body)

@@ -6,7 +6,9 @@ then a seeded quarter of those get an adversarial variant (typos, a vague rewrit
 ambiguous question with no referent), which makes the variants 20 % of the set.
 
 References: Hugging Face ``transformers`` greedy decoding (``do_sample=False``) on the same
-checkpoint the stack serves, one prompt at a time (no padding, so nothing but the prompt
+checkpoint the stack serves, for ``max_tokens`` tokens whether or not EOS comes first
+(``ignore_eos``: the demo model ends most out-of-domain answers at once, and blank answers
+would make exact match trivial), one prompt at a time (no padding, so nothing but the prompt
 shapes the numerics), the chat template applied exactly as the gateway applies it. Each
 row records the checkpoint's fingerprint (``reference_model``), so ``bench/golden.py`` can
 tell references of another checkpoint from a serving bug. No network::
@@ -110,6 +112,9 @@ def golden_rows(seed: int, max_tokens: int) -> list[dict[str, Any]]:
                 "source_id": row["source_id"],
                 "messages": [{"role": "user", "content": row["question"]}],
                 "max_tokens": max_tokens,
+                # The demo model ends most out-of-domain answers at once (EOS first): blank
+                # references would make exact match trivial. Every answer runs to max_tokens.
+                "ignore_eos": True,
             }
         )
     return out
@@ -134,17 +139,21 @@ def add_references(rows: list[dict[str, Any]], model: Path) -> str:
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     eos = lm.generation_config.eos_token_id
     lm.generation_config.max_length = None  # max_new_tokens decides (no warning per call)
+    lm.generation_config.eos_token_id = None  # rows with ignore_eos decode past EOS
     for i, row in enumerate(rows):
         text = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+        stop = None if row.get("ignore_eos") else eos
         with torch.no_grad():
             out = lm.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=row["max_tokens"],
-                do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                do_sample=False, eos_token_id=stop, pad_token_id=tok.pad_token_id,
             )  # fmt: skip
         new = out[0, ids.shape[1] :].tolist()
-        row["reference_token_ids"] = [t for t in new if t != eos]
-        row["reference"] = tok.decode(new, skip_special_tokens=True)
+        if stop is not None and new and new[-1] == stop:
+            new = new[:-1]
+        row["reference_token_ids"] = new
+        row["reference"] = tok.decode(new, skip_special_tokens=True)  # as the gateway does
         row["prompt_tokens"] = ids.shape[1]
         if (i + 1) % 50 == 0:
             print(f"  {i + 1}/{len(rows)} references", file=sys.stderr, flush=True)
