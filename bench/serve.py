@@ -1,7 +1,7 @@
 """Serving benchmark, like ``vllm bench serve``: drive the gateway over HTTP, print JSON.
 
-Requests are streamed completions (httpx, async) whose prompts are random token ids, so
-input lengths are exact: ``--input-len`` / ``--output-len`` with ``--range-ratio`` r draw
+Requests are streamed completions (``--client httpx``, async, or ``raw``: see
+:mod:`bench.serve_http`) whose prompts are random token ids, so input lengths are exact: ``--input-len`` / ``--output-len`` with ``--range-ratio`` r draw
 each length uniformly from ``[len·(1−r), len·(1+r)]``; ``ignore_eos`` makes every request
 produce its whole output. Arrivals are Poisson at ``--request-rate`` (gamma with shape
 ``--burstiness`` when it is not 1; ``inf`` sends everything at once), optionally capped at
@@ -49,9 +49,9 @@ from typing import Any
 
 import httpx
 
+from bench.serve_http import CLIENTS, Result
 from bench.serve_load import (
     Req,
-    Result,
     arrival_offsets,
     make_workload,
     run_in_process,
@@ -242,11 +242,14 @@ class Target:
     path: str = "/v1/completions"
     max_batch: int = 16
     stack: LocalStack | None = None
+    client: str = "httpx"
 
     async def load(
         self, work: list[Req], offsets: list[float], max_concurrency: int | None
     ) -> tuple[list[Result], float]:
-        return await run_load(self.url, self.path, self.model, work, offsets, max_concurrency)
+        return await run_load(
+            self.url, self.path, self.model, work, offsets, max_concurrency, self.client
+        )
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds used so far: this process (the load generator) and a launched stack."""
@@ -285,6 +288,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int)
     p.add_argument("--output-len", type=int)
     p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument(
+        "--client",
+        choices=CLIENTS,
+        help="HTTP client (httpx; overhead and max-rps: raw, a tenth of httpx's CPU)",
+    )
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-e2e-ms", type=float)
     sim = p.add_argument_group("launch sim: step cost (overhead and max-rps force 0)")
@@ -308,6 +316,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.num_prompts = args.num_prompts or n
     args.request_rate = args.request_rate if args.request_rate is not None else rate
     args.input_len, args.output_len = args.input_len or inp, args.output_len or out
+    args.client = args.client or ("httpx" if args.mode == "serve" else "raw")
     if args.mode == "overhead" and args.base_url:
         p.error("--mode overhead compares against a zero-cost sim stack: use --launch sim")
     if args.mode != "serve":
@@ -334,6 +343,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 target.model = (await client.get("/v1/models")).json()["data"][0]["id"]
         if args.group:
             target.path = f"/v1/{args.group}/completions"
+        target.client = args.client
         runner = {"serve": mode_serve, "overhead": mode_overhead, "max-rps": mode_max_rps}
         result, series = await runner[args.mode](args, target)
         gateway_pid = target.stack.gateway_pid if target.stack else None

@@ -1,27 +1,25 @@
-"""What ``bench/serve.py`` sends and how it times it: workloads, arrivals, the HTTP client.
+"""What ``bench/serve.py`` sends, and when: workloads, arrivals, and the runs that pace them.
 
 Prompts are random token ids (exact input lengths); outputs run to ``max_tokens``
-(``ignore_eos``). The client streams each completion with httpx and times every text
-event: TTFT is the first, ITL the gaps after it, E2E the whole response. Two baselines
-send the same requests at the same times: NATS-natively with :class:`QosClient` (the
-message plane without HTTP), and into a zero-cost sim engine in this process through the
-worker's own engine bridge (neither HTTP nor NATS).
+(``ignore_eos``). Each completion is streamed and timed by a client of
+:mod:`bench.serve_http`. Two baselines send the same requests at the same times:
+NATS-natively with :class:`QosClient` (the message plane without HTTP), and into a
+zero-cost sim engine in this process through the worker's own engine bridge (neither
+HTTP nor NATS).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import random
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
+from bench.serve_http import Result, open_sender
 from common.client import QosClient
 from common.config import NatsConfig
 from common.errors import QosError
@@ -32,20 +30,6 @@ from common.protocol import RequestParams
 class Req:
     prompt: list[int]
     output_len: int
-
-
-@dataclass
-class Result:
-    """One request as the client saw it; times in seconds (``start`` from the run's start)."""
-
-    start: float = 0.0
-    ok: bool = False
-    status: int = 0
-    error: str = ""
-    ttft: float | None = None
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
 
 
 # --- workload -----------------------------------------------------------------------------
@@ -74,42 +58,7 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
     return out
 
 
-# --- the client ---------------------------------------------------------------------------
-
-
-async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: Result) -> None:
-    """One streamed completion; fills ``res`` (token events timed as they arrive)."""
-    t0 = time.perf_counter()
-    last = t0
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            res.status = resp.status_code
-            if resp.status_code != 200:
-                res.error = (await resp.aread()).decode(errors="replace")[:200]
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    res.ok = res.ttft is not None or res.output_tokens > 0
-                    break
-                event = json.loads(line[6:])
-                if "error" in event:
-                    res.error = str(event["error"].get("code"))
-                    return
-                if event.get("usage"):
-                    res.output_tokens = event["usage"]["completion_tokens"]
-                if event.get("choices") and event["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if res.ttft is None:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-    except httpx.HTTPError as exc:
-        res.error = type(exc).__name__
-    finally:
-        res.e2e = time.perf_counter() - t0
+# --- runners ------------------------------------------------------------------------------
 
 
 async def paced(
@@ -134,12 +83,12 @@ async def run_load(
     work: list[Req],
     offsets: list[float],
     max_concurrency: int | None,
+    client: str = "httpx",
 ) -> tuple[list[Result], float]:
     """Send ``work`` to the gateway at ``offsets``; the results and the run's duration."""
-    limits = httpx.Limits(max_connections=max_concurrency or 4096, max_keepalive_connections=512)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results = [Result() for _ in work]
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=300) as client:
+    async with open_sender(client, base_url, max_concurrency) as sender:
 
         async def one(i: int, start: float) -> None:
             body = {
@@ -153,7 +102,7 @@ async def run_load(
             }
             async with gate or contextlib.nullcontext():
                 results[i].start = time.perf_counter() - start
-                await send(client, path, body, results[i])
+                await sender.send(i, path, body, results[i])
 
         duration = await paced(offsets, one)
     return results, duration

@@ -8,17 +8,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.stack import ROOT
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 
-def test_quick_sim_run_completes_every_request_and_reports_sane_figures(tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", ["httpx", "raw"])
+def test_quick_sim_run_completes_every_request_and_reports_sane_figures(
+    tmp_path: Path, client: str
+) -> None:
     out = tmp_path / "serve.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.serve", "--launch", "sim", "--quick", "--out", str(out),
-         "--slo-ttft-ms", "10000", "--slo-e2e-ms", "60000"],
+         "--slo-ttft-ms", "10000", "--slo-e2e-ms", "60000", "--client", client],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,6 +35,7 @@ def test_quick_sim_run_completes_every_request_and_reports_sane_figures(tmp_path
     assert "separate process" in machine["load_generator"]
 
     result, config = report["result"], report["config"]
+    assert config["client"] == client
     n = config["num_prompts"]
     assert n > 0 and result["num_prompts"] == n
     assert result["completed"] == n and result["failed"] == 0 and result["errors"] == {}
