@@ -84,6 +84,14 @@ class WorkerOptions:
     resume_timeout_s: float = 1.0
 
 
+def _stream_seq(msg: Msg) -> int | None:
+    """The message's sequence in the stream: the same for every delivery of one message."""
+    try:
+        return int(msg.metadata.sequence.stream)
+    except Exception:
+        return None
+
+
 class WorkerService:
     """Serves one group from ``engine``; :meth:`start`, then :meth:`run` or :meth:`stop`.
 
@@ -319,8 +327,16 @@ class WorkerService:
             await settle(msg.ack)
             return
         existing = self._inflight.get(req.id)
-        if existing is not None:  # our own request, redelivered after a late in_progress
-            existing.msg = msg
+        if existing is not None:
+            if _stream_seq(existing.msg) == _stream_seq(msg):
+                existing.msg = msg  # our own request, redelivered after a late in_progress
+            else:
+                # Another message reusing the id of one in flight: serving it would mix two
+                # answers on one reply subject, and swapping it in stranded the first unacked.
+                log.warning(
+                    "request %s: a second message with this id is in flight; terminated", req.id
+                )
+                await settle(msg.term)
             return
         start = req.created_ms / 1000.0 if req.created_ms > 0 else time.time()
         st = Flight(req, msg, attempt, start=start)
