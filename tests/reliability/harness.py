@@ -104,11 +104,15 @@ def same_text(got: str, want: str) -> bool:
 
 
 def body(model: str, seed: int, max_tokens: int = 40, **extra: Any) -> dict[str, Any]:
-    """A streamed completion whose answer :func:`expected_text` predicts."""
-    return {
+    """A completion (streamed, with usage, unless ``stream=False``) that
+    :func:`expected_text` predicts."""
+    payload = {
         "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "seed": seed,
-        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, **extra,
+        "stream": True, "ignore_eos": True, **extra,
     }  # fmt: skip
+    if payload["stream"]:
+        payload.setdefault("stream_options", {"include_usage": True})
+    return payload
 
 
 @dataclass
