@@ -133,34 +133,58 @@ class HttpxSender:
 
 
 class RawSender:
-    """HTTP/1.1 keep-alive connections, reused most-recent first; chunked SSE parsed here."""
+    """HTTP/1.1 keep-alive connections, reused most-recent first; chunked SSE parsed here.
+
+    A connection idle for ``IDLE_S`` is dropped before the server's keep-alive timeout
+    (uvicorn: 5 s) closes it under us; one that was closed anyway, before a byte of the
+    answer came back, is replaced and the request sent again (it never reached the app).
+    """
+
+    IDLE_S = 4.0
 
     def __init__(self, base_url: str) -> None:
         url = urlsplit(base_url)
         self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
 
     def close(self) -> None:
-        for _, writer in self.idle:
+        for _, writer, _ in self.idle:
             writer.close()
         self.idle.clear()
+
+    def _reusable(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        now = time.monotonic()
+        while self.idle:
+            reader, writer, since = self.idle.pop()
+            if now - since < self.IDLE_S and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        return None
 
     async def send(self, i: int, path: str, body: dict[str, Any], res: Result) -> None:
         clock = EventClock(res)
         payload = json.dumps(body).encode()
-        head = (
+        request = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-        )
-        conn = self.idle.pop() if self.idle else None
+        ).encode() + payload
+        conn = self._reusable()
         try:
-            if conn is None:
-                conn = await asyncio.open_connection(self.host, self.port)
-            reader, writer = conn
-            writer.write(head.encode() + payload)
-            keep = await self._read(reader, res, clock)
-            if keep:
-                self.idle.append(conn)
+            for fresh in (conn is None, True):
+                if fresh:
+                    conn = await asyncio.open_connection(self.host, self.port)
+                assert conn is not None
+                reader, writer = conn
+                writer.write(request)
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    break
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    writer.close()
+                    if fresh:
+                        raise
+            if await self._read(head, reader, res, clock):
+                self.idle.append((reader, writer, time.monotonic()))
             else:
                 writer.close()
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
@@ -170,9 +194,11 @@ class RawSender:
         finally:
             clock.done()
 
-    async def _read(self, reader: asyncio.StreamReader, res: Result, clock: EventClock) -> bool:
-        """Read one response; True when the connection can serve another."""
-        lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    async def _read(
+        self, head: bytes, reader: asyncio.StreamReader, res: Result, clock: EventClock
+    ) -> bool:
+        """Read the rest of a response; True when the connection can serve another."""
+        lines = head.decode("latin-1").split("\r\n")
         res.status = int(lines[0].split(" ", 2)[1])
         headers = dict(
             (k.strip().lower(), v.strip()) for k, _, v in (h.partition(":") for h in lines[1:] if h)
