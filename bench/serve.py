@@ -23,9 +23,10 @@ Modes (``--mode``):
   this process through the worker's engine bridge. The message plane adds the NATS-native
   latency less the in-process one (targets: p50 < 2 ms, p99 < 10 ms); HTTP adds the rest.
 - ``max-rps``: steps the offered rate of short streamed requests up (×``--ramp-factor``)
-  until the p99 E2E passes ``--max-p99-ms`` (50) or the achieved rate falls behind; the
-  answer is the most req/s one gateway process sustained (target ≥ 1000), with the
-  gateway's CPU per request when this process launched it.
+  until the p99 E2E passes ``--max-p99-ms`` (50) or the achieved rate falls behind, in
+  ``--step-retries`` + 1 tries of the step; the answer is the most req/s one gateway
+  process sustained (target ≥ 1000), with each process's CPU per request when this
+  process launched the stack.
 
     python -m bench.serve --launch sim --quick
     python -m bench.serve --launch sim --mode overhead --num-prompts 7000 --plot out/
@@ -193,6 +194,7 @@ async def mode_max_rps(args: argparse.Namespace, target: Target) -> tuple[dict[s
     rate, best = args.request_rate, 0.0
     await target.load(*workload(args, 50, math.inf), None)  # warm-up: connections, caches
     last: list[Result] = []
+    tries = 0
     while rate <= args.max_rate:
         work, offsets = workload(args, max(20, int(rate * args.step_s)), rate)
         cpu0 = target.cpu_seconds()
@@ -214,8 +216,11 @@ async def mode_max_rps(args: argparse.Namespace, target: Target) -> tuple[dict[s
         steps.append(step)
         print(json.dumps(step), file=sys.stderr, flush=True)
         if p99 > args.max_p99_ms or not kept_up:
-            break
-        best, last = max(best, achieved), results
+            tries += 1
+            if tries > args.step_retries:
+                break
+            continue  # once more: on a shared machine one burst of other work can do this
+        best, last, tries = max(best, achieved), results, 0
         rate *= args.ramp_factor
     gateway = [s["cpu"]["gateway"]["ms_per_request"] for s in steps if "gateway" in s["cpu"]]
     report = {
@@ -304,6 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ramp.add_argument("--ramp-factor", type=float, default=1.25)
     ramp.add_argument("--max-rate", type=float, default=4000.0)
     ramp.add_argument("--max-p99-ms", type=float, default=50.0)
+    ramp.add_argument("--step-retries", type=int, default=1, help="reruns of a failed step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a small run (seconds)")
     p.add_argument("--out", help="write the JSON here too")
