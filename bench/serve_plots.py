@@ -76,7 +76,7 @@ def draw(
         ax2.axhline(result["max_p99_ms"], color="tab:red", linestyle=":")
         ax.set(xlabel="offered req/s", ylabel="achieved req/s", title="max-rps ramp")
         ax2.set_ylabel("p99 E2E (ms)")
-        fig.legend(loc="upper left")
+        fig.legend(loc="lower right", bbox_to_anchor=(0.88, 0.15))
         written.append(_save(fig, folder / "serve_max_rps_ramp.png"))
     return written
 
