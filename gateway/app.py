@@ -119,7 +119,7 @@ def create_app(
         nc = await connect(config.nats, "qosserve-gateway")
         js = nc.jetstream()
         _, _, kv = await ensure_jetstream(js, config.nats, config.groups)
-        dispatcher = Dispatcher(nc, subjects, config.nats.max_payload_bytes)
+        dispatcher = Dispatcher(nc, subjects, config.nats.max_payload_bytes, config.nats.stream)
         await dispatcher.start()
         await view.start(nc, subjects, kv)
         state.nc = nc

@@ -328,13 +328,14 @@ class Generator:
         timeout = max(0.1, min(PUBLISH_TIMEOUT_S, flight.deadline - time.monotonic()))
         try:
             with publish_span:
-                await self._js.publish(
+                ack = await self._js.publish(
                     subject,
                     message.to_bytes(),
                     timeout=timeout,
                     stream=self._config.nats.stream,
                     headers=headers,
                 )
+            flight.stream.stream_seq = ack.seq
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             raise ServiceUnavailableError(
                 f"the request queue did not accept the request ({type(exc).__name__})",

@@ -19,6 +19,11 @@ Chunk rules (DESIGN §2, ``seq`` = index of the chunk's first token in the outpu
 A resume query is answered with every token delivered so far and the length (in
 characters) of the text delivered with them. A closed stream is forgotten, so a resume
 query for it gets no answer and the worker drops the request.
+
+A request that JetStream gave up on (``max_deliver`` deliveries, each ending in a worker's
+death: a poison message) would otherwise wait for its deadline. The dispatcher listens
+for the stream's ``MAX_DELIVERIES`` advisories and fails that request at once with an
+explicit error, matched by the stream sequence its publish was acknowledged with.
 """
 
 from __future__ import annotations
@@ -88,12 +93,13 @@ class ResponseStream:
     of endings (only "stop" and "length" are finish reasons; the rest end in an error).
     """
 
-    __slots__ = ("_ready", "_seq", "_waiter", "finished", "group")
+    __slots__ = ("_ready", "_seq", "_waiter", "finished", "group", "stream_seq")
 
     def __init__(self, request_id: str, group: str, decode_tail: DecodeTail) -> None:
         self.group = group
         self._seq = ChunkSequencer(request_id, decode_tail)
         self.finished = False
+        self.stream_seq: int | None = None  # the request's sequence in the stream, once acked
         self._ready: deque[Delivery] = deque()
         self._waiter: asyncio.Future[None] | None = None
 
@@ -234,10 +240,13 @@ class SseResponse(StreamingResponse):
 class Dispatcher:
     """Routes ``out``/``resume`` messages to open streams and publishes aborts."""
 
-    def __init__(self, nc: Client, subjects: Subjects, max_payload_bytes: int) -> None:
+    def __init__(
+        self, nc: Client, subjects: Subjects, max_payload_bytes: int, stream: str | None = None
+    ) -> None:
         self._nc = nc
         self._subjects = subjects
         self._max_payload = max_payload_bytes
+        self._stream = stream  # the request stream, for its MAX_DELIVERIES advisories
         self._streams: dict[str, ResponseStream] = {}
         self._out_prefix = len(subjects.prefix) + len(".out.")
         self._resume_prefix = len(subjects.prefix) + len(".resume.")
@@ -252,6 +261,9 @@ class Dispatcher:
             await self._nc.subscribe(f"{prefix}.out.*", cb=self._on_out),
             await self._nc.subscribe(f"{prefix}.resume.*", cb=self._on_resume),
         ]
+        if self._stream is not None:
+            advisories = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self._stream}.*"
+            self._subs.append(await self._nc.subscribe(advisories, cb=self._on_max_deliveries))
         self._abort_task = asyncio.create_task(self._publish_aborts(), name="gateway-aborts")
 
     async def stop(self) -> None:
@@ -310,6 +322,27 @@ class Dispatcher:
             log.warning("bad resume query on %s: %s", msg.subject, exc.message)
             return
         await self._nc.publish(msg.reply, stream.resume(query).to_bytes())
+
+    async def _on_max_deliveries(self, msg: Msg) -> None:
+        try:
+            advisory = json.loads(msg.data)
+            seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
+        except (ValueError, KeyError, TypeError):
+            log.warning("unreadable advisory on %s", msg.subject)
+            return
+        stream = next((s for s in self._streams.values() if s.stream_seq == seq), None)
+        if stream is None:
+            return  # another gateway's request, or one that ended already
+        log.warning(
+            "request %s failed on all %d deliveries (JetStream gave up: %s); answering with an error",
+            stream.request_id, deliveries, advisory.get("consumer", "?"),
+        )  # fmt: skip
+        stream.fail(
+            InternalError(
+                f"the request failed on every one of its {deliveries} deliveries to workers "
+                "and was given up"
+            )
+        )
 
     async def _publish_aborts(self) -> None:
         while True:
