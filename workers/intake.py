@@ -166,6 +166,39 @@ async def reject_undecodable(nc: Client, msg: Msg, exc: ProtocolError, worker_id
     await settle(msg.term)
 
 
+async def retry_or_fail(
+    nc: Client, msg: Msg, exc: BaseException, worker_id: str, max_deliver: int
+) -> None:
+    """A message whose handling raised: hand it back (another replica, or this one after a
+    pause, may not hit the same fault) until its last delivery; then answer its caller
+    with ``internal_error`` and ``term()`` it. A poison message costs ``max_deliver``
+    attempts and one error answer, never a loop."""
+    try:
+        attempt = int(msg.metadata.num_delivered)
+    except Exception:
+        attempt = max_deliver
+    if attempt < max_deliver:
+        log.error(
+            "request handling failed on delivery %d of %d; handing it back: %r",
+            attempt, max_deliver, exc, exc_info=exc,
+        )  # fmt: skip
+        await settle(lambda: msg.nak(delay=min(0.2 * 2**attempt, 5.0)))
+        return
+    reply, rid = raw_reply(msg.data)
+    log.error(
+        "request %s failed on its last delivery (%d of %d): terminated as poison: %r",
+        rid or "?", attempt, max_deliver, exc, exc_info=exc,
+    )  # fmt: skip
+    if reply is not None:
+        chunk = Chunk(
+            id=rid, attempt=attempt, finish_reason="error", worker=worker_id,
+            error=ErrorInfo("internal_error", f"the worker failed this request on every one of its {attempt} deliveries"),
+        )  # fmt: skip
+        with contextlib.suppress(Exception):
+            await nc.publish(reply, chunk.to_bytes())
+    await settle(msg.term)
+
+
 async def settle(action: Callable[[], object]) -> None:
     """Run an ack/nak/term/in_progress; a message settled already or a closed link is fine."""
     try:

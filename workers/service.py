@@ -63,7 +63,14 @@ from common.tracing import tracer_for
 from workers import telemetry
 from workers.bridge import AddRequest, BridgeEvent, EngineBridge, RequestFailed, StepEngine
 from workers.engine.sampling_params import SamplingParamsError
-from workers.intake import Intake, RecentIds, ask_resume, reject_undecodable, settle
+from workers.intake import (
+    Intake,
+    RecentIds,
+    ask_resume,
+    reject_undecodable,
+    retry_or_fail,
+    settle,
+)
 from workers.metrics import EngineView
 from workers.observe import WorkerObserver
 from workers.outbox import Flight, sampling_params
@@ -303,9 +310,14 @@ class WorkerService:
         task = asyncio.current_task()
         try:
             await self._admit(msg)
-        except Exception:
-            log.exception("request handling failed")
-            await settle(msg.term)
+        except Exception as exc:
+            for rid, st in list(self._inflight.items()):
+                if st.msg is msg:  # half-admitted: forget it, the engine never got it
+                    del self._inflight[rid]
+                    if self.bridge is not None:
+                        self.bridge.abort(rid)
+            assert self.nc is not None
+            await retry_or_fail(self.nc, msg, exc, self.worker_id, self.config.nats.max_deliver)
         finally:
             if task is not None:
                 self._starting.pop(task, None)
