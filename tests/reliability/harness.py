@@ -38,10 +38,12 @@ def group(
     max_batch: int = 4, *, max_pending: int = 64, max_seq_len: int = 256, **extra: Any
 ) -> GroupConfig:
     """A group with test-sized limits and SLOs a loaded CI machine can meet."""
-    return GroupConfig(
-        max_batch=max_batch, max_seq_len=max_seq_len, slo_ttft_ms=2000, slo_e2e_p99_ms=10_000,
-        policy="continuous" if max_batch == 1 else "hybrid", max_pending=max_pending, **extra,
-    )  # fmt: skip
+    settings: dict[str, Any] = {
+        "max_batch": max_batch, "max_seq_len": max_seq_len, "slo_ttft_ms": 2000,
+        "slo_e2e_p99_ms": 10_000, "policy": "continuous" if max_batch == 1 else "hybrid",
+        "max_pending": max_pending,
+    }  # fmt: skip
+    return GroupConfig(**{**settings, **extra})
 
 
 def nats_for(url: str, tag: str, **overrides: Any) -> NatsConfig:
