@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.run(argv_l, cwd=ROOT, env=env, capture_output=True, text=True)
     with (out / "locust_stats.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))
+    with (out / "locust_failures.csv").open(newline="") as f:
+        failures = [
+            f"{r['Occurrences']}x {r['Name']}: {r['Error'][:160]}" for r in csv.DictReader(f)
+        ]
     shown = " ".join(["locust", *argv_l[1:]]).replace(stack.url, "http://127.0.0.1:<port>")
     report = {
         "benchmark": "locust",
@@ -83,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {**machine, "load_avg_after": machine_info()["load_avg"]},
         "locust_exit_code": proc.returncode,
         "stats_csv": "locust_stats.csv",
-        "result": summary(rows),
+        "result": {**summary(rows), "failure_messages": failures},
     }
     result = report["result"]
     report["summary"] = (
         f"{result['requests']} requests in {args.run_time} at {result['req_s']} req/s, "
         f"{result['failures']} failures; {result['invalid_requests']} invalid requests, all 4xx: "
         f"{result['invalid_answered_4xx']}. Locust: `{shown}`."
+        + (f" Failures: {'; '.join(failures)}" if failures else "")
     )
     (out / "locust.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

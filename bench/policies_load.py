@@ -1,6 +1,9 @@
 """What ``bench/policies.py`` sends and what it reads back: the field mix as token ids, a
 session driver on ``bench/serve_load.py``'s streamed client, and worker telemetry.
 
+Requests go through ``bench/serve_http.py``'s sender (the streamed client of
+``bench/serve.py``), paced by ``bench/serve_load.py``'s ``paced``.
+
 A *session* is one arrival: a short generation, a long-document question (on the ``long``
 group), or a conversation whose turns go one after another, each resending the whole history
 (the previous prompt, the previous answer, the new user message). Prompts are token ids
@@ -15,11 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import nats
 
 from bench.field_mix import MIX
-from bench.serve_load import Req, Result, paced, send
+from bench.serve_http import Result, open_sender
+from bench.serve_load import Req, paced
 from common.protocol import Telemetry
 from common.subjects import Subjects
 
@@ -75,8 +78,7 @@ async def run_sessions(
 ) -> tuple[list[Sent], float]:
     """Start each session at its offset (turns in order); every request and the duration."""
     sent: list[list[Sent]] = [[] for _ in sessions]
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+    async with open_sender("httpx", url, None) as sender:
 
         async def one(i: int, start: float) -> None:
             session = sessions[i]
@@ -93,7 +95,7 @@ async def run_sessions(
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 }
-                await send(client, f"/v1/{session.group}/completions", body, item.result)
+                await sender.send(i, f"/v1/{session.group}/completions", body, item.result)
                 if not item.result.ok:
                     return  # a conversation stops at its first failed turn
 

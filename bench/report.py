@@ -294,7 +294,7 @@ def build(results: Path) -> Path:
     if not folders:
         lines.append(f"No results in `{results}`.")
     for folder in folders:
-        lines += part(folder, "results" if folder == results else f"{folder.name} results")
+        lines += part(folder, f"{folder.name} results")
     # Images live next to the JSON they come from: link them relative to REPORT.md.
     text = "\n".join(lines) + "\n"
     for folder in folders:

@@ -8,7 +8,7 @@ import pytest
 
 from bench.policies import group_figures, ratios
 from bench.policies_load import Sent, make_sessions
-from bench.serve_load import Result
+from bench.serve_http import Result
 
 
 def test_sessions_follow_the_field_mix_and_conversations_resend_their_history() -> None:
