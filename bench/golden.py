@@ -82,7 +82,7 @@ def first_difference(a: str, b: str) -> int:
 
 def score(rows: list[dict[str, Any]], answers: list[dict[str, Any]]) -> dict[str, Any]:
     """EM and ROUGE-L overall, clean vs adversarial, per domain; the first mismatches."""
-    items = []
+    items: list[dict[str, Any]] = []
     for row, answer in zip(rows, answers, strict=True):
         text = answer.get("text", "")
         items.append(

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['Occurrences']}x {r['Name']}: {r['Error'][:160]}" for r in csv.DictReader(f)
         ]
     shown = " ".join(["locust", *argv_l[1:]]).replace(stack.url, "http://127.0.0.1:<port>")
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "locust",
         "command": " ".join(["python -m bench.locust_run", *(argv or sys.argv[1:])]),
         "locust_command": shown,

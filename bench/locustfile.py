@@ -174,7 +174,7 @@ class FieldMixUser(HttpUser):
                 resp.failure(f"{kind}: HTTP {resp.status_code} (want 4xx): {resp.text[:200]}")
 
     # A weighted task list (locust picks one uniformly); _apply_mix rebuilds it from --mix.
-    tasks = [long_doc] * MIX["long_doc"] + [conversation] * MIX["conversation"]
+    tasks: list[Any] = [long_doc] * MIX["long_doc"] + [conversation] * MIX["conversation"]
     tasks += [short] * MIX["short"] + [invalid] * MIX["invalid"]
 
     # --- streaming ---------------------------------------------------------------------------

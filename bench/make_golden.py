@@ -35,7 +35,7 @@ from common.models import demo_model_path
 
 OUT = Path(__file__).resolve().parent / "data" / "golden.jsonl"
 ADVERSARIAL_SHARE = 0.2
-PERTURBATIONS = (("typo", 5), ("vague", 3), ("ambiguous", 2))  # kind, weight
+PERTURBATIONS: tuple[tuple[str, float], ...] = (("typo", 5), ("vague", 3), ("ambiguous", 2))
 
 
 def base_prompts(seed: int) -> list[dict[str, Any]]:
@@ -79,7 +79,8 @@ def adversarial(base: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
     """A variant of a seeded quarter of ``base``: 20 % of base + variants."""
     rng = random.Random(seed + 1)
     n = round(len(base) * ADVERSARIAL_SHARE / (1 - ADVERSARIAL_SHARE))
-    kinds, weights = zip(*PERTURBATIONS, strict=True)
+    kinds = [kind for kind, _ in PERTURBATIONS]
+    weights = [weight for _, weight in PERTURBATIONS]
     rows = []
     for source in sorted(rng.sample(base, n), key=lambda r: r["id"]):
         kind = rng.choices(kinds, weights)[0]
