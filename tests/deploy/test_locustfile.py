@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from bench.field_mix import INVALID_KINDS
 from bench.up_stack import ROOT, UpStack
 
@@ -26,8 +24,7 @@ def test_headless_run_writes_csv_refuses_every_invalid_request_with_4xx_and_neve
     tmp_path: Path,
 ) -> None:
     locust = shutil.which("locust", path=str(Path(sys.executable).parent)) or shutil.which("locust")
-    if locust is None:
-        pytest.skip("locust is not installed (the dev extra)")
+    assert locust is not None, "locust comes with the dev extra"
     prefix = tmp_path / "report"
     with UpStack(engine="sim", replicas={"realtime": 0}) as stack:
         proc = subprocess.run(
