@@ -201,6 +201,17 @@ class Stack:
         assert bridge is not None
         return self.call(bridge.call(lambda engine: engine.stats()))
 
+    def final_chunk(self, request_id: str, timeout_s: float = 5.0) -> Chunk:
+        """The request's last chunk, once recorded: the client may have its answer first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            chunks = self.chunks.get(request_id, [])
+            if chunks and chunks[-1].finish_reason is not None:
+                return chunks[-1]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no final chunk of {request_id} recorded: {chunks}")
+            time.sleep(0.01)
+
     def served_by(self, request_id: str) -> set[str]:
         """The workers that sent chunks for ``request_id``."""
         return {c.worker for c in self.chunks.get(request_id, [])}

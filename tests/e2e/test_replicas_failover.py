@@ -79,6 +79,7 @@ async def test_two_replicas_share_the_load_and_serve_each_request_once(
     served: Counter[str] = Counter()
     for seed, (request_id, text, n_tokens) in zip(seeds, results, strict=True):
         assert text == expected_text(tokenizer, 8, seed)
+        sim_stack.final_chunk(request_id)  # every chunk recorded
         workers = sim_stack.served_by(request_id)
         assert len(workers) == 1, f"{request_id} served by {workers}"
         chunks = sim_stack.chunks[request_id]
@@ -113,6 +114,7 @@ async def test_kill_9_mid_stream_the_openai_stream_gets_every_token_once(
     )
     assert victim is not None
     assert joined(chunks) == expected.text
+    sim_stack.final_chunk(request_id)  # every chunk recorded
     assert chunks[-1].choices[0].finish_reason == "length"
     sent = sim_stack.chunks[request_id]
     survivor = ({"a", "b"} - {victim}).pop()
