@@ -12,6 +12,7 @@ Every error is OpenAI's ``{"error": {...}}`` with the status of its :class:`QosE
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -144,7 +145,7 @@ def create_app(
             await nc.close()
             state.nc = state.generator = None
 
-    app = FastAPI(title="qosserve gateway", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="qosserve gateway", version="0.1.0", lifespan=lifespan, **_no_native_otel())
     app.state.gateway = state
     if tracer is not None or config.log.access_log:
         app.add_middleware(ObserveMiddleware, tracer=tracer, access_log=config.log.access_log)
@@ -152,6 +153,15 @@ def create_app(
     _add_routes(app, state)
     _add_openapi(app)
     return app
+
+
+def _no_native_otel() -> dict[str, Any]:
+    """FastAPI ≥ 0.16x traces natively through the global provider: its server span and its
+    dependency/endpoint spans would double ours (gateway.observe) and cost as much again."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    off = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
+    return {"telemetry": off}
 
 
 def _add_routes(app: FastAPI, state: GatewayState) -> None:

@@ -81,13 +81,19 @@ class RequestSpans:
     ) -> None:
         """End ``span`` with the final ``chunk``: usage, finish reason, the engine's phases
         (from ``output.metrics``) and the ``stream`` interval (first, last chunk out)."""
+        if not span.is_recording():  # sampled out: nothing to describe
+            span.end()
+            return
+        attributes: dict[str, Any] = {t.FINISH_REASONS: t.finish_reasons(chunk.finish_reason)}
         if chunk.usage is not None:
-            span.set_attribute(t.INPUT_TOKENS, chunk.usage.prompt_tokens)
-            span.set_attribute(t.OUTPUT_TOKENS, chunk.usage.completion_tokens)
-            span.set_attribute("qos.cached_tokens", chunk.usage.cached_tokens)
-        span.set_attribute(t.FINISH_REASONS, t.finish_reasons(chunk.finish_reason))
+            attributes[t.INPUT_TOKENS] = chunk.usage.prompt_tokens
+            attributes[t.OUTPUT_TOKENS] = chunk.usage.completion_tokens
+            attributes["qos.cached_tokens"] = chunk.usage.cached_tokens
         if resumed_tokens:
-            span.set_attribute("qos.resumed_tokens", resumed_tokens)
+            attributes["qos.resumed_tokens"] = resumed_tokens
+        if output is not None and output.metrics.num_preemptions:
+            attributes["qos.preemptions"] = output.metrics.num_preemptions
+        span.set_attributes(attributes)
         if chunk.error is not None:
             t.set_error(span, chunk.error.code, chunk.error.message)
         phases = _phases(output.metrics, fetched_at) if output is not None else []
@@ -97,8 +103,6 @@ class RequestSpans:
         for name, start, end in phases:
             child = self.tracer.start_span(name, context=parent, start_time=t.ns(start))
             child.end(end_time=t.ns(max(start, end)))
-        if output is not None and output.metrics.num_preemptions:
-            span.set_attribute("qos.preemptions", output.metrics.num_preemptions)
         span.end()
 
     @staticmethod

@@ -1,0 +1,400 @@
+"""What tracing costs: the same sim-engine workload with tracing off and on, side by side.
+
+Reuses ``bench/serve.py``'s stack and client (:class:`bench.serve_stack.LocalStack`: a
+nats-server, sim worker processes at zero step cost and a gateway process; the streaming
+httpx client of :mod:`bench.serve_load`). One stack per condition, all running at once
+(the environment is read at start-up):
+
+- off: no ``OTEL_*`` variables, the default: no tracer, no span, no header work;
+- on, ratio r: ``OTEL_TRACES_EXPORTER=otlp`` to an OTLP receiver this benchmark runs in a
+  process of its own per condition (it counts distinct spans; its CPU is reported apart,
+  as a collector's would be elsewhere), through the SDK's BatchSpanProcessor. Ratio 1
+  samples every request (the worst case: 7 spans each); r < 1 is
+  ``OTEL_TRACES_SAMPLER=parentbased_traceidratio`` with argument r, the gateway deciding
+  per request and the workers following its ``traceparent``.
+
+The machine is shared and noisy, so conditions are compared *paired*: **latency** sends
+one Poisson stream, request i to condition i mod k, so every condition sees the same
+moments of the machine (``--request-rate`` each, well below saturation: p50 TTFT/E2E);
+**throughput** then runs ``--num-prompts`` at ``--max-concurrency`` against each stack in
+turn (req/s, and the CPU each process spent per request, span export included, from
+``/proc``: the steadiest figure). ``--repeats`` rounds on fresh stacks, the throughput
+order rotating; medians reported. Targets: < 3 % req/s and < 1 ms p50 latency.
+
+    python -m bench.tracing_overhead                    # ~4 minutes on two cores
+    python -m bench.tracing_overhead --quick --out tracing.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import multiprocessing.synchronize
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bench.serve import parse_args as serve_args
+from bench.serve import summarize
+from bench.serve_load import arrival_offsets, make_workload, run_load
+from bench.serve_stack import LocalStack, cpu_seconds, machine_info
+from common.services import free_port
+
+TARGET_RPS_LOSS_PCT = 3.0
+TARGET_P50_MS = 1.0
+
+
+# --- the OTLP receiver ----------------------------------------------------------------------
+
+
+def _serve_sink(
+    grpc_port: int,
+    http_port: int,
+    spans: Any,
+    ready: multiprocessing.synchronize.Event,
+    stop: multiprocessing.synchronize.Event,
+) -> None:
+    """OTLP trace receivers (gRPC and HTTP/protobuf) that count distinct spans; runs in a
+    child process."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as pb_grpc
+
+    seen: set[bytes] = set()  # an export retried after a timeout must not count twice
+
+    def count(request: Any) -> None:
+        with spans.get_lock():
+            for rs in request.resource_spans:
+                for ss in rs.scope_spans:
+                    seen.update(s.span_id for s in ss.spans)
+            spans.value = len(seen)
+
+    class Grpc(pb_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:
+            count(request)
+            return pb.ExportTraceServiceResponse()
+
+    class Http(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            count(pb.ExportTraceServiceRequest.FromString(body))
+            reply = pb.ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_TraceServiceServicer_to_server(Grpc(), server)
+    server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+    server.start()
+    http = ThreadingHTTPServer(("127.0.0.1", http_port), Http)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    ready.set()
+    stop.wait()
+    http.shutdown()
+    server.stop(grace=1).wait()
+
+
+class SpanSink:
+    """The receiver's process: ``endpoint`` for the services, ``spans`` received so far."""
+
+    def __init__(self, protocol: str = "grpc") -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.protocol = protocol
+        self.ports = {"grpc": free_port(), "http/protobuf": free_port()}
+        self._spans = ctx.Value("q", 0)
+        self._ready, self._stop = ctx.Event(), ctx.Event()
+        self._proc = ctx.Process(
+            target=_serve_sink,
+            args=(*self.ports.values(), self._spans, self._ready, self._stop),
+            daemon=True,
+        )  # fmt: skip
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports[self.protocol]}"
+
+    @property
+    def spans(self) -> int:
+        return int(self._spans.value)
+
+    def cpu_s(self) -> float:
+        return cpu_seconds(self._proc.pid) if self._proc.pid else -1.0
+
+    def __enter__(self) -> SpanSink:
+        self._proc.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the OTLP receiver did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._proc.join(10)
+
+
+@contextlib.contextmanager
+def tracing_env(sink: SpanSink | None, ratio: float = 1.0) -> Iterator[None]:
+    """The ``OTEL_*`` variables the stack's processes inherit while they start."""
+    names = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
+             "OTEL_SDK_DISABLED", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG")  # fmt: skip
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    if sink is not None:
+        os.environ.update(
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint,
+            OTEL_EXPORTER_OTLP_PROTOCOL=sink.protocol,
+        )
+        if ratio < 1:
+            os.environ.update(
+                OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(ratio)
+            )
+    try:
+        yield
+    finally:
+        for n in names:
+            os.environ.pop(n, None)
+        os.environ.update(saved)
+
+
+# --- one condition: its stack and its receiver -----------------------------------------------
+
+
+def condition(ratio: float | None) -> str:
+    return "off" if ratio is None else f"on, ratio {ratio:g}"
+
+
+class Condition:
+    """A stack with tracing off (``ratio`` None) or sampling ``ratio`` of the requests."""
+
+    def __init__(self, args: argparse.Namespace, ratio: float | None) -> None:
+        self.args, self.ratio, self.name = args, ratio, condition(ratio)
+        self.sink = SpanSink(args.protocol) if ratio is not None else None
+        argv = ["--launch", "sim", "--mode", "overhead", "--replicas", str(args.replicas)]
+        self.stack = LocalStack(serve_args(argv))
+        self.sent = 0
+        self.sink_cpu0 = 0.0
+        self.figures: dict[str, Any] = {"tracing": self.name}
+
+    async def start(self) -> None:
+        if self.sink is not None:
+            self.sink.__enter__()
+            self.sink_cpu0 = self.sink.cpu_s()  # its start-up is no request's cost
+        with tracing_env(self.sink, self.ratio or 1.0):
+            await self.stack.start()
+
+    async def stop(self) -> None:
+        await self.stack.stop()
+        if self.sink is not None:
+            self.figures["spans_per_request"] = round(self.sink.spans / max(1, self.sent), 2)
+            self.figures["receiver_cpu_ms_per_request"] = round(
+                (self.sink.cpu_s() - self.sink_cpu0) * 1e3 / max(1, self.sent), 3
+            )
+            self.sink.__exit__()
+
+    async def load(
+        self, work: list[Any], offsets: list[float], concurrency: int | None
+    ) -> tuple[list[Any], float]:
+        s = self.stack
+        path = f"/v1/{s.group}/completions"
+        outcome = await run_load(s.url, path, s.model_name, work, offsets, concurrency)
+        self.sent += len(work)
+        return outcome
+
+    async def exported(self) -> None:
+        """Until the spans of everything sent are in (the batch processors export every
+        5 s), so one phase's export backlog never runs into the next phase."""
+        if self.sink is None or self.ratio is None:
+            return
+        share = self.ratio * self.args.spans_per_request * self.sent
+        expected = share if self.ratio == 1 else 0.8 * share
+        deadline = time.monotonic() + (15 if self.ratio == 1 else 7)
+        while self.sink.spans < expected and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds each process of the stack has used so far."""
+        return {name: cpu_seconds(child.pid) for name, child in self.stack.children.items()}
+
+    async def throughput(self) -> None:
+        a = self.args
+        cpu0 = self.cpu()
+        work = make_workload(a.num_prompts, a.input_len, a.output_len, 0.0, a.seed)
+        results, duration = await self.load(work, [0.0] * len(work), a.max_concurrency)
+        await self.exported()  # the export of these spans is part of their cost
+        summary = summarize(results, duration, None, None)
+        self.figures.update(
+            req_per_s=summary["request_throughput"],
+            throughput_failed=summary["failed"],
+            cpu_ms_per_request=per_request(cpu0, self.cpu(), len(work)),
+        )
+
+
+async def one_round(args: argparse.Namespace, round_no: int) -> list[dict[str, Any]]:
+    """Every condition on a fresh stack: warm-up, the paired latency phase, throughput."""
+    conds = [Condition(args, None), *(Condition(args, r) for r in args.sample_ratios)]
+    try:
+        for c in conds:
+            await c.start()
+        warm = make_workload(50, args.input_len, args.output_len, 0.0, args.seed + 99)
+        for c in conds:
+            await c.load(warm, [0.0] * len(warm), 16)
+        await asyncio.gather(*(c.exported() for c in conds))
+
+        k, n = len(conds), args.latency_prompts
+        cpu0 = [c.cpu() for c in conds]
+        work = make_workload(k * n, args.input_len, args.output_len, 0.0, args.seed + 1)
+        offsets = arrival_offsets(k * n, k * args.request_rate, 1.0, args.seed + round_no)
+        runs = await asyncio.gather(
+            *(c.load(work[i::k], offsets[i::k], None) for i, c in enumerate(conds))
+        )
+        for c, (results, duration) in zip(conds, runs, strict=True):
+            latency = summarize(results, duration, None, None)
+            c.figures.update(
+                latency_ttft_p50_ms=latency["ttft_ms"]["p50"],
+                latency_e2e_p50_ms=latency["e2e_ms"]["p50"],
+                latency_e2e_p99_ms=latency["e2e_ms"]["p99"],
+                latency_failed=latency["failed"],
+            )
+        await asyncio.gather(*(c.exported() for c in conds))
+        for c, before in zip(conds, cpu0, strict=True):  # paired: the same moments for all
+            c.figures["latency_cpu_ms_per_request"] = per_request(before, c.cpu(), n)
+
+        shift = round_no % k
+        for c in conds[shift:] + conds[:shift]:
+            await c.throughput()
+    finally:
+        for c in conds:
+            await c.stop()
+    for c in conds:
+        c.figures.setdefault("spans_per_request", 0.0)
+        c.figures.setdefault("receiver_cpu_ms_per_request", 0.0)
+        print(json.dumps(c.figures), file=sys.stderr, flush=True)
+    return [c.figures for c in conds]
+
+
+def per_request(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    """CPU milliseconds per request of each process between two readings."""
+    return {name: round((after[name] - before[name]) * 1e3 / n, 3) for name in before}
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over the runs of one condition."""
+    keys = ("req_per_s", "latency_ttft_p50_ms", "latency_e2e_p50_ms", "latency_e2e_p99_ms",
+            "spans_per_request", "receiver_cpu_ms_per_request")  # fmt: skip
+    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 3) for k in keys}
+    for key in ("cpu_ms_per_request", "latency_cpu_ms_per_request"):
+        out[key] = {
+            name: round(statistics.median(r[key][name] for r in runs), 3) for name in runs[0][key]
+        }
+    return out
+
+
+def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians per condition; each tracing condition against off; targets met or not."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by.setdefault(run["tracing"], []).append(run)
+    med = {c: medians(rs) for c, rs in by.items()}
+    off = med["off"]
+    costs = {}
+    for c, m in med.items():
+        if c == "off":
+            continue
+        rps_loss = 100 * (off["req_per_s"] - m["req_per_s"]) / off["req_per_s"]
+        p50_cost = m["latency_e2e_p50_ms"] - off["latency_e2e_p50_ms"]
+        costs[c] = {
+            "req_per_s_loss_pct": round(rps_loss, 2),
+            "e2e_p50_cost_ms": round(p50_cost, 3),
+            "ttft_p50_cost_ms": round(m["latency_ttft_p50_ms"] - off["latency_ttft_p50_ms"], 3),
+            "cpu_ms_per_request_cost": {
+                n: round(m["cpu_ms_per_request"][n] - v, 3)
+                for n, v in off["cpu_ms_per_request"].items()
+            },
+            "paired_cpu_ms_per_request_cost": {
+                n: round(m["latency_cpu_ms_per_request"][n] - v, 3)
+                for n, v in off["latency_cpu_ms_per_request"].items()
+            },
+            "met": rps_loss < TARGET_RPS_LOSS_PCT and p50_cost < TARGET_P50_MS,
+        }
+    return {
+        "median": med,
+        "cost_vs_off": costs,
+        "targets": {"req_per_s_loss_pct": TARGET_RPS_LOSS_PCT, "p50_cost_ms": TARGET_P50_MS},
+        "failed": sum(r["throughput_failed"] + r["latency_failed"] for r in runs),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.tracing_overhead", description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3, help="rounds, each on fresh stacks")
+    p.add_argument("--replicas", type=int, default=1, help="sim worker processes")
+    p.add_argument("--num-prompts", type=int, default=1200, help="throughput phase requests")
+    p.add_argument("--max-concurrency", type=int, default=32, help="throughput phase in flight")
+    p.add_argument("--latency-prompts", type=int, default=600,
+                   help="latency phase requests per condition")  # fmt: skip
+    p.add_argument("--request-rate", type=float, default=40.0,
+                   help="latency phase req/s per condition")  # fmt: skip
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--spans-per-request", type=int, default=7,
+                   help="expected per request: server, publish, worker + queue/prefill/decode/stream")  # fmt: skip
+    p.add_argument("--sample-ratios", type=float, nargs="+", default=[1.0, 0.1, 0.01],
+                   help="tracing-on conditions: the share of requests sampled")  # fmt: skip
+    p.add_argument("--protocol", choices=("grpc", "http/protobuf"), default="grpc",
+                   help="OTEL_EXPORTER_OTLP_PROTOCOL of the services")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="one stack each, small phases")
+    p.add_argument("--out", help="write the JSON here too")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.num_prompts, args.latency_prompts = 1, 400, 200
+    return args
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    machine = machine_info()
+    runs = []
+    for round_no in range(args.repeats):
+        runs.extend(await one_round(args, round_no))
+    return {
+        "benchmark": "tracing_overhead",
+        "command": " ".join(["python -m bench.tracing_overhead", *sys.argv[1:]]),
+        "machine": {**machine, "load_avg_after": machine_info()["load_avg"]},
+        "config": vars(args),
+        "runs": runs,
+        "result": compare(runs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()  # as bench/serve.py: the client's own cost counts against both runs
+    report = asyncio.run(bench(args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 1 if report["result"]["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
