@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.sequencer import ChunkSequencer as ResponseStream
 from common.errors import ContextLengthExceededError
 from common.protocol import Chunk, ErrorInfo, ResumeQuery, Usage
+from common.sequencer import ChunkSequencer as ResponseStream
 
 
 def chunk(seq: int, ids: list[int], attempt: int = 1, final: bool = False) -> Chunk:
