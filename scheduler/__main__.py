@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import re
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from common.config import Config, load_config
 from common.errors import ConfigError
+from common.lifecycle import run_until_signalled
 from common.logging import add_log_flags, log_config_from, setup_logging
 from scheduler.service import SchedulerService
 
@@ -53,18 +52,7 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
 
 async def serve(config: Config, scheduler_id: str | None) -> int:
     service = SchedulerService(config, scheduler_id=scheduler_id)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.request_stop)
-    try:
-        await service.start()
-        await service.run()
-    finally:
-        await service.stop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(sig)
-    return 0
+    return await run_until_signalled(service)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

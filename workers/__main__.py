@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import re
-import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -32,6 +30,7 @@ from pydantic import ValidationError
 
 from common.config import Config, load_config
 from common.errors import ConfigError
+from common.lifecycle import run_until_signalled
 from common.logging import add_log_flags, log_config_from, setup_logging
 from common.tracing import init_tracing
 from workers.service import WorkerOptions, WorkerService
@@ -185,18 +184,7 @@ async def serve(config: Config, args: argparse.Namespace) -> int:
         grace_s=args.grace_s,
     )
     service = WorkerService(config, engine, options)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.request_stop)
-    try:
-        await service.start()
-        await service.run()
-    finally:
-        await service.stop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(sig)
-    return 0
+    return await run_until_signalled(service)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
