@@ -14,8 +14,9 @@ httpx client of :mod:`bench.serve_load`). One stack per condition, all running a
   per request and the workers following its ``traceparent``.
 
 The machine is shared and noisy, so conditions are compared *paired*: **latency** sends
-one Poisson stream, request i to condition i mod k, so every condition sees the same
-moments of the machine (``--request-rate`` each, well below saturation: p50 TTFT/E2E);
+one Poisson stream, each block of k arrivals to the k conditions in a random order, so
+every condition sees the same moments of the machine (``--request-rate`` each, low
+enough that the client itself never queues: its CPU share is reported; p50 TTFT/E2E);
 **throughput** then runs ``--num-prompts`` at ``--max-concurrency`` against each stack in
 turn (req/s, and the CPU each process spent per request, span export included, from
 ``/proc``: the steadiest figure). ``--repeats`` rounds on fresh stacks, the throughput
@@ -34,6 +35,7 @@ import json
 import multiprocessing
 import multiprocessing.synchronize
 import os
+import random
 import statistics
 import sys
 import time
@@ -258,12 +260,25 @@ async def one_round(args: argparse.Namespace, round_no: int) -> list[dict[str, A
 
         k, n = len(conds), args.latency_prompts
         cpu0 = [c.cpu() for c in conds]
+        client0, wall0 = time.process_time(), time.perf_counter()
         work = make_workload(k * n, args.input_len, args.output_len, 0.0, args.seed + 1)
         offsets = arrival_offsets(k * n, k * args.request_rate, 1.0, args.seed + round_no)
+        # Each block of k arrivals goes to the k conditions in a random order: no condition
+        # is always first (a fixed rotation gave the first one the client's queueing).
+        rng = random.Random(args.seed + round_no)
+        slots: list[list[int]] = [[] for _ in conds]
+        for block in range(n):
+            for i, c in enumerate(rng.sample(range(k), k)):
+                slots[c].append(block * k + i)
         runs = await asyncio.gather(
-            *(c.load(work[i::k], offsets[i::k], None) for i, c in enumerate(conds))
+            *(
+                c.load([work[j] for j in slots[i]], [offsets[j] for j in slots[i]], None)
+                for i, c in enumerate(conds)
+            )
         )
+        client_util = (time.process_time() - client0) / (time.perf_counter() - wall0)
         for c, (results, duration) in zip(conds, runs, strict=True):
+            c.figures["load_generator_cpu_util"] = round(client_util, 3)
             latency = summarize(results, duration, None, None)
             c.figures.update(
                 latency_ttft_p50_ms=latency["ttft_ms"]["p50"],
@@ -346,9 +361,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=1, help="sim worker processes")
     p.add_argument("--num-prompts", type=int, default=1200, help="throughput phase requests")
     p.add_argument("--max-concurrency", type=int, default=32, help="throughput phase in flight")
-    p.add_argument("--latency-prompts", type=int, default=600,
+    p.add_argument("--latency-prompts", type=int, default=400,
                    help="latency phase requests per condition")  # fmt: skip
-    p.add_argument("--request-rate", type=float, default=40.0,
+    p.add_argument("--request-rate", type=float, default=20.0,
                    help="latency phase req/s per condition")  # fmt: skip
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
