@@ -258,7 +258,9 @@ class Process:
 
 
 def write_config(config: Config, path: Path) -> Path:
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    """``config`` as a YAML file a service loads as it is (its groups, not the defaults)."""
+    data = {**config.model_dump(mode="json"), "groups_replace_defaults": True}
+    path.write_text(yaml.safe_dump(data))
     return path
 
 

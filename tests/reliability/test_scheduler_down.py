@@ -50,7 +50,6 @@ async def test_scheduler_killed_mid_incident_the_data_path_keeps_serving_on_the_
     stack = make_stack(private_nats.url, groups, {"short": 1, "long": 1}, step_s=0.005)
     config = stack.config.model_copy(update={"scheduler": SCHEDULER})
     file = write_config(config, tmp_path / "qos.yaml")
-    file.write_text(file.read_text() + "groups_replace_defaults: true\n")
     scheduler = Process("scheduler", ["-m", "scheduler", "--config", str(file)], tmp_path).start()
     url = f"{stack.base_url}/completions"
     try:
