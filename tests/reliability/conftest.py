@@ -15,18 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from bench.serve_stack import write_word_tokenizer
 from common.config import GroupConfig
 from common.services import NatsServer
 from common.tokenizer import BaseTokenizer, load_tokenizer
 from tests.e2e.stack import Stack
-from tests.engine.test_tokenizer import write_hf_folder
 from tests.reliability.harness import group, nats_for, sim_engine, stack_config
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder with a small byte-level BPE tokenizer and chat template (no weights)."""
-    return write_hf_folder(tmp_path_factory.mktemp("rel-model"))
+    """A tokenizer folder (no weights) whose every token decodes to a whole word, so a
+    stream resumed or re-sent at any token boundary must equal the reference exactly."""
+    return write_word_tokenizer(tmp_path_factory.mktemp("rel-model"))
 
 
 @pytest.fixture(scope="session")
