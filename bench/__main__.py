@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "kvtier": "KV tiers: Redis GB/s, hit rates, fragmentation, break-even",
     "kvquant": "KV quantisation quality: fp32 vs int8 vs fp8 KV",
     "incident": "scripted incident: breaker opens, falls back, recovers",
+    "chaos": "soak under random faults (worker, NATS, Redis, scheduler, gateway) and bad input",
     "tracing_overhead": "tracing on vs off through the gateway",
     "locust_run": "locust headless with the field mix against a stack it starts",
     "report": "one Markdown report with plots from every result in bench/results",

@@ -1,0 +1,564 @@
+"""Chaos soak: steady load through the gateway while random faults hit the stack.
+
+    python -m bench.chaos --quick               # 60 s, every fault kind once
+    python -m bench.chaos                       # 10 minutes, a random fault every ~30 s
+    python -m bench.chaos --duration 1800 --rps 12 --out chaos.json
+
+The stack is real processes on loopback: nats-server (JetStream file store), redis-server,
+the scheduler, ``--workers`` sim workers of one group (fixed step cost) and the gateway.
+Streaming clients (httpx) send completions at ``--rps``; a trickle of bad input goes
+along. Faults, one at a time: ``worker`` (SIGKILL a worker, restart it), ``nats``
+(SIGKILL nats-server, restart it on its store), ``redis``, ``scheduler`` and ``gateway``
+(SIGKILL, restart on the same port). The sim's tokens are a pure function of (seed,
+position) and the tokenizer decodes each to a whole word, so every answer is checked
+against the reference exactly.
+
+A request ends ``complete`` (exact or not), ``error`` (an HTTP error status, an SSE error
+event, or a transport error when its gateway was killed) or ``lost`` (no end and no
+error before the client's timeout, or a stream cut short without one). The JSON report:
+load held, faults injected and recovered (time to the first exact answer after the
+fault), p99 during and after each fault, bad inputs and their 5xx count, requests lost,
+tokens duplicated or missing, gateway RSS. Targets: 0 lost, 0 duplicated, 0 5xx for bad
+input, NATS recovered within 10 s, the rest within 30 s; the exit code is 1 when missed.
+Redis is restarted too, but sim workers do not use the KV tier: that fault does not touch
+the data path here (``tests/reliability/test_redis_faults.py`` covers a real engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from bench.serve_stack import write_word_tokenizer
+from common.config import (
+    Config,
+    GatewayConfig,
+    GroupConfig,
+    NatsConfig,
+    RedisConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
+from common.services import NatsServer, RedisServer, die_with_parent, free_port
+from common.tokenizer import BaseTokenizer, load_tokenizer
+from workers.engine.sampling_params import SamplingParams
+from workers.sim import SimCost, SimEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTS = ("worker", "nats", "redis", "scheduler", "gateway")
+TARGET_RECOVERY_S = {"nats": 10.0, "worker": 30.0, "redis": 30.0, "scheduler": 30.0,
+                     "gateway": 30.0}  # fmt: skip
+PROMPTS = [" ".join(f"w{(i * 7 + j) % 900 + 4}" for j in range(6 + i % 5)) for i in range(16)]
+DEADLINE_MS = 30_000
+CLIENT_TIMEOUT_S = 45.0
+
+
+# --------------------------------------------------------------------------- the stack
+
+
+class Child:
+    """One service process, restartable, its output appended to a log file."""
+
+    def __init__(self, name: str, argv: list[str], logs: Path) -> None:
+        self.name, self.argv, self.log_path = name, argv, logs / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, *self.argv], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(os.getpid()),
+            )  # fmt: skip
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+
+class ChaosStack:
+    """nats, redis, scheduler, sim workers and a gateway, all restartable."""
+
+    def __init__(self, state: Path, workers: int, step_ms: float) -> None:
+        self.state = state
+        self.logs = state / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.model_dir = write_word_tokenizer(state / "words")
+        self.nats = NatsServer(store_dir=state / "nats")
+        self.redis = RedisServer(state_dir=state / "redis")
+        self.port = free_port()
+        self.config_file = state / "qos.yaml"
+        cfg = ["--config", str(self.config_file)]
+        self.scheduler = Child("scheduler", ["-m", "scheduler", *cfg], self.logs)
+        self.gateway = Child(
+            "gateway", ["-m", "gateway", *cfg, "--model", str(self.model_dir), "--port",
+                        str(self.port)], self.logs,
+        )  # fmt: skip
+        self.workers = [
+            Child(f"worker-{i}", ["-m", "workers", *cfg, "--group", "short", "--engine", "sim",
+                                  "--model", str(self.model_dir), "--worker-id", f"chaos-{i}",
+                                  "--sim-base-ms", str(step_ms), "--sim-prefill-us-per-token",
+                                  "0", "--sim-decode-us-per-seq", "0", "--grace-s", "2"],
+                  self.logs)
+            for i in range(workers)
+        ]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model(self) -> str:
+        return self.model_dir.name
+
+    def write_config(self) -> None:
+        config = Config(
+            nats=NatsConfig(url=self.nats.url, ack_wait_s=3.0, reconnect_wait_s=0.1,
+                            connect_timeout_s=5.0),
+            redis=RedisConfig(url=self.redis.url),
+            groups={"short": GroupConfig(max_batch=8, max_seq_len=512, slo_ttft_ms=2000,
+                                         slo_e2e_p99_ms=20_000, max_pending=128)},
+            gateway=GatewayConfig(default_max_tokens=16),
+            worker=WorkerConfig(telemetry_interval_s=0.5),
+            scheduler=SchedulerConfig(metrics_port=0, move_replicas=False),
+        )  # fmt: skip
+        data = {**config.model_dump(mode="json"), "groups_replace_defaults": True}
+        self.config_file.write_text(yaml.safe_dump(data))
+
+    async def start(self) -> None:
+        self.nats.start()
+        self.redis.start()
+        self.write_config()
+        self.gateway.start()  # first: it creates the stream, consumers and bucket
+        await self.wait_health(lambda h: h.get("nats") is True, 60)
+        self.scheduler.start()
+        for worker in self.workers:
+            worker.start()
+        n = len(self.workers)
+        await self.wait_health(lambda h: h["groups"]["short"]["live_workers"] >= n, 120)
+
+    async def wait_health(self, ok: Any, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2, trust_env=False) as http:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                    if ok((await http.get(f"{self.url}/health")).json()):
+                        return
+                await asyncio.sleep(0.2)
+        raise TimeoutError(f"stack not ready; see {self.logs}")
+
+    def children(self) -> list[Child]:
+        return [self.gateway, *self.workers, self.scheduler]
+
+    def close(self) -> None:
+        for child in self.children():
+            child.stop()
+        self.nats.close()
+        self.redis.close()
+
+
+def rss_mb(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class Result:
+    started: float  # monotonic
+    kind: str  # complete | mismatch | error | lost
+    seconds: float
+    status: int = 0
+    code: str | None = None
+    got_tokens: int = 0
+    want_tokens: int = 0
+
+
+class Reference:
+    """What a sim worker answers, computed here with the same tokenizer."""
+
+    def __init__(self, tokenizer: BaseTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def text(self, prompt: str, max_tokens: int, seed: int) -> str:
+        engine = SimEngine(max_seq_len=512, tokenizer=self.tokenizer,
+                           cost=SimCost(0.0, 0.0, 0.0))  # fmt: skip
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        engine.add_request("ref", None, SamplingParams(max_tokens=max_tokens, seed=seed,
+                                                       ignore_eos=True), prompt_token_ids=ids)  # fmt: skip
+        while True:
+            for delta in engine.step():
+                if delta.output is not None:
+                    return delta.output.text
+
+
+async def one_request(
+    http: httpx.AsyncClient, url: str, model: str, ref: Reference, rng: random.Random
+) -> Result:
+    prompt, seed, max_tokens = rng.choice(PROMPTS), rng.randrange(2**31), rng.randint(8, 48)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "seed": seed,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    started = time.monotonic()
+    text, finish, done, error, tokens = "", None, False, None, 0
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=body,
+                               headers={"X-QoS-Deadline-Ms": str(DEADLINE_MS)}) as response:  # fmt: skip
+            if response.status_code != 200:
+                raw = await response.aread()
+                code = _error_code(raw)
+                kind = "error" if code is not None else "lost"
+                return Result(started, kind, time.monotonic() - started, response.status_code, code)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    error = event["error"].get("code", "error")
+                    continue
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if event.get("choices"):
+                    text += event["choices"][0].get("text") or ""
+                    finish = event["choices"][0].get("finish_reason") or finish
+    except (httpx.TransportError, httpx.DecodingError) as exc:
+        kind = "lost" if isinstance(exc, httpx.TimeoutException) else "error"
+        return Result(
+            started, kind, time.monotonic() - started, 0, f"transport:{type(exc).__name__}"
+        )
+    seconds = time.monotonic() - started
+    if error is not None:
+        return Result(started, "error", seconds, 200, error)
+    if not (done and finish):
+        return Result(started, "lost", seconds, 200, "truncated")
+    ok = text == ref.text(prompt, max_tokens, seed)
+    return Result(started, "complete" if ok else "mismatch", seconds, 200, None, tokens, max_tokens)
+
+
+def _error_code(raw: bytes) -> str | None:
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        error = json.loads(raw).get("error")
+        if isinstance(error, dict):
+            return str(error.get("code"))
+    return None
+
+
+# Bad input: (name, method, path, raw body, headers). None is ever a 5xx.
+def bad_inputs(model: str) -> list[tuple[str, bytes, dict[str, Any]]]:
+    m = model.encode()
+    j = {"content-type": "application/json"}
+    return [
+        ("nan", b'{"model":"%s","prompt":"hi","temperature":NaN}' % m, j),
+        ("infinity", b'{"model":"%s","prompt":"hi","top_p":Infinity}' % m, j),
+        ("huge_int", b'{"model":"%s","prompt":"hi","top_k":18446744073709551616}' % m, j),
+        ("negative", b'{"model":"%s","prompt":"hi","max_tokens":-1}' % m, j),
+        ("1e308", b'{"model":"%s","prompt":"hi","max_tokens":1e308}' % m, j),
+        ("invalid_utf8", b'{"model":"%s","prompt":"\xff\xfe"}' % m, j),
+        ("lone_surrogate", b'{"model":"%s","prompt":"\\ud800"}' % m, j),
+        ("unknown_model", b'{"model":"gpt-9","prompt":"hi"}', j),
+        ("group_wildcard", b'{"model":"%s","prompt":"hi"}' % m, {**j, "X-QoS-Group": "short.>"}),
+        ("group_unicode", b'{"model":"%s","prompt":"hi"}' % m,
+         {**j, "X-QoS-Group": "sh\u00f6rt".encode()}),
+        ("oversized", b'{"model":"%s","prompt":"%s"}' % (m, b"x" * (5 << 20)), j),
+        ("deep_nesting", b"[" * 20_000 + b"]" * 20_000, j),
+        ("garbage", os.urandom(256), j),
+        ("too_long_prompt", json.dumps({"model": model, "prompt": "w5 " * 2000}).encode(), j),
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Fault:
+    kind: str
+    at: float  # monotonic
+    recovered_at: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Run:
+    results: list[Result] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    bad: dict[str, dict[int, int]] = field(default_factory=dict)
+    rss: list[float] = field(default_factory=list)
+
+
+async def inject(stack: ChaosStack, kind: str, rng: random.Random) -> str:
+    """Cause ``kind`` and bring the part back; a note on what was done."""
+    if kind == "worker":
+        victim = rng.choice(stack.workers)
+        victim.kill()
+        await asyncio.sleep(1.0)
+        victim.start()
+        return victim.name
+    if kind == "nats":
+        stack.nats.kill()
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(stack.nats.start)
+        return "SIGKILL, restart on the same store"
+    if kind == "redis":
+        stack.redis.kill()
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(stack.redis.start)
+        return "SIGKILL, restart (sim workers use no KV tier)"
+    if kind == "scheduler":
+        stack.scheduler.kill()
+        await asyncio.sleep(1.0)
+        stack.scheduler.start()
+        return "SIGKILL, restart"
+    stack.gateway.kill()
+    await asyncio.sleep(0.5)
+    stack.gateway.start()
+    return "SIGKILL, restart on the same port"
+
+
+async def probe_until_recovered(
+    stack: ChaosStack, fault: Fault, ref: Reference, rng: random.Random, limit_s: float
+) -> None:
+    """First exact answer to a request started after the fault: the recovery time."""
+    async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, trust_env=False) as http:
+        while time.monotonic() - fault.at < limit_s:
+            result = await one_request(http, stack.url, stack.model, ref, rng)
+            if result.kind == "complete":
+                fault.recovered_at = time.monotonic()
+                return
+            await asyncio.sleep(0.25)
+
+
+async def soak(args: argparse.Namespace, stack: ChaosStack, ref: Reference) -> Run:
+    run = Run()
+    rng = random.Random(args.seed)
+    start = time.monotonic()
+    end = start + args.duration
+    tasks: set[asyncio.Task[None]] = set()
+    limits = httpx.Limits(max_connections=500, max_keepalive_connections=100)
+
+    async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=limits, trust_env=False) as http:
+
+        async def record() -> None:
+            run.results.append(await one_request(http, stack.url, stack.model, ref, rng))
+
+        async def load() -> None:
+            i = 0
+            while time.monotonic() < end:
+                task = asyncio.create_task(record())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                i += 1
+                await asyncio.sleep(max(0.0, start + i / args.rps - time.monotonic()))
+
+        async def bad() -> None:
+            cases = bad_inputs(stack.model)
+            async with httpx.AsyncClient(timeout=30, trust_env=False) as raw:
+                while time.monotonic() < end:
+                    name, content, headers = rng.choice(cases)
+                    try:
+                        response = await raw.post(f"{stack.url}/v1/completions", content=content,
+                                                  headers=headers)  # fmt: skip
+                        status = response.status_code
+                    except httpx.HTTPError:
+                        status = 0  # the gateway was down (a fault): nobody answered
+                    except Exception as exc:  # the client refused to send it: not the server's
+                        print(f"bad input {name}: not sent ({exc!r})", flush=True)
+                        status = -1
+                    run.bad.setdefault(name, {}).setdefault(status, 0)
+                    run.bad[name][status] += 1
+                    await asyncio.sleep(args.bad_every)
+
+        async def faults() -> None:
+            frng = random.Random(args.seed + 1)
+            kinds = [k for k in args.faults.split(",") if k]
+            if args.quick:  # each kind once, evenly spread
+                plan = frng.sample(kinds, len(kinds))
+                gap = args.duration / (len(plan) + 1)
+                times = [start + gap * (i + 1) for i in range(len(plan))]
+            else:
+                plan, times, at = [], [], start
+                while (at := at + args.fault_every * frng.uniform(0.6, 1.4)) < end - 10:
+                    plan.append(frng.choice(kinds))
+                    times.append(at)
+            for kind, at in zip(plan, times, strict=True):
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                fault = Fault(kind, time.monotonic())
+                run.faults.append(fault)
+                print(f"[{fault.at - start:6.1f}s] fault: {kind}", flush=True)
+                fault.note = await inject(stack, kind, frng)
+                await probe_until_recovered(stack, fault, ref, frng, 120.0)
+                took = (fault.recovered_at or float("nan")) - fault.at
+                print(f"[{time.monotonic() - start:6.1f}s]   recovered in {took:.1f}s", flush=True)
+
+        async def memory() -> None:
+            while time.monotonic() < end:
+                value = rss_mb(stack.gateway.pid)
+                if value is not None:
+                    run.rss.append(value)
+                await asyncio.sleep(5.0)
+
+        await asyncio.gather(load(), bad(), faults(), memory())
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLIENT_TIMEOUT_S + 5)
+    return run
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3)
+
+
+def report(args: argparse.Namespace, run: Run, start: float) -> dict[str, Any]:
+    results = run.results
+    kinds = {
+        k: sum(r.kind == k for r in results) for k in ("complete", "mismatch", "error", "lost")
+    }
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.kind == "error":
+            errors[f"{r.status}:{r.code}"] = errors.get(f"{r.status}:{r.code}", 0) + 1
+    done = [r.seconds for r in results if r.kind == "complete"]
+    faults = []
+    for f in run.faults:
+        rec = f.recovered_at
+        during = [r for r in results if f.at <= r.started < (rec or f.at + 30)]
+        after = [r for r in results if rec is not None and rec <= r.started < rec + 10]
+        recovered_s = None if rec is None else round(rec - f.at, 2)
+        faults.append({
+            "kind": f.kind, "at_s": round(f.at - start, 1), "note": f.note,
+            "recovered_s": recovered_s, "target_s": TARGET_RECOVERY_S[f.kind],
+            "survived": recovered_s is not None and recovered_s <= TARGET_RECOVERY_S[f.kind],
+            "requests_during": len(during),
+            "errors_during": sum(r.kind == "error" for r in during),
+            "lost_during": sum(r.kind == "lost" for r in during),
+            "p99_during_s": p99([r.seconds for r in during if r.kind == "complete"]),
+            "p99_after_s": p99([r.seconds for r in after if r.kind == "complete"]),
+        })  # fmt: skip
+    bad_total = sum(sum(c.values()) for c in run.bad.values())
+    bad_5xx = sum(n for c in run.bad.values() for s, n in c.items() if s >= 500)
+    duplicated = sum(max(0, r.got_tokens - r.want_tokens) for r in results if r.kind != "error")
+    missing = sum(max(0, r.want_tokens - r.got_tokens) for r in results
+                  if r.kind in ("complete", "mismatch"))  # fmt: skip
+    out: dict[str, Any] = {
+        "command": " ".join(["python -m bench.chaos", *sys.argv[1:]]),
+        "duration_s": args.duration,
+        "stack": {"workers": args.workers, "step_ms": args.step_ms, "group": "short",
+                  "max_batch": 8, "engine": "sim"},
+        "load": {
+            "target_rps": args.rps,
+            "sent": len(results),
+            "achieved_rps": round(len(results) / args.duration, 2),
+            "completed_rps": round(kinds["complete"] / args.duration, 2),
+            **kinds,
+            "errors_by_status_code": errors,
+            "p50_s": round(statistics.median(done), 3) if done else None,
+            "p99_s": p99(done),
+        },
+        "faults_injected": len(faults),
+        "faults_survived": sum(f["survived"] for f in faults),
+        "faults": faults,
+        "bad_inputs": {"sent": bad_total, "5xx": bad_5xx,
+                       "by_case": {k: {str(s): n for s, n in v.items()} for k, v in run.bad.items()}},
+        "requests_lost": kinds["lost"],
+        "answers_not_exact": kinds["mismatch"],
+        "tokens_duplicated": duplicated,
+        "tokens_missing": missing,
+        "gateway_rss_mb": {"first": round(run.rss[0], 1) if run.rss else None,
+                           "max": round(max(run.rss), 1) if run.rss else None,
+                           "last": round(run.rss[-1], 1) if run.rss else None},
+    }  # fmt: skip
+    out["passed"] = (
+        out["requests_lost"] == 0 and duplicated == 0 and kinds["mismatch"] == 0
+        and bad_5xx == 0 and out["faults_survived"] == out["faults_injected"]
+    )  # fmt: skip
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="qosserve bench chaos", description=__doc__.split("\n")[0])
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of soak (default 600)")
+    p.add_argument("--quick", action="store_true", help="60 s, each fault kind once")
+    p.add_argument("--rps", type=float, default=8.0, help="streamed completions per second")
+    p.add_argument("--workers", type=int, default=2, help="sim worker processes")
+    p.add_argument("--step-ms", type=float, default=10.0, help="sim step cost")
+    p.add_argument("--fault-every", type=float, default=30.0, help="mean seconds between faults")
+    p.add_argument("--faults", default=",".join(FAULTS), help="fault kinds to draw from")
+    p.add_argument("--bad-every", type=float, default=1.0, help="seconds between bad inputs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--state-dir", help="keep logs and stores here (default: a temp folder)")
+    p.add_argument("--out", help="write the JSON report here too")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.duration = 60.0
+    return args
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    state = Path(args.state_dir or tempfile.mkdtemp(prefix="qos-chaos-"))
+    stack = ChaosStack(state, args.workers, args.step_ms)
+    try:
+        await stack.start()
+        ref = Reference(load_tokenizer(str(stack.model_dir)))
+        print(f"stack up (logs in {stack.logs}); soaking {args.duration:.0f}s at {args.rps}/s",
+              flush=True)  # fmt: skip
+        start = time.monotonic()
+        run = await soak(args, stack, ref)
+        result = report(args, run, start)
+        result["logs"] = str(stack.logs)
+        return result
+    finally:
+        stack.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = asyncio.run(amain(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
