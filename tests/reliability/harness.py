@@ -265,13 +265,3 @@ def gateway_process(
     argv = ["-m", "gateway", "--config", str(config_file), "--model", str(model_dir),
             "--port", str(port)]  # fmt: skip
     return Process(name, argv, workdir), f"http://127.0.0.1:{port}"
-
-
-def worker_process(
-    config_file: Path, model_dir: Path, workdir: Path, worker_id: str, group: str, step_ms: float
-) -> Process:
-    """``python -m workers`` with the sim engine (fixed step cost) and the model's tokenizer."""
-    argv = ["-m", "workers", "--config", str(config_file), "--group", group, "--engine", "sim",
-            "--model", str(model_dir), "--worker-id", worker_id, "--sim-base-ms", str(step_ms),
-            "--sim-prefill-us-per-token", "0", "--sim-decode-us-per-seq", "0", "--grace-s", "2"]  # fmt: skip
-    return Process(f"worker-{worker_id}", argv, workdir)
