@@ -343,3 +343,18 @@ async def test_a_second_message_reusing_an_in_flight_request_id_is_terminated_no
         await nc.close()
     assert tokens == 40 and finals == 1
     assert info is not None and (info.num_pending, info.num_ack_pending) == (0, 0), info
+
+
+async def test_a_client_request_id_header_never_becomes_the_request_id_or_a_subject(
+    stack: Stack, tokenizer: BaseTokenizer
+) -> None:
+    async with httpx.AsyncClient(timeout=20) as http:
+        for value in ("evil.>", "a b", "x" * 300, "cmpl-1.req.short", "\u202e\u00e9"):
+            outcome = await completion(
+                http, f"{stack.base_url}/completions", body(stack.model, 4, 4),
+                {"X-Request-Id": value.encode()},  # type: ignore[dict-item]
+            )  # fmt: skip
+            assert outcome.kind == "complete", outcome
+            assert outcome.text == expected_text(tokenizer, 4, 4)
+            rid = outcome.headers["x-request-id"]
+            assert rid.startswith("cmpl-") and rid[5:].isalnum() and rid != value
