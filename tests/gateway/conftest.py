@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,16 +65,25 @@ async def serve(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     task = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + 30
     while not server.started:
         if task.done():
             task.result()
             raise RuntimeError("uvicorn exited before it started")
+        if time.monotonic() > deadline:
+            server.force_exit = server.should_exit = True
+            raise RuntimeError("the gateway did not start within 30 s")
         await asyncio.sleep(0.01)
     try:
         yield Served(app, f"http://127.0.0.1:{port}", config)
     finally:
         server.should_exit = True
-        await task
+        try:
+            # A graceful stop waits for open connections; never let teardown hang a run.
+            await asyncio.wait_for(asyncio.shield(task), 15)
+        except TimeoutError:
+            server.force_exit = True
+            await asyncio.wait_for(task, 15)
 
 
 @pytest.fixture
