@@ -93,3 +93,42 @@ async def test_a_request_the_worker_fails_on_every_time_is_retried_then_answered
     )
     assert (info.num_pending, info.num_ack_pending) == (0, 0)
     assert all(w.state == "serving" for w in stack.workers.values())
+
+
+async def test_worker_processes_sigkilled_on_every_delivery_end_in_an_error_not_a_crash_loop(
+    private_nats: NatsServer, make_stack: StackFactory, model_dir: object
+) -> None:
+    stack = make_stack(
+        private_nats.url, {"short": group(4)}, {"short": 0},
+        nats_overrides={"ack_wait_s": 1.0, "max_deliver": 2},
+    )  # fmt: skip
+    flags = ["--engine", "sim", "--model", str(model_dir), "--sim-base-ms", "50",
+             "--sim-prefill-us-per-token", "0", "--sim-decode-us-per-seq", "0"]  # fmt: skip
+    async with httpx.AsyncClient(timeout=60) as http:
+        child = stack.spawn_worker("crash-1", "short", *flags)
+        await asyncio.to_thread(stack.wait_live, {"short": 1})
+        request = asyncio.create_task(
+            completion(http, f"{stack.base_url}/completions", body(stack.model, 5, 200))
+        )
+        for delivery in (1, 2):
+            deadline = time.monotonic() + 60
+            while not any(
+                c.attempt == delivery for chunks in stack.chunks.values() for c in chunks
+            ):
+                assert time.monotonic() < deadline and not request.done(), stack.worker_log(
+                    f"crash-{delivery}"
+                )
+                await asyncio.sleep(0.05)
+            child.kill()  # the request "kills" the worker that holds it
+            await asyncio.to_thread(child.wait)
+            # A fresh replica each time; after the last delivery a healthy one that would
+            # finish the request if JetStream handed it a third time.
+            child = stack.spawn_worker(f"crash-{delivery + 1}", "short", *flags)
+        started = time.monotonic()
+        outcome = await request
+        took = time.monotonic() - started
+    assert outcome.kind == "error" and outcome.code == "internal_error", outcome
+    assert "2 deliveries" in outcome.error["message"]  # type: ignore[index]
+    assert took < 10, f"the caller waited {took:.1f}s after the last crash"
+    attempts = {c.attempt for chunks in stack.chunks.values() for c in chunks}
+    assert attempts == {1, 2}  # JetStream gave up: the third worker was never handed it
