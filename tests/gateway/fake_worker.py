@@ -120,6 +120,7 @@ class FakeWorker:
     jobs: list[Job] = field(default_factory=list)
     nc: Client = field(init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopping: bool = False
 
     async def start(self) -> FakeWorker:
         self.nc = await qnats.connect(self.nats_config, f"fake-{self.group}-{self.worker_id}")
@@ -135,6 +136,7 @@ class FakeWorker:
         return self
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -158,7 +160,9 @@ class FakeWorker:
             await self._report()
 
     async def _pull(self) -> None:
-        while True:
+        # A cancel that lands inside nats-py's fetch can surface as TimeoutError (Python
+        # 3.11); the flag ends the loop anyway, so stop() never waits on it forever.
+        while not self._stopping:
             try:
                 msgs = await self._sub.fetch(8, timeout=0.5)
             except TimeoutError:
