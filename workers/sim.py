@@ -220,13 +220,9 @@ class SimEngine:
             seed=params.seed if params.seed is not None else 0,
         )
         if self.tokenizer is not None:
-            from workers.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+            from workers.engine.detokenizer import attach_text_state
 
-            req.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, ids, params.skip_special_tokens
-            )
-            if params.stop:
-                req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+            attach_text_state(req, self.tokenizer, ids, params)
         self.requests[request_id] = req
         self.waiting.append(req)
 

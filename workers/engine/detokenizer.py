@@ -9,7 +9,7 @@ character, so a client never sees U+FFFD for a character whose bytes are still c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as left context: enough for merges and SentencePiece spacing.
@@ -151,3 +151,10 @@ class StopStringMatcher:
                     longest = n
                     break
         return longest
+
+
+def attach_text_state(req: Any, tokenizer: Any, prompt_ids: Sequence[int], params: Any) -> None:
+    """Give a request (engine or sim) its incremental detokenizer and stop-string matcher."""
+    req.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+    if params.stop:
+        req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)

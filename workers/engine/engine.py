@@ -227,13 +227,9 @@ class LLMEngine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
-            from workers.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+            from workers.engine.detokenizer import attach_text_state
 
-            req.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, ids, params.skip_special_tokens
-            )
-            if params.stop:
-                req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+            attach_text_state(req, self.tokenizer, ids, params)
         self.requests[request_id] = req
         self.batcher.add(req)
 
