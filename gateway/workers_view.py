@@ -33,6 +33,7 @@ from nats.js.kv import KeyValue
 from common.errors import ProtocolError
 from common.protocol import Telemetry
 from common.subjects import Subjects
+from common.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +159,7 @@ class WorkersView:
 
     async def stop(self) -> None:
         if self._watch_task is not None:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+            await cancel_and_wait([self._watch_task], what="breaker watch")
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

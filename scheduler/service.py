@@ -44,6 +44,7 @@ from common.config import Config
 from common.errors import ProtocolError
 from common.protocol import Control, Telemetry
 from common.subjects import Subjects
+from common.tasks import cancel_and_wait
 from scheduler.alerts import Alerter
 from scheduler.breaker import Breaker, BreakerSample, BreakerSettings, State, Transition
 from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
@@ -189,11 +190,7 @@ class SchedulerService:
         await self._close()
 
     async def _cancel_tasks(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks, what=f"scheduler {self.id} tasks")
         self._tasks = []
 
     async def _close(self) -> None:

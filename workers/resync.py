@@ -27,6 +27,7 @@ from nats.aio.client import Client
 from common.errors import ProtocolError
 from common.protocol import ResumeQuery, ResumeReply
 from common.subjects import Subjects
+from common.tasks import cancel_and_wait
 from workers.outbox import Flight
 
 log = logging.getLogger(__name__)
@@ -89,11 +90,7 @@ class Resync:
                 del self._recent[rid]
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(list(self._tasks), what="resync tasks")
         self._recent.clear()
 
     async def _resync(self, nc: Client, st: Flight) -> None:

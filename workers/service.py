@@ -59,6 +59,7 @@ from common.protocol import (
     ResumeQuery,
 )
 from common.subjects import Subjects
+from common.tasks import cancel_and_wait
 from common.tracing import tracer_for
 from workers import telemetry
 from workers.bridge import AddRequest, BridgeEvent, EngineBridge, RequestFailed, StepEngine
@@ -208,11 +209,7 @@ class WorkerService:
             await self._intake.halt()
         await self._wait_idle(grace)
         await self._publish_telemetry("stopped")
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks, what=f"worker {self.worker_id} tasks")
         await self._resync.close()
         if self.bridge is not None:
             await self.bridge.stop()

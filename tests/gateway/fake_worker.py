@@ -27,6 +27,7 @@ from common.protocol import (
     Usage,
 )
 from common.subjects import Subjects
+from common.tasks import cancel_and_wait
 
 ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
 CACHED_TOKENS = 2
@@ -137,11 +138,7 @@ class FakeWorker:
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks, what="fake worker tasks")
         await self.nc.close()
 
     async def _report(self) -> None:

@@ -112,7 +112,7 @@ def test_torch_decode_over_a_quantized_cache_equals_reference_on_the_dequantized
 ) -> None:
     lens = [1, 7, 8, 9, 29]
     kv, k_scale, v_scale, k_deq, v_deq = quantized_paged_kv(make_paged_kv, lens, 8, 2, 32, dtype)
-    q = torch.randn(len(lens), 8, 32)
+    q = torch.randn(len(lens), 8, 32, device=kv.k_cache.device)
     got = paged_decode_attention_torch(
         q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.2, max(lens),
         k_scale, v_scale,
@@ -132,8 +132,8 @@ def test_torch_prefill_over_a_quantized_cache_equals_reference_on_the_dequantize
     lens = [5, 1, 20, 13]
     q_lens = [5, 1, 6, 0]
     kv, k_scale, v_scale, k_deq, v_deq = quantized_paged_kv(make_paged_kv, lens, 8, 2, 32, dtype)
-    cu = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), 4, 32)
+    cu = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32, device=kv.k_cache.device)
+    q = torch.randn(sum(q_lens), 4, 32, device=kv.k_cache.device)
     got = paged_prefill_attention_torch(
         q, kv.k_cache, kv.v_cache, cu, kv.context_lens, kv.block_tables, 0.2, k_scale, v_scale
     )

@@ -32,6 +32,7 @@ from common.config import (
     WorkerConfig,
 )
 from common.protocol import Control, RequestParams
+from common.tasks import cancel_and_wait
 from scheduler.service import SchedulerService
 from workers.service import WorkerOptions, WorkerService
 from workers.sim import SimCost, SimEngine
@@ -153,9 +154,7 @@ class Observer:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task], what="observer watch")
         await self.nc.close()
 
     def states(self, group: str) -> list[str]:

@@ -1,0 +1,66 @@
+"""``cancel_and_wait`` stops tasks that swallow a cancellation, and never hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from common.tasks import cancel_and_wait
+
+
+async def _swallows_once(log: list[str]) -> None:
+    """Like a retry loop that took a cancellation inside ``wait_for`` for a timeout."""
+    swallowed = False
+    while True:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            if swallowed:
+                log.append("stopped")
+                raise
+            swallowed = True
+            log.append("swallowed")
+
+
+async def test_a_task_that_swallows_the_first_cancel_is_cancelled_again() -> None:
+    log: list[str] = []
+    task = asyncio.create_task(_swallows_once(log))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_and_wait([task]), 2)
+    assert task.cancelled() and log == ["swallowed", "stopped"]
+
+
+async def test_a_task_that_never_stops_is_left_behind_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                continue
+
+    task = asyncio.create_task(stubborn(), name="stubborn-loop")
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING, logger="common.tasks"):
+        await asyncio.wait_for(cancel_and_wait([task], timeout_s=0.3, what="loops"), 2)
+    assert not task.done()
+    assert "1 loops did not stop" in caplog.text and "stubborn-loop" in caplog.text
+    release.set()
+    task.cancel()  # the loop sees the flag and ends, so the test leaves nothing running
+    await asyncio.wait_for(task, 2)
+
+
+async def test_failed_and_finished_tasks_are_fine() -> None:
+    async def boom() -> None:
+        raise RuntimeError("boom")
+
+    failed = asyncio.create_task(boom())
+    done = asyncio.create_task(asyncio.sleep(0))
+    await asyncio.sleep(0.01)
+    await cancel_and_wait([failed, done])  # no raise, no "never retrieved" warning
+    assert failed.done() and done.done()
