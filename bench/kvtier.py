@@ -1,8 +1,8 @@
 """KV-tier benchmark, JSON out. Starts its own redis-server on loopback.
 
 - ``redis``: load/store GB/s and ms per block vs connections x sub-batch bytes x value size
-  (the raw transport, no codec), the tier as the engine sees it (codec, checksums,
-  threads) at the configured defaults, and plain redis-py SET/MGET of 2 MB values as the
+  (redis.asyncio with pre-encoded values, no codec), the tier as the engine sees it
+  (its own connections reading into numpy rows, checksums, I/O threads) at its defaults, and plain redis-py SET/MGET of 2 MB values as the
   reference, all in the same run. Values of 1/2/4/8 MiB are Llama-8B bf16 blocks of
   8/16/32/64 tokens; 32 KiB is a dummy:tiny block.
 - ``fragmentation``: allocated-but-unused KV slots for block sizes 8/16/32/64 on the field
@@ -37,8 +37,8 @@ import torch
 from common.config import RedisConfig
 from common.services import RedisServer
 from kvstore.identity import KVIdentity, KVLayout
-from kvstore.redis_tier import RedisTier
-from kvstore.tiers import KVTiers, _new_loop
+from kvstore.redis_tier import RedisTier, new_event_loop
+from kvstore.tiers import KVTiers
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
 from workers.engine.block_pool import hash_chain
 from workers.engine.loader import load_model_config
@@ -122,7 +122,7 @@ def transport_point(
     n = max(4, total // layout.block_bytes)
     value = os.urandom(layout.block_bytes + 64)
     hashes = [i.to_bytes(16, "little") for i in range(n)]
-    loop = asyncio.new_event_loop() if kw.get("loop") == "asyncio" else _new_loop()
+    loop = asyncio.new_event_loop() if kw.get("loop") == "asyncio" else new_event_loop()
     tier = RedisTier(config, ident, batch_bytes=batch)
     loop.run_until_complete(tier.prefix([bytes(16)]))  # connect outside the timing
 
@@ -142,8 +142,8 @@ def transport_point(
 
 
 def tier_point(url: str, pid: int | None, layout: KVLayout, checksum: str, total: int) -> dict:
-    """KVTiers as the engine uses it: codec and checksums on codec threads, the default
-    RedisConfig; load includes the lookup round trip, as at admission."""
+    """KVTiers as the engine uses it: checksums and sub-batches on its I/O threads, the
+    default RedisConfig; load includes the lookup round trip, as at admission."""
     n = max(4, total // layout.block_bytes)
     data = np.random.default_rng(0).integers(0, 256, (n, layout.block_bytes), dtype=np.uint8)
     hashes = [i.to_bytes(16, "little") for i in range(n)]

@@ -17,8 +17,9 @@ in the header ties a value to its key: a value copied under another key does not
 The checksum covers everything, so garbage, truncation and torn writes are all
 :class:`CorruptBlock`. It guards against accidents, not attackers (anyone who can write to
 Redis can write a valid checksum), so the fast crc32 (4 GB/s a core here, against 0.8 for
-blake2b) is an honest option where checksums cap the tier's throughput. Encoding writes each block once into its final buffer and decoding
-returns a zero-copy view into the value.
+blake2b) is the default; blake2b stays readable and writable. Writers send the header
+(:func:`block_header`) and the engine's row as one value without joining them, and
+decoding returns a zero-copy view into the value.
 """
 
 from __future__ import annotations
@@ -87,12 +88,31 @@ def _fixed_header(
     )
 
 
+def block_header(
+    layout: KVLayout,
+    layout_fp: bytes,
+    block_hash: bytes,
+    row: np.ndarray,
+    checksum: str = "crc32",
+) -> bytes:
+    """The 64-byte header of one block whose row (scales, then payload: ``layout.block_bytes``
+    of uint8) stays where it is: a writer sends the header and then the row as one value,
+    without joining them (``kvstore.bulk_io``)."""
+    kind = CHECKSUMS[checksum]
+    view = row.data.cast("B")
+    if len(view) != layout.block_bytes:
+        raise ValueError(f"row of {len(view)} bytes, the layout's blocks have {layout.block_bytes}")
+    split = layout.scale_bytes
+    head = _fixed_header(layout, layout_fp, block_hash, split, len(view) - split, kind)
+    return head + _checksum(kind, head, view[:split], view[split:])
+
+
 def encode_blocks(
     layout: KVLayout,
     layout_fp: bytes,
     hashes: Sequence[bytes],
     payload: np.ndarray,
-    checksum: str = "blake2b",
+    checksum: str = "crc32",
 ) -> list[memoryview]:
     """Values for ``len(hashes)`` blocks; ``payload`` is uint8 ``[n, layout.block_bytes]``
     (a quantised layout's rows start with its ``layout.scale_bytes`` of scales).
@@ -100,7 +120,6 @@ def encode_blocks(
     The values are rows of one new buffer (one copy of the payload in all); each is a
     ``memoryview`` that redis-py sends without copying it again.
     """
-    kind = CHECKSUMS[checksum]
     n, size = payload.shape
     if n != len(hashes) or size != layout.block_bytes or payload.dtype != np.uint8:
         raise ValueError(
@@ -109,16 +128,11 @@ def encode_blocks(
         )
     out = np.empty((n, HEADER_BYTES + size), dtype=np.uint8)
     out[:, HEADER_BYTES:] = payload
-    split = HEADER_BYTES + layout.scale_bytes
     values = []
     for i, block_hash in enumerate(hashes):
-        head = _fixed_header(
-            layout, layout_fp, block_hash, layout.scale_bytes, size - layout.scale_bytes, kind
-        )
         row = out[i]
-        row[: _FIXED.size] = np.frombuffer(head, dtype=np.uint8)
-        digest = _checksum(kind, head, memoryview(row[HEADER_BYTES:split]), memoryview(row[split:]))
-        row[_FIXED.size : HEADER_BYTES] = np.frombuffer(digest, dtype=np.uint8)
+        head = block_header(layout, layout_fp, block_hash, row[HEADER_BYTES:], checksum)
+        row[:HEADER_BYTES] = np.frombuffer(head, dtype=np.uint8)
         values.append(memoryview(row))
     return values
 
@@ -128,7 +142,7 @@ def encode_block(
     layout_fp: bytes,
     block_hash: bytes,
     payload: bytes | memoryview,
-    checksum: str = "blake2b",
+    checksum: str = "crc32",
 ) -> bytes:
     """One block's value as ``bytes`` (tests, tools; the hot path uses :func:`encode_blocks`)."""
     data = np.frombuffer(payload, dtype=np.uint8).reshape(1, -1)

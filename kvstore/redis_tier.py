@@ -11,12 +11,17 @@ The breaker makes Redis optional at run time: timeouts and connection errors ope
 and while it is open every call is an immediate miss (reads) or no-op (writes) instead of
 a stall per request. After ``open_s`` one probe goes through; success closes it, failure
 reopens it for twice as long (up to ``max_open_s``). Nothing here raises into callers.
+
+:class:`~kvstore.tiers.KVTiers` uses the breaker but moves values over
+:mod:`kvstore.bulk_io` (no parser copies); ``RedisTier`` is the redis.asyncio transport
+that ``bench/kvtier.py`` measures next to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -39,7 +44,9 @@ _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
 
 class CircuitBreaker:
     """CLOSED -> (``failures_to_open`` consecutive failures) -> OPEN for ``open_s`` ->
-    HALF_OPEN (one probe) -> CLOSED on success, OPEN again (twice as long) on failure."""
+    HALF_OPEN (one probe) -> CLOSED on success, OPEN again (twice as long) on failure.
+
+    Thread-safe: lookups run on the tier's event loop, loads and stores on I/O threads."""
 
     CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
@@ -60,6 +67,7 @@ class CircuitBreaker:
         self._open_s = open_s
         self._reopen_at = 0.0
         self._probing = False
+        self._lock = threading.Lock()
 
     def rejecting(self) -> bool:
         """True while calls must not even be tried (read-only: safe from any thread)."""
@@ -69,6 +77,10 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """May a call go out now? Turns an expired OPEN into HALF_OPEN with one probe."""
+        with self._lock:
+            return self._allow()
+
+    def _allow(self) -> bool:
         if self.state == self.CLOSED:
             return True
         if self.state == self.OPEN and self.clock() >= self._reopen_at:
@@ -80,6 +92,10 @@ class CircuitBreaker:
         return False
 
     def success(self) -> None:
+        with self._lock:
+            self._success()
+
+    def _success(self) -> None:
         if self.state != self.CLOSED:
             log.info("redis tier: breaker closed")
         self.state = self.CLOSED
@@ -88,6 +104,10 @@ class CircuitBreaker:
         self._probing = False
 
     def failure(self) -> None:
+        with self._lock:
+            self._failure()
+
+    def _failure(self) -> None:
         self._failures += 1
         if self.state == self.HALF_OPEN or self._failures >= self.failures_to_open:
             if self.state == self.HALF_OPEN:
@@ -98,6 +118,16 @@ class CircuitBreaker:
             self.state = self.OPEN
             self._reopen_at = self.clock() + self._open_s
             self._probing = False
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (it comes with uvicorn[standard]): its transports copy less,
+    so less CPU per GB moved (``bench/kvtier.py``, ``event_loop``); asyncio otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def connection_pool(config: RedisConfig, read_size: int) -> aredis.BlockingConnectionPool:

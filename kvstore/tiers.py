@@ -10,50 +10,41 @@
   (in bytes) takes the batch, or drops it and counts the drop: decode never waits on Redis;
 - ``offload(hashes, data)``: blocks the device cache evicted, into host memory.
 
-The engine thread is synchronous, so Redis runs on an asyncio loop in a thread of its own;
-``lookup``/``load`` wait for it (admission needs the answer), stores do not. No method
-raises: a failure is a miss, counted (see :class:`~kvstore.metrics.TierStats`).
+Redis is spoken over blocking connections (:mod:`kvstore.bulk_io`): lookups (one EXPIRE
+pipeline) on the engine's thread, loads and stores in sub-batches on small thread pools,
+MGET replies landing straight in numpy rows and SETs sent from the engine's rows,
+checksummed on the same thread. redis.asyncio on a loop thread copied each value three
+times on that one thread, which capped loads at about half of what loopback carries
+(``bench/kvtier.py``). ``lookup``/``load`` wait (admission needs the answer), stores do
+not. No method raises: a failure is a miss, counted (see :class:`~kvstore.metrics.TierStats`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
+from redis.exceptions import RedisError
 
 from common.config import RedisConfig
-from kvstore.codec import CorruptBlock, decode_block, encode_blocks
+from kvstore.bulk_io import MISSING, BulkConnection, BulkPool
+from kvstore.codec import HEADER_BYTES, CorruptBlock, block_header, decode_block
 from kvstore.host_tier import HostTier
 from kvstore.identity import CacheLayout, KVIdentity, KVLayout, model_fingerprint
 from kvstore.metrics import TierCounters, TierStats, snapshot
-from kvstore.redis_tier import CircuitBreaker, RedisTier
+from kvstore.redis_tier import CircuitBreaker
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _Fetched = tuple[list[memoryview], bool, int]  # views, all of them, corrupt values
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed (it comes with uvicorn[standard]): its transports copy less,
-    so less CPU per GB moved (``bench/kvtier.py``, ``event_loop``); asyncio otherwise."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-def _spans(n: int, parts: int) -> list[range]:
-    """``range(n)`` cut into at most ``parts`` contiguous pieces (one per codec thread)."""
-    step = max(1, -(-n // max(1, parts)))
-    return [range(i, min(i + step, n)) for i in range(0, n, step)]
+# Failures the breaker counts: the server or the network, not a bad value.
+_FAILURES = (RedisError, OSError)
 
 
 class KVTiers:
@@ -72,8 +63,9 @@ class KVTiers:
         store_queue_bytes: int = 256 << 20,
         batch_bytes: int = 8 << 20,
         breaker: CircuitBreaker | None = None,
-        codec_threads: int = 2,
-        checksum: str = "blake2b",
+        read_threads: int = 4,
+        write_threads: int = 2,
+        checksum: str = "crc32",
     ) -> None:
         self.redis_config = redis
         self.host_capacity_bytes = host_capacity_bytes
@@ -82,20 +74,22 @@ class KVTiers:
         self.batch_bytes = batch_bytes
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.checksum = checksum  # what stores write; loads accept either kind
-        self.codec_threads = codec_threads
         self.identity: KVIdentity | None = None
         self.host: HostTier | None = None
-        self.redis: RedisTier | None = None
         self.host_counters = TierCounters()
         self.redis_counters = TierCounters()
-        # Checksums run here: hashlib releases the GIL, so they overlap socket work.
-        self._codec = ThreadPoolExecutor(codec_threads, thread_name_prefix="kv-codec")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        # One connection per I/O thread: sockets, zlib and hashlib release the GIL, so
+        # sub-batches overlap. Readers and writers apart: a lookup's load at admission (the
+        # engine waits) never queues behind a burst of write-through.
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="kv-read")
+        self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="kv-write")
+        self._bulk = None if redis is None else BulkPool(redis, read_threads + write_threads)
+        self.value_bytes = 0  # of one block in Redis, header included (known after bind)
+        self.batch_blocks = 1  # blocks per sub-batch: about batch_bytes
         self._lock = threading.Lock()  # the queue figure changes on both threads
         self._queued_bytes = 0
         self._block_tokens = 0
-        # A wait for Redis that outlives every socket timeout: the loop itself is stuck.
+        # A wait for an I/O thread that outlives every socket timeout: something is stuck.
         self._wait_s = 30.0 if redis is None else max(5.0, 20 * redis.socket_timeout_s)
 
     # --- set-up --------------------------------------------------------------------------
@@ -119,17 +113,9 @@ class KVTiers:
         self._block_tokens = layout.block_size
         if self.host_capacity_bytes > 0:
             self.host = HostTier(self.host_capacity_bytes, kv_layout.block_bytes, self.pin_host)
-        if self.redis_config is not None:
-            loop = _new_loop()
-            self._loop = loop
-            self._thread = threading.Thread(target=loop.run_forever, name="kv-redis", daemon=True)
-            self._thread.start()
-            config, identity = self.redis_config, self.identity
-
-            async def make() -> RedisTier:
-                return RedisTier(config, identity, self.breaker, self.batch_bytes)
-
-            self.redis = self._wait(make())
+        self.value_bytes = HEADER_BYTES + kv_layout.block_bytes
+        # Big values in few commands, never one huge reply; sub-batches run in parallel.
+        self.batch_blocks = max(1, self.batch_bytes // self.value_bytes)
         log.info(
             "kv tiers: prefix %s, host %d blocks, redis %s",
             self.identity.key_prefix.decode(),
@@ -140,23 +126,25 @@ class KVTiers:
     @property
     def accepts_stores(self) -> bool:
         """Worth handing newly filled blocks to :meth:`store_async`."""
-        return self.redis is not None
+        return self._bulk is not None
 
     @property
     def accepts_offloads(self) -> bool:
         """Worth handing evicted device blocks to :meth:`offload`."""
         return self.host is not None and self.host.num_slots > 0
 
-    def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
-        assert self._loop is not None
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+    def _with_connection(self, call: Callable[[BulkConnection], T]) -> T:
+        """``call`` on a pooled connection; one that failed mid-command is closed, never
+        reused (its next reply would be this one's rest)."""
+        assert self._bulk is not None
+        conn = self._bulk.take()
         try:
-            return future.result(self._wait_s)
-        except TimeoutError:
-            # Every socket timeout has passed: the loop itself is stuck. Stop asking it.
-            future.cancel()
-            self.breaker.failure()
+            result = call(conn)
+        except BaseException:
+            conn.close()
             raise
+        self._bulk.give(conn)
+        return result
 
     # --- the engine's calls --------------------------------------------------------------
 
@@ -170,14 +158,35 @@ class KVTiers:
             self.host_counters.query_tokens += len(hashes) * bt
             n = self.host.prefix(hashes)
         rest = hashes[n:]
-        if rest and self.redis is not None:
+        if rest and self._bulk is not None:
             self.redis_counters.query_tokens += len(rest) * bt
-            if not self.breaker.rejecting():
-                try:
-                    n += self._wait(self.redis.prefix(rest))
-                except Exception as exc:  # the loop is stuck or gone: a miss, never an error
-                    self.redis_counters.errors += 1
-                    log.warning("kv tiers: lookup failed: %r", exc)
+            n += self._redis_prefix(rest)
+        return n
+
+    def _redis_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many of ``hashes``, from the first, Redis holds (0 on any failure).
+
+        EXPIRE answers "exists" and refreshes the TTL in one command, so blocks that keep
+        being hit outlive ones that are only ever written.
+        """
+        assert self.identity is not None and self.redis_config is not None
+        if not self.breaker.allow():
+            return 0
+        keys = [self.identity.key(h) for h in hashes]
+        ttl = self.redis_config.ttl_s
+        try:
+            found = self._with_connection(lambda conn: conn.expire_many(keys, ttl))
+        except _FAILURES as exc:
+            self.redis_counters.errors += 1
+            self.breaker.failure()
+            log.debug("kv tiers: lookup failed: %r", exc)
+            return 0
+        self.breaker.success()
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
         return n
 
     def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
@@ -198,59 +207,68 @@ class KVTiers:
                 c.load_bytes += sum(v.nbytes for v in out)
                 c.load_s += time.perf_counter() - t0
         rest = hashes[len(out) :]
-        if rest and self.redis is not None and not self.breaker.rejecting():
+        if rest and self._bulk is not None and not self.breaker.rejecting():
             out.extend(self._load_redis(rest))
         return out
 
     def _load_redis(self, hashes: Sequence[bytes]) -> list[memoryview]:
         c = self.redis_counters
         t0 = time.perf_counter()
-        try:
-            parts = self._wait(self._fetch(hashes))
-        except Exception as exc:
-            c.errors += 1
-            log.warning("kv tiers: load failed: %r", exc)
+        if not self.breaker.allow():
             return []
+        step = self.batch_blocks
+        jobs = [
+            self._readers.submit(self._fetch, hashes[i : i + step])
+            for i in range(0, len(hashes), step)
+        ]
         out: list[memoryview] = []
-        for views, complete, corrupt in parts:
+        failed = False
+        for job in jobs:
+            try:
+                views, complete, corrupt = job.result(self._wait_s)
+            except Exception as exc:  # a failed or stuck read: what came before still counts
+                failed = True
+                log.warning("kv tiers: load failed: %r", exc)
+                break
             out.extend(views)
             c.corrupt += corrupt
             if not complete:
                 break  # a miss or a bad block ends the usable prefix
+        for job in jobs:
+            job.cancel()
+        if failed:
+            c.errors += 1
+            self.breaker.failure()
+        else:
+            self.breaker.success()
         if out:
             c.loads += 1
             c.hit_tokens += len(out) * self._block_tokens
-            c.load_bytes += len(out) * (self.redis.value_bytes if self.redis else 0)
+            c.load_bytes += len(out) * self.value_bytes
             c.load_s += time.perf_counter() - t0
         return out
 
-    async def _fetch(self, hashes: Sequence[bytes]) -> list[_Fetched]:
-        """MGET sub-batches in parallel; each is verified on a codec thread as soon as it
-        arrives, while the others are still on the wire. Per sub-batch: the views up to
-        the first miss or corrupt value, whether it got them all, and the corrupt count."""
-        assert self.redis is not None and self.identity is not None
-        redis, layout, layout_fp = self.redis, self.identity.layout, self.identity.layout_fp
-        loop = asyncio.get_running_loop()
-
-        def decode(values: list[bytes | None], names: Sequence[bytes]) -> _Fetched:
-            views: list[memoryview] = []
-            for value, name in zip(values, names, strict=True):
-                if value is None:
-                    return views, False, 0
-                try:
-                    views.append(decode_block(value, layout, layout_fp, name))
-                except CorruptBlock as exc:
-                    log.warning("kv tiers: corrupt block %s: %s", name.hex(), exc)
-                    return views, False, 1
-            return views, True, 0
-
-        async def one(names: Sequence[bytes]) -> _Fetched:
-            values = await redis.get(names)
-            return await loop.run_in_executor(self._codec, decode, values, names)
-
-        step = redis.batch_blocks
-        spans = [hashes[i : i + step] for i in range(0, len(hashes), step)]
-        return list(await asyncio.gather(*(one(names) for names in spans)))
+    def _fetch(self, hashes: Sequence[bytes]) -> _Fetched:
+        """One sub-batch on a reader thread: MGET into fresh rows, then verify each value.
+        The views up to the first miss or corrupt value, whether it got them all, and the
+        corrupt count."""
+        assert self.identity is not None
+        ident = self.identity
+        rows = np.empty((len(hashes), self.value_bytes), dtype=np.uint8)
+        keys = [ident.key(h) for h in hashes]
+        lengths = self._with_connection(lambda conn: conn.mget_into(keys, rows))
+        views: list[memoryview] = []
+        for row, n, name in zip(rows, lengths, hashes, strict=True):
+            if n == MISSING:
+                return views, False, 0
+            try:
+                if n < 0:  # TOO_LONG: not read off the wire
+                    raise CorruptBlock("value longer than a block")
+                views.append(decode_block(row[:n].data, ident.layout, ident.layout_fp, name))
+            except CorruptBlock as exc:
+                log.warning("kv tiers: corrupt block %s: %s", name.hex(), exc)
+                return views, False, 1
+        return views, True, 0
 
     def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         """Write blocks through to Redis in the background; ``data`` is uint8
@@ -259,11 +277,12 @@ class KVTiers:
         No "already stored" memory: the engine computes a block only after the tiers
         missed it, and Redis may have lost it since (eviction, TTL, restart).
         """
-        if self.redis is None or self._loop is None or not len(hashes):
+        if self._bulk is None or not len(hashes):
             return
         c = self.redis_counters
         if self.breaker.rejecting():
-            c.drops += len(hashes)
+            with self._lock:
+                c.drops += len(hashes)
             return
         nbytes = data.nbytes
         with self._lock:
@@ -271,43 +290,48 @@ class KVTiers:
                 c.drops += len(hashes)
                 return
             self._queued_bytes += nbytes
-        asyncio.run_coroutine_threadsafe(self._store(list(hashes), data, nbytes), self._loop)
+        step = self.batch_blocks
+        for i in range(0, len(hashes), step):
+            part = data[i : i + step]
+            self._writers.submit(self._store, list(hashes[i : i + step]), part, part.nbytes)
 
-    async def _store(self, hashes: list[bytes], data: np.ndarray, nbytes: int) -> None:
-        assert self.redis is not None and self.identity is not None
+    def _store(self, hashes: list[bytes], data: np.ndarray, nbytes: int) -> None:
+        """One sub-batch on a writer thread: headers (checksums), then pipelined SETs that
+        send each header and the engine's row as one value."""
+        assert self.identity is not None and self.redis_config is not None
         c = self.redis_counters
         t0 = time.perf_counter()
         stored = 0
+        failed = False
         try:
-            loop = asyncio.get_running_loop()
-            ident, kind = self.identity, self.checksum
-            parts = await asyncio.gather(
-                *(
-                    loop.run_in_executor(
-                        self._codec,
-                        encode_blocks,
-                        ident.layout,
-                        ident.layout_fp,
-                        hashes[span.start : span.stop],
-                        data[span.start : span.stop],
-                        kind,
-                    )
-                    for span in _spans(len(hashes), self.codec_threads)
-                )
-            )
-            stored = await self.redis.set(hashes, [v for part in parts for v in part])
-        except Exception as exc:  # encoding bugs must not kill the loop either
-            c.errors += 1
+            if self.breaker.allow():
+                ident, ttl = self.identity, self.redis_config.ttl_s
+                keys = [ident.key(h) for h in hashes]
+                values = [
+                    (block_header(ident.layout, ident.layout_fp, h, row, self.checksum), row)
+                    for h, row in zip(hashes, data, strict=True)
+                ]
+                try:
+                    stored = self._with_connection(lambda conn: conn.set_many(keys, values, ttl))
+                except _FAILURES as exc:
+                    failed = True
+                    self.breaker.failure()
+                    log.debug("kv tiers: store failed: %r", exc)
+                else:
+                    self.breaker.success()
+        except Exception as exc:  # encoding bugs must not kill the writer either
+            failed = True
             log.warning("kv tiers: store failed: %r", exc)
-        finally:
-            with self._lock:
-                self._queued_bytes -= nbytes
-        if stored:
-            c.stores += 1
-            c.store_blocks += stored
-            c.store_bytes += stored * self.redis.value_bytes
-            c.store_s += time.perf_counter() - t0
-        c.drops += len(hashes) - stored
+        with self._lock:
+            self._queued_bytes -= nbytes
+            if failed:
+                c.errors += 1
+            if stored:
+                c.stores += 1
+                c.store_blocks += stored
+                c.store_bytes += stored * self.value_bytes
+                c.store_s += time.perf_counter() - t0
+            c.drops += len(hashes) - stored
 
     def offload(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         """Keep blocks the device cache is about to overwrite in host memory."""
@@ -327,9 +351,8 @@ class KVTiers:
     # --- telemetry and shutdown ----------------------------------------------------------
 
     def stats(self) -> TierStats:
-        redis = snapshot(self.redis_counters)
-        if self.redis is not None:
-            redis.errors += self.redis.num_failures
+        with self._lock:
+            redis = snapshot(self.redis_counters)
         return TierStats(
             host=snapshot(self.host_counters),
             redis=redis,
@@ -351,21 +374,13 @@ class KVTiers:
         return True
 
     def close(self) -> None:
-        """Finish queued stores (briefly), then stop the Redis loop and the codec threads."""
-        loop, self._loop = self._loop, None
-        if loop is not None:
+        """Finish queued stores (briefly), then stop the I/O threads and close connections."""
+        if self._bulk is not None:
             self.flush(timeout_s=5.0)
-            if self.redis is not None:
-                try:
-                    asyncio.run_coroutine_threadsafe(self.redis.close(), loop).result(5.0)
-                except Exception as exc:  # a dead server or a stuck loop: nothing to save
-                    log.warning("kv tiers: closing redis: %r", exc)
-            loop.call_soon_threadsafe(loop.stop)
-            if self._thread is not None:
-                self._thread.join(5.0)
-            if not loop.is_running():
-                loop.close()
-        self._codec.shutdown(wait=True)
+        self._readers.shutdown(wait=True, cancel_futures=True)
+        self._writers.shutdown(wait=True, cancel_futures=True)
+        if self._bulk is not None:
+            self._bulk.close()
 
     def __enter__(self) -> KVTiers:
         return self

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.codec import HEADER_BYTES, CorruptBlock, decode_block, encode_block, encode_blocks
+from kvstore.codec import (
+    HEADER_BYTES,
+    CorruptBlock,
+    block_header,
+    decode_block,
+    encode_block,
+    encode_blocks,
+)
 from kvstore.identity import KVLayout
 
 LAYOUT = KVLayout(block_size=4, dtype="float16", num_layers=2, num_kv_heads=2, head_dim=8)
@@ -93,3 +100,11 @@ def test_decoding_a_mutated_valid_value_is_the_payload_or_corrupt(data: st.DataO
     except CorruptBlock:
         return
     assert bytes(out) == payload()  # only an unchanged value decodes
+
+
+def test_a_header_sent_before_the_row_makes_the_same_value_as_encoding() -> None:
+    row = np.frombuffer(payload(5), np.uint8)
+    for kind in ("crc32", "blake2b"):
+        value = block_header(LAYOUT, FP, HASH, row, kind) + row.tobytes()
+        assert value == encode_block(LAYOUT, FP, HASH, row.tobytes(), checksum=kind)
+        assert bytes(decode_block(value, LAYOUT, FP, HASH)) == payload(5)

@@ -171,3 +171,31 @@ def test_breaker_probes_once_after_the_open_period_and_backs_off_on_failure() ->
     assert b.allow()
     b.success()
     assert b.state == "closed" and b.allow() and b.num_opens == 1
+
+
+def test_a_value_longer_than_a_block_is_a_counted_miss_and_loads_go_on(
+    tiers: KVTiers, redis_config: RedisConfig
+) -> None:
+    tiers.store_async(HASHES[:3], blocks(3))
+    assert tiers.flush()
+    assert tiers.identity is not None
+    raw = redis.Redis.from_url(redis_config.url)
+    value = raw.get(tiers.identity.key(HASHES[1]))
+    assert isinstance(value, bytes)
+    raw.set(tiers.identity.key(HASHES[1]), value + b"extra")
+    raw.close()
+    assert len(tiers.load(HASHES[:3])) == 1
+    assert tiers.stats().redis.corrupt == 1
+    assert [bytes(v) for v in tiers.load(HASHES[2:3])] == [bytes(blocks(3)[2])]
+
+
+def test_a_load_of_many_sub_batches_returns_them_in_order(redis_config: RedisConfig) -> None:
+    # Sub-batches of two blocks run on several reader threads; the prefix stays in order.
+    with make(redis_config, batch_bytes=2 * (LAYOUT.block_bytes + 64)) as tiers:
+        hashes = [bytes([50 + i]) * 16 for i in range(11)]
+        data = blocks(11, seed=3)
+        tiers.store_async(hashes, data)
+        assert tiers.flush()
+        assert tiers.lookup(hashes) == 11
+        assert [bytes(v) for v in tiers.load(hashes)] == [bytes(r) for r in data]
+        assert tiers.stats().redis.store_blocks == 11

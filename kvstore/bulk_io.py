@@ -1,0 +1,240 @@
+"""Blocking Redis connections that move KV values without copying them in Python.
+
+redis-py hands every value through its parser: socket -> read buffer -> hiredis buffer ->
+a new ``bytes``, three copies of each 2 MB block on one event-loop thread, which capped the
+tier's loads at about half of what loopback carries (``bench/kvtier.py``). Here an MGET
+reply is read with ``recv_into`` straight into the caller's numpy rows (the kernel's copy
+is the only one) and a SET is sent with ``sendmsg`` from the caller's header and payload
+buffers. Blocking sockets drop the GIL while they wait, so a few threads, one connection
+each, keep loopback busy.
+
+Only what the tier needs is spoken: AUTH, SELECT, EXPIRE, MGET, SET ... EX, in RESP2. Any error or
+timeout closes the connection (a half-read reply cannot be resumed) and is raised as a
+``RedisError`` or ``OSError`` for the caller's breaker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import select
+import socket
+import ssl
+from collections.abc import Sequence
+
+import numpy as np
+from redis.connection import parse_url
+from redis.exceptions import ConnectionError, ResponseError
+
+from common.config import RedisConfig
+
+_CHUNK = 1 << 16  # reads of reply headers; whatever payload they catch is copied once
+
+# Reply lengths that are not a value of the expected size.
+MISSING = -1  # nil: no such key (or not a string)
+TOO_LONG = -2  # a value larger than a row: skipped on the wire, a corrupt block to callers
+
+
+def _bulk(arg: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def _command(*args: bytes) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(_bulk(a) for a in args)
+
+
+class BulkConnection:
+    """One blocking connection (TCP, TLS or a Unix socket), authenticated and on its db."""
+
+    def __init__(self, config: RedisConfig) -> None:
+        url = parse_url(config.url)
+        timeout = config.socket_timeout_s
+        path = url.get("path")
+        if path:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            sock.connect(path)
+        else:
+            sock = socket.create_connection((url["host"], url["port"]), timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if config.url.startswith("rediss://"):
+            context = ssl.create_default_context(cafile=config.tls_ca_file)
+            sock = context.wrap_socket(sock, server_hostname=url.get("host"))
+        sock.settimeout(timeout)
+        self.sock = sock
+        self._pending = bytearray()  # received, not yet parsed
+        self._scratch = bytearray(_CHUNK)
+        try:
+            password = config.password or url.get("password")
+            username = config.username or url.get("username")
+            if password:
+                auth = [username.encode()] if username else []
+                self._simple(_command(b"AUTH", *auth, password.encode()))
+            if url.get("db"):
+                self._simple(_command(b"SELECT", str(url["db"]).encode()))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def idle_and_open(self) -> bool:
+        """Nothing to read on an idle connection: anything there (EOF after a server
+        restart, an error) means it is no longer usable."""
+        poll = select.poll()
+        poll.register(self.sock, select.POLLIN)
+        return not self._pending and not poll.poll(0)
+
+    # --- reading -----------------------------------------------------------------------
+
+    def _fill(self) -> None:
+        n = self.sock.recv_into(self._scratch)
+        if n == 0:
+            raise ConnectionError("redis closed the connection")
+        self._pending += memoryview(self._scratch)[:n]
+
+    def _line(self) -> bytes:
+        while (end := self._pending.find(b"\r\n")) < 0:
+            self._fill()
+        line = bytes(self._pending[:end])
+        del self._pending[: end + 2]
+        return line
+
+    def _into(self, out: memoryview) -> None:
+        """Fill ``out`` from the buffered bytes, then straight from the socket."""
+        have = min(len(self._pending), len(out))
+        out[:have] = self._pending[:have]
+        del self._pending[:have]
+        while have < len(out):
+            n = self.sock.recv_into(out[have:])
+            if n == 0:
+                raise ConnectionError("redis closed the connection")
+            have += n
+
+    def _skip(self, n: int) -> None:
+        while n > 0:
+            if not self._pending:
+                self._fill()
+            k = min(n, len(self._pending))
+            del self._pending[:k]
+            n -= k
+
+    def _header(self) -> bytes:
+        line = self._line()
+        if line[:1] == b"-":
+            raise ResponseError(line[1:].decode(errors="replace"))
+        return line
+
+    def _simple(self, command: bytes) -> None:
+        self.sock.sendall(command)
+        line = self._header()
+        if line[:1] != b"+":
+            raise ResponseError(f"unexpected reply {line[:40]!r}")
+
+    # --- the tier's commands -----------------------------------------------------------
+
+    def mget_into(self, keys: Sequence[bytes], out: np.ndarray) -> list[int]:
+        """MGET ``keys`` into the rows of ``out`` (uint8 ``[len(keys), row bytes]``, C order);
+        per key the value's length, :data:`MISSING` or :data:`TOO_LONG`."""
+        self.sock.sendall(_command(b"MGET", *keys))
+        line = self._header()
+        if line != b"*%d" % len(keys):
+            raise ResponseError(f"unexpected MGET reply {line[:40]!r}")
+        lengths = []
+        for i in range(len(keys)):
+            line = self._header()
+            if line[:1] != b"$":
+                raise ResponseError(f"unexpected MGET element {line[:40]!r}")
+            n = int(line[1:])
+            if n < 0:
+                lengths.append(MISSING)
+                continue
+            if n > out.shape[1]:
+                self._skip(n + 2)
+                lengths.append(TOO_LONG)
+                continue
+            self._into(out[i, :n].data)
+            self._skip(2)
+            lengths.append(n)
+        return lengths
+
+    def expire_many(self, keys: Sequence[bytes], ttl_s: int) -> list[bool]:
+        """EXPIRE each key, pipelined: which exist (their TTL is now ``ttl_s``)."""
+        ttl = _bulk(str(ttl_s).encode())
+        self.sock.sendall(b"".join(b"*3\r\n" + _bulk(b"EXPIRE") + _bulk(key) + ttl for key in keys))
+        found = []
+        for _ in keys:
+            line = self._header()
+            if line[:1] != b":":
+                raise ResponseError(f"unexpected EXPIRE reply {line[:40]!r}")
+            found.append(line != b":0")
+        return found
+
+    def set_many(
+        self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview | bytes]], ttl_s: int
+    ) -> int:
+        """SET each key to the concatenation of its ``parts`` with a TTL, pipelined; the
+        values are gathered by the kernel (``sendmsg``), never joined here. How many the
+        server took (it refuses writes when out of memory)."""
+        ex = b"\r\n" + _bulk(b"EX") + _bulk(str(ttl_s).encode())
+        for key, value in zip(keys, parts, strict=True):
+            size = sum(len(memoryview(p)) for p in value)
+            head = b"*5\r\n" + _bulk(b"SET") + _bulk(key) + b"$%d\r\n" % size
+            self._send([head, *value, ex])
+        stored = 0
+        for _ in keys:
+            line = self._line()
+            if line[:1] == b"+":
+                stored += 1
+            elif line[:1] != b"-":
+                raise ResponseError(f"unexpected SET reply {line[:40]!r}")
+        return stored
+
+    def _send(self, buffers: list[memoryview | bytes]) -> None:
+        if isinstance(self.sock, ssl.SSLSocket):  # no sendmsg on TLS sockets
+            for b in buffers:
+                self.sock.sendall(b)
+            return
+        views = [memoryview(b).cast("B") for b in buffers]
+        while views:
+            sent = self.sock.sendmsg(views)
+            while views and sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            if views and sent:
+                views[0] = views[0][sent:]
+
+
+class BulkPool:
+    """Up to ``size`` idle connections, opened on demand; one borrower at a time each."""
+
+    def __init__(self, config: RedisConfig, size: int) -> None:
+        self.config = config
+        self._idle: queue.LifoQueue[BulkConnection] = queue.LifoQueue(size)
+
+    def take(self) -> BulkConnection:
+        """An idle connection that is still sound, or a new one."""
+        while True:
+            try:
+                conn = self._idle.get_nowait()
+            except queue.Empty:
+                return BulkConnection(self.config)
+            if conn.idle_and_open():
+                return conn
+            conn.close()
+
+    def give(self, conn: BulkConnection) -> None:
+        """Return a connection whose last command finished cleanly (close it otherwise)."""
+        try:
+            self._idle.put_nowait(conn)
+        except queue.Full:
+            conn.close()
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return

@@ -1,0 +1,99 @@
+"""The tier's own Redis connection against a real redis-server: values land in the caller's
+rows, odd replies (a miss, a value too long for a row) keep the connection in step, and
+credentials, database and dead connections are handled like redis-py would."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import redis
+from redis.exceptions import ResponseError
+
+from common.config import RedisConfig
+from common.services import RedisServer
+from kvstore.bulk_io import MISSING, TOO_LONG, BulkConnection, BulkPool
+from kvstore.identity import KVLayout
+from kvstore.tiers import KVTiers
+
+LAYOUT = KVLayout(block_size=4, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
+
+
+def test_mget_lands_values_in_the_callers_rows_and_an_oversized_one_is_skipped(
+    redis_config: RedisConfig,
+) -> None:
+    raw = redis.Redis.from_url(redis_config.url)
+    big = bytes(range(256)) * 1024  # 256 KiB: spans many reads
+    raw.set(b"b:small", b"x" * 100)
+    raw.set(b"b:big", big)
+    raw.set(b"b:huge", b"h" * (len(big) + 1))
+    raw.close()
+    conn = BulkConnection(redis_config)
+    try:
+        rows = np.zeros((4, len(big)), dtype=np.uint8)
+        keys = [b"b:small", b"b:none", b"b:huge", b"b:big"]
+        assert conn.mget_into(keys, rows) == [100, MISSING, TOO_LONG, len(big)]
+        assert rows[0, :100].tobytes() == b"x" * 100 and rows[3].tobytes() == big
+        assert not rows[2].any()  # the oversized value was read past, not into the row
+        # Still in step: the next reply is parsed from its start.
+        again = np.zeros((1, 100), dtype=np.uint8)
+        assert conn.mget_into([b"b:small"], again) == [100]
+        assert conn.idle_and_open()
+    finally:
+        conn.close()
+
+
+def test_set_many_sends_each_value_from_its_parts_with_the_ttl(
+    redis_config: RedisConfig,
+) -> None:
+    conn = BulkConnection(redis_config)
+    payload = np.arange(1 << 18, dtype=np.uint32).view(np.uint8)  # 1 MiB
+    try:
+        parts = [(b"head-a", payload), (b"head-b", memoryview(b"tail"))]
+        assert conn.set_many([b"s:a", b"s:b"], parts, ttl_s=50) == 2
+        assert conn.expire_many([b"s:a", b"s:none", b"s:b"], 60) == [True, False, True]
+    finally:
+        conn.close()
+    raw = redis.Redis.from_url(redis_config.url)
+    assert raw.get(b"s:a") == b"head-a" + payload.tobytes()
+    assert raw.get(b"s:b") == b"head-btail"
+    assert 50 < raw.ttl(b"s:a") <= 60
+    raw.close()
+
+
+def test_password_and_database_from_the_config_and_a_wrong_password_is_an_error(
+    fresh_redis_server: Callable[..., RedisServer],
+) -> None:
+    server = fresh_redis_server(password="r3dis-pw")
+    url = server.url.removesuffix("/0") + "/3"
+    with KVTiers(RedisConfig(url=url, password="r3dis-pw")) as tiers:
+        tiers.bind("dummy:tiny", 0, LAYOUT)
+        data = np.ones((2, LAYOUT.block_bytes), dtype=np.uint8)
+        hashes = [b"a" * 16, b"b" * 16]
+        tiers.store_async(hashes, data)
+        assert tiers.flush() and tiers.lookup(hashes) == 2
+        assert [bytes(v) for v in tiers.load(hashes)] == [bytes(r) for r in data]
+        assert tiers.identity is not None
+        key = tiers.identity.key(hashes[0])
+    raw = redis.Redis.from_url(url, password="r3dis-pw")
+    assert raw.exists(key) == 1
+    raw.close()
+    with pytest.raises(ResponseError):
+        BulkConnection(RedisConfig(url=url, password="wrong"))
+
+
+def test_the_pool_drops_connections_the_server_closed_while_they_were_idle(
+    fresh_redis_server: Callable[..., RedisServer],
+) -> None:
+    server = fresh_redis_server()
+    pool = BulkPool(RedisConfig(url=server.url), size=2)
+    conn = pool.take()
+    assert conn.expire_many([b"k"], 10) == [False]
+    pool.give(conn)
+    server.restart()
+    fresh = pool.take()
+    assert fresh is not conn  # the closed one was noticed, not handed out
+    assert fresh.expire_many([b"k"], 10) == [False]
+    pool.give(fresh)
+    pool.close()
