@@ -2,10 +2,12 @@
 
 Wraps one engine's methods (instance attributes, nothing global) with timers:
 ``schedule`` (batcher), ``build`` (inputs + upload), ``execute`` (host time to launch the
-forward, ``build`` included), ``sample`` (host time, which includes waiting for the device
-when the sampler reads tokens back), ``accept`` (stop checks, detokenizing, deltas), and
-on CUDA ``device_forward`` (CUDA events around ``execute``: the device's time from the
-inputs' upload to the logits). ``other`` is the rest of ``LLMEngine.step``.
+forward, ``build`` included), ``sample`` (host time to choose tokens: launches on CUDA),
+``read_back`` (asynchronous output: waiting for the previous step's tokens, then
+accepting them), ``accept`` (stop checks, detokenizing, deltas; inside ``read_back`` when
+asynchronous), and on CUDA ``device_forward`` (CUDA events around ``execute``: the device's
+time from the inputs' upload to the logits, queueing behind the previous step included).
+``other`` is the rest of ``LLMEngine.step`` (a synchronous step's wait for its tokens).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 
 from workers.engine.engine import LLMEngine
 
-PHASES = ("schedule", "build", "execute", "sample", "accept")
+PHASES = ("schedule", "build", "execute", "sample", "read_back", "accept")
+NESTED = ("build",)  # inside execute
 
 
 class PhaseTimer:
@@ -35,10 +38,11 @@ class PhaseTimer:
             "build": engine.runner,
             "execute": engine.runner,
             "sample": engine.sampler,
+            "read_back": engine,
             "accept": engine,
         }
         names = {"schedule": "schedule", "build": "build_inputs", "execute": "execute",
-                 "sample": "sample", "accept": "_accept"}  # fmt: skip
+                 "sample": "choose", "read_back": "_read_back", "accept": "_accept"}  # fmt: skip
         for phase, obj in targets.items():
             setattr(obj, names[phase], self._wrap(phase, getattr(obj, names[phase])))
 
@@ -70,7 +74,8 @@ class PhaseTimer:
         total = time.perf_counter() - t0
         row = {k: 1e3 * v for k, v in self.current.items()}
         row["total"] = 1e3 * total
-        row["other"] = row["total"] - sum(row.get(p, 0.0) for p in PHASES if p != "build")
+        nested = set(NESTED) | ({"accept"} if self.engine.async_output else set())
+        row["other"] = row["total"] - sum(row.get(p, 0.0) for p in PHASES if p not in nested)
         if self._events is not None:
             self._events[1].synchronize()
             row["device_forward"] = self._events[0].elapsed_time(self._events[1])

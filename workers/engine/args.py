@@ -30,6 +30,8 @@ class EngineArgs:
     ``DEFAULT_CPU_KV_CACHE_GIB``. ``max_seq_len=None`` means the model's context length,
     capped to what the KV cache can hold. ``kv_cache_dtype`` "int8" or "fp8_e4m3" stores
     K/V quantised with a scale per token per KV head (about half the bytes of bf16).
+    ``async_output`` (default: on CUDA) launches step N+1 before reading step N's tokens
+    back, so the host's bookkeeping overlaps the device's work (see ``LLMEngine.step``).
     """
 
     model: str
@@ -51,6 +53,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_output: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:

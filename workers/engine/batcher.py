@@ -134,6 +134,8 @@ class Batcher:
         stores = tier is not None and tier.accepts_stores and self.pool.enable_prefix_caching
         bs = self.pool.block_size
         for seq, req in zip(plan.seqs, plan.requests, strict=True):
+            if req.is_finished:  # stopped while the step ran (asynchronous output)
+                continue
             req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             self.pool.cache_full_blocks(req, seq.start_pos)
             first, last = seq.start_pos // bs, req.num_computed_tokens // bs
@@ -262,6 +264,8 @@ class Batcher:
             queue = sorted(self.running, key=lambda r: (r.is_prefilling, r.sort_key))
         while queue:
             req = queue.pop(0)
+            if req.out_of_budget:  # its last token is on the way back: nothing to compute
+                continue
             remaining = req.num_tokens - req.num_computed_tokens
             num_new = 1 if budget is None else min(remaining, budget)
             if num_new <= 0:

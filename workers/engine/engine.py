@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
@@ -24,9 +26,9 @@ from workers.engine.args import (
 from workers.engine.batcher import Batcher, BatchPlan
 from workers.engine.block_pool import BlockPool, KVTier
 from workers.engine.loader import generation_config_eos, load_model_config
-from workers.engine.model_runner import GiB, ModelRunner
+from workers.engine.model_runner import GiB, ModelRunner, TokenFeed
 from workers.engine.outputs import EngineStats, RequestDelta, RequestOutput
-from workers.engine.request import Request
+from workers.engine.request import PLACEHOLDER, Request
 from workers.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,10 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestDelta] = []
+        self.async_output = (
+            self.device.type == "cuda" if args.async_output is None else args.async_output
+        )
+        self._inflight: _Inflight | None = None
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
@@ -239,6 +245,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        req.drop_placeholder()
         self.batcher.finish(req, "abort")
         req.finish_time = time.time()
         self._pending.append(
@@ -255,12 +262,21 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.batcher.has_unfinished() or bool(self._pending)
+        return self.batcher.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     # --- stepping ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        """Run one forward pass; one delta per request that got a token or finished."""
+        """Run one forward pass; one delta per request that got a token or finished.
+
+        With ``async_output`` the step's sampled tokens stay on the device: the next step
+        is scheduled and launched first (taking those tokens as inputs on the device), and
+        only then are they read back, checked for stops and returned, so the host's work
+        overlaps the device's. Deltas then arrive one step later, and a request that stops
+        on a token (EOS, stop string) computes one extra position that is thrown away.
+        Steps whose requests need their tokens on the host (penalties, logprobs) run
+        synchronously.
+        """
         deltas, self._pending = self._pending, []
         plan = self.batcher.schedule()
         self.last_step_num_tokens = plan.num_tokens
@@ -268,8 +284,31 @@ class LLMEngine:
         if self.kv_tier is not None and (plan.kv_loads or self.pool.evictions):
             self._swap_kv(plan)
         if plan.is_empty:
+            deltas += self._read_back()
             return deltas
-        logits = self.runner.execute(plan)
+        logits = self.runner.execute(plan, self._feed(plan))
+        sampling = [r for r, s in zip(plan.requests, plan.seqs, strict=True) if s.sample]
+        launched = self._launch(logits, sampling) if self._can_defer(sampling) else None
+        deltas += self._read_back()  # the previous step's tokens: on the host by now
+        self._commit(plan)
+        if launched is not None:
+            self._defer(launched)
+            return deltas
+        rows = [i for i, r in enumerate(sampling) if not r.is_finished]
+        if not rows:
+            return deltas
+        live = [sampling[i] for i in rows]
+        out = self.sampler.sample(logits if len(rows) == len(sampling) else logits[rows], live)
+        now = time.time()
+        self.num_generation_tokens += len(live)
+        for i, req in enumerate(live):
+            logprob = out.logprobs[i] if out.logprobs is not None else None
+            top = out.top_logprobs[i] if out.top_logprobs is not None else None
+            deltas.append(self._accept(req, out.token_ids[i], logprob, top, now))
+        return deltas
+
+    def _commit(self, plan: BatchPlan) -> None:
+        """The step's tokens are in the cache: name full blocks, write them through, count."""
         self.batcher.commit(plan)
         if plan.kv_stores and self.kv_tier is not None:
             hashes, ids = zip(*plan.kv_stores, strict=True)
@@ -277,22 +316,73 @@ class LLMEngine:
         self.num_steps += 1
         self.num_tokens_computed += plan.num_tokens
         for seq, req in zip(plan.seqs, plan.requests, strict=True):
-            end = seq.start_pos + len(seq.token_ids)
             n_prompt = req.num_prompt_tokens
-            self.num_prompt_tokens_computed += max(
-                0, min(end, n_prompt) - min(seq.start_pos, n_prompt)
+            if seq.start_pos < n_prompt:  # decodes (the common case) computed no prompt
+                end = seq.start_pos + len(seq.token_ids)
+                self.num_prompt_tokens_computed += min(end, n_prompt) - seq.start_pos
+
+    # --- asynchronous output -------------------------------------------------------------
+
+    def _can_defer(self, sampling: list[Request]) -> bool:
+        return (
+            self.async_output
+            and bool(sampling)
+            and all(r.params.logprobs is None and not r.params.has_penalties for r in sampling)
+        )
+
+    def _launch(self, logits: torch.Tensor, sampling: list[Request]) -> _Inflight:
+        """Queue the sampling and the copy of its tokens to the host; nothing waits."""
+        tokens = self.sampler.choose(logits, sampling)
+        cuda = tokens.is_cuda
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Inflight(sampling, tokens, host, ready)
+
+    def _defer(self, step: _Inflight) -> None:
+        """Give each request a placeholder for its token; stop scheduling any whose
+        placeholder is its last allowed token."""
+        for row, req in enumerate(step.requests):
+            if req.is_finished:  # stopped on the previous token: this row is thrown away
+                continue
+            req.append_token(PLACEHOLDER)
+            req.pending_row = row
+            req.out_of_budget = (
+                req.num_output_tokens >= req.params.max_tokens
+                or req.num_tokens >= req.max_total_tokens
             )
-        sampling = [r for r, s in zip(plan.requests, plan.seqs, strict=True) if s.sample]
-        if not sampling:
-            return deltas
-        out = self.sampler.sample(logits, sampling)
-        self.num_generation_tokens += len(sampling)
+        self._inflight = step
+
+    def _read_back(self) -> list[RequestDelta]:
+        """Wait for the step in flight's tokens; put them in place of the placeholders."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return []
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.host.tolist()
         now = time.time()
-        for i, req in enumerate(sampling):
-            logprob = out.logprobs[i] if out.logprobs is not None else None
-            top = out.top_logprobs[i] if out.top_logprobs is not None else None
-            deltas.append(self._accept(req, out.token_ids[i], logprob, top, now))
+        deltas = []
+        for row, req in enumerate(step.requests):
+            if req.pending_row != row:  # aborted meanwhile, or it had already stopped
+                continue
+            token = tokens[row]
+            req.pending_row, req.out_of_budget = -1, False
+            req.token_ids[-1] = req.output_token_ids[-1] = token
+            self.num_generation_tokens += 1
+            deltas.append(self._accept(req, token, None, None, now, appended=True))
         return deltas
+
+    def _feed(self, plan: BatchPlan) -> TokenFeed | None:
+        """Which sequences take their last input token from the step still in flight."""
+        step = self._inflight
+        if step is None:
+            return None
+        rows = np.fromiter((r.pending_row for r in plan.requests), np.int64, len(plan.requests))
+        return TokenFeed(step.tokens, rows) if (rows >= 0).any() else None
 
     def _swap_kv(self, plan: BatchPlan) -> None:
         """Before the step overwrites them, evicted named blocks go down to the host tier;
@@ -311,10 +401,13 @@ class LLMEngine:
         logprob: float | None,
         top: list[tuple[int, float]] | None,
         now: float,
+        appended: bool = False,
     ) -> RequestDelta:
-        """Record a sampled token; decide whether it ends the request; release its text."""
+        """Record a sampled token (``appended``: it is in place already); decide whether it
+        ends the request; release its text."""
         params = req.params
-        req.append_token(token)
+        if not appended:
+            req.append_token(token)
         if req.first_token_time is None:
             req.first_token_time = now
         asked = params.logprobs is not None
@@ -403,6 +496,16 @@ class LLMEngine:
             kv_tier_queries=self.batcher.tier_query_tokens,
             kv_tier_hits=self.batcher.tier_hit_tokens,
         )
+
+
+@dataclass
+class _Inflight:
+    """A launched step whose sampled tokens are still on their way to the host."""
+
+    requests: list[Request]  # row i sampled for requests[i]
+    tokens: torch.Tensor  # [rows] on the device
+    host: torch.Tensor  # [rows], pinned on CUDA: the copy's target
+    ready: torch.cuda.Event | None  # recorded after the copy (CUDA)
 
 
 def _load_tokenizer(args: EngineArgs) -> Any | None:

@@ -45,6 +45,15 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return slots * cfg.head_dim * elem + scales
 
 
+@dataclass(frozen=True)
+class TokenFeed:
+    """Last tokens that are still on the device: ``rows[i]`` (or -1) is the row of
+    ``tokens`` that sequence ``i`` of the plan takes as its last input token."""
+
+    tokens: torch.Tensor  # [rows] int64, on the device
+    rows: np.ndarray  # [num seqs] int64
+
+
 @dataclass
 class StepInputs:
     """Device tensors of one step."""
@@ -254,8 +263,14 @@ class ModelRunner:
             offset += n
         return out
 
-    def build_inputs(self, seqs: list[ScheduledSeq], decode: bool) -> StepInputs:
-        """Packed inputs and attention metadata of one step (host work, one copy)."""
+    def build_inputs(
+        self, seqs: list[ScheduledSeq], decode: bool, feed: TokenFeed | None = None
+    ) -> StepInputs:
+        """Packed inputs and attention metadata of one step (host work, one copy).
+
+        ``feed``: the last token of some sequences is still on the device (the previous
+        step's sample, not read back yet); it is gathered there instead of uploaded.
+        """
         bs = self.block_size
         n = len(seqs)
         lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
@@ -266,6 +281,15 @@ class ModelRunner:
         input_ids = np.fromiter(
             itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=t
         )
+        fed = feed is not None and bool((feed.rows >= 0).any())
+        if fed:
+            assert feed is not None
+            has = feed.rows >= 0
+            holes = cu[1:][has] - 1  # the sequence's last token
+            from_rows = feed.rows[has]
+            input_ids[holes] = 0  # a placeholder never reaches the embedding
+        else:
+            holes = from_rows = np.zeros(0, dtype=np.int64)
         seq_of_token = np.repeat(np.arange(n), lens)
         positions = np.arange(t, dtype=np.int64) + np.repeat(starts - cu[:-1], lens)
         width = max(len(s.block_table) for s in seqs)
@@ -276,9 +300,12 @@ class ModelRunner:
         context_lens = starts + lens
         sample_rows = np.fromiter((i for i, s in enumerate(seqs) if s.sample), dtype=np.int64)
         logits_idx = sample_rows if decode else cu[1:][sample_rows] - 1
-        ids_d, pos_d, slots_d, tables_d, ctx_d, cu_d, idx_d = self._stage(
-            [input_ids, positions, slots, tables, context_lens, cu, logits_idx]
+        ids_d, pos_d, slots_d, tables_d, ctx_d, cu_d, idx_d, holes_d, rows_d = self._stage(
+            [input_ids, positions, slots, tables, context_lens, cu, logits_idx, holes, from_rows]
         )
+        if fed:
+            assert feed is not None
+            ids_d[holes_d] = feed.tokens[rows_d]
         meta = AttentionMetadata(
             slot_mapping=slots_d,
             block_tables=tables_d.to(torch.int32),
@@ -292,10 +319,10 @@ class ModelRunner:
     # --- running -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: BatchPlan) -> torch.Tensor:
+    def execute(self, plan: BatchPlan, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one step; fp32 logits ``[num sampling seqs, vocab]`` in plan order."""
         decode = plan.is_decode
-        inputs = self.build_inputs(plan.seqs, decode)
+        inputs = self.build_inputs(plan.seqs, decode, feed)
         if decode and self._graphs and inputs.num_seqs <= self.max_batch_size:
             return self._replay(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)

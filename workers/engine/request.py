@@ -16,6 +16,9 @@ import torch
 
 from workers.engine.sampling_params import SamplingParams
 
+# Stands for a sampled token still on the device; never a real id (those are >= 0).
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -67,6 +70,12 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
 
+    # Asynchronous output (``LLMEngine.step``): the last token is a placeholder whose value
+    # is row ``pending_row`` of the step still on the device; ``out_of_budget``: that token
+    # is the last one allowed, so the request is not scheduled again.
+    pending_row: int = -1
+    out_of_budget: bool = False
+
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if not self.max_total_tokens:
@@ -102,3 +111,11 @@ class Request:
         """Record one sampled token."""
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+    def drop_placeholder(self) -> None:
+        """Forget a token not read back yet (the request was aborted meanwhile)."""
+        if self.pending_row >= 0:
+            self.token_ids.pop()
+            self.output_token_ids.pop()
+            self.pending_row = -1
+            self.out_of_budget = False

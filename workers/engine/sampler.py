@@ -65,6 +65,16 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
+        tokens = self.choose(logits, batch)
+        if raw_logprobs is None:
+            return SampleOutput(token_ids=tokens.tolist())
+        return _with_logprobs(tokens, raw_logprobs, params)
+
+    def choose(self, logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
+        """The chosen ids ``[B]`` as a device tensor: nothing waits for the device here, as
+        long as no row has penalties (they read the request's output tokens)."""
+        logits = logits.float()
+        params = [r.params for r in batch]
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             rows = torch.tensor(penalized, device=logits.device)
@@ -85,10 +95,7 @@ class Sampler:
             rest = [r for r, f in zip(batch, plain, strict=True) if not f]
             tokens[mask] = _sample_fused(logits[mask], fast)
             tokens[~mask] = _sample_torch(logits[~mask], rest)
-
-        if raw_logprobs is None:
-            return SampleOutput(token_ids=tokens.tolist())
-        return _with_logprobs(tokens, raw_logprobs, params)
+        return tokens
 
 
 def _is_greedy(params: SamplingParams) -> bool:

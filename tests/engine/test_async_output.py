@@ -1,0 +1,126 @@
+"""Asynchronous output (``EngineArgs.async_output``, on by default on CUDA) changes when
+tokens come back, never which: the same requests give the same outputs as the synchronous
+engine, through stops, preemption, penalties and aborts, and leave no block behind."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.engine.test_engine_api import LetterTokenizer
+from tests.engine.tiny_checkpoints import checkpoint
+from workers.engine import EngineArgs, LLMEngine, SamplingParams
+from workers.engine.outputs import RequestOutput
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return checkpoint("llama", str(tmp_path_factory.mktemp("ckpt")))
+
+
+def engine(path: Path, async_output: bool, **kw: object) -> LLMEngine:
+    args = dict(block_size=4, num_kv_blocks=64, dtype="float32", max_batch_size=6,
+                max_num_batched_tokens=48, async_output=async_output)  # fmt: skip
+    args.update(kw)
+    return LLMEngine(EngineArgs(str(path), **args), tokenizer=LetterTokenizer())  # type: ignore[arg-type]
+
+
+def workload(stop_token: int | None) -> list[tuple[str, list[int], SamplingParams]]:
+    """Greedy, seeded sampling, a stop token, a stop string, penalties, logprobs, max_tokens."""
+    rng = random.Random(5)
+    params = [
+        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=11, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                       stop_token_ids=[stop_token] if stop_token is not None else []),
+        SamplingParams(temperature=0.7, seed=9, max_tokens=20, stop=["q"]),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=9, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=7, logprobs=2),
+        SamplingParams(temperature=0.6, seed=1, top_k=5, max_tokens=1),
+        SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
+    ]  # fmt: skip
+    return [
+        (f"r{i}", [rng.randrange(2, 290) for _ in range(rng.randint(3, 17))], p)
+        for i, p in enumerate(params)
+    ]
+
+
+def run(
+    eng: LLMEngine, work: list[tuple[str, list[int], SamplingParams]]
+) -> dict[str, RequestOutput]:
+    for rid, prompt, params in work:
+        eng.add_request(rid, prompt_token_ids=prompt, params=params)
+    outs: dict[str, RequestOutput] = {}
+    streamed: dict[str, list[int]] = {}
+    for _ in range(500):
+        if not eng.has_unfinished():
+            break
+        for d in eng.step():
+            assert all(t >= 0 for t in d.token_ids)  # no placeholder ever leaves the engine
+            streamed.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.output is not None:
+                outs[d.request_id] = d.output
+    assert not eng.has_unfinished() and eng.pool.num_used_blocks == 0
+    for rid, out in outs.items():
+        assert streamed.get(rid, []) == out.token_ids  # deltas add up to the output
+    return outs
+
+
+def summary(outs: dict[str, RequestOutput]) -> dict[str, tuple]:
+    # Logprobs to 4 decimals: a recomputed prefix may be batched differently (last-bit noise).
+    return {
+        rid: (o.token_ids, o.text, o.finish_reason, o.stop_reason,
+              [round(lp, 4) for lp in o.logprobs or []])
+        for rid, o in outs.items()
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["continuous", "hybrid", "static"])
+def test_async_outputs_equal_sync_outputs(path: Path, policy: str) -> None:
+    probe = run(engine(path, False, policy=policy), workload(None))
+    stop_token = probe["r2"].token_ids[4]  # stops request r2 mid-way in the real run
+    want = summary(run(engine(path, False, policy=policy), workload(stop_token)))
+    got = summary(run(engine(path, True, policy=policy), workload(stop_token)))
+    assert got == want
+    assert want["r2"][2] == "stop" and len(want["r2"][0]) <= 5
+
+
+def test_async_outputs_equal_sync_outputs_under_preemption(path: Path) -> None:
+    # 14 blocks of 4 tokens for 8 requests that grow to ~40 tokens: preemption is certain.
+    small = dict(num_kv_blocks=14, max_seq_len=48)
+    sync_engine = engine(path, False, **small)
+    want = summary(run(sync_engine, workload(None)))
+    async_engine = engine(path, True, **small)
+    got = summary(run(async_engine, workload(None)))
+    assert got == want
+    assert sync_engine.stats().num_preemptions > 0 and async_engine.stats().num_preemptions > 0
+
+
+def test_abort_with_a_token_in_flight_drops_it_and_frees_everything(path: Path) -> None:
+    eng = engine(path, True)
+    forever = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    eng.add_request("a", prompt_token_ids=[5, 6, 7], params=forever)
+    eng.add_request("b", prompt_token_ids=[8, 9], params=forever)
+    for _ in range(4):
+        eng.step()
+    assert eng._inflight is not None  # a step's tokens are on their way back
+    assert eng.abort("a")
+    deltas = eng.step()
+    aborted = [d for d in deltas if d.request_id == "a"]
+    assert [d.finish_reason for d in aborted] == ["abort"]
+    assert aborted[0].output is not None and all(t >= 0 for t in aborted[0].output.token_ids)
+    assert not any(d.token_ids for d in deltas if d.request_id == "a")
+    assert eng.abort("b")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.pool.num_used_blocks == 0
+
+
+def test_the_last_allowed_token_is_never_scheduled_past(path: Path) -> None:
+    # max_seq_len 12: an 8-token prompt may grow by 4; async must not schedule a 5th.
+    eng = engine(path, True, max_seq_len=12)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    out = run(eng, [("y", list(range(2, 10)), params)])["y"]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
