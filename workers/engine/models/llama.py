@@ -5,6 +5,12 @@ Packed tokens in, hidden states out: the forward takes ``input_ids: [T]``, ``pos
 decodes share one code path, with no padding and no per-token Python loop. q/k/v and
 gate/up are fused at load time into one matmul each. Numerics follow Hugging Face's
 implementation (RMSNorm in fp32, RoPE angles in fp32) so greedy tokens match it.
+
+On CUDA with the Triton backend the norms, RoPE and SiLU-and-mul run as one fused kernel
+each (``kernels/fused.py``, same rounding) and the residual stream is carried beside the
+hidden states, vLLM-style, so each residual add rides in the next norm. The torch code
+stays the CPU path and the reference. Triton is imported only when a fused kernel first
+runs (the interpreter must be switched on before that, see ``tests/kernels/conftest.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +154,14 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` in one kernel; with ``residual``, of ``residual += x`` (in place)."""
+        from workers.engine.kernels import fused
+
+        if residual is None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -178,16 +192,24 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        use_fused: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if use_fused:
+            from workers.engine.kernels import fused
+
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm.fused(q), self.k_norm.fused(k)
+            fused.rope_(q, k, cos, sin)  # in place on the qkv output
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         write_kv(self.backend, k, v, kv_cache, meta)
         out = attend(self.backend, q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -199,7 +221,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, use_fused: bool = False) -> torch.Tensor:
+        if use_fused:
+            from workers.engine.kernels import fused
+
+            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -223,6 +249,27 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` on the fused kernels, with the residual stream carried apart:
+        takes and returns ``(delta, residual)``, whose sum is the torch path's ``x``; the
+        first layer gets the embeddings as ``x`` and ``residual=None``."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm.fused(x)
+        else:
+            h = self.input_layernorm.fused(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, use_fused=True)
+        h = self.post_attention_layernorm.fused(h, residual)
+        return self.mlp(h, use_fused=True), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: str) -> None:
@@ -238,9 +285,15 @@ class LlamaForCausalLM(nn.Module):
     """The decoder plus its LM head. Build it under ``torch.device(...)`` and a default
     dtype, then fill it with :meth:`load_weights` (or the loader's dummy init)."""
 
-    def __init__(self, cfg: ModelConfig, backend: str = "torch") -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: str = "torch", fused_ops: bool | None = None
+    ) -> None:
         super().__init__()
         self.config = cfg
+        self.backend = backend
+        # None: the fused kernels run when the triton backend runs on CUDA (tests force True
+        # to run them in the Triton interpreter).
+        self.fused_ops = fused_ops
         self.model = LlamaModel(cfg, backend)
         self.lm_head = (
             None
@@ -264,9 +317,21 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None, :]
         sin = emb.sin().to(x.dtype)[:, None, :]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+        if not self.use_fused(x):
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                x = layer(x, cos, sin, kv_cache, meta)
+            return self.model.norm(x)
+        residual = None
+        layers = cast(Iterable[DecoderLayer], self.model.layers)
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            x, residual = layer.forward_fused(x, residual, cos, sin, kv_cache, meta)
+        return self.model.norm.fused(x, residual)
+
+    def use_fused(self, x: torch.Tensor) -> bool:
+        """Whether this forward runs the fused Triton kernels (see ``fused_ops``)."""
+        if self.fused_ops is not None:
+            return self.fused_ops
+        return self.backend == "triton" and x.is_cuda
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` of the given hidden states (only rows that sample)."""
