@@ -32,6 +32,7 @@ class PhaseTimer:
         self.current: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
         self._events: tuple[Any, Any] | None = None
+        self._pending_events: list[tuple[int, tuple[Any, Any]]] = []
         self.cuda = engine.device.type == "cuda"
         targets = {
             "schedule": engine.batcher,
@@ -77,8 +78,9 @@ class PhaseTimer:
         nested = set(NESTED) | ({"accept"} if self.engine.async_output else set())
         row["other"] = row["total"] - sum(row.get(p, 0.0) for p in PHASES if p not in nested)
         if self._events is not None:
-            self._events[1].synchronize()
-            row["device_forward"] = self._events[0].elapsed_time(self._events[1])
+            # Read once the run is over: synchronizing here would stall the next step's
+            # launch and hide the overlap that asynchronous output buys.
+            self._pending_events.append((len(self.steps), self._events))
         row["batch"] = self.engine.last_step_num_seqs
         row["decode"] = float(self.engine.last_step_num_tokens == self.engine.last_step_num_seqs)
         self.steps.append(row)
@@ -86,6 +88,10 @@ class PhaseTimer:
 
     def summary(self, batch: int) -> dict[str, float]:
         """Median ms per phase over decode steps of exactly ``batch`` sequences."""
+        for i, (start, end) in self._pending_events:
+            end.synchronize()
+            self.steps[i]["device_forward"] = start.elapsed_time(end)
+        self._pending_events.clear()
         rows = [r for r in self.steps if r["decode"] and r["batch"] == batch]
         if not rows:
             return {}
