@@ -44,7 +44,12 @@ def test_client_disconnect_mid_stream_aborts_and_frees_the_kv_cache(real_stack: 
             if events == 3:
                 break
         busy = real_stack.engine_stats("long-0")
-        assert busy.num_running == 1 and busy.num_free_blocks < busy.num_blocks
+        # Should this fail, say what became of the request (a finish reason, a redelivery).
+        seen = [
+            (c.attempt, len(c.token_ids), c.finish_reason)
+            for c in real_stack.chunks.get(request_id, [])
+        ]
+        assert busy.num_running == 1 and busy.num_free_blocks < busy.num_blocks, (busy, seen)
     # Leaving the block closed the connection: the gateway must abort the worker.
 
     after = wait_idle(real_stack, "long-0")
