@@ -17,10 +17,11 @@ The machine is shared and noisy, so conditions are compared *paired*: **latency*
 one Poisson stream, each block of k arrivals to the k conditions in a random order, so
 every condition sees the same moments of the machine (``--request-rate`` each, low
 enough that the client itself never queues: its CPU share is reported; p50 TTFT/E2E);
-**throughput** then runs ``--num-prompts`` at ``--max-concurrency`` against each stack in
-turn (req/s, and the CPU each process spent per request, span export included, from
-``/proc``: the steadiest figure). ``--repeats`` rounds on fresh stacks, the throughput
-order rotating; medians reported. Targets: < 3 % req/s and < 1 ms p50 latency.
+**throughput** then runs ``--num-prompts`` at ``--max-concurrency`` against each stack, in
+``--slices`` slices the stacks take in turn (req/s, and the CPU each process spent per
+request, span export included, from ``/proc``: the steadiest figure). ``--repeats`` rounds
+on fresh stacks, the order rotating; medians reported, and each round's cost against the
+off stack of the same round (the spread). Targets: < 3 % req/s and < 1 ms p50 latency.
 
     python -m bench.tracing_overhead                    # ~4 minutes on two cores
     python -m bench.tracing_overhead --quick --out tracing.json
@@ -233,18 +234,39 @@ class Condition:
         """CPU seconds each process of the stack has used so far."""
         return {name: cpu_seconds(child.pid) for name, child in self.stack.children.items()}
 
-    async def throughput(self) -> None:
-        a = self.args
-        cpu0 = self.cpu()
-        work = make_workload(a.num_prompts, a.input_len, a.output_len, 0.0, a.seed)
-        results, duration = await self.load(work, [0.0] * len(work), a.max_concurrency)
-        await self.exported()  # the export of these spans is part of their cost
+    async def throughput(self, work: list[Any]) -> tuple[list[Any], float]:
+        """One slice of the throughput phase: ``work`` at ``--max-concurrency``."""
+        return await self.load(work, [0.0] * len(work), self.args.max_concurrency)
+
+    def throughput_figures(
+        self, results: list[Any], duration: float, cpu0: dict[str, float]
+    ) -> None:
         summary = summarize(results, duration, None, None)
         self.figures.update(
             req_per_s=summary["request_throughput"],
             throughput_failed=summary["failed"],
-            cpu_ms_per_request=per_request(cpu0, self.cpu(), len(work)),
+            cpu_ms_per_request=per_request(cpu0, self.cpu(), len(results)),
         )
+
+
+async def throughput_phase(args: argparse.Namespace, conds: list[Condition], shift: int) -> None:
+    """``--num-prompts`` per condition, in ``--slices`` slices taken in turn (the order
+    rotating each slice): every condition runs through the same stretches of a noisy
+    machine, where one run after another gave one of them a neighbour's burst."""
+    work = make_workload(args.num_prompts, args.input_len, args.output_len, 0.0, args.seed)
+    size = -(-len(work) // args.slices)
+    cpu0 = [c.cpu() for c in conds]
+    results: list[list[Any]] = [[] for _ in conds]
+    durations = [0.0] * len(conds)
+    for n, start in enumerate(range(0, len(work), size)):
+        k = (shift + n) % len(conds)
+        for i in [*range(k, len(conds)), *range(k)]:
+            done, duration = await conds[i].throughput(work[start : start + size])
+            results[i].extend(done)
+            durations[i] += duration
+    await asyncio.gather(*(c.exported() for c in conds))  # their export is part of the cost
+    for c, done, duration, before in zip(conds, results, durations, cpu0, strict=True):
+        c.throughput_figures(done, duration, before)
 
 
 async def one_round(args: argparse.Namespace, round_no: int) -> list[dict[str, Any]]:
@@ -290,13 +312,12 @@ async def one_round(args: argparse.Namespace, round_no: int) -> list[dict[str, A
         for c, before in zip(conds, cpu0, strict=True):  # paired: the same moments for all
             c.figures["latency_cpu_ms_per_request"] = per_request(before, c.cpu(), n)
 
-        shift = round_no % k
-        for c in conds[shift:] + conds[:shift]:
-            await c.throughput()
+        await throughput_phase(args, conds, round_no % k)
     finally:
         for c in conds:
             await c.stop()
     for c in conds:
+        c.figures["round"] = round_no
         c.figures.setdefault("spans_per_request", 0.0)
         c.figures.setdefault("receiver_cpu_ms_per_request", 0.0)
         print(json.dumps(c.figures), file=sys.stderr, flush=True)
@@ -327,15 +348,25 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
         by.setdefault(run["tracing"], []).append(run)
     med = {c: medians(rs) for c, rs in by.items()}
     off = med["off"]
+    off_by_round = {r["round"]: r for r in by["off"]}
     costs = {}
     for c, m in med.items():
         if c == "off":
             continue
         rps_loss = 100 * (off["req_per_s"] - m["req_per_s"]) / off["req_per_s"]
         p50_cost = m["latency_e2e_p50_ms"] - off["latency_e2e_p50_ms"]
+        # The spread: each round's cost against the off stack of the same round.
+        rounds = [(r, off_by_round[r["round"]]) for r in by[c]]
         costs[c] = {
             "req_per_s_loss_pct": round(rps_loss, 2),
             "e2e_p50_cost_ms": round(p50_cost, 3),
+            "per_round_req_per_s_loss_pct": [
+                round(100 * (o["req_per_s"] - r["req_per_s"]) / o["req_per_s"], 2)
+                for r, o in rounds
+            ],
+            "per_round_e2e_p50_cost_ms": [
+                round(r["latency_e2e_p50_ms"] - o["latency_e2e_p50_ms"], 3) for r, o in rounds
+            ],
             "ttft_p50_cost_ms": round(m["latency_ttft_p50_ms"] - off["latency_ttft_p50_ms"], 3),
             "cpu_ms_per_request_cost": {
                 n: round(m["cpu_ms_per_request"][n] - v, 3)
@@ -361,6 +392,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=1, help="sim worker processes")
     p.add_argument("--num-prompts", type=int, default=1200, help="throughput phase requests")
     p.add_argument("--max-concurrency", type=int, default=32, help="throughput phase in flight")
+    p.add_argument("--slices", type=int, default=6,
+                   help="throughput phase: conditions take turns, this many each")  # fmt: skip
     p.add_argument("--latency-prompts", type=int, default=400,
                    help="latency phase requests per condition")  # fmt: skip
     p.add_argument("--request-rate", type=float, default=20.0,

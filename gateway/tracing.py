@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Tracer
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from common import tracing as t
 
@@ -59,18 +59,24 @@ def publishing(
     tracer: Tracer, subject: str, request_id: str, headers: MutableMapping[str, str]
 ) -> Iterator[None]:
     """A PRODUCER span around the JetStream publish, its context injected into ``headers``;
-    an exception inside marks it failed (and propagates)."""
+    an exception inside marks it failed (and propagates). A child of the current (server)
+    span, never current itself: nothing under it starts spans, so no context is attached."""
     attributes = {
         "messaging.system": "nats",
         "messaging.operation.type": "send",
         "messaging.destination.name": subject,
         "messaging.message.id": request_id,
     }
-    with tracer.start_as_current_span(
-        f"publish {subject}", kind=SpanKind.PRODUCER, attributes=attributes
-    ) as span:
-        t.inject(headers, span)
+    span = tracer.start_span(f"publish {subject}", kind=SpanKind.PRODUCER, attributes=attributes)
+    t.inject(headers, span)
+    try:
         yield
+    except Exception as exc:
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        span.end()
 
 
 def landed(

@@ -224,3 +224,62 @@ def test_otel_variables_pick_the_exporter() -> None:
                                         "OTEL_SERVICE_NAME": "gw-eu"}, set_global=False)  # fmt: skip
     assert provider is not None and provider.resource.attributes["service.name"] == "gw-eu"
     provider.shutdown()
+
+
+def test_traceparent_is_parsed_and_written_as_the_sdks_w3c_propagator_does() -> None:
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from common.tracing import extract, inject
+
+    w3c = TraceContextTextMapPropagator()
+    cases = [
+        {"traceparent": TRACEPARENT},
+        {"traceparent": TRACEPARENT, "tracestate": "vendor=1,other=two"},
+        {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"},  # not sampled
+        {"traceparent": f"01-{CLIENT_TRACE}-{CLIENT_SPAN}-01-future"},  # a later version
+        {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01-extra"},  # 00 has no extras
+        {"traceparent": f"ff-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
+        {"traceparent": f"00-{'0' * 32}-{CLIENT_SPAN}-01"},
+        {"traceparent": f"00-{CLIENT_TRACE}-{'0' * 16}-01"},
+        {"traceparent": f"00-{CLIENT_TRACE.upper()}-{CLIENT_SPAN}-01"},
+        {"traceparent": "garbage"},
+        {},
+    ]
+    for headers in cases:
+        ours = trace.get_current_span(extract(headers)).get_span_context()
+        sdk = trace.get_current_span(w3c.extract(headers)).get_span_context()
+        assert ours.is_valid == sdk.is_valid, headers
+        if sdk.is_valid:
+            assert (ours.trace_id, ours.span_id, ours.trace_flags, ours.is_remote) == (
+                sdk.trace_id, sdk.span_id, sdk.trace_flags, sdk.is_remote,
+            ), headers  # fmt: skip
+            assert ours.trace_state == sdk.trace_state, headers
+            written: dict[str, str] = {}
+            inject(written, trace.NonRecordingSpan(ours))
+            expected: dict[str, str] = {}
+            w3c.inject(expected, context=trace.set_span_in_context(trace.NonRecordingSpan(sdk)))
+            assert written == expected, headers
+
+
+def test_a_recorded_span_writes_its_own_traceparent_and_exports_as_a_readable_span(
+    traced: Traced,
+) -> None:
+    from common.tracing import extract, inject
+
+    tracer = tracer_for(traced.provider, "test")
+    assert tracer is not None
+    root = tracer.start_span("root", context=extract({"traceparent": TRACEPARENT}))
+    child = tracer.start_span("child", context=trace.set_span_in_context(root), start_time=5)
+    headers: dict[str, str] = {}
+    inject(headers, child)
+    ctx = child.get_span_context()
+    assert headers == {"traceparent": f"00-{CLIENT_TRACE}-{ctx.span_id:016x}-01"}
+    child.set_attributes({"a": 1, "dropped": None})
+    child.end(end_time=7)
+    root.end()
+    (exported_child, exported_root) = traced.spans()
+    assert exported_child.attributes == {"a": 1}
+    assert (exported_child.start_time, exported_child.end_time) == (5, 7)
+    assert parent_id(exported_child) == exported_root.context.span_id
+    assert format(parent_id(exported_root) or 0, "016x") == CLIENT_SPAN
+    assert exported_root.parent is not None and exported_root.parent.is_remote
