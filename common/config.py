@@ -153,6 +153,9 @@ class GatewayConfig(_Strict):
     default_deadline_ms: int = Field(120_000, ge=100)
     default_max_tokens: int = Field(256, ge=1)
     served_model_name: str | None = None
+    # Published on qos.gw.<gateway id> so workers can tell a dead gateway's requests
+    # (nobody will read their answers) from live ones; see worker.orphan_after_s.
+    heartbeat_interval_s: float = Field(1.0, gt=0)
 
 
 class WorkerConfig(_Strict):
@@ -176,6 +179,11 @@ class WorkerConfig(_Strict):
     # blake2b catches any corruption; crc32 is ~3x cheaper and the block hash in each
     # value's header already ties it to its key.
     kv_checksum: Literal["blake2b", "crc32"] = "crc32"
+    # A request whose gateway has sent no heartbeat for this long is aborted: its client's
+    # connection died with the gateway, so the rest of the generation would be wasted.
+    # 0 = never (requests then run to their deadline). Not counted while this worker
+    # itself is cut off from NATS. Requests without an origin (NATS clients) never are.
+    orphan_after_s: float = Field(10.0, ge=0)
 
 
 class SchedulerConfig(_Strict):

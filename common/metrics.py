@@ -84,6 +84,9 @@ SUCCESS = Spec(
 )
 ERRORS = Spec("qos_request_errors", "Requests answered with an error, by code", (*REQUEST, "code"))
 RESUMED = Spec("qos_request_resumed", "Redelivered requests resumed here (attempt > 1)", REQUEST)
+ORPHANED = Spec(
+    "qos_request_orphaned", "Requests aborted here because their gateway went silent", REQUEST
+)
 PROMPT_TOKENS = Spec("qos_prompt_tokens", "Prompt tokens of finished requests", REQUEST)
 GENERATION_TOKENS = Spec("qos_generation_tokens", "Tokens generated and sent", REQUEST)
 

@@ -351,12 +351,17 @@ class GenerateRequest(Message):
     priority: int = 0
     deadline_ms: int | None = None  # absolute, unix epoch milliseconds
     created_ms: int = 0
+    # The gateway that holds the caller's connection, heartbeating on qos.gw.<origin>;
+    # "" for callers on NATS itself. Workers abort a request whose origin went silent.
+    origin: str = ""
 
     def validate(self) -> None:
         from common.subjects import is_subject_token
 
         if not is_subject_token(self.id):
             raise ProtocolError("request.id: must match [A-Za-z0-9_-]{1,128}")
+        if self.origin and not is_subject_token(self.origin):
+            raise ProtocolError("request.origin: must match [A-Za-z0-9_-]{1,128} or be empty")
         if not is_subject_token(self.group):
             raise ProtocolError("request.group: must match [A-Za-z0-9_-]{1,128}")
         if not self.reply or any(c in self.reply for c in " \t\r\n*>"):

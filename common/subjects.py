@@ -47,6 +47,13 @@ class Subjects:
     def telemetry_wildcard(self) -> str:
         return f"{self.prefix}.tel.>"
 
+    def gateway_heartbeat(self, gateway_id: str) -> str:
+        return f"{self.prefix}.gw.{self._token(gateway_id, 'gateway id')}"
+
+    @property
+    def gateway_heartbeat_wildcard(self) -> str:
+        return f"{self.prefix}.gw.*"
+
     def control(self, worker_id: str) -> str:
         return f"{self.prefix}.ctl.{self._token(worker_id, 'worker id')}"
 

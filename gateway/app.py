@@ -40,6 +40,7 @@ from common.tracing import tracer_for
 from gateway.admission import ADMISSION_WAIT_S, Admission
 from gateway.auth import ApiKeys
 from gateway.generate import Generator
+from gateway.heartbeat import Heartbeat, new_gateway_id
 from gateway.metrics import GatewayMetrics
 from gateway.observe import ObserveMiddleware
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest
@@ -123,6 +124,9 @@ def create_app(
         dispatcher = Dispatcher(nc, subjects, config.nats.max_payload_bytes, config.nats.stream)
         await dispatcher.start()
         await view.start(nc, subjects, kv)
+        gateway_id = new_gateway_id()
+        heartbeat = Heartbeat(nc, subjects, gateway_id, config.gateway.heartbeat_interval_s)
+        await heartbeat.start()
         state.nc = nc
         state.generator = Generator(
             config=config,
@@ -135,11 +139,15 @@ def create_app(
             metrics=state.metrics,
             tracer=tracer,
             log_prompts=prompts_loggable(config.log),
+            origin=gateway_id,
         )
-        log.info("gateway serving %r for groups %s", served, ", ".join(config.groups))
+        log.info(
+            "gateway %s serving %r for groups %s", gateway_id, served, ", ".join(config.groups)
+        )
         try:
             yield
         finally:
+            await heartbeat.stop()
             await view.stop()
             await dispatcher.stop()
             await nc.close()

@@ -105,8 +105,10 @@ class Generator:
         metrics: GatewayMetrics,
         tracer: Tracer | None = None,
         log_prompts: bool = False,
+        origin: str = "",
     ) -> None:
         self._config = config
+        self._origin = origin  # this gateway's heartbeat id, stamped on every request
         self._tok = tokenizer
         self._model = served_model
         self._model_names = {served_model, *model_aliases}
@@ -317,6 +319,7 @@ class Generator:
             priority=body.priority or 0,
             deadline_ms=now_ms + deadline_ms,
             created_ms=now_ms,
+            origin=self._origin,
         )
         headers = {"Nats-Msg-Id": request_id, "Qos-Deadline-Ms": str(now_ms + deadline_ms)}
         subject = self._subjects.request(flight.route.group)

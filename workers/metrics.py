@@ -49,6 +49,7 @@ class RequestSeries:
     prompt_tokens: Any
     generation_tokens: Any
     resumed: Any
+    orphaned: Any
 
 
 class WorkerMetrics:
@@ -72,6 +73,7 @@ class WorkerMetrics:
         self.success = m.counter(m.SUCCESS, r)
         self.errors = m.counter(m.ERRORS, r)
         self.resumed = m.counter(m.RESUMED, r)
+        self.orphaned = m.counter(m.ORPHANED, r)
         self.prompt_tokens = m.counter(m.PROMPT_TOKENS, r)
         self.generation_tokens = m.counter(m.GENERATION_TOKENS, r)
         self._series: dict[str, RequestSeries] = {}
@@ -95,6 +97,7 @@ class WorkerMetrics:
                 prompt_tokens=self.prompt_tokens.labels(*labels),
                 generation_tokens=self.generation_tokens.labels(*labels),
                 resumed=self.resumed.labels(*labels),
+                orphaned=self.orphaned.labels(*labels),
             )
         return found
 

@@ -172,6 +172,10 @@ class WorkerObserver:
             )  # fmt: skip
         st.watch = None
 
+    def orphaned(self, st: Flight) -> None:
+        """Aborted here because the request's gateway went silent (``workers.orphans``)."""
+        self.metrics.series(st.request.group).orphaned.inc()
+
     def abandoned(self, st: Flight, outcome: str) -> None:
         """The delivery ends here unanswered (``handed_back``, ``no_caller``, ``aborted``)."""
         watch: Watch | None = st.watch

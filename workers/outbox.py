@@ -37,6 +37,7 @@ class Flight:
     flush_at: float | None = None  # loop time the buffered tokens are due
     first_sent: bool = False
     error: QosError | None = None  # why it was aborted here (deadline), if it was
+    orphaned: bool = False  # aborted here because its gateway went silent
     watch: Any = None  # metrics/tracing state (workers.observe.Watch), while observed
     sent_chunks: list[Chunk] = field(default_factory=list)  # for a resync (workers.resync)
 

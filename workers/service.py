@@ -74,6 +74,7 @@ from workers.intake import (
 )
 from workers.metrics import EngineView
 from workers.observe import WorkerObserver
+from workers.orphans import GatewayWatch
 from workers.outbox import Flight, sampling_params
 from workers.resync import Resync
 
@@ -145,6 +146,7 @@ class WorkerService:
         self._inflight: dict[str, Flight] = {}
         self._starting: dict[asyncio.Task[None], Msg] = {}  # fetched, not in the engine yet
         self._aborted = RecentIds()
+        self._gateways = GatewayWatch(config.worker.orphan_after_s)
         self._accepting = False
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()  # a request finished, or the state changed
@@ -179,6 +181,12 @@ class WorkerService:
         self._ctl_subs.append(
             await self.nc.subscribe(self.subjects.control(self.worker_id), cb=self._on_control)
         )
+        if self._gateways.enabled:
+            self._ctl_subs.append(
+                await self.nc.subscribe(
+                    self.subjects.gateway_heartbeat_wildcard, cb=self._on_heartbeat
+                )
+            )
         await self._bind(self.group)
         self._tasks = [
             asyncio.create_task(self._pump(), name="worker-pump"),
@@ -508,12 +516,37 @@ class WorkerService:
                         "the request's deadline passed while generating"
                     )
                     self.bridge.abort(st.request.id)
+            self._reap_orphans()
             if time.monotonic() - last_progress >= progress_every - tick / 2:
                 last_progress = time.monotonic()
                 for st in list(self._inflight.values()):
                     await settle(st.msg.in_progress)
                 for msg in list(self._starting.values()):
                     await settle(msg.in_progress)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        self._gateways.heard(msg.subject.rsplit(".", 1)[-1])
+
+    def _reap_orphans(self) -> None:
+        """Abort requests whose gateway went silent (see :mod:`workers.orphans`)."""
+        watch = self._gateways
+        if not watch.enabled or self.bridge is None:
+            return
+        if self.nc is None or not self.nc.is_connected:
+            watch.cut_off()
+            return
+        for st in list(self._inflight.values()):
+            origin = st.request.origin
+            if st.orphaned or st.error is not None or not watch.orphaned(origin):
+                continue
+            st.orphaned = True
+            log.warning(
+                "request %s: gateway %s silent for %.1fs; aborting (its caller is gone)",
+                st.request.id, origin, watch.silent_s(origin),
+            )  # fmt: skip
+            self.observer.orphaned(st)
+            self.bridge.abort(st.request.id)
+        watch.forget_stale()
 
     async def _telemetry_loop(self) -> None:
         while True:

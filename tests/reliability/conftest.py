@@ -46,7 +46,8 @@ StackFactory = Callable[..., Stack]
 
 @pytest.fixture
 def make_stack(tokenizer: BaseTokenizer, model_dir: Path, tmp_path: Path) -> Iterator[StackFactory]:
-    """``make_stack(nats_url, groups={...}, workers={"short": 2}, step_s=.02, **gateway)``:
+    """``make_stack(nats_url, groups={...}, workers={"short": 2}, step_s=.02, worker={...},
+    **gateway)`` (``worker``: WorkerConfig fields):
     the gateway in a thread of its own and in-process sim workers; closed after the test."""
     stacks: list[Stack] = []
 
@@ -58,12 +59,13 @@ def make_stack(tokenizer: BaseTokenizer, model_dir: Path, tmp_path: Path) -> Ite
         step_s: float = 0.02,
         nats_overrides: dict[str, object] | None = None,
         admission_wait_s: float = 0.5,
+        worker: dict[str, object] | None = None,
         **gateway: object,
     ) -> Stack:
         groups = groups or {"short": group(4)}
         workers = {"short": 1} if workers is None else workers
         nats = nats_for(nats_url, uuid.uuid4().hex[:10], **(nats_overrides or {}))
-        config = stack_config(nats, groups, **gateway)
+        config = stack_config(nats, groups, worker, **gateway)
         stack = Stack(
             config, tokenizer, str(model_dir), tmp_path, admission_wait_s=admission_wait_s
         ).start()

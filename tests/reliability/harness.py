@@ -54,13 +54,18 @@ def nats_for(url: str, tag: str, **overrides: Any) -> NatsConfig:
     )  # fmt: skip
 
 
-def stack_config(nats: NatsConfig, groups: dict[str, GroupConfig], **gateway: Any) -> Config:
+def stack_config(
+    nats: NatsConfig,
+    groups: dict[str, GroupConfig],
+    worker: dict[str, Any] | None = None,
+    **gateway: Any,
+) -> Config:
     gateway.setdefault("default_max_tokens", 16)
     return Config(
         nats=nats,
         groups=groups,
         gateway=GatewayConfig(**gateway),
-        worker=WorkerConfig(telemetry_interval_s=0.2, coalesce_ms=2.0),
+        worker=WorkerConfig(telemetry_interval_s=0.2, coalesce_ms=2.0, **(worker or {})),
     )
 
 

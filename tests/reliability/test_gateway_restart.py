@@ -1,10 +1,10 @@
 """A gateway killed (SIGKILL) or stopped (SIGTERM) with streams in flight.
 
 Its clients get a clean error at once (the connection drops; nothing hangs), the workers
-stop the orphaned generations at their deadline (nobody will abort them, and a
-redelivered attempt would find no one to answer its resume query), and a restarted
-gateway serves again. Stopped gracefully it lets its streams finish first. Another
-gateway on the same NATS never notices.
+stop the orphaned generations once the gateway's heartbeat has been silent for
+``worker.orphan_after_s`` (nobody would read them, and a redelivered attempt would find no
+one to answer its resume query), and a restarted gateway serves again. Stopped gracefully
+it lets its streams finish first. Another gateway on the same NATS never notices.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tests.reliability.harness import (
 
 STEP_S = 0.02
 DEADLINE_MS = 3000
+ORPHAN_AFTER_S = 1.0  # the kill test: far sooner than its requests' deadline or max_tokens
 
 
 async def started_gateway(
@@ -72,14 +73,17 @@ async def until_in_flight(
         await asyncio.sleep(0.02)
 
 
-async def test_gateway_killed_mid_stream_clients_fail_fast_orphans_stop_at_deadline_restart_serves(
+async def test_gateway_killed_mid_stream_clients_fail_fast_orphans_stop_restart_serves(
     private_nats: NatsServer, make_stack: StackFactory, model_dir: Path, tmp_path: Path,
     tokenizer: BaseTokenizer,
 ) -> None:  # fmt: skip
-    stack = make_stack(private_nats.url, {"short": group(4)}, {"short": 1}, step_s=STEP_S)
+    stack = make_stack(
+        private_nats.url, {"short": group(4)}, {"short": 1}, step_s=STEP_S,
+        worker={"orphan_after_s": ORPHAN_AFTER_S}, heartbeat_interval_s=0.2,
+    )  # fmt: skip
     gateway, url = await started_gateway(stack, model_dir, tmp_path, "gateway-b")
     worker = stack.workers["short-0"]
-    deadline = {"X-QoS-Deadline-Ms": str(DEADLINE_MS)}
+    deadline = {"X-QoS-Deadline-Ms": str(10 * DEADLINE_MS)}  # 30 s: not what stops them
     async with httpx.AsyncClient(timeout=30) as http:
         streams = [
             asyncio.create_task(
@@ -98,7 +102,8 @@ async def test_gateway_killed_mid_stream_clients_fail_fast_orphans_stop_at_deadl
     assert all(o.kind == "lost" and "Error" in o.detail for o in outcomes), outcomes
     assert failed_after_s < 1.0, f"clients noticed after {failed_after_s:.1f}s"
     assert other.kind == "complete" and other.text == expected_text(tokenizer, 8, 9)
-    # Orphans run to their deadline (3 s), not to max_tokens (4 s), and free everything.
+    # Orphans stop once the gateway has been silent for 1 s (not at their 30 s deadline,
+    # nor after max_tokens' 4 s), and free everything.
     for _ in range(100):
         stats = stack.engine_stats("short-0")
         if not worker.inflight_ids and stats.num_running == 0:
@@ -106,7 +111,15 @@ async def test_gateway_killed_mid_stream_clients_fail_fast_orphans_stop_at_deadl
         await asyncio.sleep(0.05)
     assert not worker.inflight_ids and stats.num_running == 0
     assert stats.num_free_blocks == stats.num_blocks
-    assert time.monotonic() - started < DEADLINE_MS / 1000 + 1.5
+    stopped_after_s = time.monotonic() - started
+    assert stopped_after_s < ORPHAN_AFTER_S + 1.5, f"orphans stopped after {stopped_after_s:.1f}s"
+    orphaned = sum(
+        sample.value
+        for family in worker.observer.registry.collect()
+        for sample in family.samples
+        if sample.name == "qos_request_orphaned_total" and sample.labels["group"] == "short"
+    )
+    assert orphaned == 4
     # Restarted on the same port, it serves again.
     restarted, _ = await started_gateway(stack, model_dir, tmp_path, "gateway-b2", port_from=url)
     try:

@@ -1,0 +1,70 @@
+"""workers.orphans.GatewayWatch: who is silent, and what does not count as silence."""
+
+from __future__ import annotations
+
+from workers.orphans import GatewayWatch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_request_is_orphaned_once_its_gateway_is_silent_past_the_threshold() -> None:
+    clock = Clock()
+    watch = GatewayWatch(5.0, clock)
+    watch.heard("gw-a")
+    clock.now += 4.9
+    assert not watch.orphaned("gw-a")
+    watch.heard("gw-b")
+    clock.now += 0.2
+    assert watch.orphaned("gw-a") and not watch.orphaned("gw-b")
+    assert round(watch.silent_s("gw-a"), 6) == 5.1
+    watch.heard("gw-a")  # back (a partition healed): not orphaned any more
+    assert not watch.orphaned("gw-a")
+
+
+def test_requests_from_nats_clients_and_a_disabled_watch_are_never_orphaned() -> None:
+    clock = Clock()
+    watch = GatewayWatch(5.0, clock)
+    clock.now += 60
+    assert not watch.orphaned("")  # no origin: a NATS-native caller, no heartbeat to expect
+    off = GatewayWatch(0.0, clock)
+    clock.now += 60
+    assert not off.enabled and not off.orphaned("gw-a")
+
+
+def test_a_gateway_never_heard_gets_the_threshold_from_when_the_worker_started_listening() -> None:
+    clock = Clock()
+    watch = GatewayWatch(5.0, clock)
+    clock.now += 3
+    assert not watch.orphaned("gw-unknown")
+    clock.now += 3
+    assert watch.orphaned("gw-unknown")
+
+
+def test_silence_while_the_worker_itself_is_cut_off_does_not_count() -> None:
+    clock = Clock()
+    watch = GatewayWatch(5.0, clock)
+    watch.heard("gw-a")
+    for _ in range(20):  # a 10 s NATS outage, seen from this worker's ticker
+        clock.now += 0.5
+        watch.cut_off()
+    clock.now += 4.0  # reconnected 4 s ago; the gateway has not reconnected yet
+    assert not watch.orphaned("gw-a")
+    clock.now += 1.5
+    assert watch.orphaned("gw-a")
+
+
+def test_gateways_long_gone_are_forgotten() -> None:
+    clock = Clock()
+    watch = GatewayWatch(1.0, clock)
+    watch.heard("gw-old")
+    clock.now += 5
+    watch.heard("gw-new")
+    clock.now += 6  # gw-old silent 11 s (> 10 thresholds), gw-new 6 s
+    watch.forget_stale()
+    assert watch.known() == ["gw-new"]

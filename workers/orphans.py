@@ -1,0 +1,57 @@
+"""Requests whose gateway died: heard from on ``qos.gw.*``, silent for too long.
+
+A gateway heartbeats every ``gateway.heartbeat_interval_s`` and stamps its id on each
+request (``GenerateRequest.origin``). When it dies (SIGKILL, node loss) its callers'
+connections go with it, so the rest of their generations would be computed for nobody
+until their deadlines (two minutes by default). The worker aborts a request once its
+gateway has been silent for ``worker.orphan_after_s``. Silence while this worker is itself
+cut off from NATS does not count: it could not have heard anyone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+# Gateways silent this many thresholds are forgotten (bounded memory with gateway churn).
+_FORGET_AFTER = 10
+
+
+class GatewayWatch:
+    def __init__(self, orphan_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._after = orphan_after_s
+        self._clock = clock
+        self._seen: dict[str, float] = {}
+        self._listening_since = clock()
+
+    @property
+    def enabled(self) -> bool:
+        return self._after > 0
+
+    def heard(self, gateway_id: str) -> None:
+        self._seen[gateway_id] = self._clock()
+
+    def cut_off(self) -> None:
+        """This worker is not connected: every gateway gets a fresh allowance once it is."""
+        self._listening_since = self._clock()
+
+    def orphaned(self, origin: str) -> bool:
+        """True when ``origin`` (a request's gateway) has been silent past the threshold."""
+        if not self.enabled or not origin:
+            return False
+        last = max(self._seen.get(origin, float("-inf")), self._listening_since)
+        return self._clock() - last > self._after
+
+    def silent_s(self, origin: str) -> float:
+        """Seconds since ``origin`` was last heard (or since this worker started listening)."""
+        last = max(self._seen.get(origin, float("-inf")), self._listening_since)
+        return self._clock() - last
+
+    def known(self) -> list[str]:
+        """Gateways heard from and not forgotten yet."""
+        return sorted(self._seen)
+
+    def forget_stale(self) -> None:
+        limit = self._clock() - _FORGET_AFTER * max(self._after, 1.0)
+        for gateway_id in [g for g, t in self._seen.items() if t < limit]:
+            del self._seen[gateway_id]
