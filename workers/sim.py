@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.errors import ContextLengthExceededError, InvalidRequestError
+from workers.engine.admission_checks import checked_prompt_ids
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
@@ -192,23 +192,9 @@ class SimEngine:
     ) -> None:
         """Queue a request; raises like :meth:`LLMEngine.add_request`."""
         params = params if params is not None else SamplingParams()
-        if not request_id or request_id in self.requests:
-            raise InvalidRequestError(
-                f"bad or duplicate request id {request_id!r}", param="request_id"
-            )
-        if (prompt is None) == (prompt_token_ids is None):
-            raise InvalidRequestError(
-                "give exactly one of prompt / prompt_token_ids", param="prompt"
-            )
-        ids = self.encode(prompt) if prompt is not None else list(prompt_token_ids or [])
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(ids) >= self.max_seq_len:
-            raise ContextLengthExceededError(
-                f"prompt has {len(ids)} tokens but this engine's max_seq_len is {self.max_seq_len} "
-                "(prompt plus at least one generated token)",
-                param="prompt",
-            )
+        ids = checked_prompt_ids(
+            request_id, self.requests, prompt, prompt_token_ids, self.encode, self.max_seq_len
+        )
         req = _SimRequest(
             request_id=request_id,
             prompt_token_ids=ids,

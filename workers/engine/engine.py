@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
+from common.errors import ConfigError, InvalidRequestError
+from workers.engine.admission_checks import checked_prompt_ids
 from workers.engine.args import (
     DEFAULT_CPU_KV_CACHE_GIB,
     EngineArgs,
@@ -189,36 +190,19 @@ class LLMEngine:
         Generation stops with ``finish_reason="length"`` at ``max_seq_len``.
         """
         params = params if params is not None else SamplingParams()
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request {request_id!r} already exists", param="request_id")
-        if (prompt is None) == (prompt_token_ids is None):
-            raise InvalidRequestError(
-                "give exactly one of prompt / prompt_token_ids", param="prompt"
-            )
-        if prompt is not None:
+
+        def encode(text: str) -> list[int]:
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     f"model {self.args.model!r} has no tokenizer: pass prompt_token_ids",
                     param="prompt",
                 )
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt_token_ids or [])
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {vocab})", param="prompt_token_ids"
-            )
-        if len(ids) >= self.max_seq_len:
-            raise ContextLengthExceededError(
-                f"prompt has {len(ids)} tokens but this engine's max_seq_len is {self.max_seq_len} "
-                "(prompt plus at least one generated token)",
-                param="prompt",
-            )
+            return list(self.tokenizer.encode(text))
+
+        ids = checked_prompt_ids(
+            request_id, self.requests, prompt, prompt_token_ids, encode,
+            self.max_seq_len, self.model_config.vocab_size,
+        )  # fmt: skip
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         req = Request(
