@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common import runtime
 from common.config import load_config
 from common.errors import ConfigError
 from common.logging import add_log_flags, log_config_from, setup_logging
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     elif config.gateway.served_model_name is None:
         config.gateway.served_model_name = served_name(spec)
     app = create_app(config, tokenizer, model=model)
+    runtime.settle_heap()  # tokenizer, app and schemas stay; uvicorn brings uvloop
     uvicorn.run(
         app,
         host=args.host or config.gateway.host,

@@ -15,12 +15,12 @@ bucket for the gateways and the next scheduler.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from common import runtime
 from common.config import Config, load_config
 from common.errors import ConfigError
 from common.lifecycle import run_until_signalled
@@ -66,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             r"[A-Za-z0-9_-]{1,128}", args.scheduler_id
         ):
             raise ConfigError(f"--scheduler-id {args.scheduler_id!r}: use [A-Za-z0-9_-]{{1,128}}")
-        return asyncio.run(serve(config, args.scheduler_id))
+        runtime.settle_heap()
+        return runtime.run(serve(config, args.scheduler_id))
     except ConfigError as exc:
         print(f"qosserve-scheduler: {exc.message}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from common import runtime
 from common.config import Config, load_config
 from common.errors import ConfigError
 from common.lifecycle import run_until_signalled
@@ -176,6 +177,8 @@ def _sim_tokenizer(source: str) -> Any | None:
 
 async def serve(config: Config, args: argparse.Namespace) -> int:
     engine = await asyncio.to_thread(build_engine, config, args)
+    runtime.settle_heap()  # the engine (and its model, if real) is loaded: freeze it
+    runtime.share_gil_quickly()  # the engine thread steps while this loop moves messages
     model_name = config.gateway.served_model_name or Path(config.worker.model).name
     options = WorkerOptions(
         group=args.group,
@@ -199,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--group {args.group!r}: not one of {sorted(config.groups)}")
         if args.worker_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", args.worker_id):
             raise ConfigError(f"--worker-id {args.worker_id!r}: use [A-Za-z0-9_-]{{1,128}}")
-        return asyncio.run(serve(config, args))
+        return runtime.run(serve(config, args))
     except ConfigError as exc:
         print(f"qosserve-worker: {exc.message}", file=sys.stderr)
         return 2
