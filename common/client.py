@@ -265,7 +265,12 @@ class QosClient:
             while not done:
                 left = deadline_ms / 1000 - time.time()
                 try:
-                    item = await asyncio.wait_for(ready.get(), max(left, 0.0))
+                    # wait_for costs a task per call: only when nothing is waiting already.
+                    item = (
+                        ready.get_nowait()
+                        if not ready.empty() and left > 0
+                        else await asyncio.wait_for(ready.get(), max(left, 0.0))
+                    )
                 except TimeoutError:
                     raise DeadlineExceededError(
                         f"request {rid} passed its deadline", param="deadline_ms"

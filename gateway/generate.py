@@ -401,29 +401,27 @@ class Generator:
                     return  # nobody to tell; landing aborts the worker
                 if delivery.error is not None:
                     status = delivery.error.http_status
-                    yield shaper.error_event(delivery.error)
-                    break
-                if (
-                    delivery.text
-                    or delivery.finish_reason
-                    or (shaper.logprobs is not None and delivery.token_ids)
-                ):
-                    yield shaper.delta_event(delivery)
+                    yield shaper.error_event(delivery.error) + SSE_DONE
+                    return
                 if delivery.finish_reason is not None:
+                    # The last events leave in one write: SseResponse ends the body with it.
+                    last = shaper.delta_event(delivery)
                     if shaper.include_usage:
                         usage = usage_dict(
                             flight.prompt_tokens, flight.completion_tokens, flight.worker_usage
                         )
-                        yield shaper.usage_event(usage)
+                        last += shaper.usage_event(usage)
                     status = 200
-                    break
+                    yield last + SSE_DONE
+                    return
+                if delivery.text or (shaper.logprobs is not None and delivery.token_ids):
+                    yield shaper.delta_event(delivery)
                 try:
                     delivery = await self._next(flight, None)
                 except DeadlineExceededError as exc:
                     status = exc.http_status
-                    yield shaper.error_event(exc)
-                    break
-            yield SSE_DONE
+                    yield shaper.error_event(exc) + SSE_DONE
+                    return
         except BaseException:
             # Cancelled (server shutdown): nothing may await here.
             status = 499

@@ -222,9 +222,13 @@ class SseResponse(StreamingResponse):
                     "headers": self.raw_headers,
                 }
             )
+            ended = False
             async for event in self.body_iterator:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                # ``[DONE]`` is the stream's last event: it ends the body in the same write.
+                ended = event.endswith(SSE_DONE)
+                await send({"type": "http.response.body", "body": event, "more_body": not ended})
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self._done = True
             watcher.cancel()
