@@ -11,7 +11,9 @@ httpx client of :mod:`bench.serve_load`). One stack per condition, all running a
   as a collector's would be elsewhere), through the SDK's BatchSpanProcessor. Ratio 1
   samples every request (the worst case: 7 spans each); r < 1 is
   ``OTEL_TRACES_SAMPLER=parentbased_traceidratio`` with argument r, the gateway deciding
-  per request and the workers following its ``traceparent``.
+  per request and the workers following its ``traceparent``. The services export with
+  :mod:`common.otlp_export` (``--otlp-exporter qos``, the default) or the SDK's own OTLP
+  exporter (``--otlp-exporter sdk``: the cost before it).
 
 The machine is shared and noisy, so conditions are compared *paired*: **latency** sends
 one Poisson stream, each block of k arrivals to the k conditions in a random order, so
@@ -152,14 +154,16 @@ class SpanSink:
 
 
 @contextlib.contextmanager
-def tracing_env(sink: SpanSink | None, ratio: float = 1.0) -> Iterator[None]:
-    """The ``OTEL_*`` variables the stack's processes inherit while they start."""
+def tracing_env(sink: SpanSink | None, ratio: float = 1.0, exporter: str = "qos") -> Iterator[None]:
+    """The ``OTEL_*`` variables the stack's processes inherit while they start; ``exporter``
+    "sdk" names the SDK's own OTLP exporter (``otlp_proto_grpc``/``otlp_proto_http``)."""
     names = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
              "OTEL_SDK_DISABLED", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG")  # fmt: skip
     saved = {n: os.environ.pop(n) for n in names if n in os.environ}
     if sink is not None:
+        sdk = "otlp_proto_grpc" if sink.protocol == "grpc" else "otlp_proto_http"
         os.environ.update(
-            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_TRACES_EXPORTER=sdk if exporter == "sdk" else "otlp",
             OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint,
             OTEL_EXPORTER_OTLP_PROTOCOL=sink.protocol,
         )
@@ -198,7 +202,7 @@ class Condition:
         if self.sink is not None:
             self.sink.__enter__()
             self.sink_cpu0 = self.sink.cpu_s()  # its start-up is no request's cost
-        with tracing_env(self.sink, self.ratio or 1.0):
+        with tracing_env(self.sink, self.ratio or 1.0, self.args.otlp_exporter):
             await self.stack.start()
 
     async def stop(self) -> None:
@@ -406,6 +410,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tracing-on conditions: the share of requests sampled")  # fmt: skip
     p.add_argument("--protocol", choices=("grpc", "http/protobuf"), default="grpc",
                    help="OTEL_EXPORTER_OTLP_PROTOCOL of the services")  # fmt: skip
+    p.add_argument("--otlp-exporter", choices=("qos", "sdk"), default="qos",
+                   help="the services' OTLP exporter: common.otlp_export's, or the SDK's "
+                        "(OTEL_TRACES_EXPORTER=otlp_proto_grpc/http: the cost before)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="one stack each, small phases")
     p.add_argument("--out", help="write the JSON here too")

@@ -198,6 +198,8 @@ def test_otel_variables_pick_the_exporter() -> None:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
+    from common.otlp_export import OtlpSpanExporter
+
     def exporters(env: dict[str, str]) -> list[object]:
         provider = init_tracing("svc", env=env, set_global=False)
         assert provider is not None
@@ -207,7 +209,8 @@ def test_otel_variables_pick_the_exporter() -> None:
         return found
 
     (grpc,) = exporters({"OTEL_TRACES_EXPORTER": "otlp"})
-    assert isinstance(grpc, Grpc)
+    assert isinstance(grpc, OtlpSpanExporter)
+    assert grpc.settings.protocol == "grpc" and grpc.settings.endpoint == "localhost:4317"
     (http,) = exporters(
         {
             "OTEL_TRACES_EXPORTER": "otlp",
@@ -215,11 +218,19 @@ def test_otel_variables_pick_the_exporter() -> None:
             "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
         }
     )
-    assert isinstance(http, Http) and http._endpoint == "http://collector:4318/v1/traces"
+    assert isinstance(http, OtlpSpanExporter)
+    assert http.settings.endpoint == "http://collector:4318/v1/traces"
     assert [type(e) for e in exporters({"OTEL_TRACES_EXPORTER": "console,otlp"})] == [
         ConsoleSpanExporter,
-        Grpc,
+        OtlpSpanExporter,
     ]
+    # The SDK's own exporters, by the SDK's names for them.
+    (sdk_grpc,) = exporters({"OTEL_TRACES_EXPORTER": "otlp_proto_grpc"})
+    assert isinstance(sdk_grpc, Grpc)
+    (sdk_http,) = exporters(
+        {"OTEL_TRACES_EXPORTER": "otlp_proto_http", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
+    )
+    assert isinstance(sdk_http, Http) and sdk_http._endpoint == "http://c:4318/v1/traces"
     provider = init_tracing("svc", env={"OTEL_TRACES_EXPORTER": "console",
                                         "OTEL_SERVICE_NAME": "gw-eu"}, set_global=False)  # fmt: skip
     assert provider is not None and provider.resource.attributes["service.name"] == "gw-eu"
