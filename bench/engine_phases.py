@@ -34,18 +34,16 @@ class PhaseTimer:
         self._events: tuple[Any, Any] | None = None
         self._pending_events: list[tuple[int, tuple[Any, Any]]] = []
         self.cuda = engine.device.type == "cuda"
-        targets = {
-            "schedule": engine.batcher,
-            "build": engine.runner,
-            "execute": engine.runner,
-            "sample": engine.sampler,
-            "read_back": engine,
-            "accept": engine,
+        targets = {  # phase: (object, method) wrapped on that instance
+            "schedule": (engine.batcher, "schedule"),
+            "build": (engine.runner, "build_inputs"),
+            "execute": (engine.runner, "execute"),
+            "sample": (engine.sampler, "choose"),
+            "read_back": (engine, "_read_back"),
+            "accept": (engine, "_accept"),
         }
-        names = {"schedule": "schedule", "build": "build_inputs", "execute": "execute",
-                 "sample": "choose", "read_back": "_read_back", "accept": "_accept"}  # fmt: skip
-        for phase, obj in targets.items():
-            setattr(obj, names[phase], self._wrap(phase, getattr(obj, names[phase])))
+        for phase, (obj, method) in targets.items():
+            setattr(obj, method, self._wrap(phase, getattr(obj, method)))
 
     def _wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:

@@ -37,10 +37,7 @@ class GatewayWatch:
 
     def orphaned(self, origin: str) -> bool:
         """True when ``origin`` (a request's gateway) has been silent past the threshold."""
-        if not self.enabled or not origin:
-            return False
-        last = max(self._seen.get(origin, float("-inf")), self._listening_since)
-        return self._clock() - last > self._after
+        return self.enabled and bool(origin) and self.silent_s(origin) > self._after
 
     def silent_s(self, origin: str) -> float:
         """Seconds since ``origin`` was last heard (or since this worker started listening)."""

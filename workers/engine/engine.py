@@ -327,17 +327,13 @@ class LLMEngine:
         return _Inflight(sampling, tokens, host, ready)
 
     def _defer(self, step: _Inflight) -> None:
-        """Give each request a placeholder for its token; stop scheduling any whose
-        placeholder is its last allowed token."""
+        """Give each request a placeholder for its token (one whose placeholder is its last
+        allowed token is not scheduled again: ``Request.out_of_budget``)."""
         for row, req in enumerate(step.requests):
             if req.is_finished:  # stopped on the previous token: this row is thrown away
                 continue
             req.append_token(PLACEHOLDER)
             req.pending_row = row
-            req.out_of_budget = (
-                req.num_output_tokens >= req.params.max_tokens
-                or req.num_tokens >= req.max_total_tokens
-            )
         self._inflight = step
 
     def _read_back(self) -> list[RequestDelta]:
@@ -354,7 +350,7 @@ class LLMEngine:
             if req.pending_row != row:  # aborted meanwhile, or it had already stopped
                 continue
             token = tokens[row]
-            req.pending_row, req.out_of_budget = -1, False
+            req.pending_row = -1
             req.token_ids[-1] = req.output_token_ids[-1] = token
             self.num_generation_tokens += 1
             deltas.append(self._accept(req, token, None, None, now, appended=True))

@@ -281,9 +281,7 @@ class ModelRunner:
         input_ids = np.fromiter(
             itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=t
         )
-        fed = feed is not None and bool((feed.rows >= 0).any())
-        if fed:
-            assert feed is not None
+        if feed is not None:
             has = feed.rows >= 0
             holes = cu[1:][has] - 1  # the sequence's last token
             from_rows = feed.rows[has]
@@ -303,8 +301,7 @@ class ModelRunner:
         ids_d, pos_d, slots_d, tables_d, ctx_d, cu_d, idx_d, holes_d, rows_d = self._stage(
             [input_ids, positions, slots, tables, context_lens, cu, logits_idx, holes, from_rows]
         )
-        if fed:
-            assert feed is not None
+        if feed is not None:
             ids_d[holes_d] = feed.tokens[rows_d]
         meta = AttentionMetadata(
             slot_mapping=slots_d,

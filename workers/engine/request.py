@@ -71,10 +71,8 @@ class Request:
     finish_time: float | None = None
 
     # Asynchronous output (``LLMEngine.step``): the last token is a placeholder whose value
-    # is row ``pending_row`` of the step still on the device; ``out_of_budget``: that token
-    # is the last one allowed, so the request is not scheduled again.
+    # is row ``pending_row`` of the step still on the device.
     pending_row: int = -1
-    out_of_budget: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -103,6 +101,14 @@ class Request:
         return self.num_computed_tokens < self.num_tokens - 1
 
     @property
+    def out_of_budget(self) -> bool:
+        """The token still on its way back is the last one allowed: nothing to schedule."""
+        return self.pending_row >= 0 and (
+            self.num_output_tokens >= self.params.max_tokens
+            or self.num_tokens >= self.max_total_tokens
+        )
+
+    @property
     def sort_key(self) -> tuple[int, float]:
         """Queue order: most urgent first, then oldest."""
         return (self.priority, self.arrival_time)
@@ -118,4 +124,3 @@ class Request:
             self.token_ids.pop()
             self.output_token_ids.pop()
             self.pending_row = -1
-            self.out_of_budget = False
