@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 from bench.engine_phases import PhaseTimer
+from bench.engine_profile import KernelProfile
+from bench.engine_schedule import count_steps
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
 from workers.engine.args import POLICIES
 
@@ -230,11 +232,19 @@ def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
             }
         assert roof is not None
         warm_up(engine)
-        wall, outputs, log = drive(engine, work, ns.temperature)
+        timer = PhaseTimer(engine) if ns.phases else None
+        step = timer.step if timer is not None else None
+        wall, outputs, log = drive(engine, work, ns.temperature, step=step)
         result["policies"][policy] = summarize(wall, outputs, log, roof)
+        if timer is not None:
+            result["policies"][policy]["phases_ms"] = {
+                "decode": timer.summary(),
+                "prefill": timer.summary(decode=False),
+            }
         print(f"{policy}: {result['policies'][policy]}", file=sys.stderr)
         del engine
     assert work is not None and roof is not None
+    result["schedule_bound"] = schedule_bound(ns, work, result["engine"])
     batch = min(ns.max_batch_size, ns.num_seqs)
     result["roofline"] = roof.summary(batch, (ns.min_len + ns.max_len) * 3 // 4)
     base = result["policies"].get("static")
@@ -255,6 +265,31 @@ def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
                 p: round(r["output_tok_s"] / hf, 3) for p, r in result["policies"].items()
             }
     return result
+
+
+def schedule_bound(
+    ns: argparse.Namespace, work: Workload, engine: dict[str, Any]
+) -> dict[str, Any]:
+    """Each policy's step count with no model (``bench/engine_schedule.py``) and the gain over
+    ``static`` that step count allows if every step cost the same."""
+    counts = {
+        policy: count_steps(
+            policy,
+            work.prompts,
+            work.output_lens,
+            max_batch_size=ns.max_batch_size,
+            max_num_batched_tokens=ns.max_num_batched_tokens,
+            num_blocks=engine["num_kv_blocks"],
+            block_size=ns.block_size,
+            max_seq_len=engine["max_seq_len"],
+        )
+        for policy in ns.policies
+    }
+    static = counts.get("static")
+    if static:
+        for c in counts.values():
+            c["step_ratio_vs_static"] = round(static["steps"] / c["steps"], 3)
+    return counts
 
 
 def hf_baseline(ns: argparse.Namespace, work: Workload) -> dict[str, Any]:
@@ -324,6 +359,10 @@ def run_fixed(ns: argparse.Namespace) -> dict[str, Any]:
     work = Workload([[rng.randrange(vocab) for _ in range(i_len)] for _ in range(b)], [o_len] * b)
     timer = PhaseTimer(engine) if ns.phases else None
     step = timer.step if timer is not None else None
+    kernels = None
+    if ns.profile_kernels and engine.device.type == "cuda":
+        kernels = KernelProfile(engine, b, inner=step)
+        step = kernels.step
     wall, outputs, log = drive(engine, work, ns.temperature, seeded=not ns.unseeded, step=step)
     summary = summarize(wall, outputs, log, roof)
     decode = [k for k, d in enumerate(log.is_decode) if d and log.batch[k] == b]
@@ -348,6 +387,7 @@ def run_fixed(ns: argparse.Namespace) -> dict[str, Any]:
         "run": summary,
         "roofline": roof.summary(b, i_len + o_len // 2),
         **({"phases_ms": timer.summary(b)} if timer is not None else {}),
+        **({"kernels": kernels.result} if kernels is not None else {}),
     }
 
 
@@ -378,7 +418,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--unseeded", action="store_true", help="requests carry no seed")
     p.add_argument(
-        "--phases", action="store_true", help="fixed mode: host/device ms per step phase"
+        "--phases",
+        action="store_true",
+        help="host/device ms per step phase (offline mode: per policy, decode and prefill)",
+    )
+    p.add_argument(
+        "--profile-kernels",
+        action="store_true",
+        help="fixed mode, CUDA: device ms per step by kernel kind (torch.profiler)",
     )
     p.add_argument("--out", default=None, help="also write the JSON here")
     ns = p.parse_args(argv)

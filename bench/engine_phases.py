@@ -84,16 +84,22 @@ class PhaseTimer:
         self.steps.append(row)
         return deltas
 
-    def summary(self, batch: int) -> dict[str, float]:
-        """Median ms per phase over decode steps of exactly ``batch`` sequences."""
+    def summary(self, batch: int | None = None, decode: bool = True) -> dict[str, float]:
+        """Median ms per phase over decode steps (``decode=False``: steps that computed
+        prompt tokens) of exactly ``batch`` sequences (None: of any batch)."""
         for i, (start, end) in self._pending_events:
             end.synchronize()
             self.steps[i]["device_forward"] = start.elapsed_time(end)
         self._pending_events.clear()
-        rows = [r for r in self.steps if r["decode"] and r["batch"] == batch]
+        rows = [
+            r
+            for r in self.steps
+            if bool(r["decode"]) == decode and (batch is None or r["batch"] == batch)
+        ]
         if not rows:
             return {}
         keys = [*PHASES, "other", "total"] + (["device_forward"] if self.cuda else [])
         out = {k: round(statistics.median(r.get(k, 0.0) for r in rows), 3) for k in keys}
         out["steps"] = len(rows)
+        out["mean_batch"] = round(statistics.fmean(r["batch"] for r in rows), 1)
         return out

@@ -202,20 +202,25 @@ def test_abort_frees_blocks_at_once() -> None:
     assert not b.waiting
 
 
-def test_static_batch_member_preempted_rejoins_before_any_newcomer() -> None:
-    b = make_batcher("static", num_blocks=4, max_batch_size=2)
+def test_static_batch_reserves_each_members_whole_run_so_nobody_is_preempted() -> None:
+    # 8 blocks of 4 tokens. a and b need 8 + 6 = 14 tokens (4 blocks) each at their worst;
+    # c's prompt would fit beside their prompts (5 blocks in all) but not beside their runs.
+    b = make_batcher("static", num_blocks=8, max_batch_size=4)
     b.add(req("a", 8, max_tokens=6, arrival=1.0))
     b.add(req("b", 8, max_tokens=6, arrival=2.0))
     b.add(req("c", 2, arrival=3.0))
-    seen: set[str] = set()
+    assert sorted(ids(run(b))) == ["a", "b"]
     preempted = 0
-    while (
-        "a" in {r.request_id for r in b.running}
-        or "b" in {r.request_id for r in b.running}
-        or any(r.request_id in ("a", "b") for r in b.waiting)
-    ):
+    while b.running:
         plan = run(b)
-        seen |= set(ids(plan))
+        assert "c" not in ids(plan)
         preempted += len(plan.preempted)
-    assert preempted >= 1
-    assert seen == {"a", "b"}
+    assert preempted == 0
+    assert ids(run(b)) == ["c"]
+
+
+def test_continuous_uses_the_blocks_a_static_batch_would_reserve() -> None:
+    b = make_batcher("continuous", num_blocks=8, max_batch_size=4)
+    for rid, n in (("a", 8), ("b", 8), ("c", 2)):
+        b.add(req(rid, n, max_tokens=6))
+    assert sorted(ids(run(b))) == ["a", "b", "c"]  # prompts fit now; growth preempts later

@@ -3,8 +3,8 @@
 Four policies (``EngineArgs.policy``):
 
 - ``static``: form a batch of up to ``max_batch_size`` waiting requests (as many as the KV
-  cache holds), prefill them, decode them together until the last one finishes. Nobody
-  joins a batch in flight.
+  cache holds at their worst case, prompt + ``max_tokens``), prefill them, decode them
+  together until the last one finishes. Nobody joins a batch in flight.
 - ``dynamic``: like ``static``, but a batch forms only once ``max_batch_size`` requests
   wait or the oldest has waited ``max_wait_ms``.
 - ``continuous``: iteration-level join/leave. Every step admits waiting requests while
@@ -175,11 +175,14 @@ class Batcher:
             or self.clock() - self.waiting[0].arrival_time >= self.max_wait_s
         ):
             return []
-        # Form the batch: the oldest requests whose prompts fit in the free blocks together.
+        # Form the batch: the oldest requests whose whole runs (prompt + max_tokens) fit in
+        # the free blocks together. A run-to-completion batch reserves its worst case, as a
+        # static batcher without paging must: nobody joins to use what is left, nobody is
+        # preempted as the batch grows (the first member goes alone if it needs more).
         free = self.pool.num_free_blocks - self.pool.watermark_blocks
         batch: list[Request] = []
         for req in self.waiting[: self.max_batch_size]:
-            need = self.pool.blocks_needed(req.num_tokens)
+            need = self.pool.blocks_needed(req.max_total_tokens)
             if batch and need > free:
                 break
             batch.append(req)
