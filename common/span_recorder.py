@@ -3,20 +3,31 @@
 A :class:`RecordedSpan` is its own ``ReadableSpan`` and goes to the provider's processors as
 it is when it ends: no lock, copy or attribute cleaning on the request path. The SDK's
 exporters (OTLP batch, in-memory) take it like one of the SDK's own spans.
+
+Sampling is decided once per request, where it enters a service (:meth:`Tracer.start_remote`):
+the SDK's built-in samplers are read once into a plain function of the trace id and the
+caller's sampled flag, so a request sampled out costs a random number and a comparison,
+and no span, attribute or ``Context`` object is built for it.
 """
 
 from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.sampling import Decision
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    StaticSampler,
+    TraceIdRatioBased,
+)
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     Link,
@@ -30,8 +41,12 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util._decorator import _agnosticcontextmanager
 
+from common.span_batch import SpanBatch
+from common.trace_context import RemoteParent, Unsampled
+
 _SAMPLED, _NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
 _EMPTY_STATE = TraceState()
+_INTERNAL = SpanKind.INTERNAL
 
 _UNSET = Status(StatusCode.UNSET)
 
@@ -158,7 +173,36 @@ class RecordedSpan(Span, ReadableSpan):
         if self.recording:
             if None in self._attributes.values():  # the SDK drops None values; so do we
                 self._attributes = {k: v for k, v in self._attributes.items() if v is not None}
-            self.tracer.processor.on_end(self)
+            self.tracer.on_end(self)
+
+
+Decide = Callable[[int, "bool | None"], bool]
+
+
+def decision_of(sampler: Sampler) -> Decide | None:
+    """``sampler``'s decision as a plain function of (trace id, the remote parent's sampled
+    flag or None without a parent), for the SDK's built-in samplers (always on/off, trace id
+    ratio, parent-based over those); None for any other, which is then asked itself."""
+    if isinstance(sampler, StaticSampler):
+        on = sampler._decision is Decision.RECORD_AND_SAMPLE
+        return lambda trace_id, parent: on
+    if isinstance(sampler, TraceIdRatioBased):
+        bound, limit = sampler.bound, sampler.TRACE_ID_LIMIT
+        return lambda trace_id, parent: trace_id & limit < bound
+    if isinstance(sampler, ParentBased):
+        root = decision_of(sampler._root)
+        yes = decision_of(sampler._remote_parent_sampled)
+        no = decision_of(sampler._remote_parent_not_sampled)
+        if root is None or yes is None or no is None:
+            return None
+
+        def parent_based(trace_id: int, parent: bool | None) -> bool:
+            if parent is None:
+                return root(trace_id, None)
+            return (yes if parent else no)(trace_id, parent)
+
+        return parent_based
+    return None
 
 
 class Tracer(trace.Tracer):
@@ -169,11 +213,72 @@ class Tracer(trace.Tracer):
 
     def __init__(self, provider: TracerProvider, name: str) -> None:
         self.sampler = provider.sampler
+        self.decide = decision_of(self.sampler)
         self.id_generator = provider.id_generator
         self.processor = provider._active_span_processor  # what the SDK's own tracer gets
+        processors = self.processor._span_processors
+        # One batch of ours: a span goes straight onto its queue (no processor loop, no
+        # SpanContext built to read a sampled flag every recorded span has).
+        self.on_end: Callable[[RecordedSpan], None] = (
+            processors[0].add
+            if len(processors) == 1 and isinstance(processors[0], SpanBatch)
+            else self.processor.on_end
+        )
         self.scope = InstrumentationScope(name)
         resource = provider.resource
         self.resource = _Resource(resource.attributes, resource.schema_url)
+
+    def start_remote(
+        self,
+        name: str,
+        parent: RemoteParent | None,
+        kind: SpanKind,
+        start_time: int | None = None,
+    ) -> RecordedSpan | Unsampled:
+        """The span of a request entering this service under ``parent`` (a caller's
+        ``traceparent``, or None), if it is sampled; else what to tell the next hop.
+
+        The sampler decides without the span's attributes (the built-in ones never read
+        them), so the caller builds them only for a span that is recorded."""
+        trace_id = parent.trace_id if parent is not None else self.id_generator.generate_trace_id()
+        attrs: dict[str, Any] = {}
+        if self.decide is not None:
+            recording = self.decide(trace_id, None if parent is None else parent.sampled)
+            state = None  # the built-in samplers keep the parent's tracestate
+        else:
+            context = parent.context() if parent is not None else None
+            result = self.sampler.should_sample(context, trace_id, name, kind)
+            recording = result.decision is Decision.RECORD_AND_SAMPLE
+            state = result.trace_state or _EMPTY_STATE
+            if recording and result.attributes:
+                attrs.update(result.attributes)
+        if not recording:
+            if parent is not None:
+                return Unsampled(trace_id, parent.span_id, parent.tracestate)
+            return Unsampled(trace_id, self.id_generator.generate_span_id())
+        parent_ctx = parent.span_context() if parent is not None else None
+        if state is None:
+            state = parent_ctx.trace_state if parent_ctx is not None else _EMPTY_STATE
+        return RecordedSpan(
+            self, name, kind, trace_id, self.id_generator.generate_span_id(), parent_ctx,
+            True, state, attrs, start_time or time.time_ns(),
+        )  # fmt: skip
+
+    def start_child(
+        self,
+        parent: RecordedSpan,
+        name: str,
+        kind: SpanKind = _INTERNAL,
+        attributes: dict[str, Any] | None = None,
+        start_time: int | None = None,
+    ) -> RecordedSpan:
+        """A child of ``parent`` (its sampling decision; ``attributes`` taken, not copied),
+        with no ``Context`` built to find the parent."""
+        return RecordedSpan(
+            self, name, kind, parent.trace_id, self.id_generator.generate_span_id(),
+            parent.get_span_context(), parent.recording, parent.trace_state,
+            attributes if attributes is not None else {}, start_time or time.time_ns(),
+        )  # fmt: skip
 
     def start_span(
         self,

@@ -14,14 +14,15 @@ One trace per request (DESIGN §7)::
 Tracing is off unless configured, and off costs nothing: services ask :func:`tracer_for`
 once and get None without a real provider, so no span, attribute or header is built.
 
-On, the request path stays cheap (issue #7: < 3 % req/s at sampling ratio 1): :class:`Tracer`
-records a span as plain data (ids, times, an attribute dict) that is its own
-``ReadableSpan``, handed at its end to the provider's processors (batch export, or the
-tests' in-memory exporter). The SDK's own spans cost ~3x as much on the event loop
-(locks, bounded and cleaned attributes, ``on_start`` hooks). ``traceparent`` is written
-and read directly (W3C trace context). Off the request path, the batch thread encodes
-with :mod:`common.otlp_encode` (protobuf bytes written directly, ~5x cheaper than the
-SDK's exporter building protobuf objects) and :mod:`common.otlp_export` sends them.
+On, the request path stays cheap (issue #7: < 3 % req/s at sampling ratio 1): sampling is
+decided once, where a request enters the gateway (:func:`start_remote`), and the decision
+rides in ``traceparent``'s sampled flag to the worker, which follows it (parent-based, the
+default). A request sampled out builds nothing on either side: no span, attribute dict or
+``Context``; only its ``traceparent`` (flag 00) is written on (:mod:`common.trace_context`).
+A sampled one is recorded as plain data (:mod:`common.span_recorder`), queued for a batch
+thread (:mod:`common.span_batch`) that encodes with :mod:`common.otlp_encode` (protobuf
+bytes written directly, ~5x cheaper than the SDK's exporter) and sends with
+:mod:`common.otlp_export`.
 
 Set-up (:func:`init_tracing`) reads the standard variables:
 
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -53,24 +53,13 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanExporter,
-)
-from opentelemetry.trace import (
-    NonRecordingSpan,
-    Span,
-    SpanContext,
-    Status,
-    StatusCode,
-    TraceFlags,
-    TraceState,
-)
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from common.otlp_export import OtlpSettings, OtlpSpanExporter
+from common.span_batch import SpanBatch
 from common.span_recorder import RecordedSpan, Tracer
+from common.trace_context import RemoteParent, Unsampled, from_headers
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +138,9 @@ def init_tracing(
     """The tracer provider the environment (or ``exporter``) asks for; None when tracing
     is off. ``set_global`` makes it the process's provider (services); tests keep it local.
 
-    ``batch`` exports from a background thread (BatchSpanProcessor, for services); False
-    exports as each span ends (SimpleSpanProcessor, for tests reading an in-memory exporter).
+    ``batch`` exports from a background thread (:class:`common.span_batch.SpanBatch`, for
+    services); False exports as each span ends (SimpleSpanProcessor, for tests reading an
+    in-memory exporter).
     """
     env = os.environ if env is None else env
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
@@ -161,7 +151,7 @@ def init_tracing(
     resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service_name})
     provider = TracerProvider(resource=resource)
     for exp in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exp) if batch else SimpleSpanProcessor(exp))
+        provider.add_span_processor(SpanBatch(exp, env) if batch else SimpleSpanProcessor(exp))
     if set_global:
         trace.set_tracer_provider(provider)
     log.info(
@@ -187,10 +177,45 @@ def tracer_for(provider: trace.TracerProvider | None, name: str) -> trace.Tracer
     return provider.get_tracer(name)
 
 
-# --- W3C trace context -----------------------------------------------------------------------
+# --- the request path -----------------------------------------------------------------------
 
-_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
-_EMPTY_STATE = TraceState()
+
+def start_remote(
+    tracer: trace.Tracer,
+    name: str,
+    parent: RemoteParent | None,
+    kind: SpanKind,
+    start_time: int | None = None,
+) -> Span | Unsampled:
+    """The span of a request entering a service under ``parent`` if it is sampled, else
+    what to tell the next hop (:class:`~common.trace_context.Unsampled`)."""
+    if isinstance(tracer, Tracer):
+        return tracer.start_remote(name, parent, kind, start_time)
+    context = parent.context() if parent is not None else None  # another SDK's tracer
+    span = tracer.start_span(name, context=context, kind=kind, start_time=start_time)
+    if span.is_recording():
+        return span
+    ctx = span.get_span_context()
+    state = ctx.trace_state.to_header() if ctx.trace_state else None
+    return Unsampled(ctx.trace_id, ctx.span_id, state)
+
+
+def start_child(
+    tracer: trace.Tracer,
+    parent: Span,
+    name: str,
+    kind: SpanKind = SpanKind.INTERNAL,
+    attributes: dict[str, Any] | None = None,
+    start_time: int | None = None,
+) -> Span:
+    """A child of ``parent`` (a span :func:`start_remote` gave)."""
+    if isinstance(tracer, Tracer) and isinstance(parent, RecordedSpan):
+        return tracer.start_child(parent, name, kind, attributes, start_time)
+    context = trace.set_span_in_context(parent)
+    return tracer.start_span(name, context, kind, attributes, start_time=start_time)
+
+
+# --- W3C trace context -----------------------------------------------------------------------
 
 
 def inject(headers: MutableMapping[str, str], span: Span) -> None:
@@ -210,29 +235,8 @@ def inject(headers: MutableMapping[str, str], span: Span) -> None:
 def extract(headers: Mapping[str, str] | None) -> Context | None:
     """The remote parent carried by ``headers`` (W3C), or None when there is none or it is
     malformed (the span then starts a trace of its own)."""
-    if not headers:
-        return None
-    traceparent = headers.get("traceparent")
-    if not traceparent:
-        return None
-    match = _TRACEPARENT.fullmatch(traceparent.strip())
-    if match is None:
-        return None
-    version, trace_hex, span_hex, flags_hex, rest = match.groups()
-    if version == "ff" or (version == "00" and rest):  # as the W3C propagator rules
-        return None
-    trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
-    if not trace_id or not span_id:
-        return None
-    state = headers.get("tracestate")
-    parent = SpanContext(
-        trace_id,
-        span_id,
-        is_remote=True,
-        trace_flags=TraceFlags(int(flags_hex, 16) & TraceFlags.SAMPLED),
-        trace_state=TraceState.from_header([state]) if state else _EMPTY_STATE,
-    )
-    return trace.set_span_in_context(NonRecordingSpan(parent))
+    parent = from_headers(headers)
+    return parent.context() if parent is not None else None
 
 
 def ns(seconds: float) -> int:

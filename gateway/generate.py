@@ -24,7 +24,7 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from opentelemetry.trace import Span, Tracer
+from opentelemetry.trace import Tracer
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -86,7 +86,7 @@ class Flight:
     worker_usage: Any = None
     finish_reason: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
-    span: Span | None = None  # the server span, while tracing is on
+    trace: traced.Decided = None  # the server span, or Unsampled, while tracing is on
 
 
 class Generator:
@@ -171,8 +171,8 @@ class Generator:
             return Response(status_code=499)
         flight = self._take_off(kind, body, route, prompt_ids, logprobs, started, deadline_ms)
         if self._tracer is not None:
-            flight.span = traced.admitted(
-                kind=kind, model=self._model, group=route.group,
+            flight.trace = traced.admitted(
+                request.scope, kind=kind, model=self._model, group=route.group,
                 request_id=flight.stream.request_id, body=body,
                 max_tokens=classified.max_tokens, prompt_tokens=len(prompt_ids),
             )  # fmt: skip
@@ -325,7 +325,9 @@ class Generator:
         subject = self._subjects.request(flight.route.group)
         publish_span: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self._tracer is not None:
-            publish_span = traced.publishing(self._tracer, subject, request_id, headers)
+            publish_span = traced.publishing(
+                self._tracer, flight.trace, subject, request_id, headers, request.headers
+            )
         else:
             traced.forward_traceparent(request.headers, headers)
         timeout = max(0.1, min(PUBLISH_TIMEOUT_S, flight.deadline - time.monotonic()))
@@ -440,9 +442,9 @@ class Generator:
         self._dispatcher.close(stream, abort=not stream.finished, reason=reason)
         group = flight.route.group
         self._admission.release(group)
-        if flight.span is not None:
+        if flight.trace is not None:
             traced.landed(
-                flight.span, status=status, prompt_tokens=flight.prompt_tokens,
+                flight.trace, status=status, prompt_tokens=flight.prompt_tokens,
                 completion_tokens=flight.completion_tokens, finish_reason=flight.finish_reason,
             )  # fmt: skip
         series = self._metrics.series(group, self._model)

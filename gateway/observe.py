@@ -1,9 +1,13 @@
 """What each HTTP request looked like: its server span and its access-log line.
 
 A pure ASGI middleware, so a streamed answer is measured to its last byte (the app call
-returns only when the body is sent) and nothing is buffered. The span (tracing on, paths
-under ``/v1/``) continues the client's W3C ``traceparent`` and is current while the
-request runs, so the generator's publish span and the worker's spans hang under it.
+returns only when the body is sent) and nothing is buffered. With tracing on, a request
+under ``/v1/`` is sampled here, once (parent-based: a client's sampled ``traceparent`` is
+honoured): sampled, its server span continues the client's trace and is current while the
+request runs, so the generator's publish span and the worker's spans hang under it;
+sampled out, only an :class:`~common.trace_context.Unsampled` is left for the generator to
+pass on, and the request runs as with tracing off. ``send`` is wrapped (to read the
+status) only for a request that has a span or an access-log line to write.
 
 The access log (``qosserve.access``, ``log.access_log``) has method, path, status, group,
 duration and request id; never a body, a query string or a header value. ``/health`` and
@@ -21,6 +25,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import tracing
+from common.trace_context import RemoteParent, Unsampled, parse
+from gateway.tracing import SCOPE_KEY
 
 access = logging.getLogger("qosserve.access")
 _QUIET = ("/health", "/metrics")
@@ -38,6 +44,23 @@ class ObserveMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path: str = scope["path"]
+        span = token = None
+        if self.tracer is not None and path.startswith("/v1/"):
+            decided = tracing.start_remote(
+                self.tracer, f"{scope['method']} {path}", _parent(scope), SpanKind.SERVER
+            )
+            scope[SCOPE_KEY] = decided
+            if not isinstance(decided, Unsampled):
+                span = decided
+                span.set_attributes({"http.request.method": scope["method"], "url.path": path})
+                token = context.attach(trace.set_span_in_context(span))
+        logged = self.access_log and access.isEnabledFor(
+            logging.DEBUG if path in _QUIET else logging.INFO
+        )
+        if span is None and not logged:
+            await self.app(scope, receive, send)
+            return
         started = time.perf_counter()
         seen: dict[str, Any] = {"status": 500}
 
@@ -49,21 +72,6 @@ class ObserveMiddleware:
                         seen[key.decode()] = value.decode("latin-1")
             await send(message)
 
-        path: str = scope["path"]
-        span = token = None
-        if self.tracer is not None and path.startswith("/v1/"):
-            headers = {
-                k.decode("latin-1"): v.decode("latin-1")
-                for k, v in scope["headers"]
-                if k in (b"traceparent", b"tracestate")
-            }
-            span = self.tracer.start_span(
-                f"{scope['method']} {path}",
-                context=tracing.extract(headers),
-                kind=SpanKind.SERVER,
-                attributes={"http.request.method": scope["method"], "url.path": path},
-            )
-            token = context.attach(trace.set_span_in_context(span))
         try:
             await self.app(scope, receive, send_and_look)
         except Exception as exc:
@@ -74,7 +82,7 @@ class ObserveMiddleware:
             status = seen["status"]
             if span is not None:
                 self._end_span(span, scope, status)
-            if self.access_log:
+            if logged:
                 self._log(scope, path, status, started, seen)
             if token is not None:
                 context.detach(token)
@@ -93,8 +101,6 @@ class ObserveMiddleware:
     @staticmethod
     def _log(scope: Scope, path: str, status: int, started: float, seen: dict[str, Any]) -> None:
         level = logging.DEBUG if path in _QUIET else logging.INFO
-        if not access.isEnabledFor(level):
-            return
         duration_ms = round((time.perf_counter() - started) * 1000, 2)
         fields = {
             "method": scope["method"],
@@ -108,3 +114,18 @@ class ObserveMiddleware:
             level, "%s %s %d %.1fms", scope["method"], path, status, duration_ms,
             extra={"fields": fields},
         )  # fmt: skip
+
+
+def _parent(scope: Scope) -> RemoteParent | None:
+    """The client's W3C parent, read from the raw headers (several ``tracestate`` headers
+    make one list, as W3C says)."""
+    traceparent = None
+    states: list[str] = []
+    for key, value in scope["headers"]:
+        if key == b"traceparent":
+            traceparent = value.decode("latin-1")
+        elif key == b"tracestate":
+            states.append(value.decode("latin-1"))
+    if traceparent is None:
+        return None
+    return parse(traceparent, ",".join(states) if states else None)

@@ -1,30 +1,38 @@
 """The gateway's spans: GenAI attributes on the server span, and the publish span.
 
-The server span itself is :class:`gateway.observe.ObserveMiddleware`'s. The generator
-calls these only when tracing is on (its tracer is not None), at three points of a
-request's life: admitted (:func:`admitted`), published (:func:`publishing`, which also puts
-the W3C ``traceparent``/``tracestate`` into the NATS headers) and landed (:func:`landed`).
-With tracing off, :func:`forward_traceparent` still passes a client's trace context on,
-so a worker's logs and an outside tracer can still join the client's trace.
+The sampling decision is :class:`gateway.observe.ObserveMiddleware`'s, taken once as the
+request arrives: the server span (sampled) or an :class:`~common.trace_context.Unsampled`,
+left in the ASGI scope under :data:`SCOPE_KEY`. The generator calls these only when
+tracing is on (its tracer is not None), at three points of a request's life: admitted
+(:func:`admitted`), published (:func:`publishing`, which puts the W3C ``traceparent`` /
+``tracestate`` into the NATS headers: the publish span's when sampled, flag 00 when not, so
+the worker follows) and landed (:func:`landed`). A request sampled out builds nothing
+here. With tracing off, :func:`forward_traceparent` still passes a client's trace context
+on, so a worker's logs and an outside tracer can still join the client's trace.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator, MutableMapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from common import tracing as t
+from common.trace_context import Unsampled
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 OPERATIONS = {"chat": "chat", "completion": "text_completion"}
+SCOPE_KEY = "qos.trace"  # the ASGI scope's: the server span, or Unsampled
+_NO_SPAN: AbstractContextManager[None] = nullcontext()
+
+Decided = Span | Unsampled | None
 
 
 def admitted(
+    scope: Any,
     *,
     kind: str,
     model: str,
@@ -33,11 +41,12 @@ def admitted(
     body: Any,
     max_tokens: int,
     prompt_tokens: int,
-) -> Span | None:
-    """The current (server) span, with the request's GenAI attributes; None if not recording."""
-    span = trace.get_current_span()
-    if not span.is_recording():
-        return None
+) -> Decided:
+    """The middleware's decision for this request (``scope``'s); a server span gets the
+    request's GenAI attributes."""
+    span: Decided = scope.get(SCOPE_KEY)
+    if span is None or isinstance(span, Unsampled):
+        return span
     attributes: dict[str, Any] = {
         t.OPERATION: OPERATIONS.get(kind, kind),
         t.REQUEST_MODEL: model,
@@ -54,20 +63,39 @@ def admitted(
     return span
 
 
-@contextmanager
 def publishing(
-    tracer: Tracer, subject: str, request_id: str, headers: MutableMapping[str, str]
+    tracer: Tracer,
+    decided: Decided,
+    subject: str,
+    request_id: str,
+    headers: MutableMapping[str, str],
+    client_headers: Any,
+) -> AbstractContextManager[None]:
+    """What to wrap the JetStream publish in: a PRODUCER span under the server span, its
+    ``traceparent`` in ``headers``; nothing but the flag-00 ``traceparent`` for a request
+    sampled out; the client's own trace context where no decision was taken."""
+    if isinstance(decided, Unsampled):
+        decided.inject(headers)
+        return _NO_SPAN
+    if decided is None:
+        forward_traceparent(client_headers, headers)
+        return _NO_SPAN
+    return _publish_span(tracer, decided, subject, request_id, headers)
+
+
+@contextmanager
+def _publish_span(
+    tracer: Tracer, server: Span, subject: str, request_id: str, headers: MutableMapping[str, str]
 ) -> Iterator[None]:
-    """A PRODUCER span around the JetStream publish, its context injected into ``headers``;
-    an exception inside marks it failed (and propagates). A child of the current (server)
-    span, never current itself: nothing under it starts spans, so no context is attached."""
+    """The PRODUCER span; an exception inside marks it failed (and propagates). Never
+    current: nothing under it starts spans, so no context is attached."""
     attributes = {
         "messaging.system": "nats",
         "messaging.operation.type": "send",
         "messaging.destination.name": subject,
         "messaging.message.id": request_id,
     }
-    span = tracer.start_span(f"publish {subject}", kind=SpanKind.PRODUCER, attributes=attributes)
+    span = t.start_child(tracer, server, f"publish {subject}", SpanKind.PRODUCER, attributes)
     t.inject(headers, span)
     try:
         yield
@@ -80,7 +108,7 @@ def publishing(
 
 
 def landed(
-    span: Span,
+    span: Decided,
     *,
     status: int,
     prompt_tokens: int,
@@ -88,7 +116,7 @@ def landed(
     finish_reason: str | None,
 ) -> None:
     """Usage and finish reason on the server span (the middleware sets the HTTP status)."""
-    if not span.is_recording():
+    if span is None or isinstance(span, Unsampled) or not span.is_recording():
         return
     span.set_attributes(
         {

@@ -110,8 +110,9 @@ class WorkerObserver:
                 req, msg.headers, group=group, attempt=st.attempt,
                 subject=msg.subject, fetched_at=watch.fetched_at,
             )  # fmt: skip
-            # This task's log lines carry the trace id (the task ends with the admission).
-            context.attach(trace.set_span_in_context(watch.span))
+            if watch.span is not None:
+                # This task's log lines carry the trace id (the task ends with the admission).
+                context.attach(trace.set_span_in_context(watch.span))
 
     def output(self, st: Flight, delta: RequestDelta) -> None:
         """An engine output for ``st``: inter-token latency, the final engine times."""

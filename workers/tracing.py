@@ -3,7 +3,9 @@
 The request span starts when the message is fetched, as a child of the gateway's publish
 span (W3C ``traceparent`` in the NATS headers), and ends when the final chunk is out, or
 when the message is handed back (``nak``): a redelivered request shows one span per
-attempt, each with ``qos.attempt``. The engine is never traced from inside: its phases
+attempt, each with ``qos.attempt``. A request the gateway sampled out (flag 00) gets
+nothing here, not even its attributes built: the worker follows the gateway's decision
+(parent-based sampling), so a trace is whole or absent. The engine is never traced from inside: its phases
 (queue, KV load, prefill, decode) are recorded afterwards, on the event loop, with the
 start and end times the engine already keeps in the request's metrics.
 """
@@ -12,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Tracer
 
 from common import tracing as t
 from common.protocol import Chunk, GenerateRequest
+from common.trace_context import Unsampled, from_headers
 
 
 def operation(request_id: str) -> str:
@@ -41,10 +43,17 @@ class RequestSpans:
         attempt: int,
         subject: str,
         fetched_at: float,
-    ) -> Span:
-        """The CONSUMER span of this delivery, started at ``fetched_at`` (``time.time()``)."""
+    ) -> Span | None:
+        """The CONSUMER span of this delivery, started at ``fetched_at`` (``time.time()``);
+        None when it is sampled out."""
         op = operation(req.id)
         model = req.model or self.model
+        span = t.start_remote(
+            self.tracer, f"{op} {model}", from_headers(headers), SpanKind.CONSUMER,
+            t.ns(fetched_at),
+        )  # fmt: skip
+        if isinstance(span, Unsampled):
+            return None
         attributes: dict[str, Any] = {
             t.OPERATION: op,
             t.REQUEST_MODEL: model,
@@ -61,13 +70,8 @@ class RequestSpans:
         }
         if req.created_ms > 0:  # how long JetStream held it (clocks of two hosts: roughly)
             attributes["qos.jetstream_wait_s"] = max(0.0, fetched_at - req.created_ms / 1000)
-        return self.tracer.start_span(
-            f"{op} {model}",
-            context=t.extract(headers),
-            kind=SpanKind.CONSUMER,
-            attributes=attributes,
-            start_time=t.ns(fetched_at),
-        )
+        span.set_attributes(attributes)
+        return span
 
     def finish(
         self,
@@ -99,9 +103,8 @@ class RequestSpans:
         phases = _phases(output.metrics, fetched_at) if output is not None else []
         if stream is not None:
             phases.append(("stream", *stream))
-        parent = trace.set_span_in_context(span)
         for name, start, end in phases:
-            child = self.tracer.start_span(name, context=parent, start_time=t.ns(start))
+            child = t.start_child(self.tracer, span, name, start_time=t.ns(start))
             child.end(end_time=t.ns(max(start, end)))
         span.end()
 
