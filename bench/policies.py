@@ -8,18 +8,24 @@ batch mid-run), then runs, with the same seeds for every policy:
 1. a fixed arrival rate (``--rate`` sessions/s for ``--duration-s``): req/s, output tok/s,
    TTFT and E2E p50/p99 per group, goodput under each group's SLOs (``common.config``),
    the engine thread's busy fraction and mean running batch (worker telemetry);
-2. a saturation sweep: the rate times each ``--sweep`` factor for ``--step-s`` each; the
-   most req/s any step sustained is the policy's saturation throughput.
+2. a sweep: the rate times each ``--sweep`` factor (geometric by default, each step
+   ``--step-s`` long but at least ``--min-sessions`` sessions), lowest first. From it come
+   the **rate at SLO** (``bench/slo_rate.py``: the highest offered rate below the first step
+   where realtime's or short's E2E p99 exceeds its group SLO or under 99 % of requests
+   complete) and the saturation throughput (the most req/s any step sustained).
 
 Sessions are the field mix (``bench/policies_load.py``): 19 % long-document questions on the
 ``long`` group, 28 % three-turn conversations resending their history, 48 % short
 generations (the locust file's 5 % invalid requests are left out: they measure robustness).
-Ratios are against ``dynamic``; the field study reports 2.9x req/s for continuous batching
-plus instance groups over dynamic batching. Whatever ours are, they are printed as measured.
+Ratios are against ``dynamic``; the field study reports 2.9x req/s at the same SLO for
+continuous batching plus instance groups over dynamic batching. Whatever ours are, they are
+printed as measured. The JSON is rewritten after each policy, so a run cut short by a time
+limit keeps the policies it finished.
 
-    python -m bench.policies                 # the demo model on CPU, ~5 min
-    python -m bench.policies --quick         # ~2 min (stack start-up is most of it)
+    python -m bench.policies                 # the demo model on CPU, ~8 min
+    python -m bench.policies --quick         # ~3 min (stack start-up is much of it)
     python -m bench.policies --policies dynamic,continuous --rate 3 --out policies.json
+    python -m bench.policies --device cuda --model dummy:llama-1b --rate 16   # a GPU
 """
 
 from __future__ import annotations
@@ -33,15 +39,29 @@ from pathlib import Path
 from typing import Any
 
 from bench.policies_load import Sent, TelemetryLog, make_sessions, run_sessions
+from bench.policies_table import table
 from bench.serve import summarize
+from bench.serve_http import CLIENTS
 from bench.serve_load import arrival_offsets
 from bench.serve_stack import machine_info
+from bench.slo_rate import (
+    JUDGED_GROUPS,
+    MIN_COMPLETED,
+    RateAtSlo,
+    StepFigures,
+    rate_at_slo,
+    ratio_at_slo,
+)
 from bench.up_stack import UpStack
 from common.config import default_groups
+from common.models import served_name
 
 POLICIES = ("static", "dynamic", "continuous", "hybrid")
 BASELINE = "dynamic"
 FIELD_STUDY_RATIO = 2.9
+# Admission sheds (429) are the stack working as designed under overload: they count against
+# the SLO (fewer than 99 % completed) but do not make the run a failure.
+SHED_STATUS = "429"
 
 
 def group_figures(sent: list[Sent], duration: float) -> dict[str, Any]:
@@ -74,17 +94,22 @@ def brief(figures: dict[str, Any]) -> dict[str, Any]:
 
 
 async def phase(
-    stack: UpStack, tel: TelemetryLog, model: str, n: int, rate: float, seed: int, long_tokens: int
+    stack: UpStack, tel: TelemetryLog, args: argparse.Namespace, n: int, rate: float, seed: int
 ) -> dict[str, Any]:
     """``n`` sessions at ``rate``/s; figures per group, with the telemetry of the window."""
-    sessions = make_sessions(n, seed, long_tokens)
+    sessions = make_sessions(n, seed, args.long_tokens)
     t0 = time.monotonic()
     sent, duration = await run_sessions(
-        stack.url, model, sessions, arrival_offsets(n, rate, 1.0, seed)
+        stack.url,
+        served_name(args.model),
+        sessions,
+        arrival_offsets(n, rate, 1.0, seed),
+        args.client,
     )
     figures = group_figures(sent, duration)
     return {
-        "offered_sessions_s": rate,
+        "offered_sessions_s": round(rate, 4),
+        "sessions": n,
         "requests": len(sent),
         "groups": {g: brief(f) for g, f in figures.items()},
         "errors": figures["all"]["errors"],
@@ -92,25 +117,62 @@ async def phase(
     }
 
 
+def step_figures(step: dict[str, Any]) -> StepFigures:
+    """A phase's figures as the SLO check reads them (groups with no completion have no p99)."""
+    every = step["groups"]["all"]
+    p99 = {
+        g: f["e2e_p99_ms"] for g, f in step["groups"].items() if g != "all" and f["completed"] > 0
+    }
+    sent = every["completed"] + every["failed"]
+    return StepFigures(step["offered_sessions_s"], every["req_s"], sent, every["completed"], p99)
+
+
+def sweep_slo(sweep: list[dict[str, Any]]) -> RateAtSlo:
+    """The rate at SLO of a sweep, under the groups' E2E p99 SLOs of ``common.config``."""
+    slos = {g: c.slo_e2e_p99_ms for g, c in default_groups().items()}
+    return rate_at_slo([step_figures(s) for s in sweep], slos)
+
+
+def slo_summary(sweep: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rate at SLO over the sweep; each step is marked met or not, and why."""
+    found = sweep_slo(sweep)
+    verdicts = {v.offered: v for v in found.steps}
+    for step in sweep:
+        verdict = verdicts[step["offered_sessions_s"]]
+        step["slo_met"], step["slo_miss"] = verdict.met, verdict.why
+    return {
+        "rate_sessions_s": found.rate,
+        "req_s": found.req_s,
+        "first_miss_sessions_s": found.first_miss,
+    }
+
+
 async def measure(stack: UpStack, args: argparse.Namespace, policy: str) -> dict[str, Any]:
     """Warm-up, the fixed-rate phase, the sweep; against a started stack."""
     async with TelemetryLog(stack.nats_url) as tel:
-        model = "pystd-tiny" if args.model == "demo" else Path(args.model).name
-        await run_sessions(stack.url, model, make_sessions(4, 999, args.long_tokens), [0.0] * 4)
+        warm = make_sessions(4, 999, args.long_tokens)
+        await run_sessions(stack.url, served_name(args.model), warm, [0.0] * 4, args.client)
         n_fixed = max(4, round(args.rate * args.duration_s))
-        fixed = await phase(stack, tel, model, n_fixed, args.rate, args.seed, args.long_tokens)
+        fixed = await phase(stack, tel, args, n_fixed, args.rate, args.seed)
         print(f"  {policy}: fixed {fixed['groups']['all']}", file=sys.stderr, flush=True)
         sweep = []
         for i, factor in enumerate(args.sweep):
             rate = args.rate * factor
-            n = max(4, round(rate * args.step_s))
-            step = await phase(stack, tel, model, n, rate, args.seed + 100 + i, args.long_tokens)
+            n = max(args.min_sessions, round(rate * args.step_s))
+            step = await phase(stack, tel, args, n, rate, args.seed + 100 + i)
             sweep.append(step)
-            print(f"  {policy}: x{factor} {step['groups']['all']}", file=sys.stderr, flush=True)
+            g = step["groups"]
+            short = g.get("short", {}).get("e2e_p99_ms")
+            print(
+                f"  {policy}: {rate:.3g}/s short E2E p99 {short} ms, all {g['all']}",
+                file=sys.stderr,
+                flush=True,
+            )
     best = max([*sweep, fixed], key=lambda s: s["groups"]["all"]["req_s"])
     return {
         "fixed_rate": fixed,
         "sweep": sweep,
+        "slo": slo_summary(sweep),
         "saturation_req_s": best["groups"]["all"]["req_s"],
         "saturation_out_tok_s": best["groups"]["all"]["out_tok_s"],
     }
@@ -119,11 +181,22 @@ async def measure(stack: UpStack, args: argparse.Namespace, policy: str) -> dict
 def run_policy(args: argparse.Namespace, policy: str) -> dict[str, Any]:
     """A fresh stack on ``policy`` for both groups; measured, then stopped."""
     config = {
-        "groups": {"short": {"policy": policy}, "long": {"policy": policy}},
+        "groups": {
+            "short": {"policy": policy},
+            # The longest session is a long-document prompt plus its answer; the group's own
+            # limit (128k) would ask a model without that context, or a small KV cache, for it.
+            "long": {"policy": policy, "max_seq_len": max(4096, 2 * args.long_tokens)},
+        },
         "worker": {"telemetry_interval_s": 0.5},
     }
     started = time.perf_counter()
-    stack = UpStack(engine="real", model=args.model, config=config, replicas={"realtime": 0})
+    stack = UpStack(
+        engine="real",
+        model=args.model,
+        device=args.device,
+        config=config,
+        replicas={"realtime": 0},
+    )
     with stack:
         ready_s = time.perf_counter() - started
         result = asyncio.run(measure(stack, args, policy))
@@ -145,48 +218,56 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
             row[f"fixed_{key}"] = round(a / b, 3) if a is not None and b else None
         sat, sat_base = r["saturation_req_s"], base["saturation_req_s"]
         row["saturation_req_s"] = round(sat / sat_base, 3) if sat_base else None
+        at_slo = ratio_at_slo(sweep_slo(r["sweep"]), sweep_slo(base["sweep"]))
+        row["slo_rate"] = at_slo["ratio"]
+        row["slo_rate_low"], row["slo_rate_high"] = at_slo["low"], at_slo["high"]
         out[policy] = row
     return out
 
 
-def table(results: dict[str, Any], rel: dict[str, Any]) -> str:
-    """A plain-text table of the fixed-rate phase and the saturation throughput."""
-    head = f"{'policy':<11}{'group':<7}{'req/s':>7}{'tok/s':>8}{'good/s':>8}"
-    head += f"{'TTFT p50':>10}{'p99':>8}{'E2E p50':>9}{'p99':>8}{'busy':>6}{'sat req/s':>11}{'x dyn':>7}"
-    lines = [head]
-    for policy, r in results.items():
-        fixed = r["fixed_rate"]
-        for group, g in fixed["groups"].items():
-            busy = fixed["engine"].get(group, {}).get("busy_fraction", "")
-            sat = f"{r['saturation_req_s']:.2f}" if group == "all" else ""
-            x = rel.get(policy, {}).get("saturation_req_s") if group == "all" else None
-            lines.append(
-                f"{policy:<11}{group:<7}{g['req_s']:>7.2f}{g['out_tok_s']:>8.1f}"
-                f"{g['goodput_req_s'] or 0:>8.2f}{g['ttft_p50_ms']:>10.0f}{g['ttft_p99_ms']:>8.0f}"
-                f"{g['e2e_p50_ms']:>9.0f}{g['e2e_p99_ms']:>8.0f}{busy!s:>6}{sat:>11}"
-                f"{'' if x is None else f'{x:.2f}':>7}"
-            )
-    return "\n".join(lines)
+def sweep_factors(text: str) -> list[float]:
+    """``a,b,c`` as given, or ``LO:HI:N``: N factors from LO to HI, evenly spaced in log."""
+    if ":" in text:
+        lo, hi, n = text.split(":")
+        low, high, steps = float(lo), float(hi), int(n)
+        if steps < 2 or low <= 0 or high <= low:
+            raise ValueError(f"sweep {text!r}: want 0 < LO < HI and N >= 2")
+        return [round(low * (high / low) ** (i / (steps - 1)), 4) for i in range(steps)]
+    factors = sorted(float(x) for x in text.split(",") if x)
+    if not factors or factors[0] <= 0:
+        raise ValueError(f"sweep {text!r}: want positive factors")
+    return factors
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.policies", description=__doc__.split("\n")[0])
-    p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--model", default="demo", help="checkpoint folder or demo")
+    p.add_argument("--policies", default=",".join(POLICIES), help="run in this order")
+    p.add_argument("--model", default="demo", help="checkpoint folder, dummy:<shape> or demo")
+    p.add_argument("--device", default="cpu", help="the workers' device: cpu (default) or cuda")
     p.add_argument("--rate", type=float, default=2.0, help="fixed phase: sessions per second")
-    p.add_argument("--duration-s", type=float, default=20.0, help="fixed phase length")
-    p.add_argument("--sweep", default="2,4", help="saturation sweep: factors of --rate")
-    p.add_argument("--step-s", type=float, default=10.0, help="seconds per sweep step")
+    p.add_argument("--duration-s", type=float, default=15.0, help="fixed phase length")
+    p.add_argument(
+        "--sweep",
+        default="0.25:4:9",
+        help="factors of --rate: a,b,c or LO:HI:N (N factors, geometric); default 0.25:4:9",
+    )
+    p.add_argument("--step-s", type=float, default=7.0, help="seconds per sweep step")
+    p.add_argument("--min-sessions", type=int, default=8, help="sessions per sweep step, at least")
     p.add_argument("--long-tokens", type=int, default=1024, help="long-document prompt tokens")
+    p.add_argument("--client", default="raw", choices=CLIENTS, help="load generator's client")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="short phases (~2 min in all)")
-    p.add_argument("--out", help="write the JSON here too")
+    p.add_argument("--quick", action="store_true", help="short phases (~3 min in all)")
+    p.add_argument("--out", help="write the JSON here too (after each policy)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
-        args.duration_s, args.step_s, args.long_tokens = 6.0, 5.0, 512
-        args.sweep = "4" if args.sweep == "2,4" else args.sweep
-    args.sweep = [float(x) for x in args.sweep.split(",") if x]
+        args.duration_s, args.step_s, args.long_tokens = 6.0, 4.0, 512
+        args.min_sessions = min(args.min_sessions, 6)
+        args.sweep = "0.5:4:4" if args.sweep == "0.25:4:9" else args.sweep
+    try:
+        args.sweep = sweep_factors(args.sweep)
+    except ValueError as exc:
+        p.error(str(exc))
     args.policy_list = [x for x in args.policies.split(",") if x]
     unknown = set(args.policy_list) - set(POLICIES)
     if unknown:
@@ -194,41 +275,73 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every policy; JSON on stdout, the table on stderr; exit 1 when a request failed."""
-    args = parse_args(argv)
-    started = time.perf_counter()
-    machine = machine_info()
-    results = {policy: run_policy(args, policy) for policy in args.policy_list}
-    rel = ratios(results)
-    report = {
+def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str, Any],
+           started: float) -> dict[str, Any]:  # fmt: skip
+    """The JSON document for the policies measured so far."""
+    groups = default_groups()
+    return {
         "benchmark": "policies",
         "command": " ".join(["python -m bench.policies", *args.argv]),
         "machine": {**machine, "load_avg_after": machine_info()["load_avg"]},
+        "model": args.model,
+        "device": args.device,
         "workload": {
             "mix": "19% long-document QA (long group), 28% 3-turn conversations, 48% short",
             "rate_sessions_s": args.rate,
             "duration_s": args.duration_s,
             "sweep_factors": args.sweep,
             "step_s": args.step_s,
+            "min_sessions": args.min_sessions,
             "long_tokens": args.long_tokens,
-            "slos_ms": {g: [c.slo_ttft_ms, c.slo_e2e_p99_ms] for g, c in default_groups().items()},
+            "client": args.client,
+            "slos_ms": {g: [c.slo_ttft_ms, c.slo_e2e_p99_ms] for g, c in groups.items()},
+        },
+        "slo_definition": {
+            "judged_groups": list(JUDGED_GROUPS),
+            "metric": "E2E p99 within the group's slo_e2e_p99_ms",
+            "min_completed": MIN_COMPLETED,
+            "rate": "highest offered sessions/s below the first sweep step that misses",
         },
         "results": results,
-        "ratios_vs_dynamic": rel,
+        "ratios_vs_dynamic": ratios(results),
         "field_study_ratio": FIELD_STUDY_RATIO,
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    print(table(results, rel), file=sys.stderr)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    failed = any(
-        r["fixed_rate"]["errors"] or any(s["errors"] for s in r["sweep"]) for r in results.values()
+
+
+def unexpected_errors(result: dict[str, Any]) -> int:
+    """Failed requests other than admission sheds, in every phase of one policy."""
+    phases = [result["fixed_rate"], *result["sweep"]]
+    return sum(
+        n for ph in phases for key, n in ph["errors"].items() if not key.startswith(SHED_STATUS)
     )
-    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every policy; JSON on stdout, the tables on stderr; exit 1 when a request failed
+    for a reason other than an admission shed."""
+    args = parse_args(argv)
+    started = time.perf_counter()
+    machine = machine_info()
+    results: dict[str, Any] = {}
+    for policy in args.policy_list:
+        results[policy] = run_policy(args, policy)
+        if args.out:  # a run cut short by a time limit keeps what it finished
+            write_json(Path(args.out), report(args, machine, results, started))
+    doc = report(args, machine, results, started)
+    print(table(results, doc["ratios_vs_dynamic"]), file=sys.stderr)
+    print(json.dumps(doc, indent=2))
+    if args.out:
+        write_json(Path(args.out), doc)
+    return 1 if any(unexpected_errors(r) for r in results.values()) else 0
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Replace ``path`` whole (written aside, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

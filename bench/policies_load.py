@@ -74,11 +74,15 @@ def make_sessions(n: int, seed: int, long_tokens: int, turns: int = 3) -> list[S
 
 
 async def run_sessions(
-    url: str, model: str, sessions: list[Session], offsets: list[float]
+    url: str, model: str, sessions: list[Session], offsets: list[float], client: str = "raw"
 ) -> tuple[list[Sent], float]:
-    """Start each session at its offset (turns in order); every request and the duration."""
+    """Start each session at its offset (turns in order); every request and the duration.
+
+    ``client`` is a ``bench/serve_http.py`` sender; ``raw`` costs a tenth of ``httpx``'s CPU,
+    which matters where the load generator shares the cores with the stack it measures.
+    """
     sent: list[list[Sent]] = [[] for _ in sessions]
-    async with open_sender("httpx", url, None) as sender:
+    async with open_sender(client, url, None) as sender:
 
         async def one(i: int, start: float) -> None:
             session = sessions[i]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import policies as policies_bench
 from bench import report_plots
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -95,8 +96,11 @@ def table(head: list[str], rows: list[list[Any]]) -> str:
 
 
 def section_policies(doc: Doc, png: Path) -> list[str]:
-    out = [f"Workload: {doc['workload']['mix']}; fixed rate {doc['workload']['rate_sessions_s']} "
-           f"sessions/s for {doc['workload']['duration_s']} s, sweep x{doc['workload']['sweep_factors']}."]  # fmt: skip
+    w = doc["workload"]
+    out = [f"Workload: {w['mix']}; fixed rate {w['rate_sessions_s']} sessions/s for "
+           f"{w['duration_s']} s, sweep x{w['sweep_factors']} of it, {w['step_s']} s a step."]  # fmt: skip
+    if "model" in doc:
+        out[0] += f" Model `{doc['model']}` on {doc.get('device', 'cpu')}."
     rows = []
     for policy, r in doc["results"].items():
         for group, g in r["fixed_rate"]["groups"].items():
@@ -105,13 +109,24 @@ def section_policies(doc: Doc, png: Path) -> list[str]:
                          g["ttft_p50_ms"], g["ttft_p99_ms"], g["e2e_p50_ms"], g["e2e_p99_ms"], busy])  # fmt: skip
     out.append(table(["policy", "group", "req/s", "out tok/s", "goodput/s", "TTFT p50 ms",
                       "TTFT p99 ms", "E2E p50 ms", "E2E p99 ms", "engine busy"], rows))  # fmt: skip
-    rel = doc.get("ratios_vs_dynamic", {})
-    sat = [[p, r["saturation_req_s"], r["saturation_out_tok_s"], rel.get(p, {}).get("saturation_req_s"),
-            rel.get(p, {}).get("fixed_goodput_req_s")] for p, r in doc["results"].items()]  # fmt: skip
-    out.append(table(["policy", "saturation req/s", "saturation tok/s", "x dynamic (saturation)",
+    # Recomputed from the sweeps, so results written before the rate at SLO existed get it too.
+    rel = policies_bench.ratios(doc["results"])
+    sat = []
+    for p, r in doc["results"].items():
+        at = policies_bench.sweep_slo(r["sweep"])
+        x = rel.get(p, {})
+        low, high = x.get("slo_rate_low"), x.get("slo_rate_high")
+        bounds = f"{low or 0:.3g}–{'∞' if high is None else format(high, '.3g')}" if x else None
+        sat.append([p, at.rate, at.req_s, at.first_miss, x.get("slo_rate"), bounds,
+                    r["saturation_req_s"], x.get("saturation_req_s"), x.get("fixed_goodput_req_s")])  # fmt: skip
+    out.append(table(["policy", "rate at SLO (sessions/s)", "req/s there", "first miss",
+                      "x dynamic at SLO", "bounds", "saturation req/s", "x dynamic (saturation)",
                       "x dynamic (fixed-rate goodput)"], sat))  # fmt: skip
-    out.append(f"The field study reports {doc.get('field_study_ratio', 2.9)}x req/s for continuous "
-               "batching with instance groups over dynamic batching.")  # fmt: skip
+    out.append("Rate at SLO: the highest offered rate below the first sweep step where realtime's "
+               "or short's E2E p99 exceeds its group SLO or under 99 % of requests complete "
+               "(`bench/slo_rate.py`); the bounds are what the steps either side allow. "
+               f"The field study reports {doc.get('field_study_ratio', 2.9)}x req/s at the same "
+               "SLO for continuous batching with instance groups over dynamic batching.")  # fmt: skip
     if report_plots.policies(doc, png):
         out.append(f"![policies]({png.name})")
     return out

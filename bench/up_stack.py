@@ -30,20 +30,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class UpStack:
-    """``qosserve up --engine ENGINE`` with ``config`` (a dict written as YAML), on a free port."""
+    """``qosserve up --engine ENGINE`` with ``config`` (a dict written as YAML), on a free port.
+
+    Real-engine workers run on ``device`` (``cpu`` unless asked: a test must not grab a GPU).
+    """
 
     def __init__(
         self,
         *,
         engine: str = "sim",
         model: str = "demo",
+        device: str = "cpu",
         config: dict[str, Any] | None = None,
         replicas: dict[str, int] | None = None,
         scheduler: bool = False,
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 180.0,
     ) -> None:
-        self.engine, self.model = engine, model
+        self.engine, self.model, self.device = engine, model, device
         self.replicas = replicas or {}
         self.scheduler = scheduler
         self.ready_timeout_s = ready_timeout_s
@@ -66,7 +70,7 @@ class UpStack:
     def start(self) -> UpStack:
         """Start the launcher and wait until each group with replicas has a live worker."""
         argv = [sys.executable, "-m", "common.launcher", "--engine", self.engine]
-        argv += ["--model", self.model, "--device", "cpu", "--port", str(self.port)]
+        argv += ["--model", self.model, "--device", self.device, "--port", str(self.port)]
         argv += ["--config", str(self.config_path), "--state-dir", str(self.dir / "state")]
         argv += ["--ready-timeout", str(self.ready_timeout_s)]
         if self.replicas:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 
 import pytest
 
-from bench.policies import group_figures, ratios
+from bench.policies import group_figures, ratios, slo_summary, step_figures, sweep_factors
 from bench.policies_load import Sent, make_sessions
 from bench.serve_http import Result
 
@@ -42,14 +43,61 @@ def test_goodput_counts_requests_within_their_own_groups_slos() -> None:
     assert figures["all"]["request_throughput"] == 1.5
 
 
+def _phase(offered: float, short_p99: float, completed: int = 20, failed: int = 0) -> dict:
+    def row(p99: float, done: int, bad: int) -> dict:
+        return {"req_s": offered * 1.6, "out_tok_s": 40 * offered, "goodput_req_s": offered,
+                "ttft_p99_ms": 100.0, "e2e_p99_ms": p99, "completed": done, "failed": bad}  # fmt: skip
+
+    groups = {"long": row(2000.0, 4, 0), "short": row(short_p99, completed, failed)}
+    groups["all"] = row(max(2000.0, short_p99), completed + 4, failed)
+    return {"offered_sessions_s": offered, "groups": groups, "errors": {}}
+
+
 def test_ratios_are_against_dynamic() -> None:
-    def result(req_s: float, sat: float) -> dict:
+    def result(req_s: float, sat: float, sweep: list[dict]) -> dict:
         row = {"req_s": req_s, "out_tok_s": 10 * req_s, "goodput_req_s": req_s / 2,
                "ttft_p99_ms": 100.0, "e2e_p99_ms": 400.0}  # fmt: skip
-        return {"fixed_rate": {"groups": {"all": row}}, "saturation_req_s": sat}
+        return {"fixed_rate": {"groups": {"all": row}}, "saturation_req_s": sat, "sweep": sweep}
 
-    rel = ratios({"dynamic": result(2.0, 4.0), "continuous": result(3.0, 11.6)})
+    dynamic = [_phase(1, 300), _phase(2, 700), _phase(4, 900)]
+    continuous = [_phase(1, 200), _phase(2, 300), _phase(4, 450)]
+    rel = ratios(
+        {"dynamic": result(2.0, 4.0, dynamic), "continuous": result(3.0, 11.6, continuous)}
+    )
     assert rel["dynamic"]["saturation_req_s"] == 1.0
     assert rel["continuous"]["saturation_req_s"] == 2.9
     assert rel["continuous"]["fixed_req_s"] == 1.5
-    assert ratios({"continuous": result(3.0, 1.0)}) == {}
+    # continuous meets the SLO through 4/s, dynamic only at 1/s (2/s misses): 4x, at least 2x.
+    assert rel["continuous"]["slo_rate"] == 4.0
+    assert rel["continuous"]["slo_rate_low"] == 2.0
+    assert rel["continuous"]["slo_rate_high"] is None
+    assert ratios({"continuous": result(3.0, 1.0, continuous)}) == {}
+
+
+def test_slo_summary_marks_each_step_and_judges_short_not_long() -> None:
+    # The long group's 2 s p99 is within its 60 s SLO; short's 600 ms is over its 500 ms.
+    sweep = [_phase(0.5, 300), _phase(1, 480), _phase(2, 600)]
+    assert slo_summary(sweep) == {
+        "rate_sessions_s": 1,
+        "req_s": pytest.approx(1.6),
+        "first_miss_sessions_s": 2,
+    }
+    assert [s["slo_met"] for s in sweep] == [True, True, False]
+    assert sweep[2]["slo_miss"] == "short E2E p99 600 > 500 ms"
+
+
+def test_a_group_with_no_completed_request_misses_by_completion_not_by_a_nan_p99() -> None:
+    figures = step_figures(_phase(1, float("nan"), completed=0, failed=20))
+    assert "short" not in figures.e2e_p99_ms
+    assert (figures.sent, figures.completed) == (24, 4)
+
+
+def test_geometric_sweep_spans_low_to_high_in_equal_ratios() -> None:
+    factors = sweep_factors("0.25:4:9")
+    assert factors[0] == 0.25 and factors[-1] == 4.0 and len(factors) == 9
+    steps = [b / a for a, b in pairwise(factors)]
+    assert steps == pytest.approx([2**0.5] * 8, rel=1e-3)
+    assert sweep_factors("4,1,2") == [1.0, 2.0, 4.0]
+    for bad in ("4:1:3", "0:4:3", "1:4:1", "1,-2", ""):
+        with pytest.raises(ValueError):
+            sweep_factors(bad)

@@ -8,27 +8,44 @@ from pathlib import Path
 from bench.report import build
 
 
-def _policies() -> dict:
+def _step(offered: float, short_e2e_p99_ms: float) -> dict:
     row = {"req_s": 2.0, "out_tok_s": 50.0, "goodput_req_s": 1.0, "ttft_p50_ms": 100.0,
-           "ttft_p99_ms": 300.0, "e2e_p50_ms": 400.0, "e2e_p99_ms": 900.0,
+           "ttft_p99_ms": 300.0, "e2e_p50_ms": 400.0, "e2e_p99_ms": short_e2e_p99_ms,
            "completed": 20, "failed": 0}  # fmt: skip
-    step = {
+    return {
+        "offered_sessions_s": offered,
         "groups": {"short": row, "all": row},
         "engine": {"short": {"busy_fraction": 0.5}},
         "errors": {},
     }
-    result = {
-        "fixed_rate": step,
-        "sweep": [step],
-        "saturation_req_s": 2.0,
-        "saturation_out_tok_s": 50.0,
-    }
+
+
+def _policies() -> dict:
+    def result(sweep: list[dict]) -> dict:
+        return {
+            "fixed_rate": _step(2, 900.0),
+            "sweep": sweep,
+            "saturation_req_s": 2.0,
+            "saturation_out_tok_s": 50.0,
+        }
+
     return {
         "benchmark": "policies",
         "command": "python -m bench.policies --quick",
         "machine": {"cores": 2},
-        "workload": {"mix": "the mix", "rate_sessions_s": 2, "duration_s": 6, "sweep_factors": [4]},
-        "results": {"dynamic": result, "continuous": result},
+        "workload": {
+            "mix": "the mix",
+            "rate_sessions_s": 2,
+            "duration_s": 6,
+            "sweep_factors": [1, 2],
+            "step_s": 4,
+            "slos_ms": {"short": [200, 500]},
+        },
+        "results": {
+            # short's E2E p99 SLO is 500 ms: dynamic misses at once, continuous at 4/s.
+            "dynamic": result([_step(2, 900.0), _step(4, 900.0)]),
+            "continuous": result([_step(2, 300.0), _step(4, 900.0)]),
+        },
         "ratios_vs_dynamic": {
             "dynamic": {"saturation_req_s": 1.0},
             "continuous": {"saturation_req_s": 1.0},
@@ -52,6 +69,9 @@ def test_report_has_every_benchmark_a_line_for_missing_ones_and_the_plots(tmp_pa
     assert "## cpu results" in report
     assert "Command: `python -m bench.policies --quick`" in report
     assert "| continuous | all | 2 |" in report
+    # Rate at SLO: continuous 2/s (first miss 4/s), dynamic none; no ratio, at least 2/2.
+    assert "| continuous | 2 | 2 | 4 | — | 1–∞ | 2 | 1 |" in report
+    assert "| dynamic | — | — | 2 | — | 0–∞ | 2 | 1 |" in report
     assert "![policies](cpu/policies.png)" in report and (cpu / "policies.png").stat().st_size > 0
     for missing in (
         "engine",
