@@ -18,6 +18,7 @@ requests decoded together; reports the decode step time against its roofline.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -242,7 +243,12 @@ def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
                 "prefill": timer.summary(decode=False),
             }
         print(f"{policy}: {result['policies'][policy]}", file=sys.stderr)
-        del engine
+        # The timer's wrappers hold the engine too: drop both before the next engine sizes
+        # its KV cache from the free device memory.
+        del engine, timer, step
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     assert work is not None and roof is not None
     result["schedule_bound"] = schedule_bound(ns, work, result["engine"])
     batch = min(ns.max_batch_size, ns.num_seqs)

@@ -228,13 +228,12 @@ def bench_decode(
 
     from workers.engine.kernels.decode_attention import (
         choose_num_splits,
-        default_decode_config,
+        decode_plan,
         paged_decode_attention,
     )
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
-    default_cfg = default_decode_config(d)
-    default_splits = choose_num_splits(B, shape.n_kv, L, default_cfg.block_n, sms)
+    default_cfg, default_splits = decode_plan(B, shape.n_kv, L, d, k_cache.element_size(), sms)
     out = torch.empty_like(q)
 
     def run(cfg: Any, splits: int) -> dict:

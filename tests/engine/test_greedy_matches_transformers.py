@@ -145,6 +145,9 @@ def test_preemption_by_recompute_gives_transformers_tokens(policy: str, root: st
             for d in engine.step():
                 if d.output is not None:
                     outputs[d.request_id] = d.output.token_ids
-        assert engine.stats().num_preemptions > 0
+        if policy in ("static", "dynamic"):  # a batch reserves its members' whole runs
+            assert engine.stats().num_preemptions == 0
+        else:
+            assert engine.stats().num_preemptions > 0
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
         assert [outputs[str(i)] for i in range(len(batch))] == expected(path, batch, 16)

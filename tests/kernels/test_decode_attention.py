@@ -8,6 +8,7 @@ import torch
 from workers.engine.kernels.decode_attention import (
     DecodeConfig,
     choose_num_splits,
+    decode_plan,
     paged_decode_attention,
 )
 from workers.engine.kernels.reference import paged_decode_attention_ref
@@ -142,6 +143,24 @@ def test_num_splits_is_a_pure_function_that_fills_the_gpu_and_respects_length() 
         for length in (1, 255, 256, 4096, 1 << 20):
             splits = choose_num_splits(batch, 8, length, 64)
             assert 1 <= splits <= max(1, length // 256)
+
+
+def test_decode_plan_pipelines_deeper_only_for_an_unsplit_half_precision_grid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("QOS_DECODE_CONFIG", raising=False)
+    cfg, splits = decode_plan(256, 8, 640, 128, cache_elem_bytes=2)
+    assert splits == 1 and cfg.num_stages == 3
+    cfg, splits = decode_plan(256, 8, 640, 128, cache_elem_bytes=4)  # fp32 tiles: no room
+    assert splits == 1 and cfg.num_stages == 2
+    cfg, splits = decode_plan(8, 8, 32768, 128, cache_elem_bytes=2)
+    assert splits > 1 and cfg.num_stages == 2
+    monkeypatch.setenv("QOS_DECODE_CONFIG", "32,8,4")
+    cfg, splits = decode_plan(256, 8, 640, 128, cache_elem_bytes=2)
+    assert (cfg.block_n, cfg.num_warps, cfg.num_stages, splits) == (32, 8, 4, 1)
+    monkeypatch.setenv("QOS_DECODE_CONFIG", "fast")
+    with pytest.raises(ValueError, match="QOS_DECODE_CONFIG"):
+        decode_plan(256, 8, 640, 128, cache_elem_bytes=2)
 
 
 @pytest.mark.cuda

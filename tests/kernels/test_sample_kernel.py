@@ -106,3 +106,24 @@ def test_philox_keys_are_63_bit_and_differ_by_seed_and_position() -> None:
 def test_logits_must_have_contiguous_rows() -> None:
     with pytest.raises(ValueError, match="contiguous rows"):
         gumbel_argmax(torch.zeros(4, 6).t(), torch.ones(6), torch.zeros(6, dtype=torch.int64))
+
+
+def test_the_choice_does_not_depend_on_how_the_vocabulary_is_chunked(device) -> None:
+    logits = _logits(6, 530, seed=5, device=device)
+    logits[1, :] = 2.0  # ties everywhere: the first index in every chunking
+    logits[2, :400] = float("-inf")  # the maximum sits in a late chunk
+    logits[3, 100] = logits[3, 420] = 50.0  # a tie across chunks: the earlier one
+    temps = [0.0, 0.0, 1.0, 0.0, 0.8, 1.7]
+    seeds = [philox_key(3, i) for i in range(6)]
+    t = torch.tensor(temps, dtype=torch.float32, device=logits.device)
+    s = torch.tensor(seeds, dtype=torch.int64, device=logits.device)
+    draws = [gumbel_argmax(logits, t, s, block_v=32, chunk_blocks=c).tolist() for c in (1, 3, 17)]
+    assert draws[0] == draws[1] == draws[2]
+    assert draws[0][1] == 0 and draws[0][2] >= 400 and draws[0][3] == 100
+    half = gumbel_argmax(logits.to(torch.bfloat16), t, s, block_v=32, chunk_blocks=3)
+    assert (
+        half.tolist()
+        == gumbel_argmax(
+            logits.to(torch.bfloat16).float(), t, s, block_v=32, chunk_blocks=3
+        ).tolist()
+    )  # half-precision logits are read as their exact fp32 values

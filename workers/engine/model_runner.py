@@ -317,7 +317,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan, feed: TokenFeed | None = None) -> torch.Tensor:
-        """Run one step; fp32 logits ``[num sampling seqs, vocab]`` in plan order."""
+        """Run one step; logits ``[num sampling seqs, vocab]`` (model dtype) in plan order."""
         decode = plan.is_decode
         inputs = self.build_inputs(plan.seqs, decode, feed)
         if decode and self._graphs and inputs.num_seqs <= self.max_batch_size:

@@ -72,11 +72,12 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
         """The chosen ids ``[B]`` as a device tensor: nothing waits for the device here, as
-        long as no row has penalties (they read the request's output tokens)."""
-        logits = logits.float()
+        long as no row has penalties (they read the request's output tokens). ``logits``
+        may be half precision: the fused kernel widens as it reads, the rest widen first."""
         params = [r.params for r in batch]
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
+            logits = logits.float()
             rows = torch.tensor(penalized, device=logits.device)
             # index_put (not in place): the caller's logits stay untouched.
             penalties = apply_penalties(logits[rows], [batch[i] for i in penalized])
@@ -87,8 +88,9 @@ class Sampler:
         if all(plain):
             tokens = _sample_fused(logits, batch)
         elif not any(plain):
-            tokens = _sample_torch(logits, batch)
+            tokens = _sample_torch(logits.float(), batch)
         else:
+            logits = logits.float()
             tokens = torch.empty(len(batch), dtype=torch.long, device=logits.device)
             mask = torch.tensor(plain, device=logits.device)
             fast = [r for r, f in zip(batch, plain, strict=True) if f]

@@ -36,6 +36,12 @@ _PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 64
 # Fewer tiles than this per split and the setup and the merge outweigh the extra parallelism.
 _MIN_TILES_PER_SPLIT = 4
+# With this many (sequence, KV head) programs per SM the grid is full without splitting: on
+# the H200, B=64 x 8 KV heads ran 4-8 % faster unsplit than in 2 splits (bench/kernels.py).
+_UNSPLIT_PROGRAMS_PER_SM = 2
+# Tuning override, "block_n,num_warps,num_stages" (benchmarks; the engine's default is
+# decode_plan's choice).
+CONFIG_ENV = "QOS_DECODE_CONFIG"
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,42 @@ def default_decode_config(head_dim: int) -> DecodeConfig:
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=2)
+
+
+@functools.lru_cache(maxsize=4)
+def _config_override(text: str) -> DecodeConfig | None:
+    if not text:
+        return None
+    try:
+        block_n, num_warps, num_stages = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"{CONFIG_ENV} must be 'block_n,num_warps,num_stages', got {text!r}"
+        ) from None
+    return DecodeConfig(block_n, num_warps, num_stages)
+
+
+def decode_plan(
+    batch: int,
+    n_kv_heads: int,
+    max_context_len: int,
+    head_dim: int,
+    cache_elem_bytes: int,
+    num_sms: int = 132,
+) -> tuple[DecodeConfig, int]:
+    """The launch config and split count for a decode batch (host ints only: graph safe).
+
+    An unsplit grid streams each sequence's K/V in one program, so a third pipeline stage
+    keeps more loads in flight (H200, bf16, B=64 x 8 KV heads: +5-8 %); with splits the grid
+    is small and the extra shared memory per program cost more than it gave (B=8, L=32k:
+    -28 %). fp32 caches keep two stages: three tiles of fp32 K and V do not fit.
+    """
+    override = _config_override(os.environ.get(CONFIG_ENV, ""))
+    cfg = override or default_decode_config(head_dim)
+    splits = choose_num_splits(batch, n_kv_heads, max_context_len, cfg.block_n, num_sms)
+    if override is None and splits == 1 and cache_elem_bytes <= 2:
+        cfg = DecodeConfig(cfg.block_n, cfg.num_warps, num_stages=3)
+    return cfg, splits
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -88,6 +130,8 @@ def choose_num_splits(
     Pure function of host ints: the same batch and length bucket always give the same grid.
     """
     base = max(1, batch * n_kv_heads)
+    if base >= _UNSPLIT_PROGRAMS_PER_SM * num_sms:
+        return 1
     wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, base)
     by_length = max(1, max_context_len // (_MIN_TILES_PER_SPLIT * block_n))
     return max(1, min(wanted, by_length, _MAX_SPLITS))
@@ -348,7 +392,13 @@ def paged_decode_attention(
     batch, n_heads, head_dim = q.shape
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
-    cfg = config or default_decode_config(head_dim)
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+    plan_cfg, plan_splits = decode_plan(
+        batch, n_kv, max_context_len, head_dim, k_cache.element_size(), sms
+    )
+    cfg = config or plan_cfg
     if cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {cfg.block_n}")
     if q.stride(-1) != 1:
@@ -357,11 +407,12 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    if max_context_len is None:
-        max_context_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
-        num_splits = choose_num_splits(batch, n_kv, max_context_len, cfg.block_n, sms)
+        num_splits = (
+            plan_splits
+            if config is None
+            else choose_num_splits(batch, n_kv, max_context_len, cfg.block_n, sms)
+        )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 

@@ -334,9 +334,11 @@ class LlamaForCausalLM(nn.Module):
         return self.backend == "triton" and x.is_cuda
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[N, vocab]`` of the given hidden states (only rows that sample)."""
+        """Logits ``[N, vocab]`` of the given hidden states (only rows that sample), in the
+        model's dtype: the sampler widens them where it needs fp32 (the fused sampling kernel
+        reads them as they are, saving a ``[N, vocab]`` fp32 copy per step)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return F.linear(hidden, head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors in, fusing q/k/v and gate/up; raise naming any tensor
