@@ -80,8 +80,9 @@ def first_difference(a: str, b: str) -> int:
     )
 
 
-def score(rows: list[dict[str, Any]], answers: list[dict[str, Any]]) -> dict[str, Any]:
-    """EM and ROUGE-L overall, clean vs adversarial, per domain; the first mismatches."""
+def score_items(rows: list[dict[str, Any]], answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each answer against its row's reference: ``em`` (bool) and ``rouge_l`` (F1); an
+    errored answer scores 0 on both."""
     items: list[dict[str, Any]] = []
     for row, answer in zip(rows, answers, strict=True):
         text = answer.get("text", "")
@@ -93,6 +94,12 @@ def score(rows: list[dict[str, Any]], answers: list[dict[str, Any]]) -> dict[str
                 "answer": answer,
             }
         )
+    return items
+
+
+def score(rows: list[dict[str, Any]], answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """EM and ROUGE-L overall, clean vs adversarial, per domain; the first mismatches."""
+    items = score_items(rows, answers)
 
     def figures(subset: list[dict[str, Any]]) -> dict[str, Any]:
         if not subset:
