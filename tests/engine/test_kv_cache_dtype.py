@@ -71,8 +71,8 @@ def test_quantized_kv_picks_the_fp32_kv_next_token_at_nearly_every_step_on_tiny_
     same = sum(g == [w] for g, (_, w) in zip(got, steps, strict=True))
     # Observed (180 steps): int8 179 (99.4 %), fp8 160 (88.9 %). This random checkpoint's
     # top-2 margins go down to ~4e-3, within reach of fp8's ~2.4 % relative K/V error
-    # (3 mantissa bits) and not of int8's ~0.5 %; a trained model is far less tied
-    # (bench/kvquant.py). A wrong scale or mask drops both to chance.
+    # (3 mantissa bits) and not of int8's ~0.5 %. The trained demo checkpoint is barely
+    # less tied (bench/kvquant.py). A wrong scale or mask drops both to chance.
     assert same / len(steps) >= FLOOR[kv_dtype]
 
 

@@ -1,0 +1,194 @@
+"""What-if KV quantisation schemes, simulated on the torch backend without new kernels.
+
+A scheme is simulated by quantising and dequantising each step's K and V rows before an
+fp32 cache stores them (:func:`simulating` wraps the torch backend's store). The torch
+attention path dequantises a quantised cache to fp32 before it attends, so this computes
+exactly what a real cache with that scheme would: ``bench/kvquant.py`` checks it by
+simulating the shipped scheme (a scale per token per KV head) and comparing with the real
+``kv_cache_dtype`` runs token for token. Only a scheme that beats the shipped one is worth
+its kernels (store, decode and prefill in Triton and torch).
+
+Schemes (``SCHEMES``), each for K and V separately:
+
+- ``bf16``: no quantisation, K/V rounded to bf16: what 16-bit KV alone costs (the floor).
+- ``int8_token_head`` / ``fp8_token_head``: the shipped scheme (``kv_quant.quantize``).
+- ``fp8_token_head_amax240``: amax maps to 240 instead of 448 (a margin below the top).
+- ``fp8_block_head``: one scale per block per KV head, fixed by the write that opens the
+  block (a prefill's part of the block, a decode's first token) with a 2x margin; later
+  tokens reuse it and saturate beyond it: what append-only blocks allow.
+- ``fp8_tensor``: one scale per layer for K and one for V, calibrated on the fp32 run's
+  cache (its amax maps to 448).
+- ``k_int8_v_fp8`` / ``k_fp8_v_int8``: which of K and V is the sensitive one.
+- ``fp8_hadamard``: rows rotated by an orthonormal Hadamard matrix before quantising
+  (QuaRot: it spreads outlier channels over the row; a kernel would rotate q and the
+  output instead of rotating back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.kernels import reference
+from workers.engine.kernels.kv_quant import AMAX_FLOOR, dequantize, quantize
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Rows [T, n_kv, d] fp32, the layer, "k" or "v", the step's slot mapping -> dequantised rows.
+Quantiser = Callable[[torch.Tensor, int, str, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What a stateful scheme needs to know of the cache it stands in for."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per-layer amax of the K and V an fp32 run wrote (for per-tensor scales)."""
+
+    k_amax: tuple[float, ...]
+    v_amax: tuple[float, ...]
+
+
+def _token_head(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        values, scale = quantize(x, dtype)
+        return dequantize(values, scale)
+
+    return fn
+
+
+def _fp8_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` saturated onto e4m3 (round to nearest even), times ``scale``."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
+
+
+def _fp8_amax_to(top: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / top
+        return _fp8_with_scale(x, scale)
+
+    return fn
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix of order ``n`` (a power of two); symmetric,
+    so it is its own inverse."""
+    if n & (n - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head_dim, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n**0.5
+
+
+def _rows(
+    k: Callable[[torch.Tensor], torch.Tensor], v: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[CacheShape, Calibration], Quantiser]:
+    """A stateless scheme: one function of the rows for K, one for V."""
+
+    def make(shape: CacheShape, calib: Calibration) -> Quantiser:
+        return lambda x, layer, kind, slots: (k if kind == "k" else v)(x)
+
+    return make
+
+
+def _fp8_tensor(shape: CacheShape, calib: Calibration) -> Quantiser:
+    def fn(x: torch.Tensor, layer: int, kind: str, slots: torch.Tensor) -> torch.Tensor:
+        amax = (calib.k_amax if kind == "k" else calib.v_amax)[layer]
+        return _fp8_with_scale(x, torch.tensor(max(amax, AMAX_FLOOR) / FP8_MAX))
+
+    return fn
+
+
+def _fp8_block_head(margin: float) -> Callable[[CacheShape, Calibration], Quantiser]:
+    def make(shape: CacheShape, calib: Calibration) -> Quantiser:
+        scales = torch.zeros(shape.num_layers, 2, shape.num_blocks, shape.num_kv_heads)
+
+        def fn(x: torch.Tensor, layer: int, kind: str, slots: torch.Tensor) -> torch.Tensor:
+            table = scales[layer, 0 if kind == "k" else 1]
+            blocks = slots // shape.block_size
+            # Blocks fill from offset 0: a write there (re)opens the block and sets its scale.
+            opened = torch.unique(blocks[slots % shape.block_size == 0])
+            amax = torch.zeros_like(table).scatter_reduce(
+                0,
+                blocks[:, None].expand(-1, shape.num_kv_heads),
+                x.abs().amax(-1),
+                reduce="amax",
+            )
+            table[opened] = amax[opened].clamp_min(AMAX_FLOOR) * margin / FP8_MAX
+            return _fp8_with_scale(x, table[blocks][..., None])
+
+        return fn
+
+    return make
+
+
+def _fp8_hadamard(shape: CacheShape, calib: Calibration) -> Quantiser:
+    h = _hadamard(shape.head_dim)
+    fp8 = _token_head(FP8)
+    return lambda x, layer, kind, slots: fp8(x @ h) @ h
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()
+
+
+SCHEMES: dict[str, Callable[[CacheShape, Calibration], Quantiser]] = {
+    "bf16": _rows(_bf16, _bf16),
+    "int8_token_head": _rows(_token_head(torch.int8), _token_head(torch.int8)),
+    "fp8_token_head": _rows(_token_head(FP8), _token_head(FP8)),
+    "fp8_token_head_amax240": _rows(_fp8_amax_to(240.0), _fp8_amax_to(240.0)),
+    "fp8_block_head": _fp8_block_head(margin=2.0),
+    "fp8_tensor": _fp8_tensor,
+    "k_int8_v_fp8": _rows(_token_head(torch.int8), _token_head(FP8)),
+    "k_fp8_v_int8": _rows(_token_head(FP8), _token_head(torch.int8)),
+    "fp8_hadamard": _fp8_hadamard,
+}
+# Simulations of what kv_cache_dtype ships: they must reproduce the real runs exactly.
+SHIPPED = {"int8_token_head": "int8", "fp8_token_head": "fp8_e4m3"}
+
+
+@contextlib.contextmanager
+def simulating(
+    layers: list[torch.Tensor], shape: CacheShape, calib: Calibration, scheme: str
+) -> Iterator[None]:
+    """While inside, the torch backend stores K/V through ``scheme`` into the fp32 caches
+    whose K tensors are ``layers`` (in layer order)."""
+    quantiser = SCHEMES[scheme](shape, calib)
+    layer_of = {t.data_ptr(): i for i, t in enumerate(layers)}
+    store = reference.store_kv_ref
+
+    def store_simulated(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
+        if k_cache.dtype != torch.float32 or k_scale is not None:
+            raise ValueError("a simulated scheme stores into an fp32 cache (model dtype fp32)")
+        layer = layer_of[k_cache.data_ptr()]
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid].long()
+        k = quantiser(k[valid].float(), layer, "k", slots)
+        v = quantiser(v[valid].float(), layer, "v", slots)
+        store(k, v, k_cache, v_cache, slots)
+
+    reference.store_kv_ref = store_simulated
+    try:
+        yield
+    finally:
+        reference.store_kv_ref = store
