@@ -216,3 +216,49 @@ def test_detokenizer_into_stop_matcher_cuts_inside_a_token(bpe: Tokenizer) -> No
 def test_empty_stop_string_is_refused() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         StopStringMatcher([""])
+
+
+def test_stray_bytes_are_released_so_a_garbage_stream_costs_a_window_per_token() -> None:
+    tok = ByteTokenizer()
+    decoded: list[int] = []
+
+    class Counting:
+        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+            decoded.append(len(ids))
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # Lone continuation bytes never become characters; a valid emoji and text come after.
+    data = b"\x80\xbf" * 300 + "🙂 ok".encode() + b"\xe2\x82" * 50 + b"!"
+    detok = IncrementalDetokenizer(Counting(), tok.encode("x"))
+    deltas = stream(detok, list(data))
+    assert "".join(deltas) + detok.flush() == data.decode("utf-8", errors="replace")
+    assert max(decoded) <= 24  # a bounded window, not the whole output
+    # The emoji arrives whole on its last byte, not as stray bytes.
+    last_byte = data.index("🙂".encode()) + 3
+    assert "🙂" in deltas[last_byte] and "🙂" not in "".join(deltas[:last_byte])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.binary(min_size=10, max_size=120))
+def test_long_byte_streams_add_up_to_the_whole_decode(data: bytes) -> None:
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, tok.encode("hi"))
+    deltas = stream(detok, list(data))
+    assert "".join(deltas) + detok.flush() == data.decode("utf-8", errors="replace")
+
+
+def test_tokens_without_text_do_not_grow_the_window(bpe: Tokenizer) -> None:
+    decoded: list[int] = []
+
+    class Counting:
+        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+            decoded.append(len(ids))
+            return bpe.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    eot = bpe.token_to_id("<|eot|>")
+    assert eot is not None
+    ids = [*bpe.encode(" hello", add_special_tokens=False), *[eot] * 200]
+    ids += bpe.encode(" world 🙂", add_special_tokens=False)
+    detok = IncrementalDetokenizer(Counting(), bpe.encode("say"))
+    assert "".join(stream(detok, ids)) + detok.flush() == bpe.decode(ids)
+    assert max(decoded) <= 24

@@ -14,6 +14,12 @@ from typing import Any, NamedTuple, Protocol
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as left context: enough for merges and SentencePiece spacing.
 _CONTEXT_TOKENS = 5
+# A character's bytes span at most 4 tokens, so text still ending in U+FFFD after this
+# many held tokens is invalid UTF-8 for good: release all but the last 4 tokens' worth.
+# Without a bound a model emitting stray bytes made every token decode a window as long
+# as the output (quadratic work on the engine thread, which every request waits for).
+_MAX_HELD_TOKENS = 8
+_MAX_CHAR_TOKENS = 4
 
 
 class Decoder(Protocol):
@@ -61,15 +67,43 @@ class IncrementalDetokenizer:
             # Only a prompt ends so (a resumed request cut inside a character the client
             # never got): emit that character whole once its bytes complete it.
             start = _common_prefix_length(prefix_text, full_text)
+        end = len(self._tokens)
         if len(full_text) <= start:
+            if end - self._read > _MAX_HELD_TOKENS:
+                self._drop_silent_tokens(prefix_text)
             return ""
         if full_text.endswith(_REPLACEMENT) and not final:
-            return ""  # its bytes may still be coming
+            if end - self._read <= _MAX_HELD_TOKENS:
+                return ""  # its bytes may still be coming
+            cut = self._settled_cut(full_text, start)
+            if cut is None:
+                return ""
+            end, full_text = cut
         delta = full_text[start:]
         # Next window starts where this delta's text began; drop what no window needs.
         del self._tokens[: self._read]
-        self._prefix, self._read = 0, len(self._tokens)
+        self._prefix, self._read = 0, end - self._read
         return delta
+
+    def _drop_silent_tokens(self, prefix_text: str) -> None:
+        """Held tokens that add no text (skipped specials, ids a dummy model's byte tokenizer
+        does not know) leave the window, except the last few a character may still need."""
+        keep_from = len(self._tokens) - _MAX_CHAR_TOKENS
+        if self._decode(self._prefix, keep_from) == prefix_text:
+            del self._tokens[self._read : keep_from]
+
+    def _settled_cut(self, full_text: str, start: int) -> tuple[int, str] | None:
+        """(tokens, text) of the longest head of the window, short of its last few tokens,
+        that decodes to a prefix of the whole window's text: what later bytes can no
+        longer change. None if no such head adds text."""
+        # A character that later tokens can still complete has at most 3 of its bytes here,
+        # so it starts in one of the last 3 tokens: holding the last 4 never splits it.
+        last = len(self._tokens) - _MAX_CHAR_TOKENS
+        for end in range(last, max(self._read, last - _MAX_CHAR_TOKENS), -1):
+            head = self._decode(self._prefix, end)
+            if len(head) > start and full_text.startswith(head):
+                return end, head
+        return None
 
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
