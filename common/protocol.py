@@ -491,3 +491,19 @@ class KvEvent(Message):
     worker: str
     kind: Literal["stored", "evicted"]
     block_hashes: list[bytes] = field(default_factory=list)
+
+
+# --- gateway heartbeat (qos.gw.<gateway id>) ---------------------------------------------
+# Not msgpack: the payload is the gateway's NATS reconnect count in ASCII digits, empty
+# from gateways older than the field. Workers resync a gateway's streams when it changes.
+
+
+def heartbeat_payload(reconnects: int) -> bytes:
+    return str(reconnects).encode()
+
+
+def heartbeat_reconnects(payload: bytes) -> int | None:
+    """The reconnect count a heartbeat carries; None for an empty or malformed payload."""
+    if 0 < len(payload) <= 12 and payload.isdigit():
+        return int(payload)
+    return None

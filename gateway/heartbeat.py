@@ -1,8 +1,15 @@
-"""The gateway's heartbeat: an empty message on ``qos.gw.<gateway id>`` every interval.
+"""The gateway's heartbeat: a message on ``qos.gw.<gateway id>`` every interval.
 
 Requests carry the gateway's id (``GenerateRequest.origin``); a worker that stops hearing
 from a request's gateway aborts it, since the caller's connection went down with the
 gateway and nobody will read the rest (``WorkerConfig.orphan_after_s``).
+
+The payload is the gateway's NATS reconnect count in ASCII digits (empty from gateways
+older than this field: read as no news). Chunks are core NATS: those a worker published
+while the gateway's own connection was down never reached it, and the worker cannot tell
+from its side. A worker that sees the count change re-sends each of that gateway's
+streams past what the gateway holds (:mod:`workers.resync`); the gateway beats as soon as
+it is back, so that happens within a fraction of a second, not an interval later.
 """
 
 from __future__ import annotations
@@ -13,10 +20,15 @@ import uuid
 
 from nats.aio.client import Client
 
+from common.protocol import heartbeat_payload
 from common.subjects import Subjects
 from common.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+# How often the beat loop looks at the reconnect count: the first beat after a reconnect
+# is what starts the workers' re-sends.
+_RECONNECT_POLL_S = 0.1
 
 
 def new_gateway_id() -> str:
@@ -41,12 +53,22 @@ class Heartbeat:
             self._task = None
 
     async def _run(self) -> None:
+        poll = min(self._interval, _RECONNECT_POLL_S)
+        last = asyncio.get_running_loop().time()
+        told = self._reconnects()
         while True:
-            await asyncio.sleep(self._interval)
-            await self._beat()
+            await asyncio.sleep(poll)
+            now = asyncio.get_running_loop().time()
+            count = self._reconnects()
+            if now - last >= self._interval or (count != told and self._nc.is_connected):
+                await self._beat()
+                last, told = now, count
+
+    def _reconnects(self) -> int:
+        return int(self._nc.stats.get("reconnects", 0))
 
     async def _beat(self) -> None:
         try:
-            await self._nc.publish(self._subject, b"")
+            await self._nc.publish(self._subject, heartbeat_payload(self._reconnects()))
         except Exception as exc:  # reconnecting: the next beat goes out once it is back
             log.debug("heartbeat not sent: %s", exc)

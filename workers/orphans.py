@@ -1,11 +1,16 @@
-"""Requests whose gateway died: heard from on ``qos.gw.*``, silent for too long.
+"""Gateways as workers hear them on ``qos.gw.*``: which went silent, which reconnected.
 
+Silent for too long, a gateway has died:
 A gateway heartbeats every ``gateway.heartbeat_interval_s`` and stamps its id on each
 request (``GenerateRequest.origin``). When it dies (SIGKILL, node loss) its callers'
 connections go with it, so the rest of their generations would be computed for nobody
 until their deadlines (two minutes by default). The worker aborts a request once its
 gateway has been silent for ``worker.orphan_after_s``. Silence while this worker is itself
 cut off from NATS does not count: it could not have heard anyone.
+
+A heartbeat also carries the gateway's NATS reconnect count (``gateway.heartbeat``): when
+it changes, the gateway was cut off while this worker was not, and the chunks published
+meanwhile are gone; :meth:`GatewayWatch.heard` says so, and the worker resyncs.
 """
 
 from __future__ import annotations
@@ -22,14 +27,22 @@ class GatewayWatch:
         self._after = orphan_after_s
         self._clock = clock
         self._seen: dict[str, float] = {}
+        self._reconnects: dict[str, int] = {}
         self._listening_since = clock()
 
     @property
     def enabled(self) -> bool:
         return self._after > 0
 
-    def heard(self, gateway_id: str) -> None:
+    def heard(self, gateway_id: str, reconnects: int | None = None) -> bool:
+        """Note a heartbeat; True when its reconnect count differs from the one before
+        (the first count heard from a gateway is no news)."""
         self._seen[gateway_id] = self._clock()
+        if reconnects is None:
+            return False
+        before = self._reconnects.get(gateway_id)
+        self._reconnects[gateway_id] = reconnects
+        return before is not None and before != reconnects
 
     def cut_off(self) -> None:
         """This worker is not connected: every gateway gets a fresh allowance once it is."""
@@ -52,3 +65,4 @@ class GatewayWatch:
         limit = self._clock() - _FORGET_AFTER * max(self._after, 1.0)
         for gateway_id in [g for g, t in self._seen.items() if t < limit]:
             del self._seen[gateway_id]
+            self._reconnects.pop(gateway_id, None)

@@ -5,7 +5,9 @@ written to the old socket just before it died, and those published while the cal
 own connection was not back yet. Without a resync the caller holds a gap that never
 fills (or never sees the final chunk) until its deadline, although the worker finished.
 
-So the worker watches its client's reconnect count. After a reconnect it asks the caller
+So the worker watches its client's reconnect count, and each gateway's (its heartbeat
+carries it: the gateway's link may drop while the worker's does not, and then only the
+gateway's streams need it). After a reconnect it asks the caller
 of each request in flight, and of each finished shortly before or during the outage,
 what it has, with the resume query a redelivered attempt sends (``qos.resume.<id>``,
 DESIGN §2) but with the *same* attempt number, which changes nothing on the caller's
@@ -20,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterable
 
 import nats.errors
 from nats.aio.client import Client
@@ -51,6 +54,8 @@ class Resync:
         timeout_s: float = 1.0,
         keep_s: float = KEEP_S,
         window_s: float = WINDOW_S,
+        origin_silent_s: Callable[[str], float] | None = None,
+        origin_quiet_after_s: float = 2.0,
     ) -> None:
         self._subjects = subjects
         self._worker_id = worker_id
@@ -58,6 +63,10 @@ class Resync:
         self._timeout_s = timeout_s
         self._keep_s = keep_s
         self._window_s = window_s
+        # Seconds since a gateway's last heartbeat: a finished flight is kept while its
+        # gateway is quiet (maybe cut off, to be resynced when it is back).
+        self._origin_silent_s = origin_silent_s
+        self._origin_quiet_after_s = origin_quiet_after_s
         self._recent: dict[str, tuple[float, Flight]] = {}
         self._reconnects = 0
         self._last_down = -float("inf")
@@ -73,21 +82,45 @@ class Resync:
         reconnects = int(nc.stats.get("reconnects", 0))
         if reconnects != self._reconnects:
             self._reconnects = reconnects
-            flights = {st.request.id: st for _, st in self._recent.values()}
-            flights.update((st.request.id, st) for st in inflight)
+            flights = self._flights(inflight)
             if flights:
                 log.info("NATS reconnected: resyncing %d requests with their callers", len(flights))
-            for st in flights.values():
-                task = asyncio.create_task(self._resync(nc, st), name="worker-resync")
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            self._start(nc, flights)
         if not nc.is_connected:
             self._last_down = now
-        # Whatever finished during an outage is kept until the resync window has passed.
+        # Whatever finished during an outage is kept until the resync window has passed;
+        # so is what finished while its gateway is quiet, for as long as the window.
         calm = now - self._last_down > self._window_s
-        for rid, (at, _) in list(self._recent.items()):
+        for rid, (at, st) in list(self._recent.items()):
             if now - at > self._keep_s and (calm or at < self._last_down - self._keep_s):
+                if now - at < self._window_s and self._origin_quiet(st):
+                    continue
                 del self._recent[rid]
+
+    def caller_reconnected(self, nc: Client, origin: str, inflight: Iterable[Flight]) -> None:
+        """Gateway ``origin`` reports a reconnect of its own: resync its streams."""
+        flights = [st for st in self._flights(inflight) if st.request.origin == origin]
+        if flights:
+            log.info("gateway %s reconnected: resyncing %d requests", origin, len(flights))
+        self._start(nc, flights)
+
+    def _flights(self, inflight: Iterable[Flight]) -> list[Flight]:
+        """Requests in flight and those finished recently, once each."""
+        flights = {st.request.id: st for _, st in self._recent.values()}
+        flights.update((st.request.id, st) for st in inflight)
+        return list(flights.values())
+
+    def _start(self, nc: Client, flights: Iterable[Flight]) -> None:
+        for st in flights:
+            task = asyncio.create_task(self._resync(nc, st), name="worker-resync")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _origin_quiet(self, st: Flight) -> bool:
+        origin = st.request.origin
+        if not origin or self._origin_silent_s is None:
+            return False
+        return self._origin_silent_s(origin) > self._origin_quiet_after_s
 
     async def close(self) -> None:
         await cancel_and_wait(list(self._tasks), what="resync tasks")

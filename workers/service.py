@@ -57,6 +57,7 @@ from common.protocol import (
     Control,
     GenerateRequest,
     ResumeQuery,
+    heartbeat_reconnects,
 )
 from common.subjects import Subjects
 from common.tasks import cancel_and_wait
@@ -158,7 +159,12 @@ class WorkerService:
         self._coalesce_s = config.worker.coalesce_ms / 1000.0
         self._max_payload = config.nats.max_payload_bytes
         self._resync = Resync(
-            self.subjects, options.worker_id, self._max_payload, timeout_s=options.resume_timeout_s
+            self.subjects,
+            options.worker_id,
+            self._max_payload,
+            timeout_s=options.resume_timeout_s,
+            origin_silent_s=self._gateways.silent_s,
+            origin_quiet_after_s=2 * config.gateway.heartbeat_interval_s,
         )
 
     # --- life cycle ----------------------------------------------------------------------
@@ -181,12 +187,10 @@ class WorkerService:
         self._ctl_subs.append(
             await self.nc.subscribe(self.subjects.control(self.worker_id), cb=self._on_control)
         )
-        if self._gateways.enabled:
-            self._ctl_subs.append(
-                await self.nc.subscribe(
-                    self.subjects.gateway_heartbeat_wildcard, cb=self._on_heartbeat
-                )
-            )
+        # Gateway heartbeats: silence reaps orphans, a new reconnect count starts a resync.
+        self._ctl_subs.append(
+            await self.nc.subscribe(self.subjects.gateway_heartbeat_wildcard, cb=self._on_heartbeat)
+        )
         await self._bind(self.group)
         self._tasks = [
             asyncio.create_task(self._pump(), name="worker-pump"),
@@ -525,7 +529,9 @@ class WorkerService:
                     await settle(msg.in_progress)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        self._gateways.heard(msg.subject.rsplit(".", 1)[-1])
+        gateway_id = msg.subject.rsplit(".", 1)[-1]
+        if self._gateways.heard(gateway_id, heartbeat_reconnects(msg.data)) and self.nc is not None:
+            self._resync.caller_reconnected(self.nc, gateway_id, list(self._inflight.values()))
 
     def _reap_orphans(self) -> None:
         """Abort requests whose gateway went silent (see :mod:`workers.orphans`)."""

@@ -1,7 +1,8 @@
-"""workers.orphans.GatewayWatch: who is silent, and what does not count as silence."""
+"""workers.orphans.GatewayWatch: who is silent, what does not count as silence, and who reconnected."""
 
 from __future__ import annotations
 
+from common.protocol import heartbeat_payload, heartbeat_reconnects
 from workers.orphans import GatewayWatch
 
 
@@ -68,3 +69,21 @@ def test_gateways_long_gone_are_forgotten() -> None:
     clock.now += 6  # gw-old silent 11 s (> 10 thresholds), gw-new 6 s
     watch.forget_stale()
     assert watch.known() == ["gw-new"]
+
+
+def test_a_new_reconnect_count_is_news_the_first_and_a_repeated_one_are_not() -> None:
+    watch = GatewayWatch(10.0, Clock())
+    assert not watch.heard("gw-a", 0)  # first heard: nothing to compare with
+    assert not watch.heard("gw-a", 0)
+    assert not watch.heard("gw-a", None)  # an old gateway's empty beat: no news either
+    assert watch.heard("gw-a", 1)
+    assert not watch.heard("gw-a", 1)
+    assert not watch.heard("gw-b", 3)  # counts are per gateway
+    assert watch.heard("gw-b", 4) and not watch.heard("gw-a", 1)
+
+
+def test_heartbeat_payload_round_trip_and_junk() -> None:
+    assert heartbeat_reconnects(heartbeat_payload(0)) == 0
+    assert heartbeat_reconnects(heartbeat_payload(12345)) == 12345
+    for junk in (b"", b"-1", b"1.5", b"\xff", b"9" * 13, b" 3"):
+        assert heartbeat_reconnects(junk) is None

@@ -1,0 +1,87 @@
+"""The gateway's own link to NATS drops while the workers' does not.
+
+Chunks are core NATS: whatever a worker published while the gateway was cut off never
+reached it, and the worker's connection never noticed anything. The gateway's heartbeat
+carries its reconnect count; a worker that sees it change re-sends each of that
+gateway's streams past what the gateway holds (:mod:`workers.resync`). Every stream must
+end whole and exact, promptly, not at its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from common.services import NatsServer
+from common.tokenizer import BaseTokenizer
+from tests.reliability.conftest import StackFactory
+from tests.reliability.harness import body, completion, expected_text, group, sim_engine, tally
+from tests.reliability.tcp_proxy import TcpProxy
+from workers.service import WorkerOptions, WorkerService
+
+MAX_TOKENS = 40  # 0.8 s of 20 ms steps: the cut lands mid-generation
+DEADLINE = {"X-QoS-Deadline-Ms": "30000"}  # a stream waiting for lost chunks would hit this
+
+
+@pytest.fixture
+def proxy(private_nats: NatsServer) -> Iterator[TcpProxy]:
+    """In front of the test's nats-server; closed after the stack (set up before it)."""
+    host, port = private_nats.url.removeprefix("nats://").split(":")
+    forwarder = TcpProxy(host, int(port)).start()
+    yield forwarder
+    forwarder.close()
+
+
+# 0.6 s: streams still generating when the link is back. 2.6 s: every stream finished
+# during the cut, longer ago than a finished stream is normally kept for a resync.
+@pytest.mark.parametrize("cut_s", [0.6, 2.6])
+async def test_streams_finish_exactly_after_the_gateways_link_to_nats_flaps(
+    cut_s: float,
+    private_nats: NatsServer,
+    proxy: TcpProxy,
+    make_stack: StackFactory,
+    tokenizer: BaseTokenizer,
+) -> None:
+    stack = make_stack(
+        f"nats://127.0.0.1:{proxy.port}",
+        {"short": group(8)},
+        {"short": 0},
+        heartbeat_interval_s=0.2,
+    )
+    # The worker talks to nats-server directly: only the gateway's link will drop.
+    direct = stack.config.model_copy(
+        update={"nats": stack.config.nats.model_copy(update={"url": private_nats.url})}
+    )
+    worker = WorkerService(
+        direct,
+        sim_engine(tokenizer, 8, 0.02),
+        WorkerOptions(group="short", worker_id="short-0", fetch_timeout_s=0.25),
+    )
+    stack.call(worker.start())
+    stack.workers["short-0"] = worker
+    stack.wait_live({"short": 1})
+    url = f"{stack.base_url}/completions"
+    async with httpx.AsyncClient(timeout=60) as http:
+        streams = [
+            asyncio.create_task(completion(http, url, body(stack.model, seed), DEADLINE))
+            for seed in range(8)
+        ]
+        await asyncio.sleep(0.3)
+        proxy.cut()
+        cut_at = time.monotonic()
+        await asyncio.sleep(cut_s)  # the worker keeps generating into the void
+        proxy.restore()
+        outcomes = await asyncio.gather(*streams)
+        took_s = time.monotonic() - cut_at
+
+    assert tally(outcomes) == {"complete": 8, "error": 0, "lost": 0}, [o.detail for o in outcomes]
+    for seed, outcome in enumerate(outcomes):
+        assert outcome.text == expected_text(tokenizer, MAX_TOKENS, seed), f"seed {seed}"
+        assert outcome.completion_tokens == MAX_TOKENS, f"seed {seed}: {outcome}"
+    assert took_s < cut_s + 6, (
+        f"streams took {took_s:.1f}s after the cut: they waited, not resynced"
+    )
