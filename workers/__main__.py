@@ -82,9 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--coalesce-ms", type=float, help="chunk coalescing (default worker.coalesce_ms)"
     )
     sim = p.add_argument_group("simulated engine (--engine sim)")
-    sim.add_argument("--sim-base-ms", type=float, default=5.0, help="fixed cost of a step")
-    sim.add_argument("--sim-prefill-us-per-token", type=float, default=10.0)
-    sim.add_argument("--sim-decode-us-per-seq", type=float, default=100.0)
+    from workers.sim import SimCost
+
+    fitted = SimCost()  # an H200 running a 1B model (workers/sim.py)
+    sim.add_argument(
+        "--sim-base-ms", type=float, default=fitted.base_s * 1e3, help="fixed cost of a step"
+    )
+    sim.add_argument(
+        "--sim-prefill-us-per-token", type=float, default=fitted.prefill_s_per_token * 1e6
+    )
+    sim.add_argument("--sim-decode-us-per-seq", type=float, default=fitted.decode_s_per_seq * 1e6)
     sim.add_argument("--sim-slowdown-ms", type=float, default=0.0, help="extra time per step")
     sim.add_argument("--tokenizer", help="tokenizer folder for sim text (default: the model's)")
     p.add_argument("--metrics-port", type=int, help="/metrics port (default worker.metrics_port)")

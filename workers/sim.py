@@ -7,12 +7,14 @@ a real step would take:
 
     step_s = base_s + prefill_s_per_token × prefill tokens + decode_s_per_seq × decoding seqs
 
-The defaults are order-of-magnitude figures for a ~1B-parameter Llama in bf16 with CUDA
-graphs on one H200 (5 ms a step, 10 µs a prefill token, 0.1 ms a decoding sequence); they
-have not been fitted on this project's hardware yet. To fit them, run ``bench/engine.py``
-on the target GPU and regress its per-step times on (prefill tokens, decoding sequences);
-pass the result with ``--sim-base-ms`` / ``--sim-prefill-us-per-token`` /
-``--sim-decode-us-per-seq``. Zero costs make steps free, which measures the message plane.
+The defaults are fitted to ``dummy:llama-1b`` bf16 with CUDA graphs on one H200
+(``bench/results/gpu``, 2026-11-30, the engine's policy runs with ``--phases``): decode
+steps of 36-86 sequences at contexts of ~600-1,000 tokens took 0.87 ms + 34 µs a sequence
+(least squares over the policies' mean step times, residuals within 0.5 ms), prefill steps
+of ~1,100-1,650 prompt tokens ~9 µs a token. Longer contexts make a decoding sequence
+dearer. For other hardware run ``bench/engine.py --phases`` there and pass the fit with
+``--sim-base-ms`` / ``--sim-prefill-us-per-token`` / ``--sim-decode-us-per-seq``. Zero
+costs make steps free, which measures the message plane.
 
 Continuous batching: each step admits waiting requests (lower ``priority`` first, then
 oldest) while the batch cap, the token budget and the simulated KV blocks allow; an admitted
@@ -51,9 +53,9 @@ def sim_token(seed: int, position: int, vocab_size: int = 32000) -> int:
 class SimCost:
     """Seconds one step costs; see the module docstring for the formula."""
 
-    base_s: float = 0.005
-    prefill_s_per_token: float = 0.00001
-    decode_s_per_seq: float = 0.0001
+    base_s: float = 0.00087
+    prefill_s_per_token: float = 0.000009
+    decode_s_per_seq: float = 0.000034
 
     def step_s(self, prefill_tokens: int, decoding_seqs: int) -> float:
         return (
