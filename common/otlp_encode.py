@@ -4,7 +4,10 @@ The SDK's encoder builds a generated protobuf object per span, attribute and val
 serialises the tree: ~10 µs a span and ~2 µs an attribute, on the batch export thread but
 on the same cores as the request path (issue #7). This writes the wire format in one pass:
 each message is its fields' bytes joined, prefixed by tag and length where it is nested.
-Keys, resources and scopes repeat in every batch, so their encodings are kept.
+Keys, resources and scopes repeat in every batch, so their encodings are kept, and so are
+those of a recorded span's shared attributes (:class:`common.span_recorder.Constants`).
+A recorded span's phases (children kept on it as tuples) are written from those tuples,
+just before their parent.
 
 The output parses to the same message the SDK's ``encode_spans`` produces (the tests pin
 that), field for field: spans grouped by resource then scope, ``flags`` carrying only the
@@ -24,7 +27,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, StatusCode, TraceState
 
-from common.span_recorder import RecordedSpan
+from common.span_recorder import Constants, RecordedSpan
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,9 @@ _LINK_FLAGS_REMOTE = b"\x35" + _FIXED32(0x300)
 # SpanKind (API enum 0..4) → field 6 with the proto's values (1..5).
 _KIND = [b"\x30" + bytes((k + 1,)) for k in range(5)]
 _TRUE, _FALSE = b"\x10\x01", b"\x10\x00"  # AnyValue.bool_value: in a oneof, so False is sent
+# A phase's kind (INTERNAL), after its name; and its end: an empty status, local parent.
+_PHASE_KIND = _KIND[0]
+_PHASE_END = b"\x7a\x00" + _FLAGS_LOCAL
 
 
 def _varint(n: int) -> bytes:
@@ -82,6 +88,8 @@ def _any_value(value: Any) -> bytes:
         return _int(value)
     if kind is float:
         return b"\x21" + _DOUBLE(value)
+    if kind is tuple or kind is list:  # finish reasons: before the ABCs' slow checks
+        return _nested(b"\x2a", b"".join(_nested(b"\x0a", _any_value(v)) for v in value))
     if value is None:
         return b""
     if isinstance(value, bool):
@@ -165,6 +173,8 @@ class SpanEncoder:
                 resource, scope = span.resource, span.instrumentation_scope
                 scopes = groups.setdefault(self._resource(span.resource), {})
                 bucket = scopes.setdefault(self._scope(scope), [])
+            if type(span) is RecordedSpan and span._phases:
+                self._phases(span, bucket)
             bucket.append(self._span(span))
         out = []
         for resource_fields, by_scope in groups.items():
@@ -265,24 +275,30 @@ class SpanEncoder:
 
     def _span(self, span: ReadableSpan) -> bytes:
         """A ``Span`` field of ``ScopeSpans`` (tag and length included)."""
+        shared = b""
         if type(span) is RecordedSpan:  # plain fields: no SpanContext, proxy or copy built
             trace_id, span_id, state = span.trace_id, span.span_id, span.trace_state
-            attributes: Mapping[str, Any] = span._attributes
+            attributes: Mapping[str, Any] = span._vars
+            if span._constants is not None:
+                shared = span._constants.encoded or self._constants(span._constants)
             events, links = span._events, span._links
             dropped = b""
+            parent_id, remote = span._parent_id or None, span._parent_remote
         else:
             ctx = span.get_span_context()
             assert ctx is not None
             trace_id, span_id, state = ctx.trace_id, ctx.span_id, ctx.trace_state
             attributes, events, links = span.attributes or {}, span.events, span.links
             dropped = _dropped(span)
-        parent = span.parent
+            parent = span.parent
+            parent_id = parent.span_id if parent is not None else None
+            remote = parent is not None and parent.is_remote
         # trace_id (1) and span_id (2) in one pack; the tags read as big-endian shorts.
         parts = [_IDS(0x0A10, trace_id >> 64, trace_id & _INT64_MASK, 0x1208, span_id)]
         if state:
             parts.append(_trace_state(state))
-        if parent is not None:
-            parts.append(_PARENT(0x2208, parent.span_id))
+        if parent_id is not None:
+            parts.append(_PARENT(0x2208, parent_id))
         name = self._names.get(span.name)
         if name is None:
             name = self._name(span.name)
@@ -292,6 +308,7 @@ class SpanEncoder:
             _KIND[span.kind._value_],
             _TIMES(0x39, start, 0x41, end) if start and end else _times(start, end),
             dropped,
+            shared,
         )
         parts += self._attributes(b"\x4a", attributes)
         for event in events:
@@ -306,10 +323,36 @@ class SpanEncoder:
             parts.append(_nested(b"\x7a", message_field + code_field))
         else:
             parts.append(b"\x7a\x00")  # the SDK always sets a status, even an empty one
-        parts.append(_FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
+        parts.append(_FLAGS_REMOTE if remote else _FLAGS_LOCAL)
         body = b"".join(parts)
         n = len(body)
         return b"\x12" + (_VARINT1[n] if n < 128 else _varint(n)) + body
+
+    def _constants(self, constants: Constants) -> bytes:
+        """The shared attributes' fields, written once and kept on them."""
+        encoded = constants.encoded = b"".join(self._attributes(b"\x4a", constants.items))
+        return encoded
+
+    def _phases(self, span: RecordedSpan, bucket: list[bytes]) -> None:
+        """``span``'s phases as ``Span`` fields: INTERNAL children with a name and two
+        times, the parent's trace id and trace state, an empty status (as the SDK writes
+        a child span with no attributes)."""
+        trace_id = span.trace_id
+        hi, lo = trace_id >> 64, trace_id & _INT64_MASK
+        middle = _PARENT(0x2208, span.span_id)
+        if span.trace_state:
+            middle = _trace_state(span.trace_state) + middle
+        names = self._names
+        for span_id, name, start_s, end_s in span._phases or ():
+            name_field = names.get(name) or self._name(name)
+            start, end = int(start_s * 1e9), int(end_s * 1e9)
+            body = b"".join((
+                _IDS(0x0A10, hi, lo, 0x1208, span_id), middle, name_field, _PHASE_KIND,
+                _TIMES(0x39, start, 0x41, end) if start and end else _times(start, end),
+                _PHASE_END,
+            ))  # fmt: skip
+            n = len(body)
+            bucket.append(b"\x12" + (_VARINT1[n] if n < 128 else _varint(n)) + body)
 
     def _name(self, name: str) -> bytes:
         """``Span.name``: names repeat (a route, "queue", "decode"), so they are kept."""

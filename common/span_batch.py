@@ -5,9 +5,11 @@ The SDK's BatchSpanProcessor does the same, but its ``on_end`` reads each span's
 ``SpanContext`` (built for the purpose) to skip unsampled ones, checks the process id (a
 system call) and counts into its metrics, ~3 µs a span on the event loop; seven spans a
 traced request. Here :class:`common.span_recorder.Tracer` calls :meth:`SpanBatch.add`
-with spans it knows are sampled: one append and one length check. It reads the SDK's
-``OTEL_BSP_*`` variables (delay, queue size, batch size, export timeout) with the SDK's
-defaults; spans beyond a full queue are dropped and counted, as the SDK drops them.
+with spans it knows are sampled: one append and a count. A span queued with its phases
+(:meth:`common.span_recorder.RecordedSpan.add_phase`) counts as that many spans. It reads
+the SDK's ``OTEL_BSP_*`` variables (delay, queue size, batch size in spans, export
+timeout) with the SDK's defaults; spans beyond a full queue are dropped and counted, as
+the SDK drops them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class SpanBatch(SpanProcessor):
         self.timeout_s = _env_int(env, "OTEL_BSP_EXPORT_TIMEOUT", 30000) / 1000
         self.dropped = 0
         self._queue: collections.deque[ReadableSpan] = collections.deque()
+        # Spans queued = added - taken; each count written by one thread only (no lock).
+        self._added = self._taken = 0
         self._wake = threading.Event()
         self._export_lock = threading.Lock()
         self._closed = False
@@ -57,16 +61,23 @@ class SpanBatch(SpanProcessor):
         self._thread.start()
 
     def add(self, span: ReadableSpan) -> None:
-        """Queue a sampled span (the request path: no check of its flags)."""
-        queue = self._queue
-        if len(queue) >= self.max_queue:
-            self.dropped += 1  # the exporter is behind: the SDK drops too, and says so
-            if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, 8 … : not a line a span
-                log.warning("span queue full (%d): %d spans dropped", self.max_queue, self.dropped)
+        """Queue a sampled span and its phases (the request path: no check of its flags)."""
+        phases = getattr(span, "_phases", None)
+        weight = 1 + len(phases) if phases else 1
+        queued = self._added - self._taken
+        if queued + weight > self.max_queue:
+            self._drop(weight)
             return
-        queue.append(span)
-        if len(queue) == self.max_batch:
+        self._queue.append(span)
+        self._added += weight
+        if queued < self.max_batch <= queued + weight:  # a batch is full: wake the thread
             self._wake.set()
+
+    def _drop(self, weight: int) -> None:
+        before = self.dropped
+        self.dropped += weight  # the exporter is behind: the SDK drops too, and says so
+        if before.bit_length() != self.dropped.bit_length():  # at 1, 2, 4 …: not every span
+            log.warning("span queue full (%d): %d spans dropped", self.max_queue, self.dropped)
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         pass
@@ -88,13 +99,27 @@ class SpanBatch(SpanProcessor):
         with self._export_lock:
             queue = self._queue
             first = True
-            while queue and (first or everything or len(queue) >= self.max_batch):
+            while queue and (first or everything or self._added - self._taken >= self.max_batch):
                 first = False
-                batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
+                batch = self._take()
                 try:
                     self.span_exporter.export(batch)
                 except Exception:  # an exporter's bug must not end the thread
                     log.exception("span export failed")
+
+    def _take(self) -> list[ReadableSpan]:
+        """Up to ``max_batch`` spans off the queue, phases counted (one item at least)."""
+        queue, size = self._queue, 0
+        batch: list[ReadableSpan] = []
+        while queue:
+            phases = getattr(queue[0], "_phases", None)
+            weight = 1 + len(phases) if phases else 1
+            if batch and size + weight > self.max_batch:
+                break
+            batch.append(queue.popleft())
+            size += weight
+        self._taken += size
+        return batch
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000

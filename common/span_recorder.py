@@ -4,6 +4,13 @@ A :class:`RecordedSpan` is its own ``ReadableSpan`` and goes to the provider's p
 it is when it ends: no lock, copy or attribute cleaning on the request path. The SDK's
 exporters (OTLP batch, in-memory) take it like one of the SDK's own spans.
 
+Two shapes keep a traced request's cost on the event loop small (issue #7):
+:class:`Constants`, the attributes many spans share (model, group, worker, subject), built
+once and encoded once by the exporter; and *phases*, children with only a name and two
+times (a worker's queue, prefill, decode, stream), kept on their parent as tuples
+(:meth:`RecordedSpan.add_phase`) and made into spans only where a processor other than
+our batch asks for them.
+
 Sampling is decided once per request, where it enters a service (:meth:`Tracer.start_remote`):
 the SDK's built-in samplers are read once into a plain function of the trace id and the
 caller's sampled flag, so a request sampled out costs a random number and a comparison,
@@ -15,6 +22,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from opentelemetry import trace
@@ -63,14 +71,41 @@ class _Resource(Resource):
         return self._hash
 
 
+class Constants:
+    """Attributes shared by many spans, built once: a span given them (:meth:`RecordedSpan.
+    set_constants`) holds a reference, not a copy, and the OTLP encoder writes their bytes
+    once and reuses them (``encoded``, set by the encoder). None values are left out, as
+    the SDK leaves them out of a span."""
+
+    __slots__ = ("encoded", "items", "keys")
+
+    def __init__(self, items: Mapping[str, Any]) -> None:
+        self.items: Mapping[str, Any] = MappingProxyType(
+            {k: v for k, v in items.items() if v is not None}
+        )
+        self.keys = frozenset(self.items)
+        self.encoded: bytes | None = None  # the KeyValue fields of a Span, once encoded
+
+    def __repr__(self) -> str:
+        return f"Constants({dict(self.items)!r})"
+
+
+# A phase kept on its parent: (span id, name, start s, end s), ``time.time()`` seconds.
+Phase = tuple[int, str, float, float]
+
+
 class RecordedSpan(Span, ReadableSpan):
     """A span as plain data, handed to the processors as it is when it ends (it is its own
     ``ReadableSpan``, as the SDK's span is, with no lock, copy or attribute cleaning).
 
+    Its attributes are ``_constants`` (shared, or None) overlaid by ``_vars`` (its own);
+    ``_attributes``, what the SDK's ``ReadableSpan`` reads, is the two merged.
+
     Not thread-safe, unlike the SDK's: a request's spans live on one event loop.
     """
 
-    _attributes: dict[str, Any]
+    trace_id: int
+    span_id: int
 
     def __init__(
         self,
@@ -79,7 +114,7 @@ class RecordedSpan(Span, ReadableSpan):
         kind: SpanKind,
         trace_id: int,
         span_id: int,
-        parent: SpanContext | None,
+        parent: SpanContext | RecordedSpan | RemoteParent | None,
         recording: bool,
         trace_state: TraceState,
         attributes: dict[str, Any],
@@ -88,8 +123,18 @@ class RecordedSpan(Span, ReadableSpan):
         # ReadableSpan's fields, by its names (its properties read them).
         self._name = name
         self._kind = kind
-        self._parent = parent
-        self._attributes = attributes
+        # The parent as given; its SpanContext is built only when asked (the encoder reads
+        # the two plain fields).
+        self._parent_of = parent
+        if parent is None:
+            self._parent_id, self._parent_remote = 0, False
+        elif isinstance(parent, RecordedSpan):
+            self._parent_id, self._parent_remote = parent.span_id, False
+        else:
+            self._parent_id, self._parent_remote = parent.span_id, parent.is_remote
+        self._vars = attributes
+        self._constants: Constants | None = None
+        self._phases: list[Phase] | None = None
         self._start_time = start_time
         self._end_time: int | None = None
         self._status = _UNSET
@@ -104,6 +149,58 @@ class RecordedSpan(Span, ReadableSpan):
         self.span_id = span_id
         self.recording = recording
         self.trace_state = trace_state
+
+    @property
+    def _parent(self) -> SpanContext | None:  # type: ignore[override]
+        """The parent's ``SpanContext`` (the SDK's ``ReadableSpan.parent`` reads this name)."""
+        parent = self._parent_of
+        if isinstance(parent, RecordedSpan):
+            parent = self._parent_of = parent.get_span_context()
+        elif isinstance(parent, RemoteParent):
+            parent = self._parent_of = parent.span_context()
+        return parent
+
+    @property
+    def _attributes(self) -> dict[str, Any]:  # type: ignore[override]
+        """All the attributes (the SDK's ``ReadableSpan`` reads this name)."""
+        if self._constants is None:
+            return self._vars
+        return {**self._constants.items, **self._vars}
+
+    def set_constants(self, constants: Constants) -> None:
+        """Share ``constants`` (they replace any same-named attribute set before)."""
+        if not self.recording:
+            return
+        old = self._constants
+        if old is not None and not old.keys <= constants.keys:  # keep what is not replaced
+            self._vars = {**old.items, **self._vars}
+        if not constants.keys.isdisjoint(self._vars):
+            self._vars = {k: v for k, v in self._vars.items() if k not in constants.keys}
+        self._constants = constants
+
+    def add_phase(self, name: str, start_s: float, end_s: float) -> None:
+        """A finished INTERNAL child with no attributes, ``time.time()`` seconds: kept here
+        as a tuple and exported with this span (it must end after its phases)."""
+        if self.recording:
+            phase = (self.tracer.id_generator.generate_span_id(), name, start_s, end_s)
+            if self._phases is None:
+                self._phases = [phase]
+            else:
+                self._phases.append(phase)
+
+    def phase_spans(self) -> list[RecordedSpan]:
+        """This span's phases as spans of their own, for processors that want spans."""
+        if not self._phases:
+            return []
+        out = []
+        for span_id, name, start_s, end_s in self._phases:
+            span = RecordedSpan(
+                self.tracer, name, _INTERNAL, self.trace_id, span_id, self, True,
+                self.trace_state, {}, int(start_s * 1e9),
+            )  # fmt: skip
+            span._end_time = int(end_s * 1e9)
+            out.append(span)
+        return out
 
     def traceparent(self) -> str:
         return f"00-{self.trace_id:032x}-{self.span_id:016x}-{'01' if self.recording else '00'}"
@@ -128,11 +225,21 @@ class RecordedSpan(Span, ReadableSpan):
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         if self.recording:
-            self._attributes.update(attributes)
+            if self._constants is not None and not self._constants.keys.isdisjoint(attributes):
+                self._fold_constants()
+            self._vars.update(attributes)
 
     def set_attribute(self, key: str, value: Any) -> None:
         if self.recording:
-            self._attributes[key] = value
+            if self._constants is not None and key in self._constants.keys:
+                self._fold_constants()
+            self._vars[key] = value
+
+    def _fold_constants(self) -> None:
+        """A shared attribute is overwritten: this span keeps its own copy from now on."""
+        assert self._constants is not None
+        self._vars = {**self._constants.items, **self._vars}
+        self._constants = None
 
     def add_event(
         self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None
@@ -171,8 +278,8 @@ class RecordedSpan(Span, ReadableSpan):
             return
         self._end_time = end_time or time.time_ns()
         if self.recording:
-            if None in self._attributes.values():  # the SDK drops None values; so do we
-                self._attributes = {k: v for k, v in self._attributes.items() if v is not None}
+            if None in self._vars.values():  # the SDK drops None values; so do we
+                self._vars = {k: v for k, v in self._vars.items() if v is not None}
             self.tracer.on_end(self)
 
 
@@ -217,16 +324,36 @@ class Tracer(trace.Tracer):
         self.id_generator = provider.id_generator
         self.processor = provider._active_span_processor  # what the SDK's own tracer gets
         processors = self.processor._span_processors
-        # One batch of ours: a span goes straight onto its queue (no processor loop, no
-        # SpanContext built to read a sampled flag every recorded span has).
+        # One batch of ours: a span goes straight onto its queue, its phases with it (no
+        # processor loop, no SpanContext built to read a sampled flag every span has).
         self.on_end: Callable[[RecordedSpan], None] = (
             processors[0].add
             if len(processors) == 1 and isinstance(processors[0], SpanBatch)
-            else self.processor.on_end
+            else self._to_processors
         )
         self.scope = InstrumentationScope(name)
         resource = provider.resource
         self.resource = _Resource(resource.attributes, resource.schema_url)
+        self._constants: dict[tuple[tuple[str, Any], ...], Constants] = {}
+
+    def constants(self, items: tuple[tuple[str, Any], ...]) -> Constants:
+        """The :class:`Constants` of these (key, value) pairs, built once per distinct set
+        (a few hundred kept: a set per model, group and subject, not per request)."""
+        found = self._constants.get(items)
+        if found is None:
+            if len(self._constants) >= 256:
+                self._constants.clear()
+            found = self._constants[items] = Constants(dict(items))
+        return found
+
+    def _to_processors(self, span: RecordedSpan) -> None:
+        """Any other processors: the phases as spans, ended before their parent (which then
+        carries none: an exporter must not see them twice)."""
+        if span._phases:
+            for phase in span.phase_spans():
+                self.processor.on_end(phase)
+            span._phases = None
+        self.processor.on_end(span)
 
     def start_remote(
         self,
@@ -256,11 +383,10 @@ class Tracer(trace.Tracer):
             if parent is not None:
                 return Unsampled(trace_id, parent.span_id, parent.tracestate)
             return Unsampled(trace_id, self.id_generator.generate_span_id())
-        parent_ctx = parent.span_context() if parent is not None else None
         if state is None:
-            state = parent_ctx.trace_state if parent_ctx is not None else _EMPTY_STATE
+            state = parent.trace_state() if parent is not None else _EMPTY_STATE
         return RecordedSpan(
-            self, name, kind, trace_id, self.id_generator.generate_span_id(), parent_ctx,
+            self, name, kind, trace_id, self.id_generator.generate_span_id(), parent,
             True, state, attrs, start_time or time.time_ns(),
         )  # fmt: skip
 
@@ -276,7 +402,7 @@ class Tracer(trace.Tracer):
         with no ``Context`` built to find the parent."""
         return RecordedSpan(
             self, name, kind, parent.trace_id, self.id_generator.generate_span_id(),
-            parent.get_span_context(), parent.recording, parent.trace_state,
+            parent, parent.recording, parent.trace_state,
             attributes if attributes is not None else {}, start_time or time.time_ns(),
         )  # fmt: skip
 
@@ -295,9 +421,9 @@ class Tracer(trace.Tracer):
         ``start_time`` (ns since the epoch)."""
         parent_span = trace.get_current_span(context)
         attrs = dict(attributes) if attributes else {}
-        parent: SpanContext | None
+        parent: SpanContext | RecordedSpan | None
         if isinstance(parent_span, RecordedSpan):  # local parent: its decision, no sampler
-            parent = parent_span.get_span_context()
+            parent = parent_span
             trace_id, recording = parent_span.trace_id, parent_span.recording
             state = parent_span.trace_state
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -30,12 +31,16 @@ class RemoteParent:
     span_id: int
     sampled: bool
     tracestate: str | None = None
+    is_remote: ClassVar[bool] = True  # as SpanContext says it
+
+    def trace_state(self) -> TraceState:
+        """``tracestate`` parsed, as the W3C propagator parses it."""
+        return TraceState.from_header([self.tracestate]) if self.tracestate else EMPTY_STATE
 
     def span_context(self) -> SpanContext:
-        """The SDK's form, built only for a span that is recorded (its export needs it)."""
-        state = TraceState.from_header([self.tracestate]) if self.tracestate else EMPTY_STATE
+        """The SDK's form, built only when asked (a processor reading ``parent``)."""
         flags = _SAMPLED if self.sampled else _NOT_SAMPLED
-        return SpanContext(self.trace_id, self.span_id, True, flags, state)
+        return SpanContext(self.trace_id, self.span_id, True, flags, self.trace_state())
 
     def context(self) -> Context:
         """An OpenTelemetry ``Context`` with this parent current (for the API's calls)."""

@@ -58,7 +58,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from common.otlp_export import OtlpSettings, OtlpSpanExporter
 from common.span_batch import SpanBatch
-from common.span_recorder import RecordedSpan, Tracer
+from common.span_recorder import Constants, RecordedSpan, Tracer
 from common.trace_context import RemoteParent, Unsampled, from_headers
 
 log = logging.getLogger(__name__)
@@ -213,6 +213,32 @@ def start_child(
         return tracer.start_child(parent, name, kind, attributes, start_time)
     context = trace.set_span_in_context(parent)
     return tracer.start_span(name, context, kind, attributes, start_time=start_time)
+
+
+def constants(tracer: trace.Tracer, items: tuple[tuple[str, Any], ...]) -> Constants:
+    """Attributes many spans share, as :class:`~common.span_recorder.Constants` (built
+    once per distinct set by our tracer, each time by another)."""
+    if isinstance(tracer, Tracer):
+        return tracer.constants(items)
+    return Constants(dict(items))
+
+
+def set_constants(span: Span, constants: Constants) -> None:
+    """Give ``span`` the shared attributes ``constants`` (by reference where it can)."""
+    if isinstance(span, RecordedSpan):
+        span.set_constants(constants)
+    else:
+        span.set_attributes(constants.items)
+
+
+def add_phase(tracer: trace.Tracer, span: Span, name: str, start_s: float, end_s: float) -> None:
+    """A finished INTERNAL child of ``span`` from ``start_s`` to ``end_s`` (``time.time()``
+    seconds), with no attributes: a tuple kept on our span, a span of its own elsewhere."""
+    if isinstance(span, RecordedSpan):
+        span.add_phase(name, start_s, end_s)
+    else:
+        child = tracer.start_span(name, trace.set_span_in_context(span), start_time=ns(start_s))
+        child.end(end_time=ns(end_s))
 
 
 # --- W3C trace context -----------------------------------------------------------------------

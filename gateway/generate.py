@@ -172,7 +172,7 @@ class Generator:
         flight = self._take_off(kind, body, route, prompt_ids, logprobs, started, deadline_ms)
         if self._tracer is not None:
             flight.trace = traced.admitted(
-                request.scope, kind=kind, model=self._model, group=route.group,
+                self._tracer, request.scope, kind=kind, model=self._model, group=route.group,
                 request_id=flight.stream.request_id, body=body,
                 max_tokens=classified.max_tokens, prompt_tokens=len(prompt_ids),
             )  # fmt: skip

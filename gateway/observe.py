@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from opentelemetry import context, trace
@@ -53,7 +54,10 @@ class ObserveMiddleware:
             scope[SCOPE_KEY] = decided
             if not isinstance(decided, Unsampled):
                 span = decided
-                span.set_attributes({"http.request.method": scope["method"], "url.path": path})
+                # Shared by every request of this method and path (a bounded cache: paths
+                # under /v1/ that no route takes are few, and cleared past a few hundred).
+                shared = (("http.request.method", scope["method"]), ("url.path", path))
+                tracing.set_constants(span, tracing.constants(self.tracer, shared))
                 token = context.attach(trace.set_span_in_context(span))
         logged = self.access_log and access.isEnabledFor(
             logging.DEBUG if path in _QUIET else logging.INFO
@@ -64,13 +68,14 @@ class ObserveMiddleware:
         started = time.perf_counter()
         seen: dict[str, Any] = {"status": 500}
 
-        async def send_and_look(message: Message) -> None:
+        def send_and_look(message: Message) -> Awaitable[None]:
+            # Not a coroutine of its own: a streamed answer passes here once a chunk.
             if message["type"] == "http.response.start":
                 seen["status"] = message["status"]
                 for key, value in message.get("headers", ()):
                     if key in (b"x-request-id", b"x-qos-group"):
                         seen[key.decode()] = value.decode("latin-1")
-            await send(message)
+            return send(message)
 
         try:
             await self.app(scope, receive, send_and_look)

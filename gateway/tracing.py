@@ -14,8 +14,8 @@ on, so a worker's logs and an outside tracer can still join the client's trace.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, MutableMapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import MutableMapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
@@ -32,6 +32,7 @@ Decided = Span | Unsampled | None
 
 
 def admitted(
+    tracer: Tracer,
     scope: Any,
     *,
     kind: str,
@@ -48,11 +49,8 @@ def admitted(
     if span is None or isinstance(span, Unsampled):
         return span
     attributes: dict[str, Any] = {
-        t.OPERATION: OPERATIONS.get(kind, kind),
-        t.REQUEST_MODEL: model,
         t.MAX_TOKENS: max_tokens,
         t.RESPONSE_ID: request_id,
-        t.GROUP: group,
         t.INPUT_TOKENS: prompt_tokens,
     }
     if body.temperature is not None:
@@ -60,6 +58,13 @@ def admitted(
     if body.top_p is not None:
         attributes[t.TOP_P] = body.top_p
     span.set_attributes(attributes)
+    # The middleware's method and path with what every request of this kind, model and
+    # group shares: one set of constants (they replace the middleware's, a subset).
+    shared = (
+        ("http.request.method", scope["method"]), ("url.path", scope["path"]),
+        (t.OPERATION, OPERATIONS.get(kind, kind)), (t.REQUEST_MODEL, model), (t.GROUP, group),
+    )  # fmt: skip
+    t.set_constants(span, t.constants(tracer, shared))
     return span
 
 
@@ -80,31 +85,36 @@ def publishing(
     if decided is None:
         forward_traceparent(client_headers, headers)
         return _NO_SPAN
-    return _publish_span(tracer, decided, subject, request_id, headers)
+    return _PublishSpan(tracer, decided, subject, request_id, headers)
 
 
-@contextmanager
-def _publish_span(
-    tracer: Tracer, server: Span, subject: str, request_id: str, headers: MutableMapping[str, str]
-) -> Iterator[None]:
-    """The PRODUCER span; an exception inside marks it failed (and propagates). Never
-    current: nothing under it starts spans, so no context is attached."""
-    attributes = {
-        "messaging.system": "nats",
-        "messaging.operation.type": "send",
-        "messaging.destination.name": subject,
-        "messaging.message.id": request_id,
-    }
-    span = t.start_child(tracer, server, f"publish {subject}", SpanKind.PRODUCER, attributes)
-    t.inject(headers, span)
-    try:
-        yield
-    except Exception as exc:
-        span.record_exception(exc)
-        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-        raise
-    finally:
-        span.end()
+class _PublishSpan(AbstractContextManager[None]):
+    """The PRODUCER span, started now (its ``traceparent`` into ``headers``) and ended on
+    exit; an exception inside marks it failed (and propagates). Never current: nothing
+    under it starts spans, so no context is attached."""
+
+    def __init__(
+        self,
+        tracer: Tracer,
+        server: Span,
+        subject: str,
+        request_id: str,
+        headers: MutableMapping[str, str],
+    ) -> None:
+        self.span = t.start_child(
+            tracer, server, f"publish {subject}", SpanKind.PRODUCER,
+            {"messaging.message.id": request_id},
+        )  # fmt: skip
+        shared = (("messaging.system", "nats"), ("messaging.operation.type", "send"),
+                  ("messaging.destination.name", subject))  # fmt: skip
+        t.set_constants(self.span, t.constants(tracer, shared))
+        t.inject(headers, self.span)
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if exc is not None:
+            self.span.record_exception(exc)
+            self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        self.span.end()
 
 
 def landed(

@@ -5,9 +5,12 @@ span (W3C ``traceparent`` in the NATS headers), and ends when the final chunk is
 when the message is handed back (``nak``): a redelivered request shows one span per
 attempt, each with ``qos.attempt``. A request the gateway sampled out (flag 00) gets
 nothing here, not even its attributes built: the worker follows the gateway's decision
-(parent-based sampling), so a trace is whole or absent. The engine is never traced from inside: its phases
-(queue, KV load, prefill, decode) are recorded afterwards, on the event loop, with the
-start and end times the engine already keeps in the request's metrics.
+(parent-based sampling), so a trace is whole or absent. The engine is never traced from
+inside: its phases (queue, KV load, prefill, decode) are recorded afterwards, on the event
+loop, with the start and end times the engine already keeps in the request's metrics, as
+phases of the request span (:meth:`common.span_recorder.RecordedSpan.add_phase`: tuples,
+exported with it). The attributes every delivery of a group shares (operation, model,
+group, worker, subject) are one :class:`~common.span_recorder.Constants`, built once.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from opentelemetry.trace import Span, SpanKind, Tracer
 
 from common import tracing as t
 from common.protocol import Chunk, GenerateRequest
+from common.span_recorder import Constants
 from common.trace_context import Unsampled, from_headers
 
 
@@ -33,6 +37,21 @@ class RequestSpans:
         self.tracer = tracer
         self.worker_id = worker_id
         self.model = model
+        self._shared: dict[tuple[str, str, str, str], Constants] = {}
+
+    def _constants(self, op: str, model: str, group: str, subject: str) -> Constants:
+        """What every delivery of (operation, model, group, subject) here has in common."""
+        key = (op, model, group, subject)
+        found = self._shared.get(key)
+        if found is None:
+            if len(self._shared) >= 256:  # models and subjects come from messages: bounded
+                self._shared.clear()
+            found = self._shared[key] = t.constants(self.tracer, (
+                (t.OPERATION, op), (t.REQUEST_MODEL, model), (t.GROUP, group),
+                (t.WORKER, self.worker_id), ("messaging.system", "nats"),
+                ("messaging.operation.type", "process"), ("messaging.destination.name", subject),
+            ))  # fmt: skip
+        return found
 
     def start(
         self,
@@ -54,23 +73,18 @@ class RequestSpans:
         )  # fmt: skip
         if isinstance(span, Unsampled):
             return None
+        params = req.params
         attributes: dict[str, Any] = {
-            t.OPERATION: op,
-            t.REQUEST_MODEL: model,
-            t.MAX_TOKENS: req.params.max_tokens,
-            t.TEMPERATURE: req.params.temperature,
-            t.TOP_P: req.params.top_p,
+            t.MAX_TOKENS: params.max_tokens,
+            t.TEMPERATURE: params.temperature,
+            t.TOP_P: params.top_p,
             t.RESPONSE_ID: req.id,
-            t.GROUP: group,
-            t.WORKER: self.worker_id,
             t.ATTEMPT: attempt,
-            "messaging.system": "nats",
-            "messaging.operation.type": "process",
-            "messaging.destination.name": subject,
         }
         if req.created_ms > 0:  # how long JetStream held it (clocks of two hosts: roughly)
             attributes["qos.jetstream_wait_s"] = max(0.0, fetched_at - req.created_ms / 1000)
         span.set_attributes(attributes)
+        t.set_constants(span, self._constants(op, model, group, subject))
         return span
 
     def finish(
@@ -104,8 +118,7 @@ class RequestSpans:
         if stream is not None:
             phases.append(("stream", *stream))
         for name, start, end in phases:
-            child = t.start_child(self.tracer, span, name, start_time=t.ns(start))
-            child.end(end_time=t.ns(max(start, end)))
+            t.add_phase(self.tracer, span, name, start, max(start, end))
         span.end()
 
     @staticmethod
