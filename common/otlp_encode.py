@@ -343,7 +343,9 @@ class SpanEncoder:
         if span.trace_state:
             middle = _trace_state(span.trace_state) + middle
         names = self._names
-        for span_id, name, start_s, end_s in span._phases or ():
+        for span_id, (name, start_s, end_s) in zip(
+            span.phase_ids(), span._phases or (), strict=True
+        ):
             name_field = names.get(name) or self._name(name)
             start, end = int(start_s * 1e9), int(end_s * 1e9)
             body = b"".join((

@@ -90,8 +90,8 @@ class Constants:
         return f"Constants({dict(self.items)!r})"
 
 
-# A phase kept on its parent: (span id, name, start s, end s), ``time.time()`` seconds.
-Phase = tuple[int, str, float, float]
+# A phase kept on its parent: (name, start s, end s), ``time.time()`` seconds.
+Phase = tuple[str, float, float]
 
 
 class RecordedSpan(Span, ReadableSpan):
@@ -106,6 +106,16 @@ class RecordedSpan(Span, ReadableSpan):
 
     trace_id: int
     span_id: int
+    # Defaults most spans keep, read from the class: fewer stores per span started.
+    _constants: Constants | None = None
+    _phases: list[Phase] | None = None
+    _phase_ids: list[int] | None = None
+    _end_time: int | None = None
+    _status = _UNSET
+    _events: Sequence[Event] = ()
+    _links: Sequence[Link] = ()
+    _instrumentation_info = None
+    _context: SpanContext | None = None  # built when asked (logs, export)
 
     def __init__(
         self,
@@ -133,17 +143,9 @@ class RecordedSpan(Span, ReadableSpan):
         else:
             self._parent_id, self._parent_remote = parent.span_id, parent.is_remote
         self._vars = attributes
-        self._constants: Constants | None = None
-        self._phases: list[Phase] | None = None
         self._start_time = start_time
-        self._end_time: int | None = None
-        self._status = _UNSET
-        self._events: Sequence[Event] = ()
-        self._links: Sequence[Link] = ()
         self._resource = tracer.resource
         self._instrumentation_scope = tracer.scope
-        self._instrumentation_info = None
-        self._context: SpanContext | None = None  # built when asked (logs, export)
         self.tracer = tracer
         self.trace_id = trace_id
         self.span_id = span_id
@@ -182,18 +184,27 @@ class RecordedSpan(Span, ReadableSpan):
         """A finished INTERNAL child with no attributes, ``time.time()`` seconds: kept here
         as a tuple and exported with this span (it must end after its phases)."""
         if self.recording:
-            phase = (self.tracer.id_generator.generate_span_id(), name, start_s, end_s)
             if self._phases is None:
-                self._phases = [phase]
+                self._phases = [(name, start_s, end_s)]
             else:
-                self._phases.append(phase)
+                self._phases.append((name, start_s, end_s))
+
+    def phase_ids(self) -> list[int]:
+        """The phases' span ids, drawn when first asked, after the span ended (by the export
+        thread, off the request path; nothing refers to a phase before)."""
+        phases = self._phases or ()
+        ids = self._phase_ids
+        if ids is None or len(ids) != len(phases):
+            generate = self.tracer.id_generator.generate_span_id
+            ids = self._phase_ids = [generate() for _ in phases]
+        return ids
 
     def phase_spans(self) -> list[RecordedSpan]:
         """This span's phases as spans of their own, for processors that want spans."""
         if not self._phases:
             return []
         out = []
-        for span_id, name, start_s, end_s in self._phases:
+        for span_id, (name, start_s, end_s) in zip(self.phase_ids(), self._phases, strict=True):
             span = RecordedSpan(
                 self.tracer, name, _INTERNAL, self.trace_id, span_id, self, True,
                 self.trace_state, {}, int(start_s * 1e9),
