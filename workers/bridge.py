@@ -58,6 +58,8 @@ class StepEngine(Protocol):
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        resumed_tokens: int = 0,
+        delivered_text_len: int = 0,
     ) -> None: ...
 
     def abort(self, request_id: str) -> bool: ...
@@ -82,13 +84,15 @@ BridgeEvent = RequestDelta | RequestFailed
 
 @dataclass(frozen=True)
 class AddRequest:
-    """Everything ``add_request`` needs; ``resume_token_ids`` extend the prompt (redelivery)."""
+    """Everything ``add_request`` needs; ``resume_token_ids`` extend the prompt (redelivery),
+    and the caller has ``resume_text_len`` characters of their text."""
 
     request_id: str
     params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     resume_token_ids: tuple[int, ...] = ()
+    resume_text_len: int = 0
     priority: int = 0
     arrival_time: float | None = None
 
@@ -250,6 +254,8 @@ class EngineBridge:
                 cmd.request_id, None, cmd.params,
                 prompt_token_ids=[*base, *cmd.resume_token_ids],
                 priority=cmd.priority, arrival_time=cmd.arrival_time,
+                resumed_tokens=len(cmd.resume_token_ids),
+                delivered_text_len=cmd.resume_text_len,
             )  # fmt: skip
         else:
             self.engine.add_request(

@@ -368,6 +368,7 @@ class WorkerService:
             )
             return
         resume: list[int] = []
+        resume_text_len = 0
         if attempt > 1:
             assert self.nc is not None
             reply = await ask_resume(
@@ -380,7 +381,7 @@ class WorkerService:
                 await settle(msg.ack)
                 self.observer.abandoned(st, "no_caller")
                 return
-            resume = reply.token_ids
+            resume, resume_text_len = reply.token_ids, reply.text_len
             st.resumed_at(len(resume))
             if req.id in self._aborted:  # aborted while we asked
                 await settle(msg.ack)
@@ -404,6 +405,7 @@ class WorkerService:
                 prompt=req.prompt,
                 prompt_token_ids=None if req.prompt is not None else list(req.prompt_token_ids),
                 resume_token_ids=tuple(resume),
+                resume_text_len=resume_text_len,
                 priority=req.priority,
                 arrival_time=start,
             )

@@ -191,8 +191,10 @@ class SimEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        resumed_tokens: int = 0,
+        delivered_text_len: int = 0,
     ) -> None:
-        """Queue a request; raises like :meth:`LLMEngine.add_request`."""
+        """Queue a request; raises and resumes like :meth:`LLMEngine.add_request`."""
         params = params if params is not None else SamplingParams()
         ids = checked_prompt_ids(
             request_id, self.requests, prompt, prompt_token_ids, self.encode, self.max_seq_len
@@ -210,7 +212,10 @@ class SimEngine:
         if self.tokenizer is not None:
             from workers.engine.detokenizer import attach_text_state
 
-            attach_text_state(req, self.tokenizer, ids, params)
+            attach_text_state(
+                req, self.tokenizer, ids, params,
+                resumed_tokens=resumed_tokens, delivered_text_len=delivered_text_len,
+            )  # fmt: skip
         self.requests[request_id] = req
         self.waiting.append(req)
 

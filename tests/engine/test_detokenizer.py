@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from common.tokenizer import ByteTokenizer, Tokenizer
 from tests.engine.test_tokenizer import write_hf_folder
-from workers.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from workers.engine.detokenizer import (
+    IncrementalDetokenizer,
+    StopCheck,
+    StopStringMatcher,
+    held_back_text,
+)
 
 FFFD = "\ufffd"
 # Multi-byte characters a byte-level BPE splits across tokens: emoji (4 bytes, with
@@ -262,3 +267,26 @@ def test_tokens_without_text_do_not_grow_the_window(bpe: Tokenizer) -> None:
     detok = IncrementalDetokenizer(Counting(), bpe.encode("say"))
     assert "".join(stream(detok, ids)) + detok.flush() == bpe.decode(ids)
     assert max(decoded) <= 24
+
+
+def test_held_back_text_is_what_the_deltas_gave_past_the_delivered_characters(
+    bpe: Tokenizer,
+) -> None:
+    prompt = bpe.encode("Q: ")
+    ids = bpe.encode("hello world 🙂", add_special_tokens=False)
+    text = bpe.decode(ids)
+    assert held_back_text(bpe, prompt, ids, 0) == text
+    assert held_back_text(bpe, prompt, ids, 6) == text[6:]
+    # An unfinished character stays out: the resumed prompt's detokenizer emits it whole.
+    tok = ByteTokenizer()
+    assert held_back_text(tok, tok.encode("a"), list("ok🙂".encode())[:4], 1) == "k"
+
+
+def test_a_held_tail_is_released_or_cut_like_any_other() -> None:
+    matcher = StopStringMatcher(["END"])
+    matcher.hold("E")
+    assert matcher.feed("x") == StopCheck("Ex", False)
+    matcher = StopStringMatcher(["END"])
+    matcher.hold("EN")
+    check = matcher.feed("D and more")
+    assert check == StopCheck("", True) and matcher.matched == "END"

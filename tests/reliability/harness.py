@@ -97,9 +97,9 @@ def expected_text(
 
 
 def same_text(got: str, want: str) -> bool:
-    """Exact equality. The tokenizer here decodes every token to a whole word, so no
-    character straddles a resume point. (With byte-level BPE a resumed attempt can drop a
-    multi-byte character split there: the resume reply's ``text_len`` is not used yet.)"""
+    """Exact equality: a resumed stream must equal the reference character for character
+    (a character split across the resume point is emitted whole by the resumed attempt's
+    detokenizer; text held back for a stop string is restored from ``text_len``)."""
     return got == want
 
 

@@ -100,3 +100,41 @@ def test_text_comes_from_the_tokenizer_and_long_prompts_are_rejected() -> None:
     assert deltas[-1].output.prompt_token_ids == ByteTokenizer().encode("hi")
     with pytest.raises(ContextLengthExceededError):
         engine.add_request("long", prompt_token_ids=[1] * 32)
+
+
+@pytest.mark.parametrize("resume_at", [3, 6])
+def test_a_resumed_request_sends_the_text_its_first_attempt_held_for_a_stop_string(
+    tmp_path, resume_at: int
+) -> None:
+    from bench.serve_stack import write_word_tokenizer
+    from common.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(write_word_tokenizer(tmp_path)))
+    prompt = tok.encode("tell me a story", add_special_tokens=True)
+
+    def deltas(params: SamplingParams, ids: list[int], **resume: int) -> list:
+        engine = SimEngine(cost=SimCost(0, 0, 0), tokenizer=tok, vocab_size=tok.vocab_size)
+        engine.add_request("r", params=params, prompt_token_ids=ids, **resume)
+        return run(engine)["r"]
+
+    plain = deltas(SamplingParams(max_tokens=10, seed=4, ignore_eos=True), prompt)
+    words = [d.text for d in plain]
+    assert all(words)
+    # A stop string that starts with the word at the resume point and never completes:
+    # the first attempt holds that word back when it is generated.
+    stop = SamplingParams(
+        max_tokens=10, seed=4, ignore_eos=True, stop=[words[resume_at - 1] + "\x07never"]
+    )
+    first = deltas(stop, prompt)
+    whole = "".join(d.text for d in first)
+    assert whole == "".join(words)
+    tokens = [t for d in first for t in d.token_ids]
+    delivered = "".join(d.text for d in first[:resume_at])
+    assert len(delivered) < len("".join(words[:resume_at]))  # the caller lacks that word
+    resumed = deltas(
+        SamplingParams(max_tokens=10 - resume_at, seed=4, ignore_eos=True, stop=stop.stop),
+        prompt + tokens[:resume_at],
+        resumed_tokens=resume_at,
+        delivered_text_len=len(delivered),
+    )
+    assert delivered + "".join(d.text for d in resumed) == whole

@@ -158,6 +158,11 @@ class StopStringMatcher:
         self._held = text[len(text) - keep :] if keep else ""
         return StopCheck(text[: len(text) - keep], False)
 
+    def hold(self, text: str) -> None:
+        """Start with ``text`` held: not yet sent, ahead of the next delta (a resumed
+        request's tail that the first attempt had held back)."""
+        self._held = text + self._held
+
     def flush(self) -> str:
         """The held-back tail, once the output ended for another reason (length, EOS)."""
         held, self._held = self._held, ""
@@ -187,8 +192,46 @@ class StopStringMatcher:
         return longest
 
 
-def attach_text_state(req: Any, tokenizer: Any, prompt_ids: Sequence[int], params: Any) -> None:
-    """Give a request (engine or sim) its incremental detokenizer and stop-string matcher."""
+def attach_text_state(
+    req: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    params: Any,
+    *,
+    resumed_tokens: int = 0,
+    delivered_text_len: int = 0,
+) -> None:
+    """Give a request (engine or sim) its incremental detokenizer and stop-string matcher.
+
+    A resumed request's prompt ends with ``resumed_tokens`` output tokens its caller already
+    has, with ``delivered_text_len`` characters of their text: the rest of that text, which
+    the first attempt was holding back as a possible stop-string prefix, starts out held in
+    the new matcher, so it is sent (or cut at a stop string) as if nothing had happened.
+    """
     req.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
     if params.stop:
         req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        if resumed_tokens > 0:
+            cut = len(prompt_ids) - resumed_tokens
+            held = held_back_text(
+                tokenizer, prompt_ids[:cut], prompt_ids[cut:], delivered_text_len,
+                params.skip_special_tokens,
+            )  # fmt: skip
+            req.stop_matcher.hold(held)
+            if hasattr(req, "stop_window"):
+                req.stop_window = held
+
+
+def held_back_text(
+    tokenizer: Decoder,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    delivered_text_len: int,
+    skip_special_tokens: bool = True,
+) -> str:
+    """The text of ``output_ids`` past the first ``delivered_text_len`` characters, as the
+    streamed deltas give it (an unfinished character at the end stays out: the detokenizer
+    of the resumed prompt emits it whole)."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    text = "".join(detok.add(token) for token in output_ids)
+    return text[delivered_text_len:]

@@ -182,12 +182,17 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        resumed_tokens: int = 0,
+        delivered_text_len: int = 0,
     ) -> None:
         """Queue a request (exactly one of ``prompt`` / ``prompt_token_ids``).
 
         Raises :class:`InvalidRequestError` for a duplicate id or a bad prompt and
         :class:`ContextLengthExceededError` when the prompt leaves no room for one token.
         Generation stops with ``finish_reason="length"`` at ``max_seq_len``.
+        A redelivered request continues its output: its prompt ends with the
+        ``resumed_tokens`` tokens its caller has, with ``delivered_text_len`` characters of
+        their text (see :func:`~workers.engine.detokenizer.attach_text_state`).
         """
         params = params if params is not None else SamplingParams()
 
@@ -219,7 +224,10 @@ class LLMEngine:
         if self.tokenizer is not None:
             from workers.engine.detokenizer import attach_text_state
 
-            attach_text_state(req, self.tokenizer, ids, params)
+            attach_text_state(
+                req, self.tokenizer, ids, params,
+                resumed_tokens=resumed_tokens, delivered_text_len=delivered_text_len,
+            )  # fmt: skip
         self.requests[request_id] = req
         self.batcher.add(req)
 
