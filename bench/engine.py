@@ -7,6 +7,11 @@ requests; reported: output tok/s, req/s, in-engine mean TTFT and TPOT, and ratio
 prompts. The roofline divides the bytes a decode step must read (weights + KV) by the
 measured device copy bandwidth.
 
+Online mode (``--arrival-rate R``): the same requests arrive as a Poisson process of R per
+second and each policy serves them as they come (TTFT and E2E p50/p99 are then serving
+latencies): the regime of a worker behind the gateway, without the message plane, to tell
+the engine's share of a serving result from the rest.
+
 Fixed-shape mode (``--fixed-batch B --input-len I --output-len O``): B identical-length
 requests decoded together; reports the decode step time against its roofline.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import random
 import statistics
 import sys
@@ -33,6 +39,7 @@ import torch
 from bench.engine_phases import PhaseTimer
 from bench.engine_profile import KernelProfile
 from bench.engine_schedule import count_steps
+from bench.serve_load import arrival_offsets
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
 from workers.engine.args import POLICIES
 
@@ -87,19 +94,34 @@ def drive(
     temperature: float,
     seeded: bool = True,
     step: Callable[[], list[Any]] | None = None,
+    arrivals: list[float] | None = None,
 ) -> tuple[float, list[Any], StepLog]:
-    """Submit everything at once, step to the end; (wall seconds, outputs, step log).
+    """Submit the requests, step to the end; (wall seconds, outputs, step log).
 
-    ``step`` replaces ``engine.step`` (a timed wrapper, say)."""
+    ``step`` replaces ``engine.step`` (a timed wrapper, say). ``arrivals``: seconds from
+    the start at which each request arrives (online serving); None: all at once."""
     log = StepLog()
     step = step or engine.step
     outputs: dict[str, Any] = {}
+    total = len(work.prompts)
+    due = arrivals if arrivals is not None else [0.0] * total
+    added = 0
     start = time.perf_counter()
-    for i, (p, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
-        seed = i if seeded else None
-        params = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=seed)
-        engine.add_request(str(i), prompt_token_ids=p, params=params)
-    while engine.has_unfinished():
+    while added < total or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while added < total and due[added] <= now:
+            seed = added if seeded else None
+            params = SamplingParams(
+                temperature=temperature,
+                max_tokens=work.output_lens[added],
+                ignore_eos=True,
+                seed=seed,
+            )
+            engine.add_request(str(added), prompt_token_ids=work.prompts[added], params=params)
+            added += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, due[added] - now))  # idle until the next arrival
+            continue
         t0 = time.perf_counter()
         deltas = step()
         dt = time.perf_counter() - t0
@@ -181,6 +203,7 @@ def summarize(wall: float, outputs: list[Any], log: StepLog, roof: Roofline) -> 
         for o in outputs
         if len(o.token_ids) > 1
     ]
+    e2e = [o.metrics.finish_time - o.metrics.arrival_time for o in outputs]
     decode = [i for i, d in enumerate(log.is_decode) if d]
     decode_s = sum(log.seconds[i] for i in decode)
     roof_s = sum(roof.step_seconds(log.context_tokens[i]) for i in decode)
@@ -191,6 +214,10 @@ def summarize(wall: float, outputs: list[Any], log: StepLog, roof: Roofline) -> 
         "req_s": round(len(outputs) / wall, 3),
         "mean_ttft_ms": round(1e3 * statistics.fmean(ttft), 2),
         "mean_tpot_ms": round(1e3 * statistics.fmean(tpot), 2) if tpot else None,
+        "ttft_p50_ms": round(1e3 * percentile(ttft, 50), 2),
+        "ttft_p99_ms": round(1e3 * percentile(ttft, 99), 2),
+        "e2e_p50_ms": round(1e3 * percentile(e2e, 50), 2),
+        "e2e_p99_ms": round(1e3 * percentile(e2e, 99), 2),
         "steps": len(log.seconds),
         "decode_steps": len(decode),
         "mean_decode_batch": round(statistics.fmean(log.batch[i] for i in decode), 2)
@@ -204,8 +231,16 @@ def summarize(wall: float, outputs: list[Any], log: StepLog, roof: Roofline) -> 
     }
 
 
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (what the serving benchmarks report too)."""
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, max(0, math.ceil(q / 100 * len(ranked)) - 1))]
+
+
 def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"mode": "offline", "policies": {}}
+    online = ns.arrival_rate is not None
+    result: dict[str, Any] = {"mode": "online" if online else "offline", "policies": {}}
+    arrivals = arrival_offsets(ns.num_seqs, ns.arrival_rate, 1.0, ns.seed) if online else None
     work: Workload | None = None
     roof: Roofline | None = None
     for policy in ns.policies:
@@ -223,6 +258,7 @@ def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
                 "seed": ns.seed,
                 "temperature": ns.temperature,
                 "ignore_eos": True,
+                "arrival_rate": ns.arrival_rate,  # Poisson req/s; None: all at once
             }
             result["engine"] = {
                 "num_kv_blocks": engine.pool.num_blocks,
@@ -235,7 +271,7 @@ def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
         warm_up(engine)
         timer = PhaseTimer(engine) if ns.phases else None
         step = timer.step if timer is not None else None
-        wall, outputs, log = drive(engine, work, ns.temperature, step=step)
+        wall, outputs, log = drive(engine, work, ns.temperature, step=step, arrivals=arrivals)
         result["policies"][policy] = summarize(wall, outputs, log, roof)
         if timer is not None:
             result["policies"][policy]["phases_ms"] = {
@@ -250,7 +286,8 @@ def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     assert work is not None and roof is not None
-    result["schedule_bound"] = schedule_bound(ns, work, result["engine"])
+    if not online:  # the bound assumes every request is there from the start
+        result["schedule_bound"] = schedule_bound(ns, work, result["engine"])
     batch = min(ns.max_batch_size, ns.num_seqs)
     result["roofline"] = roof.summary(batch, (ns.min_len + ns.max_len) * 3 // 4)
     base = result["policies"].get("static")
@@ -411,6 +448,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-wait-ms", type=float, default=10.0)
+    p.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=None,
+        help="online mode: requests arrive as a Poisson process of this many per second "
+        "(default: all at once, offline)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)

