@@ -125,6 +125,29 @@ def test_malformed_request_is_rejected_with_a_reason(payload: bytes, reason: str
         GenerateRequest.from_bytes(payload)
 
 
+def test_an_integer_where_a_float_is_expected_decodes_as_a_float() -> None:
+    payload = _raw(id="a", group="g", reply="r", prompt="x", params={"temperature": 1, "top_p": 0})
+    params = GenerateRequest.from_bytes(payload).params
+    assert (params.temperature, params.top_p) == (1.0, 0.0)
+    assert type(params.temperature) is float and type(params.top_p) is float
+
+
+@pytest.mark.parametrize(
+    ("params", "reason"),
+    [
+        ({"temperature": float("inf")}, "params.temperature: must be finite"),
+        ({"temperature": True}, "params.temperature: expected a number"),
+        ({"max_tokens": 2.0}, "params.max_tokens: expected an integer"),
+        ({"ignore_eos": 1}, "params.ignore_eos: expected a bool"),
+        ({"seed": "7"}, "params.seed: expected an integer"),
+        ({"stop": [b"x"]}, r"params.stop\[0\]: expected a string"),
+    ],
+)
+def test_a_scalar_of_the_wrong_type_names_its_field(params: dict, reason: str) -> None:
+    with pytest.raises(ProtocolError, match=reason):
+        GenerateRequest.from_bytes(_raw(id="a", group="g", reply="r", prompt="x", params=params))
+
+
 def test_oversized_payload_is_rejected_before_decoding() -> None:
     big = _request(prompt="x" * 2000).to_bytes()
     with pytest.raises(ProtocolError, match="exceeds"):
