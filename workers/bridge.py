@@ -6,6 +6,11 @@ abort, batch cap, arbitrary calls) go in through a thread-safe queue, and what e
 produced goes back to the loop with ``loop.call_soon_threadsafe``. An idle thread sleeps
 on the queue; it never spins.
 
+Steps can come faster than the loop takes their output (a short step, a loop busy
+publishing): then the output of later steps joins the batch already on its way instead
+of scheduling a call (and a loop wake-up) of its own, so the loop takes everything
+produced so far in one ``on_events`` call, in order.
+
 An exception inside ``step`` fails only the requests it can have touched (the running
 batch, and any request the engine lost track of) with an ``internal_error``; the thread
 logs it and keeps serving the rest. A rejected ``add`` (bad prompt, too long) comes back
@@ -154,6 +159,10 @@ class EngineBridge:
         self.stats: EngineStats = engine.stats()
         self.busy_s = 0.0  # wall time spent inside step() that did work
         self._last_stats = 0.0
+        # Output handed to the loop and not taken yet; ``_handoff_lock`` guards both.
+        self._outbox: list[BridgeEvent] = []
+        self._handoff_pending = False
+        self._handoff_lock = threading.Lock()
 
     # --- event-loop side -----------------------------------------------------------------
 
@@ -322,10 +331,23 @@ class EngineBridge:
     def _emit(self, events: list[BridgeEvent]) -> None:
         if not events:
             return
+        with self._handoff_lock:
+            self._outbox.extend(events)
+            if self._handoff_pending:
+                return  # the loop has a delivery coming: these ride along
+            self._handoff_pending = True
         try:
-            self._loop.call_soon_threadsafe(self._on_events, events)
+            self._loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop closed under us: the service is gone
             log.debug("event loop closed; dropping %d engine events", len(events))
+
+    def _deliver(self) -> None:
+        """On the loop: everything the engine produced since the last delivery."""
+        with self._handoff_lock:
+            events, self._outbox = self._outbox, []
+            self._handoff_pending = False
+        if events:
+            self._on_events(events)
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

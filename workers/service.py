@@ -153,6 +153,10 @@ class WorkerService:
         self._wake = asyncio.Event()  # a request finished, or the state changed
         self._pump_wake = asyncio.Event()
         self._events: list[BridgeEvent] = []
+        # Flights holding tokens until their flush_at, in the order they fall due (the
+        # coalescing window is one constant): the pump looks at the first one only.
+        self._coalescing: dict[str, Flight] = {}
+        self._flush_timer: asyncio.TimerHandle | None = None  # armed for the first of them
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self._switch_lock = asyncio.Lock()
@@ -420,7 +424,7 @@ class WorkerService:
 
     async def _pump(self) -> None:
         loop = asyncio.get_running_loop()
-        timer: asyncio.TimerHandle | None = None
+        coalescing = self._coalescing
         while True:
             await self._pump_wake.wait()
             self._pump_wake.clear()
@@ -431,14 +435,24 @@ class WorkerService:
                 except Exception:
                     log.exception("handling engine output for %s failed", event.request_id)
             now = loop.time()
-            due = [st for st in self._inflight.values() if st.flush_at is not None]
-            for st in due:
-                if st.flush_at is not None and st.flush_at <= now:
-                    await self._flush(st)
-            nxt = min((st.flush_at for st in self._inflight.values() if st.flush_at), default=None)
-            if timer is not None:
+            while coalescing:
+                st = next(iter(coalescing.values()))
+                if st.flush_at is not None and st.flush_at > now:
+                    break
+                await self._flush(st)  # takes it out of coalescing
+            nxt = next(iter(coalescing.values())).flush_at if coalescing else None
+            timer = self._flush_timer
+            if timer is not None and timer.when() != nxt:
                 timer.cancel()
-            timer = loop.call_at(nxt, self._pump_wake.set) if nxt is not None else None
+                timer = self._flush_timer = None
+            if timer is None and nxt is not None:
+                # A timer that fired (perhaps a little early: libuv counts in ms) is gone,
+                # so it is armed again; one still pending for the same time is kept.
+                self._flush_timer = loop.call_at(nxt, self._flush_timer_fired)
+
+    def _flush_timer_fired(self) -> None:
+        self._flush_timer = None
+        self._pump_wake.set()
 
     async def _on_event(self, event: BridgeEvent) -> None:
         st = self._inflight.get(event.request_id)
@@ -464,6 +478,7 @@ class WorkerService:
             await self._flush(st)  # the first token goes out at once: it is the TTFT
         elif st.flush_at is None:
             st.flush_at = asyncio.get_running_loop().time() + self._coalesce_s
+            self._coalescing[event.request_id] = st
 
     def _count(self, st: Flight, chunk: Chunk) -> None:
         """Telemetry for a chunk about to go out."""
@@ -474,6 +489,7 @@ class WorkerService:
         self.observer.chunk(st, chunk)
 
     async def _flush(self, st: Flight) -> None:
+        self._coalescing.pop(st.request.id, None)
         if st.has_pending:
             chunk = st.take_chunk(self.worker_id)
             self._count(st, chunk)
@@ -486,6 +502,7 @@ class WorkerService:
     async def _complete(self, st: Flight, chunk: Chunk, *, error: bool) -> None:
         """Publish the last chunk, then ack: the request is answered (no redelivery)."""
         self._inflight.pop(st.request.id, None)
+        self._coalescing.pop(st.request.id, None)
         self._count(st, chunk)
         await self._publish(st, chunk)
         await settle(st.msg.ack)

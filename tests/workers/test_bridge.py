@@ -56,3 +56,25 @@ async def test_rejections_come_back_as_request_failed_and_an_idle_thread_sleeps(
     assert bridge.set_batch_cap(100) == 16 and await bridge.call(lambda e: e.max_batch_size) == 16
     await bridge.stop()
     assert not bridge.alive
+
+
+async def test_steps_the_loop_has_not_taken_yet_arrive_together_in_order() -> None:
+    calls: list[list[BridgeEvent]] = []
+    engine = SimEngine(cost=SimCost(0.002, 0, 0))
+    bridge = EngineBridge(engine, calls.append, asyncio.get_running_loop())
+    bridge.start()
+    params = SamplingParams(max_tokens=20, ignore_eos=True, seed=1)
+    bridge.add(AddRequest("busy", params, prompt_token_ids=[1, 2, 3]))
+    # The loop is busy elsewhere (it does not yield) while the engine runs all 20 steps.
+    deadline = time.monotonic() + 5
+    while engine.has_unfinished() or not engine.num_steps:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.05)  # the last step's output is handed over
+    await asyncio.sleep(0.05)
+    # One wake-up of the loop for everything produced meanwhile, not one per step.
+    assert len(calls) == 1
+    deltas = [e for e in calls[0] if isinstance(e, RequestDelta)]
+    assert [d.num_output_tokens for d in deltas] == list(range(1, 21))
+    assert deltas[-1].finished
+    await bridge.stop()

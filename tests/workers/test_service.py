@@ -174,6 +174,36 @@ async def test_tokens_are_coalesced_but_the_first_goes_out_alone(
     assert sum(len(c.token_ids) for c in chunks) == 40 and len(chunks) <= 12
 
 
+class StallingSim(SimEngine):
+    """A sim engine whose fourth step takes ``stall_s``: the engine goes quiet mid-stream."""
+
+    def __init__(self, stall_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stall_s = stall_s
+
+    def step(self) -> Any:
+        if self.num_steps == 3 and self.stall_s:
+            stall, self.stall_s = self.stall_s, 0.0
+            time.sleep(stall)
+        return super().step()
+
+
+async def test_held_tokens_go_out_when_their_window_ends_though_the_engine_goes_quiet(
+    start_worker: Any, client: QosClient, worker_config: Config
+) -> None:
+    config = worker_config.model_copy(
+        update={"worker": worker_config.worker.model_copy(update={"coalesce_ms": 30.0})}
+    )
+    await start_worker(engine=StallingSim(1.5, cost=SimCost(base_s=0.001)), config=config)
+    params = RequestParams(max_tokens=6, ignore_eos=True)
+    arrived: list[tuple[float, int]] = []
+    async for c in client.generate(group="short", prompt_token_ids=[1, 2], params=params):
+        arrived.append((time.monotonic(), len(c.token_ids)))
+    assert [n for _, n in arrived[:2]] == [1, 2]  # the first token alone, then steps 2-3 held
+    assert arrived[1][0] - arrived[0][0] < 0.75  # sent when the window ended, not after the stall
+    assert arrived[-1][0] - arrived[0][0] >= 1.5 and sum(n for _, n in arrived) == 6
+
+
 async def test_in_progress_keeps_a_request_longer_than_ack_wait_from_redelivering(
     start_worker: Any, client: QosClient, worker_config: Config
 ) -> None:
