@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "incident": "scripted incident: breaker opens, falls back, recovers",
     "chaos": "soak under random faults (worker, NATS, Redis, scheduler, gateway) and bad input",
     "tracing_overhead": "tracing on vs off through the gateway",
+    "tracing_hooks": "CPU per request tracing adds in-process: request-path hooks, encoding",
     "locust_run": "locust headless with the field mix against a stack it starts",
     "report": "one Markdown report with plots from every result in bench/results",
     "make_golden": "rebuild bench/data/golden.jsonl and its references",

@@ -270,6 +270,8 @@ class OtlpSpanExporter(SpanExporter):
     ``exported_spans``, ``failed_spans``, ``failed_batches`` and ``retries`` count what
     happened (read by tests and logs; the processor only sees success or failure)."""
 
+    reads_phases = True  # the encoder writes a recorded span's phases (SpanBatch asks)
+
     def __init__(self, settings: OtlpSettings, *, backoff_s: float = 1.0) -> None:
         self.settings = settings
         self.backoff_s = backoff_s

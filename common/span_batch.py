@@ -6,7 +6,8 @@ The SDK's BatchSpanProcessor does the same, but its ``on_end`` reads each span's
 system call) and counts into its metrics, ~3 µs a span on the event loop; seven spans a
 traced request. Here :class:`common.span_recorder.Tracer` calls :meth:`SpanBatch.add`
 with spans it knows are sampled: one append and a count. A span queued with its phases
-(:meth:`common.span_recorder.RecordedSpan.add_phase`) counts as that many spans. It reads
+(:meth:`common.span_recorder.RecordedSpan.add_phase`) counts as that many spans; our OTLP
+exporter writes the phases itself, any other exporter gets them as spans. It reads
 the SDK's ``OTEL_BSP_*`` variables (delay, queue size, batch size in spans, export
 timeout) with the SDK's defaults; spans beyond a full queue are dropped and counted, as
 the SDK drops them.
@@ -40,6 +41,16 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value if value > 0 else default
 
 
+def _spans(batch: list[ReadableSpan]) -> list[ReadableSpan]:
+    """``batch`` with each span's phases as spans of their own, ahead of it."""
+    out: list[ReadableSpan] = []
+    for span in batch:
+        if getattr(span, "_phases", None):
+            out.extend(span.phase_spans())  # type: ignore[attr-defined]
+        out.append(span)
+    return out
+
+
 class SpanBatch(SpanProcessor):
     """Spans queued by the request path, exported in batches from a thread of its own."""
 
@@ -57,6 +68,8 @@ class SpanBatch(SpanProcessor):
         self._wake = threading.Event()
         self._export_lock = threading.Lock()
         self._closed = False
+        # Our OTLP exporter writes a span's phases itself; any other gets them as spans.
+        self._reads_phases = getattr(exporter, "reads_phases", False)
         self._thread = threading.Thread(target=self._run, name="qos-span-batch", daemon=True)
         self._thread.start()
 
@@ -103,7 +116,7 @@ class SpanBatch(SpanProcessor):
                 first = False
                 batch = self._take()
                 try:
-                    self.span_exporter.export(batch)
+                    self.span_exporter.export(batch if self._reads_phases else _spans(batch))
                 except Exception:  # an exporter's bug must not end the thread
                     log.exception("span export failed")
 

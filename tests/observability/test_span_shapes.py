@@ -33,7 +33,10 @@ NO_DELAY = {"OTEL_BSP_SCHEDULE_DELAY": "600000"}
 
 
 class Kept(SpanExporter):
-    """What the batch hands over, as it hands it (spans carrying their phases)."""
+    """What the batch hands over, as it hands it (spans carrying their phases, as to our
+    OTLP exporter)."""
+
+    reads_phases = True
 
     def __init__(self) -> None:
         self.batches: list[list[ReadableSpan]] = []
@@ -237,4 +240,22 @@ def test_a_span_and_its_phases_count_as_that_many_spans_in_the_queue_and_the_bat
     assert batch.dropped == 5
     batch.force_flush()
     assert sum(len(as_spans(b)) for b in kept.batches) == 10
+    batch.shutdown()
+
+
+def test_an_exporter_that_reads_no_phases_gets_them_from_the_batch_as_spans() -> None:
+    memory = InMemorySpanExporter()  # the SDK's exporters (otlp_proto_*, console) are such
+    batch = SpanBatch(memory, NO_DELAY)
+    provider = TracerProvider()
+    provider.add_span_processor(batch)
+    tracer = t.tracer_for(provider, "w")
+    assert isinstance(tracer, Tracer) and tracer.on_end == batch.add
+    span = tracer.start_span("parent")
+    assert isinstance(span, RecordedSpan)
+    span.add_phase("queue", 10.0, 10.5)
+    span.add_phase("decode", 10.5, 11.0)
+    span.end()
+    batch.force_flush()
+    names = [s.name for s in memory.get_finished_spans()]
+    assert names == ["queue", "decode", "parent"]
     batch.shutdown()
