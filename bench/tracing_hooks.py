@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import gc
 import inspect
 import json
@@ -152,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         runs["gateway off"].append(asyncio.run(gateway_us(None, args.requests)))
         runs["gateway on"].append(asyncio.run(gateway_us(gateway, args.requests)))
-        runs["worker off"].append(worker_us(None, args.requests))
-        runs["worker on"].append(worker_us(worker, args.requests))
+        # In a context of its own, as each request's task has in a worker: what the hooks
+        # attach (log fields, the current span) must not outlive the run in this thread.
+        for name, tracer in (("worker off", None), ("worker on", worker)):
+            runs[name].append(contextvars.copy_context().run(worker_us, tracer, args.requests))
     gc.enable()
     med = {k: statistics.median(v) for k, v in runs.items()}
     total = args.requests * args.repeats
