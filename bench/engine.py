@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import random
 import statistics
 import sys
@@ -36,10 +35,11 @@ from typing import Any
 
 import torch
 
+from bench.arrivals import arrival_offsets
 from bench.engine_phases import PhaseTimer
 from bench.engine_profile import KernelProfile
 from bench.engine_schedule import count_steps
-from bench.serve_load import arrival_offsets
+from bench.percentiles import pct
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
 from workers.engine.args import POLICIES
 
@@ -203,7 +203,8 @@ def summarize(wall: float, outputs: list[Any], log: StepLog, roof: Roofline) -> 
         for o in outputs
         if len(o.token_ids) > 1
     ]
-    e2e = [o.metrics.finish_time - o.metrics.arrival_time for o in outputs]
+    e2e = sorted(o.metrics.finish_time - o.metrics.arrival_time for o in outputs)
+    ttft_sorted = sorted(ttft)
     decode = [i for i, d in enumerate(log.is_decode) if d]
     decode_s = sum(log.seconds[i] for i in decode)
     roof_s = sum(roof.step_seconds(log.context_tokens[i]) for i in decode)
@@ -214,10 +215,10 @@ def summarize(wall: float, outputs: list[Any], log: StepLog, roof: Roofline) -> 
         "req_s": round(len(outputs) / wall, 3),
         "mean_ttft_ms": round(1e3 * statistics.fmean(ttft), 2),
         "mean_tpot_ms": round(1e3 * statistics.fmean(tpot), 2) if tpot else None,
-        "ttft_p50_ms": round(1e3 * percentile(ttft, 50), 2),
-        "ttft_p99_ms": round(1e3 * percentile(ttft, 99), 2),
-        "e2e_p50_ms": round(1e3 * percentile(e2e, 50), 2),
-        "e2e_p99_ms": round(1e3 * percentile(e2e, 99), 2),
+        "ttft_p50_ms": round(1e3 * pct(ttft_sorted, 50), 2),
+        "ttft_p99_ms": round(1e3 * pct(ttft_sorted, 99), 2),
+        "e2e_p50_ms": round(1e3 * pct(e2e, 50), 2),
+        "e2e_p99_ms": round(1e3 * pct(e2e, 99), 2),
         "steps": len(log.seconds),
         "decode_steps": len(decode),
         "mean_decode_batch": round(statistics.fmean(log.batch[i] for i in decode), 2)
@@ -229,12 +230,6 @@ def summarize(wall: float, outputs: list[Any], log: StepLog, roof: Roofline) -> 
         "decode_vs_roofline": round(decode_s / roof_s, 2) if roof_s else None,
         "preemptions": sum(o.metrics.num_preemptions for o in outputs),
     }
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (what the serving benchmarks report too)."""
-    ranked = sorted(values)
-    return ranked[min(len(ranked) - 1, max(0, math.ceil(q / 100 * len(ranked)) - 1))]
 
 
 def run_policies(ns: argparse.Namespace) -> dict[str, Any]:

@@ -38,11 +38,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.arrivals import arrival_offsets
 from bench.policies_load import Sent, TelemetryLog, make_sessions, run_sessions
 from bench.policies_table import table
 from bench.serve import summarize
 from bench.serve_http import CLIENTS
-from bench.serve_load import arrival_offsets
 from bench.serve_stack import machine_info
 from bench.slo_rate import (
     JUDGED_GROUPS,

@@ -50,10 +50,11 @@ from typing import Any
 
 import httpx
 
+from bench.arrivals import arrival_offsets
+from bench.percentiles import pct
 from bench.serve_http import CLIENTS, Result
 from bench.serve_load import (
     Req,
-    arrival_offsets,
     make_workload,
     run_in_process,
     run_load,
@@ -72,15 +73,6 @@ Series = dict[str, list[Result]]  # what the plots draw, by name
 
 
 # --- figures ------------------------------------------------------------------------------
-
-
-def pct(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated percentile of sorted values (numpy's default)."""
-    if not sorted_values:
-        return float("nan")
-    pos = (len(sorted_values) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def dist_ms(values: list[float]) -> dict[str, float]:

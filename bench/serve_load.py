@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import random
 import time
 from collections.abc import Callable, Coroutine
@@ -44,18 +43,6 @@ def make_workload(n: int, input_len: int, output_len: int, ratio: float, seed: i
 
     prompts = [[rng.randrange(4, 250) for _ in range(length(input_len))] for _ in range(n)]
     return [Req(prompt, length(output_len)) for prompt in prompts]
-
-
-def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """When each request is sent (s from the start): gamma gaps of mean 1/rate (Poisson at 1)."""
-    if math.isinf(rate):
-        return [0.0] * n
-    rng = random.Random(seed + 1)
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-    return out
 
 
 # --- runners ------------------------------------------------------------------------------

@@ -64,9 +64,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.arrivals import arrival_offsets
 from bench.serve import parse_args as serve_args
 from bench.serve import summarize
-from bench.serve_load import arrival_offsets, make_workload, run_load
+from bench.serve_load import make_workload, run_load
 from bench.serve_stack import LocalStack, cpu_seconds, machine_info
 from common.services import free_port
 

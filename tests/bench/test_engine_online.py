@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.engine import drive, make_workload, percentile
+from bench.engine import drive, make_workload
 from workers.engine import EngineArgs, LLMEngine
 
 
@@ -15,11 +15,3 @@ def test_requests_are_added_at_their_arrival_times() -> None:
     assert arrived[1] - arrived[0] >= 0.24 and arrived[2] - arrived[1] >= 0.24
     assert all(o.metrics.first_token_time >= o.metrics.arrival_time for o in outputs)
     assert [len(o.token_ids) for o in outputs] == work.output_lens
-
-
-def test_nearest_rank_percentile() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert percentile(values, 50) == 50.0
-    assert percentile(values, 99) == 99.0
-    assert percentile(values, 100) == 100.0
-    assert percentile([7.0], 99) == 7.0
