@@ -57,6 +57,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "models" / "pystd-tiny"
 DEFAULT_QA_OUT = BENCH_DIR / "data" / "stdlib_qa.jsonl"
+DEFAULT_NOTES = BENCH_DIR / "data" / "domain_notes.jsonl"
 
 # Ids follow list order, so bos=0, eos=1, pad=2 in every build.
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -170,6 +171,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decay-frac", type=float, default=0.3, help="final linear-decay share")
     p.add_argument("--chat-frac", type=float, default=0.3, help="share of chat windows")
     p.add_argument("--max-qa", type=int, default=300, help="Q/A pairs to mine")
+    p.add_argument(
+        "--domain-notes",
+        type=Path,
+        default=DEFAULT_NOTES,
+        help="two-sentence notes on the golden set's everyday topics (jsonl), taught as chat "
+        "answers under the question forms the golden set does not ask",
+    )
     p.add_argument(
         "--max-doc-chars",
         type=int,
@@ -464,6 +472,35 @@ def chat_messages(item: dict[str, str], with_system: bool) -> list[dict[str, str
     msgs.append({"role": "user", "content": item["question"]})
     msgs.append({"role": "assistant", "content": item["answer"]})
     return msgs
+
+
+def domain_qa(notes_path: Path, golden: bool = False) -> list[dict[str, str]]:
+    """Q/A pairs that teach the golden set's topics without its questions.
+
+    Each note (``domain``, ``topic``, ``note``) answers its topic under every question form of
+    ``bench.golden_templates`` except the two the golden set asks for that domain, so a golden
+    question is a known topic in an unseen phrasing, as it would be for a real model.
+    """
+    from bench.golden_templates import DOMAINS, FORMS
+
+    items = []
+    for line in notes_path.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        role, topics, golden_forms = DOMAINS[row["domain"]]
+        if row["topic"] not in topics:
+            raise ValueError(f"{notes_path}: {row['topic']!r} is not a {row['domain']} topic")
+        for i, form in enumerate(FORMS):
+            if (i in golden_forms) != golden:
+                continue
+            items.append(
+                {
+                    "id": f"note:{row['domain']}:{row['topic']}:{i}",
+                    "domain": row["domain"],
+                    "question": form.format(topic=row["topic"], role=role),
+                    "answer": row["note"],
+                }
+            )
+    return items
 
 
 def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
@@ -850,7 +887,12 @@ def greedy(model: Any, ids: list[int], max_new: int, eos: int) -> tuple[list[int
     return new, sum(top1) / max(1, len(top1))
 
 
-def verify(folder: Path, qa: list[dict[str, str]]) -> dict[str, Any]:
+def verify(
+    folder: Path,
+    qa: list[dict[str, str]],
+    notes_qa: list[dict[str, str]],
+    heldout_qa: list[dict[str, str]],
+) -> dict[str, Any]:
     """Load the saved folder three ways and generate; raise if anything disagrees."""
     import jinja2
     from tokenizers import Tokenizer
@@ -893,7 +935,8 @@ def verify(folder: Path, qa: list[dict[str, str]]) -> dict[str, Any]:
     for prompt in CODE_PROMPTS:
         new, conf = greedy(model, raw.encode(prompt).ids, 48, eos)
         samples.append({"prompt": prompt, "completion": raw.decode(new), "top1": conf})
-    for item in (qa[0], qa[len(qa) // 2], qa[-1]):
+    shown = [qa[0], qa[len(qa) // 2], qa[-1], *notes_qa[:1], *heldout_qa[:1]]
+    for item in shown:
         text = render_chat(chat_messages(item, False)[:-1], add_generation_prompt=True)
         new, conf = greedy(model, raw.encode(text, add_special_tokens=False).ids, 48, eos)
         samples.append(
@@ -903,6 +946,8 @@ def verify(folder: Path, qa: list[dict[str, str]]) -> dict[str, Any]:
         "samples": samples,
         "ref_max_abs_diff": ref_diff,
         "qa": qa_exact_match(model, raw, qa),
+        "notes_qa": qa_exact_match(model, raw, notes_qa) if notes_qa else None,
+        "heldout_qa": qa_exact_match(model, raw, heldout_qa) if heldout_qa else None,
     }
 
 
@@ -923,8 +968,9 @@ def write_card(out: Path, info: dict[str, Any]) -> None:
         "# pystd-tiny",
         "",
         "Tiny Llama-architecture causal LM, the qosserve demo model. Trained from scratch on text",
-        "that ships with CPython, so it is reproducible offline. It is a test fixture for the",
-        "serving stack, not a useful assistant: its point is fast, deterministic, confident output.",
+        "that ships with CPython and on short topic notes kept in this repository, so it is",
+        "reproducible offline. It is a test fixture for the serving stack, not a useful",
+        "assistant: its point is fast, deterministic, confident output.",
         "",
         "## Data",
         "",
@@ -939,6 +985,10 @@ def write_card(out: Path, info: dict[str, Any]) -> None:
         f"- {info['n_qa']} Q/A pairs mined from docstrings with `ast` "
         "(also in `bench/data/stdlib_qa.jsonl`), rendered with the chat template; half of them "
         f'behind the system prompt "{SYSTEM_PROMPT}".',
+        f"- {info['n_notes_qa']} Q/A pairs that teach the golden set's everyday topics "
+        "(`bench/data/domain_notes.jsonl`: a two-sentence note per topic, the answer under "
+        "every question form except the two the golden set asks for that domain), so a golden "
+        "question is a known topic in an unseen phrasing.",
         f"- Tokens: code+docs {info['code_tokens']:,}, chat {info['chat_tokens']:,}. "
         f"Corpus sha256 `{info['corpus_sha'][:16]}`.",
         "",
@@ -987,7 +1037,15 @@ def write_card(out: Path, info: dict[str, Any]) -> None:
         f"transformers logits (max abs diff {v['ref_max_abs_diff']:.1e}).",
         f"- Q/A greedy exact match (teacher-forced, no system prompt): "
         f"{v['qa']['exact']:.1%}; mean answer-token probability "
-        f"{v['qa']['mean_answer_token_prob']:.3f}.",
+        f"{v['qa']['mean_answer_token_prob']:.3f}."
+        + (
+            f" Topic notes: {v['notes_qa']['exact']:.1%}, "
+            f"{v['notes_qa']['mean_answer_token_prob']:.3f}; the same notes under the golden "
+            f"set's held-out phrasings: {v['heldout_qa']['exact']:.1%}, "
+            f"{v['heldout_qa']['mean_answer_token_prob']:.3f}."
+            if v.get("notes_qa")
+            else ""
+        ),
         "",
         "## Greedy samples",
         "",
@@ -1049,10 +1107,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with args.qa_out.open("w", encoding="utf-8") as fh:
         for item in qa:
             fh.write(json.dumps(item, ensure_ascii=False) + "\n")
+    notes_qa = domain_qa(args.domain_notes) if args.domain_notes else []
+    # The stdlib system prompt goes only with stdlib questions (half of them).
     chat_texts = [render_chat(chat_messages(x, i % 2 == 1)) for i, x in enumerate(qa)]
+    chat_texts += [render_chat(chat_messages(x, False)) for x in notes_qa]
     print(
         f"data: {len(files)} files -> {len(code_texts)} code docs, {len(topics)} topics, "
-        f"{len(qa)} Q/A pairs ({time.monotonic() - t_start:.0f}s)",
+        f"{len(qa)} Q/A pairs, {len(notes_qa)} topic-note pairs "
+        f"({time.monotonic() - t_start:.0f}s)",
         flush=True,
     )
 
@@ -1093,7 +1155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = train(args, model, code, chat, train_deadline)
 
     save_folder(model, tok, args.out, args.max_positions)
-    report = verify(args.out, qa)
+    heldout_qa = domain_qa(args.domain_notes, golden=True) if args.domain_notes else []
+    report = verify(args.out, qa, notes_qa, heldout_qa)
     cmd = "python -m bench.train_tiny " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     info = {
         "args": args,
@@ -1105,6 +1168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "n_code_docs": len(code_texts),
         "n_topics": len(topics),
         "n_qa": len(qa),
+        "n_notes_qa": len(notes_qa),
         "code_tokens": code.n_tokens,
         "chat_tokens": chat.n_tokens,
         "corpus_sha": corpus_sha,
