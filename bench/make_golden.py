@@ -6,12 +6,14 @@ then a seeded quarter of those get an adversarial variant (typos, a vague rewrit
 ambiguous question with no referent), which makes the variants 20 % of the set.
 
 References: Hugging Face ``transformers`` greedy decoding (``do_sample=False``) on the same
-checkpoint the stack serves, for ``max_tokens`` tokens whether or not EOS comes first
-(``ignore_eos``: the demo model ends most out-of-domain answers at once, and blank answers
-would make exact match trivial), one prompt at a time (no padding, so nothing but the prompt
-shapes the numerics), the chat template applied exactly as the gateway applies it. Each
-row records the checkpoint's fingerprint (``reference_model``), so ``bench/golden.py`` can
-tell references of another checkpoint from a serving bug. No network::
+checkpoint the stack serves, up to EOS or ``max_tokens`` (the answer a client gets; the demo
+model knows the domains' topics, see ``bench/train_tiny.py``, so answers are not blank;
+``--ignore-eos`` decodes past EOS into whatever document the model starts next, a draw
+the model cannot know, whose near-ties make every comparison fragile), one prompt at a
+time (no padding, so nothing but the prompt shapes the numerics), the chat template
+applied exactly as the gateway applies it. Each row records the checkpoint's fingerprint
+(``reference_model``), so ``bench/golden.py`` can tell references of another checkpoint
+from a serving bug. No network::
 
     python -m bench.make_golden                     # writes bench/data/golden.jsonl
     python -m bench.make_golden --no-references --out /tmp/prompts.jsonl
@@ -97,7 +99,7 @@ def adversarial(base: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def golden_rows(seed: int, max_tokens: int) -> list[dict[str, Any]]:
+def golden_rows(seed: int, max_tokens: int, ignore_eos: bool = False) -> list[dict[str, Any]]:
     """Every prompt of the set, clean then adversarial, without references."""
     base = base_prompts(seed)
     rows = [{**r, "perturbation": "none", "source_id": r["id"]} for r in base]
@@ -113,9 +115,7 @@ def golden_rows(seed: int, max_tokens: int) -> list[dict[str, Any]]:
                 "source_id": row["source_id"],
                 "messages": [{"role": "user", "content": row["question"]}],
                 "max_tokens": max_tokens,
-                # The demo model ends most out-of-domain answers at once (EOS first): blank
-                # references would make exact match trivial. Every answer runs to max_tokens.
-                "ignore_eos": True,
+                "ignore_eos": ignore_eos,
             }
         )
     return out
@@ -170,11 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=str(demo_model_path()), help="checkpoint for references")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--seed", type=int, default=2024)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ignore-eos", action="store_true", help="decode past EOS up to --max-tokens")
     p.add_argument("--no-references", action="store_true", help="prompts only (fast)")
     args = p.parse_args(argv)
     started = time.perf_counter()
-    rows = golden_rows(args.seed, args.max_tokens)
+    rows = golden_rows(args.seed, args.max_tokens, args.ignore_eos)
     model = Path(args.model)
     if not args.no_references:
         print_model = fingerprint(model)

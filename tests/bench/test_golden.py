@@ -37,7 +37,10 @@ def test_prompts_are_regenerated_identically_from_the_seed(rows: list[dict]) -> 
     stored = [
         {k: v for k, v in r.items() if k not in REFERENCE_KEYS | {"prompt_tokens"}} for r in rows
     ]
-    assert golden_rows(seed=2024, max_tokens=rows[0]["max_tokens"]) == stored
+    assert (
+        golden_rows(seed=2024, max_tokens=rows[0]["max_tokens"], ignore_eos=rows[0]["ignore_eos"])
+        == stored
+    )
 
 
 def test_references_come_from_the_demo_checkpoint_as_it_is_now(rows: list[dict]) -> None:
