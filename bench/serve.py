@@ -31,6 +31,8 @@ Modes (``--mode``):
     python -m bench.serve --launch sim --quick
     python -m bench.serve --launch sim --mode overhead --num-prompts 7000 --plot out/
     python -m bench.serve --launch sim --mode max-rps --replicas 2
+    # issue #4's figure: 6 % steps around the target (1.25x steps jump from 954 to 1,192)
+    python -m bench.serve --launch sim --mode max-rps --request-rate 850 --ramp-factor 1.06
     python -m bench.serve --base-url http://127.0.0.1:8000 --request-rate 20 --num-prompts 200
 """
 
