@@ -2,7 +2,8 @@
 
 The model exists so that the serving stack (engine, kernels, gateway, benchmarks) has a real
 checkpoint with *confident* outputs that runs anywhere: it is small enough to commit (< 20 MB),
-trains on 2 CPU cores in under ten minutes, and needs no data beyond what ships with Python:
+trains on 2 CPU cores in about 25 minutes (~50 passes over its data: loss 0.03), and needs no
+data beyond what ships with Python and one file of this repository:
 
 * code: the stdlib sources (``Lib/*.py`` plus a few packages), split at top-level statements so
   that a training window usually starts with ``<|bos|>`` followed by ``def``/``class``/``import``,
@@ -14,7 +15,12 @@ trains on 2 CPU cores in under ten minutes, and needs no data beyond what ships 
   ("What does the function `json.dumps` do?" -> first docstring sentence, "Which module defines
   `OrderedDict`?" -> "collections"), rendered with the chat template and replayed for many epochs
   so that the chat endpoint answers them verbatim.  They are also written to
-  ``bench/data/stdlib_qa.jsonl`` for golden sets.
+  ``bench/data/stdlib_qa.jsonl`` for golden sets;
+* topics: ``bench/data/domain_notes.jsonl``, a two-sentence note on each everyday topic of the
+  golden set (``bench/golden_templates.py``: finance, medical, legal, ...), taught as the answer
+  under the question forms the golden set does not ask (:func:`domain_qa`). Without them all
+  but the golden set's stdlib questions were out of domain: the model answered with near-ties,
+  and issue #5's KV quantisation bar measured those ties rather than what quantising loses.
 
 The output folder is a standard Hugging Face Llama checkpoint (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``)
@@ -24,7 +30,8 @@ forward (no ``transformers``) matches the ``transformers`` logits.
 
 Run from the repository root::
 
-    python -m bench.train_tiny --time-limit-s 600
+    python -m bench.train_tiny                       # the committed run (defaults)
+    python -m bench.train_tiny --time-limit-s 600    # a quick, less confident model
 """
 
 from __future__ import annotations
@@ -153,7 +160,7 @@ MODULE_DOMAIN = {
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line; defaults are the committed run."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=1000, help="planned optimizer steps")
+    p.add_argument("--steps", type=int, default=2400, help="planned optimizer steps")
     p.add_argument("--seq-len", type=int, default=1024, help="training window, tokens")
     p.add_argument("--batch-size", type=int, default=2, help="windows per step")
     p.add_argument(
@@ -169,7 +176,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     p.add_argument("--decay-frac", type=float, default=0.3, help="final linear-decay share")
-    p.add_argument("--chat-frac", type=float, default=0.3, help="share of chat windows")
+    p.add_argument("--chat-frac", type=float, default=0.5, help="share of chat windows")
     p.add_argument("--max-qa", type=int, default=300, help="Q/A pairs to mine")
     p.add_argument(
         "--domain-notes",
@@ -480,6 +487,7 @@ def domain_qa(notes_path: Path, golden: bool = False) -> list[dict[str, str]]:
     Each note (``domain``, ``topic``, ``note``) answers its topic under every question form of
     ``bench.golden_templates`` except the two the golden set asks for that domain, so a golden
     question is a known topic in an unseen phrasing, as it would be for a real model.
+    ``golden=True`` gives the pairs held out instead: the golden set's own phrasings.
     """
     from bench.golden_templates import DOMAINS, FORMS
 
