@@ -22,6 +22,12 @@ Schemes (``SCHEMES``), each for K and V separately:
 - ``fp8_hadamard``: rows rotated by an orthonormal Hadamard matrix before quantising
   (QuaRot: it spreads outlier channels over the row; a kernel would rotate q and the
   output instead of rotating back).
+- ``int8_k_centred``: K less a static per-channel mean (per layer and KV head, calibrated)
+  before quantising. Free in a kernel: ``q·(k - m)`` differs from ``q·k`` by ``q·m``, the
+  same for every key of a query, and softmax ignores it (SageAttention smooths K this way).
+- ``int8_k_smoothed``: K divided per channel by ``sqrt(amax)`` (calibrated, equal within
+  each RoPE pair, mean 1) before quantising, as if q were multiplied by it (QServe's
+  SmoothAttention): it tames outlier channels.
 """
 
 from __future__ import annotations
@@ -54,10 +60,30 @@ class CacheShape:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Per-layer amax of the K and V an fp32 run wrote (for per-tensor scales)."""
+    """Per-layer amax of the K and V an fp32 run wrote (for per-tensor scales); per layer,
+    K's per-channel mean and amax ``[n_kv, d]`` over the slots it wrote (for the K schemes)."""
 
     k_amax: tuple[float, ...]
     v_amax: tuple[float, ...]
+    k_channel_mean: tuple[torch.Tensor, ...] = ()
+    k_channel_amax: tuple[torch.Tensor, ...] = ()
+
+
+def calibrate(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor]) -> Calibration:
+    """A :class:`Calibration` from an fp32 run's caches (``[blocks, block, n_kv, d]`` each);
+    slots never written (all zero) are left out of the per-channel figures."""
+    means, amaxes = [], []
+    for k in k_layers:
+        rows = k.reshape(-1, *k.shape[-2:])
+        rows = rows[rows.abs().sum((-1, -2)) > 0]
+        means.append(rows.mean(0))
+        amaxes.append(rows.abs().amax(0))
+    return Calibration(
+        tuple(float(t.abs().max()) for t in k_layers),
+        tuple(float(t.abs().max()) for t in v_layers),
+        tuple(means),
+        tuple(amaxes),
+    )
 
 
 def _token_head(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -140,6 +166,35 @@ def _fp8_hadamard(shape: CacheShape, calib: Calibration) -> Quantiser:
     return lambda x, layer, kind, slots: fp8(x @ h) @ h
 
 
+def _int8_k_centred(shape: CacheShape, calib: Calibration) -> Quantiser:
+    int8 = _token_head(torch.int8)
+
+    def fn(x: torch.Tensor, layer: int, kind: str, slots: torch.Tensor) -> torch.Tensor:
+        if kind == "v":
+            return int8(x)
+        mean = calib.k_channel_mean[layer]
+        return int8(x - mean) + mean  # the scores shift by q·mean for every key alike
+
+    return fn
+
+
+def _int8_k_smoothed(shape: CacheShape, calib: Calibration) -> Quantiser:
+    int8 = _token_head(torch.int8)
+    scales = []
+    for amax in calib.k_channel_amax:
+        half = amax.shape[-1] // 2  # RoPE rotates channel i with i + d/2: one scale per pair
+        pair = torch.maximum(amax[..., :half], amax[..., half:]).clamp_min(AMAX_FLOOR).sqrt()
+        scale = torch.cat([pair, pair], -1)
+        scales.append(scale / scale.mean(-1, keepdim=True))
+
+    def fn(x: torch.Tensor, layer: int, kind: str, slots: torch.Tensor) -> torch.Tensor:
+        if kind == "v":
+            return int8(x)
+        return int8(x / scales[layer]) * scales[layer]
+
+    return fn
+
+
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
@@ -154,6 +209,8 @@ SCHEMES: dict[str, Callable[[CacheShape, Calibration], Quantiser]] = {
     "k_int8_v_fp8": _rows(_token_head(torch.int8), _token_head(FP8)),
     "k_fp8_v_int8": _rows(_token_head(FP8), _token_head(torch.int8)),
     "fp8_hadamard": _fp8_hadamard,
+    "int8_k_centred": _int8_k_centred,
+    "int8_k_smoothed": _int8_k_smoothed,
 }
 # Simulations of what kv_cache_dtype ships: they must reproduce the real runs exactly.
 SHIPPED = {"int8_token_head": "int8", "fp8_token_head": "fp8_e4m3"}

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from bench import kvquant
-from bench.kvquant_schemes import SCHEMES, CacheShape, Calibration, _hadamard, simulating
+from bench.kvquant_schemes import (
+    SCHEMES,
+    CacheShape,
+    Calibration,
+    _hadamard,
+    calibrate,
+    simulating,
+)
 from bench.make_golden import OUT as GOLDEN
 from common.models import demo_model_path
 from workers.engine import LLM, SamplingParams
@@ -80,6 +87,39 @@ def test_hadamard_rotation_is_its_own_inverse_and_needs_a_power_of_two() -> None
     assert torch.allclose(h @ h, torch.eye(32), atol=1e-6)
     with pytest.raises(ValueError, match="power-of-two"):
         _hadamard(24)
+
+
+def test_calibration_leaves_unwritten_slots_out_of_the_channel_figures() -> None:
+    k = torch.zeros(2, 2, 1, 4)  # 4 slots, two of them written
+    k[0, 0, 0] = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    k[1, 1, 0] = torch.tensor([3.0, -4.0, 1.0, 0.5])
+    calib = calibrate([k], [k])
+    assert torch.equal(calib.k_channel_mean[0], torch.tensor([[2.0, -3.0, 2.0, 0.5]]))
+    assert torch.equal(calib.k_channel_amax[0], torch.tensor([[3.0, 4.0, 3.0, 0.5]]))
+
+
+def test_centring_k_quantises_what_is_left_after_the_mean_and_leaves_v_alone() -> None:
+    torch.manual_seed(0)
+    mean = torch.tensor([4.0, -3.0, 5.0, 2.0, -6.0, 1.0, 3.0, -2.0]).repeat(2, 1)
+    calib = Calibration((1.0,), (1.0,), (mean,), (mean.abs(),))
+    q = SCHEMES["int8_k_centred"](SHAPE, calib)
+    x = mean + 0.01 * torch.randn(64, 2, 8)
+    plain = SCHEMES["int8_token_head"](SHAPE, calib)(x, 0, "k", torch.arange(64))
+    centred = q(x, 0, "k", torch.arange(64))
+    assert (centred - x).abs().max() < (plain - x).abs().max() / 50
+    assert torch.equal(q(x, 0, "v", torch.arange(64)), plain)
+
+
+def test_smoothing_scales_are_equal_within_each_rope_pair() -> None:
+    amax = torch.tensor([[1.0, 16.0, 4.0, 1.0, 9.0, 1.0, 1.0, 1.0]]).repeat(2, 1)
+    calib = Calibration((1.0,), (1.0,), (), (amax,))
+    q = SCHEMES["int8_k_smoothed"](SHAPE, calib)
+    # A row shaped like the channel scales (3, 4, 2, 1 | 3, 4, 2, 1, normalised) survives int8
+    # exactly when divided by them: every channel of it quantises to the same value.
+    scale = torch.tensor([3.0, 4.0, 2.0, 1.0] * 2)
+    scale = scale / scale.mean()
+    x = scale.repeat(1, 2, 1)
+    assert torch.allclose(q(x, 0, "k", torch.tensor([0])), x, rtol=1e-6)
 
 
 def test_simulation_restores_the_store_even_when_the_run_fails() -> None:
