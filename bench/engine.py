@@ -232,14 +232,23 @@ def summarize(wall: float, outputs: list[Any], log: StepLog, roof: Roofline) -> 
     }
 
 
+def split_spec(spec: str) -> tuple[str, float]:
+    """``"hybrid@0.5"`` -> ("hybrid", 0.5): a policy and its prefill delay factor (0 bare)."""
+    policy, _, factor = spec.partition("@")
+    return policy, float(factor) if factor else 0.0
+
+
 def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
     online = ns.arrival_rate is not None
     result: dict[str, Any] = {"mode": "online" if online else "offline", "policies": {}}
     arrivals = arrival_offsets(ns.num_seqs, ns.arrival_rate, 1.0, ns.seed) if online else None
     work: Workload | None = None
     roof: Roofline | None = None
-    for policy in ns.policies:
-        engine = LLMEngine(engine_args(ns, policy, max_wait_ms=ns.max_wait_ms))
+    for spec in ns.policies:
+        policy, delay = split_spec(spec)
+        engine = LLMEngine(
+            engine_args(ns, policy, max_wait_ms=ns.max_wait_ms, prefill_delay_factor=delay)
+        )
         if work is None:
             vocab = min(engine.model_config.vocab_size, 32000)
             work = make_workload(ns.num_seqs, ns.min_len, ns.max_len, vocab, ns.seed)
@@ -267,13 +276,13 @@ def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
         timer = PhaseTimer(engine) if ns.phases else None
         step = timer.step if timer is not None else None
         wall, outputs, log = drive(engine, work, ns.temperature, step=step, arrivals=arrivals)
-        result["policies"][policy] = summarize(wall, outputs, log, roof)
+        result["policies"][spec] = summarize(wall, outputs, log, roof)
         if timer is not None:
-            result["policies"][policy]["phases_ms"] = {
+            result["policies"][spec]["phases_ms"] = {
                 "decode": timer.summary(),
                 "prefill": timer.summary(decode=False),
             }
-        print(f"{policy}: {result['policies'][policy]}", file=sys.stderr)
+        print(f"{spec}: {result['policies'][spec]}", file=sys.stderr)
         # The timer's wrappers hold the engine too: drop both before the next engine sizes
         # its KV cache from the free device memory.
         del engine, timer, step
@@ -312,7 +321,7 @@ def schedule_bound(
     ``static`` that step count allows if every step cost the same."""
     counts = {
         policy: count_steps(
-            policy,
+            split_spec(policy)[0],
             work.prompts,
             work.output_lens,
             max_batch_size=ns.max_batch_size,
@@ -436,7 +445,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="dummy:tiny")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated; continuous@F / hybrid@F run with prefill_delay_factor F",
+    )
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=128)
@@ -475,9 +488,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the JSON here")
     ns = p.parse_args(argv)
     ns.policies = [s.strip() for s in ns.policies.split(",") if s.strip()]
-    unknown = [s for s in ns.policies if s not in POLICIES]
-    if unknown:
-        p.error(f"unknown policies {unknown}; choose from {POLICIES}")
+    for spec in ns.policies:
+        try:
+            policy, delay = split_spec(spec)
+        except ValueError:
+            p.error(f"{spec!r}: a prefill delay factor is a number, as in hybrid@0.5")
+        if policy not in POLICIES:
+            p.error(f"unknown policy {policy!r}; choose from {POLICIES}")
+        if delay and policy not in ("continuous", "hybrid"):
+            p.error(f"{spec!r}: only continuous and hybrid delay prefills")
     return ns
 
 

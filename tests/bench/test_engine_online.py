@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from bench.engine import drive, make_workload
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.engine import drive, main, make_workload, parse, split_spec
 from workers.engine import EngineArgs, LLMEngine
 
 
@@ -15,3 +20,20 @@ def test_requests_are_added_at_their_arrival_times() -> None:
     assert arrived[1] - arrived[0] >= 0.24 and arrived[2] - arrived[1] >= 0.24
     assert all(o.metrics.first_token_time >= o.metrics.arrival_time for o in outputs)
     assert [len(o.token_ids) for o in outputs] == work.output_lens
+
+
+def test_a_policy_spec_names_its_prefill_delay_and_only_continuous_and_hybrid_take_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert split_spec("hybrid@0.5") == ("hybrid", 0.5) and split_spec("static") == ("static", 0)
+    for bad in ("static@1", "hybrid@soon", "eager@1"):
+        with pytest.raises(SystemExit):
+            parse(["--policies", bad])
+    capsys.readouterr()
+    out = tmp_path / "online.json"
+    main(["--policies", "continuous,continuous@1", "--num-seqs", "4", "--min-len", "4",
+          "--max-len", "8", "--arrival-rate", "50", "--num-kv-blocks", "64", "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert set(result["policies"]) == {"continuous", "continuous@1"}
+    tokens = {p: r["output_tokens"] for p, r in result["policies"].items()}
+    assert tokens["continuous"] == tokens["continuous@1"] == result["workload"]["output_tokens"]

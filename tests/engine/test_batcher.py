@@ -224,3 +224,50 @@ def test_continuous_uses_the_blocks_a_static_batch_would_reserve() -> None:
     for rid, n in (("a", 8), ("b", 8), ("c", 2)):
         b.add(req(rid, n, max_tokens=6))
     assert sorted(ids(run(b))) == ["a", "b", "c"]  # prompts fit now; growth preempts later
+
+
+def test_prefill_delay_holds_arrivals_while_others_decode_then_prefills_them_together() -> None:
+    for policy in ("continuous", "hybrid"):
+        clock = Clock()
+        b = make_batcher(policy, max_batch_size=8, clock=clock)
+        b.prefill_delay_factor = 2.0
+        b.add(req("a", 5, max_tokens=50, arrival=clock.now))
+        assert ids(run(b)) == ["a"]  # nothing runs: no delay
+        clock.now += 0.010  # that admitting step took 10 ms: hold arrivals up to 20 ms
+        b.add(req("b", 6, max_tokens=50, arrival=clock.now))
+        assert ids(run(b)) == ["a"], policy  # a decodes; b waits
+        clock.now += 0.010
+        b.add(req("c", 6, max_tokens=50, arrival=clock.now))
+        assert ids(run(b)) == ["a"], policy
+        clock.now += 0.0101  # b has waited 20.1 ms
+        plan = run(b)
+        prefilled = [s.request_id for s in plan.seqs if len(s.token_ids) > 1]
+        assert prefilled == ["b", "c"], policy  # together, in one step
+
+
+def test_prefill_delay_ends_when_the_waiting_prompts_fill_the_budget_or_one_was_preempted() -> None:
+    clock = Clock()
+    b = make_batcher("continuous", max_batch_size=8, budget=12, clock=clock)
+    b.prefill_delay_factor = 100.0
+    b.add(req("a", 5, max_tokens=50, arrival=clock.now))
+    run(b)
+    clock.now += 0.010
+    b.add(req("b", 6, arrival=clock.now))
+    assert ids(run(b)) == ["a"]
+    b.add(req("c", 6, arrival=clock.now))  # 12 prompt tokens waiting: a full prefill step
+    assert ids(run(b)) == ["b", "c"]
+    # A request that was running and got preempted goes back at once.
+    d = req("d", 3, arrival=clock.now)
+    d.num_preemptions = 1
+    b.add(d)
+    assert ids(run(b)) == ["d"]
+
+
+def test_no_prefill_delay_by_default() -> None:
+    clock = Clock()
+    b = make_batcher("continuous", clock=clock)
+    b.add(req("a", 5, max_tokens=10, arrival=clock.now))
+    run(b)
+    clock.now += 1.0
+    b.add(req("b", 6, arrival=clock.now))
+    assert ids(run(b)) == ["b"]

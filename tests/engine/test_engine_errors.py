@@ -92,6 +92,7 @@ def test_unknown_dummy_spec_lists_the_known_ones() -> None:
         ("device", "tpu"),
         ("backend", "flash"),
         ("max_wait_ms", -1),
+        ("prefill_delay_factor", -0.5),
     ],
 )
 def test_bad_engine_args_name_the_field(field: str, value: object) -> None:

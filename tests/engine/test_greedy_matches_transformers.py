@@ -54,10 +54,12 @@ def test_every_policy_matches_transformers(policy: str, root: str) -> None:
     assert got == expected(path, batch)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+# policy@F: with prefill_delay_factor F, arrivals wait while others decode, then join together.
+@pytest.mark.parametrize("spec", [*POLICIES, "continuous@2", "hybrid@2"])
 def test_requests_arriving_while_others_decode_get_transformers_tokens(
-    policy: str, root: str
+    spec: str, root: str
 ) -> None:
+    policy, _, delay = spec.partition("@")
     path = checkpoint("qwen3", root)
     batch = prompts(BS, seed=3) + prompts(BS, seed=4)
     engine = LLMEngine(
@@ -70,6 +72,7 @@ def test_requests_arriving_while_others_decode_get_transformers_tokens(
             max_batch_size=4,
             max_num_batched_tokens=8,
             max_wait_ms=0,
+            prefill_delay_factor=float(delay or 0),
         )
     )
     got: dict[str, list[int]] = {}

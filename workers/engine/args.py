@@ -45,6 +45,9 @@ class EngineArgs:
     max_seq_len: int | None = None
     max_num_batched_tokens: int = 2048
     max_wait_ms: float = 10.0
+    # continuous/hybrid: hold new arrivals back while others run, up to this many times the
+    # last admitting step's duration, to prefill them together (batcher.py, "Prefill delay").
+    prefill_delay_factor: float = 0.0
     # Share of blocks kept free when admitting new requests, so running decodes can grow.
     watermark: float = 0.01
     backend: str = "auto"
@@ -95,6 +98,10 @@ class EngineArgs:
             )
         if not isinstance(self.max_wait_ms, int | float) or self.max_wait_ms < 0:
             raise bad("max_wait_ms", "must be >= 0")
+        if not isinstance(self.prefill_delay_factor, int | float) or not (
+            0 <= self.prefill_delay_factor <= 100
+        ):
+            raise bad("prefill_delay_factor", "must be in [0, 100]")
         if not 0.0 <= self.watermark < 0.5:
             raise bad("watermark", "must be in [0, 0.5)")
         if self.backend not in BACKEND_CHOICES:

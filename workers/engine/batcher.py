@@ -14,6 +14,14 @@ Four policies (``EngineArgs.policy``):
   ``max_num_batched_tokens``: decodes first, then running prefill chunks, then new
   requests in (priority, arrival) order; one step may mix decodes and prefill chunks.
 
+Prefill delay (``continuous`` and ``hybrid``, ``prefill_delay_factor`` > 0, as vLLM's
+``scheduler_delay_factor``): under online traffic requests arrive one by one, and admitting
+each at the next step makes a prefill step (a whole-prompt step stalls every decode; a mixed
+step cannot replay the decode CUDA graph) for every trickle of arrivals. With a factor,
+while requests are running, new ones wait until the oldest has waited ``factor`` times the
+duration of the last step that admitted, or until their prompts fill the token budget, and
+are then prefilled together. A preempted request never waits for it.
+
 When blocks run out, the least urgent then newest running request is preempted: its blocks
 are freed and it goes back to the front of the waiting queue, to recompute its prompt and
 output later (the prefix cache usually still holds most of it).
@@ -84,6 +92,7 @@ class Batcher:
         max_wait_ms: float = 0.0,
         clock: Callable[[], float] = time.time,
         kv_tier: KVTier | None = None,
+        prefill_delay_factor: float = 0.0,
     ) -> None:
         self.pool = pool
         self.kv_tier = kv_tier
@@ -102,6 +111,10 @@ class Batcher:
         self._tier_seen: dict[str, tuple[int, int, int]] = {}
         # static/dynamic: ids of the batch in flight; empty = a new batch may form.
         self._members: set[str] = set()
+        self.prefill_delay_factor = prefill_delay_factor
+        self._admitted = False  # the plan being formed admitted a request
+        self._admitted_at: float | None = None  # when the last plan that admitted was formed
+        self._admit_step_s = 0.0  # from that plan to the next scheduling decision
 
     # --- queue changes -------------------------------------------------------------------
 
@@ -147,25 +160,50 @@ class Batcher:
 
     def schedule(self) -> BatchPlan:
         """Decide the next step. An empty plan means nothing can run now."""
+        if self.prefill_delay_factor > 0:
+            self._time_admitting_step()
         plan = BatchPlan()
         if self.policy == "hybrid":
             self._schedule_running(plan, budget=self.max_num_batched_tokens)
-            if not plan.preempted:
+            if not plan.preempted and not self._delaying_prefills():
                 self._admit(plan, self.waiting, self.max_num_batched_tokens - plan.num_tokens)
-            return plan
+            return self._formed(plan)
         candidates = self._admission_candidates()
         if candidates:
             self._admit(plan, candidates, self.max_num_batched_tokens, whole=True)
         if plan.is_empty:
             self._schedule_running(plan, budget=None)
+        return self._formed(plan)
+
+    def _formed(self, plan: BatchPlan) -> BatchPlan:
+        if self._admitted:
+            self._admitted = False
+            self._admitted_at = self.clock()
         return plan
+
+    def _time_admitting_step(self) -> None:
+        """The last plan admitted: how long until this decision is what its step took."""
+        if self._admitted_at is not None:
+            self._admit_step_s = self.clock() - self._admitted_at
+            self._admitted_at = None
+
+    def _delaying_prefills(self) -> bool:
+        """Hold new admissions back (module docstring, "Prefill delay")?"""
+        if self.prefill_delay_factor <= 0 or not self.running or not self.waiting:
+            return False
+        if any(r.num_preemptions for r in self.waiting):
+            return False  # it was running: it goes back at once
+        oldest = min(r.arrival_time for r in self.waiting)
+        if self.clock() - oldest >= self.prefill_delay_factor * self._admit_step_s:
+            return False
+        return sum(r.num_tokens for r in self.waiting) < self.max_num_batched_tokens
 
     def _admission_candidates(self) -> list[Request]:
         """Who may join now, in order, under the whole-prompt policies."""
         if not self.waiting:
             return []
         if self.policy == "continuous":
-            return self.waiting
+            return [] if self._delaying_prefills() else self.waiting
         if self._members:  # a fixed batch is in flight: only its preempted members return
             return [r for r in self.waiting if r.request_id in self._members]
         if self.running:
@@ -225,6 +263,7 @@ class Batcher:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_seq(plan, req, num_new)
+            self._admitted = True
             budget -= num_new
 
     def _tier_lookup(self, req: Request, first: int) -> int:

@@ -88,6 +88,7 @@ class LLMEngine:
             args.max_num_batched_tokens,
             args.max_wait_ms,
             kv_tier=kv_tier,
+            prefill_delay_factor=args.prefill_delay_factor,
         )
         from workers.engine.sampler import Sampler
 
