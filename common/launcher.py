@@ -276,8 +276,9 @@ def _print_ready(base: str, model: str, took: float) -> None:
     body = json.dumps(
         {
             "model": model,
-            "messages": [{"role": "user", "content": "What does json.dumps do?"}],
-            "max_tokens": 32,
+            "messages": [{"role": "user", "content": "What is a stop-loss order?"}],
+            "max_tokens": 64,
+            "temperature": 0,
         }
     )
     print(f"\nqosserve is up in {took:.1f}s — OpenAI API at {base}/v1  (Ctrl-C stops everything)\n")
