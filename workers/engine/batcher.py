@@ -191,12 +191,14 @@ class Batcher:
         """Hold new admissions back (module docstring, "Prefill delay")?"""
         if self.prefill_delay_factor <= 0 or not self.running or not self.waiting:
             return False
-        if any(r.num_preemptions for r in self.waiting):
-            return False  # it was running: it goes back at once
-        oldest = min(r.arrival_time for r in self.waiting)
-        if self.clock() - oldest >= self.prefill_delay_factor * self._admit_step_s:
-            return False
-        return sum(r.num_tokens for r in self.waiting) < self.max_num_batched_tokens
+        # One pass that stops early: under load the queue is long and its head fills a step.
+        tokens, oldest = 0, float("inf")
+        for r in self.waiting:
+            tokens += r.num_tokens
+            if tokens >= self.max_num_batched_tokens or r.num_preemptions:
+                return False  # a full prefill step, or one that was running: admit now
+            oldest = min(oldest, r.arrival_time)
+        return self.clock() - oldest < self.prefill_delay_factor * self._admit_step_s
 
     def _admission_candidates(self) -> list[Request]:
         """Who may join now, in order, under the whole-prompt policies."""
