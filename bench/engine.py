@@ -40,6 +40,7 @@ from bench.engine_phases import PhaseTimer
 from bench.engine_profile import KernelProfile
 from bench.engine_schedule import count_steps
 from bench.percentiles import pct
+from bench.policy_spec import split_spec
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
 from workers.engine.args import POLICIES
 
@@ -230,12 +231,6 @@ def summarize(wall: float, outputs: list[Any], log: StepLog, roof: Roofline) -> 
         "decode_vs_roofline": round(decode_s / roof_s, 2) if roof_s else None,
         "preemptions": sum(o.metrics.num_preemptions for o in outputs),
     }
-
-
-def split_spec(spec: str) -> tuple[str, float]:
-    """``"hybrid@0.5"`` -> ("hybrid", 0.5): a policy and its prefill delay factor (0 bare)."""
-    policy, _, factor = spec.partition("@")
-    return policy, float(factor) if factor else 0.0
 
 
 def run_policies(ns: argparse.Namespace) -> dict[str, Any]:
@@ -490,13 +485,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ns.policies = [s.strip() for s in ns.policies.split(",") if s.strip()]
     for spec in ns.policies:
         try:
-            policy, delay = split_spec(spec)
-        except ValueError:
-            p.error(f"{spec!r}: a prefill delay factor is a number, as in hybrid@0.5")
-        if policy not in POLICIES:
-            p.error(f"unknown policy {policy!r}; choose from {POLICIES}")
-        if delay and policy not in ("continuous", "hybrid"):
-            p.error(f"{spec!r}: only continuous and hybrid delay prefills")
+            split_spec(spec)
+        except ValueError as exc:
+            p.error(str(exc))
     return ns
 
 

@@ -4,7 +4,8 @@
 # machine.txt, steps.jsonl (which step finished, rc, seconds), run.log (every step's output)
 # and one JSON per benchmark. The device tool returns eight files and one command runs at
 # most 600 s, so a run picks its steps: SKIP="bench_kernels bench_kvtier" (say) leaves
-# those out; all of them together would exceed both limits.
+# those out, ONLY="bench_engine_online" runs just those; all of them together would
+# exceed both limits.
 #
 # Here, once:   make gpu-wheels      (downloads the few Python wheels the GPU image lacks
 #                                     into .whl/, which .git/info/exclude ignores)
@@ -28,6 +29,7 @@ fi
 step() {
   local name=$1 limit=$2; shift 2
   case " ${SKIP:-} " in *" $name "*) return 0;; esac
+  if [ -n "${ONLY:-}" ]; then case " $ONLY " in *" $name "*) ;; *) return 0;; esac; fi
   local t0=$SECONDS
   echo "===== $name (limit ${limit}s): $*" >> "$OUT/run.log"
   timeout "$limit" "$@" >> "$OUT/run.log" 2>&1
@@ -89,4 +91,10 @@ step bench_kvtier 90 python3 -m bench.kvtier --quick --threads 8 --model dummy:l
 step bench_policies_stack 240 env PATH="/tmp/site/bin:$PATH" python3 -m bench.policies \
   --device cuda --model dummy:llama-1b --policies dynamic,continuous,hybrid --rate 32 \
   --sweep 0.25:6:8 --duration-s 4 --step-s 3 --min-sessions 24 --out "$OUT/policies_stack.json"
+# The same with prefill delay (arrivals prefilled together while others decode): run it
+# with bench_policies_stack when bench_engine_online shows the delay paying in the engine.
+step bench_policies_stack_delay 170 env PATH="/tmp/site/bin:$PATH" python3 -m bench.policies \
+  --device cuda --model dummy:llama-1b --policies continuous@1,hybrid@1 --rate 32 \
+  --sweep 0.25:6:8 --duration-s 4 --step-s 3 --min-sessions 24 \
+  --out "$OUT/policies_stack_delay.json"
 echo "results in $OUT"

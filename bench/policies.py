@@ -41,6 +41,7 @@ from typing import Any
 from bench.arrivals import arrival_offsets
 from bench.policies_load import Sent, TelemetryLog, make_sessions, run_sessions
 from bench.policies_table import table
+from bench.policy_spec import POLICIES, split_spec
 from bench.serve import summarize
 from bench.serve_http import CLIENTS
 from bench.serve_stack import machine_info
@@ -56,7 +57,6 @@ from bench.up_stack import UpStack
 from common.config import default_groups
 from common.models import served_name
 
-POLICIES = ("static", "dynamic", "continuous", "hybrid")
 BASELINE = "dynamic"
 FIELD_STUDY_RATIO = 2.9
 # Admission sheds (429) are the stack working as designed under overload: they count against
@@ -178,14 +178,17 @@ async def measure(stack: UpStack, args: argparse.Namespace, policy: str) -> dict
     }
 
 
-def run_policy(args: argparse.Namespace, policy: str) -> dict[str, Any]:
-    """A fresh stack on ``policy`` for both groups; measured, then stopped."""
+def run_policy(args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    """A fresh stack on ``spec`` (a policy, ``@F`` its prefill delay factor) for both
+    groups; measured, then stopped."""
+    policy, delay = split_spec(spec)
+    both = {"policy": policy, "prefill_delay_factor": delay}
     config = {
         "groups": {
-            "short": {"policy": policy},
+            "short": both,
             # The longest session is a long-document prompt plus its answer; the group's own
             # limit (128k) would ask a model without that context, or a small KV cache, for it.
-            "long": {"policy": policy, "max_seq_len": max(4096, 2 * args.long_tokens)},
+            "long": {**both, "max_seq_len": max(4096, 2 * args.long_tokens)},
         },
         "worker": {"telemetry_interval_s": 0.5},
     }
@@ -199,7 +202,7 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict[str, Any]:
     )
     with stack:
         ready_s = time.perf_counter() - started
-        result = asyncio.run(measure(stack, args, policy))
+        result = asyncio.run(measure(stack, args, spec))
     result["stack_start_s"] = round(ready_s, 1)
     return result
 
@@ -241,7 +244,11 @@ def sweep_factors(text: str) -> list[float]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.policies", description=__doc__.split("\n")[0])
-    p.add_argument("--policies", default=",".join(POLICIES), help="run in this order")
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="run in this order; continuous@F / hybrid@F with prefill delay factor F",
+    )
     p.add_argument("--model", default="demo", help="checkpoint folder, dummy:<shape> or demo")
     p.add_argument("--device", default="cpu", help="the workers' device: cpu (default) or cuda")
     p.add_argument("--rate", type=float, default=2.0, help="fixed phase: sessions per second")
@@ -269,9 +276,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     args.policy_list = [x for x in args.policies.split(",") if x]
-    unknown = set(args.policy_list) - set(POLICIES)
-    if unknown:
-        p.error(f"unknown policies {sorted(unknown)}")
+    for spec in args.policy_list:
+        try:
+            split_spec(spec)
+        except ValueError as exc:
+            p.error(str(exc))
     return args
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import drive, main, make_workload, parse, split_spec
+from bench.engine import drive, main, make_workload, parse
+from bench.policy_spec import split_spec
 from workers.engine import EngineArgs, LLMEngine
 
 

@@ -7,7 +7,14 @@ from itertools import pairwise
 
 import pytest
 
-from bench.policies import group_figures, ratios, slo_summary, step_figures, sweep_factors
+from bench.policies import (
+    group_figures,
+    parse_args,
+    ratios,
+    slo_summary,
+    step_figures,
+    sweep_factors,
+)
 from bench.policies_load import Sent, make_sessions
 from bench.serve_http import Result
 
@@ -101,3 +108,14 @@ def test_geometric_sweep_spans_low_to_high_in_equal_ratios() -> None:
     for bad in ("4:1:3", "0:4:3", "1:4:1", "1,-2", ""):
         with pytest.raises(ValueError):
             sweep_factors(bad)
+
+
+def test_policy_specs_carry_a_prefill_delay_for_continuous_and_hybrid_only() -> None:
+    assert parse_args(["--policies", "dynamic,continuous@1,hybrid@0.5"]).policy_list == [
+        "dynamic",
+        "continuous@1",
+        "hybrid@0.5",
+    ]
+    for bad in ("dynamic@1", "hybrid@x", "eager"):
+        with pytest.raises(SystemExit):
+            parse_args(["--policies", bad])
