@@ -210,10 +210,12 @@ class SseResponse(StreamingResponse):
         self._on_disconnect = on_disconnect
         self._on_close = on_close
         self._done = False
+        self._receive: Receive
+        self._watcher: asyncio.Future[Message]  # the pending receive(), for http.disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.ensure_future(receive())
-        watcher.add_done_callback(self._received)
+        self._receive = receive
+        self._watch()
         try:
             await send(
                 {
@@ -231,14 +233,20 @@ class SseResponse(StreamingResponse):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self._done = True
-            watcher.cancel()
+            self._watcher.cancel()
             self._on_close()
+
+    def _watch(self) -> None:
+        self._watcher = asyncio.ensure_future(self._receive())
+        self._watcher.add_done_callback(self._received)
 
     def _received(self, watcher: asyncio.Future[Message]) -> None:
         if self._done or watcher.cancelled() or watcher.exception() is not None:
             return
         if watcher.result().get("type") == "http.disconnect":
             self._on_disconnect()
+        else:  # a late body message (the app read it all already): keep listening
+            self._watch()
 
 
 class Dispatcher:
