@@ -61,7 +61,8 @@ class GroupConfig(_Strict):
     slo_e2e_p99_ms: float = Field(gt=0)
     policy: Policy = "hybrid"
     # continuous/hybrid: while requests run, new ones wait up to this many times the last
-    # admitting step's duration so that they prefill together (EngineArgs; 0 = never wait).
+    # admitting step's duration (10 ms at most) so that they prefill together (EngineArgs;
+    # 0 = never wait).
     prefill_delay_factor: float = Field(0.0, ge=0, le=100)
     # Queued + running requests the gateway admits before it sheds with 429.
     max_pending: int = Field(64, ge=1)

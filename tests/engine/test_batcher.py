@@ -229,7 +229,7 @@ def test_continuous_uses_the_blocks_a_static_batch_would_reserve() -> None:
 def test_prefill_delay_holds_arrivals_while_others_decode_then_prefills_them_together() -> None:
     for policy in ("continuous", "hybrid"):
         clock = Clock()
-        b = make_batcher(policy, max_batch_size=8, clock=clock)
+        b = make_batcher(policy, max_batch_size=8, max_wait_ms=1000, clock=clock)
         b.prefill_delay_factor = 2.0
         b.add(req("a", 5, max_tokens=50, arrival=clock.now))
         assert ids(run(b)) == ["a"]  # nothing runs: no delay
@@ -247,7 +247,7 @@ def test_prefill_delay_holds_arrivals_while_others_decode_then_prefills_them_tog
 
 def test_prefill_delay_ends_when_the_waiting_prompts_fill_the_budget_or_one_was_preempted() -> None:
     clock = Clock()
-    b = make_batcher("continuous", max_batch_size=8, budget=12, clock=clock)
+    b = make_batcher("continuous", max_batch_size=8, budget=12, max_wait_ms=1000, clock=clock)
     b.prefill_delay_factor = 100.0
     b.add(req("a", 5, max_tokens=50, arrival=clock.now))
     run(b)
@@ -271,3 +271,16 @@ def test_no_prefill_delay_by_default() -> None:
     clock.now += 1.0
     b.add(req("b", 6, arrival=clock.now))
     assert ids(run(b)) == ["b"]
+
+
+def test_prefill_delay_never_holds_an_arrival_longer_than_max_wait_ms() -> None:
+    clock = Clock()
+    b = make_batcher("continuous", max_batch_size=8, max_wait_ms=5, clock=clock)
+    b.prefill_delay_factor = 1.0
+    b.add(req("long", 40, max_tokens=50, arrival=clock.now))
+    run(b)
+    clock.now += 2.0  # a 2-second prefill would allow a 2-second hold
+    b.add(req("b", 3, arrival=clock.now))
+    assert ids(run(b)) == ["long"]
+    clock.now += 0.0051
+    assert ids(run(b)) == ["b"]  # past 5 ms, the cap

@@ -46,7 +46,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_wait_ms: float = 10.0
     # continuous/hybrid: hold new arrivals back while others run, up to this many times the
-    # last admitting step's duration, to prefill them together (batcher.py, "Prefill delay").
+    # last admitting step's duration and at most max_wait_ms, to prefill them together
+    # (batcher.py, "Prefill delay").
     prefill_delay_factor: float = 0.0
     # Share of blocks kept free when admitting new requests, so running decodes can grow.
     watermark: float = 0.01

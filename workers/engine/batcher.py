@@ -19,8 +19,9 @@ Prefill delay (``continuous`` and ``hybrid``, ``prefill_delay_factor`` > 0, as v
 each at the next step makes a prefill step (a whole-prompt step stalls every decode; a mixed
 step cannot replay the decode CUDA graph) for every trickle of arrivals. With a factor,
 while requests are running, new ones wait until the oldest has waited ``factor`` times the
-duration of the last step that admitted, or until their prompts fill the token budget, and
-are then prefilled together. A preempted request never waits for it.
+duration of the last step that admitted (never more than ``max_wait_ms``: a long prompt's
+prefill must not hold the next arrival for as long), or until their prompts fill the token
+budget, and are then prefilled together. A preempted request never waits for it.
 
 When blocks run out, the least urgent then newest running request is preempted: its blocks
 are freed and it goes back to the front of the waiting queue, to recompute its prompt and
@@ -198,7 +199,8 @@ class Batcher:
             if tokens >= self.max_num_batched_tokens or r.num_preemptions:
                 return False  # a full prefill step, or one that was running: admit now
             oldest = min(oldest, r.arrival_time)
-        return self.clock() - oldest < self.prefill_delay_factor * self._admit_step_s
+        hold = min(self.prefill_delay_factor * self._admit_step_s, self.max_wait_s)
+        return self.clock() - oldest < hold
 
     def _admission_candidates(self) -> list[Request]:
         """Who may join now, in order, under the whole-prompt policies."""
