@@ -69,8 +69,8 @@ step bench_engine_policies_kv 100 python3 -m bench.engine --model dummy:llama-1b
   --num-seqs 256 --min-len 100 --max-len 1024 --max-batch-size 256 --num-kv-blocks 8192 \
   --phases --policies static,continuous,hybrid --out "$OUT/engine_policies_kv8192.json"
 # The stack result in the engine alone: requests arriving at 90/s (about where the full
-# stack saturated on the H200, 2026-11-30), short-group lengths, the policies serving
-# them as they come. If continuous trails dynamic here too, the engine's scheduling (an
+# stack saturated on the H200, 2026-11-30, with short's batch capped at 16), short-group
+# lengths, the policies serving them as they come, 64 at a time. If continuous trails dynamic here too, the engine's scheduling (an
 # eager prefill step per trickle of arrivals) is why; if not, the worker process is.
 # continuous@1 / hybrid@1 hold arrivals back while others decode (prefill_delay_factor 1)
 # so that they prefill together: the fix to try if the engine is why.
@@ -88,13 +88,16 @@ step bench_kvtier 90 python3 -m bench.kvtier --quick --threads 8 --model dummy:l
 # steps; the rate each policy sustains within realtime/short's E2E p99 SLO, against
 # dynamic. static is left out to fit the limit; the JSON is rewritten after each policy,
 # so a cut-short run keeps what it finished. nats-server comes from the carried wheel.
+# --max-batch 64 as in the engine steps above: the groups' own limits (short 16, long 2),
+# which the 2026-11-30 run used, are sized for two CPU cores and cap a GPU's batch.
 step bench_policies_stack 240 env PATH="/tmp/site/bin:$PATH" python3 -m bench.policies \
   --device cuda --model dummy:llama-1b --policies dynamic,continuous,hybrid --rate 32 \
-  --sweep 0.25:6:8 --duration-s 4 --step-s 3 --min-sessions 24 --out "$OUT/policies_stack.json"
+  --max-batch 64 --sweep 0.25:6:8 --duration-s 4 --step-s 3 --min-sessions 24 \
+  --out "$OUT/policies_stack.json"
 # The same with prefill delay (arrivals prefilled together while others decode): run it
 # with bench_policies_stack when bench_engine_online shows the delay paying in the engine.
 step bench_policies_stack_delay 170 env PATH="/tmp/site/bin:$PATH" python3 -m bench.policies \
   --device cuda --model dummy:llama-1b --policies continuous@1,hybrid@1 --rate 32 \
-  --sweep 0.25:6:8 --duration-s 4 --step-s 3 --min-sessions 24 \
+  --max-batch 64 --sweep 0.25:6:8 --duration-s 4 --step-s 3 --min-sessions 24 \
   --out "$OUT/policies_stack_delay.json"
 echo "results in $OUT"

@@ -178,12 +178,14 @@ async def measure(stack: UpStack, args: argparse.Namespace, policy: str) -> dict
     }
 
 
-def run_policy(args: argparse.Namespace, spec: str) -> dict[str, Any]:
-    """A fresh stack on ``spec`` (a policy, ``@F`` its prefill delay factor) for both
-    groups; measured, then stopped."""
+def stack_config(args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    """The stack's config overrides for ``spec`` (a policy, ``@F`` its prefill delay
+    factor): both serving groups on it."""
     policy, delay = split_spec(spec)
-    both = {"policy": policy, "prefill_delay_factor": delay}
-    config = {
+    both: dict[str, Any] = {"policy": policy, "prefill_delay_factor": delay}
+    if args.max_batch:  # the groups' own (short 16, long 2) suit two CPU cores, not a GPU
+        both["max_batch"] = args.max_batch
+    return {
         "groups": {
             "short": both,
             # The longest session is a long-document prompt plus its answer; the group's own
@@ -192,6 +194,11 @@ def run_policy(args: argparse.Namespace, spec: str) -> dict[str, Any]:
         },
         "worker": {"telemetry_interval_s": 0.5},
     }
+
+
+def run_policy(args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    """A fresh stack on ``spec`` (:func:`stack_config`); measured, then stopped."""
+    config = stack_config(args, spec)
     started = time.perf_counter()
     stack = UpStack(
         engine="real",
@@ -261,6 +268,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-s", type=float, default=7.0, help="seconds per sweep step")
     p.add_argument("--min-sessions", type=int, default=8, help="sessions per sweep step, at least")
     p.add_argument("--long-tokens", type=int, default=1024, help="long-document prompt tokens")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="short's and long's max batch (default: the groups', 16 and 2)",
+    )
     p.add_argument("--client", default="raw", choices=CLIENTS, help="load generator's client")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="short phases (~3 min in all)")
@@ -302,6 +315,7 @@ def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str,
             "step_s": args.step_s,
             "min_sessions": args.min_sessions,
             "long_tokens": args.long_tokens,
+            "max_batch": {g: args.max_batch or groups[g].max_batch for g in ("short", "long")},
             "client": args.client,
             "slos_ms": {g: [c.slo_ttft_ms, c.slo_e2e_p99_ms] for g, c in groups.items()},
         },

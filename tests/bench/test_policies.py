@@ -4,19 +4,23 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
+import yaml
 
 from bench.policies import (
     group_figures,
     parse_args,
     ratios,
     slo_summary,
+    stack_config,
     step_figures,
     sweep_factors,
 )
 from bench.policies_load import Sent, make_sessions
 from bench.serve_http import Result
+from common.config import load_config
 
 
 def test_sessions_follow_the_field_mix_and_conversations_resend_their_history() -> None:
@@ -119,3 +123,20 @@ def test_policy_specs_carry_a_prefill_delay_for_continuous_and_hybrid_only() -> 
     for bad in ("dynamic@1", "hybrid@x", "eager"):
         with pytest.raises(SystemExit):
             parse_args(["--policies", bad])
+
+
+def test_the_stack_config_puts_both_groups_on_the_spec_and_lifts_the_batch_cap_when_asked(
+    tmp_path: Path,
+) -> None:
+    plain = stack_config(parse_args([]), "hybrid")["groups"]
+    assert plain["short"] == {"policy": "hybrid", "prefill_delay_factor": 0.0}
+    lifted = stack_config(parse_args(["--max-batch", "64"]), "continuous@1")
+    for group in ("short", "long"):
+        assert lifted["groups"][group]["policy"] == "continuous"
+        assert lifted["groups"][group]["max_batch"] == 64
+        assert lifted["groups"][group]["prefill_delay_factor"] == 1.0
+    # The stack writes it as its config file: merged onto the defaults, it loads.
+    (tmp_path / "qos.yaml").write_text(yaml.safe_dump(lifted))
+    groups = load_config(tmp_path / "qos.yaml", env={}).groups
+    assert groups["long"].max_batch == 64 and groups["long"].max_seq_len >= 4096
+    assert groups["realtime"].max_batch == 1  # untouched
