@@ -37,6 +37,18 @@ def stream(detok: IncrementalDetokenizer, ids: Sequence[int]) -> list[str]:
     return [detok.add(i) for i in ids]
 
 
+class CountingDecoder:
+    """``tokenizer``'s decode, recording how many ids each call was given."""
+
+    def __init__(self, tokenizer: Tokenizer | ByteTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.lengths: list[int] = []
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 @FAST
 @given(prompt=TEXT, text=TEXT)
 def test_streamed_text_equals_the_whole_decode_and_never_shows_a_half_character(
@@ -111,15 +123,11 @@ def test_special_tokens_are_skipped_or_shown_as_asked(bpe: Tokenizer) -> None:
 
 
 def test_work_per_token_stays_bounded_on_long_outputs(bpe: Tokenizer) -> None:
-    decoded: list[int] = []
-
-    class Counting:
-        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-            decoded.append(len(ids))
-            return bpe.decode(ids, skip_special_tokens=skip_special_tokens)
+    counting = CountingDecoder(bpe)
+    decoded = counting.lengths
 
     ids = bpe.encode("The quick brown fox 🙂 日本語. " * 60, add_special_tokens=False)
-    detok = IncrementalDetokenizer(Counting(), bpe.encode("prompt " * 100))
+    detok = IncrementalDetokenizer(counting, bpe.encode("prompt " * 100))
     assert "".join(stream(detok, ids)) == bpe.decode(ids)
     assert max(decoded) <= 16  # a window, never the whole output
     assert sum(decoded) <= 16 * len(ids)
@@ -225,16 +233,12 @@ def test_empty_stop_string_is_refused() -> None:
 
 def test_stray_bytes_are_released_so_a_garbage_stream_costs_a_window_per_token() -> None:
     tok = ByteTokenizer()
-    decoded: list[int] = []
-
-    class Counting:
-        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-            decoded.append(len(ids))
-            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    counting = CountingDecoder(tok)
+    decoded = counting.lengths
 
     # Lone continuation bytes never become characters; a valid emoji and text come after.
     data = b"\x80\xbf" * 300 + "🙂 ok".encode() + b"\xe2\x82" * 50 + b"!"
-    detok = IncrementalDetokenizer(Counting(), tok.encode("x"))
+    detok = IncrementalDetokenizer(counting, tok.encode("x"))
     deltas = stream(detok, list(data))
     assert "".join(deltas) + detok.flush() == data.decode("utf-8", errors="replace")
     assert max(decoded) <= 24  # a bounded window, not the whole output
@@ -253,18 +257,14 @@ def test_long_byte_streams_add_up_to_the_whole_decode(data: bytes) -> None:
 
 
 def test_tokens_without_text_do_not_grow_the_window(bpe: Tokenizer) -> None:
-    decoded: list[int] = []
-
-    class Counting:
-        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-            decoded.append(len(ids))
-            return bpe.decode(ids, skip_special_tokens=skip_special_tokens)
+    counting = CountingDecoder(bpe)
+    decoded = counting.lengths
 
     eot = bpe.token_to_id("<|eot|>")
     assert eot is not None
     ids = [*bpe.encode(" hello", add_special_tokens=False), *[eot] * 200]
     ids += bpe.encode(" world 🙂", add_special_tokens=False)
-    detok = IncrementalDetokenizer(Counting(), bpe.encode("say"))
+    detok = IncrementalDetokenizer(counting, bpe.encode("say"))
     assert "".join(stream(detok, ids)) + detok.flush() == bpe.decode(ids)
     assert max(decoded) <= 24
 
