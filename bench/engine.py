@@ -40,9 +40,8 @@ from bench.engine_phases import PhaseTimer
 from bench.engine_profile import KernelProfile
 from bench.engine_schedule import count_steps
 from bench.percentiles import pct
-from bench.policy_spec import split_spec
+from bench.policy_spec import POLICIES, split_spec
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
-from workers.engine.args import POLICIES
 
 
 @dataclass

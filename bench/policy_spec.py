@@ -5,6 +5,7 @@ Stdlib only, so the stack benchmarks can parse them without importing the engine
 
 from __future__ import annotations
 
+# workers.engine.args.POLICIES, repeated: importing it would import torch (a test pins both).
 POLICIES = ("static", "dynamic", "continuous", "hybrid")
 DELAYING = ("continuous", "hybrid")  # the policies a prefill delay applies to
 

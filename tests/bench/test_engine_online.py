@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from bench.engine import drive, main, make_workload, parse
-from bench.policy_spec import split_spec
+from bench.policy_spec import POLICIES, split_spec
 from workers.engine import EngineArgs, LLMEngine
+from workers.engine.args import POLICIES as ENGINE_POLICIES
 
 
 def test_requests_are_added_at_their_arrival_times() -> None:
@@ -38,3 +39,7 @@ def test_a_policy_spec_names_its_prefill_delay_and_only_continuous_and_hybrid_ta
     assert set(result["policies"]) == {"continuous", "continuous@1"}
     tokens = {p: r["output_tokens"] for p, r in result["policies"].items()}
     assert tokens["continuous"] == tokens["continuous@1"] == result["workload"]["output_tokens"]
+
+
+def test_the_benchmarks_know_the_engines_policies() -> None:
+    assert POLICIES == ENGINE_POLICIES
