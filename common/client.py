@@ -169,7 +169,9 @@ class QosClient:
 
     async def close(self) -> None:
         if self._owns:
-            await self.nc.close()
+            from common.nats import close
+
+            await close(self.nc)  # an abort sent just before is not dropped
 
     async def __aenter__(self) -> Self:
         return self

@@ -35,6 +35,7 @@ from starlette.types import Scope
 from common.config import Config
 from common.errors import InternalError, InvalidRequestError, QosError, error_from_code
 from common.logging import prompts_loggable
+from common.nats import close as close_nats
 from common.nats import connect, ensure_jetstream
 from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer
@@ -152,7 +153,7 @@ def create_app(
             await heartbeat.stop()
             await view.stop()
             await dispatcher.stop()
-            await nc.close()
+            await close_nats(nc)  # its last aborts reach the workers
             state.nc = state.generator = None
 
     app = FastAPI(title="qosserve gateway", version="0.1.0", lifespan=lifespan, **_no_native_otel())

@@ -230,10 +230,7 @@ class WorkerService:
         if self.bridge is not None:
             await self.bridge.stop()
         if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.flush(timeout=2)  # acks, naks and the last telemetry go out
-            with contextlib.suppress(Exception):
-                await self.nc.close()
+            await qnats.close(self.nc)  # acks, naks and the last telemetry go out first
         self.observer.close()
         tier = getattr(self.engine, "kv_tier", None)
         if tier is not None:
@@ -256,7 +253,7 @@ class WorkerService:
             fetch_timeout_s=self.options.fetch_timeout_s,
         )
         self._intake.start()
-        await self.nc.flush()  # the server has our subscriptions before anyone is told we serve
+        await qnats.barrier(self.nc)  # the server has our subscriptions before we say we serve
 
     async def _unbind(self) -> None:
         """Leave the current group: its consumer and its control subject."""
@@ -305,7 +302,7 @@ class WorkerService:
             self.observer.abandoned(st, "handed_back")
         if self.nc is not None:
             with contextlib.suppress(Exception):
-                await self.nc.flush(timeout=2)
+                await qnats.barrier(self.nc)  # the nak-backs reach the server before close()
 
     # --- one request ---------------------------------------------------------------------
 

@@ -117,8 +117,15 @@ async def test_a_malformed_request_gets_an_error_chunk_is_terminated_and_the_wor
         group="short", prompt_token_ids=[1], params=RequestParams(max_tokens=3)
     )
     assert ids == expected_tokens(1, 3) and final.finish_reason == "length"
-    info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
-    assert info.num_pending == 0 and info.num_ack_pending == 0  # terminated, not redelivered
+    # The worker acks after the final chunk, so the last ack may trail the answer a moment.
+    deadline = time.monotonic() + 5.0
+    while True:
+        info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
+        if info.num_ack_pending == 0 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    # Terminated, not redelivered:
+    assert (info.num_pending, info.num_ack_pending, info.num_redelivered) == (0, 0, 0)
 
 
 async def test_a_request_past_its_deadline_gets_deadline_exceeded(
@@ -201,7 +208,8 @@ async def test_held_tokens_go_out_when_their_window_ends_though_the_engine_goes_
         arrived.append((time.monotonic(), len(c.token_ids)))
     assert [n for _, n in arrived[:2]] == [1, 2]  # the first token alone, then steps 2-3 held
     assert arrived[1][0] - arrived[0][0] < 0.75  # sent when the window ended, not after the stall
-    assert arrived[-1][0] - arrived[0][0] >= 1.5 and sum(n for _, n in arrived) == 6
+    # The rest came after the stall (less the first chunk's delivery time, under load).
+    assert arrived[-1][0] - arrived[0][0] >= 1.4 and sum(n for _, n in arrived) == 6
 
 
 async def test_in_progress_keeps_a_request_longer_than_ack_wait_from_redelivering(
