@@ -99,7 +99,7 @@ class Stack:
     async def _start(self) -> None:
         self._nc = await qnats.connect(self.config.nats, "e2e-snoop")
         await self._nc.subscribe(f"{self.config.nats.subject_prefix}.out.*", cb=self._record)
-        await self._nc.flush()
+        await qnats.barrier(self._nc)  # flush() may overtake the SUB
         app = create_app(
             self.config, self.tokenizer, model=self.model, admission_wait_s=self.admission_wait_s
         )

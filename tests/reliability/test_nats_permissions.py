@@ -93,7 +93,7 @@ async def test_a_worker_user_cannot_publish_requests_or_read_chunks(
     scheduler = await qnats.connect(as_user(config, "scheduler").nats, "perm-scheduler")
     try:
         seen = await gateway.subscribe("qos.req.>")
-        await gateway.flush()
+        await qnats.barrier(gateway)
         await worker.publish("qos.req.short", b"forged")
         await worker.flush()
         with pytest.raises(nats.errors.TimeoutError):
