@@ -90,10 +90,12 @@ step bench_kvtier 90 python3 -m bench.kvtier --quick --threads 8 --model dummy:l
 # so a cut-short run keeps what it finished. nats-server comes from the carried wheel.
 # --max-batch 64 as in the engine steps above: the groups' own limits (short 16, long 2),
 # which the 2026-11-30 run used, are sized for two CPU cores and cap a GPU's batch.
-step bench_policies_stack 240 env PATH="/tmp/site/bin:$PATH" python3 -m bench.policies \
-  --device cuda --model dummy:llama-1b --policies dynamic,continuous,hybrid --rate 32 \
-  --max-batch 64 --sweep 0.25:6:8 --duration-s 4 --step-s 3 --min-sessions 24 \
-  --out "$OUT/policies_stack.json"
+# dynamic/pool is the field study's baseline (dynamic batching, no instance groups: both
+# workers on one queue); 8k-token documents so a long prefill costs what it would there.
+step bench_policies_stack 330 env PATH="/tmp/site/bin:$PATH" python3 -m bench.policies \
+  --device cuda --model dummy:llama-1b --policies dynamic/pool,dynamic,continuous,hybrid \
+  --rate 32 --long-tokens 8192 --max-batch 64 --sweep 0.25:6:8 --duration-s 4 --step-s 3 \
+  --min-sessions 24 --out "$OUT/policies_stack.json"
 # The same with prefill delay (arrivals prefilled together while others decode): run it
 # with bench_policies_stack when bench_engine_online shows the delay paying in the engine.
 step bench_policies_stack_delay 170 env PATH="/tmp/site/bin:$PATH" python3 -m bench.policies \

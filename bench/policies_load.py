@@ -74,12 +74,18 @@ def make_sessions(n: int, seed: int, long_tokens: int, turns: int = 3) -> list[S
 
 
 async def run_sessions(
-    url: str, model: str, sessions: list[Session], offsets: list[float], client: str = "raw"
+    url: str,
+    model: str,
+    sessions: list[Session],
+    offsets: list[float],
+    client: str = "raw",
+    pool: str | None = None,
 ) -> tuple[list[Sent], float]:
     """Start each session at its offset (turns in order); every request and the duration.
 
     ``client`` is a ``bench/serve_http.py`` sender; ``raw`` costs a tenth of ``httpx``'s CPU,
     which matters where the load generator shares the cores with the stack it measures.
+    ``pool``: send every request to that group (``Sent.group`` still names the session's).
     """
     sent: list[list[Sent]] = [[] for _ in sessions]
     async with open_sender(client, url, None) as sender:
@@ -99,7 +105,8 @@ async def run_sessions(
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 }
-                await sender.send(i, f"/v1/{session.group}/completions", body, item.result)
+                route = pool or session.group
+                await sender.send(i, f"/v1/{route}/completions", body, item.result)
                 if not item.result.ok:
                     return  # a conversation stops at its first failed turn
 

@@ -1,5 +1,9 @@
 """Policy specs on benchmark command lines: ``hybrid`` or ``hybrid@0.5`` (prefill delay 0.5).
 
+The stack benchmark (``bench/policies.py``) also takes ``dynamic/pool``: the policy on one
+undivided pool of the same workers, every request on one queue -- traditional serving
+without instance groups, the field study's baseline.
+
 Stdlib only, so the stack benchmarks can parse them without importing the engine.
 """
 
@@ -8,6 +12,14 @@ from __future__ import annotations
 # workers.engine.args.POLICIES, repeated: importing it would import torch (a test pins both).
 POLICIES = ("static", "dynamic", "continuous", "hybrid")
 DELAYING = ("continuous", "hybrid")  # the policies a prefill delay applies to
+POOL_SUFFIX = "/pool"
+
+
+def split_layout(spec: str) -> tuple[str, bool]:
+    """``"dynamic/pool"`` -> ("dynamic", True); ``"hybrid@1"`` -> ("hybrid@1", False)."""
+    if spec.endswith(POOL_SUFFIX):
+        return spec[: -len(POOL_SUFFIX)], True
+    return spec, False
 
 
 def split_spec(spec: str) -> tuple[str, float]:

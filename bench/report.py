@@ -111,22 +111,38 @@ def section_policies(doc: Doc, png: Path) -> list[str]:
                       "TTFT p99 ms", "E2E p50 ms", "E2E p99 ms", "engine busy"], rows))  # fmt: skip
     # Recomputed from the sweeps, so results written before the rate at SLO existed get it too.
     rel = policies_bench.ratios(doc["results"])
+    pool = policies_bench.ratios(doc["results"], policies_bench.FIELD_BASELINE)
+
+    def bounds(x: dict[str, Any]) -> str | None:
+        low, high = x.get("slo_rate_low"), x.get("slo_rate_high")
+        return f"{low or 0:.3g}–{'∞' if high is None else format(high, '.3g')}" if x else None
+
     sat = []
     for p, r in doc["results"].items():
         at = policies_bench.sweep_slo(r["sweep"])
-        x = rel.get(p, {})
-        low, high = x.get("slo_rate_low"), x.get("slo_rate_high")
-        bounds = f"{low or 0:.3g}–{'∞' if high is None else format(high, '.3g')}" if x else None
-        sat.append([p, at.rate, at.req_s, at.first_miss, x.get("slo_rate"), bounds,
-                    r["saturation_req_s"], x.get("saturation_req_s"), x.get("fixed_goodput_req_s")])  # fmt: skip
+        x, y = rel.get(p, {}), pool.get(p, {})
+        sat.append([p, at.rate, at.req_s, at.first_miss, x.get("slo_rate"), bounds(x),
+                    y.get("slo_rate"), bounds(y), r["saturation_req_s"],
+                    x.get("saturation_req_s"), x.get("fixed_goodput_req_s")])  # fmt: skip
     out.append(table(["policy", "rate at SLO (sessions/s)", "req/s there", "first miss",
-                      "x dynamic at SLO", "bounds", "saturation req/s", "x dynamic (saturation)",
+                      "x dynamic at SLO", "bounds", "x dynamic/pool at SLO", "bounds",
+                      "saturation req/s", "x dynamic (saturation)",
                       "x dynamic (fixed-rate goodput)"], sat))  # fmt: skip
     out.append("Rate at SLO: the highest offered rate below the first sweep step where realtime's "
                "or short's E2E p99 exceeds its group SLO or under 99 % of requests complete "
                "(`bench/slo_rate.py`); the bounds are what the steps either side allow. "
                f"The field study reports {doc.get('field_study_ratio', 2.9)}x req/s at the same "
-               "SLO for continuous batching with instance groups over dynamic batching.")  # fmt: skip
+               "SLO for continuous batching with instance groups over dynamic batching; "
+               "`dynamic/pool` is that baseline (one undivided pool of the same workers), "
+               "`dynamic` the policy alone inside the instance groups.")  # fmt: skip
+    found = policies_bench.field_comparison(doc["results"])
+    if found is not None:
+        ratio = found["slo_rate_ratio"]
+        shown = (f"{ratio:.3g}x" if ratio is not None
+                 else f"at least {found['slo_rate_ratio_low']:.3g}x (the pool missed at every step)")  # fmt: skip
+        out.append(f"Field-study comparison: `{found['policy']}` with instance groups holds the SLO "
+                   f"at {shown} the rate `dynamic/pool` does (target {found['target']}x: "
+                   f"{'met' if found['met'] else 'not met'}).")  # fmt: skip
     if report_plots.policies(doc, png):
         out.append(f"![policies]({png.name})")
     return out

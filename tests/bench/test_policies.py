@@ -10,9 +10,11 @@ import pytest
 import yaml
 
 from bench.policies import (
+    field_comparison,
     group_figures,
     parse_args,
     ratios,
+    replicas_for,
     slo_summary,
     stack_config,
     step_figures,
@@ -64,12 +66,13 @@ def _phase(offered: float, short_p99: float, completed: int = 20, failed: int = 
     return {"offered_sessions_s": offered, "groups": groups, "errors": {}}
 
 
-def test_ratios_are_against_dynamic() -> None:
-    def result(req_s: float, sat: float, sweep: list[dict]) -> dict:
-        row = {"req_s": req_s, "out_tok_s": 10 * req_s, "goodput_req_s": req_s / 2,
-               "ttft_p99_ms": 100.0, "e2e_p99_ms": 400.0}  # fmt: skip
-        return {"fixed_rate": {"groups": {"all": row}}, "saturation_req_s": sat, "sweep": sweep}
+def result(req_s: float, sat: float, sweep: list[dict]) -> dict:
+    row = {"req_s": req_s, "out_tok_s": 10 * req_s, "goodput_req_s": req_s / 2,
+           "ttft_p99_ms": 100.0, "e2e_p99_ms": 400.0}  # fmt: skip
+    return {"fixed_rate": {"groups": {"all": row}}, "saturation_req_s": sat, "sweep": sweep}
 
+
+def test_ratios_are_against_dynamic() -> None:
     dynamic = [_phase(1, 300), _phase(2, 700), _phase(4, 900)]
     continuous = [_phase(1, 200), _phase(2, 300), _phase(4, 450)]
     rel = ratios(
@@ -120,7 +123,8 @@ def test_policy_specs_carry_a_prefill_delay_for_continuous_and_hybrid_only() -> 
         "continuous@1",
         "hybrid@0.5",
     ]
-    for bad in ("dynamic@1", "hybrid@x", "eager"):
+    assert parse_args([]).policy_list[0] == "dynamic/pool"  # the field study's baseline
+    for bad in ("dynamic@1", "hybrid@x", "eager", "dynamic/groups", "pool"):
         with pytest.raises(SystemExit):
             parse_args(["--policies", bad])
 
@@ -140,3 +144,43 @@ def test_the_stack_config_puts_both_groups_on_the_spec_and_lifts_the_batch_cap_w
     groups = load_config(tmp_path / "qos.yaml", env={}).groups
     assert groups["long"].max_batch == 64 and groups["long"].max_seq_len >= 4096
     assert groups["realtime"].max_batch == 1  # untouched
+
+
+def test_a_pooled_spec_puts_both_workers_on_one_group_long_enough_for_every_request(
+    tmp_path: Path,
+) -> None:
+    pooled = stack_config(parse_args(["--long-tokens", "3000"]), "dynamic/pool")
+    assert pooled["groups"]["short"] == {
+        "policy": "dynamic", "prefill_delay_factor": 0.0, "max_seq_len": 6000
+    }  # fmt: skip
+    assert replicas_for("dynamic/pool") == {"realtime": 0, "short": 2, "long": 0}
+    # Grouped: short and long, one worker each (the launcher's default replica count).
+    assert replicas_for("dynamic") == {"realtime": 0}
+    (tmp_path / "qos.yaml").write_text(yaml.safe_dump(pooled))
+    groups = load_config(tmp_path / "qos.yaml", env={}).groups
+    assert groups["short"].max_seq_len == 6000 and groups["short"].max_batch == 16
+
+
+def test_the_field_comparison_takes_the_best_grouped_continuous_or_hybrid_run_over_the_pool() -> (
+    None
+):
+    pool = [_phase(1, 300), _phase(2, 700), _phase(4, 900), _phase(8, 900)]
+    dynamic = [_phase(1, 200), _phase(2, 300), _phase(4, 700), _phase(8, 900)]
+    hybrid = [_phase(1, 200), _phase(2, 300), _phase(4, 450), _phase(8, 900)]
+    results = {
+        "dynamic/pool": result(1.0, 2.0, pool),
+        "dynamic": result(2.0, 3.0, dynamic),
+        "hybrid": result(2.0, 3.0, hybrid),
+    }
+    assert field_comparison({"hybrid": results["hybrid"]}) is None
+    found = field_comparison(results)
+    assert found is not None
+    # hybrid holds the SLO to 4/s, the pool only to 1/s: 4x, between 2x and 8x.
+    assert (found["policy"], found["slo_rate_ratio"]) == ("hybrid", 4.0)
+    assert (found["slo_rate_ratio_low"], found["slo_rate_ratio_high"]) == (2.0, 8.0)
+    assert found["met"] and found["target"] == 2.9
+    # The pool missing at every step leaves the ratio open: judged by its low bound.
+    results["dynamic/pool"] = result(1.0, 2.0, [_phase(1, 900), _phase(2, 900)])
+    found = field_comparison(results)
+    assert found is not None and found["slo_rate_ratio"] is None
+    assert found["slo_rate_ratio_low"] == 4.0 and found["met"]
