@@ -169,9 +169,7 @@ class QosClient:
 
     async def close(self) -> None:
         if self._owns:
-            from common.nats import close
-
-            await close(self.nc)  # an abort sent just before is not dropped
+            await self.nc.close()
 
     async def __aenter__(self) -> Self:
         return self

@@ -170,23 +170,14 @@ async def barrier(nc: Client, timeout_s: float = 2.0) -> None:
     """Return once the server has processed every command ``nc`` sent before this call.
 
     ``Client.flush()`` is not that barrier in nats-py 2.x: it writes its PING straight to
-    the socket, ahead of commands still queued for the flusher task, so a SUB (or an ack)
-    sent just before can reach the server after the PONG -- a worker that had "flushed"
-    its control subscription missed the first control message, and ``close()`` drops
-    whatever is still queued. A request the server answers itself goes through the same
-    queue, behind them; every service may ask ``$JS.API.INFO`` (deploy/nats).
+    the socket, ahead of commands still queued for the flusher task, so a SUB sent just
+    before can reach the server after the PONG -- a worker that had "flushed" its control
+    subscription missed the first control message published after it started. A request
+    the server answers itself goes through the same queue, behind them; every service user
+    may send ``$JS.API.INFO`` (deploy/nats/permissions.conf).
     """
     with contextlib.suppress(nats.errors.NoRespondersError):  # no JetStream: still answered
         await nc.request("$JS.API.INFO", b"", timeout=timeout_s)
-
-
-async def close(nc: Client, timeout_s: float = 2.0) -> None:
-    """Close ``nc`` after what it sent reached the server (nats-py drops what is queued)."""
-    if nc.is_connected:
-        with contextlib.suppress(Exception):
-            await barrier(nc, timeout_s)
-    with contextlib.suppress(Exception):
-        await nc.close()
 
 
 async def _created_meanwhile(

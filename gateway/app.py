@@ -35,7 +35,6 @@ from starlette.types import Scope
 from common.config import Config
 from common.errors import InternalError, InvalidRequestError, QosError, error_from_code
 from common.logging import prompts_loggable
-from common.nats import close as close_nats
 from common.nats import connect, ensure_jetstream
 from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer
@@ -153,7 +152,7 @@ def create_app(
             await heartbeat.stop()
             await view.stop()
             await dispatcher.stop()
-            await close_nats(nc)  # its last aborts reach the workers
+            await nc.close()
             state.nc = state.generator = None
 
     app = FastAPI(title="qosserve gateway", version="0.1.0", lifespan=lifespan, **_no_native_otel())

@@ -197,7 +197,10 @@ class SchedulerService:
         self.metrics.close()
         self.metrics.leader.set(0)
         if self.nc is not None:
-            await qnats.close(self.nc)
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=2)
+            with contextlib.suppress(Exception):
+                await self.nc.close()
 
     async def _every(self, interval_s: float, step: Callable[[], Any]) -> None:
         """Run ``step`` every ``interval_s``; an error is logged and the loop goes on."""

@@ -230,7 +230,10 @@ class WorkerService:
         if self.bridge is not None:
             await self.bridge.stop()
         if self.nc is not None:
-            await qnats.close(self.nc)  # acks, naks and the last telemetry go out first
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=2)  # acks, naks and the last telemetry go out
+            with contextlib.suppress(Exception):
+                await self.nc.close()
         self.observer.close()
         tier = getattr(self.engine, "kv_tier", None)
         if tier is not None:
@@ -302,7 +305,7 @@ class WorkerService:
             self.observer.abandoned(st, "handed_back")
         if self.nc is not None:
             with contextlib.suppress(Exception):
-                await qnats.barrier(self.nc)  # the nak-backs reach the server before close()
+                await self.nc.flush(timeout=2)
 
     # --- one request ---------------------------------------------------------------------
 
