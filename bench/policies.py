@@ -26,7 +26,7 @@ what the batching policy alone is worth. Whatever the ratios are, they are print
 measured. The JSON is rewritten after each policy, so a run cut short by a time limit keeps
 the policies it finished.
 
-    python -m bench.policies                 # the demo model on CPU, ~8 min
+    python -m bench.policies                 # the demo model on CPU, ~10 min
     python -m bench.policies --quick         # ~3 min (stack start-up is much of it)
     python -m bench.policies --policies dynamic/pool,continuous --rate 3 --out policies.json
     python -m bench.policies --device cuda --model dummy:llama-1b --rate 16   # a GPU
