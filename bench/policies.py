@@ -45,7 +45,7 @@ from typing import Any
 from bench.arrivals import arrival_offsets
 from bench.policies_load import Sent, TelemetryLog, make_sessions, run_sessions
 from bench.policies_table import table
-from bench.policy_spec import DELAYING, POLICIES, POOL_SUFFIX, split_layout, split_spec
+from bench.policy_spec import POLICIES, POOL_SUFFIX, split_stack_spec
 from bench.serve import summarize
 from bench.serve_http import CLIENTS
 from bench.serve_stack import machine_info
@@ -65,6 +65,7 @@ BASELINE = "dynamic"
 FIELD_BASELINE = "dynamic" + POOL_SUFFIX  # the field study's: no instance groups
 DEFAULT_POLICIES = (FIELD_BASELINE, *POLICIES)
 FIELD_STUDY_RATIO = 2.9
+FIELD_POLICIES = ("continuous", "hybrid")  # what the field study moved to, with groups
 POOL_GROUP = "short"  # the one group a pooled stack serves everything on
 POOL_REPLICAS = {"realtime": 0, "short": 2, "long": 0}  # the grouped stack's short + long
 GROUPED_REPLICAS = {"realtime": 0}  # short and long: one replica each
@@ -168,7 +169,7 @@ def slo_summary(sweep: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def measure(stack: UpStack, args: argparse.Namespace, policy: str) -> dict[str, Any]:
     """Warm-up, the fixed-rate phase, the sweep; against a started stack."""
-    pool = POOL_GROUP if split_layout(policy)[1] else None
+    pool = POOL_GROUP if split_stack_spec(policy).pooled else None
     async with TelemetryLog(stack.nats_url) as tel:
         warm = make_sessions(4, 999, args.long_tokens)
         await run_sessions(
@@ -203,8 +204,7 @@ async def measure(stack: UpStack, args: argparse.Namespace, policy: str) -> dict
 def stack_config(args: argparse.Namespace, spec: str) -> dict[str, Any]:
     """The stack's config overrides for ``spec`` (a policy, ``@F`` its prefill delay
     factor, ``/pool`` one undivided pool): both serving groups on it."""
-    inner, pooled = split_layout(spec)
-    policy, delay = split_spec(inner)
+    policy, delay, pooled = split_stack_spec(spec)
     both: dict[str, Any] = {"policy": policy, "prefill_delay_factor": delay}
     if args.max_batch:  # the groups' own (short 16, long 2) suit two CPU cores, not a GPU
         both["max_batch"] = args.max_batch
@@ -223,7 +223,7 @@ def stack_config(args: argparse.Namespace, spec: str) -> dict[str, Any]:
 
 def replicas_for(spec: str) -> dict[str, int]:
     """Two workers either way: short + long, or both on the pool."""
-    return POOL_REPLICAS if split_layout(spec)[1] else GROUPED_REPLICAS
+    return POOL_REPLICAS if split_stack_spec(spec).pooled else GROUPED_REPLICAS
 
 
 def run_policy(args: argparse.Namespace, spec: str) -> dict[str, Any]:
@@ -322,7 +322,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.policy_list = [x for x in args.policies.split(",") if x]
     for spec in args.policy_list:
         try:
-            split_spec(split_layout(spec)[0])
+            split_stack_spec(spec)
         except ValueError as exc:
             p.error(str(exc))
     return args
@@ -371,7 +371,8 @@ def field_comparison(results: dict[str, Any]) -> dict[str, Any] | None:
     if FIELD_BASELINE not in results:
         return None
     rel = ratios(results, FIELD_BASELINE)
-    candidates = [p for p in results if not split_layout(p)[1] and split_spec(p)[0] in DELAYING]
+    specs = {p: split_stack_spec(p) for p in results}
+    candidates = [p for p, s in specs.items() if not s.pooled and s.policy in FIELD_POLICIES]
     if not candidates:
         return None
 

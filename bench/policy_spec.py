@@ -9,17 +9,28 @@ Stdlib only, so the stack benchmarks can parse them without importing the engine
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 # workers.engine.args.POLICIES, repeated: importing it would import torch (a test pins both).
 POLICIES = ("static", "dynamic", "continuous", "hybrid")
 DELAYING = ("continuous", "hybrid")  # the policies a prefill delay applies to
 POOL_SUFFIX = "/pool"
 
 
-def split_layout(spec: str) -> tuple[str, bool]:
-    """``"dynamic/pool"`` -> ("dynamic", True); ``"hybrid@1"`` -> ("hybrid@1", False)."""
-    if spec.endswith(POOL_SUFFIX):
-        return spec[: -len(POOL_SUFFIX)], True
-    return spec, False
+class StackSpec(NamedTuple):
+    """A stack benchmark's spec: the policy, its prefill delay, one undivided pool or not."""
+
+    policy: str
+    delay: float
+    pooled: bool
+
+
+def split_stack_spec(spec: str) -> StackSpec:
+    """``"dynamic/pool"`` -> StackSpec("dynamic", 0.0, True); ``"hybrid@1"`` ->
+    StackSpec("hybrid", 1.0, False). Raises ValueError as :func:`split_spec` does."""
+    pooled = spec.endswith(POOL_SUFFIX)
+    policy, delay = split_spec(spec.removesuffix(POOL_SUFFIX) if pooled else spec)
+    return StackSpec(policy, delay, pooled)
 
 
 def split_spec(spec: str) -> tuple[str, float]:
