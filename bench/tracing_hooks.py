@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for side, tracer in (("gateway", gateway), ("worker", worker)):
         encode, spans = encode_us(tracer, total)
         report[side] = {
+            # The hooks with tracing off: metrics (and log fields) alone, what every request pays.
+            "hooks_off_us_per_request": round(med[f"{side} off"], 2),
             "hooks_us_per_request": round(med[f"{side} on"] - med[f"{side} off"], 2),
             "hooks_us_per_request_min": round(min(runs[f"{side} on"]) - min(runs[f"{side} off"]), 2),
             "encode_us_per_request": round(encode, 2),

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from common.loop_histogram import LoopHistogram
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +183,11 @@ def gauge(spec: Spec, registry: CollectorRegistry) -> Gauge:
     return Gauge(spec.name, spec.doc, spec.labels, registry=registry)
 
 
-def histogram(spec: Spec, registry: CollectorRegistry) -> Histogram:
-    """A :class:`Histogram` for ``spec`` (its buckets) in ``registry``."""
+def histogram(spec: Spec, registry: CollectorRegistry) -> LoopHistogram:
+    """A histogram for ``spec`` (its buckets) in ``registry``, observed on one thread (the
+    service's event loop: :mod:`common.loop_histogram`, no lock per observation)."""
     assert spec.buckets is not None, f"{spec.name} has no buckets"
-    return Histogram(spec.name, spec.doc, spec.labels, buckets=spec.buckets, registry=registry)
+    return LoopHistogram(spec.name, spec.doc, spec.labels, spec.buckets, registry)
 
 
 def _version(package: str) -> str:

@@ -123,9 +123,8 @@ class WorkerObserver:
         if n:
             now = time.monotonic()
             if watch.last_output_at is not None:
-                gap = (now - watch.last_output_at) / n
-                for _ in range(n):
-                    watch.series.itl.observe(gap)
+                # Per token: n tokens that came out together share the gap.
+                watch.series.itl.observe((now - watch.last_output_at) / n, n)
             watch.last_output_at = now
         if delta.output is not None:
             watch.output = delta.output
