@@ -10,6 +10,12 @@ while the gateway's own connection was down never reached it, and the worker can
 from its side. A worker that sees the count change re-sends each of that gateway's
 streams past what the gateway holds (:mod:`workers.resync`); the gateway beats as soon as
 it is back, so that happens within a fraction of a second, not an interval later.
+
+No beat is published while the link is down. nats-py would buffer it and send it on
+reconnect, ahead of the first beat with the new count: a worker would hear "alive, no
+reconnect" from a gateway that was cut off, stop keeping the streams it finished during
+the cut for a resync, and drop them just before the news arrived (their callers then
+waited for their deadline).
 """
 
 from __future__ import annotations
@@ -58,9 +64,11 @@ class Heartbeat:
         told = self._reconnects()
         while True:
             await asyncio.sleep(poll)
+            if not self._nc.is_connected:
+                continue  # see the module docstring: a buffered beat would arrive stale
             now = asyncio.get_running_loop().time()
             count = self._reconnects()
-            if now - last >= self._interval or (count != told and self._nc.is_connected):
+            if now - last >= self._interval or count != told:
                 await self._beat()
                 last, told = now, count
 

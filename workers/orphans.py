@@ -35,14 +35,16 @@ class GatewayWatch:
         return self._after > 0
 
     def heard(self, gateway_id: str, reconnects: int | None = None) -> bool:
-        """Note a heartbeat; True when its reconnect count differs from the one before
-        (the first count heard from a gateway is no news)."""
+        """Note a heartbeat; True when its reconnect count differs from the one before, or
+        when the first count heard from a gateway is above zero: it reconnected at some
+        point, perhaps just now while this worker, new to it, already held its streams (a
+        resync of streams it did not miss costs a resume query each, nothing more)."""
         self._seen[gateway_id] = self._clock()
         if reconnects is None:
             return False
         before = self._reconnects.get(gateway_id)
         self._reconnects[gateway_id] = reconnects
-        return before is not None and before != reconnects
+        return reconnects > 0 if before is None else before != reconnects
 
     def cut_off(self) -> None:
         """This worker is not connected: every gateway gets a fresh allowance once it is."""

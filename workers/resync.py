@@ -68,6 +68,7 @@ class Resync:
         self._origin_silent_s = origin_silent_s
         self._origin_quiet_after_s = origin_quiet_after_s
         self._recent: dict[str, tuple[float, Flight]] = {}
+        self._quiet: set[str] = set()  # finished flights whose gateway went quiet since
         self._reconnects = 0
         self._last_down = -float("inf")
         self._tasks: set[asyncio.Task[None]] = set()
@@ -89,13 +90,23 @@ class Resync:
         if not nc.is_connected:
             self._last_down = now
         # Whatever finished during an outage is kept until the resync window has passed;
-        # so is what finished while its gateway is quiet, for as long as the window.
+        # so is what finished while its gateway went quiet, for as long as the window, even
+        # once the gateway is heard again: only its reconnect-count beat says whether it
+        # missed chunks, and a beat it queued while cut off can arrive first.
         calm = now - self._last_down > self._window_s
+        quiet: dict[str, bool] = {}  # per origin, this tick
         for rid, (at, st) in list(self._recent.items()):
+            if rid not in self._quiet:
+                origin = st.request.origin
+                if origin not in quiet:
+                    quiet[origin] = self._origin_quiet(st)
+                if quiet[origin]:
+                    self._quiet.add(rid)
             if now - at > self._keep_s and (calm or at < self._last_down - self._keep_s):
-                if now - at < self._window_s and self._origin_quiet(st):
+                if now - at < self._window_s and rid in self._quiet:
                     continue
                 del self._recent[rid]
+                self._quiet.discard(rid)
 
     def caller_reconnected(self, nc: Client, origin: str, inflight: Iterable[Flight]) -> None:
         """Gateway ``origin`` reports a reconnect of its own: resync its streams."""
@@ -125,6 +136,7 @@ class Resync:
     async def close(self) -> None:
         await cancel_and_wait(list(self._tasks), what="resync tasks")
         self._recent.clear()
+        self._quiet.clear()
 
     async def _resync(self, nc: Client, st: Flight) -> None:
         reply = await self._ask(nc, st)

@@ -71,13 +71,16 @@ def test_gateways_long_gone_are_forgotten() -> None:
     assert watch.known() == ["gw-new"]
 
 
-def test_a_new_reconnect_count_is_news_the_first_and_a_repeated_one_are_not() -> None:
+def test_a_new_reconnect_count_is_news_a_repeated_one_is_not() -> None:
     watch = GatewayWatch(10.0, Clock())
-    assert not watch.heard("gw-a", 0)  # first heard: nothing to compare with
+    assert not watch.heard("gw-a", 0)  # first heard, never reconnected: no news
     assert not watch.heard("gw-a", 0)
     assert not watch.heard("gw-a", None)  # an old gateway's empty beat: no news either
     assert watch.heard("gw-a", 1)
     assert not watch.heard("gw-a", 1)
+    # First heard after a reconnect (a worker that joined just before the gateway's link
+    # dropped heard no beat until it was back): news, its streams here are resynced.
+    assert watch.heard("gw-b", 3)
     assert not watch.heard("gw-b", 3)  # counts are per gateway
     assert watch.heard("gw-b", 4) and not watch.heard("gw-a", 1)
 

@@ -1,0 +1,89 @@
+"""Which finished requests a worker keeps for a resync with a gateway that was cut off."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from common.protocol import GenerateRequest
+from common.subjects import Subjects
+from workers import resync as resync_module
+from workers.orphans import GatewayWatch
+from workers.outbox import Flight
+from workers.resync import Resync
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _flight(rid: str) -> Flight:
+    req = GenerateRequest(id=rid, group="short", reply=f"_INBOX.{rid}", origin="gw-a")
+    return Flight(req, msg=None, attempt=1, start=0.0)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(resync_module.time, "monotonic", c)
+    return c
+
+
+def _setup(clock: Clock) -> tuple[Resync, GatewayWatch, types.SimpleNamespace]:
+    watch = GatewayWatch(orphan_after_s=10.0, clock=clock)
+    resync = Resync(Subjects(), "w0", 1 << 20, origin_silent_s=watch.silent_s)
+    nc = types.SimpleNamespace(stats={"reconnects": 0}, is_connected=True)  # the worker's link
+    return resync, watch, nc
+
+
+def _tick_until(resync: Resync, nc: object, clock: Clock, until: float, step: float = 0.5) -> None:
+    while clock.now < until:
+        clock.now = min(until, clock.now + step)
+        resync.tick(nc, [])  # type: ignore[arg-type]
+
+
+def test_a_stale_beat_after_a_cut_does_not_drop_streams_finished_during_it(clock: Clock) -> None:
+    """The gateway is cut off at t=0; its streams finish at t=0.3; it is back at t=2.8 and
+    a beat it queued during the cut (old reconnect count) arrives before the one with the
+    new count. The finished streams must still be there for that second beat."""
+    resync, watch, nc = _setup(clock)
+    t0 = clock.now
+    watch.heard("gw-a", 0)
+    clock.now = t0 + 0.3
+    flights = [_flight(f"r{i}") for i in range(3)]
+    for st in flights:
+        resync.finished(st)
+    _tick_until(resync, nc, clock, t0 + 2.8)  # quiet for > 2 s: kept
+    assert watch.heard("gw-a", 0) is False  # the stale beat: alive, no news
+    _tick_until(resync, nc, clock, t0 + 3.1)  # the streams are now > 2 s old
+    assert {st.request.id for st in resync._flights([])} == {"r0", "r1", "r2"}
+    assert watch.heard("gw-a", 1) is True  # the news: a resync of all three follows
+
+
+def test_finished_streams_of_a_gateway_that_stays_heard_are_dropped_after_keep_s(
+    clock: Clock,
+) -> None:
+    resync, watch, nc = _setup(clock)
+    t0 = clock.now
+    st = _flight("r0")
+    resync.finished(st)
+    while clock.now < t0 + 3.0:
+        watch.heard("gw-a", 0)
+        _tick_until(resync, nc, clock, clock.now + 0.2, step=0.2)
+    assert resync._flights([]) == []
+
+
+def test_streams_of_a_gateway_that_never_returns_go_after_the_window(clock: Clock) -> None:
+    resync, watch, nc = _setup(clock)
+    t0 = clock.now
+    watch.heard("gw-a", 0)
+    resync.finished(_flight("r0"))
+    _tick_until(resync, nc, clock, t0 + 9.0)
+    assert len(resync._flights([])) == 1
+    _tick_until(resync, nc, clock, t0 + 10.5)
+    assert resync._flights([]) == []
