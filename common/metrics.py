@@ -165,6 +165,18 @@ DESIRED_REPLICAS = Spec(
     "qos_desired_replicas", "Replicas the rebalancer wants per group", ("group",)
 )
 
+# --- every service, with tracing on (read from the span batch at scrape time) -------------
+TRACE_SPANS = Spec(
+    "qos_trace_spans",
+    "Sampled spans by fate: exported, failed (the exporter gave up), dropped (queue full)",
+    ("outcome",),
+)
+TRACE_EXPORT_CPU = Spec(
+    "qos_trace_export_cpu_seconds",
+    "CPU the span export thread spent encoding and sending (not waiting)",
+)
+TRACE_QUEUE = Spec("qos_trace_queue_spans", "Sampled spans waiting for the export thread")
+
 # --- every service ------------------------------------------------------------------------
 BUILD_INFO = Spec(
     "qos_build_info",

@@ -11,6 +11,10 @@ exporter writes the phases itself, any other exporter gets them as spans. It rea
 the SDK's ``OTEL_BSP_*`` variables (delay, queue size, batch size in spans, export
 timeout) with the SDK's defaults; spans beyond a full queue are dropped and counted, as
 the SDK drops them.
+
+It also counts what became of the spans (exported, failed, dropped) and the CPU its
+export thread spent exporting (``time.thread_time``: encoding and sending, not waiting):
+:mod:`common.trace_metrics` serves them on each service's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Mapping
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
-from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +65,12 @@ class SpanBatch(SpanProcessor):
         self.max_queue = _env_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048)
         self.max_batch = min(self.max_queue, _env_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
         self.timeout_s = _env_int(env, "OTEL_BSP_EXPORT_TIMEOUT", 30000) / 1000
+        # Spans (phases counted) by fate, and the export thread's CPU; written under
+        # _export_lock (or, for dropped, by the request path's thread only).
         self.dropped = 0
+        self.exported = 0
+        self.failed = 0
+        self.export_cpu_s = 0.0
         self._queue: collections.deque[ReadableSpan] = collections.deque()
         # Spans queued = added - taken; each count written by one thread only (no lock).
         self._added = self._taken = 0
@@ -85,6 +94,11 @@ class SpanBatch(SpanProcessor):
         self._added += weight
         if queued < self.max_batch <= queued + weight:  # a batch is full: wake the thread
             self._wake.set()
+
+    @property
+    def queued(self) -> int:
+        """Spans waiting for the export thread (phases counted)."""
+        return self._added - self._taken
 
     def _drop(self, weight: int) -> None:
         before = self.dropped
@@ -114,14 +128,24 @@ class SpanBatch(SpanProcessor):
             first = True
             while queue and (first or everything or self._added - self._taken >= self.max_batch):
                 first = False
-                batch = self._take()
+                batch, size = self._take()
+                started = time.thread_time()
                 try:
-                    self.span_exporter.export(batch if self._reads_phases else _spans(batch))
+                    result = self.span_exporter.export(
+                        batch if self._reads_phases else _spans(batch)
+                    )
                 except Exception:  # an exporter's bug must not end the thread
                     log.exception("span export failed")
+                    result = SpanExportResult.FAILURE
+                self.export_cpu_s += time.thread_time() - started
+                if result is SpanExportResult.SUCCESS:
+                    self.exported += size
+                else:
+                    self.failed += size
 
-    def _take(self) -> list[ReadableSpan]:
-        """Up to ``max_batch`` spans off the queue, phases counted (one item at least)."""
+    def _take(self) -> tuple[list[ReadableSpan], int]:
+        """Up to ``max_batch`` spans off the queue, phases counted (one item at least), and
+        how many spans that is."""
         queue, size = self._queue, 0
         batch: list[ReadableSpan] = []
         while queue:
@@ -132,7 +156,7 @@ class SpanBatch(SpanProcessor):
             batch.append(queue.popleft())
             size += weight
         self._taken += size
-        return batch
+        return batch, size
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000

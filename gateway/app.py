@@ -38,6 +38,7 @@ from common.logging import prompts_loggable
 from common.nats import connect, ensure_jetstream
 from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer
+from common.trace_metrics import register_trace_metrics
 from common.tracing import tracer_for
 from gateway.admission import ADMISSION_WAIT_S, Admission
 from gateway.auth import ApiKeys
@@ -115,6 +116,7 @@ def create_app(
         served_model=served,
         created=int(time.time()),
     )
+    register_trace_metrics(state.metrics.registry, tracer)
     subjects = Subjects(config.nats.subject_prefix)
 
     @asynccontextmanager

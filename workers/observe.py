@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from common.logging import bind_request
 from common.metrics import MetricsServer
 from common.protocol import Chunk
+from common.trace_metrics import register_trace_metrics
 from workers.engine.outputs import RequestDelta, RequestOutput
 from workers.metrics import EngineView, RequestSeries, WorkerMetrics
 from workers.outbox import Flight
@@ -69,6 +70,7 @@ class WorkerObserver:
         self.worker_id = worker_id
         self.metrics = WorkerMetrics(model, view, registry, gpus=gpus)
         self.spans = RequestSpans(tracer, worker_id, model) if tracer is not None else None
+        register_trace_metrics(self.metrics.registry, tracer)
         self._server: MetricsServer | None = None
 
     @property

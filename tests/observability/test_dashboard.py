@@ -52,9 +52,13 @@ async def test_every_promql_expression_names_only_series_the_services_export(
             spec_labels = set(specs[family.name].labels) if family.name in specs else set()
             for suffix in SUFFIXES.get(family.type, ("",)):
                 labels.setdefault(family.name + suffix, set()).update(spec_labels)
-    # GPU series exist only where NVML does; their names and labels come from the specs.
-    for spec in m.GPU_SPECS:
-        labels.setdefault(spec.name, set()).update(spec.labels)
+    # GPU series exist only where NVML does, tracing's own only with tracing on: their
+    # names and labels come from the specs (a counter's samples end in _total).
+    only_sometimes = [(spec, "") for spec in m.GPU_SPECS] + [
+        (m.TRACE_SPANS, "_total"), (m.TRACE_EXPORT_CPU, "_total"), (m.TRACE_QUEUE, "")
+    ]  # fmt: skip
+    for spec, suffix in only_sometimes:
+        labels.setdefault(spec.name + suffix, set()).update(spec.labels)
 
     exprs = list(expressions(dashboard))
     assert len(exprs) >= 25
