@@ -91,6 +91,7 @@ class LocalStack:
         self.nats = NatsServer(store_dir=self.dir / "nats")
         self.port = free_port()
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.metrics_ports: dict[str, int] = {}  # worker name -> its /metrics port
         self.max_batch = default_groups()[self.group].max_batch
         if args.launch == "sim":
             self.model = args.model or str(write_word_tokenizer(self.dir / "sim-words"))
@@ -120,12 +121,14 @@ class LocalStack:
         config.write_text(yaml.safe_dump(settings))
         a, group = self.args, self.group
         for i in range(a.replicas):
+            self.metrics_ports[f"worker-{i}"] = free_port()
             argv = flags(
                 config=config,
                 group=group,
                 engine=a.launch,
                 model=self.model,
                 worker_id=f"bench-{group}-{i}",
+                metrics_port=self.metrics_ports[f"worker-{i}"],
             )
             if a.launch == "sim":
                 argv += flags(
@@ -176,6 +179,12 @@ class LocalStack:
         if self.nats.pid is not None:
             pids["nats-server"] = self.nats.pid
         return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Where each process of the stack serves ``/metrics``."""
+        urls = {"gateway": f"{self.url}/metrics"}
+        urls.update((n, f"http://127.0.0.1:{p}/metrics") for n, p in self.metrics_ports.items())
+        return urls
 
     def log(self, name: str, chars: int = 3000) -> str:
         path = self.dir / f"{name}.log"

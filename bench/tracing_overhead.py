@@ -64,6 +64,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.arrivals import arrival_offsets
 from bench.serve import parse_args as serve_args
 from bench.serve import summarize
@@ -224,6 +227,8 @@ class Condition:
             await self.stack.start()
 
     async def stop(self) -> None:
+        if self.sink is not None:
+            await self._read_trace_metrics()
         await self.stack.stop()
         if self.sink is not None:
             self.figures["spans_per_request"] = round(self.sink.spans / max(1, self.sent), 2)
@@ -231,6 +236,26 @@ class Condition:
                 (self.sink.cpu_s() - self.sink_cpu0) * 1e3 / max(1, self.sent), 3
             )
             self.sink.__exit__()
+
+    async def _read_trace_metrics(self) -> None:
+        """What each service says tracing cost it (``qos_trace_*`` on its ``/metrics``):
+        the export thread's CPU per request sent, measured inside the process, and spans
+        lost. The steadiest figure of the export's share of the cost."""
+        cpu: dict[str, float] = {}
+        lost: dict[str, float] = {}
+        async with httpx.AsyncClient(timeout=5) as http:
+            for name, url in self.stack.metrics_urls().items():
+                text = (await http.get(url)).text
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        if sample.name == "qos_trace_export_cpu_seconds_total":
+                            cpu[name] = round(sample.value * 1e3 / max(1, self.sent), 4)
+                        elif sample.name == "qos_trace_spans_total" and sample.labels.get(
+                            "outcome"
+                        ) in ("dropped", "failed"):
+                            lost[name] = lost.get(name, 0) + sample.value
+        self.figures["export_cpu_ms_per_request"] = cpu
+        self.figures["spans_lost"] = lost
 
     async def load(
         self, work: list[Any], offsets: list[float], concurrency: int | None
@@ -360,6 +385,12 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = {
             name: round(statistics.median(r[key][name] for r in runs), 3) for name in runs[0][key]
         }
+    exports = [r.get("export_cpu_ms_per_request") or {} for r in runs]
+    if exports[0]:  # tracing on: the services' own reading of their export thread
+        out["export_cpu_ms_per_request"] = {
+            name: round(statistics.median(e[name] for e in exports), 4) for name in exports[0]
+        }
+        out["spans_lost"] = sum(sum((r.get("spans_lost") or {}).values()) for r in runs)
     return out
 
 
