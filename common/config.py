@@ -168,7 +168,8 @@ class WorkerConfig(_Strict):
     dtype: str = "auto"
     kv_cache_gib: float = Field(0.5, gt=0)
     # KV cache storage: auto = the model dtype; int8 / fp8_e4m3 halve KV memory (one scale per
-    # token per KV head). int8 keeps quality within a point on the demo model, fp8 does not.
+    # token per KV head). On the demo model int8 changes 2-4 % of greedy golden answers and
+    # fp8 8-10 % (bench/kvquant.py; README "Status"): prefer int8 where memory binds.
     kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"
     telemetry_interval_s: float = Field(1.0, gt=0)
     # Latency percentiles in telemetry cover requests finished in the last this-many seconds.
