@@ -182,8 +182,16 @@ async def mode_overhead(args: argparse.Namespace, target: Target) -> tuple[dict[
     return report, series
 
 
+# max-rps: a start that fails is halved down to this before the run reports nothing sustained.
+MIN_START_RPS = 10.0
+
+
 async def mode_max_rps(args: argparse.Namespace, target: Target) -> tuple[dict[str, Any], Series]:
-    """Ramp the offered rate until the p99 or the achieved rate gives (the module docstring)."""
+    """Ramp the offered rate until the p99 or the achieved rate gives (the module docstring).
+
+    A first step that fails (and its retries) halves the rate and starts again from there,
+    so a start set too high, or a burst of other work at the wrong moment, costs steps
+    rather than reporting 0."""
     steps: list[dict[str, Any]] = []
     rate, best = args.request_rate, 0.0
     await target.load(*workload(args, 50, math.inf), None)  # warm-up: connections, caches
@@ -211,9 +219,12 @@ async def mode_max_rps(args: argparse.Namespace, target: Target) -> tuple[dict[s
         print(json.dumps(step), file=sys.stderr, flush=True)
         if p99 > args.max_p99_ms or not kept_up:
             tries += 1
-            if tries > args.step_retries:
-                break
-            continue  # once more: on a shared machine one burst of other work can do this
+            if tries <= args.step_retries:
+                continue  # once more: on a shared machine one burst of other work can do this
+            if best == 0 and rate / 2 >= MIN_START_RPS:
+                rate, tries = rate / 2, 0  # nothing sustained yet: the start was too high
+                continue
+            break
         best, last, tries = max(best, achieved), results, 0
         rate *= args.ramp_factor
     gateway = [s["cpu"]["gateway"]["ms_per_request"] for s in steps if "gateway" in s["cpu"]]
