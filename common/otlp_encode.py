@@ -152,9 +152,12 @@ class SpanEncoder:
     def __init__(self) -> None:
         self._keys: dict[str, bytes] = {}
         self._names: dict[str, bytes] = {}
-        # Whole fields of str and float attributes by (key, value), a table per field tag
-        # (only str and float values look them up: 1 == 1.0 == True would mix the others).
-        self._strings: defaultdict[bytes, dict[tuple[str, str | float], bytes]] = defaultdict(dict)
+        # Whole fields of attributes by (key, value), a table per field tag and value kind
+        # (1 == 1.0 == True: one table would mix them): str and float values, ints (token
+        # counts, attempts, statuses repeat), tuples of str (finish reasons).
+        self._strings: defaultdict[bytes, dict[tuple[str, Any], bytes]] = defaultdict(dict)
+        self._ints: defaultdict[bytes, dict[tuple[str, Any], bytes]] = defaultdict(dict)
+        self._tuples: defaultdict[bytes, dict[tuple[str, Any], bytes]] = defaultdict(dict)
         # By id, holding the object so its id is not reused: resources and scopes are few
         # and immutable, and hashing a Resource dumps its attributes to JSON.
         self._resources: dict[int, tuple[Resource, bytes]] = {}
@@ -190,11 +193,18 @@ class SpanEncoder:
         if not attributes:
             return []
         out = []
-        strings = self._strings[tag]
+        strings, ints, tuples = self._strings[tag], self._ints[tag], self._tuples[tag]
         for key, value in attributes.items():
             kind = type(value)
-            if kind is str or kind is float:  # most attributes; most repeat (model, group)
-                field = strings.get((key, value))
+            # Most attributes, and most of their values repeat (model, group, counts).
+            table = (
+                strings if kind is str or kind is float
+                else ints if kind is int
+                else tuples if kind is tuple and all(type(v) is str for v in value)
+                else None
+            )  # fmt: skip
+            if table is not None:
+                field = table.get((key, value))
                 if field is not None:
                     out.append(field)
                     continue
@@ -203,10 +213,10 @@ class SpanEncoder:
             except (TypeError, ValueError, UnicodeEncodeError) as exc:
                 log.warning("span attribute %r not exported: %s", key, exc)
                 continue
-            if kind is str or kind is float:
-                if len(strings) >= self.MAX_STRINGS:
-                    strings.clear()
-                strings[key, value] = field
+            if table is not None:
+                if len(table) >= self.MAX_STRINGS:
+                    table.clear()
+                table[key, value] = field
             out.append(field)
         return out
 

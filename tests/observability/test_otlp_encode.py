@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as pb_grpc
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import TraceState
 
@@ -167,6 +167,33 @@ def test_each_span_alone_and_a_warm_encoder_give_the_same_messages(
     for span in spans:
         assert parsed(encoder.encode([span])) == parsed(encode_spans([span]).SerializeToString())
     assert encoder.encode([]) == b"" == encode_spans([]).SerializeToString()
+
+
+def test_equal_values_of_different_kinds_under_one_key_keep_their_own_encodings() -> None:
+    """1 == 1.0 == True and (1,) == (1.0,): a warm encoder must not hand one the other's
+    cached field."""
+    exporter = _Kept()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("kinds")
+    for value in (1, 1.0, True, ("1",), (1,), (1.0,), (True,), "1", 0, 0.0, False):
+        with tracer.start_as_current_span("s", attributes={"x": value}):
+            pass
+    encoder = SpanEncoder()
+    for _ in range(2):  # cold, then every value cached
+        for span in exporter.spans:
+            assert parsed(encoder.encode([span])) == parsed(
+                encode_spans([span]).SerializeToString()
+            ), span.attributes
+
+
+class _Kept(SpanExporter):
+    def __init__(self) -> None:
+        self.spans: list[ReadableSpan] = []
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
 
 
 # --- the exporter, end to end ----------------------------------------------------------------
