@@ -73,6 +73,7 @@ from bench.serve import summarize
 from bench.serve_load import make_workload, run_load
 from bench.serve_stack import LocalStack, cpu_seconds, machine_info
 from common.services import free_port
+from common.span_process import ENV_SWITCH
 
 TARGET_RPS_LOSS_PCT = 3.0
 TARGET_P50_MS = 1.0
@@ -179,7 +180,8 @@ def tracing_env(sink: SpanSink | None, ratio: float = 1.0, exporter: str = "qos"
     """The ``OTEL_*`` variables the stack's processes inherit while they start; ``exporter``
     "sdk" names the SDK's own OTLP exporter (``otlp_proto_grpc``/``otlp_proto_http``)."""
     names = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
-             "OTEL_SDK_DISABLED", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG")  # fmt: skip
+             "OTEL_SDK_DISABLED", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG",
+             ENV_SWITCH)  # fmt: skip
     saved = {n: os.environ.pop(n) for n in names if n in os.environ}
     if sink is not None:
         sdk = "otlp_proto_grpc" if sink.protocol == "grpc" else "otlp_proto_http"
@@ -188,6 +190,8 @@ def tracing_env(sink: SpanSink | None, ratio: float = 1.0, exporter: str = "qos"
             OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint,
             OTEL_EXPORTER_OTLP_PROTOCOL=sink.protocol,
         )
+        if exporter == "qos-process":
+            os.environ[ENV_SWITCH] = "1"
         if ratio < 1:
             os.environ.update(
                 OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(ratio)
@@ -459,8 +463,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tracing-on conditions: the share of requests sampled")  # fmt: skip
     p.add_argument("--protocol", choices=("grpc", "http/protobuf"), default="grpc",
                    help="OTEL_EXPORTER_OTLP_PROTOCOL of the services")  # fmt: skip
-    p.add_argument("--otlp-exporter", choices=("qos", "sdk"), default="qos",
-                   help="the services' OTLP exporter: common.otlp_export's, or the SDK's "
+    p.add_argument("--otlp-exporter", choices=("qos", "qos-process", "sdk"), default="qos",
+                   help="the services' OTLP exporter: common.otlp_export's, the same in a "
+                        "process of its own (common.span_process), or the SDK's "
                         "(OTEL_TRACES_EXPORTER=otlp_proto_grpc/http: the cost before)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="one stack each, small phases")

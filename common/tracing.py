@@ -58,6 +58,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from common.otlp_export import OtlpSettings, OtlpSpanExporter
 from common.span_batch import SpanBatch
+from common.span_process import ENV_SWITCH, ProcessSpanExporter
 from common.span_recorder import Constants, RecordedSpan, Tracer
 from common.trace_context import RemoteParent, Unsampled, from_headers
 
@@ -105,6 +106,8 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
         protocol = "http/protobuf"
     if protocol not in ("grpc", "http/protobuf"):
         raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: use grpc or http/protobuf")
+    if env.get(ENV_SWITCH, "").strip().lower() in _TRUE:
+        return ProcessSpanExporter(env, protocol)
     return OtlpSpanExporter(OtlpSettings.from_env(env, protocol))
 
 

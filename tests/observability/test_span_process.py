@@ -1,0 +1,88 @@
+"""OTLP export from a process of its own: what arrives equals the in-process exporter's."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from common import tracing as t
+from common.otlp_encode import SpanEncoder
+from common.span_batch import SpanBatch
+from common.span_process import ProcessSpanExporter
+from common.tracing import init_tracing, tracer_for
+from tests.observability.test_otlp_encode import Receiver, parsed, receiver  # noqa: F401
+from tests.observability.test_span_shapes import Kept, one_request
+
+NO_DELAY = {"OTEL_BSP_SCHEDULE_DELAY": "600000"}
+
+
+def _by_id(spans: list[Any]) -> dict[bytes, Any]:
+    return {s.span_id: s for s in spans}
+
+
+def test_spans_exported_by_the_process_equal_the_in_process_encoding(
+    receiver: tuple[Receiver, dict[str, str]],  # noqa: F811
+) -> None:
+    got, endpoints = receiver
+    # What the services record: two tracers, shared attributes, phases kept as tuples.
+    kept_g, kept_w = Kept(), Kept()
+    providers = []
+    for kept in (kept_g, kept_w):
+        provider = TracerProvider()
+        provider.add_span_processor(SpanBatch(kept, NO_DELAY))
+        providers.append(provider)
+    gateway, worker = (t.tracer_for(p, name) for p, name in zip(providers, "gw", strict=True))
+    for n in range(20):
+        one_request(gateway, worker, n)  # type: ignore[arg-type]
+    for provider in providers:
+        provider.force_flush()
+    batch = [s for kept in (kept_g, kept_w) for b in kept.batches for s in b]
+    # Odd attributes: an int past 64 bits and an object are left out, as the encoder does.
+    batch[0]._vars.update({"too big": 2**70, "object": object(), "bytes": b"\x00\xff"})
+
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoints["http/protobuf"]}
+    exporter = ProcessSpanExporter(env, "http/protobuf")
+    try:
+        assert exporter.export(batch[:15]).name == "SUCCESS"
+        assert exporter.export(batch[15:]).name == "SUCCESS"
+        assert exporter.force_flush()
+    finally:
+        exporter.shutdown()
+    arrived = _by_id(got.spans())
+    in_process = parsed(SpanEncoder().encode(batch))
+    expected = _by_id([s for rs in in_process.resource_spans for ss in rs.scope_spans
+                       for s in ss.spans])  # fmt: skip
+
+    # Phases get their span ids where they are encoded: compare them by what they are.
+    def key(s: Any) -> tuple[Any, ...]:
+        return (s.trace_id, s.parent_span_id, s.name, s.start_time_unix_nano, s.end_time_unix_nano)
+
+    phases = {"queue", "prefill", "decode", "stream"}
+    assert sorted(key(s) for s in arrived.values() if s.name in phases) == sorted(
+        key(s) for s in expected.values() if s.name in phases
+    )
+    whole = {i: s for i, s in arrived.items() if s.name not in phases}
+    assert whole == {i: s for i, s in expected.items() if s.name not in phases}
+    assert len(arrived) == len(expected) == 20 * 7
+
+
+def test_services_switch_to_it_by_environment_and_shutdown_delivers_everything(
+    receiver: tuple[Receiver, dict[str, str]],  # noqa: F811
+) -> None:
+    got, endpoints = receiver
+    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": endpoints["grpc"], "QOSSERVE_OTLP_EXPORT_PROCESS": "1",
+           **NO_DELAY}  # fmt: skip
+    provider = init_tracing("worker", env=env, set_global=False)
+    assert provider is not None
+    (batch,) = provider._active_span_processor._span_processors
+    assert isinstance(batch, SpanBatch) and isinstance(batch.span_exporter, ProcessSpanExporter)
+    tracer = tracer_for(provider, "w")
+    for _ in range(5):
+        span = tracer.start_span("work")  # type: ignore[union-attr]
+        span.add_phase("queue", time.time() - 0.01, time.time())  # type: ignore[attr-defined]
+        span.end()
+    provider.shutdown()  # nothing was flushed before: the queue and the pipe drain here
+    assert len(got.spans()) == 10
