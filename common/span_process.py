@@ -3,25 +3,30 @@
 Encoding spans to OTLP protobuf is Python work that holds the GIL: in a worker, the GIL the
 event loop and the engine thread share, so at ratio 1 it slowed the worker's step cycle
 (issue #7: ~29 µs per request of a ~0.7 ms budget on the sim stack). With
-``QOSSERVE_OTLP_EXPORT_PROCESS=1`` (and ``OTEL_TRACES_EXPORTER=otlp``; not ``QOS_*``, which
-names configuration keys) the batch processor hands
-its spans to :class:`ProcessSpanExporter`, which packs each as a flat msgpack record (no
-pickle) and writes the batch to a pipe; a child process rebuilds the spans and exports them
-with :class:`~common.otlp_export.OtlpSpanExporter` (same encoder, same settings, same
-retries). Resources, scopes and shared attributes (:class:`~common.span_recorder.Constants`)
-cross once and are referred to by number after.
+``QOSSERVE_OTLP_EXPORT_PROCESS=1`` and ``OTEL_TRACES_EXPORTER=otlp`` (not a ``QOS_*`` name:
+those are configuration keys), the batch processor hands its spans to
+:class:`ProcessSpanExporter`, which packs each as a flat msgpack record (no pickle) and
+writes the batch, length-prefixed, to a child interpreter's stdin (``python -m
+common.span_process``); the child rebuilds the spans and exports them with
+:class:`~common.otlp_export.OtlpSpanExporter` (same encoder, settings and retries).
+Resources, scopes and shared attributes (:class:`~common.span_recorder.Constants`) cross
+once and are referred to by number after.
 
 The service's CPU per span shrinks to the packing; the encoding's CPU moves to the child,
 so on a machine with cores to spare the request path gains and the total stays about the
 same. ``export`` reports success once a batch is in the pipe: the child logs what its
-exporter fails to send, and answers ``force_flush``/``shutdown`` only when its queue is
-empty. When the service dies the pipe closes, and the child exports what it holds and exits.
+exporter fails to send, and answers ``force_flush``/``shutdown`` only once what it was
+sent before is exported. When the service dies its end of the pipe closes, and the child
+exits.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
+import select
+import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
@@ -41,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 ENV_SWITCH = "QOSSERVE_OTLP_EXPORT_PROCESS"
+_FRAME = struct.Struct(">I")  # a frame's length, before its msgpack bytes
 MAX_REFS = 4096
 
 
@@ -50,24 +56,29 @@ class ProcessSpanExporter(SpanExporter):
     reads_phases = True  # records carry a span's phases; the child's encoder writes them
 
     def __init__(self, env: Mapping[str, str], protocol: str, timeout_s: float = 30.0) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=_serve, args=(child, dict(env), protocol), name="qos-span-export", daemon=True
-        )
-        self._proc.start()
-        child.close()
+        # A plain child interpreter (not multiprocessing's spawn, which would import the
+        # service's __main__ again, engine and all): frames over its stdin and stdout.
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "common.span_process"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+        )  # fmt: skip
         self._timeout_s = timeout_s
         self._lock = threading.Lock()  # one batch in the pipe at a time; flush waits its turn
         # id(object) -> (object, its number): the object kept so its id is not reused.
         self._refs: dict[int, tuple[Any, int]] = {}
         self._next = 0
+        self._send(msgpack.packb(["init", dict(env), protocol]))
+
+    def _send(self, payload: bytes) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(_FRAME.pack(len(payload)) + payload)
+        self._proc.stdin.flush()
 
     # -- the service side -------------------------------------------------------------------
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         with self._lock:
-            if not self._proc.is_alive():
+            if self._proc.poll() is not None:
                 return SpanExportResult.FAILURE
             defs: list[Any] = []
             records = [self._record(span, defs) for span in spans]
@@ -76,7 +87,7 @@ class ProcessSpanExporter(SpanExporter):
             except (OverflowError, TypeError, ValueError):
                 payload = self._pack_leniently(defs, records)
             try:
-                self._conn.send_bytes(payload)
+                self._send(payload)
             except (OSError, ValueError) as exc:
                 log.error("span export process unreachable: %s; %d spans dropped", exc, len(spans))
                 return SpanExportResult.FAILURE
@@ -154,50 +165,70 @@ class ProcessSpanExporter(SpanExporter):
     def _call(self, command: str) -> bool:
         """Send ``command`` and wait for the child's answer (its queue exported)."""
         with self._lock:
-            if not self._proc.is_alive():
+            if self._proc.poll() is not None:
                 return False
             try:
-                self._conn.send_bytes(msgpack.packb([command]))
-                if not self._conn.poll(self._timeout_s):
-                    return False
-                return msgpack.unpackb(self._conn.recv_bytes()) == command
-            except (OSError, EOFError, ValueError):
+                self._send(msgpack.packb([command]))
+                answer = _read_frame(self._proc.stdout, self._timeout_s)
+            except (OSError, ValueError):
                 return False
+            return answer is not None and msgpack.unpackb(answer) == command
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._call("flush")
 
     def shutdown(self) -> None:
         self._call("stop")
-        self._proc.join(self._timeout_s)
-        if self._proc.is_alive():
+        try:
+            self._proc.wait(self._timeout_s)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
-        self._conn.close()
+            self._proc.wait()
+        for stream in (self._proc.stdin, self._proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def _read_frame(stream: Any, timeout_s: float | None = None) -> bytes | None:
+    """One length-prefixed frame; None at end of stream (or when ``timeout_s`` passes)."""
+    if timeout_s is not None:
+        ready, _, _ = select.select([stream], [], [], timeout_s)
+        if not ready:
+            return None
+    head = stream.read(_FRAME.size)
+    if len(head) < _FRAME.size:
+        return None
+    (size,) = _FRAME.unpack(head)
+    body = stream.read(size)
+    return body if len(body) == size else None
 
 
 # -- the export process -----------------------------------------------------------------------
 
 
-def _serve(conn: Any, env: dict[str, str], protocol: str) -> None:
-    """The child: rebuild each batch and export it until told to stop or the pipe closes."""
+def main() -> None:
+    """The child: rebuild each batch and export it until told to stop or stdin closes."""
     from common.otlp_export import OtlpSettings, OtlpSpanExporter
 
+    read, out = sys.stdin.buffer, sys.stdout.buffer
+    first = _read_frame(read)
+    if first is None:
+        return
+    _, env, protocol = msgpack.unpackb(first, raw=False)
     exporter = OtlpSpanExporter(OtlpSettings.from_env(env, protocol))
     tables: dict[int, Any] = {}
     tracer = SimpleNamespace(id_generator=RandomIdGenerator())
     try:
-        while True:
-            try:
-                message = msgpack.unpackb(conn.recv_bytes(), raw=False, strict_map_key=False)
-            except (EOFError, OSError):
-                break  # the service is gone
+        while (frame := _read_frame(read)) is not None:  # None: the service is gone
+            message = msgpack.unpackb(frame, raw=False, strict_map_key=False)
             command = message[0]
             if command == "spans":
                 _define(tables, message[1])
-                spans = [_rebuild(r, tables, tracer) for r in message[2]]
-                exporter.export(spans)
+                exporter.export([_rebuild(r, tables, tracer) for r in message[2]])
             elif command in ("flush", "stop"):
-                conn.send_bytes(msgpack.packb(command))
+                answer = msgpack.packb(command)
+                out.write(_FRAME.pack(len(answer)) + answer)
+                out.flush()
                 if command == "stop":
                     break
     finally:
@@ -239,3 +270,7 @@ def _rebuild(record: list[Any], tables: dict[int, Any], tracer: Any) -> Recorded
     if events:
         span._events = [Event(n, a, t) for n, t, a in events]
     return span
+
+
+if __name__ == "__main__":
+    main()

@@ -86,3 +86,15 @@ def test_services_switch_to_it_by_environment_and_shutdown_delivers_everything(
         span.end()
     provider.shutdown()  # nothing was flushed before: the queue and the pipe drain here
     assert len(got.spans()) == 10
+
+
+def test_the_child_exits_when_the_service_is_gone(
+    receiver: tuple[Receiver, dict[str, str]],  # noqa: F811
+) -> None:
+    _, endpoints = receiver
+    exporter = ProcessSpanExporter({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoints["grpc"]}, "grpc")
+    child = exporter._proc
+    assert child.stdin is not None
+    child.stdin.close()  # what the service's death does to the pipe
+    assert child.wait(15) == 0
+    assert exporter.export([]).name == "FAILURE"  # and the service side says so
