@@ -102,4 +102,12 @@ step bench_policies_stack_delay 170 env PATH="/tmp/site/bin:$PATH" python3 -m be
   --device cuda --model dummy:llama-1b --policies continuous@1,hybrid@1 --rate 32 \
   --max-batch 64 --sweep 0.25:6:8 --duration-s 4 --step-s 3 --min-sessions 24 \
   --out "$OUT/policies_stack_delay.json"
+# Host only (sim engine, no GPU): tracing's cost with the OTLP encoding in the service and
+# in a process of its own, on 16 cores, where the child's encoding does not share the
+# worker's two (issue #7; HTTP/protobuf because grpcio is not among the carried wheels).
+step bench_tracing_process 250 env PATH="/tmp/site/bin:$PATH" bash -c '
+  for exporter in qos qos-process; do
+    python3 -m bench.tracing_overhead --sample-ratios 1 --repeats 2 --protocol http/protobuf \
+      --otlp-exporter "$exporter" --out "$0/tracing_$exporter.json" || exit 1
+  done' "$OUT"
 echo "results in $OUT"

@@ -88,15 +88,14 @@ def _serve_sink(
     spans: Any,
     ready: multiprocessing.synchronize.Event,
     stop: multiprocessing.synchronize.Event,
+    with_grpc: bool = True,
 ) -> None:
-    """OTLP trace receivers (gRPC and HTTP/protobuf) that count distinct spans; runs in a
-    child process."""
+    """OTLP trace receivers (HTTP/protobuf, and gRPC when ``with_grpc``: grpcio is not on
+    every machine) that count distinct spans; runs in a child process."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    import grpc
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as pb_grpc
 
     seen: set[bytes] = set()  # an export retried after a timeout must not count twice
 
@@ -106,11 +105,6 @@ def _serve_sink(
                 for ss in rs.scope_spans:
                     seen.update(s.span_id for s in ss.spans)
             spans.value = len(seen)
-
-    class Grpc(pb_grpc.TraceServiceServicer):
-        def Export(self, request: Any, context: Any) -> Any:
-            count(request)
-            return pb.ExportTraceServiceResponse()
 
     class Http(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
@@ -126,16 +120,27 @@ def _serve_sink(
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_TraceServiceServicer_to_server(Grpc(), server)
-    server.add_insecure_port(f"127.0.0.1:{grpc_port}")
-    server.start()
+    server = None
+    if with_grpc:
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as pb_grpc
+
+        class Grpc(pb_grpc.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                count(request)
+                return pb.ExportTraceServiceResponse()
+
+        server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_TraceServiceServicer_to_server(Grpc(), server)
+        server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+        server.start()
     http = ThreadingHTTPServer(("127.0.0.1", http_port), Http)
     threading.Thread(target=http.serve_forever, daemon=True).start()
     ready.set()
     stop.wait()
     http.shutdown()
-    server.stop(grace=1).wait()
+    if server is not None:
+        server.stop(grace=1).wait()
 
 
 class SpanSink:
@@ -149,7 +154,7 @@ class SpanSink:
         self._ready, self._stop = ctx.Event(), ctx.Event()
         self._proc = ctx.Process(
             target=_serve_sink,
-            args=(*self.ports.values(), self._spans, self._ready, self._stop),
+            args=(*self.ports.values(), self._spans, self._ready, self._stop, protocol == "grpc"),
             daemon=True,
         )  # fmt: skip
 
