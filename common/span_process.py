@@ -48,6 +48,7 @@ _MASK64 = (1 << 64) - 1
 ENV_SWITCH = "QOSSERVE_OTLP_EXPORT_PROCESS"
 _FRAME = struct.Struct(">I")  # a frame's length, before its msgpack bytes
 MAX_REFS = 4096
+_ATTRIBUTES = 12  # where a record holds the span's own attributes
 
 
 class ProcessSpanExporter(SpanExporter):
@@ -81,6 +82,9 @@ class ProcessSpanExporter(SpanExporter):
             if self._proc.poll() is not None:
                 return SpanExportResult.FAILURE
             defs: list[Any] = []
+            if len(self._refs) >= MAX_REFS:  # constants churn with models and subjects
+                self._refs.clear()  # between batches: no record refers to a number forgotten
+                defs.append([0, "forget"])  # the child forgets them too, first
             records = [self._record(span, defs) for span in spans]
             try:
                 payload = msgpack.packb(["spans", defs, records], use_bin_type=True)
@@ -99,9 +103,6 @@ class ProcessSpanExporter(SpanExporter):
         found = self._refs.get(id(obj))
         if found is not None:
             return found[1]
-        if len(self._refs) >= MAX_REFS:  # constants churn with models and subjects: bounded
-            self._refs.clear()
-            defs.append([0, "forget"])  # the child forgets them too
         self._next += 1
         self._refs[id(obj)] = (obj, self._next)
         defs.append([self._next, *definition])
@@ -150,16 +151,15 @@ class ProcessSpanExporter(SpanExporter):
         """A batch msgpack refused (an int past 64 bits, an odd type): each attribute that
         cannot be packed is left out, as the encoder leaves out what it cannot encode."""
         for record in records:
-            for at in (12,):  # the span's own attributes
-                kept = {}
-                for key, value in record[at].items():
-                    try:
-                        msgpack.packb(value, use_bin_type=True)
-                    except (OverflowError, TypeError, ValueError):
-                        log.warning("span attribute %r not exported: cannot be packed", key)
-                        continue
-                    kept[key] = value
-                record[at] = kept
+            kept = {}
+            for key, value in record[_ATTRIBUTES].items():
+                try:
+                    msgpack.packb(value, use_bin_type=True)
+                except (OverflowError, TypeError, ValueError):
+                    log.warning("span attribute %r not exported: cannot be packed", key)
+                    continue
+                kept[key] = value
+            record[_ATTRIBUTES] = kept
         return msgpack.packb(["spans", defs, records], use_bin_type=True)
 
     def _call(self, command: str) -> bool:

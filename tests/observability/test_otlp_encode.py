@@ -172,7 +172,7 @@ def test_each_span_alone_and_a_warm_encoder_give_the_same_messages(
 def test_equal_values_of_different_kinds_under_one_key_keep_their_own_encodings() -> None:
     """1 == 1.0 == True and (1,) == (1.0,): a warm encoder must not hand one the other's
     cached field."""
-    exporter = _Kept()
+    exporter = Keep()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("kinds")
@@ -185,15 +185,6 @@ def test_equal_values_of_different_kinds_under_one_key_keep_their_own_encodings(
             assert parsed(encoder.encode([span])) == parsed(
                 encode_spans([span]).SerializeToString()
             ), span.attributes
-
-
-class _Kept(SpanExporter):
-    def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
 
 
 # --- the exporter, end to end ----------------------------------------------------------------

@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
+from common import span_process
 from common import tracing as t
 from common.otlp_encode import SpanEncoder
 from common.span_batch import SpanBatch
@@ -98,3 +100,32 @@ def test_the_child_exits_when_the_service_is_gone(
     child.stdin.close()  # what the service's death does to the pipe
     assert child.wait(15) == 0
     assert exporter.export([]).name == "FAILURE"  # and the service side says so
+
+
+def test_shared_definitions_forgotten_between_batches_are_sent_again(
+    receiver: tuple[Receiver, dict[str, str]],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past MAX_REFS the service and the child forget resources, scopes and constants
+    together, at a batch boundary, and every span still arrives whole."""
+    monkeypatch.setattr(span_process, "MAX_REFS", 3)
+    got, endpoints = receiver
+    kept = Kept()
+    provider = TracerProvider()
+    provider.add_span_processor(SpanBatch(kept, NO_DELAY))
+    tracer = t.tracer_for(provider, "w")
+    exporter = ProcessSpanExporter({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoints["http/protobuf"]},
+                                   "http/protobuf")  # fmt: skip
+    try:
+        for n in range(6):  # a set of shared attributes per batch: the table fills and resets
+            span = tracer.start_span("work")  # type: ignore[union-attr]
+            t.set_constants(span, t.constants(tracer, (("qos.group", f"g{n}"),)))  # type: ignore[arg-type]
+            span.end()
+            provider.force_flush()
+            assert exporter.export(kept.batches[-1]).name == "SUCCESS"
+        assert exporter.force_flush()
+    finally:
+        exporter.shutdown()
+    groups = sorted(a.value.string_value for s in got.spans() for a in s.attributes
+                    if a.key == "qos.group")  # fmt: skip
+    assert groups == [f"g{n}" for n in range(6)]
