@@ -222,7 +222,12 @@ class Condition:
     def __init__(self, args: argparse.Namespace, ratio: float | None) -> None:
         self.args, self.ratio, self.name = args, ratio, condition(ratio)
         self.sink = SpanSink(args.protocol) if ratio is not None else None
-        argv = ["--launch", "sim", "--mode", "overhead", "--replicas", str(args.replicas)]
+        # Overhead mode holds the sim engine's step at zero cost; the real engine costs what
+        # it costs (serve mode).
+        mode = "overhead" if args.launch == "sim" else "serve"
+        argv = ["--launch", args.launch, "--mode", mode, "--replicas", str(args.replicas)]
+        if args.model:
+            argv += ["--model", args.model]
         self.stack = LocalStack(serve_args(argv))
         self.sent = 0
         self.sink_cpu0 = 0.0
@@ -451,15 +456,20 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.tracing_overhead", description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="rounds, each on fresh stacks")
-    p.add_argument("--replicas", type=int, default=1, help="sim worker processes")
+    p.add_argument("--launch", choices=("sim", "real"), default="sim",
+                   help="sim: the zero-cost sim engine (tracing's worst case: nothing else "
+                        "costs); real: the project's engine on the CPU with --model")  # fmt: skip
+    p.add_argument("--model", help="real: model folder or demo (the default)")
+    p.add_argument("--replicas", type=int, default=1, help="worker processes")
     p.add_argument("--num-prompts", type=int, default=1200, help="throughput phase requests")
     p.add_argument("--max-concurrency", type=int, default=32, help="throughput phase in flight")
     p.add_argument("--slices", type=int, default=6,
                    help="throughput phase: conditions take turns, this many each")  # fmt: skip
     p.add_argument("--latency-prompts", type=int, default=400,
                    help="latency phase requests per condition")  # fmt: skip
-    p.add_argument("--request-rate", type=float, default=20.0,
-                   help="latency phase req/s per condition")  # fmt: skip
+    p.add_argument("--request-rate", type=float,
+                   help="latency phase req/s per condition (default: 20 sim, 5 real, a "
+                        "tenth of what each serves at saturation)")  # fmt: skip
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--spans-per-request", type=int, default=7,
@@ -476,6 +486,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="one stack each, small phases")
     p.add_argument("--out", help="write the JSON here too")
     args = p.parse_args(argv)
+    if args.request_rate is None:
+        args.request_rate = 20.0 if args.launch == "sim" else 5.0
     if args.quick:
         args.repeats, args.num_prompts, args.latency_prompts = 1, 400, 200
     return args
