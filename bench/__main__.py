@@ -10,6 +10,7 @@ COMMANDS: dict[str, str] = {
     "engine": "offline throughput per batching policy vs transformers, roofline",
     "kernels": "paged decode/prefill attention vs torch SDPA and a device copy",
     "serve": "serving benchmark through the gateway (like vllm bench serve)",
+    "replicas": "capacity by worker replica count: the most req/s within the SLO for 1, 2, 4 …",
     "policies": "the four batching policies side by side through the full stack",
     "golden": "golden set scored with EM and ROUGE-L through the served stack",
     "kvtier": "KV tiers: Redis GB/s, hit rates, fragmentation, break-even",

@@ -28,13 +28,14 @@ from bench import policies as policies_bench
 from bench import report_plots
 
 RESULTS = Path(__file__).resolve().parent / "results"
-KNOWN = ("engine", "kernels", "serve", "kvtier", "incident", "policies", "golden",
+KNOWN = ("engine", "kernels", "serve", "replicas", "kvtier", "incident", "policies", "golden",
          "tracing_overhead", "locust")  # fmt: skip
 # How each benchmark is run when its JSON does not record the command line.
 DEFAULT_COMMANDS = {
     "engine": "python -m bench.engine --model bench/models/pystd-tiny --out engine.json",
     "kernels": "python -m bench.kernels --out kernels.json",
     "serve": "python -m bench.serve --launch real --out serve.json",
+    "replicas": "python -m bench.replicas --out replicas.json",
     "kvtier": "python -m bench.kvtier --out kvtier.json",
     "incident": "python -m bench.incident --png incident.png > incident.json",
     "policies": "python -m bench.policies --out policies.json",
@@ -192,6 +193,23 @@ def section_serve(doc: Doc, png: Path) -> list[str]:
                     f"{r['e2e_ms']['p50']:.0f} / {r['e2e_ms']['p99']:.0f}"]])]  # fmt: skip
 
 
+def section_replicas(doc: Doc, png: Path) -> list[str]:
+    r = doc.get("result", {})
+    if "per_count" not in r:
+        return generic(doc)
+    rows = [[c["replicas"], c["max_sustained_rps"], c["vs_one_replica"], c["scaling_efficiency"],
+             c["share_of_device_bound"],
+             ", ".join(f"{n} {u:.2f}" for n, u in sorted(
+                 c["cpu_util_at_top_step"].items(), key=lambda kv: -kv[1])[:3])]
+            for c in r["per_count"]]  # fmt: skip
+    head = ["replicas", "req/s within SLO", "x one", "efficiency", "of device bound",
+            "busiest (cores)"]  # fmt: skip
+    return [
+        f"Device bound per replica (cost model): {r['device_bound_rps_per_replica']} req/s.",
+        table(head, rows),
+    ]
+
+
 def section_engine(doc: Doc, png: Path) -> list[str]:
     if "policies" not in doc:
         return generic(doc)
@@ -235,6 +253,7 @@ SECTIONS: dict[str, Callable[[Doc, Path], list[str]]] = {
     "policies": section_policies,
     "golden": section_golden,
     "serve": section_serve,
+    "replicas": section_replicas,
     "engine": section_engine,
     "locust": section_locust,
 }

@@ -92,3 +92,19 @@ def test_report_has_every_benchmark_a_line_for_missing_ones_and_the_plots(tmp_pa
 
 def test_an_empty_results_folder_says_so(tmp_path: Path) -> None:
     assert "No results in" in build(tmp_path).read_text()
+
+
+def test_the_replicas_section_is_a_table_with_the_busiest_processes(tmp_path: Path) -> None:
+    cpu = tmp_path / "cpu"
+    cpu.mkdir()
+    row = {"replicas": 2, "max_sustained_rps": 250.0, "vs_one_replica": 1.95,
+           "scaling_efficiency": 0.975, "device_bound_rps": 289.0, "share_of_device_bound": 0.865,
+           "cpu_util_at_top_step": {"worker-0": 0.2, "gateway": 0.4, "nats-server": 0.1,
+                                    "load-generator": 0.05}}  # fmt: skip
+    doc = {"benchmark": "replicas", "command": "python -m bench.replicas",
+           "result": {"per_count": [row], "device_bound_rps_per_replica": 144.5}}  # fmt: skip
+    (cpu / "replicas.json").write_text(json.dumps(doc))
+    report = build(tmp_path).read_text()
+    assert "Device bound per replica (cost model): 144.5 req/s." in report
+    busiest = "gateway 0.40, worker-0 0.20, nats-server 0.10"  # the top three, busiest first
+    assert f"| 2 | 250 | 1.95 | 0.975 | 0.865 | {busiest} |" in report
