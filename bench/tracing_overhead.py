@@ -42,7 +42,11 @@ and worker. What a request costs in-process is measured by ``bench.tracing_hooks
 req/s; the rest is not located yet (candidates, not measured: the export thread taking
 the GIL from the event loop on two busy cores; the local receiver takes ~20 µs more).
 
+``--launch real`` serves the demo model with the project's engine instead (the engine's
+CPU dwarfs tracing's; three rounds put the cost below this machine's noise).
+
     python -m bench.tracing_overhead                    # ~4 minutes on two cores
+    python -m bench.tracing_overhead --launch real --sample-ratios 1 0.01 --latency-prompts 200
     python -m bench.tracing_overhead --quick --out tracing.json
 """
 
