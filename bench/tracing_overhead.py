@@ -355,8 +355,8 @@ async def one_round(args: argparse.Namespace, round_no: int) -> list[dict[str, A
         rng = random.Random(args.seed + round_no)
         slots: list[list[int]] = [[] for _ in conds]
         for block in range(n):
-            for i, c in enumerate(rng.sample(range(k), k)):
-                slots[c].append(block * k + i)
+            for i, cond in enumerate(rng.sample(range(k), k)):
+                slots[cond].append(block * k + i)
         runs = await asyncio.gather(
             *(
                 c.load([work[j] for j in slots[i]], [offsets[j] for j in slots[i]], None)

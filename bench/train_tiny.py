@@ -673,7 +673,8 @@ def train(
     deadline: float | None,
 ) -> dict[str, Any]:
     """AdamW training loop in fp32; returns run statistics for the model card."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
     opt = torch.optim.AdamW(
@@ -912,6 +913,8 @@ def verify(
     raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
     eos = raw.token_to_id(tok_cfg["eos_token"])
+    if eos is None:
+        raise ValueError(f"{folder}: the tokenizer has no id for {tok_cfg['eos_token']!r}")
 
     # Chat template: plain jinja2 + tokenizers must equal transformers, string and ids.
     sample = qa[0]

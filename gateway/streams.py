@@ -207,6 +207,7 @@ class SseResponse(StreamingResponse):
         on_close: Callable[[], None],
     ) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events  # Starlette types its body_iterator wider than our bytes
         self._on_disconnect = on_disconnect
         self._on_close = on_close
         self._done = False
@@ -225,7 +226,7 @@ class SseResponse(StreamingResponse):
                 }
             )
             ended = False
-            async for event in self.body_iterator:
+            async for event in self._events:
                 # ``[DONE]`` is the stream's last event: it ends the body in the same write.
                 ended = event.endswith(SSE_DONE)
                 await send({"type": "http.response.body", "body": event, "more_body": not ended})
