@@ -56,15 +56,12 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing
-import multiprocessing.synchronize
 import os
 import random
 import statistics
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,116 +69,15 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.arrivals import arrival_offsets
+from bench.otlp_sink import SpanSink
 from bench.serve import parse_args as serve_args
 from bench.serve import summarize
 from bench.serve_load import make_workload, run_load
 from bench.serve_stack import LocalStack, cpu_seconds, machine_info
-from common.services import free_port
 from common.span_process import ENV_SWITCH
 
 TARGET_RPS_LOSS_PCT = 3.0
 TARGET_P50_MS = 1.0
-
-
-# --- the OTLP receiver ----------------------------------------------------------------------
-
-
-def _serve_sink(
-    grpc_port: int,
-    http_port: int,
-    spans: Any,
-    ready: multiprocessing.synchronize.Event,
-    stop: multiprocessing.synchronize.Event,
-    with_grpc: bool = True,
-) -> None:
-    """OTLP trace receivers (HTTP/protobuf, and gRPC when ``with_grpc``: grpcio is not on
-    every machine) that count distinct spans; runs in a child process."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
-
-    seen: set[bytes] = set()  # an export retried after a timeout must not count twice
-
-    def count(request: Any) -> None:
-        with spans.get_lock():
-            for rs in request.resource_spans:
-                for ss in rs.scope_spans:
-                    seen.update(s.span_id for s in ss.spans)
-            spans.value = len(seen)
-
-    class Http(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            count(pb.ExportTraceServiceRequest.FromString(body))
-            reply = pb.ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = None
-    if with_grpc:
-        import grpc
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as pb_grpc
-
-        class Grpc(pb_grpc.TraceServiceServicer):
-            def Export(self, request: Any, context: Any) -> Any:
-                count(request)
-                return pb.ExportTraceServiceResponse()
-
-        server = grpc.server(ThreadPoolExecutor(max_workers=4))
-        pb_grpc.add_TraceServiceServicer_to_server(Grpc(), server)
-        server.add_insecure_port(f"127.0.0.1:{grpc_port}")
-        server.start()
-    http = ThreadingHTTPServer(("127.0.0.1", http_port), Http)
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    ready.set()
-    stop.wait()
-    http.shutdown()
-    if server is not None:
-        server.stop(grace=1).wait()
-
-
-class SpanSink:
-    """The receiver's process: ``endpoint`` for the services, ``spans`` received so far."""
-
-    def __init__(self, protocol: str = "grpc") -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.protocol = protocol
-        self.ports = {"grpc": free_port(), "http/protobuf": free_port()}
-        self._spans = ctx.Value("q", 0)
-        self._ready, self._stop = ctx.Event(), ctx.Event()
-        self._proc = ctx.Process(
-            target=_serve_sink,
-            args=(*self.ports.values(), self._spans, self._ready, self._stop, protocol == "grpc"),
-            daemon=True,
-        )  # fmt: skip
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.ports[self.protocol]}"
-
-    @property
-    def spans(self) -> int:
-        return int(self._spans.value)
-
-    def cpu_s(self) -> float:
-        return cpu_seconds(self._proc.pid) if self._proc.pid else -1.0
-
-    def __enter__(self) -> SpanSink:
-        self._proc.start()
-        if not self._ready.wait(30):
-            raise RuntimeError("the OTLP receiver did not start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._proc.join(10)
 
 
 @contextlib.contextmanager
