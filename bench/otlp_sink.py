@@ -39,6 +39,8 @@ def _serve_sink(
             spans.value = len(seen)
 
     class Http(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as a collector: no connect per export
+
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             count(pb.ExportTraceServiceRequest.FromString(body))
