@@ -35,6 +35,8 @@ from common.config import LogConfig
 
 # The request a log line is about, in the task handling it (see bind_request).
 _REQUEST_ID: ContextVar[str | None] = ContextVar("qos_request_id", default=None)
+# A span's (trace id, span id) bound without an OpenTelemetry context (see bind_trace).
+_TRACE: ContextVar[tuple[int, int] | None] = ContextVar("qos_trace", default=None)
 
 _URL_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@")
 _BEARER = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]+")
@@ -44,6 +46,13 @@ _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def bind_request(request_id: str | None) -> None:
     """Tag the log lines of the current task (and tasks it starts) with ``request_id``."""
     _REQUEST_ID.set(request_id)
+
+
+def bind_trace(trace_id: int, span_id: int) -> None:
+    """Tag the current task's log lines with a span that is not an OpenTelemetry one yet (a
+    worker's delivery, recorded as plain values: ``workers.tracing``); a current
+    OpenTelemetry span, where there is one, wins."""
+    _TRACE.set((trace_id, span_id))
 
 
 def redact(message: str) -> str:
@@ -62,9 +71,10 @@ def context_fields() -> dict[str, str]:
     if request_id:
         fields["request_id"] = request_id
     ctx = trace.get_current_span().get_span_context()
-    if ctx.is_valid:
-        fields["trace_id"] = format(ctx.trace_id, "032x")
-        fields["span_id"] = format(ctx.span_id, "016x")
+    ids = (ctx.trace_id, ctx.span_id) if ctx.is_valid else _TRACE.get()
+    if ids is not None:
+        fields["trace_id"] = format(ids[0], "032x")
+        fields["span_id"] = format(ids[1], "016x")
     return fields
 
 

@@ -45,6 +45,23 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value if value > 0 else default
 
 
+class Deferred:
+    """A span recorded as plain values on the request path and queued as such; the export
+    thread makes it a span (:meth:`build`) in its batch loop. ``_phases``, the phases it will
+    carry, is what the queue counts it by."""
+
+    __slots__ = ()
+    _phases: list[tuple[str, float, float]] | None
+
+    def build(self) -> ReadableSpan:
+        raise NotImplementedError
+
+
+def _built(batch: list[ReadableSpan | Deferred]) -> list[ReadableSpan]:
+    """``batch`` with its deferred items built, in order."""
+    return [item.build() if isinstance(item, Deferred) else item for item in batch]
+
+
 def _spans(batch: list[ReadableSpan]) -> list[ReadableSpan]:
     """``batch`` with each span's phases as spans of their own, ahead of it."""
     out: list[ReadableSpan] = []
@@ -71,7 +88,7 @@ class SpanBatch(SpanProcessor):
         self.exported = 0
         self.failed = 0
         self.export_cpu_s = 0.0
-        self._queue: collections.deque[ReadableSpan] = collections.deque()
+        self._queue: collections.deque[ReadableSpan | Deferred] = collections.deque()
         # Spans queued = added - taken; each count written by one thread only (no lock).
         self._added = self._taken = 0
         self._wake = threading.Event()
@@ -82,8 +99,9 @@ class SpanBatch(SpanProcessor):
         self._thread = threading.Thread(target=self._run, name="qos-span-batch", daemon=True)
         self._thread.start()
 
-    def add(self, span: ReadableSpan) -> None:
-        """Queue a sampled span and its phases (the request path: no check of its flags)."""
+    def add(self, span: ReadableSpan | Deferred) -> None:
+        """Queue a sampled span and its phases (the request path: no check of its flags), or
+        a :class:`Deferred` one, which the export thread builds."""
         phases = getattr(span, "_phases", None)
         weight = 1 + len(phases) if phases else 1
         queued = self._added - self._taken
@@ -131,8 +149,9 @@ class SpanBatch(SpanProcessor):
                 batch, size = self._take()
                 started = time.thread_time()
                 try:
+                    spans = _built(batch)
                     result = self.span_exporter.export(
-                        batch if self._reads_phases else _spans(batch)
+                        spans if self._reads_phases else _spans(spans)
                     )
                 except Exception:  # an exporter's bug must not end the thread
                     log.exception("span export failed")
@@ -143,11 +162,11 @@ class SpanBatch(SpanProcessor):
                 else:
                     self.failed += size
 
-    def _take(self) -> tuple[list[ReadableSpan], int]:
+    def _take(self) -> tuple[list[ReadableSpan | Deferred], int]:
         """Up to ``max_batch`` spans off the queue, phases counted (one item at least), and
         how many spans that is."""
         queue, size = self._queue, 0
-        batch: list[ReadableSpan] = []
+        batch: list[ReadableSpan | Deferred] = []
         while queue:
             phases = getattr(queue[0], "_phases", None)
             weight = 1 + len(phases) if phases else 1

@@ -287,11 +287,16 @@ class RecordedSpan(Span, ReadableSpan):
     def end(self, end_time: int | None = None) -> None:
         if self._end_time is not None:
             return
-        self._end_time = end_time or time.time_ns()
+        self.close(end_time or time.time_ns())
         if self.recording:
-            if None in self._vars.values():  # the SDK drops None values; so do we
-                self._vars = {k: v for k, v in self._vars.items() if v is not None}
             self.tracer.on_end(self)
+
+    def close(self, end_time: int) -> None:
+        """End without handing the span to the processors: for a span the export thread
+        built from plain values, which it exports itself."""
+        self._end_time = end_time
+        if self.recording and None in self._vars.values():  # the SDK drops None values
+            self._vars = {k: v for k, v in self._vars.items() if v is not None}
 
 
 Decide = Callable[[int, "bool | None"], bool]

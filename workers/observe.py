@@ -28,14 +28,14 @@ from opentelemetry import context, trace
 from opentelemetry.trace import Span, Tracer
 from prometheus_client import CollectorRegistry
 
-from common.logging import bind_request
+from common.logging import bind_request, bind_trace
 from common.metrics import MetricsServer
 from common.protocol import Chunk
 from common.trace_metrics import register_trace_metrics
 from workers.engine.outputs import RequestDelta, RequestOutput
 from workers.metrics import EngineView, RequestSeries, WorkerMetrics
 from workers.outbox import Flight
-from workers.tracing import RequestSpans
+from workers.tracing import Delivery, RequestSpans
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Watch:
     group: str
     series: RequestSeries
     fetched_at: float  # time.time()
-    span: Span | None = None
+    span: Span | Delivery | None = None
     last_output_at: float | None = None  # time.monotonic() of the last engine output
     output: RequestOutput | None = None  # the finishing delta's output (engine times)
     first_chunk_at: float | None = None  # time.time() the first chunk went out
@@ -108,13 +108,15 @@ class WorkerObserver:
         if st.attempt > 1:
             watch.series.resumed.inc()
         if self.spans is not None:
-            watch.span = self.spans.start(
+            span = watch.span = self.spans.start(
                 req, msg.headers, group=group, attempt=st.attempt,
                 subject=msg.subject, fetched_at=watch.fetched_at,
             )  # fmt: skip
-            if watch.span is not None:
-                # This task's log lines carry the trace id (the task ends with the admission).
-                context.attach(trace.set_span_in_context(watch.span))
+            # This task's log lines carry the trace id (the task ends with the admission).
+            if isinstance(span, Delivery):
+                bind_trace(span.trace_id, span.span_id)
+            elif span is not None:
+                context.attach(trace.set_span_in_context(span))
 
     def output(self, st: Flight, delta: RequestDelta) -> None:
         """An engine output for ``st``: inter-token latency, the final engine times."""
@@ -181,6 +183,6 @@ class WorkerObserver:
     def abandoned(self, st: Flight, outcome: str) -> None:
         """The delivery ends here unanswered (``handed_back``, ``no_caller``, ``aborted``)."""
         watch: Watch | None = st.watch
-        if watch is not None and watch.span is not None:
-            RequestSpans.abandon(watch.span, outcome)
+        if watch is not None and watch.span is not None and self.spans is not None:
+            self.spans.abandon(watch.span, outcome)
         st.watch = None

@@ -11,23 +11,94 @@ loop, with the start and end times the engine already keeps in the request's met
 phases of the request span (:meth:`common.span_recorder.RecordedSpan.add_phase`: tuples,
 exported with it). The attributes every delivery of a group shares (operation, model,
 group, worker, subject) are one :class:`~common.span_recorder.Constants`, built once.
+
+With our tracer and batch (the services' setup), nothing span-shaped is built on the event
+loop at all: :meth:`RequestSpans.start` takes the sampling decision and keeps the delivery's
+plain values (:class:`Delivery`), :meth:`RequestSpans.finish` adds the final ones and queues
+a :class:`DeferredSpan`, and the export thread builds the span from them in its batch loop.
+Live, each small step on the request path costs several times what it costs in a hot loop
+(measured: +31 µs at fetch and +13 µs at the answer for the spans built there, against
+~4 µs in ``bench.tracing_hooks``), so the work moves to where it runs hot. Any other
+tracer or processor gets the span built at once, as before.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from opentelemetry.trace import Span, SpanKind, Tracer
 
 from common import tracing as t
 from common.protocol import Chunk, GenerateRequest
-from common.span_recorder import Constants
-from common.trace_context import Unsampled, from_headers
+from common.span_batch import Deferred, SpanBatch
+from common.span_recorder import Constants, RecordedSpan
+from common.span_recorder import Tracer as OurTracer
+from common.trace_context import EMPTY_STATE, RemoteParent, Unsampled, from_headers
 
 
 def operation(request_id: str) -> str:
     """``gen_ai.operation.name`` from the gateway's id prefix (``chatcmpl-`` → chat)."""
     return "chat" if request_id.startswith("chatcmpl-") else "text_completion"
+
+
+class Delivery:
+    """A sampled delivery as plain values: the request path's whole share of its span (ids
+    drawn now, so log lines can name them; the span is built from these when it ends)."""
+
+    __slots__ = ("attempt", "fetched_at", "group", "parent", "req", "span_id", "subject",
+                 "trace_id")  # fmt: skip
+
+    def __init__(
+        self,
+        req: GenerateRequest,
+        parent: RemoteParent | None,
+        trace_id: int,
+        span_id: int,
+        *,
+        group: str,
+        attempt: int,
+        subject: str,
+        fetched_at: float,
+    ) -> None:
+        self.req, self.parent, self.trace_id, self.span_id = req, parent, trace_id, span_id
+        self.group, self.attempt, self.subject, self.fetched_at = (
+            group,
+            attempt,
+            subject,
+            fetched_at,
+        )
+
+
+class DeferredSpan(Deferred):
+    """A finished delivery waiting in the span batch, whose export thread calls
+    :meth:`build`; ``_phases`` is what the batch reads to count the spans it stands for."""
+
+    __slots__ = ("_phases", "delivery", "end_ns", "error", "finish_reason", "owner",
+                 "preemptions", "resumed_tokens", "usage")  # fmt: skip
+
+    def __init__(
+        self,
+        owner: RequestSpans,
+        delivery: Delivery,
+        chunk: Chunk,
+        preemptions: int,
+        resumed_tokens: int,
+        phases: list[tuple[str, float, float]],
+    ) -> None:
+        self.owner, self.delivery, self._phases = owner, delivery, phases
+        self.finish_reason, self.usage, self.error = chunk.finish_reason, chunk.usage, chunk.error
+        self.preemptions, self.resumed_tokens = preemptions, resumed_tokens
+        self.end_ns = time.time_ns()
+
+    def build(self) -> RecordedSpan:
+        """The delivery's span, ended, with its phases (the export thread's work)."""
+        span = self.owner.span_of(self.delivery)
+        self.owner.describe(span, self.finish_reason, self.usage, self.error,
+                            self.preemptions, self.resumed_tokens)  # fmt: skip
+        span._phases = self._phases or None
+        span.close(self.end_ns)
+        return span
 
 
 class RequestSpans:
@@ -38,6 +109,12 @@ class RequestSpans:
         self.worker_id = worker_id
         self.model = model
         self._shared: dict[tuple[str, str, str, str], Constants] = {}
+        # Plain values on the request path where our tracer decides by a plain function;
+        # the span built by the export thread where our batch is its only processor.
+        self._ours = tracer if isinstance(tracer, OurTracer) and tracer.decide else None
+        self._decide = self._ours.decide if self._ours is not None else None
+        on_end = getattr(self._ours, "on_end", None)
+        self._queue = on_end if isinstance(getattr(on_end, "__self__", None), SpanBatch) else None
 
     def _constants(self, op: str, model: str, group: str, subject: str) -> Constants:
         """What every delivery of (operation, model, group, subject) here has in common."""
@@ -62,34 +139,48 @@ class RequestSpans:
         attempt: int,
         subject: str,
         fetched_at: float,
-    ) -> Span | None:
-        """The CONSUMER span of this delivery, started at ``fetched_at`` (``time.time()``);
-        None when it is sampled out."""
+    ) -> Span | Delivery | None:
+        """This delivery, fetched at ``fetched_at`` (``time.time()``): with our tracer its
+        plain values (:class:`Delivery`), else its CONSUMER span; None when sampled out."""
+        parent = from_headers(headers)
+        ours, decide = self._ours, self._decide
+        if ours is not None and decide is not None:
+            ids = ours.id_generator
+            trace_id = parent.trace_id if parent is not None else ids.generate_trace_id()
+            if not decide(trace_id, None if parent is None else parent.sampled):
+                return None
+            return Delivery(req, parent, trace_id, ids.generate_span_id(), group=group,
+                            attempt=attempt, subject=subject, fetched_at=fetched_at)  # fmt: skip
         op = operation(req.id)
         model = req.model or self.model
-        span = t.start_remote(
-            self.tracer, f"{op} {model}", from_headers(headers), SpanKind.CONSUMER,
-            t.ns(fetched_at),
-        )  # fmt: skip
+        span = t.start_remote(self.tracer, f"{op} {model}", parent, SpanKind.CONSUMER,
+                              t.ns(fetched_at))  # fmt: skip
         if isinstance(span, Unsampled):
             return None
-        params = req.params
-        attributes: dict[str, Any] = {
-            t.MAX_TOKENS: params.max_tokens,
-            t.TEMPERATURE: params.temperature,
-            t.TOP_P: params.top_p,
-            t.RESPONSE_ID: req.id,
-            t.ATTEMPT: attempt,
-        }
-        if req.created_ms > 0:  # how long JetStream held it (clocks of two hosts: roughly)
-            attributes["qos.jetstream_wait_s"] = max(0.0, fetched_at - req.created_ms / 1000)
-        span.set_attributes(attributes)
+        span.set_attributes(_start_attributes(req, attempt, fetched_at))
         t.set_constants(span, self._constants(op, model, group, subject))
+        return span
+
+    def span_of(self, delivery: Delivery) -> RecordedSpan:
+        """The CONSUMER span ``delivery`` stands for, started at its fetch (not ended)."""
+        assert self._ours is not None
+        req = delivery.req
+        op = operation(req.id)
+        model = req.model or self.model
+        parent = delivery.parent
+        span = RecordedSpan(
+            self._ours, f"{op} {model}", SpanKind.CONSUMER, delivery.trace_id,
+            delivery.span_id, parent, True,
+            parent.trace_state() if parent is not None else EMPTY_STATE,
+            _start_attributes(req, delivery.attempt, delivery.fetched_at),
+            t.ns(delivery.fetched_at),
+        )  # fmt: skip
+        span.set_constants(self._constants(op, model, delivery.group, delivery.subject))
         return span
 
     def finish(
         self,
-        span: Span,
+        span: Span | Delivery,
         chunk: Chunk,
         *,
         output: Any,
@@ -99,34 +190,78 @@ class RequestSpans:
     ) -> None:
         """End ``span`` with the final ``chunk``: usage, finish reason, the engine's phases
         (from ``output.metrics``) and the ``stream`` interval (first, last chunk out)."""
-        if not span.is_recording():  # sampled out: nothing to describe
-            span.end()
-            return
-        attributes: dict[str, Any] = {t.FINISH_REASONS: t.finish_reasons(chunk.finish_reason)}
-        if chunk.usage is not None:
-            attributes[t.INPUT_TOKENS] = chunk.usage.prompt_tokens
-            attributes[t.OUTPUT_TOKENS] = chunk.usage.completion_tokens
-            attributes["qos.cached_tokens"] = chunk.usage.cached_tokens
-        if resumed_tokens:
-            attributes["qos.resumed_tokens"] = resumed_tokens
-        if output is not None and output.metrics.num_preemptions:
-            attributes["qos.preemptions"] = output.metrics.num_preemptions
-        span.set_attributes(attributes)
-        if chunk.error is not None:
-            t.set_error(span, chunk.error.code, chunk.error.message)
         phases = _phases(output.metrics, fetched_at) if output is not None else []
         if stream is not None:
             phases.append(("stream", *stream))
+        phases = [(name, start, max(start, end)) for name, start, end in phases]
+        preemptions = output.metrics.num_preemptions if output is not None else 0
+        if isinstance(span, Delivery):
+            deferred = DeferredSpan(self, span, chunk, preemptions, resumed_tokens, phases)
+            if self._queue is not None:
+                self._queue(deferred)  # built by the export thread
+                return
+            built = self.span_of(span)
+            self.describe(built, chunk.finish_reason, chunk.usage, chunk.error, preemptions,
+                          resumed_tokens)  # fmt: skip
+            for name, start, end in phases:
+                built.add_phase(name, start, end)
+            built.end(deferred.end_ns)
+            return
+        if not span.is_recording():  # sampled out: nothing to describe
+            span.end()
+            return
+        self.describe(span, chunk.finish_reason, chunk.usage, chunk.error, preemptions,
+                      resumed_tokens)  # fmt: skip
         for name, start, end in phases:
-            t.add_phase(self.tracer, span, name, start, max(start, end))
+            t.add_phase(self.tracer, span, name, start, end)
         span.end()
 
     @staticmethod
-    def abandon(span: Span, outcome: str) -> None:
+    def describe(
+        span: Span,
+        finish_reason: str | None,
+        usage: Any,
+        error: Any,
+        preemptions: int,
+        resumed_tokens: int,
+    ) -> None:
+        """The final chunk's facts on ``span``: finish reason, usage, resumed tokens,
+        preemptions, and the error if there was one."""
+        attributes: dict[str, Any] = {t.FINISH_REASONS: t.finish_reasons(finish_reason)}
+        if usage is not None:
+            attributes[t.INPUT_TOKENS] = usage.prompt_tokens
+            attributes[t.OUTPUT_TOKENS] = usage.completion_tokens
+            attributes["qos.cached_tokens"] = usage.cached_tokens
+        if resumed_tokens:
+            attributes["qos.resumed_tokens"] = resumed_tokens
+        if preemptions:
+            attributes["qos.preemptions"] = preemptions
+        span.set_attributes(attributes)
+        if error is not None:
+            t.set_error(span, error.code, error.message)
+
+    def abandon(self, span: Span | Delivery, outcome: str) -> None:
         """End a delivery this replica did not answer (handed back, dropped): say why."""
+        if isinstance(span, Delivery):
+            span = self.span_of(span)
         span.set_attribute("qos.outcome", outcome)
         span.add_event(outcome)
         span.end()
+
+
+def _start_attributes(req: GenerateRequest, attempt: int, fetched_at: float) -> dict[str, Any]:
+    """What a delivery's span says from the start: the request's parameters and attempt."""
+    params = req.params
+    attributes: dict[str, Any] = {
+        t.MAX_TOKENS: params.max_tokens,
+        t.TEMPERATURE: params.temperature,
+        t.TOP_P: params.top_p,
+        t.RESPONSE_ID: req.id,
+        t.ATTEMPT: attempt,
+    }
+    if req.created_ms > 0:  # how long JetStream held it (clocks of two hosts: roughly)
+        attributes["qos.jetstream_wait_s"] = max(0.0, fetched_at - req.created_ms / 1000)
+    return attributes
 
 
 def _phases(metrics: Any, fetched_at: float) -> list[tuple[str, float, float]]:

@@ -12,7 +12,14 @@ import httpx
 import pytest
 
 from common.config import Config, LogConfig
-from common.logging import JsonFormatter, TextFormatter, bind_request, redact, setup_logging
+from common.logging import (
+    JsonFormatter,
+    TextFormatter,
+    bind_request,
+    bind_trace,
+    redact,
+    setup_logging,
+)
 from tests.gateway.conftest import serve
 from tests.observability.conftest import MODEL, StartWorker, Traced, wait_live
 
@@ -56,6 +63,29 @@ def test_a_json_line_in_a_request_context_has_the_request_and_trace_ids(traced: 
     outside = logging.LogRecord("x", logging.INFO, __file__, 1, "idle", (), None)
     assert "request_id" not in json.loads(formatter.format(outside))
     assert "trace_id" not in json.loads(formatter.format(outside))
+
+
+def test_a_worker_delivery_bound_as_plain_ids_tags_its_lines_unless_a_span_is_current(
+    traced: Traced,
+) -> None:
+    """A worker's delivery is no OpenTelemetry span until the export thread builds it; its
+    ids, bound to the task, still reach the log lines (a current span wins)."""
+    formatter = JsonFormatter("worker")
+    record = logging.LogRecord("workers.service", logging.INFO, __file__, 1, "x", (), None)
+
+    def in_delivery() -> tuple[dict[str, object], dict[str, object]]:
+        bind_trace(0x0AF7651916CD43DD8448EB211C80319C, 0x00F067AA0BA902B7)
+        bound = json.loads(formatter.format(record))
+        with traced.provider.get_tracer("test").start_as_current_span("work") as span:
+            current = json.loads(formatter.format(record))
+            assert current["trace_id"] == format(span.get_span_context().trace_id, "032x")
+        return bound, current
+
+    bound, current = contextvars.copy_context().run(in_delivery)
+    assert bound["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    assert bound["span_id"] == "00f067aa0ba902b7"
+    assert current["span_id"] != bound["span_id"]
+    assert "trace_id" not in json.loads(formatter.format(record))  # only in that task
 
 
 def test_credentials_and_bearer_tokens_are_masked_in_every_format() -> None:

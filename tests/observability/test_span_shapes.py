@@ -259,3 +259,60 @@ def test_an_exporter_that_reads_no_phases_gets_them_from_the_batch_as_spans() ->
     names = [s.name for s in memory.get_finished_spans()]
     assert names == ["queue", "decode", "parent"]
     batch.shutdown()
+
+
+def _delivery_spans(tracer: Tracer, flush: Any) -> list[ReadableSpan]:
+    """One delivery through a worker's hooks (fetched, answered; an error chunk on the
+    second attempt) and one handed back, as the spans the processors end up with."""
+    spans = RequestSpans(tracer, "worker-0", "dummy:tiny")
+    now = 1_700_000_000.0
+    params = RequestParams(max_tokens=16, temperature=0.7, top_p=None)
+    req = GenerateRequest(id="chatcmpl-1", group="short", reply="r", params=params,
+                          created_ms=int(now * 1000) - 3)  # fmt: skip
+    headers = {"traceparent": TRACEPARENT}
+    answered = spans.start(req, headers, group="short", attempt=2, subject="qos.req.short",
+                           fetched_at=now)  # fmt: skip
+    metrics = RequestMetrics(now, now + 0.001, now + 0.002, now + 0.004, 0, 3)
+    final = Chunk(id="chatcmpl-1", finish_reason="length", usage=Usage(32, 16, 8))
+    assert answered is not None
+    spans.finish(answered, final, output=SimpleNamespace(metrics=metrics), fetched_at=now,
+                 stream=(now + 0.002, now + 0.001), resumed_tokens=4)  # fmt: skip
+    handed_back = spans.start(req, headers, group="short", attempt=1, subject="qos.req.short",
+                              fetched_at=now)  # fmt: skip
+    assert handed_back is not None
+    spans.abandon(handed_back, "handed_back")
+    return flush()
+
+
+def test_a_delivery_built_by_the_export_thread_is_the_span_built_at_once() -> None:
+    """With our batch, a worker's delivery is plain values until the export thread builds
+    it; with any other processor it is built when it ends. Same spans either way."""
+    tracer, batch, kept = batch_tracer("w")
+    deferred = _delivery_spans(tracer, lambda: (batch.force_flush(), kept.batches[-1])[1])
+    # Counted while deferred: the answered delivery and its phases (queue, prefill, decode,
+    # stream), then the handed-back one.
+    assert batch.exported == 1 + 4 + 1
+    memory = InMemorySpanExporter()
+    provider = t.init_tracing("w", exporter=memory, batch=False, set_global=False)
+    at_once = t.tracer_for(provider, "w")
+    assert isinstance(at_once, Tracer)
+    built = _delivery_spans(at_once, memory.get_finished_spans)
+
+    def shape(span: ReadableSpan) -> tuple[Any, ...]:
+        parent = span.parent.span_id if span.parent is not None else None
+        phase = span.name in ("queue", "prefill", "decode", "stream")  # times from the engine
+        return (span.name, span.kind, span.start_time, span.end_time if phase else None,
+                dict(span.attributes),
+                [e.name for e in span.events], span.status.status_code,
+                parent == int(TRACEPARENT[36:52], 16))  # fmt: skip
+
+    deferred_all = as_spans(list(deferred))
+    assert len(deferred_all) == len(built) == 6
+    assert sorted(map(shape, deferred_all), key=repr) == sorted(map(shape, built), key=repr)
+    consumer = next(s for s in deferred_all if s.name == "chat dummy:tiny" and not s.events)
+    assert consumer.attributes["qos.resumed_tokens"] == 4
+    assert consumer.attributes["qos.preemptions"] == 3
+    assert "gen_ai.request.top_p" not in consumer.attributes  # None values left out
+    stream = next(s for s in deferred_all if s.name == "stream")
+    assert stream.end_time == stream.start_time  # an end before its start is clamped
+    batch.shutdown()
