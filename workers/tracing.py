@@ -30,7 +30,7 @@ from typing import Any
 from opentelemetry.trace import Span, SpanKind, Tracer
 
 from common import tracing as t
-from common.protocol import Chunk, GenerateRequest
+from common.protocol import Chunk, GenerateRequest, RequestParams
 from common.span_batch import Deferred, SpanBatch
 from common.span_recorder import Constants, RecordedSpan
 from common.span_recorder import Tracer as OurTracer
@@ -44,10 +44,12 @@ def operation(request_id: str) -> str:
 
 class Delivery:
     """A sampled delivery as plain values: the request path's whole share of its span (ids
-    drawn now, so log lines can name them; the span is built from these when it ends)."""
+    drawn now, so log lines can name them; the span is built from these when it ends). It
+    keeps the request's id, model and parameters, not the request: a prompt held until the
+    export would be memory for nothing."""
 
-    __slots__ = ("attempt", "fetched_at", "group", "parent", "req", "span_id", "subject",
-                 "trace_id")  # fmt: skip
+    __slots__ = ("attempt", "created_ms", "fetched_at", "group", "model", "params", "parent",
+                 "request_id", "span_id", "subject", "trace_id")  # fmt: skip
 
     def __init__(
         self,
@@ -61,13 +63,17 @@ class Delivery:
         subject: str,
         fetched_at: float,
     ) -> None:
-        self.req, self.parent, self.trace_id, self.span_id = req, parent, trace_id, span_id
-        self.group, self.attempt, self.subject, self.fetched_at = (
-            group,
-            attempt,
-            subject,
-            fetched_at,
-        )
+        self.request_id = req.id
+        self.model = req.model
+        self.params: RequestParams = req.params
+        self.created_ms = req.created_ms
+        self.parent = parent
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.group = group
+        self.attempt = attempt
+        self.subject = subject
+        self.fetched_at = fetched_at
 
 
 class DeferredSpan(Deferred):
@@ -157,23 +163,26 @@ class RequestSpans:
                               t.ns(fetched_at))  # fmt: skip
         if isinstance(span, Unsampled):
             return None
-        span.set_attributes(_start_attributes(req, attempt, fetched_at))
+        span.set_attributes(
+            _start_attributes(req.id, req.params, req.created_ms, attempt, fetched_at)
+        )
         t.set_constants(span, self._constants(op, model, group, subject))
         return span
 
     def span_of(self, delivery: Delivery) -> RecordedSpan:
         """The CONSUMER span ``delivery`` stands for, started at its fetch (not ended)."""
         assert self._ours is not None
-        req = delivery.req
-        op = operation(req.id)
-        model = req.model or self.model
+        op = operation(delivery.request_id)
+        model = delivery.model or self.model
         parent = delivery.parent
+        attributes = _start_attributes(delivery.request_id, delivery.params,
+                                       delivery.created_ms, delivery.attempt,
+                                       delivery.fetched_at)  # fmt: skip
         span = RecordedSpan(
             self._ours, f"{op} {model}", SpanKind.CONSUMER, delivery.trace_id,
             delivery.span_id, parent, True,
             parent.trace_state() if parent is not None else EMPTY_STATE,
-            _start_attributes(req, delivery.attempt, delivery.fetched_at),
-            t.ns(delivery.fetched_at),
+            attributes, t.ns(delivery.fetched_at),
         )  # fmt: skip
         span.set_constants(self._constants(op, model, delivery.group, delivery.subject))
         return span
@@ -249,18 +258,19 @@ class RequestSpans:
         span.end()
 
 
-def _start_attributes(req: GenerateRequest, attempt: int, fetched_at: float) -> dict[str, Any]:
+def _start_attributes(
+    request_id: str, params: RequestParams, created_ms: int, attempt: int, fetched_at: float
+) -> dict[str, Any]:
     """What a delivery's span says from the start: the request's parameters and attempt."""
-    params = req.params
     attributes: dict[str, Any] = {
         t.MAX_TOKENS: params.max_tokens,
         t.TEMPERATURE: params.temperature,
         t.TOP_P: params.top_p,
-        t.RESPONSE_ID: req.id,
+        t.RESPONSE_ID: request_id,
         t.ATTEMPT: attempt,
     }
-    if req.created_ms > 0:  # how long JetStream held it (clocks of two hosts: roughly)
-        attributes["qos.jetstream_wait_s"] = max(0.0, fetched_at - req.created_ms / 1000)
+    if created_ms > 0:  # how long JetStream held it (clocks of two hosts: roughly)
+        attributes["qos.jetstream_wait_s"] = max(0.0, fetched_at - created_ms / 1000)
     return attributes
 
 
