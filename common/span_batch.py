@@ -13,7 +13,8 @@ timeout) with the SDK's defaults; spans beyond a full queue are dropped and coun
 the SDK drops them.
 
 It also counts what became of the spans (exported, failed, dropped) and the CPU its
-export thread spent exporting (``time.thread_time``: encoding and sending, not waiting):
+export thread spent exporting (``time.thread_time``: building deferred spans, encoding and
+sending, not waiting):
 :mod:`common.trace_metrics` serves them on each service's ``/metrics``.
 """
 
