@@ -18,7 +18,8 @@ plain values (:class:`Delivery`), :meth:`RequestSpans.finish` adds the final one
 a :class:`DeferredSpan`, and the export thread builds the span from them in its batch loop.
 Live, each small step on the request path costs several times what it costs in a hot loop
 (measured: +31 µs at fetch and +13 µs at the answer for the spans built there, against
-~4 µs in ``bench.tracing_hooks``), so the work moves to where it runs hot. Any other
++10 µs for both in ``bench.tracing_hooks``' hot loop), so the work moves to where it runs
+hot. Any other
 tracer or processor gets the span built at once, as before.
 """
 
