@@ -9,11 +9,13 @@
   ``nats_config.model_copy(update={"url": server.url})``.
 - ``nc`` / ``js``: a connected client (closed afterwards) and its JetStream context.
 - ``redis_config``: a :class:`RedisConfig` for the session server, database flushed first.
+- every test leaves the root logger's handlers and level as it found them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -28,6 +30,18 @@ from nats.js import JetStreamContext
 import common.nats as qnats
 from common.config import NatsConfig, RedisConfig
 from common.services import NatsServer, RedisServer
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """A test that runs a service's ``main()`` installs the service's log handler on the
+    root logger, writing to the stream pytest captured for that test: put the root logger
+    back afterwards, or later tests log into a closed stream ("Logging error")."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
