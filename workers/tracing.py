@@ -98,12 +98,17 @@ class DeferredSpan(Deferred):
         self.preemptions, self.resumed_tokens = preemptions, resumed_tokens
         self.end_ns = time.time_ns()
 
-    def build(self) -> RecordedSpan:
-        """The delivery's span, ended, with its phases (the export thread's work)."""
+    def assemble(self) -> RecordedSpan:
+        """The delivery's span with its final facts and phases, not yet ended."""
         span = self.owner.span_of(self.delivery)
         self.owner.describe(span, self.finish_reason, self.usage, self.error,
                             self.preemptions, self.resumed_tokens)  # fmt: skip
         span._phases = self._phases or None
+        return span
+
+    def build(self) -> RecordedSpan:
+        """The delivery's span, ended without the processors (the export thread's work)."""
+        span = self.assemble()
         span.close(self.end_ns)
         return span
 
@@ -209,13 +214,8 @@ class RequestSpans:
             deferred = DeferredSpan(self, span, chunk, preemptions, resumed_tokens, phases)
             if self._queue is not None:
                 self._queue(deferred)  # built by the export thread
-                return
-            built = self.span_of(span)
-            self.describe(built, chunk.finish_reason, chunk.usage, chunk.error, preemptions,
-                          resumed_tokens)  # fmt: skip
-            for name, start, end in phases:
-                built.add_phase(name, start, end)
-            built.end(deferred.end_ns)
+            else:
+                deferred.assemble().end(deferred.end_ns)  # to the processors, as it ends
             return
         if not span.is_recording():  # sampled out: nothing to describe
             span.end()
