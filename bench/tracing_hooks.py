@@ -5,7 +5,8 @@ of a shared machine; this measures the two parts of the cost one by one, with no
 else in the loop: the hooks the request path runs (the gateway's middleware and
 generator hooks, a worker's observer from fetch to answer: tracing on minus off, the
 same calls otherwise) and the export thread's share of what they queued: building a
-worker's deliveries into spans (``workers.tracing.DeferredSpan``) and encoding (µs per
+gateway's requests and a worker's deliveries into spans (``gateway.tracing.ServerCall``,
+``workers.tracing.DeferredSpan``) and encoding (µs per
 request: 2 gateway spans, 5 worker spans). Spans are queued, never sent (the send is
 ~0.4 µs a span of process CPU, measured apart).
 
@@ -124,13 +125,15 @@ async def gateway_us(tracer: Any, n: int) -> float:
 def encode_us(tracer: Any, requests: int, batch: int = 100) -> tuple[float, float, float]:
     """(µs per request to build, µs per request to encode, spans per request) for what
     ``tracer``'s queue holds: building is the export thread's share of a span recorded as
-    plain values (a worker's delivery, :class:`common.span_batch.Deferred`), 0 for others."""
+    plain values (:class:`common.span_batch.Deferred`: a gateway request, a worker's delivery)."""
     queue = tracer.processor._span_processors[0]._queue
     queued = list(queue)
     queue.clear()
+    gc.disable()  # as the hooks are timed: thousands of spans built in one go, not a batch
     started = time.perf_counter()
     items = [s.build() if isinstance(s, Deferred) else s for s in queued]
     build = (time.perf_counter() - started) * 1e6 / requests
+    gc.enable()
     spans = sum(1 + len(getattr(s, "_phases", None) or ()) for s in items)
     batch = max(1, min(batch, len(items) // 5))  # a warm-up batch and a few timed ones
     batches = [items[i : i + batch] for i in range(0, len(items), batch)][:40]

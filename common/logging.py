@@ -26,7 +26,7 @@ import logging
 import re
 import sys
 import time
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import IO, Any
 
 from opentelemetry import trace
@@ -48,11 +48,17 @@ def bind_request(request_id: str | None) -> None:
     _REQUEST_ID.set(request_id)
 
 
-def bind_trace(trace_id: int, span_id: int) -> None:
+def bind_trace(trace_id: int, span_id: int) -> Token[tuple[int, int] | None]:
     """Tag the current task's log lines with a span that is not an OpenTelemetry one yet (a
-    worker's delivery, recorded as plain values: ``workers.tracing``); a current
-    OpenTelemetry span, where there is one, wins."""
-    _TRACE.set((trace_id, span_id))
+    request recorded as plain values: ``gateway.tracing``, ``workers.tracing``); a current
+    OpenTelemetry span, where there is one, wins. The token undoes it (:func:`unbind_trace`)."""
+    return _TRACE.set((trace_id, span_id))
+
+
+def unbind_trace(token: Token[tuple[int, int] | None] | None) -> None:
+    """Undo a :func:`bind_trace` (None: nothing to undo)."""
+    if token is not None:
+        _TRACE.reset(token)
 
 
 def redact(message: str) -> str:

@@ -49,7 +49,7 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util._decorator import _agnosticcontextmanager
 
-from common.span_batch import SpanBatch
+from common.span_batch import Deferred, SpanBatch
 from common.trace_context import RemoteParent, Unsampled
 
 _SAMPLED, _NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
@@ -274,15 +274,9 @@ class RecordedSpan(Span, ReadableSpan):
         timestamp: int | None = None,
         escaped: bool = False,
     ) -> None:
-        stack = "".join(traceback.format_exception(exception))
-        fields = {
-            "exception.type": type(exception).__qualname__,
-            "exception.message": str(exception),
-            "exception.stacktrace": stack,
-            "exception.escaped": str(escaped),
-            **(attributes or {}),
-        }
-        self.add_event("exception", fields, timestamp)
+        if self.recording:
+            self._events = (*self._events, exception_event(exception, attributes, timestamp,
+                                                           escaped))  # fmt: skip
 
     def end(self, end_time: int | None = None) -> None:
         if self._end_time is not None:
@@ -297,6 +291,23 @@ class RecordedSpan(Span, ReadableSpan):
         self._end_time = end_time
         if self.recording and None in self._vars.values():  # the SDK drops None values
             self._vars = {k: v for k, v in self._vars.items() if v is not None}
+
+
+def exception_event(
+    exception: BaseException,
+    attributes: Mapping[str, Any] | None = None,
+    timestamp: int | None = None,
+    escaped: bool = False,
+) -> Event:
+    """The ``exception`` event the SDK records for ``exception`` (semantic conventions)."""
+    fields = {
+        "exception.type": type(exception).__qualname__,
+        "exception.message": str(exception),
+        "exception.stacktrace": "".join(traceback.format_exception(exception)),
+        "exception.escaped": str(escaped),
+        **(attributes or {}),
+    }
+    return Event("exception", fields, timestamp or time.time_ns())
 
 
 Decide = Callable[[int, "bool | None"], bool]
@@ -342,10 +353,11 @@ class Tracer(trace.Tracer):
         processors = self.processor._span_processors
         # One batch of ours: a span goes straight onto its queue, its phases with it (no
         # processor loop, no SpanContext built to read a sampled flag every span has).
+        self.batch = (
+            processors[0] if len(processors) == 1 and isinstance(processors[0], SpanBatch) else None
+        )
         self.on_end: Callable[[RecordedSpan], None] = (
-            processors[0].add
-            if len(processors) == 1 and isinstance(processors[0], SpanBatch)
-            else self._to_processors
+            self.batch.add if self.batch is not None else self._to_processors
         )
         self.scope = InstrumentationScope(name)
         resource = provider.resource
@@ -361,6 +373,32 @@ class Tracer(trace.Tracer):
                 self._constants.clear()
             found = self._constants[items] = Constants(dict(items))
         return found
+
+    def finish(self, item: Deferred) -> None:
+        """A span recorded as plain values has ended: our batch's export thread builds it;
+        any other processor gets it built now."""
+        if self.batch is not None:
+            self.batch.add(item)
+        else:
+            span = item.build()
+            assert isinstance(span, RecordedSpan)
+            self._to_processors(span)
+
+    def sampled_trace(self, parent: RemoteParent | None) -> int | Unsampled:
+        """The trace id of a request entering this service under ``parent`` when the
+        sampler (a plain function: :attr:`decide` is set) records it, else what to tell the
+        next hop."""
+        assert self.decide is not None
+        trace_id = parent.trace_id if parent is not None else self.id_generator.generate_trace_id()
+        if self.decide(trace_id, None if parent is None else parent.sampled):
+            return trace_id
+        return self._unsampled(trace_id, parent)
+
+    def _unsampled(self, trace_id: int, parent: RemoteParent | None) -> Unsampled:
+        """A request sampled out: the caller's span id passes on, or a fresh one."""
+        if parent is not None:
+            return Unsampled(trace_id, parent.span_id, parent.tracestate)
+        return Unsampled(trace_id, self.id_generator.generate_span_id())
 
     def _to_processors(self, span: RecordedSpan) -> None:
         """Any other processors: the phases as spans, ended before their parent (which then
@@ -383,24 +421,25 @@ class Tracer(trace.Tracer):
 
         The sampler decides without the span's attributes (the built-in ones never read
         them), so the caller builds them only for a span that is recorded."""
-        trace_id = parent.trace_id if parent is not None else self.id_generator.generate_trace_id()
         attrs: dict[str, Any] = {}
         if self.decide is not None:
-            recording = self.decide(trace_id, None if parent is None else parent.sampled)
-            state = None  # the built-in samplers keep the parent's tracestate
+            sampled = self.sampled_trace(parent)
+            if isinstance(sampled, Unsampled):
+                return sampled
+            trace_id = sampled
+            # The built-in samplers keep the parent's tracestate.
+            state = parent.trace_state() if parent is not None else _EMPTY_STATE
         else:
+            trace_id = (
+                parent.trace_id if parent is not None else self.id_generator.generate_trace_id()
+            )
             context = parent.context() if parent is not None else None
             result = self.sampler.should_sample(context, trace_id, name, kind)
-            recording = result.decision is Decision.RECORD_AND_SAMPLE
+            if result.decision is not Decision.RECORD_AND_SAMPLE:
+                return self._unsampled(trace_id, parent)
             state = result.trace_state or _EMPTY_STATE
-            if recording and result.attributes:
+            if result.attributes:
                 attrs.update(result.attributes)
-        if not recording:
-            if parent is not None:
-                return Unsampled(trace_id, parent.span_id, parent.tracestate)
-            return Unsampled(trace_id, self.id_generator.generate_span_id())
-        if state is None:
-            state = parent.trace_state() if parent is not None else _EMPTY_STATE
         return RecordedSpan(
             self, name, kind, trace_id, self.id_generator.generate_span_id(), parent,
             True, state, attrs, start_time or time.time_ns(),

@@ -22,12 +22,13 @@ from collections.abc import Awaitable
 from typing import Any
 
 from opentelemetry import context, trace
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common import tracing
+from common.logging import bind_trace, unbind_trace
 from common.trace_context import RemoteParent, Unsampled, parse
-from gateway.tracing import SCOPE_KEY
+from gateway import tracing as traced
+from gateway.tracing import SCOPE_KEY, ServerCall
 
 access = logging.getLogger("qosserve.access")
 _QUIET = ("/health", "/metrics")
@@ -46,18 +47,15 @@ class ObserveMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        span = token = None
+        span: ServerCall | Span | None = None
+        token: Any = None
         if self.tracer is not None and path.startswith("/v1/"):
-            decided = tracing.start_remote(
-                self.tracer, f"{scope['method']} {path}", _parent(scope), SpanKind.SERVER
-            )
-            scope[SCOPE_KEY] = decided
-            if not isinstance(decided, Unsampled):
+            decided = scope[SCOPE_KEY] = traced.decide(self.tracer, scope, _parent(scope))
+            if isinstance(decided, ServerCall):
+                span = decided  # log lines name it; no OpenTelemetry context is built
+                token = bind_trace(decided.trace_id, decided.span_id)
+            elif decided is not None and not isinstance(decided, Unsampled):
                 span = decided
-                # Shared by every request of this method and path (a bounded cache: paths
-                # under /v1/ that no route takes are few, and cleared past a few hundred).
-                shared = (("http.request.method", scope["method"]), ("url.path", path))
-                tracing.set_constants(span, tracing.constants(self.tracer, shared))
                 token = context.attach(trace.set_span_in_context(span))
         logged = self.access_log and access.isEnabledFor(
             logging.DEBUG if path in _QUIET else logging.INFO
@@ -80,23 +78,29 @@ class ObserveMiddleware:
         try:
             await self.app(scope, receive, send_and_look)
         except Exception as exc:
-            if span is not None:
+            if isinstance(span, ServerCall):
+                span.failed(exc)
+            elif span is not None:
                 span.record_exception(exc)
             raise
         finally:
             status = seen["status"]
-            if span is not None:
-                self._end_span(span, scope, status)
-            if logged:
+            route = getattr(scope.get("route"), "path", None)
+            if isinstance(span, ServerCall):
+                span.end(status, route)
+            elif span is not None:
+                self._end_span(span, scope["method"], route, status)
+            if logged:  # still under the request's trace id
                 self._log(scope, path, status, started, seen)
-            if token is not None:
+            if isinstance(span, ServerCall):
+                unbind_trace(token)
+            elif span is not None:
                 context.detach(token)
 
     @staticmethod
-    def _end_span(span: Any, scope: Scope, status: int) -> None:
-        route = getattr(scope.get("route"), "path", None)
+    def _end_span(span: Span, method: str, route: str | None, status: int) -> None:
         if route:  # the route template, not the path: /v1/{group}/completions
-            span.update_name(f"{scope['method']} {route}")
+            span.update_name(f"{method} {route}")
             span.set_attribute("http.route", route)
         span.set_attribute("http.response.status_code", status)
         if status >= 500:

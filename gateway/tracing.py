@@ -9,26 +9,156 @@ tracing is on (its tracer is not None), at three points of a request's life: adm
 the worker follows) and landed (:func:`landed`). A request sampled out builds nothing
 here. With tracing off, :func:`forward_traceparent` still passes a client's trace context
 on, so a worker's logs and an outside tracer can still join the client's trace.
+
+With our tracer (the services' set-up), a sampled request builds no span on the event loop:
+it is a :class:`ServerCall`, the server span's plain values (ids drawn when it arrives, so
+the publish can name them and log lines carry them), and its publish a
+:class:`PublishCall`; each is queued as it ends and the export thread builds the span
+(:class:`common.span_batch.Deferred`), where code runs hot: the worker's spans are recorded
+the same way (:mod:`workers.tracing`), for the same reason. Any other tracer (an outside
+SDK) gets spans, built as the request runs.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import MutableMapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.sdk.trace import Event
+from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags, Tracer
 
 from common import tracing as t
-from common.trace_context import Unsampled
+from common.span_batch import Deferred
+from common.span_recorder import RecordedSpan, exception_event
+from common.span_recorder import Tracer as OurTracer
+from common.trace_context import EMPTY_STATE, RemoteParent, Unsampled, traceparent
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 OPERATIONS = {"chat": "chat", "completion": "text_completion"}
 SCOPE_KEY = "qos.trace"  # the ASGI scope's: the server span, or Unsampled
 _NO_SPAN: AbstractContextManager[None] = nullcontext()
 
-Decided = Span | Unsampled | None
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_ERROR = Status(StatusCode.ERROR)
+
+
+class ServerCall(Deferred):
+    """A sampled request's SERVER span as plain values (our tracer's path): ids and start
+    time when it arrives, attributes as the request runs, status and route when it ends
+    (:meth:`end`, which queues it); the export thread builds the span (:meth:`build`)."""
+
+    __slots__ = ("attributes", "end_ns", "events", "method", "parent", "path", "route",
+                 "shared", "span_id", "start_ns", "status", "trace_id", "tracer")  # fmt: skip
+    _phases = None  # none: it counts as one span in the batch
+
+    def __init__(
+        self, tracer: OurTracer, trace_id: int, parent: RemoteParent | None, method: str, path: str
+    ) -> None:
+        self.tracer, self.trace_id, self.parent = tracer, trace_id, parent
+        self.span_id = tracer.id_generator.generate_span_id()
+        self.start_ns = time.time_ns()
+        self.method, self.path = method, path
+        self.attributes: dict[str, Any] = {}
+        # What every request of this method and path (then kind, model and group) shares.
+        self.shared: tuple[tuple[str, Any], ...] = (
+            ("http.request.method", method), ("url.path", path),
+        )  # fmt: skip
+        self.events: tuple[Event, ...] = ()
+        self.route: str | None = None
+        self.status = 500
+        self.end_ns = 0
+
+    def failed(self, exc: BaseException) -> None:
+        """The app raised ``exc`` (an ``exception`` event, as ``record_exception`` writes)."""
+        self.events = (*self.events, exception_event(exc))
+
+    def end(self, status: int, route: str | None) -> None:
+        """The answer is out: the HTTP status, the route template (if a route took it)."""
+        self.end_ns = time.time_ns()
+        self.status, self.route = status, route
+        self.tracer.finish(self)
+
+    def build(self) -> RecordedSpan:
+        tracer, parent = self.tracer, self.parent
+        name = f"{self.method} {self.route or self.path}"
+        state = parent.trace_state() if parent is not None else EMPTY_STATE
+        span = RecordedSpan(tracer, name, SpanKind.SERVER, self.trace_id, self.span_id, parent,
+                            True, state, self.attributes, self.start_ns)  # fmt: skip
+        span.set_constants(tracer.constants(self.shared))
+        if self.route:  # the route template, not the path: /v1/{group}/completions
+            span.set_attribute("http.route", self.route)
+        span.set_attribute("http.response.status_code", self.status)
+        if self.status >= 500:
+            span.set_status(_ERROR)
+        span._events = self.events
+        span.close(self.end_ns)
+        return span
+
+
+class PublishCall(Deferred, AbstractContextManager[None]):
+    """The PRODUCER span of a :class:`ServerCall` as plain values: its ``traceparent`` goes
+    into the headers when it starts; it is queued when the publish returns or fails."""
+
+    __slots__ = ("call", "end_ns", "error", "request_id", "span_id", "start_ns", "subject")
+    _phases = None
+
+    def __init__(
+        self, call: ServerCall, subject: str, request_id: str, headers: MutableMapping[str, str]
+    ) -> None:
+        self.call, self.subject, self.request_id = call, subject, request_id
+        self.span_id = call.tracer.id_generator.generate_span_id()
+        headers["traceparent"] = traceparent(call.trace_id, self.span_id, True)
+        if call.parent is not None and call.parent.tracestate:
+            state = call.parent.trace_state()  # as the span would say it: parsed, written
+            if state:
+                headers["tracestate"] = state.to_header()
+        self.error: BaseException | None = None
+        self.end_ns = 0
+        self.start_ns = time.time_ns()
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        self.end_ns = time.time_ns()
+        self.error = exc
+        self.call.tracer.finish(self)
+
+    def build(self) -> RecordedSpan:
+        call = self.call
+        tracer = call.tracer
+        state = call.parent.trace_state() if call.parent is not None else EMPTY_STATE
+        server = SpanContext(call.trace_id, call.span_id, False, _SAMPLED, state)
+        span = RecordedSpan(tracer, f"publish {self.subject}", SpanKind.PRODUCER, call.trace_id,
+                            self.span_id, server, True, state,
+                            {"messaging.message.id": self.request_id}, self.start_ns)  # fmt: skip
+        span.set_constants(tracer.constants(_publish_shared(self.subject)))
+        if self.error is not None:
+            _failed(span, self.error)
+        span.close(self.end_ns)
+        return span
+
+
+Decided = ServerCall | Span | Unsampled | None
+
+
+def decide(tracer: Tracer, scope: Any, parent: RemoteParent | None) -> Decided:
+    """The sampling decision for a request arriving under ``parent`` (the middleware's): a
+    :class:`ServerCall` where our tracer samples by a plain function, else a started server
+    span; an :class:`Unsampled` when sampled out."""
+    method, path = scope["method"], scope["path"]
+    if isinstance(tracer, OurTracer) and tracer.decide is not None:
+        trace_id = tracer.sampled_trace(parent)
+        if isinstance(trace_id, Unsampled):
+            return trace_id
+        return ServerCall(tracer, trace_id, parent, method, path)
+    decided = t.start_remote(tracer, f"{method} {path}", parent, SpanKind.SERVER)
+    if not isinstance(decided, Unsampled):
+        # Shared by every request of this method and path (a bounded cache: paths under
+        # /v1/ that no route takes are few, and cleared past a few hundred).
+        shared = (("http.request.method", method), ("url.path", path))
+        t.set_constants(decided, t.constants(tracer, shared))
+    return decided
 
 
 def admitted(
@@ -48,6 +178,12 @@ def admitted(
     span: Decided = scope.get(SCOPE_KEY)
     if span is None or isinstance(span, Unsampled):
         return span
+    # The middleware's method and path with what every request of this kind, model and
+    # group shares: one set of constants (they replace the middleware's, a subset).
+    shared = (
+        ("http.request.method", scope["method"]), ("url.path", scope["path"]),
+        (t.OPERATION, OPERATIONS.get(kind, kind)), (t.REQUEST_MODEL, model), (t.GROUP, group),
+    )  # fmt: skip
     attributes: dict[str, Any] = {
         t.MAX_TOKENS: max_tokens,
         t.RESPONSE_ID: request_id,
@@ -57,13 +193,11 @@ def admitted(
         attributes[t.TEMPERATURE] = body.temperature
     if body.top_p is not None:
         attributes[t.TOP_P] = body.top_p
+    if isinstance(span, ServerCall):
+        span.attributes.update(attributes)
+        span.shared = shared
+        return span
     span.set_attributes(attributes)
-    # The middleware's method and path with what every request of this kind, model and
-    # group shares: one set of constants (they replace the middleware's, a subset).
-    shared = (
-        ("http.request.method", scope["method"]), ("url.path", scope["path"]),
-        (t.OPERATION, OPERATIONS.get(kind, kind)), (t.REQUEST_MODEL, model), (t.GROUP, group),
-    )  # fmt: skip
     t.set_constants(span, t.constants(tracer, shared))
     return span
 
@@ -85,7 +219,19 @@ def publishing(
     if decided is None:
         forward_traceparent(client_headers, headers)
         return _NO_SPAN
+    if isinstance(decided, ServerCall):
+        return PublishCall(decided, subject, request_id, headers)
     return _PublishSpan(tracer, decided, subject, request_id, headers)
+
+
+def _publish_shared(subject: str) -> tuple[tuple[str, Any], ...]:
+    return (("messaging.system", "nats"), ("messaging.operation.type", "send"),
+            ("messaging.destination.name", subject))  # fmt: skip
+
+
+def _failed(span: Span, exc: BaseException) -> None:
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
 
 class _PublishSpan(AbstractContextManager[None]):
@@ -105,15 +251,12 @@ class _PublishSpan(AbstractContextManager[None]):
             tracer, server, f"publish {subject}", SpanKind.PRODUCER,
             {"messaging.message.id": request_id},
         )  # fmt: skip
-        shared = (("messaging.system", "nats"), ("messaging.operation.type", "send"),
-                  ("messaging.destination.name", subject))  # fmt: skip
-        t.set_constants(self.span, t.constants(tracer, shared))
+        t.set_constants(self.span, t.constants(tracer, _publish_shared(subject)))
         t.inject(headers, self.span)
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if exc is not None:
-            self.span.record_exception(exc)
-            self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            _failed(self.span, exc)
         self.span.end()
 
 
@@ -126,17 +269,18 @@ def landed(
     finish_reason: str | None,
 ) -> None:
     """Usage and finish reason on the server span (the middleware sets the HTTP status)."""
-    if span is None or isinstance(span, Unsampled) or not span.is_recording():
+    if span is None or isinstance(span, Unsampled):
         return
-    span.set_attributes(
-        {
-            t.INPUT_TOKENS: prompt_tokens,
-            t.OUTPUT_TOKENS: completion_tokens,
-            t.FINISH_REASONS: t.finish_reasons(
-                finish_reason or ("error" if status >= 400 else None)
-            ),
-        }
-    )
+    attributes: dict[str, Any] = {
+        t.INPUT_TOKENS: prompt_tokens,
+        t.OUTPUT_TOKENS: completion_tokens,
+        t.FINISH_REASONS: t.finish_reasons(finish_reason or ("error" if status >= 400 else None)),
+    }
+    if isinstance(span, ServerCall):
+        if not span.end_ns:  # not queued yet: the export thread may be building it
+            span.attributes.update(attributes)
+    elif span.is_recording():
+        span.set_attributes(attributes)
 
 
 def forward_traceparent(request_headers: Any, headers: MutableMapping[str, str]) -> None:

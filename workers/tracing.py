@@ -32,7 +32,7 @@ from opentelemetry.trace import Span, SpanKind, Tracer
 
 from common import tracing as t
 from common.protocol import Chunk, GenerateRequest, RequestParams
-from common.span_batch import Deferred, SpanBatch
+from common.span_batch import Deferred
 from common.span_recorder import Constants, RecordedSpan
 from common.span_recorder import Tracer as OurTracer
 from common.trace_context import EMPTY_STATE, RemoteParent, Unsampled, from_headers
@@ -98,17 +98,14 @@ class DeferredSpan(Deferred):
         self.preemptions, self.resumed_tokens = preemptions, resumed_tokens
         self.end_ns = time.time_ns()
 
-    def assemble(self) -> RecordedSpan:
-        """The delivery's span with its final facts and phases, not yet ended."""
+    def build(self) -> RecordedSpan:
+        """The delivery's span with its final facts and phases, ended without the
+        processors (the export thread's work, or :meth:`common.span_recorder.Tracer.finish`
+        's for any other processor)."""
         span = self.owner.span_of(self.delivery)
         self.owner.describe(span, self.finish_reason, self.usage, self.error,
                             self.preemptions, self.resumed_tokens)  # fmt: skip
         span._phases = self._phases or None
-        return span
-
-    def build(self) -> RecordedSpan:
-        """The delivery's span, ended without the processors (the export thread's work)."""
-        span = self.assemble()
         span.close(self.end_ns)
         return span
 
@@ -124,9 +121,6 @@ class RequestSpans:
         # Plain values on the request path where our tracer decides by a plain function;
         # the span built by the export thread where our batch is its only processor.
         self._ours = tracer if isinstance(tracer, OurTracer) and tracer.decide else None
-        self._decide = self._ours.decide if self._ours is not None else None
-        on_end = getattr(self._ours, "on_end", None)
-        self._queue = on_end if isinstance(getattr(on_end, "__self__", None), SpanBatch) else None
 
     def _constants(self, op: str, model: str, group: str, subject: str) -> Constants:
         """What every delivery of (operation, model, group, subject) here has in common."""
@@ -155,14 +149,14 @@ class RequestSpans:
         """This delivery, fetched at ``fetched_at`` (``time.time()``): with our tracer its
         plain values (:class:`Delivery`), else its CONSUMER span; None when sampled out."""
         parent = from_headers(headers)
-        ours, decide = self._ours, self._decide
-        if ours is not None and decide is not None:
-            ids = ours.id_generator
-            trace_id = parent.trace_id if parent is not None else ids.generate_trace_id()
-            if not decide(trace_id, None if parent is None else parent.sampled):
+        ours = self._ours
+        if ours is not None:
+            trace_id = ours.sampled_trace(parent)
+            if isinstance(trace_id, Unsampled):
                 return None
-            return Delivery(req, parent, trace_id, ids.generate_span_id(), group=group,
-                            attempt=attempt, subject=subject, fetched_at=fetched_at)  # fmt: skip
+            span_id = ours.id_generator.generate_span_id()
+            return Delivery(req, parent, trace_id, span_id, group=group, attempt=attempt,
+                            subject=subject, fetched_at=fetched_at)  # fmt: skip
         op = operation(req.id)
         model = req.model or self.model
         span = t.start_remote(self.tracer, f"{op} {model}", parent, SpanKind.CONSUMER,
@@ -211,11 +205,8 @@ class RequestSpans:
         phases = [(name, start, max(start, end)) for name, start, end in phases]
         preemptions = output.metrics.num_preemptions if output is not None else 0
         if isinstance(span, Delivery):
-            deferred = DeferredSpan(self, span, chunk, preemptions, resumed_tokens, phases)
-            if self._queue is not None:
-                self._queue(deferred)  # built by the export thread
-            else:
-                deferred.assemble().end(deferred.end_ns)  # to the processors, as it ends
+            assert self._ours is not None
+            self._ours.finish(DeferredSpan(self, span, chunk, preemptions, resumed_tokens, phases))
             return
         if not span.is_recording():  # sampled out: nothing to describe
             span.end()

@@ -5,6 +5,8 @@ same spans through any other processor, and the same span counts in the batch qu
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -25,6 +27,7 @@ from common.span_batch import SpanBatch
 from common.span_recorder import Constants, RecordedSpan, Tracer
 from common.trace_context import parse
 from gateway import tracing as gateway_tracing
+from gateway.observe import ObserveMiddleware
 from workers.engine.outputs import RequestMetrics
 from workers.tracing import RequestSpans
 
@@ -315,4 +318,92 @@ def test_a_delivery_built_by_the_export_thread_is_the_span_built_at_once() -> No
     assert "gen_ai.request.top_p" not in consumer.attributes  # None values left out
     stream = next(s for s in deferred_all if s.name == "stream")
     assert stream.end_time == stream.start_time  # an end before its start is clamped
+    batch.shutdown()
+
+
+def _gateway_spans(tracer: Tracer, flush: Any) -> tuple[list[ReadableSpan], list[str]]:
+    """Three requests through the gateway's middleware and generator hooks (answered; the
+    publish failed; the app raised), as the spans the processors end up with, and the
+    ``traceparent`` each publish put on the NATS message."""
+    body = SimpleNamespace(temperature=0.7, top_p=None)
+    sent: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        decided = gateway_tracing.admitted(
+            tracer, scope, kind="chat", model="dummy:tiny", group="short",
+            request_id="chatcmpl-1", body=body, max_tokens=16, prompt_tokens=32,
+        )  # fmt: skip
+        headers: dict[str, str] = {}
+        try:
+            with gateway_tracing.publishing(tracer, decided, "qos.req.short", "chatcmpl-1",
+                                            headers, {}):  # fmt: skip
+                if scope["path"].endswith("/refused"):
+                    raise TimeoutError("no ack")
+        except TimeoutError:
+            status = 503
+        else:
+            status = 200
+        sent.append(headers["traceparent"])
+        if scope["path"].endswith("/crash"):
+            raise RuntimeError("boom")
+        scope["route"] = SimpleNamespace(path="/v1/{group}/chat/completions")
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        gateway_tracing.landed(decided, status=status, prompt_tokens=32, completion_tokens=16,
+                               finish_reason="length" if status == 200 else None)  # fmt: skip
+
+    middleware = ObserveMiddleware(app, tracer=tracer, access_log=False)
+
+    async def receive() -> Any:
+        return {}
+
+    async def send(message: Any) -> None:
+        pass
+
+    async def run() -> None:
+        for path in ("/v1/short/chat/completions", "/v1/refused", "/v1/crash"):
+            scope = {"type": "http", "method": "POST", "path": path,
+                     "headers": [(b"traceparent", TRACEPARENT.encode())]}  # fmt: skip
+            with contextlib.suppress(RuntimeError):
+                await middleware(scope, receive, send)
+
+    asyncio.run(run())
+    return flush(), sent
+
+
+def test_a_gateway_request_built_by_the_export_thread_is_the_span_built_at_once() -> None:
+    """With our tracer, a request's server and publish spans are plain values until the
+    export thread builds them; with spans built as the request runs (a sampler that is not
+    a plain function), the same spans, the same links and the same ``traceparent``."""
+    tracer, batch, kept = batch_tracer("g")
+    deferred, sent = _gateway_spans(tracer, lambda: (batch.force_flush(), kept.batches[-1])[1])
+    assert batch.exported == 3 * 2
+    memory = InMemorySpanExporter()
+    provider = t.init_tracing("g", exporter=memory, batch=False, set_global=False)
+    at_once = t.tracer_for(provider, "g")
+    assert isinstance(at_once, Tracer)
+    at_once.decide = None  # asks the sampler: the span is started and built as it runs
+    built, built_sent = _gateway_spans(at_once, memory.get_finished_spans)
+
+    def shape(span: ReadableSpan, spans: list[ReadableSpan]) -> tuple[Any, ...]:
+        parent = span.parent.span_id if span.parent is not None else None
+        parent_name = next((s.name for s in spans if s.context.span_id == parent), parent)
+        return (span.name, span.kind, dict(span.attributes), [e.name for e in span.events],
+                [dict(e.attributes or {}).get("exception.type") for e in span.events],
+                span.status.status_code, span.status.description, parent_name,
+                span.context.trace_id)  # fmt: skip
+
+    assert len(deferred) == len(built) == 6
+    assert sorted((shape(s, deferred) for s in deferred), key=repr) == sorted(
+        (shape(s, built) for s in built), key=repr
+    )
+    # The client's trace continues; each publish's traceparent names its publish span.
+    publishes = [s for s in deferred if s.kind is SpanKind.PRODUCER]
+    assert [f"00-{TRACEPARENT[3:35]}-{s.context.span_id:016x}-01" for s in publishes] == sent
+    assert [tp[:36] for tp in built_sent] == [tp[:36] for tp in sent]
+    server = next(s for s in deferred if s.name == "POST /v1/{group}/chat/completions")
+    assert server.parent is not None and server.parent.span_id == int(TRACEPARENT[36:52], 16)
+    assert server.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert "gen_ai.request.top_p" not in server.attributes
+    assert all(s.start_time <= s.end_time for s in deferred)
     batch.shutdown()
