@@ -19,9 +19,10 @@ decided once, where a request enters the gateway (:func:`start_remote`), and the
 rides in ``traceparent``'s sampled flag to the worker, which follows it (parent-based, the
 default). A request sampled out builds nothing on either side: no span, attribute dict or
 ``Context``; only its ``traceparent`` (flag 00) is written on (:mod:`common.trace_context`).
-A sampled one is recorded as plain data (:mod:`common.span_recorder`), queued for a batch
-thread (:mod:`common.span_batch`) that encodes with :mod:`common.otlp_encode` (protobuf
-bytes written directly, ~5x cheaper than the SDK's exporter) and sends with
+A sampled one is recorded as plain values (:mod:`gateway.tracing`, :mod:`workers.tracing`)
+and queued for a batch thread (:mod:`common.span_batch`) that builds the spans
+(:mod:`common.span_recorder`), encodes them with :mod:`common.otlp_encode` (protobuf bytes
+written directly, ~5x cheaper than the SDK's exporter) and sends them with
 :mod:`common.otlp_export`.
 
 Set-up (:func:`init_tracing`) reads the standard variables:

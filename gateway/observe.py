@@ -3,10 +3,12 @@
 A pure ASGI middleware, so a streamed answer is measured to its last byte (the app call
 returns only when the body is sent) and nothing is buffered. With tracing on, a request
 under ``/v1/`` is sampled here, once (parent-based: a client's sampled ``traceparent`` is
-honoured): sampled, its server span continues the client's trace and is current while the
-request runs, so the generator's publish span and the worker's spans hang under it;
-sampled out, only an :class:`~common.trace_context.Unsampled` is left for the generator to
-pass on, and the request runs as with tracing off. ``send`` is wrapped (to read the
+honoured): sampled, its server span continues the client's trace, and the generator's
+publish span and the worker's spans hang under it. With our tracer the server span is a
+:class:`~gateway.tracing.ServerCall` (plain values, built by the export thread) whose ids
+the request's log lines carry; with another SDK's it is a span, current while the request
+runs. Sampled out, only an :class:`~common.trace_context.Unsampled` is left for the
+generator to pass on, and the request runs as with tracing off. ``send`` is wrapped (to read the
 status) only for a request that has a span or an access-log line to write.
 
 The access log (``qosserve.access``, ``log.access_log``) has method, path, status, group,
