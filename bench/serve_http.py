@@ -98,10 +98,15 @@ async def open_sender(
     limits = httpx.Limits(
         max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS
     )
+    # One TLS context for all the shards: httpx builds one per client (the CA bundle loaded
+    # each time, ~20-40 ms of CPU), and 64 of them held the caller's event loop for 1-2.5 s,
+    # so loads started side by side (bench.tracing_overhead) sent their first seconds of
+    # arrivals in one burst.
+    tls = httpx.create_ssl_context()
     async with contextlib.AsyncExitStack() as pools:
         clients = [
             await pools.enter_async_context(
-                httpx.AsyncClient(base_url=base_url, limits=limits, timeout=300)
+                httpx.AsyncClient(base_url=base_url, limits=limits, timeout=300, verify=tls)
             )
             for _ in range(shards)
         ]
