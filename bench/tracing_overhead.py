@@ -45,9 +45,10 @@ the GIL from the event loop on two busy cores; the local receiver takes ~20 µs 
 Since then (README, "Status"): worker spans deferred to the export thread, 4.6 % (5 and 8
 rounds); gateway spans deferred too, 24 rounds over OTLP/HTTP (``--repeats 24
 --latency-prompts 100 --num-prompts 2400 --slices 8``): ratio 1 5.0 % (per round mean 4.6,
-standard error 0.8), ratio 0.01 1.45 % (mean 0.1 ± 0.8): **not met**. With only 100
-latency prompts a round, the first stack started (off) showed a start-up tail in some
-rounds (p50 50-90 ms), so use 200 or more when the p50 figure matters.
+standard error 0.8), ratio 0.01 1.45 % (mean 0.1 ± 0.8): **not met**. Latency phases
+before commit 465dd17 sent each stack's first seconds of arrivals in a burst (the load
+generator's 64 httpx clients each built a TLS context, holding its loop 1-2.5 s): p99s near
+100 ms everywhere. Since, 8 rounds: E2E p50 +0.07 ms at ratio 1, p99 +0.3 ms (met).
 
 ``--launch real`` serves the demo model with the project's engine instead (the engine's
 CPU dwarfs tracing's; three rounds put the cost below this machine's noise).
