@@ -1,16 +1,18 @@
 """Log set-up for every service: text for people, JSON lines for machines.
 
 ``--log-format text`` (the default, what ``qosserve up`` writes) reads like
-``12:00:01 INFO gateway.app: … [req=chatcmpl-… trace=4bf9…]``; ``--log-format json`` (for
+``2025-01-01 12:00:01,234 INFO gateway.app: … [req=chatcmpl-… trace=4bf9…]``; ``--log-format json`` (for
 deployments, ``QOS_LOG__FORMAT=json``) writes one object a line::
 
     {"ts": "2025-01-01T12:00:01.234Z", "level": "info", "logger": "qosserve.access",
-     "service": "gateway", "msg": "POST /v1/chat/completions 200", "request_id": "chatcmpl-…",
+     "service": "gateway", "msg": "POST /v1/chat/completions 200 12.5ms", "request_id": "chatcmpl-…",
      "trace_id": "4bf9…", "span_id": "00f0…", "status": 200, "duration_ms": 12.5, …}
 
 ``request_id`` comes from :func:`bind_request` (the gateway binds it when it names a request,
 a worker when it fetches one; a context variable, so it follows the request's task and no
-other); ``trace_id``/``span_id`` from the current OpenTelemetry span. Structured fields ride
+other); ``trace_id``/``span_id`` from the current OpenTelemetry span, or else from the ids
+bound with :func:`bind_trace` (our tracer's path, where no span is current). Structured
+fields ride
 in ``extra={"fields": {...}}``.
 
 Prompts and secrets stay out: nothing here logs a body, credentials in URLs and bearer

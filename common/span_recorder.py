@@ -1,17 +1,20 @@
 """Spans recorded as plain data: the lightweight tracer behind :func:`common.tracing.tracer_for`.
 
 A :class:`RecordedSpan` is its own ``ReadableSpan`` and goes to the provider's processors as
-it is when it ends: no lock, copy or attribute cleaning on the request path. The SDK's
-exporters (OTLP batch, in-memory) take it like one of the SDK's own spans.
+it is when it ends: no lock, copy or attribute cleaning on the request path (one built
+from plain values by the batch thread, :class:`common.span_batch.Deferred`, is exported
+by that thread itself). The SDK's exporters (OTLP batch, in-memory) take it like one of
+the SDK's own spans.
 
 Two shapes keep a traced request's cost on the event loop small (issue #7):
 :class:`Constants`, the attributes many spans share (model, group, worker, subject), built
 once and encoded once by the exporter; and *phases*, children with only a name and two
 times (a worker's queue, prefill, decode, stream), kept on their parent as tuples
-(:meth:`RecordedSpan.add_phase`) and made into spans only where a processor other than
-our batch asks for them.
+(:meth:`RecordedSpan.add_phase`) and made into spans only for an exporter or processor
+that wants spans (our OTLP encoder writes them from the tuples).
 
-Sampling is decided once per request, where it enters a service (:meth:`Tracer.start_remote`):
+Sampling is decided once per request, where it enters a service (:meth:`Tracer.sampled_trace`,
+or :meth:`Tracer.start_remote` where the span is built at once):
 the SDK's built-in samplers are read once into a plain function of the trace id and the
 caller's sampled flag, so a request sampled out costs a random number and a comparison,
 and no span, attribute or ``Context`` object is built for it.

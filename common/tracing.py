@@ -14,8 +14,10 @@ One trace per request (DESIGN §7)::
 Tracing is off unless configured, and off costs nothing: services ask :func:`tracer_for`
 once and get None without a real provider, so no span, attribute or header is built.
 
-On, the request path stays cheap (issue #7: < 3 % req/s at sampling ratio 1): sampling is
-decided once, where a request enters the gateway (:func:`start_remote`), and the decision
+On, the request path is kept cheap (issue #7's target, < 3 % req/s at sampling ratio 1,
+is not met yet: see the README's "Status"): sampling is decided once, where a request
+enters the gateway (:meth:`common.span_recorder.Tracer.sampled_trace`; :func:`start_remote`
+where spans are built at once), and the decision
 rides in ``traceparent``'s sampled flag to the worker, which follows it (parent-based, the
 default). A request sampled out builds nothing on either side: no span, attribute dict or
 ``Context``; only its ``traceparent`` (flag 00) is written on (:mod:`common.trace_context`).

@@ -1,7 +1,8 @@
 """The gateway's spans: GenAI attributes on the server span, and the publish span.
 
 The sampling decision is :class:`gateway.observe.ObserveMiddleware`'s, taken once as the
-request arrives: the server span (sampled) or an :class:`~common.trace_context.Unsampled`,
+request arrives (:func:`decide`): a :class:`ServerCall` (sampled, our tracer), a started
+server span (sampled, any other tracer) or an :class:`~common.trace_context.Unsampled`,
 left in the ASGI scope under :data:`SCOPE_KEY`. The generator calls these only when
 tracing is on (its tracer is not None), at three points of a request's life: admitted
 (:func:`admitted`), published (:func:`publishing`, which puts the W3C ``traceparent`` /

@@ -13,7 +13,8 @@ exported with it). The attributes every delivery of a group shares (operation, m
 group, worker, subject) are one :class:`~common.span_recorder.Constants`, built once.
 
 With our tracer and batch (the services' setup), nothing span-shaped is built on the event
-loop at all: :meth:`RequestSpans.start` takes the sampling decision and keeps the delivery's
+loop for an answered delivery (one handed back or dropped, :meth:`RequestSpans.abandon`,
+is rare and built at once): :meth:`RequestSpans.start` takes the sampling decision and keeps the delivery's
 plain values (:class:`Delivery`), :meth:`RequestSpans.finish` adds the final ones and queues
 a :class:`DeferredSpan`, and the export thread builds the span from them in its batch loop.
 Live, each small step on the request path costs several times what it costs in a hot loop
