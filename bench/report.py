@@ -240,7 +240,7 @@ def generic(doc: Doc, limit: int = 24) -> list[str]:
             return
         if isinstance(node, dict):
             for key, value in node.items():
-                if key not in ("command", "machine", "config", "argv"):
+                if key not in ("command", "machine", "config", "argv", "note"):
                     walk(value, f"{prefix}.{key}" if prefix else str(key))
         elif isinstance(node, int | float | str | bool) and len(str(node)) < 80:
             lines.append(f"- `{prefix}` = {node}")
@@ -317,6 +317,8 @@ def part(folder: Path, title: str) -> list[str]:
                 else f"Command (not recorded in the file; the usual one): `{DEFAULT_COMMANDS.get(kind, '?')}`"
             )
             out.append("")
+            if isinstance(doc.get("note"), str):  # a caveat written into the file afterwards
+                out += [f"Note: {doc['note']}", ""]
             try:
                 body = SECTIONS.get(kind, lambda d, _p: generic(d))(
                     doc, folder / f"{path.stem}.png"

@@ -108,3 +108,17 @@ def test_the_replicas_section_is_a_table_with_the_busiest_processes(tmp_path: Pa
     assert "Device bound per replica (cost model): 144.5 req/s." in report
     busiest = "gateway 0.40, worker-0 0.20, nats-server 0.10"  # the top three, busiest first
     assert f"| 2 | 250 | 1.95 | 0.975 | 0.865 | {busiest} |" in report
+
+
+def test_a_note_written_into_a_result_is_shown_once_under_its_command(tmp_path: Path) -> None:
+    cpu = tmp_path / "cpu"
+    cpu.mkdir()
+    note = "Latency here carries an artifact fixed later; req/s does not."
+    doc = {"benchmark": "tracing_overhead", "note": note, "command": "python -m x",
+           "result": {"req_per_s": 650.0}}  # fmt: skip
+    (cpu / "tracing_overhead-x.json").write_text(json.dumps(doc))
+    text = build(cpu).read_text()
+    assert text.count(note) == 1
+    section = text[text.index("tracing_overhead-x.json") :]
+    assert section.index("Command: `python -m x`") < section.index(f"Note: {note}")
+    assert "`result.req_per_s` = 650.0" in section
