@@ -3,7 +3,8 @@
 Defaults come from DESIGN §3 (the field study's instance groups). A YAML file (``--config``
 or ``QOS_CONFIG``) overrides them, then ``QOS_*`` environment variables override that:
 ``QOS_NATS__URL=nats://h:4222`` sets ``nats.url``; ``QOS_GROUPS__SHORT__MAX_BATCH=8`` sets
-``groups.short.max_batch``. Values in variables are read as YAML scalars. An unknown key
+``groups.short.max_batch``. Values in variables are parsed as YAML (scalars, or flow lists and maps
+such as ``[a, b]``). An unknown key
 or a bad value fails at start-up with a :class:`ConfigError` naming it.
 """
 

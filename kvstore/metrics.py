@@ -1,8 +1,10 @@
 """Counters of the KV tiers, per tier: what was asked, found, moved, dropped, rejected.
 
 Tokens, not blocks, for queries and hits, so they add up with the engine's own prefix-cache
-counters (``qos_prefix_cache_queries_total|hits_total{tier}``). Each counter has one
-writer thread (loads: the engine thread; stores: the tier thread), so plain ints suffice.
+counters (``qos_prefix_cache_queries_total|hits_total{tier}``). Host-tier counters and
+Redis load counters are written by the engine thread only; Redis store counters by the
+writer pool and, for drops and errors, the engine thread too, under ``KVTiers._lock``,
+which ``stats()`` also takes.
 """
 
 from __future__ import annotations

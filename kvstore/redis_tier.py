@@ -46,7 +46,8 @@ class CircuitBreaker:
     """CLOSED -> (``failures_to_open`` consecutive failures) -> OPEN for ``open_s`` ->
     HALF_OPEN (one probe) -> CLOSED on success, OPEN again (twice as long) on failure.
 
-    Thread-safe: lookups run on the tier's event loop, loads and stores on I/O threads."""
+    Thread-safe: :class:`kvstore.tiers.KVTiers` calls it from the engine thread (lookups,
+    loads) and its writer threads (stores); :class:`RedisTier` from its event loop."""
 
     CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 

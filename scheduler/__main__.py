@@ -2,7 +2,7 @@
 
 Examples::
 
-    qosserve-scheduler --config deploy/local.yaml
+    qosserve-scheduler --config my-config.yaml   # any YAML of common.config's keys
     qosserve-scheduler --nats-url nats://nats:4222 --metrics-port 9300
 
 Configuration comes from ``--config`` / ``QOS_CONFIG`` and ``QOS_*`` variables

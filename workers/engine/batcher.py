@@ -24,7 +24,8 @@ prefill must not hold the next arrival for as long), or until their prompts fill
 budget, and are then prefilled together. A preempted request never waits for it.
 
 When blocks run out, the least urgent then newest running request is preempted: its blocks
-are freed and it goes back to the front of the waiting queue, to recompute its prompt and
+are freed and it goes back to the waiting queue (at its front under the whole-prompt
+policies, in (priority, arrival) order under ``hybrid``), to recompute its prompt and
 output later (the prefix cache usually still holds most of it).
 
 With a KV tier (host memory, Redis), admission extends the device cache's prefix hit with
