@@ -146,7 +146,8 @@ async def test_unknown_model_is_404_model_not_found(client: httpx.AsyncClient):
 
 async def test_unknown_group_in_path_is_404(client: httpx.AsyncClient):
     response = await client.post("/v1/bogus/completions", json=OK_COMPLETION)
-    _assert_openai_error(response, 404, None)
+    error = _assert_openai_error(response, 404, None)
+    assert error["code"] == "group_not_found" and "bogus" in error["message"]
 
 
 async def test_unknown_route_is_404_in_openai_shape(client: httpx.AsyncClient):

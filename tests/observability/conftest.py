@@ -143,10 +143,12 @@ def scrape_port(port: int) -> str:
         return response.read().decode()
 
 
-def value(samples: Samples, name: str, **labels: str) -> float:
-    """The one sample named ``name`` whose labels include ``labels`` (0 when absent)."""
+def value(samples: Samples, name: str, required: bool = False, **labels: str) -> float:
+    """The one sample named ``name`` whose labels include ``labels`` (0 when absent, unless
+    ``required``: a gauge read as 0 must exist, or a renamed series would pass)."""
     found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
     assert len(found) <= 1, f"{name} {labels}: {len(found)} samples"
+    assert found or not required, f"{name} {labels}: no such sample"
     return found[0] if found else 0.0
 
 

@@ -70,16 +70,19 @@ def test_a_scrape_during_observations_is_self_consistent() -> None:
     writer = threading.Thread(target=write)
     writer.start()
     previous: list[float] = []
+    mid_run = 0  # scrapes that caught the writer part-way: what the test is about
     while not done.is_set():
         (family,) = text_string_to_metric_families(generate_latest(registry).decode())
         buckets = [s.value for s in family.samples if s.name.endswith("_bucket")]
         count = next(s.value for s in family.samples if s.name.endswith("_count"))
+        mid_run += 0 < count < 200_000
         assert buckets[-1] == count
         assert buckets == sorted(buckets)
         if previous:
             assert all(a >= b for a, b in zip(buckets, previous, strict=True))
         previous = buckets
     writer.join()
+    assert mid_run > 0
 
 
 def test_bad_buckets_and_labels_are_refused() -> None:

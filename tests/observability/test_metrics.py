@@ -41,7 +41,7 @@ async def test_after_n_requests_counters_moved_by_n_and_histograms_hold_n_per_gr
             assert delta(gw_before, gw_after, f"{hist}_count", model=MODEL, **g) == n, hist
         tokens = delta(gw_before, gw_after, "qos_gateway_generation_tokens_total", **g)
         assert tokens == n * MAX_TOKENS
-        assert value(gw_after, "qos_gateway_requests_in_flight", **g) == 0
+        assert value(gw_after, "qos_gateway_requests_in_flight", required=True, **g) == 0
 
         before, after = run.workers[group]
         labels = {"group": group, "model": MODEL}
@@ -74,7 +74,7 @@ async def test_after_n_requests_counters_moved_by_n_and_histograms_hold_n_per_gr
     assert value(gw_after, "qos_build_info", service="gateway") == 1
     assert value(run.scheduler, "qos_build_info", service="scheduler") == 1
     for group in PLAN:
-        assert value(run.scheduler, "qos_breaker_state", group=group) == 0  # closed
+        assert value(run.scheduler, "qos_breaker_state", required=True, group=group) == 0  # closed
         assert ("qos_desired_replicas", frozenset({("group", group)})) in run.scheduler
 
 

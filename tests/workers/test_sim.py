@@ -96,7 +96,10 @@ def test_text_comes_from_the_tokenizer_and_long_prompts_are_rejected() -> None:
     engine = SimEngine(cost=SimCost(0, 0, 0), tokenizer=ByteTokenizer(), max_seq_len=32)
     engine.add_request("t", "hi", SamplingParams(max_tokens=6, ignore_eos=True))
     deltas = run(engine)["t"]
-    assert "".join(d.text for d in deltas) == deltas[-1].output.text
+    ids = [t for d in deltas for t in d.token_ids]
+    text = "".join(d.text for d in deltas)
+    assert text == ByteTokenizer().decode(ids) != ""  # the tokenizer's text of its tokens
+    assert text == deltas[-1].output.text
     assert deltas[-1].output.prompt_token_ids == ByteTokenizer().encode("hi")
     with pytest.raises(ContextLengthExceededError):
         engine.add_request("long", prompt_token_ids=[1] * 32)
