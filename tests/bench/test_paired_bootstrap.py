@@ -10,7 +10,9 @@ from bench.paired_bootstrap import paired_drop
 
 
 def test_identical_runs_drop_nothing_with_a_zero_width_interval() -> None:
-    scores = [random.Random(1).random() for _ in range(50)]
+    rng = random.Random(1)
+    scores = [rng.random() for _ in range(50)]
+    assert len(set(scores)) == 50  # scores that differ: only pairing makes the width zero
     drop = paired_drop(scores, scores)
     assert (drop.points, drop.low, drop.high) == (0.0, 0.0, 0.0)
 

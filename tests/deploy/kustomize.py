@@ -6,7 +6,7 @@ Supported: ``resources`` (files and folders), ``components``, ``namespace``, ``i
 JSON 6902 patch (a list of ``add``/``replace``/``remove`` operations) applied to the objects
 a ``target`` selects (kind, name, ``labelSelector`` of ``k=v`` pairs). Anything else in a
 kustomization raises, so the deploy files cannot silently outgrow this renderer; the
-tests compare it with ``kubectl kustomize`` where that exists.
+tests compare it with ``kubectl kustomize``'s renders, kept in ``tests/deploy/renders/``.
 """
 
 from __future__ import annotations

@@ -71,7 +71,9 @@ def test_every_service_is_probed_or_waits_for_a_healthy_dependency(
             continue
         has_check = bool(svc.get("healthcheck", {}).get("test"))
         conditions = [d.get("condition") for d in (svc.get("depends_on") or {}).values()]
-        assert has_check or any(conditions), f"{name}: no healthcheck and no depends_on condition"
+        assert has_check or "service_healthy" in conditions, (
+            f"{name}: no healthcheck and no dependency it waits to be healthy"
+        )
 
 
 def test_services_that_need_nats_start_after_it_is_healthy(compose: dict[str, Any]) -> None:

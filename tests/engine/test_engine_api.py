@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from common.models import demo_model_path
 from tests.engine.tiny_checkpoints import EOS, checkpoint, hf_greedy, prompts
-from workers.engine import LLM, EngineArgs, LLMEngine, SamplingParams
+from workers.engine import LLM, EngineArgs, LLMEngine, RequestOutput, SamplingParams
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -195,9 +196,18 @@ def test_stats_report_usage_cache_and_work(path: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_runs_on_cpu(dtype: str) -> None:
-    llm = LLM("dummy:tiny", dtype=dtype, num_kv_blocks=32)
-    outs = llm.generate(
-        ["hello", "a longer prompt here"], SamplingParams(temperature=0.0, max_tokens=5)
-    )
-    assert all(len(o.token_ids) == 5 or o.finish_reason == "stop" for o in outs)
+def test_half_precision_on_cpu_keeps_the_demo_models_fp32_greedy_tokens(dtype: str) -> None:
+    """The trained demo model in half precision picks fp32's tokens on prompts where fp32
+    is not near a tie, with log-probabilities close to fp32's (finite: no overflow)."""
+    texts = ["What is a stop-loss order?", "def fibonacci(n):", "import os\nimport sys\n"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)
+
+    def run(model_dtype: str) -> list[RequestOutput]:
+        llm = LLM(str(demo_model_path()), dtype=model_dtype, num_kv_blocks=64)
+        return llm.generate(texts, params)
+
+    reference, half = run("float32"), run(dtype)
+    for ref, got in zip(reference, half, strict=True):
+        assert got.token_ids == ref.token_ids and len(got.token_ids) >= 6, (got.text, ref.text)
+        assert math.isfinite(got.cumulative_logprob)
+        assert got.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=0.25)

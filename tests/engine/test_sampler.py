@@ -110,21 +110,39 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability() -> None:
     allowed = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
     chosen = set(draws(row, 3000, min_p=0.2))
     assert chosen <= allowed and len(allowed) > 2
+    assert len(chosen) >= len(allowed) - 1  # and not fewer: no over-filtering
 
 
 def test_filters_combine_and_rows_keep_their_own_settings() -> None:
     logits = random_logits(3, 64, seed=4, scale=1.0)
-    batch_params = [dict(top_k=3), dict(top_p=0.3), dict(top_k=10, top_p=0.9, min_p=0.05)]
-    allowed = [
-        set(logits[0].topk(3).indices.tolist()),
-        None,
-        set(logits[2].topk(10).indices.tolist()),
-    ]
+    batch_params = [dict(top_k=3), dict(top_p=0.4), dict(top_k=10, top_p=0.9, min_p=0.05)]
+
+    def nucleus(row: torch.Tensor, top_p: float, keep: torch.Tensor) -> set[int]:
+        """The smallest set of ``keep``'s tokens (renormalised) whose mass reaches top_p."""
+        probs = torch.softmax(row.masked_fill(~keep, float("-inf")), -1)
+        ordered = probs.sort(descending=True)
+        mass_before = ordered.values.cumsum(0) - ordered.values
+        return set(ordered.indices[(mass_before < top_p) & (ordered.values > 0)].tolist())
+
+    everything = torch.ones(64, dtype=torch.bool)
+    top10 = torch.zeros(64, dtype=torch.bool)
+    top10[logits[2].topk(10).indices] = True
+    probs2 = torch.softmax(logits[2], -1)
+    row2 = nucleus(logits[2], 0.9, top10) & set(
+        torch.nonzero(probs2 >= 0.05 * probs2.max()).flatten().tolist()
+    )
+    allowed = [set(logits[0].topk(3).indices.tolist()), nucleus(logits[1], 0.4, everything), row2]
+    # Each row's own filter: sets of different sizes, so a setting leaking across rows shows.
+    assert len({len(a) for a in allowed}) == 3, [len(a) for a in allowed]
+    chosen: list[set[int]] = [set(), set(), set()]
     for step in range(200):
         batch = [req(seed=step * 3 + i, **p) for i, p in enumerate(batch_params)]
         tokens = Sampler().sample(logits, batch).token_ids
-        for row in (0, 2):
-            assert tokens[row] in allowed[row]  # type: ignore[operator]
+        for row in range(3):
+            assert tokens[row] in allowed[row], (row, tokens[row])
+            chosen[row].add(tokens[row])
+    for row in range(3):  # and no row filtered harder than its own settings say
+        assert len(chosen[row]) >= len(allowed[row]) - 1, (row, chosen[row], allowed[row])
 
 
 def test_repetition_presence_frequency_penalties_match_the_formulas() -> None:
