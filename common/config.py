@@ -28,6 +28,8 @@ from pydantic import (
 from common.errors import ConfigError
 
 ENV_PREFIX = "QOS_"
+# Keys whose variables are taken as raw strings, never parsed (nor quoted in errors).
+_SECRET_KEYS = frozenset({"password", "token", "alert_webhook_url"})
 Policy = Literal["static", "dynamic", "continuous", "hybrid"]
 
 
@@ -143,6 +145,13 @@ class RedisConfig(_Strict):
     max_connections: int = Field(16, ge=1)
     ttl_s: int = Field(3600, ge=1)
     socket_timeout_s: float = Field(0.5, gt=0)
+
+    @model_validator(mode="after")
+    def _tls_needs_rediss(self) -> RedisConfig:
+        # A CA file with a redis:// URL would connect in plaintext and send AUTH in clear.
+        if self.tls_ca_file and not self.url.startswith("rediss://"):
+            raise ValueError("redis.tls_ca_file is set: the URL must be rediss:// (TLS)")
+        return self
 
 
 class GatewayConfig(_Strict):
@@ -283,10 +292,14 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
         if any(not part for part in path):
             raise ConfigError(f"environment variable {name}: empty key segment")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"environment variable {name}: not a valid value ({exc})") from exc
+        if path[-1] in _SECRET_KEYS:
+            value: Any = raw  # as given: "#x", "null" or "p: [" are passwords too
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                # Not the parser's message: it quotes the value, which may be a secret.
+                raise ConfigError(f"environment variable {name}: not a valid YAML value") from None
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})

@@ -30,6 +30,7 @@ import sys
 import time
 from contextvars import ContextVar, Token
 from typing import IO, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import trace
 
@@ -40,7 +41,8 @@ _REQUEST_ID: ContextVar[str | None] = ContextVar("qos_request_id", default=None)
 # A span's (trace id, span id) bound without an OpenTelemetry context (see bind_trace).
 _TRACE: ContextVar[tuple[int, int] | None] = ContextVar("qos_trace", default=None)
 
-_URL_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@")
+# Any userinfo: user:password, :password (redis://:pw@h) and a lone token (nats://tok@h).
+_URL_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
 _BEARER = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]+")
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -61,6 +63,18 @@ def unbind_trace(token: Token[tuple[int, int] | None] | None) -> None:
     """Undo a :func:`bind_trace` (None: nothing to undo)."""
     if token is not None:
         _TRACE.reset(token)
+
+
+def redact_url(url: str) -> str:
+    """``nats://user:secret@host`` → ``nats://user:***@host``, ``redis://:pw@h`` →
+    ``redis://***@h``: a URL fit for logs and errors."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    # A lone token (``nats://token@host``) is a secret too.
+    shown = userinfo.split(":", 1)[0] + ":***" if ":" in userinfo else "***"
+    return urlunsplit(parts._replace(netloc=f"{shown}@{hostport}"))
 
 
 def redact(message: str) -> str:

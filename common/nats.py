@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterable
 from enum import Enum
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import nats.errors
 import nats.js.errors
@@ -29,6 +28,7 @@ from nats.js.kv import KeyValue
 
 from common.config import NatsConfig
 from common.errors import ConfigError
+from common.logging import redact_url
 from common.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -36,17 +36,6 @@ log = logging.getLogger(__name__)
 # Enough in flight for every replica's batch plus prefetch; admission bounds the rest.
 DEFAULT_MAX_ACK_PENDING = 1024
 DEFAULT_KV_HISTORY = 5
-
-
-def redact_url(url: str) -> str:
-    """``nats://user:secret@host`` → ``nats://user:***@host`` for logs and errors."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    # A lone token (``nats://token@host``) is a secret too.
-    shown = userinfo.split(":", 1)[0] + ":***" if ":" in userinfo else "***"
-    return urlunsplit(parts._replace(netloc=f"{shown}@{hostport}"))
 
 
 def _show(value: object) -> str:
@@ -120,7 +109,8 @@ async def connect(cfg: NatsConfig, name: str, *, initial_timeout_s: float | None
         log.log(level, "nats %s: disconnected from %s", name, url)
 
     async def on_reconnected() -> None:
-        log.info("nats %s: reconnected to %s", name, nc.connected_url and nc.connected_url.netloc)
+        where = redact_url(nc.connected_url.geturl()) if nc.connected_url else None
+        log.info("nats %s: reconnected to %s", name, where)
 
     async def on_closed() -> None:
         log.info("nats %s: connection closed", name)

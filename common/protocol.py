@@ -391,6 +391,11 @@ def _names(cls: type) -> frozenset[str]:
 # -- messages -------------------------------------------------------------------------
 
 
+# Stop token ids a request may name: each generated token is checked against them on the
+# engine thread that serves the whole batch, so a list of thousands would slow everyone.
+MAX_STOP_TOKEN_IDS = 64
+
+
 @dataclass
 class RequestParams:
     """Sampling parameters as they travel; the worker builds engine SamplingParams from them."""
@@ -446,6 +451,10 @@ class GenerateRequest(Message):
             raise ProtocolError("request.prompt_token_ids: negative token id")
         if self.params.max_tokens < 1:
             raise ProtocolError("request.params.max_tokens: must be >= 1")
+        if len(self.params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ProtocolError(
+                f"request.params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids"
+            )
 
 
 @dataclass

@@ -45,7 +45,12 @@ class TokenizerFileNotFoundError(FileNotFoundError):
 
 
 class ChatTemplateError(ValueError):
-    """The chat template is missing, or refused the messages (``raise_exception``)."""
+    """The chat template is missing, or refused the messages (``raise_exception``);
+    ``param`` names the input to blame."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class BaseTokenizer(ABC):
@@ -100,6 +105,12 @@ class BaseTokenizer(ABC):
         """
         if not messages:
             raise ChatTemplateError("cannot apply a chat template to an empty conversation")
+        if tools is not None and (
+            isinstance(tools, str | bytes | Mapping)
+            or not isinstance(tools, Sequence)
+            or not all(isinstance(t, Mapping) for t in tools)
+        ):
+            raise ChatTemplateError("tools must be a list of objects", param="tools")
         source = self._select_template(tools)
         chat = [_normalize_message(m) for m in messages]
         variables = {**self.special_tokens, **template_kwargs}

@@ -235,7 +235,11 @@ class Generator:
                     **(body.chat_template_kwargs or {}),
                 )
             except ChatTemplateError as exc:
-                raise InvalidRequestError(str(exc), param="messages") from None
+                if exc.param == "tools":  # they reach the template through chat_template_kwargs
+                    raise InvalidRequestError(
+                        f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
+                    ) from None
+                raise InvalidRequestError(str(exc), param=exc.param) from None
             except TypeError as exc:  # a chat_template_kwargs key that shadows an argument
                 raise InvalidRequestError(
                     f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
@@ -347,8 +351,9 @@ class Generator:
                 retry_after_s=1,
             ) from None
         except nats.js.errors.APIError as exc:
+            log.warning("JetStream refused request %s: %s", request_id, exc.description)
             raise ServiceUnavailableError(
-                f"the request queue refused the request: {exc.description}", retry_after_s=1
+                "the request queue refused the request", retry_after_s=1
             ) from None
         except nats.errors.ConnectionClosedError:
             raise ServiceUnavailableError(

@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.errors import InvalidRequestError
-from common.protocol import RequestParams
+from common.protocol import MAX_STOP_TOKEN_IDS, RequestParams
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
@@ -100,6 +100,8 @@ class _SamplingBody(_Strict):
     def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and any(not 0 <= t < 2**31 for t in value):
             raise ValueError("token ids must be non-negative int32 values")
+        if value is not None and len(value) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed")
         return value
 
     @field_validator("n")

@@ -32,6 +32,7 @@ import numpy as np
 from redis.exceptions import RedisError
 
 from common.config import RedisConfig
+from common.logging import redact_url
 from kvstore.bulk_io import MISSING, BulkConnection, BulkPool
 from kvstore.codec import HEADER_BYTES, CorruptBlock, block_header, decode_block
 from kvstore.host_tier import HostTier
@@ -120,7 +121,7 @@ class KVTiers:
             "kv tiers: prefix %s, host %d blocks, redis %s",
             self.identity.key_prefix.decode(),
             self.host.num_slots if self.host else 0,
-            self.redis_config.url if self.redis_config else "off",
+            redact_url(self.redis_config.url) if self.redis_config else "off",
         )
 
     @property

@@ -14,6 +14,7 @@ import logging
 import threading
 import urllib.request
 from typing import Any
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -46,4 +47,5 @@ def _post(url: str, data: bytes) -> None:
         with urllib.request.urlopen(request, timeout=WEBHOOK_TIMEOUT_S) as response:
             response.read()
     except Exception as exc:
-        log.warning("alert webhook %s failed: %s", url, exc)
+        # The host only: a webhook's path is often its secret (Slack-style URLs).
+        log.warning("alert webhook on %s failed: %s", urlsplit(url).hostname, exc)

@@ -87,3 +87,21 @@ def test_missing_or_malformed_file_is_a_config_error(tmp_path: Path) -> None:
     scalar.write_text("42\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(scalar, env={})
+
+
+def test_secrets_in_variables_are_taken_as_given_and_never_quoted_in_errors() -> None:
+    env = {"QOS_REDIS__PASSWORD": "p: [x", "QOS_NATS__PASSWORD": "#not-a-comment",
+           "QOS_NATS__TOKEN": "null"}  # fmt: skip
+    config = load_config(None, env=env)
+    assert config.redis.password == "p: [x" and config.nats.password == "#not-a-comment"
+    assert config.nats.token == "null"
+    with pytest.raises(ConfigError) as bad:
+        load_config(None, env={"QOS_REDIS__URL": "hunter2: [x"})
+    assert "hunter2" not in str(bad.value) and "QOS_REDIS__URL" in str(bad.value)
+
+
+def test_a_redis_ca_file_needs_a_tls_url() -> None:
+    with pytest.raises(ConfigError, match="rediss://"):
+        load_config(None, env={"QOS_REDIS__TLS_CA_FILE": "/ca.pem"})
+    tls = {"QOS_REDIS__TLS_CA_FILE": "/ca.pem", "QOS_REDIS__URL": "rediss://r:6380/0"}
+    assert load_config(None, env=tls).redis.tls_ca_file == "/ca.pem"

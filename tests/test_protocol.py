@@ -117,6 +117,12 @@ def test_token_id_beyond_int32_is_refused_when_encoding() -> None:
         (_raw(id="a", group="g", reply="qos.*", prompt="x"), "request.reply"),
         (_raw(id="a", group="g", reply="r", prompt_token_ids=b"\xff\xff\xff\xff"), "negative"),
         (_raw(id="a", group="g", reply="r", prompt="x", params={"max_tokens": 0}), "max_tokens"),
+        (
+            _raw(
+                id="a", group="g", reply="r", prompt="x", params={"stop_token_ids": list(range(65))}
+            ),
+            "at most 64 token ids",
+        ),
         (msgpack.packb({1: 2}), "not valid msgpack"),
     ],
 )

@@ -254,7 +254,12 @@ class EngineBridge:
         except Exception as exc:
             log.exception("engine command %s failed", kind)
             if kind == "add":
-                events.append(RequestFailed(arg.request_id, InternalError(f"engine error: {exc}")))
+                # The details stay in this log: an engine's exception text can name devices,
+                # memory and file paths, and the message goes back to the client.
+                error = InternalError(
+                    f"the engine failed to take the request ({type(exc).__name__})"
+                )
+                events.append(RequestFailed(arg.request_id, error))
 
     def _add(self, cmd: AddRequest) -> None:
         if cmd.resume_token_ids:
@@ -308,7 +313,10 @@ class EngineBridge:
             touched = set(self._live)
         # Requests the engine no longer holds would never finish otherwise.
         touched |= {rid for rid in self._live if rid not in engine.requests}
-        error = InternalError(f"engine step failed: {type(exc).__name__}: {exc}")
+        # The exception's text stays in the worker's log (it can name devices and paths).
+        error = InternalError(
+            f"the engine step failed ({type(exc).__name__}); the request was stopped"
+        )
         for rid in sorted(touched):
             self._live.discard(rid)
             try:

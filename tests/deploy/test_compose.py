@@ -24,7 +24,7 @@ COMPOSE = COMPOSE_DIR / "docker-compose.yml"
 GPU_OVERRIDE = COMPOSE_DIR / "gpu.override.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 # Distroless images have no shell to run a probe in; they publish a health port instead.
-NO_SHELL = {"otel-collector": "13133:13133"}
+NO_SHELL = {"otel-collector": "127.0.0.1:13133:13133"}
 QOS_SERVICES = ("gateway", "scheduler", "scrape-targets")
 
 

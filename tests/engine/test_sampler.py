@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.engine.sampler import Sampler, apply_penalties
-from workers.engine.sampling_params import SamplingParams
+from workers.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 @dataclass
@@ -268,3 +268,9 @@ def test_no_logprobs_unless_asked() -> None:
 def test_logits_that_do_not_match_the_batch_are_refused() -> None:
     with pytest.raises(ValueError, match="batch of 1"):
         Sampler().sample(random_logits(2, 10), [req()])
+
+
+def test_a_request_names_at_most_64_stop_token_ids() -> None:
+    SamplingParams(stop_token_ids=list(range(64))).validate()
+    with pytest.raises(SamplingParamsError, match="at most 64"):
+        SamplingParams(stop_token_ids=list(range(65))).validate()

@@ -59,6 +59,7 @@ BAD_PARAMETERS = [
     ("completions", {"seed": -1}, "seed"),
     ("completions", {"stop": [""]}, "stop"),
     ("completions", {"stop": [str(i) for i in range(17)]}, "stop"),
+    ("completions", {"stop_token_ids": list(range(65))}, "stop_token_ids"),
     ("completions", {"n": 2}, "n"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"logprobs": 21}, "logprobs"),
@@ -89,6 +90,8 @@ BAD_PARAMETERS = [
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools"),
     ("chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ("chat/completions", {"chat_template_kwargs": {"tools": ["xy"]}}, "chat_template_kwargs"),
+    ("chat/completions", {"chat_template_kwargs": {"tools": "xy"}}, "chat_template_kwargs"),
 ]
 
 

@@ -18,6 +18,7 @@ from common.logging import (
     bind_request,
     bind_trace,
     redact,
+    redact_url,
     setup_logging,
 )
 from tests.gateway.conftest import serve
@@ -90,11 +91,15 @@ def test_a_worker_delivery_bound_as_plain_ids_tags_its_lines_unless_a_span_is_cu
 
 def test_credentials_and_bearer_tokens_are_masked_in_every_format() -> None:
     message = (
-        "connect nats://qos:hunter2@nats:4222 failed; header Authorization: Bearer sk-live-123"
+        "connect nats://qos:hunter2@nats:4222 failed; header Authorization: Bearer sk-live-123; "
+        "redis://:redispw@redis:6379/0 and nats://natstoken@nats:4222"
     )
     masked = redact(message)
-    assert "hunter2" not in masked and "sk-live-123" not in masked
+    for secret in ("hunter2", "sk-live-123", "redispw", "natstoken"):
+        assert secret not in masked, masked
     assert "nats://***@nats:4222" in masked and "Bearer ***" in masked
+    assert "redis://***@redis:6379/0" in masked
+    assert redact_url("redis://:redispw@redis:6379/0") == "redis://:***@redis:6379/0"
     record = logging.LogRecord("x", logging.ERROR, __file__, 1, "%s", (message,), None)
     assert "hunter2" not in JsonFormatter("gw").format(record)
     assert "hunter2" not in TextFormatter().format(record)

@@ -78,3 +78,46 @@ async def test_steps_the_loop_has_not_taken_yet_arrive_together_in_order() -> No
     assert [d.num_output_tokens for d in deltas] == list(range(1, 21))
     assert deltas[-1].finished
     await bridge.stop()
+
+
+async def test_an_engine_failure_reaches_the_client_without_its_exception_text() -> None:
+    """A failed add or step fails its requests with the exception's type only: its text
+    (device names, memory figures, file paths) stays in the worker's log."""
+    inbox: asyncio.Queue[BridgeEvent] = asyncio.Queue()
+    engine = SimEngine(cost=SimCost(0, 0, 0))
+    secret = "CUDA out of memory on /srv/models/secret-model (GPU 0: 79.2 GiB)"
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(secret)
+
+    engine.add_request = broken  # type: ignore[method-assign]
+    bridge = EngineBridge(
+        engine, lambda evs: [inbox.put_nowait(e) for e in evs], asyncio.get_running_loop()
+    )
+    bridge.start()
+    bridge.add(AddRequest("a", SamplingParams(max_tokens=4), prompt_token_ids=[1, 2, 3]))
+    failed = await asyncio.wait_for(inbox.get(), 5)
+    assert isinstance(failed, RequestFailed) and failed.error.http_status == 500
+    assert "RuntimeError" in failed.error.message and "secret" not in failed.error.message
+    await bridge.stop()
+
+
+async def test_a_failed_step_fails_its_requests_without_the_exception_text() -> None:
+    inbox: asyncio.Queue[BridgeEvent] = asyncio.Queue()
+    engine = SimEngine(cost=SimCost(0, 0, 0))
+    step = engine.step
+
+    def broken() -> list[RequestDelta]:
+        step()  # scheduled, then the device fails
+        raise RuntimeError("illegal memory access in /opt/triton/cache/kernel.py")
+
+    engine.step = broken  # type: ignore[method-assign]
+    bridge = EngineBridge(
+        engine, lambda evs: [inbox.put_nowait(e) for e in evs], asyncio.get_running_loop()
+    )
+    bridge.start()
+    bridge.add(AddRequest("a", SamplingParams(max_tokens=4), prompt_token_ids=[1, 2, 3]))
+    failed = await asyncio.wait_for(inbox.get(), 5)
+    assert isinstance(failed, RequestFailed) and failed.request_id == "a"
+    assert "RuntimeError" in failed.error.message and "/opt" not in failed.error.message
+    await bridge.stop()

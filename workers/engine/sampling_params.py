@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_STOP_TOKEN_IDS = 64  # as the wire allows (common.protocol): the engine is used alone too
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; ``param`` names it."""
@@ -103,3 +105,6 @@ class SamplingParams:
             raise SamplingParamsError("stop", "at most 16 stop strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids", "must be non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            # Each generated token is looked up in them on the engine thread, for the batch.
+            raise SamplingParamsError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids")
