@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import nats.errors
@@ -228,11 +228,18 @@ class Generator:
     ) -> tuple[list[int], str]:
         """Prompt token ids and the parameter to blame if they are too many."""
         if isinstance(body, ChatCompletionRequest):
+            messages = [m.for_template() for m in body.messages]
+            render = partial(
+                self._tok.apply_chat_template, messages,
+                add_generation_prompt=body.add_generation_prompt,
+                **(body.chat_template_kwargs or {}),
+            )  # fmt: skip
+            size = sum(len(m.get("content") or "") for m in messages)
             try:
-                text = self._tok.apply_chat_template(
-                    [m.for_template() for m in body.messages],
-                    add_generation_prompt=body.add_generation_prompt,
-                    **(body.chat_template_kwargs or {}),
+                # A big conversation renders on a thread, as big prompts are tokenized:
+                # the event loop serves every other stream meanwhile.
+                text = (
+                    render() if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(render)
                 )
             except ChatTemplateError as exc:
                 if exc.param == "tools":  # they reach the template through chat_template_kwargs

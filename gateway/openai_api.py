@@ -20,6 +20,7 @@ from common.protocol import MAX_STOP_TOKEN_IDS, RequestParams
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
+MAX_MESSAGES = 4096  # a conversation's turns: beyond any context window, bounded work
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
@@ -187,7 +188,7 @@ class CompletionRequest(_SamplingBody):
 class ChatCompletionRequest(_SamplingBody):
     """``POST /v1/chat/completions``: rendered with the model's chat template."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -15,7 +15,9 @@ import pytest
 import pytest_asyncio
 
 from common.config import NatsConfig
+from common.errors import InvalidRequestError
 from common.services import NatsServer
+from gateway.openai_api import ChatCompletionRequest, parse_body
 from tests.gateway.conftest import MODEL, gateway_config, serve
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -173,3 +175,21 @@ async def test_openapi_schema_describes_the_request_bodies(client: httpx.AsyncCl
     post = schema["paths"]["/v1/chat/completions"]["post"]
     ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert ref.endswith("/ChatCompletionRequest")
+
+
+async def test_a_big_conversation_is_rendered_off_the_event_loop_and_measured(
+    client: httpx.AsyncClient,
+):
+    """Over 16 KiB of content renders on a thread; the prompt is still counted, and a
+    prompt no group holds is refused for its length, naming the messages."""
+    body = {**OK_CHAT, "messages": [{"role": "user", "content": "x" * 17_000}]}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert _assert_openai_error(response, 400, "messages")["code"] == "context_length_exceeded"
+
+
+async def test_too_many_messages_is_400_naming_them() -> None:
+    # Beyond the test gateway's 64 KiB body limit, so the parser is asked directly.
+    body = {**OK_CHAT, "messages": [{"role": "user", "content": "x"}] * 4097}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_body(ChatCompletionRequest, json.dumps(body).encode())
+    assert info.value.param == "messages" and "4096" in str(info.value)
