@@ -451,7 +451,8 @@ class Generator:
         if not self._dispatcher.is_open(stream):
             return
         reason = "client disconnected" if status == 499 else f"gateway answered {status}"
-        self._dispatcher.close(stream, abort=not stream.finished, reason=reason)
+        # Not when the worker ended it; when the gateway did (a bad chunk, a gap), it must.
+        self._dispatcher.close(stream, abort=not stream.worker_done, reason=reason)
         group = flight.route.group
         self._admission.release(group)
         if flight.trace is not None:

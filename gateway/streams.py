@@ -93,12 +93,16 @@ class ResponseStream:
     of endings (only "stop" and "length" are finish reasons; the rest end in an error).
     """
 
-    __slots__ = ("_ready", "_seq", "_waiter", "finished", "group", "stream_seq")
+    __slots__ = ("_ready", "_seq", "_waiter", "finished", "group", "stream_seq", "worker_done")
 
     def __init__(self, request_id: str, group: str, decode_tail: DecodeTail) -> None:
         self.group = group
         self._seq = ChunkSequencer(request_id, decode_tail)
         self.finished = False
+        # The worker ended it (its final chunk, its error, or JetStream gave it up): nothing
+        # to abort. A stream the gateway ends itself (an undecodable chunk, a gap that never
+        # fills, shutting down) is finished but not this, and its worker is told to stop.
+        self.worker_done = False
         self.stream_seq: int | None = None  # the request's sequence in the stream, once acked
         self._ready: deque[Delivery] = deque()
         self._waiter: asyncio.Future[None] | None = None
@@ -125,16 +129,19 @@ class ResponseStream:
         try:
             ready = self._seq.feed(chunk)
         except QosError as exc:
+            # The worker's own error ends its work; a gap the gateway gave up on does not.
+            self.worker_done = chunk.error is not None or chunk.finish_reason == "error"
             self.fail(exc)
             return
         for c in ready:
             if c.finish_reason == "abort":
+                self.worker_done = True
                 self.fail(
                     ServiceUnavailableError("the worker aborted the request", retry_after_s=1)
                 )
                 return
             if c.finish_reason is not None:
-                self.finished = True
+                self.finished = self.worker_done = True
             self._push(
                 Delivery(c.token_ids, c.text, c.logprobs, c.top_logprobs, c.finish_reason, c.usage)
             )
@@ -350,6 +357,7 @@ class Dispatcher:
             "request %s failed on all %d deliveries (JetStream gave up: %s); answering with an error",
             stream.request_id, deliveries, advisory.get("consumer", "?"),
         )  # fmt: skip
+        stream.worker_done = True  # JetStream gave it up: no worker holds it
         stream.fail(
             InternalError(
                 f"the request failed on every one of its {deliveries} deliveries to workers "

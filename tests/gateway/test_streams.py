@@ -240,6 +240,43 @@ async def test_deadline_passing_is_504_or_an_error_event_and_aborts_the_worker(
     assert abort.action == "abort" and abort.request_id == worker.jobs[0].request.id
 
 
+@pytest.mark.parametrize("ending", ["undecodable chunk", "worker error"])
+async def test_a_stream_the_gateway_ends_itself_aborts_the_worker_and_a_worker_error_does_not(
+    nats_config: NatsConfig, ending: str
+):
+    """An undecodable chunk ends the client's stream at the gateway while the worker would
+    go on generating (holding KV blocks) unless told to stop; a worker that sent its own
+    error has stopped already."""
+
+    async def one_token_then_ending(job: Job) -> None:
+        await job.send(0, alphabet_tokens(1))
+        if ending == "undecodable chunk":
+            await job.worker.nc.publish(job.request.reply, b"\xc1 not msgpack")
+        else:
+            await job.send(1, [], error=ErrorInfo(code="internal_error", message="boom"))
+        await asyncio.sleep(3600)
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=one_token_then_ending) as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        controls = await _collect_controls(nats_config, worker.nc, "short")
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "stream": True}
+        response = await http.post("/v1/completions", json=body)
+        await asyncio.sleep(0.2)
+    payloads = _sse_payloads(response.text)
+    assert json.loads(payloads[-2])["error"]["code"] == "internal_error"
+    from common.protocol import Control
+
+    aborts = [Control.from_bytes(c) for c in controls]
+    if ending == "undecodable chunk":
+        (abort,) = aborts
+        assert abort.action == "abort" and abort.request_id == worker.jobs[0].request.id
+    else:
+        assert aborts == []
+
+
 async def test_client_disconnect_mid_stream_aborts_the_worker_and_ends_resume(
     nats_config: NatsConfig,
 ):
