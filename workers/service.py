@@ -620,9 +620,16 @@ class WorkerService:
             log.info("draining (%s)", control.reason or "control")
             self._set_serving(False)
         elif action == "resume" and not self._stopped:
-            self._set_serving(True)
+            if self._intake is None:  # a move that failed to bind: nothing would fetch
+                log.warning(
+                    "resume ignored: not bound to group %s (see the move's error)", self.group
+                )
+            else:
+                self._set_serving(True)
         elif action == "assign_group" and control.group:
-            self._tasks.append(asyncio.create_task(self.assign_group(control.group)))
+            task = asyncio.create_task(self.assign_group(control.group), name="assign-group")
+            task.add_done_callback(_log_failure)  # held in _tasks: nobody else would read it
+            self._tasks.append(task)
 
     async def assign_group(self, group: str) -> None:
         """Drain, then move this replica to ``group``'s consumer (its batch limit too)."""
@@ -639,12 +646,35 @@ class WorkerService:
                 # Still subscribed to the old group's control: aborts keep reaching us.
                 await self._wait_idle(self.options.grace_s)
                 await self._unbind()
-                old, self.group = self.group, group
-                await self._bind(group)
+                old = self.group
+                if not await self._bind_retrying(group):
+                    # Back where it was, rather than serving nothing while saying it serves.
+                    if not await self._bind_retrying(old):
+                        log.error("bound to no group (NATS unreachable?): staying drained")
+                        return
+                    group = old
                 assert self.bridge is not None
                 self.bridge.set_batch_cap(self.config.groups[group].max_batch)
                 log.info("moved from group %s to %s", old, group)
             self._set_serving(True)
+
+    async def _bind_retrying(self, group: str, attempts: int = 4) -> bool:
+        """Bind to ``group``, retrying a failure (a NATS hiccup, a JetStream leader
+        election) with backoff; False, logged, when it never succeeds."""
+        delay = 0.25
+        for attempt in range(1, attempts + 1):
+            self.group = group
+            try:
+                await self._bind(group)
+                return True
+            except Exception as exc:
+                await self._unbind()  # whatever half of it was made
+                log.warning("binding to group %s failed (attempt %d of %d): %r",
+                            group, attempt, attempts, exc)  # fmt: skip
+                if attempt < attempts and not self._stopped:
+                    await asyncio.sleep(delay)
+                    delay *= 2
+        return False
 
     async def set_slowdown(self, seconds: float) -> bool:
         """Add ``seconds`` to every engine step (SimEngine only), to provoke SLO breaches."""
@@ -658,3 +688,9 @@ class WorkerService:
     @property
     def inflight_ids(self) -> list[str]:
         return list(self._inflight)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A control task's exception, logged as it ends (its result is never awaited)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("%s failed", task.get_name(), exc_info=exc)

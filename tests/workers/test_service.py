@@ -14,6 +14,7 @@ import msgpack
 import pytest
 from nats.aio.client import Client
 
+import common.nats as qnats
 from common.client import QosClient
 from common.config import Config
 from common.errors import ContextLengthExceededError, InternalError, ServiceUnavailableError
@@ -296,6 +297,39 @@ async def test_assign_group_moves_the_replica_to_the_new_groups_consumer(
     assert service.bridge.batch_cap == 1  # realtime's max batch
     ids, _, final = await client.collect(
         group="realtime", prompt_token_ids=[3], params=RequestParams(max_tokens=2)
+    )
+    assert ids == expected_tokens(1, 2) and final.worker == "w0"
+
+
+@pytest.mark.parametrize("failures", [1, 99])
+async def test_a_move_whose_bind_fails_retries_or_goes_back_never_serving_nothing(
+    start_worker: Any,
+    client: QosClient,
+    nc: Client,
+    subjects: Subjects,
+    monkeypatch: pytest.MonkeyPatch,
+    failures: int,
+) -> None:
+    """Binding to the new group fails once (a NATS hiccup: the retry moves it) or always
+    (it goes back to its old group): either way it serves a group it fetches from."""
+    service = await start_worker()
+    real = qnats.group_pull_subscription
+    left = {"realtime": failures}
+
+    async def flaky(js: Any, config: Any, group: str) -> Any:
+        if left.get(group, 0) > 0:
+            left[group] -= 1
+            raise TimeoutError("consumer info timed out")
+        return await real(js, config, group)
+
+    monkeypatch.setattr(qnats, "group_pull_subscription", flaky)
+    await nc.publish(
+        subjects.control("w0"), Control(action="assign_group", group="realtime").to_bytes()
+    )
+    serves = "realtime" if failures == 1 else "short"
+    await eventually(lambda: service.group == serves and service.state == "serving", 10)
+    ids, _, final = await client.collect(
+        group=serves, prompt_token_ids=[3], params=RequestParams(max_tokens=2)
     )
     assert ids == expected_tokens(1, 2) and final.worker == "w0"
 
