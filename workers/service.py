@@ -80,6 +80,9 @@ from workers.outbox import Flight, sampling_params
 from workers.resync import Resync
 
 log = logging.getLogger(__name__)
+# A redelivered request whose live gateway did not answer its resume query comes back
+# after this long (the gateway reconnecting, or its event loop late).
+RESUME_RETRY_S = 1.0
 
 
 @dataclass
@@ -381,6 +384,16 @@ class WorkerService:
                 self.options.resume_timeout_s, self._max_payload,
             )  # fmt: skip
             if reply is None:
+                if req.origin and not self._gateways.orphaned(req.origin):
+                    # Its gateway still beats (it may be reconnecting, or its loop late):
+                    # the caller is there. Hand the request back to be asked again, rather
+                    # than drop what a client is waiting for (JetStream's max_deliver bounds
+                    # the retries, and its advisory then fails the stream).
+                    log.info("request %s: no answer to the resume query from live gateway "
+                             "%s; handing it back", req.id, req.origin)  # fmt: skip
+                    await settle(lambda: msg.nak(delay=RESUME_RETRY_S))
+                    self.observer.abandoned(st, "handed_back")
+                    return
                 log.info("request %s: no caller answers the resume query; dropping it", req.id)
                 await settle(msg.ack)
                 self.observer.abandoned(st, "no_caller")

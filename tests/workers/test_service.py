@@ -18,7 +18,15 @@ import common.nats as qnats
 from common.client import QosClient
 from common.config import Config
 from common.errors import ContextLengthExceededError, InternalError, ServiceUnavailableError
-from common.protocol import Control, RequestParams, Telemetry
+from common.protocol import (
+    Chunk,
+    Control,
+    GenerateRequest,
+    RequestParams,
+    ResumeQuery,
+    ResumeReply,
+    Telemetry,
+)
 from common.subjects import Subjects
 from tests.workers.conftest import expected_tokens, new_id
 from workers.sim import SimCost, SimEngine
@@ -332,6 +340,49 @@ async def test_a_move_whose_bind_fails_retries_or_goes_back_never_serving_nothin
         group=serves, prompt_token_ids=[3], params=RequestParams(max_tokens=2)
     )
     assert ids == expected_tokens(1, 2) and final.worker == "w0"
+
+
+async def test_a_redelivery_whose_live_gateway_misses_the_resume_query_is_not_dropped(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    """Attempt 2 asks its caller what was delivered; nobody answers (its gateway is
+    reconnecting) though the gateway is not silent: the request is handed back and served
+    once the caller answers, instead of acked away while its client waits."""
+    rid = new_id()
+    req = GenerateRequest(
+        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
+        params=RequestParams(max_tokens=3), origin="gw-reconnecting",
+    )  # fmt: skip
+    chunks = await nc.subscribe(subjects.out(rid))
+    js = nc.jetstream()
+    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
+    await js.publish(subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid})
+    # Attempt 1 goes to a replica that hands it back at once (as one that died would, late).
+    first = await qnats.group_pull_subscription(js, worker_config.nats, "short")
+    (msg,) = await first.fetch(1, timeout=5)
+    await msg.nak()
+    await first.unsubscribe()
+    # The caller's subscription is there but does not answer (its loop is late): the
+    # query for attempt 2 times out.
+    silent = await nc.subscribe(subjects.resume(rid))
+    await start_worker()
+    query = ResumeQuery.from_bytes((await silent.next_msg(timeout=5)).data)
+    assert query.attempt == 2
+    await asyncio.sleep(1.3)  # past the worker's 1 s wait: it has decided by now
+    await silent.unsubscribe()
+
+    async def answer(msg: Any) -> None:  # the caller is back: nothing was delivered yet
+        await msg.respond(ResumeReply(id=rid).to_bytes())
+
+    await nc.subscribe(subjects.resume(rid), cb=answer)
+    tokens: list[int] = []
+    while True:
+        chunk = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
+        tokens += chunk.token_ids
+        if chunk.finish_reason is not None:
+            break
+    assert (chunk.finish_reason, chunk.attempt) == ("length", 3)
+    assert tokens == expected_tokens(2, 3)
 
 
 async def test_telemetry_arrives_every_interval_with_sane_values(
