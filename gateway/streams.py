@@ -29,6 +29,7 @@ explicit error, matched by the stream sequence its publish was acknowledged with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -272,8 +273,11 @@ class Dispatcher:
         self._resume_prefix = len(subjects.prefix) + len(".resume.")
         self._subs: list[Subscription] = []
         # Aborts are queued, not awaited: they are raised from cancelled generators.
-        self._aborts: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
+        # (group, request id, reason, the request's sequence in the stream if known)
+        self._aborts: asyncio.Queue[tuple[str, str, str, int | None]] = asyncio.Queue()
         self._abort_task: asyncio.Task[None] | None = None
+        self._deletes: asyncio.Queue[int] = asyncio.Queue()
+        self._delete_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         prefix = self._subjects.prefix
@@ -284,6 +288,7 @@ class Dispatcher:
         if self._stream is not None:
             advisories = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self._stream}.*"
             self._subs.append(await self._nc.subscribe(advisories, cb=self._on_max_deliveries))
+            self._delete_task = asyncio.create_task(self._delete_aborted(), name="gateway-deletes")
         self._abort_task = asyncio.create_task(self._publish_aborts(), name="gateway-aborts")
 
     async def stop(self) -> None:
@@ -297,6 +302,8 @@ class Dispatcher:
             while not self._aborts.empty() and self._nc.is_connected:
                 await asyncio.sleep(0.01)
             self._abort_task.cancel()
+        if self._delete_task is not None:
+            self._delete_task.cancel()
         for stream in list(self._streams.values()):
             stream.fail(InternalError("the gateway is shutting down"))
         self._streams.clear()
@@ -319,7 +326,7 @@ class Dispatcher:
         self._streams.pop(stream.request_id, None)
         if abort:
             stream.finished = True
-            self._aborts.put_nowait((stream.group, stream.request_id, reason))
+            self._aborts.put_nowait((stream.group, stream.request_id, reason, stream.stream_seq))
 
     async def _on_out(self, msg: Msg) -> None:
         stream = self._streams.get(msg.subject[self._out_prefix :])
@@ -367,7 +374,7 @@ class Dispatcher:
 
     async def _publish_aborts(self) -> None:
         while True:
-            group, request_id, reason = await self._aborts.get()
+            group, request_id, reason, stream_seq = await self._aborts.get()
             control = Control(
                 action="abort",
                 issued_ms=int(time.time() * 1000),
@@ -379,3 +386,17 @@ class Dispatcher:
                 await self._nc.publish(self._subjects.control_group(group), control.to_bytes())
             except Exception:
                 log.warning("could not publish abort for %s", request_id, exc_info=True)
+            if self._stream is not None and stream_seq is not None:
+                self._deletes.put_nowait(stream_seq)
+
+    async def _delete_aborted(self) -> None:
+        """Take aborted requests out of the stream. Still queued, one would be fetched later
+        by a replica that never heard the abort (it subscribed after); gone already (a
+        worker acked it) is the usual case, and fine. Apart from the aborts, so a slow
+        JetStream never delays the workers' news."""
+        assert self._stream is not None
+        js = self._nc.jetstream(timeout=2.0)
+        while True:
+            seq = await self._deletes.get()
+            with contextlib.suppress(Exception):
+                await js.delete_msg(self._stream, seq)

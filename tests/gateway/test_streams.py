@@ -277,6 +277,36 @@ async def test_a_stream_the_gateway_ends_itself_aborts_the_worker_and_a_worker_e
         assert aborts == []
 
 
+async def test_an_aborted_request_leaves_the_request_queue(nats_config: NatsConfig):
+    """The client hangs up: besides the abort (for replicas subscribed now), the request is
+    deleted from the stream, so no replica that subscribes later fetches it, and a worker
+    that dies holding it does not get it redelivered to another."""
+
+    async def one_token_then_hold(job: Job) -> None:  # holds the message unacked
+        await job.send(0, alphabet_tokens(1))
+        await asyncio.sleep(3600)
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=one_token_then_hold) as worker,
+    ):
+        js = worker.nc.jetstream()
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "stream": True}
+        async with (
+            httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+            http.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break  # one event, then hang up
+        assert worker.jobs  # the worker holds it, unacked
+        for _ in range(100):
+            if (await js.stream_info(nats_config.stream)).state.messages == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await js.stream_info(nats_config.stream)).state.messages == 0
+
+
 async def test_client_disconnect_mid_stream_aborts_the_worker_and_ends_resume(
     nats_config: NatsConfig,
 ):
