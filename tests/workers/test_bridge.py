@@ -12,6 +12,16 @@ from workers.engine.sampling_params import SamplingParams
 from workers.sim import SimCost, SimEngine
 
 
+def started(engine: SimEngine) -> tuple[EngineBridge, asyncio.Queue[BridgeEvent]]:
+    """A started bridge over ``engine`` and the queue its events arrive on."""
+    inbox: asyncio.Queue[BridgeEvent] = asyncio.Queue()
+    bridge = EngineBridge(
+        engine, lambda evs: [inbox.put_nowait(e) for e in evs], asyncio.get_running_loop()
+    )
+    bridge.start()
+    return bridge, inbox
+
+
 async def run_to_end(
     bridge: EngineBridge, inbox: asyncio.Queue[BridgeEvent], rid: str
 ) -> list[int]:
@@ -25,12 +35,8 @@ async def run_to_end(
 
 
 async def test_a_resumed_text_prompt_continues_from_prompt_plus_the_delivered_tokens() -> None:
-    inbox: asyncio.Queue[BridgeEvent] = asyncio.Queue()
     engine = SimEngine(cost=SimCost(0, 0, 0), tokenizer=ByteTokenizer())
-    bridge = EngineBridge(
-        engine, lambda evs: [inbox.put_nowait(e) for e in evs], asyncio.get_running_loop()
-    )
-    bridge.start()
+    bridge, inbox = started(engine)
     params = SamplingParams(max_tokens=10, ignore_eos=True, seed=4)
     bridge.add(AddRequest("full", params, prompt="résumé"))
     full = await run_to_end(bridge, inbox, "full")
@@ -41,12 +47,8 @@ async def test_a_resumed_text_prompt_continues_from_prompt_plus_the_delivered_to
 
 
 async def test_rejections_come_back_as_request_failed_and_an_idle_thread_sleeps() -> None:
-    inbox: asyncio.Queue[BridgeEvent] = asyncio.Queue()
     engine = SimEngine(cost=SimCost(0, 0, 0), max_seq_len=16)
-    bridge = EngineBridge(
-        engine, lambda evs: [inbox.put_nowait(e) for e in evs], asyncio.get_running_loop()
-    )
-    bridge.start()
+    bridge, inbox = started(engine)
     bridge.add(AddRequest("long", SamplingParams(), prompt_token_ids=[1] * 16))
     failed = await asyncio.wait_for(inbox.get(), 5)
     assert isinstance(failed, RequestFailed) and failed.error.code == "context_length_exceeded"
@@ -83,7 +85,6 @@ async def test_steps_the_loop_has_not_taken_yet_arrive_together_in_order() -> No
 async def test_an_engine_failure_reaches_the_client_without_its_exception_text() -> None:
     """A failed add or step fails its requests with the exception's type only: its text
     (device names, memory figures, file paths) stays in the worker's log."""
-    inbox: asyncio.Queue[BridgeEvent] = asyncio.Queue()
     engine = SimEngine(cost=SimCost(0, 0, 0))
     secret = "CUDA out of memory on /srv/models/secret-model (GPU 0: 79.2 GiB)"
 
@@ -91,10 +92,7 @@ async def test_an_engine_failure_reaches_the_client_without_its_exception_text()
         raise RuntimeError(secret)
 
     engine.add_request = broken  # type: ignore[method-assign]
-    bridge = EngineBridge(
-        engine, lambda evs: [inbox.put_nowait(e) for e in evs], asyncio.get_running_loop()
-    )
-    bridge.start()
+    bridge, inbox = started(engine)
     bridge.add(AddRequest("a", SamplingParams(max_tokens=4), prompt_token_ids=[1, 2, 3]))
     failed = await asyncio.wait_for(inbox.get(), 5)
     assert isinstance(failed, RequestFailed) and failed.error.http_status == 500
@@ -103,7 +101,6 @@ async def test_an_engine_failure_reaches_the_client_without_its_exception_text()
 
 
 async def test_a_failed_step_fails_its_requests_without_the_exception_text() -> None:
-    inbox: asyncio.Queue[BridgeEvent] = asyncio.Queue()
     engine = SimEngine(cost=SimCost(0, 0, 0))
     step = engine.step
 
@@ -112,10 +109,7 @@ async def test_a_failed_step_fails_its_requests_without_the_exception_text() -> 
         raise RuntimeError("illegal memory access in /opt/triton/cache/kernel.py")
 
     engine.step = broken  # type: ignore[method-assign]
-    bridge = EngineBridge(
-        engine, lambda evs: [inbox.put_nowait(e) for e in evs], asyncio.get_running_loop()
-    )
-    bridge.start()
+    bridge, inbox = started(engine)
     bridge.add(AddRequest("a", SamplingParams(max_tokens=4), prompt_token_ids=[1, 2, 3]))
     failed = await asyncio.wait_for(inbox.get(), 5)
     assert isinstance(failed, RequestFailed) and failed.request_id == "a"
