@@ -15,9 +15,12 @@ from workers.sim import SimCost, SimEngine
 def started(engine: SimEngine) -> tuple[EngineBridge, asyncio.Queue[BridgeEvent]]:
     """A started bridge over ``engine`` and the queue its events arrive on."""
     inbox: asyncio.Queue[BridgeEvent] = asyncio.Queue()
-    bridge = EngineBridge(
-        engine, lambda evs: [inbox.put_nowait(e) for e in evs], asyncio.get_running_loop()
-    )
+
+    def deliver(events: list[BridgeEvent]) -> None:
+        for event in events:
+            inbox.put_nowait(event)
+
+    bridge = EngineBridge(engine, deliver, asyncio.get_running_loop())
     bridge.start()
     return bridge, inbox
 
