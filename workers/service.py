@@ -83,6 +83,9 @@ log = logging.getLogger(__name__)
 # A redelivered request whose live gateway did not answer its resume query comes back
 # after this long (the gateway reconnecting, or its event loop late).
 RESUME_RETRY_S = 1.0
+# An abort the engine has not acted on this long after a request's deadline: its thread is
+# stuck, and the worker answers the request itself.
+ENGINE_STUCK_S = 10.0
 
 
 @dataclass
@@ -547,11 +550,24 @@ class WorkerService:
             now_ms = time.time() * 1000
             for st in list(self._inflight.values()):
                 deadline = st.request.deadline_ms
-                if deadline is not None and now_ms >= deadline and st.error is None and self.bridge:
+                if deadline is None or now_ms < deadline or self.bridge is None:
+                    continue
+                if st.error is None:
                     st.error = DeadlineExceededError(
                         "the request's deadline passed while generating"
                     )
                     self.bridge.abort(st.request.id)
+                elif now_ms >= deadline + ENGINE_STUCK_S * 1000:
+                    # The engine never acted on the abort: its thread is stuck (a hung
+                    # device). Answer from here, so neither the caller nor the message
+                    # waits on it forever; whatever it emits later finds no request.
+                    log.error("request %s: the engine has not stopped it %.0f s after its "
+                              "deadline; answering from the event loop", st.request.id,
+                              ENGINE_STUCK_S)  # fmt: skip
+                    await self._send_error(st, st.error)
+            if self.bridge is not None and not self.bridge.alive and self._accepting:
+                log.error("the engine thread has ended: draining this replica")
+                self._set_serving(False)
             self._reap_orphans()
             if time.monotonic() - last_progress >= progress_every - tick / 2:
                 last_progress = time.monotonic()

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import json
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from common.protocol import (
 )
 from common.subjects import Subjects
 from tests.workers.conftest import expected_tokens, new_id
+from workers import service as worker_service
 from workers.sim import SimCost, SimEngine
 
 
@@ -383,6 +385,74 @@ async def test_a_redelivery_whose_live_gateway_misses_the_resume_query_is_not_dr
             break
     assert (chunk.finish_reason, chunk.attempt) == ("length", 3)
     assert tokens == expected_tokens(2, 3)
+
+
+class HungSim(SimEngine):
+    """A device that hangs: once a request has 2 tokens, ``step`` blocks until released."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.release = threading.Event()
+
+    def step(self) -> list[Any]:
+        if any(len(r.output_token_ids) >= 2 for r in self.running):
+            self.release.wait(30)
+        return super().step()
+
+
+async def test_a_hung_engine_does_not_hold_a_request_past_its_deadline(
+    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects,
+    worker_config: Config, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The engine thread hangs mid-request: the abort at the deadline is never acted on, so
+    the worker answers the request itself (deadline_exceeded) and settles its message,
+    instead of holding both until the thread comes back."""
+    monkeypatch.setattr(worker_service, "ENGINE_STUCK_S", 0.3)
+    engine = HungSim(max_batch_size=4, cost=SimCost(0, 0, 0))
+    service = await start_worker(engine=engine)
+    try:
+        rid = new_id()
+        chunks = await nc.subscribe(subjects.out(rid))
+        request = GenerateRequest(
+            id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
+            params=RequestParams(max_tokens=50), deadline_ms=int(time.time() * 1000) + 400,
+        )  # fmt: skip
+        js = nc.jetstream()
+        await js.publish(
+            subjects.request("short"), request.to_bytes(), headers={"Nats-Msg-Id": rid}
+        )
+        final = None
+        while final is None:
+            chunk = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
+            final = chunk if chunk.error is not None or chunk.finish_reason else None
+        assert final.error is not None and final.error.code == "deadline_exceeded"
+        assert rid not in service.inflight_ids
+        info = await js.stream_info(worker_config.nats.stream)
+        assert info.state.messages == 0  # acked: not redelivered to hang another replica
+    finally:
+        engine.release.set()
+
+
+class DyingSim(SimEngine):
+    """An engine whose thread ends (a BaseException no handler catches) at its first step."""
+
+    def step(self) -> list[Any]:
+        if self.running:
+            raise SystemExit("the engine thread ends")
+        return super().step()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the point
+async def test_a_replica_whose_engine_thread_ended_stops_serving(
+    start_worker: Any, client: QosClient
+) -> None:
+    service = await start_worker(engine=DyingSim(max_batch_size=4, cost=SimCost(0, 0, 0)))
+    pending = asyncio.ensure_future(
+        client.collect(group="short", prompt_token_ids=[1], params=RequestParams(max_tokens=2),
+                       timeout_s=2)
+    )  # fmt: skip
+    await eventually(lambda: not service.bridge.alive and service.state == "draining", 5)
+    pending.cancel()
 
 
 async def test_telemetry_arrives_every_interval_with_sane_values(
