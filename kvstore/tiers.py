@@ -126,8 +126,14 @@ class KVTiers:
 
     @property
     def accepts_stores(self) -> bool:
-        """Worth handing newly filled blocks to :meth:`store_async`."""
-        return self._bulk is not None
+        """Worth handing newly filled blocks to :meth:`store_async`: not while the breaker
+        rejects or the queue is full, when the engine would wait on the device to copy
+        blocks out only for them to be dropped."""
+        return (
+            self._bulk is not None
+            and not self.breaker.rejecting()
+            and self._queued_bytes < self.store_queue_bytes
+        )
 
     @property
     def accepts_offloads(self) -> bool:
@@ -173,14 +179,16 @@ class KVTiers:
         assert self.identity is not None and self.redis_config is not None
         if not self.breaker.allow():
             return 0
-        keys = [self.identity.key(h) for h in hashes]
         ttl = self.redis_config.ttl_s
         try:
+            keys = [self.identity.key(h) for h in hashes]
             found = self._with_connection(lambda conn: conn.expire_many(keys, ttl))
-        except _FAILURES as exc:
-            self.redis_counters.errors += 1
-            self.breaker.failure()
-            log.debug("kv tiers: lookup failed: %r", exc)
+        except Exception as exc:  # Redis, or a bug: a miss either way, never the batch's error
+            with self._lock:  # the writer threads count errors too
+                self.redis_counters.errors += 1
+            self.breaker.failure()  # and a probe that ends here ends as a failure
+            level = logging.DEBUG if isinstance(exc, _FAILURES) else logging.WARNING
+            log.log(level, "kv tiers: lookup failed: %r", exc)
             return 0
         self.breaker.success()
         n = 0
@@ -238,7 +246,8 @@ class KVTiers:
         for job in jobs:
             job.cancel()
         if failed:
-            c.errors += 1
+            with self._lock:  # the writer threads count errors too
+                c.errors += 1
             self.breaker.failure()
         else:
             self.breaker.success()
@@ -322,6 +331,7 @@ class KVTiers:
                     self.breaker.success()
         except Exception as exc:  # encoding bugs must not kill the writer either
             failed = True
+            self.breaker.failure()  # a probe that ended here must not hold the breaker
             log.warning("kv tiers: store failed: %r", exc)
         with self._lock:
             self._queued_bytes -= nbytes

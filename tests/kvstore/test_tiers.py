@@ -199,3 +199,51 @@ def test_a_load_of_many_sub_batches_returns_them_in_order(redis_config: RedisCon
         assert tiers.lookup(hashes) == 11
         assert [bytes(v) for v in tiers.load(hashes)] == [bytes(r) for r in data]
         assert tiers.stats().redis.store_blocks == 11
+
+
+@pytest.mark.parametrize("path", ["store", "lookup"])
+def test_a_probe_that_fails_with_a_bug_not_redis_leaves_the_breaker_able_to_close(
+    redis_config: RedisConfig, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """The breaker's one probe raises something that is not a Redis error (an encoding bug):
+    it counts as the probe failing (a lookup answers a miss, not an exception into the
+    engine's step), and a later probe can still close the breaker."""
+    import kvstore.tiers as tiers_module
+
+    breaker = CircuitBreaker(failures_to_open=1, open_s=0.1)
+    with make(redis_config, breaker=breaker) as tiers:
+        tiers.store_async(HASHES[:2], blocks(2))
+        assert tiers.flush()
+        breaker.failure()  # open: as after a Redis outage
+        time.sleep(0.15)  # the next call is the probe
+
+        def bug(*args: object, **kwargs: object) -> bytes:
+            raise ValueError("an encoding bug")
+
+        assert tiers.identity is not None
+        if path == "store":
+            monkeypatch.setattr(tiers_module, "block_header", bug)
+            tiers.store_async(HASHES[2:3], blocks(1))
+            assert tiers.flush()
+        else:
+            monkeypatch.setattr(type(tiers.identity), "key", bug)
+            assert tiers.lookup(HASHES[:2]) == 0  # a miss, not the bug raised
+        monkeypatch.undo()
+        assert tiers.stats().redis.errors >= 1
+        assert tiers.stats().breaker_state == "open"  # the probe failed: open again
+        time.sleep(0.3)  # past the doubled open period: another probe
+        assert tiers.lookup(HASHES[:2]) == 2
+        assert tiers.stats().breaker_state == "closed"
+
+
+def test_the_engine_is_not_asked_for_blocks_the_tier_would_drop(redis_config: RedisConfig) -> None:
+    """While the breaker rejects (or the store queue is full) the engine skips copying
+    newly filled blocks off the device: they would be dropped on arrival."""
+    breaker = CircuitBreaker(failures_to_open=1, open_s=0.1)
+    with make(redis_config, breaker=breaker, store_queue_bytes=LAYOUT.block_bytes) as tiers:
+        assert tiers.accepts_stores
+        breaker.failure()
+        assert not tiers.accepts_stores
+        time.sleep(0.15)
+        assert tiers.lookup(HASHES[:1]) == 0  # the probe: Redis answers, the breaker closes
+        assert tiers.accepts_stores
