@@ -116,6 +116,8 @@ class SchedulerService:
         self.histories: dict[str, DemandHistory] = {g: DemandHistory() for g in self.groups}
         self.queue_depths: dict[str, int] = dict.fromkeys(self.groups, -1)
         self.desired: dict[str, int] = {}
+        # As leader: the breakers are loaded from the bucket since this term began.
+        self._leader_synced = False
         self.acted: list[Transition] = []  # transitions this replica acted on
         self.moves: list[Move] = []  # moves this replica ordered
         self.nc: Client | None = None
@@ -417,10 +419,14 @@ class SchedulerService:
         was = self.lease.held
         held = await self.lease.refresh()
         if held and not was:
-            # Continue from where the previous leader left the breakers.
-            await self._load_breakers()
+            # A new term: nothing from an earlier one counts, and the breakers continue from
+            # where the previous leader left them.
             self.rebalancer_state = RebalancerState()
             self.desired.clear()
+            self._leader_synced = False
+        if held and not self._leader_synced:
+            await self._load_breakers()  # a failure (a JetStream timeout) retries next refresh
+            self._leader_synced = True
         elif not held:
             self._unsaved.clear()  # the leader's word counts now, not ours
             await self._load_breakers()  # a standby follows the leader's decisions

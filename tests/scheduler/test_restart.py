@@ -113,3 +113,41 @@ async def test_lease_one_holder_takeover_when_stale_and_handover_on_release(nats
     assert not await holder.refresh()  # the old holder sees it lost
     await other.release()
     assert await holder.refresh()  # released: taken at once, no TTL to wait out
+
+
+async def test_a_new_leader_whose_breaker_load_fails_retries_it_and_starts_its_term_clean(
+    nats_config, start_scheduler, monkeypatch
+):
+    """Taking the lease, the scheduler resets what an earlier term left (desired replicas)
+    before loading the breakers; a load that fails (a JetStream timeout) is retried at the
+    next refresh instead of never."""
+    service = await start_scheduler("sched-a", make_config(nats_config))
+    assert service.is_leader
+    for task in service._tasks:  # the refreshes and ticks are driven by hand here
+        task.cancel()
+    await asyncio.gather(*service._tasks, return_exceptions=True)
+    lease = service.lease
+    answers = iter([False, True, True])  # lose the lease, then win it back
+
+    async def refresh() -> bool:
+        lease.held = next(answers)
+        return lease.held
+
+    monkeypatch.setattr(lease, "refresh", refresh)
+    await service._refresh_lease()  # standby now
+    service.desired["short"] = 3  # what an earlier term published
+    real_load = service._load_breakers
+    loads = {"n": 0}
+
+    async def flaky_load() -> None:
+        loads["n"] += 1
+        if loads["n"] == 1:
+            raise TimeoutError("JetStream timed out")
+        await real_load()
+
+    monkeypatch.setattr(service, "_load_breakers", flaky_load)
+    with contextlib.suppress(TimeoutError):
+        await service._refresh_lease()  # leader again; the load fails
+    assert service.desired == {}  # reset before the load, failed or not
+    await service._refresh_lease()  # the next refresh retries it
+    assert loads["n"] == 2
