@@ -29,7 +29,16 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from opentelemetry.sdk.trace import Event
-from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags, Tracer
+from opentelemetry.trace import (
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+    TraceState,
+)
 
 from common import tracing as t
 from common.span_batch import Deferred
@@ -82,12 +91,17 @@ class ServerCall(Deferred):
         self.status, self.route = status, route
         self.tracer.finish(self)
 
+    def trace_state(self) -> TraceState:
+        """The client's ``tracestate``, parsed (empty without one): this trace's, for the
+        server span, the publish span and the ``tracestate`` header alike."""
+        return self.parent.trace_state() if self.parent is not None else EMPTY_STATE
+
     def build(self) -> RecordedSpan:
-        tracer, parent = self.tracer, self.parent
+        tracer = self.tracer
         name = f"{self.method} {self.route or self.path}"
-        state = parent.trace_state() if parent is not None else EMPTY_STATE
-        span = RecordedSpan(tracer, name, SpanKind.SERVER, self.trace_id, self.span_id, parent,
-                            True, state, self.attributes, self.start_ns)  # fmt: skip
+        span = RecordedSpan(tracer, name, SpanKind.SERVER, self.trace_id, self.span_id,
+                            self.parent, True, self.trace_state(), self.attributes,
+                            self.start_ns)  # fmt: skip
         span.set_constants(tracer.constants(self.shared))
         if self.route:  # the route template, not the path: /v1/{group}/completions
             span.set_attribute("http.route", self.route)
@@ -112,10 +126,9 @@ class PublishCall(Deferred, AbstractContextManager[None]):
         self.call, self.subject, self.request_id = call, subject, request_id
         self.span_id = call.tracer.id_generator.generate_span_id()
         headers["traceparent"] = traceparent(call.trace_id, self.span_id, True)
-        if call.parent is not None and call.parent.tracestate:
-            state = call.parent.trace_state()  # as the span would say it: parsed, written
-            if state:
-                headers["tracestate"] = state.to_header()
+        state = call.trace_state()  # as the span says it: parsed, then written
+        if state:
+            headers["tracestate"] = state.to_header()
         self.error: BaseException | None = None
         self.end_ns = 0
         self.start_ns = time.time_ns()
@@ -128,7 +141,7 @@ class PublishCall(Deferred, AbstractContextManager[None]):
     def build(self) -> RecordedSpan:
         call = self.call
         tracer = call.tracer
-        state = call.parent.trace_state() if call.parent is not None else EMPTY_STATE
+        state = call.trace_state()
         server = SpanContext(call.trace_id, call.span_id, False, _SAMPLED, state)
         span = RecordedSpan(tracer, f"publish {self.subject}", SpanKind.PRODUCER, call.trace_id,
                             self.span_id, server, True, state,
