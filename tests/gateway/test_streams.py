@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 
 import httpx
 import nats.errors
@@ -11,7 +12,7 @@ import pytest
 
 from common.config import NatsConfig
 from common.errors import DeadlineExceededError, RateLimitError
-from common.protocol import Chunk, ErrorInfo, ResumeQuery, ResumeReply, Usage
+from common.protocol import Chunk, Control, ErrorInfo, ResumeQuery, ResumeReply, Usage
 from common.subjects import Subjects
 from gateway.streams import Delivery, ResponseStream
 from tests.gateway.conftest import MODEL, gateway_config, serve
@@ -208,6 +209,28 @@ async def _collect_controls(nats_config: NatsConfig, gw_nc, group: str):  # type
     return got
 
 
+async def _post_and_collect_aborts(
+    nats_config: NatsConfig,
+    behaviour: Callable[[Job], Awaitable[None]],
+    *,
+    stream: bool,
+    headers: dict[str, str] | None = None,
+    wait_s: float = 0.1,
+) -> tuple[httpx.Response, list[Control], str]:
+    """One completion against a worker that behaves so: the response, the controls its
+    group got (after ``wait_s``), and the request's id."""
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=behaviour) as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        controls = await _collect_controls(nats_config, worker.nc, "short")
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "stream": stream}
+        response = await http.post("/v1/completions", json=body, headers=headers)
+        await asyncio.sleep(wait_s)
+    return response, [Control.from_bytes(c) for c in controls], worker.jobs[0].request.id
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_deadline_passing_is_504_or_an_error_event_and_aborts_the_worker(
     nats_config: NatsConfig, stream: bool
@@ -216,17 +239,9 @@ async def test_deadline_passing_is_504_or_an_error_event_and_aborts_the_worker(
         await job.send(0, alphabet_tokens(1))
         await asyncio.sleep(3600)
 
-    async with (
-        serve(gateway_config(nats_config)) as gw,
-        running_worker(nats_config, "short", behaviour=one_token_then_silence) as worker,
-        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
-    ):
-        controls = await _collect_controls(nats_config, worker.nc, "short")
-        body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "stream": stream}
-        response = await http.post(
-            "/v1/completions", json=body, headers={"X-QoS-Deadline-Ms": "400"}
-        )
-        await asyncio.sleep(0.1)
+    response, aborts, request_id = await _post_and_collect_aborts(
+        nats_config, one_token_then_silence, stream=stream, headers={"X-QoS-Deadline-Ms": "400"}
+    )
     if stream:
         payloads = _sse_payloads(response.text)
         assert json.loads(payloads[0])["choices"][0]["text"] == "a"
@@ -234,10 +249,8 @@ async def test_deadline_passing_is_504_or_an_error_event_and_aborts_the_worker(
     else:
         assert response.status_code == 504
         assert response.json()["error"]["code"] == "deadline_exceeded"
-    from common.protocol import Control
-
-    (abort,) = [Control.from_bytes(c) for c in controls]
-    assert abort.action == "abort" and abort.request_id == worker.jobs[0].request.id
+    (abort,) = aborts
+    assert abort.action == "abort" and abort.request_id == request_id
 
 
 @pytest.mark.parametrize("ending", ["undecodable chunk", "worker error"])
@@ -256,23 +269,14 @@ async def test_a_stream_the_gateway_ends_itself_aborts_the_worker_and_a_worker_e
             await job.send(1, [], error=ErrorInfo(code="internal_error", message="boom"))
         await asyncio.sleep(3600)
 
-    async with (
-        serve(gateway_config(nats_config)) as gw,
-        running_worker(nats_config, "short", behaviour=one_token_then_ending) as worker,
-        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
-    ):
-        controls = await _collect_controls(nats_config, worker.nc, "short")
-        body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "stream": True}
-        response = await http.post("/v1/completions", json=body)
-        await asyncio.sleep(0.2)
+    response, aborts, request_id = await _post_and_collect_aborts(
+        nats_config, one_token_then_ending, stream=True, wait_s=0.2
+    )
     payloads = _sse_payloads(response.text)
     assert json.loads(payloads[-2])["error"]["code"] == "internal_error"
-    from common.protocol import Control
-
-    aborts = [Control.from_bytes(c) for c in controls]
     if ending == "undecodable chunk":
         (abort,) = aborts
-        assert abort.action == "abort" and abort.request_id == worker.jobs[0].request.id
+        assert abort.action == "abort" and abort.request_id == request_id
     else:
         assert aborts == []
 
@@ -310,8 +314,6 @@ async def test_an_aborted_request_leaves_the_request_queue(nats_config: NatsConf
 async def test_client_disconnect_mid_stream_aborts_the_worker_and_ends_resume(
     nats_config: NatsConfig,
 ):
-    from common.protocol import Control
-
     async def slow(job: Job) -> None:
         for i in range(26):
             await job.send(i, alphabet_tokens(26)[i : i + 1])
