@@ -28,6 +28,15 @@ Schemes (``SCHEMES``), each for K and V separately:
 - ``int8_k_smoothed``: K divided per channel by ``sqrt(amax)`` (calibrated, equal within
   each RoPE pair, mean 1) before quantising, as if q were multiplied by it (QServe's
   SmoothAttention): it tames outlier channels.
+- ``int8_exact_step`` / ``fp8_exact_step``: the shipped scale, but a step's attention uses
+  its own new K/V unrounded and only later steps read them quantised (vLLM's prefill over
+  an fp8 cache does this). The price: a token's output then depends on how its prompt was
+  cut into steps (chunked prefill, a prefix-cache or tier hit read back quantised), where
+  the shipped cache, read back for every key, gives the same tokens however it is cut.
+
+The calibrated schemes are calibrated on prompts the measured sets do not contain
+(``bench.kvquant.calibration_prompts``): calibrated on the measured prompts' own caches, K
+centring looked twice as good as it is.
 """
 
 from __future__ import annotations
@@ -38,8 +47,10 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.attention import AttentionMetadata, LayerKV
 from workers.engine.kernels import reference
 from workers.engine.kernels.kv_quant import AMAX_FLOOR, dequantize, quantize
+from workers.engine.models import llama
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -211,7 +222,11 @@ SCHEMES: dict[str, Callable[[CacheShape, Calibration], Quantiser]] = {
     "fp8_hadamard": _fp8_hadamard,
     "int8_k_centred": _int8_k_centred,
     "int8_k_smoothed": _int8_k_smoothed,
+    "int8_exact_step": _rows(_token_head(torch.int8), _token_head(torch.int8)),
+    "fp8_exact_step": _rows(_token_head(FP8), _token_head(FP8)),
 }
+# Schemes whose step attends over its own K/V unrounded (stored quantised after it attends).
+EXACT_STEP = frozenset({"int8_exact_step", "fp8_exact_step"})
 # Simulations of what kv_cache_dtype ships: they must reproduce the real runs exactly.
 SHIPPED = {"int8_token_head": "int8", "fp8_token_head": "fp8_e4m3"}
 
@@ -221,10 +236,14 @@ def simulating(
     layers: list[torch.Tensor], shape: CacheShape, calib: Calibration, scheme: str
 ) -> Iterator[None]:
     """While inside, the torch backend stores K/V through ``scheme`` into the fp32 caches
-    whose K tensors are ``layers`` (in layer order)."""
+    whose K tensors are ``layers`` (in layer order). An :data:`EXACT_STEP` scheme stores
+    the rows unrounded, lets the step attend, then stores them quantised."""
     quantiser = SCHEMES[scheme](shape, calib)
     layer_of = {t.data_ptr(): i for i, t in enumerate(layers)}
     store = reference.store_kv_ref
+    attend = llama.attend
+    # Per layer: the step's rows stored unrounded, to quantise once the step has attended.
+    pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def store_simulated(
         k: torch.Tensor,
@@ -240,12 +259,39 @@ def simulating(
         layer = layer_of[k_cache.data_ptr()]
         valid = slot_mapping >= 0
         slots = slot_mapping[valid].long()
-        k = quantiser(k[valid].float(), layer, "k", slots)
-        v = quantiser(v[valid].float(), layer, "v", slots)
-        store(k, v, k_cache, v_cache, slots)
+        k, v = k[valid].float(), v[valid].float()
+        if scheme in EXACT_STEP:
+            pending[layer] = (k, v, slots)
+            store(k, v, k_cache, v_cache, slots)
+            return
+        store(
+            quantiser(k, layer, "k", slots),
+            quantiser(v, layer, "v", slots),
+            k_cache,
+            v_cache,
+            slots,
+        )
+
+    def attend_then_quantise(
+        backend: str, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = attend(backend, q, cache, meta, scale)
+        layer = layer_of.get(cache.k.data_ptr())
+        if layer is not None and layer in pending:
+            k, v, slots = pending.pop(layer)
+            store(
+                quantiser(k, layer, "k", slots),
+                quantiser(v, layer, "v", slots),
+                cache.k,
+                cache.v,
+                slots,
+            )
+        return out
 
     reference.store_kv_ref = store_simulated
+    llama.attend = attend_then_quantise
     try:
         yield
     finally:
         reference.store_kv_ref = store
+        llama.attend = attend

@@ -153,3 +153,32 @@ def test_simulating_the_shipped_scheme_gives_the_real_quantised_runs_tokens(
     assert simulated == real
     # And the simulation does quantise: these prompts have tokens an fp32 cache changes.
     assert tokens(LLM(model, dtype="float32", num_kv_blocks=64)) != real
+
+
+def test_exact_step_attends_over_its_own_rows_unrounded_and_leaves_them_quantised() -> None:
+    """A prefill under ``int8_exact_step`` gives the unquantised run's first logprobs to the
+    bit, and leaves the cache as the shipped int8 scheme would."""
+    model = str(demo_model_path())
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0)
+    prompts = [[0, *range(40 + 7 * i, 60 + 7 * i)] for i in range(4)]
+
+    def first_logprobs(llm: LLM) -> list[float]:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        return [o.logprobs[0] for o in outs if o.logprobs]
+
+    exact = LLM(model, dtype="float32", num_kv_blocks=64)
+    want = first_logprobs(exact)
+    llm = LLM(model, dtype="float32", num_kv_blocks=64)
+    layers = llm.engine.runner.kv_caches
+    shape = CacheShape(len(layers), *layers[0].k.shape)
+    with simulating([layer.k for layer in layers], shape, CALIB, "int8_exact_step"):
+        got = first_logprobs(llm)
+    assert len(got) == len(prompts) and got == want
+    int8 = SCHEMES["int8_token_head"](shape, CALIB)
+    for mine, theirs in zip(layers, exact.engine.runner.kv_caches, strict=True):
+        for kind in ("k", "v"):
+            rows = getattr(theirs, kind)
+            assert torch.equal(getattr(mine, kind), int8(rows, 0, kind, torch.arange(1)))
+    # Quantised for real: the shipped scheme, rounding before it attends, logs other values.
+    shipped = LLM(model, dtype="float32", num_kv_blocks=64, kv_cache_dtype="int8")
+    assert first_logprobs(shipped) != want
