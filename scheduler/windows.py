@@ -224,7 +224,9 @@ def _combine(members: list[_Worker], now: float, queue_depth: int) -> GroupSampl
             return 0.0
         return sum(getattr(r, attr) * r.samples for r in with_samples) / weight
 
-    stalls = [now - w.stall_from for w in members if w.stall_from is not None]
+    # Up to each worker's latest report, not to now: between reports nothing is known, and
+    # a busy replica whose report fell in the previous tick would read as stalled.
+    stalls = [w.seen_at - w.stall_from for w in members if w.stall_from is not None]
     requests = errors = 0
     for w in members:
         new_finished, new_errors = w.finished - w.base_finished, w.report.errors - w.base_errors

@@ -51,11 +51,38 @@ def test_stall_bounds_the_latency_when_nothing_finishes():
     w.observe(tel("a", running=0), 0.0)
     w.observe(tel("a", running=3), 1.0)
     w.observe(tel("a", running=3), 2.0)
-    s = w.sample(4.0, {})["short"]
-    # Running since the report at t=1 with nothing finished: some request is >= 3 s old.
-    assert s.stall_ms == 3000 and s.latency_ms == 3000
+    w.observe(tel("a", running=3), 3.0)
+    s = w.sample(3.4, {})["short"]
+    # Running since the report at t=1, nothing finished by the one at t=3: some request is
+    # >= 2 s old. Not 2.4 s: nothing is known of the time since the last report.
+    assert s.stall_ms == 2000 and s.latency_ms == 2000
     w.observe(tel("a", running=3, requests_done=1), 5.0)  # progress resets the bound
-    assert w.sample(5.5, {})["short"].stall_ms == 500
+    assert w.sample(5.5, {})["short"].stall_ms == 0
+
+
+def test_busy_replicas_reporting_between_ticks_do_not_read_as_stalled():
+    """Two replicas finishing work at every report, a tick apart: a tick that finds one of
+    them fresh must not count the other's time since its report as a stall (it tripped
+    the breaker of a healthy group)."""
+    w = windows()
+    done = {"a": 0, "b": 0}
+    stalls = []
+    for tick in range(20):
+        t = tick * 0.5
+        worker = "a" if tick % 2 == 0 else "b"
+        done[worker] += 5
+        w.observe(tel(worker, running=8, requests_done=done[worker]), t + 0.1)
+        stalls.append(w.sample(t + 0.5, {})["short"].stall_ms)
+    assert stalls == [0.0] * 20
+
+
+def test_a_stalled_replica_shows_next_to_a_healthy_one():
+    w = windows()
+    w.observe(tel("a", running=2), 0.0)
+    for i in range(1, 5):
+        w.observe(tel("a", running=2), float(i))  # nothing finishes on a
+        w.observe(tel("b", running=2, requests_done=i), float(i))
+    assert w.sample(4.2, {})["short"].stall_ms == 4000
 
 
 def test_silent_and_stopped_workers_are_gone_and_a_moved_worker_changes_group():
