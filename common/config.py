@@ -207,7 +207,8 @@ class SchedulerConfig(_Strict):
     metrics_port: int = Field(9300, ge=0, le=65535)  # 0 = no /metrics server
     # Breakers are sampled and evaluated every tick: a transition acts within one tick.
     tick_interval_s: float = Field(0.5, gt=0)
-    # Per-group telemetry windows (metrics, rebalancer): the last N group samples of T seconds.
+    # Per-group telemetry windows (metrics, rebalancer): the last N group samples of T seconds;
+    # a breaker judges none of its samples older than T either.
     window_samples: int = Field(20, ge=1)
     window_s: float = Field(10.0, gt=0)
     # Leader lease `sched.lease` in the state bucket: renewed every renew_s, stale after ttl_s.

@@ -5,7 +5,9 @@ per scheduler tick in which the group reported (:meth:`Breaker.observe`) and tol
 (:meth:`Breaker.tick`). Both return the :class:`Transition` they made, or None; the
 service acts on it (batch cap, KV state, alert).
 
-- CLOSED: a window of the last ``window_samples`` samples. It opens when, with at least
+- CLOSED: a window of the last ``window_samples`` samples of the last ``max_age_s``
+  seconds (a sample from before a gap, when the group had no live worker, is not
+  evidence about the replicas that came back). It opens when, with at least
   ``min_samples`` in the window, the **mean of their p99s** exceeds the threshold (the
   field study: 10 samples, mean p99 > 500 ms), or when the window's error rate (errors /
   finished requests, judged over at least ``min_requests``) exceeds ``error_rate_threshold``.
@@ -71,9 +73,10 @@ class BreakerSettings:
     min_requests: int = 10
     wait_open_s: float = 10.0
     close_after_healthy: int = 3
+    max_age_s: float = 10.0
 
     @classmethod
-    def for_group(cls, group: GroupConfig) -> BreakerSettings:
+    def for_group(cls, group: GroupConfig, max_age_s: float = 10.0) -> BreakerSettings:
         b = group.breaker
         slo = group.slo_e2e_p99_ms if b.p99_kind == "e2e" else group.slo_ttft_ms
         return cls(
@@ -84,6 +87,7 @@ class BreakerSettings:
             min_requests=b.min_requests,
             wait_open_s=b.wait_open_s,
             close_after_healthy=b.close_after_healthy,
+            max_age_s=max_age_s,
         )
 
 
@@ -104,6 +108,7 @@ class Breaker:
         self.since = since
         self.reason = reason
         self.window: deque[BreakerSample] = deque(maxlen=settings.window_samples)
+        self._window_at: deque[float] = deque(maxlen=settings.window_samples)  # when each came
         self.healthy_in_row = 0
 
     # --- reading -------------------------------------------------------------------------
@@ -127,7 +132,11 @@ class Breaker:
         moved = self.tick(now)  # a due OPEN → HALF_OPEN happens before judging the sample
         if moved is not None or self.state == "open":
             return moved
+        while self._window_at and now - self._window_at[0] > self.settings.max_age_s:
+            self._window_at.popleft()
+            self.window.popleft()
         self.window.append(sample)
+        self._window_at.append(now)
         if self.state == "closed":
             return self._judge_closed(now)
         return self._judge_half_open(sample, now)
@@ -143,8 +152,7 @@ class Breaker:
     def restore(self, state: State, since: float, reason: str = "") -> None:
         """Continue from a state persisted elsewhere (a restart); not a transition."""
         if (state, since) != (self.state, self.since):
-            self.window.clear()
-            self.healthy_in_row = 0
+            self._clear()
         self.state, self.since, self.reason = state, since, reason
 
     # --- rules ---------------------------------------------------------------------------
@@ -190,6 +198,10 @@ class Breaker:
     def _move(self, target: State, now: float, reason: str) -> Transition:
         transition = Transition(self.group, self.state, target, now, reason)
         self.state, self.since, self.reason = target, now, reason
-        self.window.clear()  # no state judges samples from before it began
-        self.healthy_in_row = 0
+        self._clear()  # no state judges samples from before it began
         return transition
+
+    def _clear(self) -> None:
+        self.window.clear()
+        self._window_at.clear()
+        self.healthy_in_row = 0

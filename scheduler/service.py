@@ -94,7 +94,7 @@ class SchedulerService:
         self.subjects = Subjects(config.nats.subject_prefix)
         self._clock, self._wall = clock, wall
         self.breakers = {
-            g: Breaker(g, BreakerSettings.for_group(gc), since=clock())
+            g: Breaker(g, BreakerSettings.for_group(gc, self.cfg.window_s), since=clock())
             for g, gc in config.groups.items()
         }
         self.windows = TelemetryWindows(

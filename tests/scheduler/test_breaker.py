@@ -177,3 +177,14 @@ def test_transitions_are_only_the_legal_ones_under_any_input(events):
             assert now - since >= 5  # never probes before wait_open_s
         if t.source == "open":
             assert t.target == "half_open"  # never straight back to closed
+
+
+def test_samples_from_before_a_gap_do_not_judge_the_replicas_that_came_back():
+    """Four slow samples while the group's workers died (too few to trip), then nothing for
+    an hour, then a healthy replica: the old samples are past ``max_age_s`` and stay out."""
+    b = Breaker("short", S)
+    assert feed(b, [BreakerSample(2000)] * 4) == []
+    assert feed(b, [FAST] * 3, start=3600.0) == []
+    assert b.state == "closed" and len(b.window) == 3
+    # Within the age the window counts as before: slow samples close together still trip.
+    assert [t.target for t in feed(b, [BreakerSample(3000)] * 5, start=3603.0)] == ["open"]
