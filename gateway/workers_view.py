@@ -11,7 +11,12 @@ which the scheduler writes and this view watches:
 - value: a JSON object or a msgpack map ``{"state": "closed" | "open" | "half_open", ...}``;
   other fields (reason, since, batch cap...) are ignored here;
 - a missing, deleted or purged key, or a value that does not decode, reads as ``closed``,
-  so a scheduler that is down never takes a group out of service by accident.
+  so a scheduler that is down never takes a group out of service by accident;
+- so does an ``open`` or ``half_open`` value not written again for ``breaker_stale_s``
+  (:data:`BREAKER_STALE_S`, 30 s): the leading scheduler rewrites those every 5 s
+  (``scheduler.records.BREAKER_RENEW_S``), so one that stays unrenewed was left by a
+  scheduler that died, and the group would otherwise stay diverted (or refused, with no
+  fallback) until one came back.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ BreakerState = Literal["closed", "open", "half_open"]
 BREAKER_STATES: frozenset[str] = frozenset({"closed", "open", "half_open"})
 BREAKER_KEY_PREFIX = "breaker."
 LIVE_WINDOW_S = 3.0
+BREAKER_STALE_S = 30.0
 
 
 def decode_breaker(value: bytes | None) -> BreakerState:
@@ -67,6 +73,7 @@ class WorkersView:
         groups: Iterable[str],
         *,
         live_window_s: float = LIVE_WINDOW_S,
+        breaker_stale_s: float = BREAKER_STALE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._groups = list(groups)
@@ -75,6 +82,9 @@ class WorkersView:
         # group -> worker -> monotonic time of its latest "serving" report
         self._serving: dict[str, dict[str, float]] = {g: {} for g in self._groups}
         self._breakers: dict[str, BreakerState] = {}
+        self._breaker_stale_s = breaker_stale_s
+        self._breaker_at: dict[str, float] = {}  # group -> when its record was last written
+        self._stale_logged: set[str] = set()
         self._waiters: list[tuple[Collection[str], asyncio.Future[None]]] = []
         self._sub: Subscription | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -100,7 +110,19 @@ class WorkersView:
         return {g: self.live_workers(g) for g in self._groups}
 
     def breaker(self, group: str) -> BreakerState:
-        return self._breakers.get(group, "closed")
+        state = self._breakers.get(group, "closed")
+        if state == "closed" or self._clock() - self._breaker_at[group] <= self._breaker_stale_s:
+            return state
+        if group not in self._stale_logged:
+            self._stale_logged.add(group)
+            log.warning(
+                "breaker %s: %s but not renewed for %.0f s (no scheduler leads?); "
+                "treating it as closed",
+                group,
+                state,
+                self._breaker_stale_s,
+            )
+        return "closed"
 
     def breakers(self) -> dict[str, BreakerState]:
         return {g: self.breaker(g) for g in self._groups}
@@ -135,8 +157,11 @@ class WorkersView:
                 waiter.set_result(None)
 
     def set_breaker(self, group: str, state: BreakerState) -> None:
+        """A record was written (a change or a renewal); the state counts from now."""
         previous = self._breakers.get(group, "closed")
         self._breakers[group] = state
+        self._breaker_at[group] = self._clock()
+        self._stale_logged.discard(group)
         if state != previous:
             log.info("breaker %s: %s -> %s", group, previous, state)
 

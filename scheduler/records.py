@@ -11,6 +11,11 @@ and by a scheduler that (re)starts, which continues the state machine from it::
 ``batch_cap`` is the cap the group's workers should run at in this state (``open_batch_cap``
 while open or half-open, the group's ``max_batch`` once closed).
 
+The leader writes a record when its breaker moves, and writes an open or half-open one
+again every :data:`BREAKER_RENEW_S`: a gateway that has not seen a non-closed record
+renewed for ``BREAKER_STALE_S`` (:mod:`gateway.workers_view`) reads it as closed, so a group
+is not kept out of service by a scheduler that died while its breaker was open.
+
 ``desired.<group>`` — for an autoscaler (KEDA/HPA read ``qos_desired_replicas`` too)::
 
     {"v": 1, "replicas": int, "current": int, "why": str, "ts_ms": int}
@@ -27,6 +32,8 @@ from typing import Any
 from scheduler.breaker import STATES, State
 
 BREAKER_PREFIX = "breaker."
+# How often the leader rewrites an open or half-open breaker record (see above).
+BREAKER_RENEW_S = 5.0
 DESIRED_PREFIX = "desired."
 
 

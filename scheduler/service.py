@@ -16,7 +16,9 @@
 - Only the holder of the lease (:mod:`scheduler.lease`) acts; a standby keeps its windows
   warm and its breakers in step with the bucket, so it takes over where the leader stood.
   A scheduler that starts continues each breaker from ``breaker.<group>``. Nothing is
-  deleted on exit: with no scheduler, gateways and workers keep the last state.
+  deleted on exit: with no scheduler, workers keep their last batch cap and gateways the
+  last breaker state, until an open or half-open one goes unrenewed (the leader rewrites
+  it every ``BREAKER_RENEW_S``) long enough that they read it as closed.
 """
 
 from __future__ import annotations
@@ -59,7 +61,13 @@ from scheduler.rebalancer import (
     ReplicaView,
     decide,
 )
-from scheduler.records import BreakerRecord, DesiredRecord, breaker_key, desired_key
+from scheduler.records import (
+    BREAKER_RENEW_S,
+    BreakerRecord,
+    DesiredRecord,
+    breaker_key,
+    desired_key,
+)
 from scheduler.windows import GroupSample, TelemetryWindows, backlog
 
 log = logging.getLogger(__name__)
@@ -128,6 +136,7 @@ class SchedulerService:
         self._tasks: list[asyncio.Task[None]] = []
         self._cap_sent: dict[str, float] = {}  # worker -> when it was last told its cap
         self._unsaved: dict[str, BreakerRecord] = {}  # breaker states the bucket lacks
+        self._breaker_written: dict[str, float] = {}  # group -> when this replica last wrote it
         self._history_saved = 0.0
         self._stop_requested = asyncio.Event()
         self._stopped = False
@@ -259,6 +268,14 @@ class SchedulerService:
                 transition = breaker.tick(now)
             if transition is not None:
                 await self._act(transition)
+            elif (
+                breaker.state != "closed"
+                and group not in self._unsaved
+                and now - self._breaker_written.get(group, -1e9) >= BREAKER_RENEW_S
+            ):
+                # Renewed, so gateways can tell this breaker from one a dead scheduler left.
+                record = self._record(group, breaker.state, breaker.since, breaker.reason)
+                self._unsaved[group] = record
         if self._unsaved:
             await self._save_breakers()
         await self._reconcile_caps(now)
@@ -276,9 +293,8 @@ class SchedulerService:
         """Publish a transition: bucket first (gateways divert), then workers, then alert."""
         assert self.nc is not None and self.kv is not None
         gc = self.config.groups[t.group]
-        cap = self._cap_for(t.group, t.target)
-        since_ms = int((self._wall() - (self._clock() - t.at)) * 1000)
-        record = BreakerRecord(t.target, since_ms, t.reason, gc.fallback, cap, self.id)
+        record = self._record(t.group, t.target, t.at, t.reason)
+        cap, since_ms = record.batch_cap, record.since_ms
         self.acted.append(t)
         self.metrics.transition(t.group, t.source, t.target)
         self.metrics.set_breaker(t.group, t.target)
@@ -308,6 +324,14 @@ class SchedulerService:
             }
         )
 
+    def _record(self, group: str, state: State, since: float, reason: str) -> BreakerRecord:
+        """The bucket's record of ``group``'s breaker in ``state`` since ``since`` (our clock)."""
+        since_ms = int((self._wall() - (self._clock() - since)) * 1000)
+        fallback = self.config.groups[group].fallback
+        return BreakerRecord(
+            state, since_ms, reason, fallback, self._cap_for(group, state), self.id
+        )
+
     async def _save_breakers(self) -> None:
         """Write the breaker states not yet in the bucket (a failed write is retried)."""
         assert self.kv is not None
@@ -315,6 +339,7 @@ class SchedulerService:
             try:
                 await self.kv.put(breaker_key(group), record.to_bytes())
                 del self._unsaved[group]
+                self._breaker_written[group] = self._clock()
             except Exception as exc:
                 log.error("breaker %s: writing the state failed (retrying): %s", group, exc)
 
@@ -423,6 +448,7 @@ class SchedulerService:
             # where the previous leader left them.
             self.rebalancer_state = RebalancerState()
             self.desired.clear()
+            self._breaker_written.clear()
             self._leader_synced = False
         if held and not self._leader_synced:
             await self._load_breakers()  # a failure (a JetStream timeout) retries next refresh

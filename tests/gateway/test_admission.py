@@ -11,12 +11,13 @@ import httpx
 import msgpack
 import pytest
 
-from common.config import Config, NatsConfig
+from common.config import Config, NatsConfig, SchedulerConfig
 from common.errors import RateLimitError, ServiceUnavailableError
 from common.nats import connect
 from common.protocol import Telemetry
 from gateway.admission import Admission
-from gateway.workers_view import WorkersView, decode_breaker
+from gateway.workers_view import BREAKER_STALE_S, WorkersView, decode_breaker
+from scheduler.records import BREAKER_RENEW_S
 from tests.gateway.conftest import MODEL, gateway_config, serve
 from tests.gateway.fake_worker import echo_alphabet, running_worker
 
@@ -190,3 +191,26 @@ async def _until(condition, timeout_s: float = 3.0) -> None:  # type: ignore[no-
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.02)
+
+
+def test_an_open_breaker_no_scheduler_renews_reads_as_closed_until_written_again(caplog):
+    """A scheduler that died with a breaker open must not keep the group out of service: the
+    leader rewrites open records every BREAKER_RENEW_S, so one unrenewed for the stale limit
+    was left behind."""
+    now = [0.0]
+    view = WorkersView(["long"], breaker_stale_s=30.0, clock=lambda: now[0])
+    view.set_breaker("long", "open")
+    now[0] = 30.0
+    assert view.breaker("long") == "open"
+    now[0] = 30.5
+    assert view.breaker("long") == "closed" and view.breakers() == {"long": "closed"}
+    assert "not renewed" in caplog.text
+    view.set_breaker("long", "open")  # a scheduler is back and rewrites it
+    assert view.breaker("long") == "open"
+    view.set_breaker("long", "closed")
+    now[0] = 1e6
+    assert view.breaker("long") == "closed"
+
+
+def test_the_stale_limit_leaves_room_for_renewals_and_a_leader_handover():
+    assert 3 * BREAKER_RENEW_S + SchedulerConfig().lease_ttl_s <= BREAKER_STALE_S

@@ -18,6 +18,8 @@ import yaml
 
 from common.services import free_port
 from scheduler.lease import LEASE_KEY, Lease, LeaseRecord
+from scheduler.records import BREAKER_RENEW_S, BreakerRecord, breaker_key
+from scheduler.service import SchedulerService
 from tests.scheduler.conftest import MAX_TOKENS, Load, make_config, until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,3 +153,39 @@ async def test_a_new_leader_whose_breaker_load_fails_retries_it_and_starts_its_t
     assert service.desired == {}  # reset before the load, failed or not
     await service._refresh_lease()  # the next refresh retries it
     assert loads["n"] == 2
+
+
+async def test_the_leader_renews_an_open_breaker_record_and_not_a_closed_one(nats_config, js):
+    """Gateways read an open record nobody renews as left by a dead scheduler; the leader
+    must therefore rewrite it every BREAKER_RENEW_S while it stays open."""
+    now = [1000.0]
+    service = SchedulerService(make_config(nats_config), scheduler_id="s", clock=lambda: now[0])
+    await service.start()
+    try:
+        for task in service._tasks:  # ticks are driven by hand, on the fake clock
+            task.cancel()
+        await asyncio.gather(*service._tasks, return_exceptions=True)
+        assert service.is_leader and service.kv is not None
+        kv = service.kv
+
+        async def revision(group: str) -> int:
+            try:
+                return (await kv.get(breaker_key(group))).revision
+            except nats.js.errors.KeyNotFoundError:
+                return 0
+
+        service.breakers["long"].restore("open", now[0], "an incident")
+        await service.tick()
+        first = await revision("long")
+        record = BreakerRecord.from_bytes((await kv.get(breaker_key("long"))).value)
+        assert first and record is not None and record.state == "open"
+        now[0] += BREAKER_RENEW_S - 1
+        await service.tick()
+        assert await revision("long") == first  # not due yet
+        now[0] += 1
+        await service.tick()
+        assert await revision("long") > first
+        assert service.breakers["long"].state == "open"  # a renewal, not a transition
+        assert await revision("short") == 0  # closed: nothing to renew
+    finally:
+        await service.stop()
