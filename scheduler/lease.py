@@ -10,7 +10,10 @@ exactly one wins. The holder renews it every ``renew_s``; another replica takes 
 once ``expires_ms`` has passed (a holder that died or lost NATS). Expiry is by wall clock
 in the value, so replicas need clocks that agree to well under ``ttl_s`` (NTP does).
 A holder that stops cleanly writes an expired value so a standby takes over at its next
-renewal instead of waiting out the TTL; nothing deletes the key.
+renewal instead of waiting out the TTL; nothing deletes the key. A holder whose renewal is
+slow (a JetStream call can take longer than the TTL) stops counting itself the holder
+(:meth:`Lease.valid`) a margin before the expiry it last wrote, when a standby may take
+over, so two replicas never act at once.
 """
 
 from __future__ import annotations
@@ -70,6 +73,14 @@ class Lease:
         self._clock = clock
         self.held = False
         self.current: LeaseRecord | None = None  # the last value seen
+
+    def valid(self) -> bool:
+        """Held, and the expiry last written is more than a margin away (a quarter of the
+        TTL, at most 0.5 s: room for the replicas' clocks to disagree)."""
+        if not self.held or self.current is None or self.current.holder != self.holder:
+            return False
+        margin_ms = min(500.0, self.ttl_s * 250)
+        return self.current.expires_ms - margin_ms > self._clock() * 1000
 
     def _record(self, ttl_s: float) -> LeaseRecord:
         now_ms = int(self._clock() * 1000)

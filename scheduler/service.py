@@ -143,7 +143,7 @@ class SchedulerService:
 
     @property
     def is_leader(self) -> bool:
-        return self.lease is not None and self.lease.held
+        return self.lease is not None and self.lease.valid()
 
     # --- life cycle ----------------------------------------------------------------------
 
@@ -451,7 +451,10 @@ class SchedulerService:
             self._breaker_written.clear()
             self._leader_synced = False
         if held and not self._leader_synced:
-            await self._load_breakers()  # a failure (a JetStream timeout) retries next refresh
+            # A failure (a JetStream timeout) retries at the next refresh. The histories too:
+            # a standby learns no demand, and its first save would overwrite the bucket's.
+            await self._load_breakers()
+            await self._load_histories()
             self._leader_synced = True
         elif not held:
             self._unsaved.clear()  # the leader's word counts now, not ours

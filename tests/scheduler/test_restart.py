@@ -17,6 +17,8 @@ import nats.js.errors
 import yaml
 
 from common.services import free_port
+from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
+from scheduler.history import DemandHistory
 from scheduler.lease import LEASE_KEY, Lease, LeaseRecord
 from scheduler.records import BREAKER_RENEW_S, BreakerRecord, breaker_key
 from scheduler.service import SchedulerService
@@ -189,3 +191,44 @@ async def test_the_leader_renews_an_open_breaker_record_and_not_a_closed_one(nat
         assert await revision("short") == 0  # closed: nothing to renew
     finally:
         await service.stop()
+
+
+async def test_a_holder_whose_renewal_stalls_stops_acting_before_a_standby_can_take_over(
+    nats_config, js
+):
+    from common.nats import ensure_kv
+
+    kv = await ensure_kv(js, nats_config)
+    now = [time.time()]
+    lease = Lease(kv, "a", ttl_s=2.0, clock=lambda: now[0])
+    assert await lease.refresh() and lease.valid()
+    now[0] += 1.4  # no refresh came back since (a JetStream call hanging): 0.6 s left
+    assert lease.held and lease.valid()
+    now[0] += 0.2  # within the margin before the expiry it wrote: a standby's clock may be ahead
+    assert lease.held and not lease.valid()
+    assert await lease.refresh() and lease.valid()  # renewed: acting again
+
+
+async def test_a_new_leader_takes_the_demand_history_from_the_bucket(
+    nats_config, start_scheduler, monkeypatch
+):
+    """A standby learns no demand; taking over, it must not overwrite what the previous
+    leader learnt with its own stale copy."""
+    service = await start_scheduler("sched-a", make_config(nats_config))
+    for task in service._tasks:
+        task.cancel()
+    await asyncio.gather(*service._tasks, return_exceptions=True)
+    lease = service.lease
+    answers = iter([False, True])
+
+    async def refresh() -> bool:
+        lease.held = next(answers)
+        return lease.held
+
+    monkeypatch.setattr(lease, "refresh", refresh)
+    await service._refresh_lease()  # standby
+    learnt = DemandHistory()
+    learnt.observe(7.0, time.time(), alpha=0.5)
+    await service.kv.put(HISTORY_PREFIX + "short", learnt.to_bytes())  # the other leader's
+    await service._refresh_lease()  # leader
+    assert service.histories["short"].to_bytes() == learnt.to_bytes()
