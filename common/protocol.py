@@ -552,6 +552,31 @@ class Telemetry(Message):
     prefix_hit_tokens: int = 0
     busy_ratio: float = 0.0
 
+    def validate(self) -> None:
+        # The scheduler sizes groups from these (desired replicas, a demand history kept for
+        # weeks): one absurd report must not reach them.
+        for name in _TELEMETRY_COUNTS:
+            value = getattr(self, name)
+            if not 0 <= value <= MAX_TELEMETRY_COUNT:
+                raise ProtocolError(
+                    f"telemetry.{name}: {value} is outside [0, {MAX_TELEMETRY_COUNT}]"
+                )
+        for name in _TELEMETRY_AMOUNTS:
+            if getattr(self, name) < 0:
+                raise ProtocolError(f"telemetry.{name}: must be >= 0")
+        for name in ("kv_usage", "busy_ratio"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ProtocolError(f"telemetry.{name}: must be a ratio in [0, 1]")
+
+
+# Per worker: sequences running or waiting, batch cap. Far above any engine, far below harm.
+MAX_TELEMETRY_COUNT = 1 << 20
+_TELEMETRY_COUNTS = ("running", "waiting", "batch_cap")
+_TELEMETRY_AMOUNTS = (
+    "tokens_per_s", "requests_done", "errors", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms",
+    "e2e_p99_ms", "samples", "prefix_queried_tokens", "prefix_hit_tokens",
+)  # fmt: skip
+
 
 @dataclass
 class Control(Message):

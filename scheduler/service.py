@@ -121,6 +121,7 @@ class SchedulerService:
             max_replicas=self.cfg.max_replicas,
         )
         self.rebalancer_state = RebalancerState()
+        self._replica_current_s = 1.5 * config.worker.telemetry_interval_s
         self.histories: dict[str, DemandHistory] = {g: DemandHistory() for g in self.groups}
         self.queue_depths: dict[str, int] = dict.fromkeys(self.groups, -1)
         self.desired: dict[str, int] = {}
@@ -381,6 +382,9 @@ class SchedulerService:
         for group, gc in self.config.groups.items():
             stats = self.windows.stats(group, now, self.queue_depths[group])
             reports = list(self.windows.workers(group))
+            # A replica that missed its last report may be dead (it is forgotten only after
+            # worker_silent_s): counting it could move the group's last live one away.
+            current = self.windows.reported_within(group, now, self._replica_current_s)
             held = sum(r.running + r.waiting for r in reports)
             waiting = backlog(self.queue_depths[group], held)
             self.histories[group].observe(held + waiting, epoch, self.cfg.history_alpha)
@@ -389,7 +393,12 @@ class SchedulerService:
                 GroupView(
                     name=group,
                     replicas=tuple(
-                        ReplicaView(r.worker, r.running, r.waiting, r.state == "serving")
+                        ReplicaView(
+                            r.worker,
+                            r.running,
+                            r.waiting,
+                            r.state == "serving" and r.worker in current,
+                        )
                         for r in reports
                     ),
                     backlog=waiting,

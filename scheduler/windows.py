@@ -182,6 +182,14 @@ class TelemetryWindows:
             if group is None or w.report.group == group:
                 yield w.report
 
+    def reported_within(self, group: str, now: float, within_s: float) -> set[str]:
+        """Workers of ``group`` whose latest report is at most ``within_s`` old."""
+        return {
+            w.report.worker
+            for w in self._workers.values()
+            if w.report.group == group and now - w.seen_at <= within_s
+        }
+
     def replicas(self, group: str) -> int:
         """Live workers of ``group`` that report ``serving``."""
         return sum(1 for r in self.workers(group) if r.state == "serving")

@@ -184,6 +184,28 @@ def test_chunk_rejections(payload: bytes, reason: str | None) -> None:
         Chunk.from_bytes(payload)
 
 
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"running": 2**62}, r"running: \d+ is outside"),
+        ({"waiting": -3}, "waiting: -3 is outside"),
+        ({"requests_done": -1}, "requests_done: must be >= 0"),
+        ({"e2e_p99_ms": -5.0}, "e2e_p99_ms: must be >= 0"),
+        ({"kv_usage": 1.5}, "kv_usage: must be a ratio"),
+        ({"busy_ratio": -0.1}, "busy_ratio: must be a ratio"),
+        ({"running": 1 << 20, "kv_usage": 1.0, "busy_ratio": 0.0}, None),
+    ],
+)
+def test_telemetry_outside_sane_ranges_is_rejected(fields: dict, reason: str | None) -> None:
+    """The scheduler sizes groups from telemetry: one absurd report must not reach it."""
+    payload = Telemetry(worker="w", group="short", ts_ms=0, **fields).to_bytes()
+    if reason is None:
+        assert Telemetry.from_bytes(payload).running == fields["running"]
+        return
+    with pytest.raises(ProtocolError, match=reason):
+        Telemetry.from_bytes(payload)
+
+
 def test_control_action_is_an_enum() -> None:
     with pytest.raises(ProtocolError, match="not one of"):
         Control.from_bytes(_raw(action="self_destruct"))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from common.protocol import RequestParams
-from tests.scheduler.conftest import until
+from common.protocol import RequestParams, Telemetry
+from scheduler.service import SchedulerService
+from tests.scheduler.conftest import make_config, until
 from workers.sim import SimCost
 
 SLOW_LONG = SimCost(base_s=0.1, prefill_s_per_token=0.0, decode_s_per_seq=0.0)  # 1 s a request
@@ -47,3 +48,35 @@ async def test_backlog_moves_an_idle_replica_and_drains_with_nothing_lost(
     assert sched.windows.replicas("short") >= 1
     desired = json.loads((await observer.kv.get("desired.long")).value)
     assert desired["replicas"] >= 2
+
+
+async def test_a_replica_that_missed_its_report_is_not_counted_when_moving(nats_config):
+    """short has a (reporting) and b (silent 1 s, not yet forgotten: maybe dead). Counting b
+    would let the rebalancer move a to long's backlog, leaving short no live replica."""
+    now = [1000.0]
+    service = SchedulerService(make_config(nats_config), scheduler_id="s", clock=lambda: now[0])
+    await service.start()
+    try:
+        for task in service._tasks:  # rebalancing is driven by hand, on the fake clock
+            task.cancel()
+        await asyncio.gather(*service._tasks, return_exceptions=True)
+
+        async def rounds(b_reports: bool) -> list[str]:
+            for _ in range(3):  # move_after_ticks is 2
+                now[0] += 0.1
+                service.windows.observe(Telemetry(worker="a", group="short", ts_ms=0), now[0])
+                if b_reports:
+                    service.windows.observe(Telemetry(worker="b", group="short", ts_ms=0), now[0])
+                busy = Telemetry(worker="l1", group="long", ts_ms=0, running=2, waiting=4)
+                service.windows.observe(busy, now[0])
+                service.queue_depths["long"] = 12
+                service.windows.sample(now[0], service.queue_depths)  # what a tick does
+                await service.rebalance()
+            return [m.worker for m in service.moves]
+
+        service.windows.observe(Telemetry(worker="b", group="short", ts_ms=0), now[0])
+        now[0] += 0.9
+        assert await rounds(b_reports=False) == []
+        assert await rounds(b_reports=True) == ["a"]  # both live: one may go
+    finally:
+        await service.stop()
