@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from workers.engine.block_pool import BlockPool, hash_block, hash_chain
-from workers.engine.request import Request
+from workers.engine.request import PLACEHOLDER, Request
 from workers.engine.sampling_params import SamplingParams
 
 BS = 4
@@ -277,3 +277,21 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 TestBlockPoolMachine = BlockPoolMachine.TestCase
 TestBlockPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_token_still_on_the_device_is_not_hashed_into_a_block_name() -> None:
+    """Async output appends a placeholder for a sampled token until it is read back; a
+    preemption in between frees (and names) the request's blocks. The block that the
+    placeholder ends must be named after the real token, or the request and every later
+    turn miss their own prefix (and a tier could serve another request's KV under it)."""
+    pool = BlockPool(num_blocks=8, block_size=BS, watermark=0.0)
+    req = make_request([1, 2, 3, 4, 5, 6], "a")
+    assert admit(pool, req)
+    req.append_token(7)
+    req.num_computed_tokens = 7
+    req.append_token(PLACEHOLDER)  # sampled at position 7, ends block 1, not read back
+    req.pending_row = 0
+    pool.free(req)  # preempted before the read-back
+    req.token_ids[-1] = req.output_token_ids[-1] = 8  # the read-back
+    req.pending_row = -1
+    assert pool.update_hashes(req) == hash_chain([1, 2, 3, 4, 5, 6, 7, 8], BS)

@@ -180,11 +180,16 @@ class BlockPool:
     # --- prefix cache --------------------------------------------------------------------
 
     def update_hashes(self, req: Request) -> list[bytes]:
-        """Extend ``req.block_hashes`` to every full block of its tokens; return it."""
-        if len(req.block_hashes) < req.num_tokens // self.block_size:
-            req.block_hashes = hash_chain(
-                req.token_ids, self.block_size, self.hash_salt, req.block_hashes
-            )
+        """Extend ``req.block_hashes`` to every full block of its known tokens; return it.
+
+        A sampled token not read back yet (async output) is a placeholder: a block it ends
+        is not named until it is real, since names only ever grow (a preemption frees the
+        request's blocks, naming them, while its last token is still on the device).
+        """
+        known = req.num_tokens - (req.pending_row >= 0)
+        if len(req.block_hashes) < known // self.block_size:
+            tokens = req.token_ids if known == req.num_tokens else req.token_ids[:known]
+            req.block_hashes = hash_chain(tokens, self.block_size, self.hash_salt, req.block_hashes)
         return req.block_hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
