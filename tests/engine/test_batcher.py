@@ -284,3 +284,18 @@ def test_prefill_delay_never_holds_an_arrival_longer_than_max_wait_ms() -> None:
     assert ids(run(b)) == ["long"]
     clock.now += 0.0051
     assert ids(run(b)) == ["b"]  # past 5 ms, the cap
+
+
+def test_hybrid_preempts_the_least_urgent_even_when_it_is_the_decode_asking() -> None:
+    """Hybrid schedules decodes before prefill chunks. A low-priority decode that needs a
+    block when the pool is full must give way itself, not evict the urgent prompt whose
+    chunks are still queued behind it."""
+    b = make_batcher("hybrid", num_blocks=4, budget=8)
+    b.add(req("low", 7, max_tokens=20, priority=5, arrival=1.0))
+    run(b)  # low's prompt: two blocks
+    b.add(req("urgent", 20, max_tokens=4, priority=0, arrival=2.0))
+    run(b)  # low decodes into its second block; urgent's first chunk of 7 takes the others
+    assert b.pool.num_free_blocks == 0
+    plan = run(b)  # low's next token needs a block
+    assert [r.request_id for r in plan.preempted] == ["low"]
+    assert ids(plan) == ["urgent"]

@@ -304,7 +304,8 @@ class Batcher:
     def _schedule_running(self, plan: BatchPlan, budget: int | None) -> None:
         """Give running requests their next tokens: decodes first, then unfinished prefill
         chunks (``budget`` bounds the total; None = one token each, the whole-prompt
-        policies' decode step). Preempts from the back of the queue when blocks run out."""
+        policies' decode step). When blocks run out, the least urgent request not yet
+        scheduled this step goes (requests already in the plan keep their blocks)."""
         if budget is None:
             queue = sorted(self.running, key=lambda r: r.sort_key)
         else:
@@ -318,7 +319,9 @@ class Batcher:
             if num_new <= 0:
                 break
             while not self.pool.allocate_slots(req, num_new):
-                victim = max(queue, key=lambda r: r.sort_key) if queue else req
+                # The least urgent of those not yet scheduled, the asker included: hybrid
+                # puts decodes first, so an urgent prompt's chunks may still be queued.
+                victim = max([*queue, req], key=lambda r: r.sort_key)
                 if victim is not req:
                     queue.remove(victim)
                 self._preempt(victim, plan)
