@@ -91,6 +91,17 @@ def test_dynamic_waits_for_a_full_batch_or_the_deadline() -> None:
     assert sorted(ids(run(b2))) == ["x", "y"]
 
 
+def test_an_arrival_stamped_by_a_clock_ahead_of_ours_waits_only_max_wait() -> None:
+    """Arrival times come from the gateway's clock; one a minute ahead of the worker's must
+    not hold a partial batch a minute longer."""
+    clock = Clock()
+    b = make_batcher("dynamic", max_batch_size=3, max_wait_ms=50, clock=clock)
+    b.add(req("a", 4, arrival=clock.now + 60.0))
+    assert run(b).is_empty
+    clock.now += 0.051
+    assert ids(run(b)) == ["a"]
+
+
 def test_continuous_admits_arrivals_at_the_next_step_preferring_prefill() -> None:
     b = make_batcher("continuous")
     b.add(req("a", 5, max_tokens=10))

@@ -123,6 +123,7 @@ class Batcher:
     def add(self, req: Request) -> None:
         """Queue a new request."""
         req.status = RequestStatus.WAITING
+        req.queued_since = min(req.arrival_time, self.clock())
         if self.policy == "hybrid":
             bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
         else:
@@ -199,7 +200,7 @@ class Batcher:
             tokens += r.num_tokens
             if tokens >= self.max_num_batched_tokens or r.num_preemptions:
                 return False  # a full prefill step, or one that was running: admit now
-            oldest = min(oldest, r.arrival_time)
+            oldest = min(oldest, r.queued_since)
         hold = min(self.prefill_delay_factor * self._admit_step_s, self.max_wait_s)
         return self.clock() - oldest < hold
 
@@ -215,7 +216,7 @@ class Batcher:
             return []
         if self.policy == "dynamic" and not (
             len(self.waiting) >= self.max_batch_size
-            or self.clock() - self.waiting[0].arrival_time >= self.max_wait_s
+            or self.clock() - self.waiting[0].queued_since >= self.max_wait_s
         ):
             return []
         # Form the batch: the oldest requests whose whole runs (prompt + max_tokens) fit in

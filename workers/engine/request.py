@@ -41,6 +41,9 @@ class Request:
     params: SamplingParams
     priority: int = 0
     arrival_time: float = field(default_factory=time.time)
+    # What the batcher's timers (max wait, prefill delay) count from: the arrival, unless that
+    # is later than the batcher's own clock (a caller's clock ahead of this host's).
+    queued_since: float = 0.0
     prompt: str | None = None
     generator: torch.Generator | None = None
     detokenizer: Any = None
