@@ -137,6 +137,31 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(llm:
     assert other.token_ids != alone
 
 
+def test_a_redelivered_seeded_request_continues_as_if_never_interrupted(llm: LLM) -> None:
+    """A worker that resumes a request gets the delivered tokens at the end of its prompt.
+    Its continuation must be what the first worker would have sampled: the same noise for
+    the same output position, and penalties that count the delivered tokens as output."""
+    params = dict(temperature=1.0, seed=7, presence_penalty=0.8, frequency_penalty=0.6)
+    prompt = LetterTokenizer().encode("abc")
+    whole = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=16, **params)
+    )[0].token_ids
+    for delivered in (1, 6):
+        engine = llm.engine
+        engine.add_request(
+            f"resumed-{delivered}",
+            None,
+            SamplingParams(max_tokens=16 - delivered, **params),
+            prompt_token_ids=[*prompt, *whole[:delivered]],
+            resumed_tokens=delivered,
+            delivered_text_len=delivered,
+        )
+        rest: list[int] = []
+        while engine.has_unfinished():
+            rest += [t for d in engine.step() for t in d.token_ids]
+        assert rest == whole[delivered:]
+
+
 def test_abort_frees_blocks_at_once_and_reports_abort_on_the_next_step(path: Path) -> None:
     engine = LLMEngine(
         EngineArgs(

@@ -18,6 +18,8 @@ class Req:
     generator: torch.Generator | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    resumed_tokens: int = 0
+    noise_to_skip: int = 0
 
 
 # The CUDA half runs where a GPU is (the `cuda` marker); the sampler must agree there too.
@@ -159,6 +161,19 @@ def test_repetition_presence_frequency_penalties_match_the_formulas() -> None:
         expected[0, token] = x / 1.5 if x > 0 else x * 1.5
     for token, count in {2: 3, 0: 1}.items():  # OpenAI: output tokens only
         expected[1, token] -= 0.25 * count + 0.5
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_resumed_requests_delivered_tokens_count_as_output_for_penalties() -> None:
+    """Redelivered, a request's prompt ends with the tokens its caller already has; the
+    presence/frequency penalties must count them as the first worker did."""
+    logits = torch.zeros(1, 6)
+    resumed = req(prompt=[5, 1, 2, 2], output=[4], presence_penalty=0.5, frequency_penalty=0.25)
+    resumed.resumed_tokens = 3  # 1, 2, 2 were output before the redelivery; 5 is the prompt
+    got = apply_penalties(logits, [resumed])
+    expected = torch.zeros(1, 6)
+    for token, count in {1: 1, 2: 2, 4: 1}.items():
+        expected[0, token] -= 0.25 * count + 0.5
     torch.testing.assert_close(got, expected)
 
 

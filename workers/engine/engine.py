@@ -220,8 +220,10 @@ class LLMEngine:
             prompt=prompt,
             max_total_tokens=min(len(ids) + params.max_tokens, self.max_seq_len),
         )
+        req.resumed_tokens = resumed_tokens
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            req.noise_to_skip = resumed_tokens
         if self.tokenizer is not None:
             from workers.engine.detokenizer import attach_text_state
 

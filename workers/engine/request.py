@@ -60,6 +60,11 @@ class Request:
     num_preemptions: int = 0
     # Decoding budget: min(prompt + max_tokens, max_seq_len), set by the engine.
     max_total_tokens: int = 0
+    # Redelivered to this engine: the prompt ends with this many output tokens its caller
+    # already has. They count as output for presence/frequency penalties, and a seeded
+    # request's noise continues after their draws (``noise_to_skip`` left to drop first).
+    resumed_tokens: int = 0
+    noise_to_skip: int = 0
 
     output_text: str = ""
     stop_window: str = ""  # recent raw text, to name the stop string that matched

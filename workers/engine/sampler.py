@@ -35,6 +35,16 @@ class SamplerInput(Protocol):
     generator: torch.Generator | None  # on the logits' device; set when params.seed is
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # Output tokens a resumed request carries at the end of its prompt (see Request).
+    resumed_tokens: int
+    noise_to_skip: int
+
+
+def _output_so_far(r: SamplerInput) -> list[int]:
+    """Every output token, those a redelivered request resumed with included."""
+    if not r.resumed_tokens:
+        return r.output_token_ids
+    return [*r.prompt_token_ids[-r.resumed_tokens :], *r.output_token_ids]
 
 
 @dataclass
@@ -134,7 +144,7 @@ def _sample_fused(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.
     # Unseeded rows: keys from torch's global generator, so torch.manual_seed governs them.
     base = int(torch.randint(0, 1 << 62, (1,)).item())
     seeds = [
-        philox_key(r.params.seed, len(r.output_token_ids))
+        philox_key(r.params.seed, r.resumed_tokens + len(r.output_token_ids))
         if r.params.seed is not None
         else (base + i * _GOLDEN) & _MASK63
         for i, r in enumerate(batch)
@@ -196,7 +206,7 @@ def apply_penalties(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torc
     if any(r.params.presence_penalty != 0 or r.params.frequency_penalty != 0 for r in batch):
         presence = torch.tensor([[r.params.presence_penalty] for r in batch], device=device)
         frequency = torch.tensor([[r.params.frequency_penalty] for r in batch], device=device)
-        counts = _token_counts([r.output_token_ids for r in batch], vocab, device)
+        counts = _token_counts([_output_so_far(r) for r in batch], vocab, device)
         out = out - frequency * counts - presence * (counts > 0)
     return out
 
@@ -284,7 +294,13 @@ def _exponential_noise(probs: torch.Tensor, batch: Sequence[SamplerInput]) -> to
     if len(seeded) < len(batch):
         noise.exponential_()
     for i in seeded:
-        noise[i].exponential_(generator=batch[i].generator)
+        r = batch[i]
+        if r.noise_to_skip:  # resumed: the draws its delivered tokens took, dropped
+            dropped = torch.empty_like(noise[i])
+            for _ in range(r.noise_to_skip):
+                dropped.exponential_(generator=r.generator)
+            r.noise_to_skip = 0
+        noise[i].exponential_(generator=r.generator)
     # Exp(1) can round to 0, and 0/0 would be a NaN that argmax picks.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
