@@ -144,3 +144,26 @@ def test_text_needs_a_tokenizer(llama: Path) -> None:
         engine.add_request("t", "hello")
     with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):
         engine.add_request("s", prompt_token_ids=[1, 2], params=SamplingParams(stop=["x"]))
+
+
+def test_a_step_that_raises_keeps_the_reports_it_had_gathered(monkeypatch: pytest.MonkeyPatch):
+    """An abort's report waits for the next step; if that step raises (a device error), the
+    report must come with the step after, not vanish."""
+    engine = LLMEngine(EngineArgs("dummy:tiny", num_kv_blocks=32, block_size=4, max_seq_len=24))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("a", None, params, prompt_token_ids=[1, 2, 3])
+    engine.add_request("b", None, params, prompt_token_ids=[4, 5, 6])
+    engine.step()
+    assert engine.abort("a")
+    execute = engine.runner.execute
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    with pytest.raises(RuntimeError, match="device error"):
+        engine.step()
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    deltas = {d.request_id: d for d in engine.step()}
+    assert deltas["a"].finished and deltas["a"].finish_reason == "abort"
+    assert "b" in deltas  # b goes on

@@ -271,8 +271,21 @@ class LLMEngine:
         on a token (EOS, stop string) computes one extra position that is thrown away.
         Steps whose requests need their tokens on the host (penalties, logprobs) run
         synchronously.
+
+        A step that raises keeps the deltas it had gathered (abort reports, tokens read
+        back from the step before) for the next call: a request that goes on must not
+        skip a token, nor an aborted one lose its report.
         """
         deltas, self._pending = self._pending, []
+        try:
+            self._run_step(deltas)
+        except BaseException:
+            self._pending = deltas + self._pending
+            raise
+        return deltas
+
+    def _run_step(self, deltas: list[RequestDelta]) -> None:
+        """:meth:`step`'s work; appends its deltas to ``deltas``."""
         plan = self.batcher.schedule()
         self.last_step_num_tokens = plan.num_tokens
         self.last_step_num_seqs = len(plan.seqs)
@@ -280,7 +293,7 @@ class LLMEngine:
             self._swap_kv(plan)
         if plan.is_empty:
             deltas += self._read_back()
-            return deltas
+            return
         logits = self.runner.execute(plan, self._feed(plan))
         sampling = [r for r, s in zip(plan.requests, plan.seqs, strict=True) if s.sample]
         launched = self._launch(logits, sampling) if self._can_defer(sampling) else None
@@ -288,10 +301,10 @@ class LLMEngine:
         self._commit(plan)
         if launched is not None:
             self._defer(launched)
-            return deltas
+            return
         rows = [i for i, r in enumerate(sampling) if not r.is_finished]
         if not rows:
-            return deltas
+            return
         live = [sampling[i] for i in rows]
         out = self.sampler.sample(logits if len(rows) == len(sampling) else logits[rows], live)
         now = time.time()
@@ -300,7 +313,6 @@ class LLMEngine:
             logprob = out.logprobs[i] if out.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
             deltas.append(self._accept(req, out.token_ids[i], logprob, top, now))
-        return deltas
 
     def _commit(self, plan: BatchPlan) -> None:
         """The step's tokens are in the cache: name full blocks, write them through, count."""
