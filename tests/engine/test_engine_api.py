@@ -236,3 +236,24 @@ def test_half_precision_on_cpu_keeps_the_demo_models_fp32_greedy_tokens(dtype: s
         assert got.token_ids == ref.token_ids and len(got.token_ids) >= 6, (got.text, ref.text)
         assert math.isfinite(got.cumulative_logprob)
         assert got.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=0.25)
+
+
+def test_text_released_at_the_length_limit_that_completes_a_stop_string_ends_as_stop(
+    llm: LLM,
+) -> None:
+    """At the last allowed token the detokenizer releases what it held back (an unfinished
+    character); if that completes a stop string the request stopped on it, as vLLM reports."""
+
+    class HoldsOneBack:
+        def add(self, token: int) -> str:
+            return ""
+
+        def flush(self) -> str:
+            return "q!"
+
+    engine = llm.engine
+    engine.add_request("r", "abc", greedy(1, stop=["q"]))
+    engine.requests["r"].detokenizer = HoldsOneBack()
+    (delta,) = engine.step()
+    assert delta.finished and delta.finish_reason == "stop" and delta.text == ""
+    assert delta.output is not None and delta.output.stop_reason == "q"

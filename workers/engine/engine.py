@@ -442,6 +442,8 @@ class LLMEngine:
             text += self._match_stop(req, "" if hidden else req.detokenizer.flush())
             if req.stop_matcher is not None:
                 text += req.stop_matcher.flush()
+                if req.stop_matcher.stopped and reason == "length":
+                    reason = "stop"  # the released text completed a stop string
         req.output_text += text
         if reason is not None:
             self._finish(req, reason, now)
