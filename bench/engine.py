@@ -340,10 +340,11 @@ def hf_baseline(ns: argparse.Namespace, work: Workload) -> dict[str, Any]:
     except ImportError:
         return {"skipped": "transformers is not installed"}
     from workers.engine.args import resolve_device, resolve_dtype
-    from workers.engine.loader import DUMMY_SHAPES, is_dummy
+    from workers.engine.loader import DUMMY_SHAPES, is_dummy, load_model_config
 
     device = resolve_device(ns.device)
-    dtype = resolve_dtype(ns.dtype, device)
+    # The engine's own resolution, so both sides run the same dtype.
+    dtype = resolve_dtype(ns.dtype, device, load_model_config(ns.model).checkpoint_dtype)
     if is_dummy(ns.model):
         shape = dict(DUMMY_SHAPES[ns.model.split(":", 1)[1]])
         kind = shape.pop("model_type")

@@ -142,7 +142,7 @@ def build_engine(config: Config, args: argparse.Namespace) -> Any:
     from workers.engine.loader import load_model_config
 
     model = resolve_model(config.worker.model)
-    model_max = load_model_config(model).max_position_embeddings
+    model_max = load_model_config(model).context_len  # a sliding window caps it
     engine_args = EngineArgs(
         model=model,
         policy=args.policy or group.policy,

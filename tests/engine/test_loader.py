@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 
 from tests.engine.tiny_checkpoints import checkpoint, hf_greedy, prompts
 from workers.engine import LLM, SamplingParams
+from workers.engine.args import resolve_dtype
 from workers.engine.loader import load_model, load_model_config
+from workers.engine.models.llama import ModelConfig, rope_inv_freq
 
 
 def test_sharded_checkpoint_loads_through_its_index(tmp_path: Path) -> None:
@@ -57,3 +59,56 @@ def test_dummy_weights_give_finite_logits() -> None:
     llm = LLM("dummy:tiny", num_kv_blocks=16)
     out = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=4, logprobs=1))[0]
     assert out.logprobs is not None and all(torch.isfinite(torch.tensor(out.logprobs)))
+
+
+def _hf(**kw: object) -> dict[str, object]:
+    base: dict[str, object] = dict(
+        model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32768,
+    )  # fmt: skip
+    return {**base, **kw}
+
+
+def test_sliding_windows_follow_transformers_defaults_and_cap_the_context() -> None:
+    # Mistral windows at 4096 when its config names no window, and at none when it says null.
+    assert ModelConfig.from_hf(_hf(model_type="mistral")).context_len == 4096
+    assert ModelConfig.from_hf(_hf(model_type="mistral", sliding_window=None)).context_len == 32768
+    # Qwen2/3: only with use_sliding_window, and only if some layer is past max_window_layers.
+    qwen = _hf(model_type="qwen2", sliding_window=1024, num_hidden_layers=4)
+    assert ModelConfig.from_hf(qwen).context_len == 32768
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).context_len == 32768
+    windowed = {**qwen, "use_sliding_window": True, "max_window_layers": 2}
+    assert ModelConfig.from_hf(windowed).context_len == 1024
+
+
+def test_llama3_rope_takes_its_original_length_as_transformers_does() -> None:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0}  # fmt: skip
+    missing = ModelConfig.from_hf(_hf(rope_scaling=scaling))
+    assert missing.rope_scaling is not None
+    assert missing.rope_scaling["original_max_position_embeddings"] == 32768
+    top = ModelConfig.from_hf(
+        _hf(rope_scaling={**scaling, "original_max_position_embeddings": 8192},
+            original_max_position_embeddings=4096)
+    )  # fmt: skip
+    assert top.rope_scaling is not None
+    assert top.rope_scaling["original_max_position_embeddings"] == 4096
+    assert rope_inv_freq(top).shape == (4,)
+    # transformers 4.x rope_scaling wins over a 5.x rope_parameters naming only the theta.
+    both = ModelConfig.from_hf(_hf(rope_scaling=scaling, rope_parameters={"rope_theta": 5e5}))
+    assert both.rope_scaling is not None and both.rope_scaling["rope_type"] == "llama3"
+
+
+def test_auto_dtype_serves_a_16_bit_checkpoint_in_its_own_dtype_on_cuda() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    fp16 = ModelConfig.from_hf(_hf(torch_dtype="float16")).checkpoint_dtype
+    assert resolve_dtype("auto", cuda, fp16) == torch.float16
+    assert (
+        resolve_dtype("auto", cuda, ModelConfig.from_hf(_hf(dtype="bfloat16")).checkpoint_dtype)
+        == torch.bfloat16
+    )
+    assert resolve_dtype("auto", cuda, "float32") == torch.bfloat16
+    assert resolve_dtype("auto", cuda, None) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, fp16) == torch.float32
+    assert resolve_dtype("float16", cpu, "bfloat16") == torch.float16

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from common.config import Config, WorkerConfig, default_groups
+from tests.engine.tiny_checkpoints import checkpoint
 from workers.__main__ import build_engine, build_parser
 
 
@@ -21,3 +25,17 @@ def test_the_groups_policy_batch_and_prefill_delay_reach_the_engine() -> None:
     assert engine.batcher.policy == "continuous"
     assert engine.batcher.prefill_delay_factor == 1.5
     assert engine.batcher.max_batch_size == groups["short"].max_batch
+
+
+def test_a_sliding_window_model_serves_a_long_group_up_to_its_window(tmp_path: Path) -> None:
+    """Mistral-7B-v0.1 windows at 4096 with 32k positions; the long group asks 131072. The
+    worker must cap at the window (where full attention is exact), not die at start."""
+    torch.set_num_threads(1)
+    folder = checkpoint("mistral", str(tmp_path))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(sliding_window=64, max_position_embeddings=512)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    config = Config(worker=WorkerConfig(model=str(folder), device="cpu", kv_cache_gib=0.05))
+    assert config.groups["long"].max_seq_len > 64
+    engine = build_engine(config, build_parser().parse_args(["--group", "long"]))
+    assert engine.max_seq_len == 64

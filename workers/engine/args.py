@@ -147,11 +147,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bf16 on CUDA, fp32 on CPU."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+def resolve_dtype(
+    name: str, device: torch.device, checkpoint_dtype: str | None = None
+) -> torch.dtype:
+    """``auto``: on CUDA the checkpoint's own 16-bit dtype (``float16`` / ``bfloat16`` in its
+    config), else bf16 (an fp32 checkpoint is served in bf16, as vLLM does); fp32 on CPU."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    return (
+        _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("float16", "bfloat16") else torch.bfloat16
+    )
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -53,10 +53,10 @@ class LLMEngine:
         args.validate()
         self.args = args
         self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.model_config = load_model_config(args.model)
+        self.dtype = resolve_dtype(args.dtype, self.device, self.model_config.checkpoint_dtype)
         self.backend = resolve_backend(args.backend, self.device)
         torch.manual_seed(args.seed)
-        self.model_config = load_model_config(args.model)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(args)
         self.runner = ModelRunner(
             args.model,
@@ -151,9 +151,7 @@ class LLMEngine:
 
     def _resolve_max_seq_len(self) -> int:
         cfg, bs = self.model_config, self.args.block_size
-        model_max = cfg.max_position_embeddings
-        if cfg.sliding_window:  # attention here is full; beyond the window it would differ
-            model_max = min(model_max, cfg.sliding_window)
+        model_max = cfg.context_len
         # One request alone must be admissible (the watermark stays free) and able to grow.
         capacity = (self.pool.num_blocks - self.pool.watermark_blocks) * bs
         wanted = self.args.max_seq_len

@@ -53,6 +53,15 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    checkpoint_dtype: str | None = None  # the config's ``dtype`` / ``torch_dtype``
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence served: attention here is full, so a sliding-window model
+        is served up to its window, where full and windowed attention agree."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -62,7 +71,8 @@ class ModelConfig:
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        # transformers 4.x ``rope_scaling`` wins over 5.x ``rope_parameters``, as there.
+        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -70,13 +80,27 @@ class ModelConfig:
                 f"rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
             )
         rope["rope_type"] = rope_type
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        if rope_type == "llama3":  # the pre-scaling length: top level first, as transformers
+            rope["original_max_position_embeddings"] = int(
+                cfg.get("original_max_position_embeddings")
+                or rope.get("original_max_position_embeddings")
+                or max_positions
+            )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         attention_bias = bool(cfg.get("attention_bias", False))
         # Qwen2 has q/k/v biases whatever the config says, and none on o_proj.
         qwen2 = model_type == "qwen2"
-        window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        # transformers' defaults where the key is absent: Mistral windows at 4096; Qwen2/3
+        # only with use_sliding_window, and only in layers from max_window_layers on.
+        window = cfg.get(
+            "sliding_window", 4096 if model_type in ("mistral", "qwen2", "qwen3") else None
+        )
+        if model_type in ("qwen2", "qwen3") and (
+            not cfg.get("use_sliding_window", False)
+            or cfg.get("max_window_layers", 28) >= cfg["num_hidden_layers"]
+        ):
             window = None
         return cls(
             model_type=model_type,
@@ -90,7 +114,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else rope,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
@@ -98,6 +122,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             sliding_window=window,
             eos_token_ids=eos_ids,
+            checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         )
 
     def num_params(self) -> int:
