@@ -107,6 +107,7 @@ def drive(
     due = arrivals if arrivals is not None else [0.0] * total
     added = 0
     start = time.perf_counter()
+    start_wall = time.time()
     while added < total or engine.has_unfinished():
         now = time.perf_counter() - start
         while added < total and due[added] <= now:
@@ -117,7 +118,13 @@ def drive(
                 ignore_eos=True,
                 seed=seed,
             )
-            engine.add_request(str(added), prompt_token_ids=work.prompts[added], params=params)
+            # Its scheduled arrival, not now: one that came during a step waited for it.
+            engine.add_request(
+                str(added),
+                prompt_token_ids=work.prompts[added],
+                params=params,
+                arrival_time=start_wall + due[added],
+            )
             added += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, due[added] - now))  # idle until the next arrival
@@ -145,22 +152,31 @@ def warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Device memory bandwidth in bytes/s from a large copy (read + write counted)."""
-    n = (256 if device.type == "cuda" else 64) << 20
+def copy_bandwidth(device: torch.device | str) -> float:
+    """Device memory bandwidth in bytes/s (read + write counted): the median of 20 copies of
+    1 GiB (64 MiB on a CPU), each timed alone (CUDA events on a GPU). The one ceiling both
+    the roofline here and ``bench.kernels``' percentages divide by."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n = (1024 if cuda else 64) << 20
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    reps = 20 if device.type == "cuda" else 5
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n * reps / (time.perf_counter() - t0)
+    seconds = []
+    for _ in range(20 if cuda else 5):
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds.append(begin.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds.append(time.perf_counter() - t0)
+    return 2 * n / statistics.median(seconds)
 
 
 class Roofline:
@@ -355,6 +371,9 @@ def hf_baseline(ns: argparse.Namespace, work: Workload) -> dict[str, Any]:
         model = tf.AutoModelForCausalLM.from_pretrained(ns.model, dtype=dtype).to(device)
     model.eval()
     model.generation_config.eos_token_id = None  # ignore_eos, as in the engine runs
+    with torch.no_grad():  # warm-up, as the engine runs have (CUDA context, kernels)
+        warm = torch.tensor([work.prompts[0][:8]], device=device)
+        model.generate(warm, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
     bs = ns.max_batch_size
     n_out = 0
     start = time.perf_counter()

@@ -52,6 +52,12 @@ def load_qa(path: Path = DATA) -> list[QA]:
     return [QA(r["question"], r["answer"], r.get("domain", "")) for r in rows]
 
 
+def task_weights(mix: dict[str, int], turns: int) -> dict[str, int]:
+    """Weights per task (what locust picks) that give ``mix`` per request: a conversation
+    task sends ``turns`` requests, every other task one."""
+    return {kind: w if kind == "conversation" else w * turns for kind, w in mix.items()}
+
+
 def parse_mix(text: str) -> dict[str, int]:
     """``"long_doc=19,short=48"`` → weights; kinds not named keep their default weight."""
     mix = dict(MIX)

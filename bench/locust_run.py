@@ -40,13 +40,27 @@ def summary(rows: list[dict[str, str]]) -> dict[str, Any]:
             "req_s": float(r["Requests/s"] or 0),
         }
     invalid = {k: v for k, v in by.items() if " invalid " in f" {k} "}
-    posts = [v for k, v in by.items() if k.startswith("POST ")]
+    # A 429 the load retried after its Retry-After (the locust file's own row): shed load,
+    # not an answer, so it counts in neither the rate nor the mix.
+    shed = {k: v for k, v in by.items() if k.endswith("(429, retried)")}
+    posts = {k: v for k, v in by.items() if k.startswith("POST ") and k not in shed}
+    total = sum(v["requests"] for v in posts.values())
+    # What the field mix is about: each kind's share of the requests sent.
+    kinds: dict[str, int] = {}
+    for key, v in posts.items():
+        kind = key.split()[1]  # "POST conversation turn 2" -> conversation
+        kinds[kind] = kinds.get(kind, 0) + v["requests"]
     return {
-        "requests": sum(v["requests"] for v in posts),
-        "failures": sum(v["failures"] for v in posts),
-        "req_s": round(sum(v["req_s"] for v in posts), 2),
+        "requests": total,
+        "failures": sum(v["failures"] for v in posts.values()),
+        "req_s": round(sum(v["req_s"] for v in posts.values()), 2),
+        "valid_req_s": round(sum(v["req_s"] for k, v in posts.items() if k not in invalid), 2),
         "invalid_requests": sum(v["requests"] for v in invalid.values()),
+        "retried_after_429": sum(v["requests"] for v in shed.values()),
         "invalid_answered_4xx": all(v["failures"] == 0 for v in invalid.values()),
+        "request_share_pct": {k: round(100 * n / total, 1) for k, n in kinds.items()}
+        if total
+        else {},
         "by_request": by,
     }
 
@@ -91,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = report["result"]
     report["summary"] = (
-        f"{result['requests']} requests in {args.run_time} at {result['req_s']} req/s, "
+        f"{result['requests']} requests in {args.run_time} at {result['req_s']} req/s "
+        f"({result['valid_req_s']} valid), shares {result['request_share_pct']}, "
+        f"{result['retried_after_429']} retried after a 429, "
         f"{result['failures']} failures; {result['invalid_requests']} invalid requests, all 4xx: "
         f"{result['invalid_answered_4xx']}. Locust: `{shown}`."
         + (f" Failures: {'; '.join(failures)}" if failures else "")

@@ -1,8 +1,9 @@
 """Locust stress test of the OpenAI API with the field study's mix (``bench/field_mix.py``).
 
-Each simulated user picks, per request, long-document QA (19 %), a multi-turn conversation
-that resends its whole history every turn (28 %), a short generation (48 %) or an invalid
-request (5 %): malformed JSON, wrong types, unknown parameters, out-of-range values, empty
+Of the requests the users send, long-document QA makes 19 %, the turns of multi-turn
+conversations that resend their whole history every turn 28 %, short generations 48 % and
+invalid requests 5 % (locust picks tasks: a conversation task, ``--turns`` requests, is
+weighted down by its turns, ``bench.field_mix.task_weights``): malformed JSON, wrong types, unknown parameters, out-of-range values, empty
 messages, over-long prompts. Valid requests stream; invalid ones must get a 4xx — a 5xx, a
 2xx or a hang (``--invalid-timeout-s``) is a failure. Besides each request's end-to-end time
 (its own row), TTFT and inter-token latency are recorded as custom events, so they show up
@@ -40,10 +41,14 @@ from bench.field_mix import (
     long_document,
     parse_mix,
     short_prompt,
+    task_weights,
 )
 from bench.field_mix import conversation_questions as conversation
 
 DEMO_TOKENIZER = Path(__file__).resolve().parent / "models" / "pystd-tiny"
+# A 429 (the group's pending limit) is retried after its Retry-After, capped, this often.
+RETRIES_ON_429 = 2
+MAX_RETRY_WAIT_S = 5.0
 
 
 @events.init_command_line_parser.add_listener
@@ -97,7 +102,7 @@ def _apply_mix(environment: Any, **_: Any) -> None:
     options = environment.parsed_options
     if options is None:
         return
-    weights = parse_mix(options.mix)
+    weights = task_weights(parse_mix(options.mix), options.turns)
     FieldMixUser.tasks = [
         getattr(FieldMixUser, name) for name, weight in weights.items() for _ in range(weight)
     ]
@@ -173,9 +178,12 @@ class FieldMixUser(HttpUser):
             else:
                 resp.failure(f"{kind}: HTTP {resp.status_code} (want 4xx): {resp.text[:200]}")
 
-    # A weighted task list (locust picks one uniformly); _apply_mix rebuilds it from --mix.
-    tasks: list[Any] = [long_doc] * MIX["long_doc"] + [conversation] * MIX["conversation"]
-    tasks += [short] * MIX["short"] + [invalid] * MIX["invalid"]
+    # A weighted task list (locust picks one uniformly) for the default 3 turns; _apply_mix
+    # rebuilds it from --mix and --turns.
+    _weights = task_weights(MIX, 3)
+    tasks: list[Any] = [long_doc] * _weights["long_doc"]
+    tasks += [conversation] * _weights["conversation"]
+    tasks += [short] * _weights["short"] + [invalid] * _weights["invalid"]
 
     # --- streaming ---------------------------------------------------------------------------
 
@@ -195,44 +203,57 @@ class FieldMixUser(HttpUser):
             "temperature": 0.7,
             "stream": True,
         }
-        started = time.perf_counter()
+        for attempt in range(RETRIES_ON_429 + 1):
+            started = time.perf_counter()
+            with self.client.post(
+                path, json=body, name=name, stream=True, catch_response=True, timeout=(5, 120)
+            ) as resp:
+                if resp.status_code != 429 or attempt == RETRIES_ON_429:
+                    return self._stream(resp, name, started)
+                # Shed under overload: retried after Retry-After, as the openai client does;
+                # a row of its own, so shedding shows without counting as a failure.
+                wait = min(float(resp.headers.get("Retry-After") or 1), MAX_RETRY_WAIT_S)
+                resp.request_meta["name"] = f"{name} (429, retried)"
+                resp.success()
+            time.sleep(wait)
+        return None
+
+    def _stream(self, resp: Any, name: str, started: float) -> str | None:
+        """Read one streamed answer; fire TTFT/ITL events; its text, or None on failure."""
         parts: list[str] = []
-        with self.client.post(
-            path, json=body, name=name, stream=True, catch_response=True, timeout=(5, 120)
-        ) as resp:
-            if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
-                return None
-            last: float | None = None
-            done = False
-            try:
-                for line in resp.iter_lines(decode_unicode=True):
-                    if not line or not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        done = True
-                        break
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        resp.failure(f"error event: {event['error']}")
-                        return None
-                    choices = event.get("choices") or [{}]
-                    delta = (choices[0].get("delta") or {}).get("content")
-                    if delta:
-                        now = time.perf_counter()
-                        kind, since = ("TTFT", started) if last is None else ("ITL", last)
-                        self._event(kind, name, (now - since) * 1e3)
-                        last = now
-                        parts.append(delta)
-            except Exception as exc:  # a broken stream is this request's failure, not a crash
-                resp.failure(f"stream broke: {exc!r}")
-                return None
-            # The row's time is the whole stream, not the time to the response headers.
-            resp.request_meta["response_time"] = (time.perf_counter() - started) * 1e3
-            if not done:
-                resp.failure("the stream ended without [DONE]")
-                return None
-            resp.success()
+        if resp.status_code != 200:
+            resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            return None
+        last: float | None = None
+        done = False
+        try:
+            for line in resp.iter_lines(decode_unicode=True):
+                if not line or not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[6:])
+                if "error" in event:
+                    resp.failure(f"error event: {event['error']}")
+                    return None
+                choices = event.get("choices") or [{}]
+                delta = (choices[0].get("delta") or {}).get("content")
+                if delta:
+                    now = time.perf_counter()
+                    kind, since = ("TTFT", started) if last is None else ("ITL", last)
+                    self._event(kind, name, (now - since) * 1e3)
+                    last = now
+                    parts.append(delta)
+        except Exception as exc:  # a broken stream is this request's failure, not a crash
+            resp.failure(f"stream broke: {exc!r}")
+            return None
+        # The row's time is the whole stream, not the time to the response headers.
+        resp.request_meta["response_time"] = (time.perf_counter() - started) * 1e3
+        if not done:
+            resp.failure("the stream ended without [DONE]")
+            return None
+        resp.success()
         return "".join(parts)
 
     def _event(self, kind: str, name: str, ms: float) -> None:

@@ -92,7 +92,7 @@ async def run_sessions(
 
         async def one(i: int, start: float) -> None:
             session = sessions[i]
-            for req in session.turns:
+            for n, req in enumerate(session.turns):
                 item = Sent(session.kind, session.group)
                 sent[i].append(item)
                 item.result.start = time.perf_counter() - start
@@ -108,7 +108,13 @@ async def run_sessions(
                 route = pool or session.group
                 await sender.send(i, f"/v1/{route}/completions", body, item.result)
                 if not item.result.ok:
-                    return  # a conversation stops at its first failed turn
+                    # A conversation stops at its first failed turn; the turns it never
+                    # sent count as not completed (the 99 % check is over requests due).
+                    for _ in session.turns[n + 1 :]:
+                        unsent = Sent(session.kind, session.group)
+                        unsent.result.error = "not sent: an earlier turn failed"
+                        sent[i].append(unsent)
+                    return
 
         duration = await paced(offsets, one)
     return [s for per in sent for s in per], duration

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,21 @@ def test_requests_are_added_at_their_arrival_times() -> None:
     assert arrived[1] - arrived[0] >= 0.24 and arrived[2] - arrived[1] >= 0.24
     assert all(o.metrics.first_token_time >= o.metrics.arrival_time for o in outputs)
     assert [len(o.token_ids) for o in outputs] == work.output_lens
+
+
+def test_a_request_due_during_a_step_counts_its_wait_from_its_arrival() -> None:
+    """Arriving 50 ms into a 300 ms step, a request is added after the step; its TTFT must
+    still count from when it arrived, not from when the bench got round to it."""
+    engine = LLMEngine(EngineArgs(model="dummy:tiny", max_batch_size=4, kv_cache_gib=0.05))
+    work = make_workload(2, 4, 4, engine.model_config.vocab_size, seed=1)
+
+    def slow_step():  # type: ignore[no-untyped-def]
+        time.sleep(0.3)
+        return engine.step()
+
+    _, outputs, _ = drive(engine, work, temperature=0.0, arrivals=[0.0, 0.05], step=slow_step)
+    arrived = [o.metrics.arrival_time for o in outputs]
+    assert 0.04 <= arrived[1] - arrived[0] < 0.2
 
 
 def test_a_policy_spec_names_its_prefill_delay_and_only_continuous_and_hybrid_take_one(

@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.field_mix import INVALID_KINDS
+from bench.field_mix import INVALID_KINDS, MIX, task_weights
+from bench.locust_run import summary
 from bench.up_stack import ROOT, UpStack
 
 
@@ -57,3 +58,28 @@ def test_headless_run_writes_csv_refuses_every_invalid_request_with_4xx_and_neve
         assert {"short", "long_doc", "conversation turn 2"} <= by_type.get(kind, set()), kind
     # The gateway's access log agrees: no 5xx at all (the tail covers the end of the run).
     assert "status=4" in gateway_log and not re.search(r"status=5\d\d", gateway_log)
+
+
+def test_task_weights_give_the_field_mix_per_request_sent() -> None:
+    """A conversation task sends ``turns`` requests: weighted like the others, the turns
+    made 56 % of the requests where the mix says 28 %."""
+    for turns in (1, 3, 5):
+        weights = task_weights(MIX, turns)
+        sent = {k: w * (turns if k == "conversation" else 1) for k, w in weights.items()}
+        total = sum(sent.values())
+        assert {k: 100 * n / total for k, n in sent.items()} == MIX
+
+
+def test_the_summary_gives_each_kinds_share_and_the_valid_rate() -> None:
+    def row(name: str, n: int, rate: float) -> dict[str, str]:
+        return {"Type": "POST", "Name": name, "Request Count": str(n), "Failure Count": "0",
+                "50%": "1", "95%": "1", "99%": "1", "Requests/s": str(rate)}  # fmt: skip
+
+    got = summary([
+        row("conversation turn 1", 10, 1.0), row("conversation turn 2", 10, 1.0),
+        row("short", 25, 2.5), row("invalid wrong_type", 5, 0.5),
+        row("short (429, retried)", 3, 0.3),
+    ])  # fmt: skip
+    assert got["request_share_pct"] == {"conversation": 40.0, "short": 50.0, "invalid": 10.0}
+    assert (got["req_s"], got["valid_req_s"]) == (5.0, 4.5)
+    assert got["retried_after_429"] == 3 and got["requests"] == 50
