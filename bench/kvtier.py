@@ -253,7 +253,8 @@ def bench_fragmentation(model: str, quick: bool) -> list[dict]:
 
 def bench_multi_turn(model: str, url: str, quick: bool) -> dict:
     """Two nodes share Redis; each has a small G1 and G2. Per routing, shares of the resent
-    history served by each tier on turns >= 2."""
+    history served by each tier on turns >= 2. A preempted request's hits count again when
+    it is readmitted, so the shares are exact only where ``preemptions`` (reported) is 0."""
     out = {}
     n_conv, n_turns = (8, 4) if quick else (16, 6)
     for routing in ("sticky", "round_robin"):
