@@ -47,13 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return 0
     if command == "config":
-        import yaml
-
-        from common.config import load_config
-
-        path = rest[0] if rest else None
-        print(yaml.safe_dump(load_config(path).model_dump(mode="json"), sort_keys=False))
-        return 0
+        return _print_config(rest)
     if command == "version":
         from importlib.metadata import version
 
@@ -61,6 +55,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser.error(f"unknown subcommand {command!r}")
     return 2
+
+
+def _print_config(argv: list[str]) -> int:
+    """``qosserve config [--config FILE]`` (a bare FILE works too): the effective config."""
+    import yaml
+
+    from common.config import load_config
+    from common.errors import ConfigError
+
+    p = argparse.ArgumentParser(
+        prog="qosserve config",
+        description="Print the effective configuration: defaults <- YAML file <- QOS_* env.",
+    )
+    p.add_argument("file", nargs="?", help="YAML config file (same as --config)")
+    p.add_argument("--config", help="YAML config file (default: $QOS_CONFIG, else none)")
+    args = p.parse_args(argv)
+    try:
+        config = load_config(args.config or args.file)
+    except ConfigError as exc:
+        print(f"qosserve config: {exc}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return 0
 
 
 if __name__ == "__main__":

@@ -23,8 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import Config, load_config
+from common.errors import ConfigError
 from common.models import resolve_model, served_name
-from common.services import NatsServer, RedisServer, die_with_parent, free_port
+from common.services import (
+    NatsServer,
+    RedisServer,
+    ServerStartError,
+    die_with_parent,
+    free_port,
+)
 
 log = logging.getLogger("qosserve.up")
 
@@ -90,13 +97,19 @@ def parse_replicas(text: str, config: Config) -> dict[str, int]:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="qosserve up", description=__doc__.split("\n\n")[0])
+    # A flag given wins; otherwise the config (file, then QOS_* env) decides, as in every
+    # service, and only what it leaves unset falls back to the local demo's choice.
     p.add_argument("--config", help="YAML config file (defaults + QOS_* env otherwise)")
-    p.add_argument("--model", default="demo", help="HF folder, dummy:<shape>, or 'demo' (default)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
+    p.add_argument(
+        "--model", help="HF folder, dummy:<shape>, or 'demo' (default: worker.model, 'demo')"
+    )
+    p.add_argument(
+        "--device", help="cpu, cuda or auto (default: worker.device if configured, else cpu)"
+    )
     p.add_argument("--engine", default="real", choices=["real", "sim"], help="worker engine")
     p.add_argument("--replicas", default="", help="per-group replicas, e.g. short=2,long=1")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--host", help="gateway address (default: gateway.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gateway port (default: gateway.port, 8000)")
     p.add_argument("--state-dir", default=".qosserve", help="NATS store, logs (default .qosserve)")
     p.add_argument("--no-scheduler", action="store_true", help="do not start the scheduler")
     p.add_argument(
@@ -116,12 +129,28 @@ def _port_or_free(preferred: int) -> int:
             return free_port()
 
 
+# Straight to the gateway: an http_proxy in the environment must not carry a loopback probe.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _health(url: str) -> dict | None:
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:
+        with _DIRECT.open(url, timeout=1.0) as resp:
             return json.loads(resp.read())
     except Exception:
         return None
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def _live_workers(health: dict | None) -> dict[str, int]:
@@ -134,9 +163,51 @@ def _live_workers(health: dict | None) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = _parse_args(argv)
+    try:
+        return _run(args)
+    except (ConfigError, ServerStartError, OSError) as exc:
+        # One line, as the services print theirs: the message already says what to do.
+        print(f"qosserve up: {exc}", file=sys.stderr)
+        return 2
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the stack runs: a flag given wins, then the config (file, then ``QOS_*`` env),
+    then the local demo's choice for what neither names (CPU, not ``auto``)."""
+
+    model: str
+    device: str
+    host: str
+    port: int
+    served_model_name: str
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, config: Config) -> Settings:
+        worker_set = config.worker.model_fields_set  # what the file or QOS_* env named
+        model = args.model or config.worker.model
+        named = args.model is None and config.gateway.served_model_name
+        return cls(
+            model=model,
+            device=args.device or (config.worker.device if "device" in worker_set else "cpu"),
+            host=args.host or config.gateway.host,
+            port=config.gateway.port if args.port is None else args.port,
+            served_model_name=named or served_name(model),
+        )
+
+
+def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     replicas = parse_replicas(args.replicas, config)
-    model = args.model if args.engine == "sim" else resolve_model(args.model)
+    settings = Settings.of(args, config)
+    model_name, device, host, port = settings.model, settings.device, settings.host, settings.port
+    served = settings.served_model_name
+    if _port_in_use(host, port):
+        raise ConfigError(
+            f"the gateway's port {port} on {host} is in use (another `qosserve up`?); "
+            "stop it or pass --port"
+        )
+    model = model_name if args.engine == "sim" else resolve_model(model_name)
     state = Path(args.state_dir).resolve()
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -146,17 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     nats.own_session = redis.own_session = True
     print(f"starting nats-server and redis-server (state in {state}) …", flush=True)
     nats.start()
-    redis.start()
+    try:
+        redis.start()
+    except BaseException:
+        nats.stop()
+        raise
 
     env = dict(os.environ)
     env.update(
         QOS_NATS__URL=nats.url,
         QOS_REDIS__URL=redis.url,
-        QOS_WORKER__KV_REDIS=env.get("QOS_WORKER__KV_REDIS", "true"),
         PYTHONUNBUFFERED="1",
         # Several torch processes share the cores: one thread each avoids oversubscription.
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
     )
+    if "kv_redis" not in config.worker.model_fields_set:  # the local stack shares its Redis
+        env["QOS_WORKER__KV_REDIS"] = "true"
     if args.config:
         env["QOS_CONFIG"] = str(Path(args.config).resolve())
     py = sys.executable
@@ -179,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--worker-id",
                 worker_id,
                 "--device",
-                args.device,
+                device,
             ]
             children.append(Child(f"worker {worker_id}", argv_w, logs / f"worker-{worker_id}.log"))
     gateway_argv = [
@@ -189,17 +265,23 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         model,
         "--host",
-        args.host,
+        host,
         "--port",
-        str(args.port),
+        str(port),
         "--served-model-name",
-        served_name(args.model),
+        served,
     ]
     children.append(Child("gateway", gateway_argv, logs / "gateway.log"))
 
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
+        if stop.is_set():  # a second Ctrl-C: no more waiting for drains
+            print("killing …", flush=True)
+            for child in children:
+                if child.alive:
+                    assert child.proc is not None
+                    child.proc.kill()
         stop.set()
 
     signal.signal(signal.SIGINT, _on_signal)
@@ -207,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     for child in children:
         child.start(env)
 
-    base = f"http://{args.host}:{args.port}"
-    print(f"  nats-server   {nats.url}  (monitor {nats.monitor_url})")
-    print(f"  redis-server  {redis.url}")
+    base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    print(f"  nats-server   {nats.url}  (monitor {nats.monitor_url}, log {nats.log_path})")
+    print(f"  redis-server  {redis.url}  (log {redis.log_path})")
     for child in children:
         print(
             f"  {child.name:<22} pid {child.proc.pid if child.proc else '-':<7} log {child.log_path}"
@@ -221,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     last_report = ""
     try:
         while not stop.is_set():
+            for server in (nats, redis):
+                if not server.running:
+                    print(f"{server.binary_name} exited; last log lines:")
+                    print(server.log_tail(15))
+                    return 1
             dead = [c for c in children if not c.alive]
             if dead:
                 for c in dead:
@@ -237,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                     last_report = report
                 if live and all(live.get(g, 0) >= 1 for g, n in replicas.items() if n):
                     ready = True
-                    _print_ready(base, served_name(args.model), time.monotonic() - started)
+                    _print_ready(base, served, time.monotonic() - started)
                 elif time.monotonic() - started > args.ready_timeout:
                     print(f"not ready after {args.ready_timeout:.0f}s; see the logs in {logs}")
                     return 1

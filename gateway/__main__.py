@@ -7,10 +7,11 @@ Traces: the standard ``OTEL_*`` variables (:mod:`common.tracing`); off when unse
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 from common import runtime
-from common.config import load_config
+from common.config import Config, load_config
 from common.errors import ConfigError
 from common.logging import add_log_flags, log_config_from, setup_logging
 from common.models import resolve_model, served_name
@@ -62,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qosserve-gateway: cannot load the tokenizer of {spec!r}: {exc}", file=sys.stderr)
         return 2
 
+    try:
+        asyncio.run(_reach_nats(config))
+    except ConnectionError as exc:  # one line, as the worker and scheduler say it
+        print(f"qosserve-gateway: {exc}", file=sys.stderr)
+        return 1
+
     import uvicorn
 
     from gateway.app import create_app
@@ -84,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=10,
     )
     return 0
+
+
+async def _reach_nats(config: Config) -> None:
+    """Connect once and close: NATS unreachable (or credentials refused) is then one clear
+    line before uvicorn starts, not a traceback from the app's startup hook."""
+    from common.nats import connect
+
+    nc = await connect(config.nats, "qosserve-gateway-probe")
+    await nc.close()
 
 
 if __name__ == "__main__":

@@ -58,6 +58,15 @@ async def test_python_m_gateway_serves_and_stops_cleanly_on_sigterm(nats_config:
     assert "no API keys configured" in output
 
 
+def test_python_m_gateway_without_nats_says_so_in_one_line() -> None:
+    env = {**os.environ, "QOS_NATS__URL": f"nats://127.0.0.1:{free_port()}",
+           "QOS_NATS__CONNECT_TIMEOUT_S": "1"}  # fmt: skip
+    argv = [sys.executable, "-m", "gateway", "--model", MODEL, "--port", str(free_port())]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "qosserve-gateway:" in done.stderr and "Traceback" not in done.stderr
+
+
 async def test_health_follows_the_nats_connection_and_serving_resumes_after_a_restart(
     nats_config: NatsConfig, fresh_nats_server: Callable[..., NatsServer]
 ):

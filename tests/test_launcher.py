@@ -1,0 +1,107 @@
+"""``qosserve up``'s own decisions, without starting the stack (tests/deploy start it)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from common import launcher
+from common.config import load_config
+
+
+def settings(tmp_path: Path, yaml_text: str, argv: list[str], env: dict[str, str] | None = None):
+    path = tmp_path / "qos.yaml"
+    path.write_text(yaml_text)
+    args = launcher._parse_args(["--config", str(path), *argv])
+    return launcher.Settings.of(args, load_config(args.config, env=env or {}))
+
+
+def test_the_config_decides_what_no_flag_names_and_a_flag_wins(tmp_path: Path) -> None:
+    text = (
+        "worker: {model: 'dummy:tiny', device: cuda}\n"
+        "gateway: {host: 0.0.0.0, port: 9000, served_model_name: prod}\n"
+    )
+    got = settings(tmp_path, text, [])
+    assert (got.model, got.device, got.host, got.port) == ("dummy:tiny", "cuda", "0.0.0.0", 9000)
+    assert got.served_model_name == "prod"
+    flags = settings(tmp_path, text, ["--model", "demo", "--device", "cpu", "--port", "8100"])
+    assert (flags.model, flags.device, flags.port) == ("demo", "cpu", 8100)
+    assert flags.served_model_name != "prod"  # named for the model the flag chose
+    env = settings(tmp_path, "{}", [], env={"QOS_GATEWAY__PORT": "9100"})
+    assert env.port == 9100
+    # Nothing named: the local demo on the CPU (not worker.device's default, auto).
+    plain = settings(tmp_path, "{}", [])
+    assert (plain.model, plain.device, plain.host, plain.port) == ("demo", "cpu", "127.0.0.1", 8000)
+
+
+def test_a_busy_gateway_port_is_one_line_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = launcher.main(["--engine", "sim", "--port", str(port),
+                              "--state-dir", str(tmp_path / "state")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert f"port {port}" in err and "--port" in err and "Traceback" not in err
+    assert not (tmp_path / "state" / "nats").exists()  # no server was started
+
+
+def test_a_missing_config_file_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.main(["--config", "/nonexistent/qos.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "config file not found" in err and "Traceback" not in err
+
+
+def test_the_readiness_probe_ignores_an_http_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"groups": {"short": {"live_workers": 1}}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        # A proxy that is not there, set before the launcher starts: through it, no answer.
+        monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        fresh = importlib.reload(launcher)
+        got = fresh._health(f"http://127.0.0.1:{server.server_port}/health")
+        assert fresh._live_workers(got) == {"short": 1}
+    finally:
+        server.shutdown()
+        monkeypatch.undo()
+        importlib.reload(launcher)
+
+
+def test_qosserve_config_takes_help_a_flag_or_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from common import cli
+
+    path = tmp_path / "qos.yaml"
+    path.write_text("gateway: {port: 9001}\n")
+    for argv in (["config", "--config", str(path)], ["config", str(path)]):
+        assert cli.main(argv) == 0
+        assert "port: 9001" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as help_exit:
+        cli.main(["config", "--help"])
+    assert help_exit.value.code == 0 and "effective configuration" in capsys.readouterr().out
+    assert cli.main(["config", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "config file not found" in err and "Traceback" not in err
