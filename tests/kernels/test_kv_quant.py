@@ -220,3 +220,54 @@ def test_kernels_reject_a_quantized_cache_without_scales(make_paged_kv) -> None:
     q = torch.randn(1, 2, 16, device=kv.k_cache.device)
     with pytest.raises(ValueError, match="k_scale"):
         paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 1.0)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=QIDS)
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_an_fp16_model_keeps_the_small_weights_of_a_long_tail_over_a_quantized_cache(
+    make_paged_kv, dtype: torch.dtype, kernel: str
+) -> None:
+    """An attention sink: key 0 takes almost all the weight, 256 others 1e-5 each. With the
+    per-token V scale (~1e-2) folded into an fp16 probability, those weights fell below
+    fp16's range (1e-5 x 2e-3 rounds to 0) and the output lost the tail's whole share."""
+    n, bs, d = 257, 16, 16
+    kv = make_paged_kv([n], bs, 1, d, torch.float32)
+    k, v = torch.zeros(n, 1, d), torch.ones(n, 1, d)
+    v[0] = 0.0
+    sink = 11.5  # q·k0·scale: every other key gets exp(-11.5) ~ 1e-5 of the sink's weight
+    k[0, 0, 0] = sink
+    slots = torch.tensor(
+        [int(kv.block_tables[0, p // bs]) * bs + p % bs for p in range(n)], device=kv.k_cache.device
+    )
+    k_cache = torch.zeros(kv.k_cache.shape[0] * bs, 1, d, dtype=dtype, device=slots.device)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale = torch.zeros(k_cache.shape[:2], device=slots.device)
+    v_scale = torch.zeros_like(k_scale)
+    kq, ks = quantize(k.to(slots.device), dtype)
+    vq, vs = quantize(v.to(slots.device), dtype)
+    k_cache[slots], v_cache[slots], k_scale[slots], v_scale[slots] = kq, vq, ks, vs
+    shape = (-1, bs, 1, d)
+    caches = (k_cache.view(shape), v_cache.view(shape))
+    scales = (k_scale.view(-1, bs, 1), v_scale.view(-1, bs, 1))
+    q = torch.zeros(1, 2, d, device=slots.device)  # two query heads on the one KV head
+    q[:, :, 0] = 1.0
+    q = q.half()
+    tail = (n - 1) * float(torch.exp(torch.tensor(-sink)))
+    want = tail / (1 + tail)  # every channel: the tail's share of the weight times V = 1
+    if kernel == "decode":
+        from workers.engine.kernels.decode_attention import paged_decode_attention
+
+        got = paged_decode_attention(
+            q, *caches, kv.block_tables, kv.context_lens, 1.0, n,
+            k_scale=scales[0], v_scale=scales[1],
+        )  # fmt: skip
+    else:
+        from workers.engine.kernels.prefill_attention import paged_prefill_attention
+
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=slots.device)
+        got = paged_prefill_attention(
+            q, *caches, cu, kv.context_lens, kv.block_tables, 1.0, 1,
+            k_scale=scales[0], v_scale=scales[1],
+        )  # fmt: skip
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), torch.full_like(got.float(), want), rtol=0.03, atol=0)

@@ -427,8 +427,11 @@ async def test_a_hung_engine_does_not_hold_a_request_past_its_deadline(
             final = chunk if chunk.error is not None or chunk.finish_reason else None
         assert final.error is not None and final.error.code == "deadline_exceeded"
         assert rid not in service.inflight_ids
-        info = await js.stream_info(worker_config.nats.stream)
-        assert info.state.messages == 0  # acked: not redelivered to hang another replica
+        # Acked, not redelivered to hang another replica (the ack follows the answer).
+        deadline = time.monotonic() + 3
+        while (await js.stream_info(worker_config.nats.stream)).state.messages:
+            assert time.monotonic() < deadline, "the request's message was never acked"
+            await asyncio.sleep(0.02)
     finally:
         engine.release.set()
 

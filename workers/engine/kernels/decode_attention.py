@@ -244,13 +244,21 @@ def _decode_stage1_kernel(
         )
         if QUANT:  # scale each key's probability instead of each value element
             v = v.to(tl.float32 if UPCAST_DOT else q_ptr.dtype.element_ty)
-            p = p * tl.load(v_scale_ptr + sc, mask=mask_n, other=0.0)[None, :]
+            v_sc = tl.load(v_scale_ptr + sc, mask=mask_n, other=0.0)
+            # Relative to the tile's largest scale, and that one after the product: a scale
+            # (~1e-2) folded whole would push fp16 probabilities of a long tail below fp16's
+            # range (1e-5 x 2e-3 rounds to 0).
+            v_top = tl.maximum(tl.max(v_sc, 0), 1e-30)
+            p = p * (v_sc / v_top)[None, :]
         # p is rounded to q's (the unquantised cache's) dtype as the tensor-core product needs.
         p = p.to(q_ptr.dtype.element_ty)
         if UPCAST_DOT:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        if QUANT:
+            pv = pv * v_top
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     # An empty split (or an empty sequence) has l_i == 0: its output is 0, its lse -inf.

@@ -54,8 +54,13 @@ def default_prefill_config(
     block_m = max(min(block_m, rows_needed), triton.next_power_of_2(group), 16)
     if wide:
         return PrefillConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2)
+    # head_dim > 128: three stages of 64-key K and V tiles plus the Q tile come near a
+    # Hopper block's 227 KB of shared memory; two leave room.
     return PrefillConfig(
-        block_m=block_m, block_n=64, num_warps=8 if block_m >= 128 else 4, num_stages=3
+        block_m=block_m,
+        block_n=64,
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=2 if head_dim > 128 else 3,
     )
 
 
@@ -130,13 +135,20 @@ def _attend_tile(
     )
     if QUANT:  # scale each key's probability instead of each value element
         v = v.to(tl.float32 if UPCAST_DOT else q_ptr.dtype.element_ty)
-        p = p * tl.load(v_scale_base + sc, mask=mask_n, other=0.0)[None, :]
+        v_sc = tl.load(v_scale_base + sc, mask=mask_n, other=0.0)
+        # Relative to the tile's largest scale, that one after the product: folded whole, a
+        # scale (~1e-2) pushes fp16 probabilities of a long tail below fp16's range.
+        v_top = tl.maximum(tl.max(v_sc, 0), 1e-30)
+        p = p * (v_sc / v_top)[None, :]
     # p is rounded to q's (the unquantised cache's) dtype as the tensor-core product needs.
     p = p.to(q_ptr.dtype.element_ty)
     if UPCAST_DOT:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+    if QUANT:
+        pv = pv * v_top
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 

@@ -51,7 +51,10 @@ def _gumbel_argmax_chunk_kernel(
         start = first + b * BLOCK_V
         offs = start + tl.arange(0, BLOCK_V)
         in_vocab = offs < vocab
-        x = tl.load(logits_ptr + row * stride_row + offs, mask=in_vocab, other=-float("inf"))
+        # int64: rows x a 128k vocabulary pass 2^31 at 16k rows.
+        x = tl.load(
+            logits_ptr + row.to(tl.int64) * stride_row + offs, mask=in_vocab, other=-float("inf")
+        )
         x = x.to(tl.float32)
         # U in (0, 1): 0 would give an infinite G; Philox's [0, 1) never yields 1.
         u = tl.maximum(tl.rand(seed, offs), 1e-20)
