@@ -146,6 +146,9 @@ def _port_in_use(host: str, port: int) -> bool:
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as sock:
+        # As uvicorn binds: a port left in TIME_WAIT by the last run (its readiness probes)
+        # is free to take; one a process listens on is still refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -191,7 +194,8 @@ class Settings:
             model=model,
             device=args.device or (config.worker.device if "device" in worker_set else "cpu"),
             host=args.host or config.gateway.host,
-            port=config.gateway.port if args.port is None else args.port,
+            # 0 (the config's "pick one") becomes a free port here: the launcher probes it.
+            port=(config.gateway.port if args.port is None else args.port) or free_port(),
             served_model_name=named or served_name(model),
         )
 

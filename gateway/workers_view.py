@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import time
@@ -75,10 +76,12 @@ class WorkersView:
         live_window_s: float = LIVE_WINDOW_S,
         breaker_stale_s: float = BREAKER_STALE_S,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._groups = list(groups)
         self._window = live_window_s
         self._clock = clock
+        self._wall = wall
         # group -> worker -> monotonic time of its latest "serving" report
         self._serving: dict[str, dict[str, float]] = {g: {} for g in self._groups}
         self._breakers: dict[str, BreakerState] = {}
@@ -156,22 +159,31 @@ class WorkersView:
             if report.group in groups and not waiter.done():
                 waiter.set_result(None)
 
-    def set_breaker(self, group: str, state: BreakerState) -> None:
-        """A record was written (a change or a renewal); the state counts from now."""
+    def set_breaker(self, group: str, state: BreakerState, age_s: float = 0.0) -> None:
+        """A record was written ``age_s`` ago (a change or a renewal)."""
         previous = self._breakers.get(group, "closed")
         self._breakers[group] = state
-        self._breaker_at[group] = self._clock()
+        self._breaker_at[group] = self._clock() - max(0.0, age_s)
         self._stale_logged.discard(group)
         if state != previous:
             log.info("breaker %s: %s -> %s", group, previous, state)
 
-    def on_breaker_entry(self, key: str, value: bytes | None, operation: str | None) -> None:
-        """Apply one KV update for ``breaker.<group>`` (DEL/PURGE = closed)."""
+    def on_breaker_entry(
+        self,
+        key: str,
+        value: bytes | None,
+        operation: str | None,
+        written: datetime.datetime | None = None,
+    ) -> None:
+        """Apply one KV update for ``breaker.<group>`` (DEL/PURGE = closed). ``written``: when
+        the server stored it, so a record replayed at start-up, left by a scheduler that died
+        long ago, is already stale rather than fresh from now."""
         if not key.startswith(BREAKER_KEY_PREFIX):
             return
         group = key[len(BREAKER_KEY_PREFIX) :]
+        age_s = 0.0 if written is None else self._wall() - written.timestamp()
         self.set_breaker(
-            group, "closed" if operation in ("DEL", "PURGE") else decode_breaker(value)
+            group, "closed" if operation in ("DEL", "PURGE") else decode_breaker(value), age_s
         )
 
     # -- NATS ------------------------------------------------------------------------------
@@ -205,7 +217,9 @@ class WorkersView:
                 watcher = await kv.watch(BREAKER_KEY_PREFIX + "*")
                 async for entry in watcher:
                     if entry is not None:
-                        self.on_breaker_entry(entry.key, entry.value, entry.operation)
+                        self.on_breaker_entry(
+                            entry.key, entry.value, entry.operation, entry.created
+                        )
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -146,6 +146,12 @@ class SchedulerService:
     def is_leader(self) -> bool:
         return self.lease is not None and self.lease.valid()
 
+    @property
+    def acts(self) -> bool:
+        """Leader, with this term's state loaded from the bucket (breakers, histories): until
+        then a tick or a rebalance would act on, or save over, what the last leader left."""
+        return self.is_leader and self._leader_synced
+
     # --- life cycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -259,7 +265,7 @@ class SchedulerService:
         await self._poll_queue_depths()
         samples = self.windows.sample(now, self.queue_depths)
         self._export_groups(now)
-        if not self.is_leader:
+        if not self.acts:
             return
         for group, breaker in self.breakers.items():
             sample = samples.get(group)
@@ -375,7 +381,7 @@ class SchedulerService:
 
     async def rebalance(self) -> None:
         """Desired replicas per group, at most one move, the history (leader only)."""
-        if not self.is_leader:
+        if not self.acts:
             return
         now, epoch = self._clock(), self._wall()
         views = []
@@ -458,6 +464,7 @@ class SchedulerService:
             self.rebalancer_state = RebalancerState()
             self.desired.clear()
             self._breaker_written.clear()
+            self._history_saved = self._clock()  # a history is saved only once it is loaded
             self._leader_synced = False
         if held and not self._leader_synced:
             # A failure (a JetStream timeout) retries at the next refresh. The histories too:

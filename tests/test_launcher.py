@@ -105,3 +105,23 @@ def test_qosserve_config_takes_help_a_flag_or_a_file(
     assert cli.main(["config", str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err
     assert "config file not found" in err and "Traceback" not in err
+
+
+def test_a_port_the_last_run_left_in_time_wait_is_free_and_port_0_picks_one(
+    tmp_path: Path,
+) -> None:
+    # A connection closed from the server side leaves the server's port in TIME_WAIT, as the
+    # readiness probes of the last `qosserve up` do.
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server closes first: its side waits
+    client.close()
+    server.close()
+    assert not launcher._port_in_use("127.0.0.1", port)
+    got = settings(tmp_path, "gateway: {port: 0}\n", [])
+    assert got.port > 0

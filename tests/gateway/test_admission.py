@@ -214,3 +214,19 @@ def test_an_open_breaker_no_scheduler_renews_reads_as_closed_until_written_again
 
 def test_the_stale_limit_leaves_room_for_renewals_and_a_leader_handover():
     assert 3 * BREAKER_RENEW_S + SchedulerConfig().lease_ttl_s <= BREAKER_STALE_S
+
+
+def test_a_replayed_open_record_ages_from_when_the_server_stored_it() -> None:
+    """A gateway that starts long after the scheduler died replays the record it left: it
+    must be stale at once, not open for another 30 s from the replay."""
+    import datetime
+
+    now = 1_000_000.0
+    view = WorkersView(["long"], breaker_stale_s=30.0, clock=lambda: 50.0, wall=lambda: now)
+    value = json.dumps({"state": "open"}).encode()
+    stored = datetime.datetime.fromtimestamp(now - 3600, datetime.timezone.utc)
+    view.on_breaker_entry("breaker.long", value, None, stored)
+    assert view.breaker("long") == "closed"
+    recent = datetime.datetime.fromtimestamp(now - 5, datetime.timezone.utc)
+    view.on_breaker_entry("breaker.long", value, None, recent)
+    assert view.breaker("long") == "open"

@@ -153,8 +153,9 @@ async def test_a_new_leader_whose_breaker_load_fails_retries_it_and_starts_its_t
     with contextlib.suppress(TimeoutError):
         await service._refresh_lease()  # leader again; the load fails
     assert service.desired == {}  # reset before the load, failed or not
+    assert not service.acts  # no tick or rebalance acts on (or saves over) unloaded state
     await service._refresh_lease()  # the next refresh retries it
-    assert loads["n"] == 2
+    assert loads["n"] == 2 and service._leader_synced
 
 
 async def test_the_leader_renews_an_open_breaker_record_and_not_a_closed_one(nats_config, js):
