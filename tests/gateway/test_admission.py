@@ -224,9 +224,9 @@ def test_a_replayed_open_record_ages_from_when_the_server_stored_it() -> None:
     now = 1_000_000.0
     view = WorkersView(["long"], breaker_stale_s=30.0, clock=lambda: 50.0, wall=lambda: now)
     value = json.dumps({"state": "open"}).encode()
-    stored = datetime.datetime.fromtimestamp(now - 3600, datetime.timezone.utc)
+    stored = datetime.datetime.fromtimestamp(now - 3600, datetime.UTC)
     view.on_breaker_entry("breaker.long", value, None, stored)
     assert view.breaker("long") == "closed"
-    recent = datetime.datetime.fromtimestamp(now - 5, datetime.timezone.utc)
+    recent = datetime.datetime.fromtimestamp(now - 5, datetime.UTC)
     view.on_breaker_entry("breaker.long", value, None, recent)
     assert view.breaker("long") == "open"
