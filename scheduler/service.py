@@ -280,9 +280,20 @@ class SchedulerService:
                 and group not in self._unsaved
                 and now - self._breaker_written.get(group, -1e9) >= BREAKER_RENEW_S
             ):
-                # Renewed, so gateways can tell this breaker from one a dead scheduler left.
+                # Renewed, so gateways (the record) and workers (the cap) can tell this
+                # breaker from one a dead scheduler left.
                 record = self._record(group, breaker.state, breaker.since, breaker.reason)
                 self._unsaved[group] = record
+                await self._publish(
+                    self.subjects.control_group(group),
+                    Control(
+                        action="set_batch_cap",
+                        issued_ms=int(self._wall() * 1000),
+                        group=group,
+                        batch_cap=record.batch_cap,
+                        reason=f"breaker {breaker.state} (renewed)",
+                    ),
+                )
         if self._unsaved:
             await self._save_breakers()
         await self._reconcile_caps(now)

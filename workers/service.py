@@ -86,6 +86,10 @@ RESUME_RETRY_S = 1.0
 # An abort the engine has not acted on this long after a request's deadline: its thread is
 # stuck, and the worker answers the request itself.
 ENGINE_STUCK_S = 10.0
+# A batch cap below the group's max (a breaker's, from the scheduler) lapses when no order
+# renews it for this long: the leading scheduler resends it every 5 s while the breaker stays
+# open, and gateways stop diverting from an unrenewed open breaker after the same 30 s.
+CAP_LAPSE_S = 30.0
 
 
 @dataclass
@@ -150,6 +154,7 @@ class WorkerService:
         self._intake: Intake | None = None
         self._ctl_subs: list[Subscription] = []
         self._group_ctl: Subscription | None = None
+        self._cap_set_at: float | None = None  # when a cap below the group max was last set
         self._inflight: dict[str, Flight] = {}
         self._starting: dict[asyncio.Task[None], Msg] = {}  # fetched, not in the engine yet
         self._aborted = RecentIds()
@@ -604,8 +609,25 @@ class WorkerService:
 
     async def _telemetry_loop(self) -> None:
         while True:
+            self._lapse_unrenewed_cap()
             await self._publish_telemetry(self.state)
             await asyncio.sleep(self.config.worker.telemetry_interval_s)
+
+    def _lapse_unrenewed_cap(self) -> None:
+        """Back to the group's max batch once a lower cap has gone unrenewed (no scheduler
+        leads): gateways send the group its traffic again then, and 4 of 16 slots would
+        queue it."""
+        if self.bridge is None or self._cap_set_at is None:
+            return
+        group_max = self.config.groups[self.group].max_batch
+        if time.monotonic() - self._cap_set_at < CAP_LAPSE_S:
+            return
+        self._cap_set_at = None
+        if self.bridge.batch_cap < group_max:
+            log.warning("batch cap %d not renewed for %.0f s (no scheduler leads?); back to %d",
+                        self.bridge.batch_cap, CAP_LAPSE_S, group_max)  # fmt: skip
+            self.bridge.set_batch_cap(group_max)
+            self._poke()
 
     async def _publish_telemetry(self, state: telemetry.State) -> None:
         if self.nc is None or self.bridge is None:
@@ -642,8 +664,11 @@ class WorkerService:
                 self.bridge.abort(control.request_id)
         elif action == "set_batch_cap" and self.bridge is not None:
             group_max = self.config.groups[self.group].max_batch
+            before = self.bridge.batch_cap
             cap = self.bridge.set_batch_cap(min(control.batch_cap or group_max, group_max))
-            log.info("batch cap set to %d (%s)", cap, control.reason or "control")
+            self._cap_set_at = time.monotonic() if cap < group_max else None
+            if cap != before:  # renewals of the same cap come every few seconds
+                log.info("batch cap set to %d (%s)", cap, control.reason or "control")
             self._poke()
         elif action == "drain":
             log.info("draining (%s)", control.reason or "control")
@@ -684,6 +709,7 @@ class WorkerService:
                     group = old
                 assert self.bridge is not None
                 self.bridge.set_batch_cap(self.config.groups[group].max_batch)
+                self._cap_set_at = None
                 log.info("moved from group %s to %s", old, group)
             self._set_serving(True)
 

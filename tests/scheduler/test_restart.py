@@ -16,6 +16,7 @@ from pathlib import Path
 import nats.js.errors
 import yaml
 
+from common.protocol import Control
 from common.services import free_port
 from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
 from scheduler.history import DemandHistory
@@ -177,6 +178,8 @@ async def test_the_leader_renews_an_open_breaker_record_and_not_a_closed_one(nat
             except nats.js.errors.KeyNotFoundError:
                 return 0
 
+        assert service.nc is not None
+        caps = await service.nc.subscribe(service.subjects.control_group("long"))
         service.breakers["long"].restore("open", now[0], "an incident")
         await service.tick()
         first = await revision("long")
@@ -189,6 +192,9 @@ async def test_the_leader_renews_an_open_breaker_record_and_not_a_closed_one(nat
         await service.tick()
         assert await revision("long") > first
         assert service.breakers["long"].state == "open"  # a renewal, not a transition
+        # The workers' cap is renewed with it, so theirs lapses only with no leader.
+        orders = [Control.from_bytes((await caps.next_msg(timeout=2)).data) for _ in range(2)]
+        assert [(c.action, c.batch_cap) for c in orders] == [("set_batch_cap", 2)] * 2
         assert await revision("short") == 0  # closed: nothing to renew
     finally:
         await service.stop()

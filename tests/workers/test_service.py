@@ -296,6 +296,25 @@ async def test_control_caps_the_batch_drains_and_resumes(
     assert ids == expected_tokens(1, 2) and service.state == "serving"
 
 
+async def test_a_cap_no_scheduler_renews_lapses_back_to_the_groups_max(
+    start_worker: Any, nc: Client, subjects: Subjects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A breaker's cap outlives no dead scheduler: gateways stop diverting from an unrenewed
+    open breaker, so the group's replicas must take their full batch again too."""
+    monkeypatch.setattr(worker_service, "CAP_LAPSE_S", 0.6)
+    service = await start_worker()
+    group_max = service.config.groups["short"].max_batch
+    ctl = subjects.control_group("short")
+    cap = Control(action="set_batch_cap", batch_cap=1).to_bytes()
+    await nc.publish(ctl, cap)
+    await eventually(lambda: service.bridge.batch_cap == 1)
+    for _ in range(4):  # renewed every 0.3 s: it holds past the lapse
+        await asyncio.sleep(0.3)
+        await nc.publish(ctl, cap)
+    assert service.bridge.batch_cap == 1
+    await eventually(lambda: service.bridge.batch_cap == group_max, timeout_s=5)
+
+
 async def test_assign_group_moves_the_replica_to_the_new_groups_consumer(
     start_worker: Any, client: QosClient, nc: Client, subjects: Subjects
 ) -> None:
