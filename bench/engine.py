@@ -118,12 +118,13 @@ def drive(
                 ignore_eos=True,
                 seed=seed,
             )
-            # Its scheduled arrival, not now: one that came during a step waited for it.
+            # Online: its scheduled arrival, not now (one due during a step waited for it).
+            # Offline: stamped as added, distinct, so "newest" still picks preemption victims.
             engine.add_request(
                 str(added),
                 prompt_token_ids=work.prompts[added],
                 params=params,
-                arrival_time=start_wall + due[added],
+                arrival_time=None if arrivals is None else start_wall + due[added],
             )
             added += 1
         if not engine.has_unfinished():

@@ -228,6 +228,18 @@ class SchedulerConfig(_Strict):
     # Weight of the newest hour in the hour-of-week demand history (EWMA per slot).
     history_alpha: float = Field(0.5, gt=0, le=1)
 
+    @model_validator(mode="after")
+    def _renewal_beats_the_lease(self) -> SchedulerConfig:
+        # A leader stops acting a margin before its lease expires (scheduler.lease): renewed
+        # less often than that, it would skip ticks every cycle while still holding it.
+        margin = min(0.5, self.lease_ttl_s / 4)
+        if self.lease_renew_s >= self.lease_ttl_s - margin:
+            raise ValueError(
+                f"scheduler.lease_renew_s ({self.lease_renew_s:g}) must be under lease_ttl_s "
+                f"less {margin:g} s ({self.lease_ttl_s - margin:g})"
+            )
+        return self
+
 
 class LogConfig(_Strict):
     """Logging of every service (:mod:`common.logging`); flags override these."""

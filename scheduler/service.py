@@ -121,7 +121,7 @@ class SchedulerService:
             max_replicas=self.cfg.max_replicas,
         )
         self.rebalancer_state = RebalancerState()
-        self._replica_current_s = 1.5 * config.worker.telemetry_interval_s
+        self._replica_current_s = 2 * config.worker.telemetry_interval_s
         self.histories: dict[str, DemandHistory] = {g: DemandHistory() for g in self.groups}
         self.queue_depths: dict[str, int] = dict.fromkeys(self.groups, -1)
         self.desired: dict[str, int] = {}

@@ -62,6 +62,10 @@ def test_groups_can_replace_the_defaults(tmp_path: Path) -> None:
         ({"QOS_GATEWAY__PORT": "70000"}, "gateway.port"),
         ({"QOS_NATS__SUBJECT_PREFIX": "a.b"}, "nats.subject_prefix"),
         ({"QOS_NATS____URL": "x"}, "empty key segment"),
+        (
+            {"QOS_SCHEDULER__LEASE_TTL_S": "2", "QOS_SCHEDULER__LEASE_RENEW_S": "1.6"},
+            "scheduler.lease_renew_s",
+        ),
     ],
 )
 def test_bad_setting_fails_naming_it(env: dict[str, str], named: str) -> None:
