@@ -49,7 +49,9 @@ class BreakerConfig(_Strict):
     half_open_share: float = Field(0.25, gt=0, le=1)
     close_after_healthy: int = Field(3, ge=1)
     # Which latency the breaker watches; its threshold is never below the group's SLO of
-    # that kind (slo_e2e_p99_ms / slo_ttft_ms): a group meeting its SLO is healthy.
+    # that kind (slo_e2e_p99_ms / slo_ttft_ms): a group meeting its SLO is healthy. "e2e"
+    # also sees a hung group (requests running, none finishing); with "ttft" a hung group
+    # reports no first tokens at all, and only its error rate (deadline errors) trips it.
     p99_kind: Literal["e2e", "ttft"] = "e2e"
     # The error rate is judged only over at least this many finished requests.
     min_requests: int = Field(10, ge=1)
