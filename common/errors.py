@@ -119,6 +119,11 @@ class DeadlineExceededError(QosError):
     error_type = "timeout_error"
     default_code = "deadline_exceeded"
 
+    def headers(self) -> dict[str, str]:
+        # The openai client retries any 5xx unless told not to: the same generation would
+        # run into the same deadline two more times.
+        return {**super().headers(), "x-should-retry": "false"}
+
 
 class InternalError(QosError):
     pass

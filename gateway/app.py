@@ -42,6 +42,7 @@ from common.trace_metrics import register_trace_metrics
 from common.tracing import tracer_for
 from gateway.admission import ADMISSION_WAIT_S, Admission
 from gateway.auth import ApiKeys
+from gateway.classifier import explicit_group
 from gateway.generate import Generator
 from gateway.heartbeat import Heartbeat, new_gateway_id
 from gateway.metrics import GatewayMetrics
@@ -232,8 +233,11 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         app.post(path, openapi_extra=body_doc(body), name=name)(doc)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
+    @app.get("/v1/{group}/models")  # a client whose base_url names a group lists models too
+    async def models(request: Request, group: str | None = None) -> dict[str, Any]:
         state.keys.check(request.headers.get("authorization"))
+        if group is not None:
+            explicit_group(state.config, group, None)  # 404 group_not_found when unknown
         longest = max(g.max_seq_len for g in state.config.groups.values())
         card = {
             "id": state.served_model,

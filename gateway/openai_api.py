@@ -5,6 +5,10 @@ extensions users expect (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_
 ``stop_token_ids``, ``priority``, ``chat_template_kwargs``). Validation is strict: an
 unknown parameter, a wrong type or an out-of-range value is a 400 naming the parameter,
 never a silent coercion, because a client that misspells ``max_tokens`` deserves to know.
+OpenAI parameters of features this gateway does not serve are known, not unknown: sent with
+a value that asks for nothing (``logit_bias: null``, ``tools: []``, ``response_format:
+{"type": "text"}``, ``n: 1`` …, as LangChain and the openai client do) they are accepted
+and ignored; a value that asks for the feature is a 400 saying it is not supported.
 """
 
 from __future__ import annotations
@@ -31,13 +35,33 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+    include_obfuscation: bool | None = None  # padding against side channels: not needed here
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _continuous(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("usage on every chunk is not supported; use include_usage")
+        return value
 
 
-class TextPart(_Strict):
+class _Part(BaseModel):
+    # Keys a part may carry besides its text (a cache breakpoint...) change nothing here.
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class TextPart(_Part):
     """A content part; only text is served (no vision model behind this gateway)."""
 
     type: Literal["text"]
     text: str
+
+
+class RefusalPart(_Part):
+    """An assistant message's refusal, as the openai client's types allow it."""
+
+    type: Literal["refusal"]
+    refusal: str
 
 
 class ChatMessage(BaseModel):
@@ -46,12 +70,14 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, frozen=True)
 
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
 
     def text(self) -> str | None:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # parts on lines of their own, as vLLM joins them
+            return "\n".join(
+                part.text if isinstance(part, TextPart) else part.refusal for part in self.content
+            )
         return self.content
 
     def for_template(self) -> dict[str, Any]:
@@ -71,7 +97,7 @@ class _SamplingBody(_Strict):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, lt=2**31)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # any 64-bit seed, as OpenAI
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int | None = None
@@ -83,6 +109,14 @@ class _SamplingBody(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    # OpenAI parameters served as no-ops: storage, metadata, tiers and cache hints.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Known, not served: accepted only with a value that asks for nothing (see _NEUTRAL).
+    logit_bias: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -129,7 +163,7 @@ class _SamplingBody(_Strict):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             # A seed for every request: its sampling is reproducible and traceable.
-            seed=self.seed if self.seed is not None else secrets.randbits(63),
+            seed=self.seed % 2**63 if self.seed is not None else secrets.randbits(63),
             stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
@@ -152,6 +186,8 @@ class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
+    best_of: Any = None
+    suffix: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -194,6 +230,18 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    parallel_tool_calls: bool | None = None  # no effect without tools
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    reasoning_effort: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -207,6 +255,38 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+# OpenAI features this gateway does not serve: the values that ask for nothing, and what the
+# 400 for any other value says. vLLM serves some of these (tools with a parser, guided
+# decoding); here they are refused rather than half served.
+_NEUTRAL: dict[str, tuple[Any, str]] = {
+    "logit_bias": ((None, {}), "logit_bias is not supported"),
+    "best_of": ((None, 1), "best_of is not supported (only 1)"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported"),
+    "tools": ((None, []), "tool calling is not supported"),
+    "tool_choice": ((None, "none"), "tool calling is not supported"),
+    "functions": ((None, []), "function calling is not supported"),
+    "function_call": ((None, "none"), "function calling is not supported"),
+    "response_format": (
+        (None, {"type": "text"}),
+        "response_format other than text is not supported",
+    ),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported (not a reasoning model)"),
+    "modalities": ((None, ["text"]), "only the text modality is served"),
+    "audio": ((None,), "audio output is not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "verbosity": ((None,), "verbosity is not supported"),
+}
+
+
+def _check_neutral(body: BaseModel) -> None:
+    """A 400 for a known-but-unserved parameter sent with a value that asks for it."""
+    for name, (neutral, why) in _NEUTRAL.items():
+        if name in type(body).model_fields and getattr(body, name) not in neutral:
+            raise InvalidRequestError(
+                f"Unsupported value for '{name}': {why}", param=name, code="unsupported_value"
+            )
 
 
 # Parameters that accept several shapes: one sentence beats one error per alternative.
@@ -234,9 +314,11 @@ def _param_of(loc: tuple[int | str, ...]) -> str | None:
 def parse_body(model: type[Body], body: bytes) -> Body:
     """Validate a raw JSON body; raise :class:`InvalidRequestError` naming the parameter."""
     try:
-        return model.model_validate_json(body)
+        parsed = model.model_validate_json(body)
     except ValidationError as exc:
         raise _to_invalid_request(exc, body) from None
+    _check_neutral(parsed)
+    return parsed
 
 
 def _to_invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestError:

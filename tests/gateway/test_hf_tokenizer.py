@@ -19,7 +19,8 @@ MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {
         "role": "user",
-        "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+        # Parts go on lines of their own, as vLLM joins them.
+        "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
     },
 ]
 
@@ -64,7 +65,7 @@ async def test_chat_uses_the_folders_template_and_trims_resent_bpe_tokens_exactl
             max_tokens=50,
         )
     rendered = tok.apply_chat_template(
-        [MESSAGES[0], {"role": "user", "content": "Hi there"}], add_generation_prompt=True
+        [MESSAGES[0], {"role": "user", "content": "Hi\nthere"}], add_generation_prompt=True
     )
     expected_prompt = tok.encode(rendered, add_special_tokens=False)
     assert worker.jobs[0].request.prompt_token_ids == expected_prompt

@@ -249,6 +249,8 @@ async def test_deadline_passing_is_504_or_an_error_event_and_aborts_the_worker(
     else:
         assert response.status_code == 504
         assert response.json()["error"]["code"] == "deadline_exceeded"
+        # The openai client would run it twice more into the same deadline.
+        assert response.headers["x-should-retry"] == "false"
     (abort,) = aborts
     assert abort.action == "abort" and abort.request_id == request_id
 

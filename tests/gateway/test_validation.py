@@ -17,7 +17,7 @@ import pytest_asyncio
 from common.config import NatsConfig
 from common.errors import InvalidRequestError
 from common.services import NatsServer
-from gateway.openai_api import ChatCompletionRequest, parse_body
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from tests.gateway.conftest import MODEL, gateway_config, serve
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -58,7 +58,7 @@ BAD_PARAMETERS = [
     ("completions", {"min_p": 1.5}, "min_p"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"max_tokens": 2.5}, "max_tokens"),
-    ("completions", {"seed": -1}, "seed"),
+    ("completions", {"seed": 2**64}, "seed"),
     ("completions", {"stop": [""]}, "stop"),
     ("completions", {"stop": [str(i) for i in range(17)]}, "stop"),
     ("completions", {"stop_token_ids": list(range(65))}, "stop_token_ids"),
@@ -79,6 +79,13 @@ BAD_PARAMETERS = [
     ("completions", {"priority": "high"}, "priority"),
     ("completions", {"user": 7}, "user"),
     ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("completions", {"suffix": "x"}, "suffix"),
+    (
+        "completions",
+        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "stream_options.continuous_usage_stats",
+    ),
     ("completions", {"frobnicate": True}, "frobnicate"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
@@ -91,6 +98,8 @@ BAD_PARAMETERS = [
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": {"tools": ["xy"]}}, "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": {"tools": "xy"}}, "chat_template_kwargs"),
@@ -106,6 +115,37 @@ async def test_bad_parameter_is_400_naming_it(
     error = _assert_openai_error(response, 400, param)
     assert error["type"] == "invalid_request_error"
     assert param.split("[")[0].split(".")[0] in error["message"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        # What LangChain's OpenAI wrapper and the openai client send when nothing is asked.
+        {
+            "logit_bias": None,
+            "best_of": 1,
+            "suffix": None,
+            "seed": -7,
+            "store": False,
+            "metadata": {"team": "a"},
+            "service_tier": "auto",
+            "prompt_cache_key": "k",
+            "stream": True,
+            "stream_options": {"include_usage": True, "include_obfuscation": False},
+        },
+    ],
+)
+async def test_openai_parameters_that_ask_for_nothing_are_accepted(fields: dict[str, Any]) -> None:
+    body = parse_body(CompletionRequest, json.dumps({**OK_COMPLETION, **fields}).encode())
+    assert body.wire_params(4, None).seed == (-7) % 2**63
+    chat = {**OK_CHAT, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+            "response_format": {"type": "text"}, "logit_bias": {}, "modalities": ["text"],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a",
+                                                         "cache_breakpoint": True}]},
+                         {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                         {"role": "user", "content": "b"}]}  # fmt: skip
+    parsed = parse_body(ChatCompletionRequest, json.dumps(chat).encode())
+    assert [m.text() for m in parsed.messages] == ["a", "no", "b"]
 
 
 async def test_missing_prompt_is_400_naming_it(client: httpx.AsyncClient):
@@ -147,6 +187,13 @@ async def test_oversized_chunked_body_without_length_is_413(client: httpx.AsyncC
 async def test_unknown_model_is_404_model_not_found(client: httpx.AsyncClient):
     response = await client.post("/v1/completions", json={**OK_COMPLETION, "model": "gpt-9"})
     assert _assert_openai_error(response, 404, "model")["code"] == "model_not_found"
+
+
+async def test_models_are_listed_under_a_group_base_url_too(client: httpx.AsyncClient):
+    listed = (await client.get("/v1/models")).json()
+    assert (await client.get("/v1/short/models")).json() == listed
+    error = _assert_openai_error(await client.get("/v1/bogus/models"), 404, None)
+    assert error["code"] == "group_not_found"
 
 
 async def test_unknown_group_in_path_is_404(client: httpx.AsyncClient):
