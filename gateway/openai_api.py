@@ -13,6 +13,7 @@ and ignored; a value that asks for the feature is a 400 saying it is not support
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from typing import Any, Literal, TypeVar
@@ -81,11 +82,28 @@ class ChatMessage(BaseModel):
         return self.content
 
     def for_template(self) -> dict[str, Any]:
-        """The message as a chat template expects it: content parts flattened to text."""
+        """The message as a chat template expects it: content parts flattened to text, and a
+        tool call's ``arguments`` (a JSON string on the wire) as the object templates render
+        with ``tojson`` (a string would come out encoded twice), as vLLM passes them."""
         out = self.model_dump(exclude_none=True)
         if self.content is not None:
             out["content"] = self.text()
+        calls = out.get("tool_calls")
+        if isinstance(calls, list):
+            out["tool_calls"] = [_decoded_call(c) for c in calls]
         return out
+
+
+def _decoded_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    arguments = function["arguments"]
+    try:
+        decoded = json.loads(arguments)
+    except ValueError:
+        return call  # not JSON: the template gets what the client sent
+    return {**call, "function": {**function, "arguments": decoded}}
 
 
 class _SamplingBody(_Strict):

@@ -148,6 +148,20 @@ async def test_openai_parameters_that_ask_for_nothing_are_accepted(fields: dict[
     assert [m.text() for m in parsed.messages] == ["a", "no", "b"]
 
 
+async def test_tool_call_arguments_reach_the_template_as_objects() -> None:
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    raw = {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}
+    body = {**OK_CHAT, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call, raw]},
+    ]}  # fmt: skip
+    parsed = parse_body(ChatCompletionRequest, json.dumps(body).encode())
+    calls = parsed.messages[1].for_template()["tool_calls"]
+    assert calls[0]["function"]["arguments"] == {"city": "Paris"}
+    assert calls[1] == raw  # not JSON: passed through as sent
+
+
 async def test_missing_prompt_is_400_naming_it(client: httpx.AsyncClient):
     response = await client.post("/v1/completions", json={"model": MODEL})
     _assert_openai_error(response, 400, "prompt")
