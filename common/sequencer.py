@@ -56,8 +56,8 @@ class ChunkSequencer:
         Raises the chunk's error as a :class:`~common.errors.QosError` (the stream is then
         finished); ``finish_reason="error"`` without details is an internal error.
         """
-        if self.finished or chunk.attempt < self.min_attempt:
-            return []
+        if self.finished or chunk.attempt < self.min_attempt or chunk.id != self.request_id:
+            return []  # a chunk of another request (published here by mistake) is not ours
         if chunk.error is not None:
             self.finished = True
             raise error_from_code(chunk.error.code, chunk.error.message)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from nats.js import JetStreamContext
 
 from common.errors import ProtocolError
 from common.protocol import Chunk, ErrorInfo, ResumeQuery, ResumeReply
+from common.subjects import Subjects
 from workers.outbox import raw_reply
 
 log = logging.getLogger(__name__)
@@ -138,24 +140,36 @@ class RecentIds:
         return at is not None and self._clock() - at < self._ttl
 
 
+class NoAnswer(enum.Enum):
+    """Why a resume query got no reply: nobody listens (the caller is gone), or someone
+    does and was too slow (a busy caller: ask again later, do not drop its request)."""
+
+    GONE = "gone"
+    SLOW = "slow"
+
+
 async def ask_resume(
     nc: Client, subject: str, query: ResumeQuery, timeout_s: float, max_payload: int
-) -> ResumeReply | None:
-    """The caller's answer to a resume query; None when nobody answers (the caller is gone)."""
+) -> ResumeReply | NoAnswer:
+    """The caller's answer to a resume query, or why there is none."""
     try:
         answer = await nc.request(subject, query.to_bytes(), timeout=timeout_s)
         return ResumeReply.from_bytes(answer.data, max_payload)
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
-        return None
+    except nats.errors.NoRespondersError:
+        return NoAnswer.GONE
+    except (nats.errors.TimeoutError, TimeoutError):
+        return NoAnswer.SLOW
     except ProtocolError as exc:
         log.warning("request %s: bad resume reply (%s); dropping it", query.id, exc.message)
-        return None
+        return NoAnswer.GONE
 
 
-async def reject_undecodable(nc: Client, msg: Msg, exc: ProtocolError, worker_id: str) -> None:
+async def reject_undecodable(
+    nc: Client, msg: Msg, exc: ProtocolError, worker_id: str, subjects: Subjects
+) -> None:
     """An error chunk to the request's reply when one can be read from it, then ``term()``:
     a payload that cannot be decoded never will be, so it must not be redelivered."""
-    reply, rid = raw_reply(msg.data)
+    reply, rid = raw_reply(msg.data, subjects.out)
     log.warning("undecodable request (reply %r): %s", reply, exc.message)
     if reply is not None:
         chunk = Chunk(
@@ -167,7 +181,7 @@ async def reject_undecodable(nc: Client, msg: Msg, exc: ProtocolError, worker_id
 
 
 async def retry_or_fail(
-    nc: Client, msg: Msg, exc: BaseException, worker_id: str, max_deliver: int
+    nc: Client, msg: Msg, exc: BaseException, worker_id: str, max_deliver: int, subjects: Subjects
 ) -> None:
     """A message whose handling raised: hand it back (another replica, or this one after a
     pause, may not hit the same fault) until its last delivery; then answer its caller
@@ -184,7 +198,7 @@ async def retry_or_fail(
         )  # fmt: skip
         await settle(lambda: msg.nak(delay=min(0.2 * 2**attempt, 5.0)))
         return
-    reply, rid = raw_reply(msg.data)
+    reply, rid = raw_reply(msg.data, subjects.out)
     log.error(
         "request %s failed on its last delivery (%d of %d): terminated as poison: %r",
         rid or "?", attempt, max_deliver, exc, exc_info=exc,

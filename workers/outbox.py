@@ -9,6 +9,7 @@ continues where the caller stands. Pure: no NATS, no asyncio; the service does t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -16,6 +17,7 @@ import msgpack
 
 from common.errors import QosError
 from common.protocol import Chunk, ErrorInfo, FinishReason, GenerateRequest, TopLogprobs, Usage
+from common.subjects import is_subject_token
 from workers.engine.outputs import RequestDelta
 from workers.engine.sampling_params import SamplingParams
 
@@ -111,10 +113,12 @@ def sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams
     )  # fmt: skip
 
 
-def raw_reply(data: bytes) -> tuple[str | None, str]:
+def raw_reply(data: bytes, out_subject: Callable[[str], str]) -> tuple[str | None, str]:
     """(reply, id) read leniently from a payload that failed strict decoding.
 
-    The reply must at least be a concrete subject; the id is "" when unreadable.
+    The reply is the request's own ``P.out.<id>`` (``out_subject(id)``) or None: a payload
+    naming another subject must not have this worker publish there (another request's
+    stream, an API subject). The id is "" when unreadable.
     """
     try:
         obj = msgpack.unpackb(bytes(data), raw=False)
@@ -123,7 +127,7 @@ def raw_reply(data: bytes) -> tuple[str | None, str]:
     if not isinstance(obj, dict):
         return None, ""
     reply, rid = obj.get("reply"), obj.get("id")
-    rid = rid if isinstance(rid, str) and len(rid) <= 128 else ""
-    if not isinstance(reply, str) or not reply or any(c in reply for c in " \t\r\n*>"):
+    rid = rid if isinstance(rid, str) and is_subject_token(rid) else ""
+    if not rid or reply != out_subject(rid):
         return None, rid
     return reply, rid

@@ -55,6 +55,7 @@ from common.errors import (
 from common.protocol import (
     Chunk,
     Control,
+    ErrorInfo,
     GenerateRequest,
     ResumeQuery,
     heartbeat_reconnects,
@@ -67,6 +68,7 @@ from workers.bridge import AddRequest, BridgeEvent, EngineBridge, RequestFailed,
 from workers.engine.sampling_params import SamplingParamsError
 from workers.intake import (
     Intake,
+    NoAnswer,
     RecentIds,
     ask_resume,
     reject_undecodable,
@@ -90,6 +92,8 @@ ENGINE_STUCK_S = 10.0
 # renews it for this long: the leading scheduler resends it every 5 s while the breaker stays
 # open, and gateways stop diverting from an unrenewed open breaker after the same 30 s.
 CAP_LAPSE_S = 30.0
+# A caller's created_ms counts only within this of JetStream's time of storing the request.
+CREATED_SKEW_S = 1.0
 
 
 @dataclass
@@ -102,6 +106,20 @@ class WorkerOptions:
     grace_s: float = 30.0
     fetch_timeout_s: float = 0.5  # long-poll length; also bounds how fast fetching stops
     resume_timeout_s: float = 1.0
+
+
+def _started_at(req: GenerateRequest, msg: Msg) -> float:
+    """When the request arrived, for its TTFT, E2E and queue order: the caller's
+    ``created_ms`` when it agrees with JetStream's own time of storing the message (within a
+    second of clock skew, and not in the future), else that time. A caller's claim alone
+    would let one request report a latency of years and open its group's breaker."""
+    now = time.time()
+    try:
+        stored = msg.metadata.timestamp.timestamp()
+    except Exception:  # not a JetStream message (tests, a core publish)
+        stored = now
+    claimed = req.created_ms / 1000.0
+    return claimed if stored - CREATED_SKEW_S <= claimed <= now else min(stored, now)
 
 
 def _stream_seq(msg: Msg) -> int | None:
@@ -341,11 +359,23 @@ class WorkerService:
                     if self.bridge is not None:
                         self.bridge.abort(rid)
             assert self.nc is not None
-            await retry_or_fail(self.nc, msg, exc, self.worker_id, self.config.nats.max_deliver)
+            await retry_or_fail(
+                self.nc, msg, exc, self.worker_id, self.config.nats.max_deliver, self.subjects
+            )
         finally:
             if task is not None:
                 self._starting.pop(task, None)
             self._poke()
+
+    def _misdirected(self, req: GenerateRequest) -> str | None:
+        """Why a request a caller published on NATS must not be served, or None. Its chunks
+        go to its own ``P.out.<id>``, nowhere else (another request's stream, an API
+        subject), and its ``group`` is the one whose subject it came on."""
+        if req.reply != self.subjects.out(req.id):
+            return f"reply must be {self.subjects.out(req.id)!r} (the request's own out subject)"
+        if req.group != self.group:
+            return f"group {req.group!r} does not match the subject it came on ({self.group!r})"
+        return None
 
     async def _admit(self, msg: Msg) -> None:
         try:
@@ -356,7 +386,7 @@ class WorkerService:
             req = GenerateRequest.from_bytes(msg.data, self._max_payload)
         except ProtocolError as exc:
             assert self.nc is not None
-            await reject_undecodable(self.nc, msg, exc, self.worker_id)
+            await reject_undecodable(self.nc, msg, exc, self.worker_id, self.subjects)
             self.telemetry.finished(0.0, error=True)
             return
         if req.id in self._aborted:
@@ -374,8 +404,19 @@ class WorkerService:
                 )
                 await settle(msg.term)
             return
-        start = req.created_ms / 1000.0 if req.created_ms > 0 else time.time()
-        st = Flight(req, msg, attempt, start=start)
+        misdirected = self._misdirected(req)
+        if misdirected is not None:
+            # Answered on its own P.out.<id> only: the reply a caller names is not trusted.
+            assert self.nc is not None
+            log.warning("request %s refused: %s", req.id, misdirected)
+            chunk = Chunk(id=req.id, attempt=attempt, finish_reason="error", worker=self.worker_id,
+                          error=ErrorInfo("invalid_request", misdirected))  # fmt: skip
+            with contextlib.suppress(Exception):
+                await self.nc.publish(self.subjects.out(req.id), chunk.to_bytes())
+            await settle(msg.term)
+            self.telemetry.finished(0.0, error=True)
+            return
+        st = Flight(req, msg, attempt, start=_started_at(req, msg))
         self.observer.fetched(st, msg, self.group)
         if req.deadline_ms is not None and time.time() * 1000 >= req.deadline_ms:
             await self._send_error(
@@ -391,14 +432,16 @@ class WorkerService:
                 ResumeQuery(id=req.id, attempt=attempt, worker=self.worker_id),
                 self.options.resume_timeout_s, self._max_payload,
             )  # fmt: skip
-            if reply is None:
-                if req.origin and not self._gateways.orphaned(req.origin):
-                    # Its gateway still beats (it may be reconnecting, or its loop late):
-                    # the caller is there. Hand the request back to be asked again, rather
-                    # than drop what a client is waiting for (JetStream's max_deliver bounds
-                    # the retries, and its advisory then fails the stream).
-                    log.info("request %s: no answer to the resume query from live gateway "
-                             "%s; handing it back", req.id, req.origin)  # fmt: skip
+            if isinstance(reply, NoAnswer):
+                live = req.origin and not self._gateways.orphaned(req.origin)
+                if live or reply is NoAnswer.SLOW:
+                    # Its gateway still beats, or a caller listens but answered late (a
+                    # reconnect, a busy loop, a direct NATS client): it is there. Hand the
+                    # request back to be asked again, rather than drop what a client is
+                    # waiting for (JetStream's max_deliver bounds the retries, and its
+                    # advisory then fails the stream).
+                    log.info("request %s: no answer to the resume query (%s, origin %r); "
+                             "handing it back", req.id, reply.value, req.origin)  # fmt: skip
                     await settle(lambda: msg.nak(delay=RESUME_RETRY_S))
                     self.observer.abandoned(st, "handed_back")
                     return
@@ -432,7 +475,7 @@ class WorkerService:
                 resume_token_ids=tuple(resume),
                 resume_text_len=resume_text_len,
                 priority=req.priority,
-                arrival_time=start,
+                arrival_time=st.start,
             )
         )
 

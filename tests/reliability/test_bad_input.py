@@ -372,3 +372,37 @@ async def test_a_client_request_id_header_never_becomes_the_request_id_or_a_subj
             assert outcome.text == expected_text(tokenizer, 4, 4)
             rid = outcome.headers["x-request-id"]
             assert rid.startswith("cmpl-") and rid[5:].isalnum() and rid != value
+
+
+@pytest.mark.parametrize("wrong", ["reply", "group", "undecodable"])
+async def test_a_request_naming_another_reply_or_group_is_refused_on_its_own_subject(
+    stack: Stack, wrong: str
+) -> None:
+    """A caller on NATS must not make a worker publish into another request's stream (or
+    any subject it names), nor be served by a group other than the one it came to."""
+    nc = await qnats.connect(stack.config.nats, "misdirect")
+    js = nc.jetstream()
+    subjects = Subjects(stack.config.nats.subject_prefix)
+    rid, victim = f"mis-{wrong}", f"victim-{wrong}"
+    own, other = await nc.subscribe(subjects.out(rid)), await nc.subscribe(subjects.out(victim))
+    reply = subjects.out(victim) if wrong == "reply" else subjects.out(rid)
+    request = GenerateRequest(
+        id=rid, group="long" if wrong == "group" else "short", reply=reply,
+        prompt_token_ids=[5, 6, 7], params=RequestParams(max_tokens=4),
+    )  # fmt: skip
+    payload = request.to_bytes()
+    if wrong == "undecodable":  # names the victim's subject and fails strict decoding
+        payload = msgpack.packb({"v": WIRE_VERSION, "id": rid, "reply": subjects.out(victim)})
+    try:
+        await js.publish(subjects.request("short"), payload, timeout=5)
+        if wrong == "undecodable":  # its reply is not its own: no answer anywhere
+            await asyncio.sleep(0.5)
+            assert own.pending_msgs == 0
+        else:
+            chunk = Chunk.from_bytes((await own.next_msg(timeout=10)).data)
+            assert chunk.error is not None and chunk.error.code == "invalid_request"
+            assert wrong in chunk.error.message
+        await asyncio.sleep(0.2)
+        assert other.pending_msgs == 0  # nothing in the victim's stream
+    finally:
+        await nc.close()

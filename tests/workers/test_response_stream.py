@@ -58,3 +58,12 @@ def test_an_error_chunk_raises_the_matching_error() -> None:
     with pytest.raises(ContextLengthExceededError):
         stream.feed(bad)
     assert stream.finished and stream.feed(chunk(0, [1])) == []
+
+
+def test_a_chunk_of_another_request_is_ignored() -> None:
+    """Chunks are routed by subject: one published on this request's subject for another
+    id (a caller naming someone else's reply) must neither add tokens nor end the stream."""
+    stream = ResponseStream("r")
+    foreign = Chunk(id="other", seq=0, token_ids=[9], text="x", finish_reason="stop")
+    assert stream.feed(foreign) == [] and not stream.finished
+    assert delivered(stream, chunk(0, [1], final=True)) == [1] and stream.finished

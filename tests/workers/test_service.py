@@ -363,16 +363,17 @@ async def test_a_move_whose_bind_fails_retries_or_goes_back_never_serving_nothin
     assert ids == expected_tokens(1, 2) and final.worker == "w0"
 
 
-async def test_a_redelivery_whose_live_gateway_misses_the_resume_query_is_not_dropped(
-    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
+@pytest.mark.parametrize("origin", ["gw-reconnecting", ""], ids=["gateway", "direct-client"])
+async def test_a_redelivery_whose_live_caller_misses_the_resume_query_is_not_dropped(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config, origin: str
 ) -> None:
-    """Attempt 2 asks its caller what was delivered; nobody answers (its gateway is
-    reconnecting) though the gateway is not silent: the request is handed back and served
-    once the caller answers, instead of acked away while its client waits."""
+    """Attempt 2 asks its caller what was delivered; the caller listens but does not answer
+    in time (its gateway reconnecting; a direct NATS client's busy loop): the request is
+    handed back and served once the caller answers, instead of acked away while it waits."""
     rid = new_id()
     req = GenerateRequest(
         id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
-        params=RequestParams(max_tokens=3), origin="gw-reconnecting",
+        params=RequestParams(max_tokens=3), origin=origin,
     )  # fmt: skip
     chunks = await nc.subscribe(subjects.out(rid))
     js = nc.jetstream()
@@ -512,3 +513,24 @@ async def test_the_client_says_service_unavailable_when_no_stream_takes_the_requ
 ) -> None:
     with pytest.raises(ServiceUnavailableError):
         await client.collect(group="short", prompt="anyone?")
+
+
+def test_a_callers_created_ms_counts_only_where_jetstream_agrees() -> None:
+    """One request claiming it was created in 1970 would report a latency of decades and
+    open its group's breaker; a gateway's own stamp (ms before JetStream stored it) counts."""
+    import datetime
+    from types import SimpleNamespace
+
+    now = time.time()
+    stored = SimpleNamespace(
+        metadata=SimpleNamespace(timestamp=datetime.datetime.fromtimestamp(now - 0.2, datetime.UTC))
+    )
+
+    def request(created_ms: int) -> GenerateRequest:
+        return GenerateRequest(id="r", group="short", reply="qos.out.r", prompt_token_ids=[1],
+                               created_ms=created_ms)  # fmt: skip
+
+    gateway_stamp = int((now - 0.25) * 1000)
+    assert worker_service._started_at(request(gateway_stamp), stored) == gateway_stamp / 1000
+    for claim in (1, int((now + 3600) * 1000), 0):  # 1970, the future, none
+        assert abs(worker_service._started_at(request(claim), stored) - (now - 0.2)) < 1e-3
