@@ -118,6 +118,7 @@ from common.config import Config, NatsConfig
 from common.errors import (
     DeadlineExceededError,
     InternalError,
+    InvalidRequestError,
     ProtocolError,
     QosError,
     ServiceUnavailableError,
@@ -222,6 +223,7 @@ class QosClient:
         request.validate()
         stream = ChunkSequencer(rid, decode_tail)
         ready: asyncio.Queue[Chunk | QosError] = asyncio.Queue()
+        worker_may_run = [False]  # an undecodable chunk ends our stream, not the worker's
 
         async def on_chunk(msg: Msg) -> None:
             try:
@@ -231,6 +233,7 @@ class QosClient:
             except ProtocolError as exc:
                 chunks = [InternalError(f"undecodable chunk from the worker: {exc.message}")]
                 stream.finished = True
+                worker_may_run[0] = True
             except QosError as exc:
                 chunks = [exc]
             for item in chunks:
@@ -250,9 +253,10 @@ class QosClient:
             await self.nc.subscribe(self.subjects.resume(rid), cb=on_resume),
         ]
         done = False
+        queued: tuple[str, int] | None = None  # (stream, sequence) of the request message
         try:
             try:
-                await self.js.publish(
+                ack = await self.js.publish(
                     self.subjects.request(group), request.to_bytes(), headers={"Nats-Msg-Id": rid}
                 )
             except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError) as exc:
@@ -262,6 +266,16 @@ class QosClient:
                     "or gateway running against this NATS?",
                     retry_after_s=1,
                 ) from exc
+            if ack.duplicate:
+                # JetStream kept the earlier message with this id: nothing new is queued, and
+                # its answer (running, or long finished) is not this caller's to wait for.
+                done = True
+                raise InvalidRequestError(
+                    f"request id {rid!r} is in use (JetStream deduplicated this request "
+                    "within its window); use a new id",
+                    param="request_id",
+                )
+            queued = (ack.stream, ack.seq)
             while not done:
                 left = deadline_ms / 1000 - time.time()
                 try:
@@ -285,10 +299,14 @@ class QosClient:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            if not done:
-                await self._abort(group, rid, "client stopped reading")
+            if not done or worker_may_run[0]:
+                await self._abort(group, rid, "client stopped reading", queued)
 
-    async def _abort(self, group: str, request_id: str, reason: str) -> None:
+    async def _abort(
+        self, group: str, request_id: str, reason: str, queued: tuple[str, int] | None = None
+    ) -> None:
+        """Abort on the group's control subject; and take the request out of the stream if it
+        is still queued (a replica that joins later never heard the abort)."""
         control = Control(
             action="abort",
             issued_ms=int(time.time() * 1000),
@@ -298,6 +316,9 @@ class QosClient:
         )
         with contextlib.suppress(Exception):
             await self.nc.publish(self.subjects.control_group(group), control.to_bytes())
+        if queued is not None:
+            with contextlib.suppress(Exception):  # gone already (a worker acked it): fine
+                await self.js.delete_msg(*queued)
 
     async def collect(self, **kwargs: Any) -> tuple[list[int], str, Chunk]:
         """Run :meth:`generate` to the end: (token ids, text, final chunk)."""

@@ -18,7 +18,13 @@ from nats.aio.client import Client
 import common.nats as qnats
 from common.client import QosClient
 from common.config import Config
-from common.errors import ContextLengthExceededError, InternalError, ServiceUnavailableError
+from common.errors import (
+    ContextLengthExceededError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+)
 from common.protocol import (
     Chunk,
     Control,
@@ -534,3 +540,27 @@ def test_a_callers_created_ms_counts_only_where_jetstream_agrees() -> None:
     assert worker_service._started_at(request(gateway_stamp), stored) == gateway_stamp / 1000
     for claim in (1, int((now + 3600) * 1000), 0):  # 1970, the future, none
         assert abs(worker_service._started_at(request(claim), stored) - (now - 0.2)) < 1e-3
+
+
+async def test_a_direct_client_reusing_a_request_id_is_told_and_an_abort_unqueues(
+    start_worker: Any, client: QosClient, nc: Client, worker_config: Config
+) -> None:
+    """JetStream dedupes a reused id: the second caller must hear so rather than wait on an
+    answer that is not its own; and a request the client gives up on while still queued
+    leaves the stream, so a replica that joins later does not run it for nobody."""
+    js = nc.jetstream()
+    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
+    # Nobody serves `long` here: the request stays queued until the client gives up.
+    with pytest.raises(DeadlineExceededError):
+        await client.collect(group="long", prompt_token_ids=[1, 2], request_id="queued-1",
+                             params=RequestParams(max_tokens=2), timeout_s=0.5)  # fmt: skip
+    info = await js.stream_info(worker_config.nats.stream)
+    assert info.state.messages == 0
+    await start_worker()
+    ids, _, _ = await client.collect(
+        group="short", prompt_token_ids=[1, 2], params=RequestParams(max_tokens=2),
+        request_id="same-id",
+    )  # fmt: skip
+    assert len(ids) == 2
+    with pytest.raises(InvalidRequestError, match="in use"):
+        await client.collect(group="short", prompt_token_ids=[3], request_id="same-id")
