@@ -64,7 +64,14 @@ from common.subjects import Subjects
 from common.tasks import cancel_and_wait
 from common.tracing import tracer_for
 from workers import telemetry
-from workers.bridge import AddRequest, BridgeEvent, EngineBridge, RequestFailed, StepEngine
+from workers.bridge import (
+    AddRequest,
+    BridgeEvent,
+    EngineBridge,
+    RequestFailed,
+    StepEngine,
+    encode_prompt,
+)
 from workers.engine.sampling_params import SamplingParamsError
 from workers.intake import (
     Intake,
@@ -94,6 +101,8 @@ ENGINE_STUCK_S = 10.0
 CAP_LAPSE_S = 30.0
 # A caller's created_ms counts only within this of JetStream's time of storing the request.
 CREATED_SKEW_S = 1.0
+# Text prompts longer than this are tokenized on a thread before they reach the engine.
+OFFLOAD_TOKENIZE_CHARS = 16 * 1024
 
 
 @dataclass
@@ -464,14 +473,29 @@ class WorkerService:
         except SamplingParamsError as exc:
             await self._send_error(st, InvalidRequestError(str(exc), param=exc.param))
             return
+        prompt = req.prompt
+        prompt_ids = None if prompt is not None else list(req.prompt_token_ids)
+        if prompt is not None and len(prompt) > OFFLOAD_TOKENIZE_CHARS:
+            # A long text prompt (a direct NATS caller's; the gateway sends token ids) is
+            # tokenized here, off the engine thread, whose every request would wait for it.
+            try:
+                prompt_ids = await asyncio.to_thread(encode_prompt, self.engine, prompt)
+            except InvalidRequestError as exc:
+                await self._send_error(st, exc)
+                return
+            prompt = None
+            if req.id in self._aborted:  # aborted while it was tokenized
+                await settle(msg.ack)
+                self.observer.abandoned(st, "aborted")
+                return
         self._inflight[req.id] = st
         assert self.bridge is not None
         self.bridge.add(
             AddRequest(
                 request_id=req.id,
                 params=params,
-                prompt=req.prompt,
-                prompt_token_ids=None if req.prompt is not None else list(req.prompt_token_ids),
+                prompt=prompt,
+                prompt_token_ids=prompt_ids,
                 resume_token_ids=tuple(resume),
                 resume_text_len=resume_text_len,
                 priority=req.priority,

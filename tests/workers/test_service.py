@@ -564,3 +564,27 @@ async def test_a_direct_client_reusing_a_request_id_is_told_and_an_abort_unqueue
     assert len(ids) == 2
     with pytest.raises(InvalidRequestError, match="in use"):
         await client.collect(group="short", prompt_token_ids=[3], request_id="same-id")
+
+
+async def test_a_long_text_prompt_is_tokenized_off_the_engine_thread(
+    start_worker: Any, client: QosClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A direct caller may send a text prompt of megabytes; the engine thread, which every
+    running request waits on, must not spend its time tokenizing it."""
+    threads: list[str] = []
+    encode = worker_service.encode_prompt
+
+    def spy(engine: Any, prompt: str) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode(engine, prompt)
+
+    monkeypatch.setattr(worker_service, "encode_prompt", spy)
+    service = await start_worker()
+    short = await client.collect(group="short", prompt="hi", params=RequestParams(max_tokens=2))
+    assert threads == []  # short prompts stay as they were
+    text = "x" * (worker_service.OFFLOAD_TOKENIZE_CHARS + 1)
+    with pytest.raises(ContextLengthExceededError):  # 16k bytes exceed short's 256 tokens
+        await client.collect(group="short", prompt=text, params=RequestParams(max_tokens=2))
+    assert len(threads) == 1 and threads[0] != service.bridge._thread.name
+    assert threads[0] != threading.main_thread().name
+    assert len(short[0]) == 2
