@@ -103,6 +103,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -276,6 +277,30 @@ class QosClient:
                     param="request_id",
                 )
             queued = (ack.stream, ack.seq)
+
+            async def on_given_up(msg: Msg) -> None:
+                # JetStream stopped redelivering it (every delivery crashed or failed a
+                # worker): no answer will come, so fail now rather than at the deadline.
+                try:
+                    advisory = json.loads(msg.data)
+                    seq, deliveries = int(advisory["stream_seq"]), int(advisory["deliveries"])
+                except (ValueError, KeyError, TypeError):
+                    return
+                if seq == ack.seq and not stream.finished:
+                    stream.finished = True
+                    ready.put_nowait(InternalError(
+                        f"request {rid} failed on every one of its {deliveries} deliveries "
+                        "to workers and was given up"
+                    ))  # fmt: skip
+
+            with contextlib.suppress(Exception):  # not permitted: the deadline still ends it
+                subs.append(
+                    await self.nc.subscribe(
+                        f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{ack.stream}."
+                        f"{Subjects.consumer(group)}",
+                        cb=on_given_up,
+                    )
+                )
             while not done:
                 left = deadline_ms / 1000 - time.time()
                 try:

@@ -588,3 +588,27 @@ async def test_a_long_text_prompt_is_tokenized_off_the_engine_thread(
     assert len(threads) == 1 and threads[0] != service.bridge._thread.name
     assert threads[0] != threading.main_thread().name
     assert len(short[0]) == 2
+
+
+async def test_a_direct_client_hears_when_jetstream_gives_its_request_up(
+    client: QosClient, nc: Client, worker_config: Config
+) -> None:
+    """Every delivery killed a worker, so JetStream stops redelivering and says so in a
+    MAX_DELIVERIES advisory: the client fails then, not at its deadline minutes later."""
+    js = nc.jetstream()
+    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
+    pending = asyncio.ensure_future(
+        client.collect(group="long", prompt_token_ids=[1], timeout_s=30)  # nobody serves long
+    )
+    stream = worker_config.nats.stream
+    for _ in range(100):
+        if (await js.stream_info(stream)).state.messages:
+            break
+        await asyncio.sleep(0.02)
+    seq = (await js.stream_info(stream)).state.last_seq
+    await asyncio.sleep(0.1)  # the client subscribes to the advisory once its publish is acked
+    advisory = {"stream_seq": seq, "deliveries": 5, "consumer": Subjects.consumer("long")}
+    subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{Subjects.consumer('long')}"
+    await nc.publish(subject, json.dumps(advisory).encode())
+    with pytest.raises(InternalError, match="given up"):
+        await asyncio.wait_for(pending, 5)
