@@ -32,20 +32,59 @@ def _digest(*parts: bytes) -> bytes:
 def model_fingerprint(model: str, seed: int = 0) -> bytes:
     """Fingerprint of the weights a worker serves.
 
-    A folder: its ``config.json`` bytes plus the name and size of every weight file (the
-    weights are not read: hashing gigabytes at start-up would cost more than it catches).
+    A folder: its ``config.json`` bytes plus, per weight file, its name, size and a sample
+    of its contents (see :func:`_weights_sample`): a retrained or fine-tuned checkpoint
+    keeps its config and its file sizes, and must not read the KV its predecessor wrote.
     A ``dummy:<shape>`` spec: the spec and the seed, since the random weights come from it.
     """
     if model.startswith("dummy:"):
         return _digest(b"dummy", model.encode(), str(seed).encode())
     folder = Path(model)
     config = (folder / "config.json").read_bytes()
-    weights = sorted(
-        (p.name, p.stat().st_size)
+    files = sorted(
+        p
         for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json")
         for p in folder.glob(pattern)
     )
-    return _digest(b"folder", config, json.dumps(weights).encode())
+    weights = [(p.name, p.stat().st_size) for p in files]
+    samples = [_weights_sample(p) for p in files]
+    return _digest(b"folder", config, json.dumps(weights).encode(), *samples)
+
+
+SAMPLE_BYTES = 4096  # per tensor end (safetensors) or per window (other files)
+
+
+def _weights_sample(path: Path) -> bytes:
+    """A digest of what a file holds, read in kilobytes, not gigabytes: for a safetensors
+    file its header and the first and last 4 KiB of every tensor (training changes them
+    all); for any other file five 4 KiB windows spread over it."""
+    h = hashlib.blake2b(digest_size=16)
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if path.name.endswith(".safetensors") and size >= 8:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = f.read(header_len)
+            h.update(header)
+            try:
+                tensors = json.loads(header)
+            except ValueError:
+                tensors = {}
+            base = 8 + header_len
+            for name in sorted(tensors):
+                offsets = (
+                    tensors[name].get("data_offsets") if isinstance(tensors[name], dict) else None
+                )
+                if not offsets:
+                    continue
+                start, end = base + int(offsets[0]), base + int(offsets[1])
+                for at in {start, max(start, end - SAMPLE_BYTES)}:
+                    f.seek(at)
+                    h.update(f.read(min(SAMPLE_BYTES, end - at)))
+        else:
+            for i in range(5):
+                f.seek(max(0, (size - SAMPLE_BYTES) * i // 4))
+                h.update(f.read(SAMPLE_BYTES))
+    return h.digest()
 
 
 class CacheLayout(Protocol):
@@ -78,6 +117,9 @@ class KVLayout:
     quant: str = "none"
     tp_rank: int = 0
     tp_size: int = 1
+    # The model's own dtype: with a quantised cache the bytes depend on it too (the K/V
+    # quantised were computed in it), so an fp32 and a bf16 worker must not share them.
+    compute_dtype: str = ""
 
     @property
     def elem_bytes(self) -> int:

@@ -109,6 +109,7 @@ class KVTiers:
             quant=getattr(layout, "quant", "none"),
             tp_rank=getattr(layout, "tp_rank", 0),
             tp_size=getattr(layout, "tp_size", 1),
+            compute_dtype=getattr(layout, "compute_dtype", ""),
         )
         self.identity = KVIdentity(model_fingerprint(model, seed), kv_layout)
         self._block_tokens = layout.block_size

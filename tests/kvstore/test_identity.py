@@ -1,55 +1,49 @@
-"""Key namespaces: one per model and cache layout, so incompatible workers share no keys."""
+"""Block identity: who may read whose KV bytes."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import shutil
 from pathlib import Path
 
-from kvstore.identity import KVIdentity, KVLayout, model_fingerprint
+import torch
+from safetensors.torch import save_file
 
-LAYOUT = KVLayout(block_size=16, dtype="bfloat16", num_layers=32, num_kv_heads=8, head_dim=128)
-
-
-def test_key_is_namespace_model_layout_and_block_hash_in_hex() -> None:
-    ident = KVIdentity(model_fingerprint("dummy:tiny"), LAYOUT)
-    key = ident.key(b"\xab" * 16)
-    ns, kind, model_fp, layout_fp, block = key.decode().split(":")
-    assert (ns, kind) == ("qos", "kv")
-    assert bytes.fromhex(model_fp) == ident.model_fp
-    assert bytes.fromhex(layout_fp) == LAYOUT.fingerprint()
-    assert block == "ab" * 16
-    assert LAYOUT.block_bytes == 2 * 32 * 16 * 8 * 128 * 2  # 2 MiB, Llama-8B in bf16
+from kvstore.identity import KVLayout, model_fingerprint
 
 
-def test_every_layout_field_changes_the_prefix() -> None:
-    model_fp = model_fingerprint("dummy:tiny")
-    base = KVIdentity(model_fp, LAYOUT).key_prefix
-    others = [
-        dataclasses.replace(LAYOUT, block_size=32),
-        dataclasses.replace(LAYOUT, dtype="float16"),
-        dataclasses.replace(LAYOUT, num_layers=16),
-        dataclasses.replace(LAYOUT, num_kv_heads=4),
-        dataclasses.replace(LAYOUT, head_dim=64),
-        dataclasses.replace(LAYOUT, quant="fp8"),
-        dataclasses.replace(LAYOUT, tp_rank=1, tp_size=2),
-    ]
-    for other in others:
-        assert KVIdentity(model_fp, other).key_prefix != base, other
+def _folder(root: Path, seed: int) -> Path:
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {f"layers.{i}.w": torch.randn(64, 64, generator=gen) for i in range(3)}
+    save_file(tensors, str(root / "model.safetensors"))
+    return root
 
 
-def test_model_fingerprint_follows_config_and_weight_files(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
-    first = model_fingerprint(str(tmp_path))
-    assert model_fingerprint(str(tmp_path)) == first
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
-    assert model_fingerprint(str(tmp_path)) != first
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 65}))
-    assert model_fingerprint(str(tmp_path)) != first
+def test_retrained_weights_of_the_same_shapes_get_another_fingerprint(tmp_path: Path) -> None:
+    """A retrain (or a fine-tune) keeps config.json and the file sizes: its KV must not be
+    read by the old model's workers, nor theirs by it."""
+    old, new = _folder(tmp_path / "old", 0), _folder(tmp_path / "new", 1)
+    assert (old / "model.safetensors").stat().st_size == (new / "model.safetensors").stat().st_size
+    assert model_fingerprint(str(old)) != model_fingerprint(str(new))
+    copy = tmp_path / "copy"
+    shutil.copytree(old, copy)  # the same weights on another node: shared
+    assert model_fingerprint(str(copy)) == model_fingerprint(str(old))
+    # Changing only the end of one tensor changes it too.
+    tensors = {f"layers.{i}.w": torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+               for i in range(3)}  # fmt: skip
+    tensors["layers.2.w"][-1, -1] += 1.0
+    save_file(tensors, str(copy / "model.safetensors"))
+    assert model_fingerprint(str(copy)) != model_fingerprint(str(old))
 
 
-def test_dummy_weights_depend_on_the_seed() -> None:
-    assert model_fingerprint("dummy:tiny", 0) != model_fingerprint("dummy:tiny", 1)
-    assert model_fingerprint("dummy:tiny", 0) != model_fingerprint("dummy:llama-1b", 0)
+def test_a_quantised_cache_is_namespaced_by_the_model_dtype_too() -> None:
+    fp32 = KVLayout(4, "int8", 2, 2, 16, quant="per_token_head", compute_dtype="float32")
+    bf16 = KVLayout(4, "int8", 2, 2, 16, quant="per_token_head", compute_dtype="bfloat16")
+    assert fp32.fingerprint() != bf16.fingerprint()
+    from workers.engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs("dummy:tiny", num_kv_blocks=8, kv_cache_dtype="int8"))
+    layout = engine.runner.kv_layout()
+    assert (layout.dtype, layout.compute_dtype) == ("int8", "float32")

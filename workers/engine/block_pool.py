@@ -64,6 +64,7 @@ class KVCacheLayout:
     num_kv_heads: int
     head_dim: int
     quant: str = "none"
+    compute_dtype: str = ""  # the model's dtype: quantised bytes depend on it too
 
 
 class KVTier(Protocol):

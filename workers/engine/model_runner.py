@@ -201,6 +201,7 @@ class ModelRunner:
             num_kv_heads=self.cfg.num_kv_heads,
             head_dim=self.cfg.head_dim,
             quant="per_token_head" if is_quantized(self.kv_dtype) else "none",
+            compute_dtype=str(self.dtype).removeprefix("torch."),
         )
 
     def swap_blocks(
