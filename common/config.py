@@ -128,6 +128,9 @@ class NatsConfig(_Strict):
     subject_prefix: str = Field("qos", pattern=r"^[A-Za-z0-9_-]+$")
     stream: str = Field("QOS_REQ", pattern=r"^[A-Za-z0-9_-]+$")
     kv_bucket: str = Field("qos_state", pattern=r"^[A-Za-z0-9_-]+$")
+    # Copies JetStream keeps of the request stream and the state bucket when it creates them:
+    # 3 on a 3-node cluster survives losing a server (1 = a single server's data).
+    replicas: int = Field(1, ge=1, le=5)
     ack_wait_s: float = Field(30.0, gt=0)
     max_deliver: int = Field(5, ge=1)
     duplicate_window_s: float = Field(120.0, gt=0)

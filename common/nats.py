@@ -189,7 +189,7 @@ def _stream_config(cfg: NatsConfig) -> api.StreamConfig:
         storage=api.StorageType.FILE,
         duplicate_window=cfg.duplicate_window_s,
         max_msg_size=cfg.max_payload_bytes,
-        num_replicas=1,
+        num_replicas=cfg.replicas,
     )
 
 
@@ -319,6 +319,7 @@ async def ensure_kv(
             description="qosserve breakers, worker registry, assignments",
             history=history,
             storage=api.StorageType.FILE,
+            replicas=cfg.replicas,
         )
     have = (await kv.status()).stream_info.config
     if have.storage != api.StorageType.FILE:

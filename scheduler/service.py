@@ -485,6 +485,8 @@ class SchedulerService:
             self._leader_synced = True
         elif not held:
             self._unsaved.clear()  # the leader's word counts now, not ours
+            # Only the leader's figure may reach autoscalers (they take the max over replicas).
+            self.metrics.desired_replicas.clear()
             await self._load_breakers()  # a standby follows the leader's decisions
         self.metrics.leader.set(1 if held else 0)
 

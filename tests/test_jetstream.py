@@ -289,3 +289,13 @@ def test_redact_url_hides_passwords_and_tokens():
     assert qnats.redact_url("nats://svc:pw@h:4222") == "nats://svc:***@h:4222"
     assert qnats.redact_url("nats://tok@h:4222") == "nats://***@h:4222"
     assert qnats.redact_url("nats://h:4222") == "nats://h:4222"
+
+
+def test_the_stream_and_the_bucket_take_the_configured_replicas() -> None:
+    """A 3-server cluster keeps its requests and breakers through the loss of one only if
+    they are created with 3 replicas (``nats.replicas``)."""
+    from common.config import NatsConfig
+    from common.nats import _stream_config
+
+    assert _stream_config(NatsConfig()).num_replicas == 1
+    assert _stream_config(NatsConfig(replicas=3)).num_replicas == 3

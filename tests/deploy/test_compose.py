@@ -94,7 +94,13 @@ def test_every_qos_variable_is_a_configuration_key_the_loader_accepts(
     for name, svc in load(GPU_OVERRIDE)["services"].items():
         base = env_of(services(compose)[name])
         config = load_config(env={k: v for k, v in {**base, **env_of(svc)}.items() if "QOS_" in k})
-        assert config.worker.device == "cuda", name
+        if name.startswith("worker-"):
+            assert config.worker.device == "cuda", name
+            assert config.worker.kv_redis, name  # the shared Redis tier is on
+        # The gateway tokenizes for the workers: the same checkpoint, mounted in both.
+        assert config.worker.model == "/models/current", name
+        assert any(v.endswith(":/models/current:ro") for v in svc["volumes"]), name
+    assert {"gateway", "worker-short"} <= set(load(GPU_OVERRIDE)["services"])
 
 
 def test_one_worker_service_per_default_group_with_replicas_and_a_drain_window(

@@ -121,6 +121,8 @@ def test_the_configmap_is_a_config_the_loader_accepts_with_the_default_groups(
     assert config.nats.url == "nats://nats:4222"  # the nats Helm release's Service
     assert config.redis.url.startswith("redis://redis-master:6379")
     assert config.scheduler.move_replicas is False, "Deployments, not the scheduler, own groups"
+    assert config.worker.kv_redis, "the redis Helm release is there for the shared KV tier"
+    assert config.nats.replicas == 3, "the nats Helm release runs 3 servers: survive one"
 
 
 @pytest.mark.parametrize("overlay", [*OVERLAYS, "hpa"])
@@ -257,6 +259,22 @@ def test_only_the_gpu_overlay_gives_workers_gpus_and_the_cuda_image(
                     if k.startswith("QOS_") and k != "QOS_CONFIG"
                 }
                 assert config_of(rendered[overlay], tmp_path, env).worker.device == "cuda"
+
+
+def test_the_gateway_reads_the_checkpoint_the_workers_serve(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    """The gateway tokenizes and renders the chat template: another model's tokens would
+    reach the workers as garbage."""
+    for overlay in OVERLAYS:
+        models = {}
+        for deploy, container in containers(rendered[overlay]):
+            name = deploy["metadata"]["name"]
+            if name == "gateway" or name.startswith("worker-"):
+                env = {k: v for k, v in env_of(container).items()
+                       if k.startswith("QOS_") and k != "QOS_CONFIG"}  # fmt: skip
+                models[name] = config_of(rendered[overlay], tmp_path, env).worker.model
+        assert len(set(models.values())) == 1, (overlay, models)
 
 
 def test_helm_values_configure_jetstream_and_an_lru_cache_redis() -> None:

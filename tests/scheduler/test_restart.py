@@ -139,7 +139,10 @@ async def test_a_new_leader_whose_breaker_load_fails_retries_it_and_starts_its_t
         return lease.held
 
     monkeypatch.setattr(lease, "refresh", refresh)
+    service.metrics.desired_replicas.labels("short").set(3)
     await service._refresh_lease()  # standby now
+    # Autoscalers take the max over the replicas' figures: a standby exports none.
+    assert not [x for m in service.metrics.desired_replicas.collect() for x in m.samples]
     service.desired["short"] = 3  # what an earlier term published
     real_load = service._load_breakers
     loads = {"n": 0}
