@@ -92,9 +92,17 @@ class CircuitBreaker:
             return True
         return False
 
-    def success(self) -> None:
+    def success(self, light: bool = False) -> None:
+        """A call went through. ``light``: a small one (an EXPIRE lookup), which says
+        little about the big ones: it neither clears the failures loads and stores have
+        counted (a link that passes small commands and times out on 2 MiB values must
+        still open the breaker) nor closes a half-open one; it only frees the probe, for
+        the next load or store to take."""
         with self._lock:
-            self._success()
+            if not light:
+                self._success()
+            elif self.state == self.HALF_OPEN:
+                self._probing = False
 
     def _success(self) -> None:
         if self.state != self.CLOSED:

@@ -191,7 +191,7 @@ class KVTiers:
             level = logging.DEBUG if isinstance(exc, _FAILURES) else logging.WARNING
             log.log(level, "kv tiers: lookup failed: %r", exc)
             return 0
-        self.breaker.success()
+        self.breaker.success(light=True)
         n = 0
         for hit in found:
             if not hit:

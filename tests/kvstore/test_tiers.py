@@ -173,6 +173,23 @@ def test_breaker_probes_once_after_the_open_period_and_backs_off_on_failure() ->
     assert b.state == "closed" and b.allow() and b.num_opens == 1
 
 
+def test_small_lookups_that_pass_do_not_hide_loads_that_fail() -> None:
+    """A link that passes the tiny EXPIRE lookups and times out on 2 MiB loads: each load
+    stalls the engine, so the breaker must open although every lookup in between passes."""
+    now = [0.0]
+    b = CircuitBreaker(failures_to_open=2, open_s=1.0, clock=lambda: now[0])
+    b.failure()  # a load timed out
+    b.success(light=True)  # the next admission's lookup passed
+    b.failure()  # and its load timed out again
+    assert b.state == "open"
+    now[0] = 1.0
+    assert b.allow()  # a lookup takes the probe...
+    b.success(light=True)
+    assert b.state == "half_open" and b.allow()  # ...and hands it on to a load or a store
+    b.success()
+    assert b.state == "closed"
+
+
 def test_a_value_longer_than_a_block_is_a_counted_miss_and_loads_go_on(
     tiers: KVTiers, redis_config: RedisConfig
 ) -> None:
@@ -232,7 +249,8 @@ def test_a_probe_that_fails_with_a_bug_not_redis_leaves_the_breaker_able_to_clos
         assert tiers.stats().redis.errors >= 1
         assert tiers.stats().breaker_state == "open"  # the probe failed: open again
         time.sleep(0.3)  # past the doubled open period: another probe
-        assert tiers.lookup(HASHES[:2]) == 2
+        assert tiers.lookup(HASHES[:2]) == 2  # a small call: it hands the probe on
+        assert len(tiers.load(HASHES[:2])) == 2  # and a load's success closes it
         assert tiers.stats().breaker_state == "closed"
 
 
