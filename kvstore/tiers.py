@@ -295,16 +295,26 @@ class KVTiers:
             with self._lock:
                 c.drops += len(hashes)
             return
-        nbytes = data.nbytes
+        row_bytes = data.nbytes // len(hashes)
         with self._lock:
-            if self._queued_bytes + nbytes > self.store_queue_bytes:
-                c.drops += len(hashes)
+            # As many blocks, from the first, as the queue has room for: a long prompt's
+            # batch can exceed the whole queue, and its leading blocks are still worth it.
+            room = max(0, self.store_queue_bytes - self._queued_bytes)
+            n = min(len(hashes), room // max(1, row_bytes))
+            c.drops += len(hashes) - n
+            if n == 0:
                 return
-            self._queued_bytes += nbytes
+            self._queued_bytes += n * row_bytes
         step = self.batch_blocks
-        for i in range(0, len(hashes), step):
-            part = data[i : i + step]
-            self._writers.submit(self._store, list(hashes[i : i + step]), part, part.nbytes)
+        for i in range(0, n, step):
+            part = data[i : min(i + step, n)]
+            self._writers.submit(self._store, list(hashes[i : min(i + step, n)]), part, part.nbytes)
+
+    def skipped(self, blocks: int) -> None:
+        """Blocks the engine did not offer while stores were not accepted: drops too."""
+        if self._bulk is not None:
+            with self._lock:
+                self.redis_counters.drops += blocks
 
     def _store(self, hashes: list[bytes], data: np.ndarray, nbytes: int) -> None:
         """One sub-batch on a writer thread: headers (checksums), then pipelined SETs that

@@ -154,6 +154,9 @@ class VanishingTier:
     def offload(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         pass
 
+    def skipped(self, blocks: int) -> None:
+        pass
+
 
 @pytest.mark.parametrize("policy", ["continuous", "hybrid"])
 def test_a_tier_that_loses_blocks_costs_recompute_and_a_waiting_head_asks_once(

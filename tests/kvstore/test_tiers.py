@@ -104,6 +104,19 @@ def test_a_full_store_queue_drops_and_counts_instead_of_blocking(
         assert s.drops + s.store_blocks == 40
 
 
+def test_a_batch_larger_than_the_queue_stores_its_leading_blocks(
+    redis_config: RedisConfig,
+) -> None:
+    """A long prompt fills more blocks in one step than the queue holds: its first blocks,
+    the prefix other requests share, still go through; only the rest is dropped."""
+    with make(redis_config, store_queue_bytes=3 * LAYOUT.block_bytes) as tiers:
+        tiers.store_async(HASHES[:5], blocks(5))
+        assert tiers.flush()
+        s = tiers.stats().redis
+        assert (s.store_blocks, s.drops) == (3, 2)
+        assert tiers.lookup(HASHES[:5]) == 3
+
+
 def test_breaker_opens_while_redis_is_down_and_hits_resume_after_restart(
     fresh_redis_server: Callable[..., RedisServer],
 ) -> None:
@@ -263,5 +276,7 @@ def test_the_engine_is_not_asked_for_blocks_the_tier_would_drop(redis_config: Re
         breaker.failure()
         assert not tiers.accepts_stores
         time.sleep(0.15)
-        assert tiers.lookup(HASHES[:1]) == 0  # the probe: Redis answers, the breaker closes
+        assert tiers.lookup(HASHES[:1]) == 0  # a probe Redis answers: a store may probe next
         assert tiers.accepts_stores
+        tiers.skipped(3)  # what the engine did not offer meanwhile counts as dropped
+        assert tiers.stats().redis.drops == 3

@@ -147,7 +147,9 @@ class Batcher:
     def commit(self, plan: BatchPlan) -> None:
         """After the step ran: its tokens are in the cache, and full blocks get names."""
         tier = self.kv_tier
-        stores = tier is not None and tier.accepts_stores and self.pool.enable_prefix_caching
+        write_through = tier is not None and self.pool.enable_prefix_caching
+        stores = write_through and tier is not None and tier.accepts_stores
+        skipped = 0
         bs = self.pool.block_size
         for seq, req in zip(plan.seqs, plan.requests, strict=True):
             if req.is_finished:  # stopped while the step ran (asynchronous output)
@@ -158,6 +160,10 @@ class Batcher:
             if stores and first < last:
                 hashes = self.pool.update_hashes(req)
                 plan.kv_stores += [(hashes[i], req.block_table[i]) for i in range(first, last)]
+            elif write_through and first < last:
+                skipped += last - first
+        if skipped and tier is not None:
+            tier.skipped(skipped)
 
     # --- scheduling ----------------------------------------------------------------------
 

@@ -97,6 +97,10 @@ class KVTier(Protocol):
     def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         """Write computed blocks through; returns at once (the tier may drop them)."""
 
+    def skipped(self, blocks: int) -> None:
+        """``blocks`` filled blocks were not offered while ``accepts_stores`` was false:
+        count them with the tier's drops."""
+
     def offload(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         """Keep blocks that the device cache evicts."""
 
