@@ -33,15 +33,17 @@ little-endian float32.
    ====================  ========  =========================================================
    ``v``                 int       1
    ``id``                str       request id (unique; also the dedupe id)
-   ``group``             str       the group of the subject
-   ``reply``             str       where chunks go: ``P.out.<id>``
+   ``group``             str       the group of the subject (another: refused)
+   ``reply``             str       where chunks go: exactly ``P.out.<id>`` (else refused)
    ``prompt``            str       text prompt (the worker tokenizes it) — or:
    ``prompt_token_ids``  bin i32   token ids; exactly one of the two
    ``model``             str       optional, informational
    ``params``            map       optional, see below
    ``priority``          int       optional, lower is served first (default 0)
    ``deadline_ms``       int       optional, absolute unix epoch milliseconds
-   ``created_ms``        int       optional, unix epoch ms when the caller made it
+   ``created_ms``        int       optional, epoch ms the caller made it (within 1 s of
+                                   JetStream's storing time, else that time counts)
+   ``origin``            str       optional, the gateway id whose heartbeat workers watch
    ====================  ========  =========================================================
 
    ``params`` (every key optional): ``max_tokens`` int (256, >= 1), ``temperature`` float

@@ -129,7 +129,8 @@ class NatsConfig(_Strict):
     stream: str = Field("QOS_REQ", pattern=r"^[A-Za-z0-9_-]+$")
     kv_bucket: str = Field("qos_state", pattern=r"^[A-Za-z0-9_-]+$")
     # Copies JetStream keeps of the request stream and the state bucket when it creates them:
-    # 3 on a 3-node cluster survives losing a server (1 = a single server's data).
+    # 3 on a 3-node cluster survives losing a server (1 = a single server's data). Existing
+    # ones keep theirs (a warning says when they differ).
     replicas: int = Field(1, ge=1, le=5)
     ack_wait_s: float = Field(30.0, gt=0)
     max_deliver: int = Field(5, ge=1)

@@ -214,6 +214,13 @@ async def ensure_stream(
         except nats.js.errors.BadRequestError as exc:
             info = await _created_meanwhile(js, cfg.stream, exc)
     have = info.config
+    if have.num_replicas != want.num_replicas:
+        # JetStream can change it in place, but not without the operator's say: a wrong
+        # replica count in a config must not reshuffle a live stream.
+        log.warning("stream %s has %s replicas, nats.replicas says %d: left as it is "
+                    "(`nats stream edit %s --replicas %d` to change it)", cfg.stream,
+                    have.num_replicas, want.num_replicas, cfg.stream,
+                    want.num_replicas)  # fmt: skip
     problems = [
         f"{field} is {_show(getattr(have, field))}, expected {_show(getattr(want, field))}"
         for field in ("retention", "storage")
@@ -322,6 +329,9 @@ async def ensure_kv(
             replicas=cfg.replicas,
         )
     have = (await kv.status()).stream_info.config
+    if (have.num_replicas or 1) != cfg.replicas:
+        log.warning("KV bucket %s has %s replicas, nats.replicas says %d: left as it is",
+                    cfg.kv_bucket, have.num_replicas, cfg.replicas)  # fmt: skip
     if have.storage != api.StorageType.FILE:
         raise ConfigError(
             f"KV bucket {cfg.kv_bucket} uses {have.storage} storage, expected file; "

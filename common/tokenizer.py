@@ -143,6 +143,10 @@ class BaseTokenizer(ABC):
         )
 
 
+# Texts longer than this are encoded without holding the GIL (see Tokenizer.encode).
+GIL_FREE_CHARS = 16 * 1024
+
+
 class Tokenizer(BaseTokenizer):
     """A Hugging Face tokenizer folder, read with ``tokenizers`` (no transformers).
 
@@ -215,6 +219,11 @@ class Tokenizer(BaseTokenizer):
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > GIL_FREE_CHARS:
+            # encode() holds the GIL for the whole Rust call; encode_batch() lets it go, so
+            # a long prompt tokenized on a thread stalls no event loop and no engine thread.
+            batch = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(batch[0].ids)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

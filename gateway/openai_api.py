@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -277,31 +278,35 @@ Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 # OpenAI features this gateway does not serve: the values that ask for nothing, and what the
 # 400 for any other value says. vLLM serves some of these (tools with a parser, guided
 # decoding); here they are refused rather than half served.
-_NEUTRAL: dict[str, tuple[Any, str]] = {
-    "logit_bias": ((None, {}), "logit_bias is not supported"),
-    "best_of": ((None, 1), "best_of is not supported (only 1)"),
-    "suffix": ((None, ""), "suffix (insertion) is not supported"),
-    "tools": ((None, []), "tool calling is not supported"),
-    "tool_choice": ((None, "none"), "tool calling is not supported"),
-    "functions": ((None, []), "function calling is not supported"),
-    "function_call": ((None, "none"), "function calling is not supported"),
+_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logit_bias": (lambda v: v in (None, {}), "logit_bias is not supported"),
+    "best_of": (lambda v: v in (None, 1), "best_of is not supported (only 1)"),
+    "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
+    "tools": (lambda v: v in (None, []), "tool calling is not supported"),
+    # "auto" with no tools asks for nothing; the check on tools refuses any tools.
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported"),
+    "functions": (lambda v: v in (None, []), "function calling is not supported"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not supported"),
     "response_format": (
-        (None, {"type": "text"}),
+        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
         "response_format other than text is not supported",
     ),
-    "reasoning_effort": ((None,), "reasoning_effort is not supported (not a reasoning model)"),
-    "modalities": ((None, ["text"]), "only the text modality is served"),
-    "audio": ((None,), "audio output is not supported"),
-    "prediction": ((None,), "predicted outputs are not supported"),
-    "web_search_options": ((None,), "web search is not supported"),
-    "verbosity": ((None,), "verbosity is not supported"),
+    "reasoning_effort": (
+        lambda v: v is None,
+        "reasoning_effort is not supported (not a reasoning model)",
+    ),
+    "modalities": (lambda v: v in (None, ["text"]), "only the text modality is served"),
+    "audio": (lambda v: v is None, "audio output is not supported"),
+    "prediction": (lambda v: v is None, "predicted outputs are not supported"),
+    "web_search_options": (lambda v: v is None, "web search is not supported"),
+    "verbosity": (lambda v: v is None, "verbosity is not supported"),
 }
 
 
 def _check_neutral(body: BaseModel) -> None:
     """A 400 for a known-but-unserved parameter sent with a value that asks for it."""
-    for name, (neutral, why) in _NEUTRAL.items():
-        if name in type(body).model_fields and getattr(body, name) not in neutral:
+    for name, (asks_nothing, why) in _NEUTRAL.items():
+        if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
             raise InvalidRequestError(
                 f"Unsupported value for '{name}': {why}", param=name, code="unsupported_value"
             )

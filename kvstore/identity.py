@@ -61,8 +61,10 @@ def _weights_sample(path: Path) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     size = path.stat().st_size
     with path.open("rb") as f:
-        if path.name.endswith(".safetensors") and size >= 8:
-            header_len = int.from_bytes(f.read(8), "little")
+        header_len = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+        # A real header fits the file (and safetensors' 100 MB cap); a Git LFS pointer named
+        # .safetensors does not, and is sampled as the small text file it is.
+        if path.name.endswith(".safetensors") and 0 < header_len <= min(size - 8, 100 << 20):
             header = f.read(header_len)
             h.update(header)
             try:
@@ -70,14 +72,12 @@ def _weights_sample(path: Path) -> bytes:
             except ValueError:
                 tensors = {}
             base = 8 + header_len
-            for name in sorted(tensors):
-                offsets = (
-                    tensors[name].get("data_offsets") if isinstance(tensors[name], dict) else None
-                )
-                if not offsets:
+            for name in sorted(tensors) if isinstance(tensors, dict) else ():
+                span = _tensor_span(tensors[name], size - base)
+                if span is None:
                     continue
-                start, end = base + int(offsets[0]), base + int(offsets[1])
-                for at in {start, max(start, end - SAMPLE_BYTES)}:
+                start, end = base + span[0], base + span[1]
+                for at in sorted({start, max(start, end - SAMPLE_BYTES)}):
                     f.seek(at)
                     h.update(f.read(min(SAMPLE_BYTES, end - at)))
         else:
@@ -85,6 +85,17 @@ def _weights_sample(path: Path) -> bytes:
                 f.seek(max(0, (size - SAMPLE_BYTES) * i // 4))
                 h.update(f.read(SAMPLE_BYTES))
     return h.digest()
+
+
+def _tensor_span(spec: object, data_bytes: int) -> tuple[int, int] | None:
+    """A header entry's ``data_offsets`` when they are two ints inside the data, else None."""
+    offsets = spec.get("data_offsets") if isinstance(spec, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2):
+        return None
+    start, end = offsets
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= data_bytes):
+        return None
+    return start, end
 
 
 class CacheLayout(Protocol):

@@ -299,3 +299,15 @@ def test_the_stream_and_the_bucket_take_the_configured_replicas() -> None:
 
     assert _stream_config(NatsConfig()).num_replicas == 1
     assert _stream_config(NatsConfig(replicas=3)).num_replicas == 3
+
+
+async def test_a_stream_with_other_replicas_than_configured_is_left_with_a_warning(
+    js, nats_config, caplog
+) -> None:
+    from common.nats import ensure_stream
+
+    await ensure_stream(js, nats_config)
+    with caplog.at_level("WARNING", logger="common.nats"):
+        # A single test server cannot hold 3 copies: asked for them, the stream stays as is.
+        await ensure_stream(js, nats_config.model_copy(update={"replicas": 3}))
+    assert "nats.replicas says 3" in caplog.text

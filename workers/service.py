@@ -442,15 +442,16 @@ class WorkerService:
                 self.options.resume_timeout_s, self._max_payload,
             )  # fmt: skip
             if isinstance(reply, NoAnswer):
-                live = req.origin and not self._gateways.orphaned(req.origin)
-                if live or reply is NoAnswer.SLOW:
-                    # Its gateway still beats, or a caller listens but answered late (a
-                    # reconnect, a busy loop, a direct NATS client): it is there. Hand the
-                    # request back to be asked again, rather than drop what a client is
-                    # waiting for (JetStream's max_deliver bounds the retries, and its
+                # A timeout does not say the caller listens: every gateway subscribes to all
+                # resume subjects and stays silent for ids it does not hold. Only a gateway
+                # that still beats (reconnecting, or its loop late) is known to be there.
+                if req.origin and not self._gateways.orphaned(req.origin):
+                    # Hand the request back to be asked again, rather than drop what a client
+                    # is waiting for (JetStream's max_deliver bounds the retries, and its
                     # advisory then fails the stream).
-                    log.info("request %s: no answer to the resume query (%s, origin %r); "
-                             "handing it back", req.id, reply.value, req.origin)  # fmt: skip
+                    log.info("request %s: no answer to the resume query (%s) from live "
+                             "gateway %s; handing it back", req.id, reply.value,
+                             req.origin)  # fmt: skip
                     await settle(lambda: msg.nak(delay=RESUME_RETRY_S))
                     self.observer.abandoned(st, "handed_back")
                     return

@@ -286,3 +286,31 @@ def test_byte_tokenizer_round_trips_utf8_and_renders_chat() -> None:
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat == "<|user|>\nhi\n<|assistant|>\n"
     assert max(tok.all_special_ids) < tok.vocab_size
+
+
+def test_a_long_text_encodes_the_same_without_holding_the_gil() -> None:
+    """Over GIL_FREE_CHARS, encode goes through encode_batch, which releases the GIL (a
+    prompt tokenized on a thread must not stall the event loop or the engine thread)."""
+    from common.models import demo_model_path
+    from common.tokenizer import GIL_FREE_CHARS, load_tokenizer
+
+    tok = load_tokenizer(demo_model_path())
+    text = "def f(x):\n    return x + 1\n" * (GIL_FREE_CHARS // 10)
+    rust = RustTokenizer.from_file(str(demo_model_path() / "tokenizer.json"))
+    assert tok.encode(text) == rust.encode(text).ids
+    assert (
+        tok.encode(text, add_special_tokens=False)
+        == rust.encode(text, add_special_tokens=False).ids
+    )
+    # Through encode_batch (it releases the GIL; encode holds it for the whole Rust call).
+    calls: list[str] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return getattr(rust, name)
+
+    tok._tok = Spy()  # type: ignore[assignment]
+    tok.encode(text)
+    tok.encode("short")
+    assert calls == ["encode_batch", "encode"]

@@ -138,8 +138,9 @@ async def test_bad_parameter_is_400_naming_it(
 async def test_openai_parameters_that_ask_for_nothing_are_accepted(fields: dict[str, Any]) -> None:
     body = parse_body(CompletionRequest, json.dumps({**OK_COMPLETION, **fields}).encode())
     assert body.wire_params(4, None).seed == (-7) % 2**63
-    chat = {**OK_CHAT, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
-            "response_format": {"type": "text"}, "logit_bias": {}, "modalities": ["text"],
+    chat = {**OK_CHAT, "tools": [], "parallel_tool_calls": True,
+            "response_format": {"type": "text", "strict": False}, "logit_bias": {},
+            "modalities": ["text"], "tool_choice": "auto",
             "messages": [{"role": "user", "content": [{"type": "text", "text": "a",
                                                          "cache_breakpoint": True}]},
                          {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},

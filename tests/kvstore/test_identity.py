@@ -47,3 +47,18 @@ def test_a_quantised_cache_is_namespaced_by_the_model_dtype_too() -> None:
     engine = LLMEngine(EngineArgs("dummy:tiny", num_kv_blocks=8, kv_cache_dtype="int8"))
     layout = engine.runner.kv_layout()
     assert (layout.dtype, layout.compute_dtype) == ("int8", "float32")
+
+
+def test_a_git_lfs_pointer_in_place_of_the_weights_is_fingerprinted_not_read_whole(
+    tmp_path: Path,
+) -> None:
+    """Cloned without LFS, a .safetensors file is a 130-byte text whose first 8 bytes read
+    as a header length of exabytes: it must be sampled as the text it is."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 123\n"
+    (folder / "model.safetensors").write_text(pointer)
+    first = model_fingerprint(str(folder))
+    (folder / "model.safetensors").write_text(pointer.replace("ab", "cd"))
+    assert model_fingerprint(str(folder)) != first
