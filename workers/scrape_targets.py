@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import nats.js.errors
-from nats.js.kv import KeyValue
+from nats.js import JetStreamContext
 
 from common.config import load_config
 from common.errors import ConfigError
@@ -35,20 +35,27 @@ from workers.telemetry import HEARTBEAT_KEY_PREFIX
 log = logging.getLogger(__name__)
 
 
-async def scrape_targets(kv: KeyValue, max_age_s: float = 30.0) -> list[dict[str, Any]]:
-    """One file-SD entry per live worker with a ``/metrics`` port, sorted by worker id."""
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
+async def scrape_targets(
+    js: JetStreamContext, bucket: str, max_age_s: float = 30.0
+) -> list[dict[str, Any]]:
+    """One file-SD entry per live worker with a ``/metrics`` port, sorted by worker id.
+
+    The heartbeat keys come from the bucket's stream (its subjects under ``workers.``), one
+    API call, rather than ``KeyValue.keys()``, whose watcher could end its listing empty on a
+    loaded server and blank every target until the next rewrite.
+    """
+    kv = await js.key_value(bucket)
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}{HEARTBEAT_KEY_PREFIX}>")
+    keys = sorted(subject[len(prefix) :] for subject in (info.state.subjects or {}))
     now_ms = time.time() * 1000
     found = []
-    for key in sorted(k for k in keys if k.startswith(HEARTBEAT_KEY_PREFIX)):
+    for key in keys:
         try:
             entry = await kv.get(key)
             beat = json.loads(entry.value or b"{}")
         except (nats.js.errors.KeyNotFoundError, ValueError):
-            continue  # gone, or not a heartbeat: nothing to scrape
+            continue  # gone (deleted), or not a heartbeat: nothing to scrape
         port = int(beat.get("metrics_port") or 0)
         fresh = now_ms - float(beat.get("ts_ms", 0)) <= max_age_s * 1000
         if port and fresh and beat.get("state") != "stopped" and beat.get("host"):
@@ -73,9 +80,10 @@ async def run(config_path: str | None, out: Path, interval_s: float, max_age_s: 
     config = load_config(config_path)
     nc = await connect(config.nats, "qosserve-scrape-targets")
     try:
-        kv = await ensure_kv(nc.jetstream(), config.nats)
+        js = nc.jetstream()
+        await ensure_kv(js, config.nats)
         while True:
-            targets = await scrape_targets(kv, max_age_s)
+            targets = await scrape_targets(js, config.nats.kv_bucket, max_age_s)
             write_atomically(out, targets)
             log.info("%d worker targets written to %s", len(targets), out)
             if interval_s <= 0:

@@ -220,7 +220,7 @@ async def run_requests(
             w.worker_id: json.loads((await kv.get(f"workers.{w.worker_id}")).value or b"{}")
             for w in workers.values()
         }
-        targets = await scrape_targets(kv)
+        targets = await scrape_targets(nc.jetstream(), config.nats.kv_bucket)
         await nc.close()
     finally:
         await scheduler.stop()

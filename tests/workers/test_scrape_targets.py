@@ -1,0 +1,38 @@
+"""Prometheus file-SD targets from the workers' heartbeats in the state bucket."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from nats.js import JetStreamContext
+
+from common.config import NatsConfig
+from common.nats import ensure_kv
+from workers.scrape_targets import scrape_targets
+
+
+async def test_live_workers_with_a_port_are_targets_and_the_rest_are_not(
+    js: JetStreamContext, nats_config: NatsConfig
+) -> None:
+    kv = await ensure_kv(js, nats_config)
+    now_ms = int(time.time() * 1000)
+
+    def beat(worker: str, **kw: object) -> bytes:
+        base = {"worker": worker, "group": "short", "host": "h", "metrics_port": 9400,
+                "state": "serving", "ts_ms": now_ms}  # fmt: skip
+        return json.dumps({**base, **kw}).encode()
+
+    await kv.put("workers.a", beat("a"))
+    await kv.put("workers.b", beat("b", metrics_port=0))  # no /metrics port
+    await kv.put("workers.c", beat("c", state="stopped"))
+    await kv.put("workers.d", beat("d", ts_ms=now_ms - 60_000))  # silent for a minute
+    await kv.put("workers.e", beat("e", group="long", metrics_port=9401))
+    await kv.put("workers.f", beat("f"))
+    await kv.delete("workers.f")  # gone: its delete marker is still a subject
+    await kv.put("breaker.short", b'{"state": "open"}')  # not a heartbeat
+    targets = await scrape_targets(js, nats_config.kv_bucket)
+    assert targets == [
+        {"targets": ["h:9400"], "labels": {"group": "short", "worker": "a"}},
+        {"targets": ["h:9401"], "labels": {"group": "long", "worker": "e"}},
+    ]
