@@ -8,6 +8,7 @@ on the other side, so a NATS error surfaces over HTTP with the right status.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 
@@ -47,7 +48,8 @@ class QosError(Exception):
         """HTTP headers that go with the error (``Retry-After`` for 429/503)."""
         if self.retry_after_s is None:
             return {}
-        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        # Rounded up: a client back a little early would only be refused again.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def to_wire(self) -> dict[str, str]:
         """The ``error`` field of a NATS chunk."""

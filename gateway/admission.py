@@ -70,14 +70,16 @@ class Admission:
     async def admit(self, group: str, need_tokens: int, time_left_s: float) -> Route:
         """Choose the group for a request needing ``need_tokens`` of context, and take a
         slot in it; release it with :meth:`release`. Raises 429/503 errors."""
-        route = self._pick(group, need_tokens)
+        # A half-open group's turn is decided once per request, however often it is asked.
+        turns: dict[str, bool] = {}
+        route = self._pick(group, need_tokens, turns)
         if route is None:
             self._take(group)  # a waiter holds a slot too: waiting is bounded by max_pending
             try:
                 await self._view.wait_live(self._chains[group], min(time_left_s, self._wait_s))
             finally:
                 self.release(group)
-            route = self._pick(group, need_tokens)
+            route = self._pick(group, need_tokens, turns)
             if route is None:
                 raise ServiceUnavailableError(
                     f"no worker of instance group {group!r} (or its fallbacks) is available",
@@ -98,21 +100,25 @@ class Admission:
             )
         self._in_flight[group] += 1
 
-    def _pick(self, group: str, need_tokens: int) -> Route | None:
+    def _pick(self, group: str, need_tokens: int, turns: dict[str, bool]) -> Route | None:
         reason: str | None = None
         for candidate in self._chains[group]:
             state = self._view.breaker(candidate)
             if state == "open":
                 reason = reason or "breaker_open"
                 continue
-            if state == "half_open" and not self._half_open_turn(candidate):
-                reason = reason or "breaker_half_open"
-                continue
             if not self._view.is_live(candidate):
                 reason = reason or "no_worker"
                 continue
             if candidate != group and need_tokens > self._groups[candidate].max_seq_len:
                 continue
+            # Last: only a request the half-open group could serve spends one of its turns.
+            if state == "half_open":
+                if candidate not in turns:
+                    turns[candidate] = self._half_open_turn(candidate)
+                if not turns[candidate]:
+                    reason = reason or "breaker_half_open"
+                    continue
             return Route(candidate, group, None if candidate == group else reason)
         return None
 

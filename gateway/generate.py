@@ -160,8 +160,12 @@ class Generator:
             )
             group_label = classified.group
             deadline_ms = _deadline_ms(request, self._config.gateway.default_deadline_ms)
+            # The deadline runs from arrival: reading and tokenizing the body spent some.
+            left_s = deadline_ms / 1000 - (time.monotonic() - started)
+            if left_s <= 0:
+                raise DeadlineExceededError("the request's deadline passed before it was admitted")
             route = await self._admission.admit(
-                classified.group, len(prompt_ids) + classified.max_tokens, deadline_ms / 1000
+                classified.group, len(prompt_ids) + classified.max_tokens, left_s
             )
             group_label = route.group
         except QosError as exc:
@@ -180,9 +184,7 @@ class Generator:
             log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
         streaming = False
         try:
-            await self._publish(
-                flight, body, prompt_ids, classified.max_tokens, deadline_ms, request
-            )
+            await self._publish(flight, body, prompt_ids, classified.max_tokens, request)
             first = await self._next(flight, request)
             if first.error is not None:
                 raise first.error
@@ -314,10 +316,11 @@ class Generator:
         body: CompletionRequest | ChatCompletionRequest,
         prompt_ids: list[int],
         max_tokens: int,
-        deadline_ms: int,
         request: Request,
     ) -> None:
         now_ms = int(time.time() * 1000)
+        # The worker's deadline is the gateway's, not a fresh one from now.
+        deadline_at_ms = now_ms + max(1, int((flight.deadline - time.monotonic()) * 1000))
         params = body.wire_params(max_tokens, flight.shaper.logprobs)
         request_id = flight.stream.request_id
         message = GenerateRequest(
@@ -328,11 +331,11 @@ class Generator:
             prompt_token_ids=prompt_ids,
             params=params,
             priority=body.priority or 0,
-            deadline_ms=now_ms + deadline_ms,
+            deadline_ms=deadline_at_ms,
             created_ms=now_ms,
             origin=self._origin,
         )
-        headers = {"Nats-Msg-Id": request_id, "Qos-Deadline-Ms": str(now_ms + deadline_ms)}
+        headers = {"Nats-Msg-Id": request_id, "Qos-Deadline-Ms": str(deadline_at_ms)}
         subject = self._subjects.request(flight.route.group)
         publish_span: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self._tracer is not None:
@@ -352,7 +355,11 @@ class Generator:
                     headers=headers,
                 )
             flight.stream.stream_seq = ack.seq
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        except (
+            nats.errors.NoRespondersError,
+            nats.js.errors.NoStreamResponseError,  # no stream (yet): JetStream restarting
+            nats.errors.TimeoutError,
+        ) as exc:
             raise ServiceUnavailableError(
                 f"the request queue did not accept the request ({type(exc).__name__})",
                 retry_after_s=1,

@@ -30,7 +30,7 @@ def test_openai_error_shape_has_exactly_the_four_fields() -> None:
 @pytest.mark.parametrize(
     ("err", "status", "retry"),
     [
-        (RateLimitError("full", retry_after_s=2.4), 429, "2"),
+        (RateLimitError("full", retry_after_s=2.4), 429, "3"),  # rounded up: not back too early
         (ServiceUnavailableError("no worker", retry_after_s=0.2), 503, "1"),
         (InvalidRequestError("bad"), 400, None),
     ],

@@ -68,12 +68,16 @@ async def test_request_waits_for_a_worker_that_appears(nats_config: NatsConfig):
         serve(gateway_config(nats_config), admission_wait_s=3.0) as gw,
         httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
     ):
-        pending = asyncio.create_task(http.post("/v1/completions", json=BODY))
+        headers = {"X-QoS-Deadline-Ms": "5000"}
+        pending = asyncio.create_task(http.post("/v1/completions", json=BODY, headers=headers))
         await asyncio.sleep(0.3)
         assert not pending.done()
-        async with running_worker(nats_config, "short"):
+        async with running_worker(nats_config, "short") as worker:
             response = await pending
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "abcdef"
+    # The worker's deadline is what is left of the request's, not 5 s from the publish.
+    sent = worker.jobs[0].request
+    assert sent.deadline_ms is not None and sent.deadline_ms - sent.created_ms <= 5000 - 250
 
 
 async def test_fallback_serves_a_group_without_workers(nats_config: NatsConfig):
@@ -122,6 +126,26 @@ async def test_open_breaker_sends_new_requests_to_the_fallback(nats_config: Nats
     assert (len(short.jobs), len(long.jobs)) == (1, 1)
 
 
+async def test_a_missing_request_stream_is_503_with_retry_after(nats_config: NatsConfig):
+    """JetStream restarting (or the stream deleted) answers "no stream" to a publish: a 503
+    the client retries, not a 500."""
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short"),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        await _until(lambda: gw.app.state.gateway.view.live_workers("short") == 1)
+        nc = await connect(nats_config, "test-ops")
+        try:
+            await nc.jetstream().delete_stream(nats_config.stream)
+            response = await http.post("/v1/completions", json=BODY)
+        finally:
+            await nc.close()
+    assert response.status_code == 503, response.text
+    assert "Retry-After" in response.headers
+    assert "queue" in response.json()["error"]["message"]
+
+
 async def test_worker_that_stops_reporting_is_no_longer_live(nats_config: NatsConfig):
     async with (
         serve(gateway_config(nats_config), live_window_s=0.5, admission_wait_s=0.2) as gw,
@@ -157,6 +181,44 @@ async def test_half_open_breaker_admits_its_share_and_passes_the_rest_on():
     routes = [await admission.admit("short", 10, 1.0) for _ in range(8)]
     assert [r.group for r in routes].count("short") == 2
     assert {r.reason for r in routes if r.is_fallback} == {"breaker_half_open"}
+
+
+async def test_a_half_open_group_with_nowhere_to_fall_back_admits_only_its_share():
+    """Asked again after the wait for a live worker (which returns at once: the group is
+    live), the request must not take a second turn: the probe share would double."""
+    config = Config()
+    view = WorkersView(config.groups)
+    for group in config.groups:
+        view.on_telemetry(_report(group))
+    view.set_breaker("long", "half_open")  # long has no fallback; share 0.25
+    admission = Admission(config, view, wait_s=0.01)
+    admitted = 0
+    for _ in range(8):
+        try:
+            route = await admission.admit("long", 10, 1.0)
+        except ServiceUnavailableError:
+            continue
+        admitted += 1
+        admission.release(route.group)
+    assert admitted == 2
+
+
+async def test_requests_the_half_open_group_could_not_serve_spend_none_of_its_turns():
+    config = Config()
+    view = WorkersView(config.groups)
+    for group in config.groups:
+        view.on_telemetry(_report(group))
+    view.set_breaker("short", "half_open")
+    view.set_breaker("realtime", "open")
+    admission = Admission(config, view)
+    too_long = config.groups["short"].max_seq_len + 1  # served by the long fallback
+    for _ in range(3):  # realtime falls back to short, then long: too long for short
+        route = await admission.admit("realtime", too_long, 1.0)
+        assert route.group == "long"
+        admission.release(route.group)
+    routes = [await admission.admit("short", 10, 1.0) for _ in range(4)]
+    # Its turns start where they would have: the fourth of its own requests (share 0.25).
+    assert [r.group == "short" for r in routes] == [False, False, False, True]
 
 
 async def test_waiting_requests_count_against_max_pending():
