@@ -137,6 +137,10 @@ def encode_prompt(engine: Any, prompt: str) -> list[int]:
     raise InvalidRequestError("this model has no tokenizer: send prompt_token_ids", param="prompt")
 
 
+# How long stop() waits for the engine thread to finish its step.
+STOP_JOIN_S = 10.0
+
+
 class EngineBridge:
     """Owns the engine thread. Create and use it from the event loop's thread."""
 
@@ -191,7 +195,12 @@ class EngineBridge:
         """Stop the thread after the current step; requests still inside are left as is."""
         if self._thread.is_alive():
             self._queue.put(("stop", None))
-            await asyncio.to_thread(self._thread.join)
+            # Bounded: a wedged device holds the thread forever, and the service must still
+            # close its connections (the thread is a daemon: it does not keep the process).
+            await asyncio.to_thread(self._thread.join, STOP_JOIN_S)
+            if self._thread.is_alive():
+                log.error("the engine thread did not stop within %.0f s (a hung device?); "
+                          "leaving it", STOP_JOIN_S)  # fmt: skip
 
     @property
     def alive(self) -> bool:

@@ -70,13 +70,16 @@ class Intake:
             with contextlib.suppress(Exception):
                 await self._task
             self._task = None
-        # A long-poll answered right at its expiry lands in the local queue.
-        while self.psub.pending_msgs > 0:
+        # A long-poll answered right at its expiry lands in the local queue. Read that queue
+        # itself: fetch() would send a new pull and take a fresh request only to nak it.
+        local = getattr(self.psub, "_sub", None)  # nats-py keeps it on the subscription
+        while local is not None and self.psub.pending_msgs > 0:
             try:
-                for msg in await self.psub.fetch(1, timeout=0.05):
-                    await settle(msg.nak)
+                msg = await local.next_msg(timeout=0.01)
             except Exception:
                 break
+            if msg.data or not (msg.headers or {}).get("Status"):  # not a 408/404 status
+                await settle(msg.nak)
 
     async def close(self) -> None:
         """Halt, then leave the consumer (it stays on the server for the other replicas)."""

@@ -262,8 +262,12 @@ class WorkerService:
         if self._intake is not None:
             await self._intake.halt()
         await self._wait_idle(grace)
-        await self._publish_telemetry("stopped")
+        if self._intake is not None:  # a group move may have bound a new one meanwhile
+            await self._intake.halt()
+        # The periodic report goes first: its last word must not come after "stopped".
         await cancel_and_wait(self._tasks, what=f"worker {self.worker_id} tasks")
+        self.state = "stopped"
+        await self._publish_telemetry("stopped")
         await self._resync.close()
         if self.bridge is not None:
             await self.bridge.stop()
@@ -307,6 +311,7 @@ class WorkerService:
             self._group_ctl = None
 
     def _set_serving(self, on: bool) -> None:
+        on = on and not self._stopped  # stopping is for good: nothing turns serving back on
         self._accepting = on
         self.state = "serving" if on else "draining"
         self._poke()
@@ -767,6 +772,8 @@ class WorkerService:
                     await self._intake.halt()
                 # Still subscribed to the old group's control: aborts keep reaching us.
                 await self._wait_idle(self.options.grace_s)
+                if self._stopped:  # stopped while the old group's requests finished
+                    return
                 await self._unbind()
                 old = self.group
                 if not await self._bind_retrying(group):
@@ -786,6 +793,8 @@ class WorkerService:
         election) with backoff; False, logged, when it never succeeds."""
         delay = 0.25
         for attempt in range(1, attempts + 1):
+            if self._stopped:
+                return False
             self.group = group
             try:
                 await self._bind(group)

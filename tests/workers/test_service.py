@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
@@ -612,3 +613,62 @@ async def test_a_direct_client_hears_when_jetstream_gives_its_request_up(
     await nc.publish(subject, json.dumps(advisory).encode())
     with pytest.raises(InternalError, match="given up"):
         await asyncio.wait_for(pending, 5)
+
+
+async def test_a_stop_during_a_group_move_stays_stopped(
+    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    """KEDA's SIGTERM can land while the replica drains for a move: the move must not bind
+    the new group and report serving after the stop (a dying replica fetching, its new
+    requests left unacked)."""
+    service = await start_worker(
+        engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.02)),
+        grace_s=0.6,
+    )
+    running = asyncio.ensure_future(
+        client.collect(group="short", prompt_token_ids=[1], params=RequestParams(max_tokens=200))
+    )
+    await eventually(lambda: len(service.inflight_ids) == 1)
+    await nc.publish(subjects.control(service.worker_id),
+                     Control(action="assign_group", group="long").to_bytes())  # fmt: skip
+    await eventually(lambda: service.state == "draining")
+    await service.stop(grace_s=2.0)  # outlasts the move's own 0.6 s grace
+    assert service.state == "stopped" and not service._accepting
+    running.cancel()  # handed back at the stop: nobody serves it here
+    # Nothing of this replica fetches from long: a request there stays queued.
+    js = nc.jetstream()
+    await js.publish(subjects.request("long"), GenerateRequest(
+        id="after-stop", group="long", reply=subjects.out("after-stop"),
+        prompt_token_ids=[1], params=RequestParams(max_tokens=2)).to_bytes())  # fmt: skip
+    await asyncio.sleep(0.5)
+    try:
+        info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("long"))
+    except nats.js.errors.NotFoundError:
+        return  # the move never bound long: nothing can have fetched it
+    assert (info.num_pending, info.num_ack_pending) == (1, 0)
+
+
+async def test_a_worker_stops_even_when_its_engine_thread_hangs(
+    start_worker: Any, client: QosClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wedged device holds the engine thread: stop must still close the connections (the
+    pod would otherwise sit until SIGKILL), leaving the daemon thread behind."""
+    from workers import bridge as bridge_module
+
+    monkeypatch.setattr(bridge_module, "STOP_JOIN_S", 0.3)
+    engine = HungSim(max_batch_size=4, cost=SimCost(0, 0, 0))
+    service = await start_worker(engine=engine)
+    try:
+        running = asyncio.ensure_future(
+            client.collect(
+                group="short", prompt_token_ids=[1, 2], params=RequestParams(max_tokens=50)
+            )
+        )
+        await eventually(lambda: any(len(r.output_token_ids) >= 2 for r in engine.running))
+        t0 = time.monotonic()
+        await asyncio.wait_for(service.stop(grace_s=0.2), 10)
+        assert time.monotonic() - t0 < 5
+        assert service.nc is not None and service.nc.is_closed
+        running.cancel()
+    finally:
+        engine.release.set()
