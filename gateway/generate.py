@@ -173,17 +173,21 @@ class Generator:
             raise
         except ClientGone:
             return Response(status_code=499)
-        flight = self._take_off(kind, body, route, prompt_ids, logprobs, started, deadline_ms)
-        if self._tracer is not None:
-            flight.trace = traced.admitted(
-                self._tracer, request.scope, kind=kind, model=self._model, group=route.group,
-                request_id=flight.stream.request_id, body=body,
-                max_tokens=classified.max_tokens, prompt_tokens=len(prompt_ids),
-            )  # fmt: skip
-        if self._log_prompts:
-            log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
+        try:
+            flight = self._take_off(kind, body, route, prompt_ids, logprobs, started, deadline_ms)
+        except BaseException:
+            self._admission.release(route.group)  # nothing else holds the slot yet
+            raise
         streaming = False
         try:
+            if self._tracer is not None:
+                flight.trace = traced.admitted(
+                    self._tracer, request.scope, kind=kind, model=self._model, group=route.group,
+                    request_id=flight.stream.request_id, body=body,
+                    max_tokens=classified.max_tokens, prompt_tokens=len(prompt_ids),
+                )  # fmt: skip
+            if self._log_prompts:
+                log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
             await self._publish(flight, body, prompt_ids, classified.max_tokens, request)
             first = await self._next(flight, request)
             if first.error is not None:

@@ -623,36 +623,43 @@ class WorkerService:
         last_progress = time.monotonic()
         while True:
             await asyncio.sleep(tick)
-            if self.nc is not None:
-                self._resync.tick(self.nc, list(self._inflight.values()))
-            now_ms = time.time() * 1000
-            for st in list(self._inflight.values()):
-                deadline = st.request.deadline_ms
-                if deadline is None or now_ms < deadline or self.bridge is None:
-                    continue
-                if st.error is None:
-                    st.error = DeadlineExceededError(
-                        "the request's deadline passed while generating"
-                    )
-                    self.bridge.abort(st.request.id)
-                elif now_ms >= deadline + ENGINE_STUCK_S * 1000:
-                    # The engine never acted on the abort: its thread is stuck (a hung
-                    # device). Answer from here, so neither the caller nor the message
-                    # waits on it forever; whatever it emits later finds no request.
-                    log.error("request %s: the engine has not stopped it %.0f s after its "
-                              "deadline; answering from the event loop", st.request.id,
-                              ENGINE_STUCK_S)  # fmt: skip
-                    await self._send_error(st, st.error)
-            if self.bridge is not None and not self.bridge.alive and self._accepting:
-                log.error("the engine thread has ended: draining this replica")
-                self._set_serving(False)
-            self._reap_orphans()
+            # First and on its own: were it to stop, JetStream would redeliver requests that
+            # still run here (settle() never raises).
             if time.monotonic() - last_progress >= progress_every - tick / 2:
                 last_progress = time.monotonic()
                 for st in list(self._inflight.values()):
                     await settle(st.msg.in_progress)
                 for msg in list(self._starting.values()):
                     await settle(msg.in_progress)
+            try:
+                await self._tick_checks()
+            except Exception:  # a bug in one check must not end the ticks for good
+                log.exception("worker tick failed; the next one runs as usual")
+
+    async def _tick_checks(self) -> None:
+        """Resync, deadlines, the engine thread's health and orphans: one tick's worth."""
+        if self.nc is not None:
+            self._resync.tick(self.nc, list(self._inflight.values()))
+        now_ms = time.time() * 1000
+        for st in list(self._inflight.values()):
+            deadline = st.request.deadline_ms
+            if deadline is None or now_ms < deadline or self.bridge is None:
+                continue
+            if st.error is None:
+                st.error = DeadlineExceededError("the request's deadline passed while generating")
+                self.bridge.abort(st.request.id)
+            elif now_ms >= deadline + ENGINE_STUCK_S * 1000:
+                # The engine never acted on the abort: its thread is stuck (a hung
+                # device). Answer from here, so neither the caller nor the message
+                # waits on it forever; whatever it emits later finds no request.
+                log.error("request %s: the engine has not stopped it %.0f s after its "
+                          "deadline; answering from the event loop", st.request.id,
+                          ENGINE_STUCK_S)  # fmt: skip
+                await self._send_error(st, st.error)
+        if self.bridge is not None and not self.bridge.alive and self._accepting:
+            log.error("the engine thread has ended: draining this replica")
+            self._set_serving(False)
+        self._reap_orphans()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         gateway_id = msg.subject.rsplit(".", 1)[-1]

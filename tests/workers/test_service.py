@@ -230,10 +230,20 @@ async def test_held_tokens_go_out_when_their_window_ends_though_the_engine_goes_
     assert arrived[-1][0] - arrived[0][0] >= 1.4 and sum(n for _, n in arrived) == 6
 
 
+@pytest.mark.parametrize("checks", ["working", "failing"])
 async def test_in_progress_keeps_a_request_longer_than_ack_wait_from_redelivering(
-    start_worker: Any, client: QosClient, worker_config: Config
-) -> None:
+    start_worker: Any, client: QosClient, worker_config: Config, checks: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Also when the tick's other checks fail on every tick (a bug in one of them): the
+    in_progress heartbeats must not stop with them."""
     assert worker_config.nats.ack_wait_s == 2.0
+    if checks == "failing":
+
+        async def broken(self: Any) -> None:
+            raise RuntimeError("a bug in a check")
+
+        monkeypatch.setattr(worker_service.WorkerService, "_tick_checks", broken)
     await start_worker(engine=SimEngine(cost=SimCost(base_s=0.025)))
     params = RequestParams(max_tokens=110, seed=1)
     started = time.monotonic()
