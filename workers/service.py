@@ -758,6 +758,8 @@ class WorkerService:
                 log.warning(
                     "resume ignored: not bound to group %s (see the move's error)", self.group
                 )
+            elif self._switch_lock.locked():  # mid-move: the intake is halted, the move resumes
+                log.info("resume ignored: moving between groups (it serves once moved)")
             else:
                 self._set_serving(True)
         elif action == "assign_group" and control.group:

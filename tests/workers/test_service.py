@@ -682,3 +682,26 @@ async def test_a_worker_stops_even_when_its_engine_thread_hangs(
         running.cancel()
     finally:
         engine.release.set()
+
+
+async def test_a_resume_during_a_group_move_does_not_claim_serving(
+    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects
+) -> None:
+    """Mid-move the old group's intake is halted: a resume then would report serving while
+    nothing fetches (gateways count the replica live). The move itself resumes it."""
+    service = await start_worker(
+        engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.02)),
+        grace_s=5.0,
+    )
+    running = asyncio.ensure_future(
+        client.collect(group="short", prompt_token_ids=[1], params=RequestParams(max_tokens=40))
+    )
+    await eventually(lambda: len(service.inflight_ids) == 1)
+    ctl = subjects.control(service.worker_id)
+    await nc.publish(ctl, Control(action="assign_group", group="long").to_bytes())
+    await eventually(lambda: service.state == "draining")
+    await nc.publish(ctl, Control(action="resume").to_bytes())
+    await asyncio.sleep(0.2)
+    assert service.state == "draining" and service.group == "short"
+    await running  # the old group's request finishes; then the move completes
+    await eventually(lambda: service.group == "long" and service.state == "serving")
