@@ -199,6 +199,17 @@ async def test_worker_error_mid_stream_is_an_error_event_then_done(nats_config: 
     assert "".join(d.get("content", "") for d in deltas) == "ab"
 
 
+async def _one_event_then_hang_up(url: str, body: dict) -> None:
+    """Stream a completion, read its first event, and hang up."""
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=10) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                return
+
+
 async def _collect_controls(nats_config: NatsConfig, gw_nc, group: str):  # type: ignore[no-untyped-def]
     got: list[bytes] = []
 
@@ -298,13 +309,7 @@ async def test_an_aborted_request_leaves_the_request_queue(nats_config: NatsConf
     ):
         js = worker.nc.jetstream()
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "stream": True}
-        async with (
-            httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
-            http.stream("POST", "/v1/completions", json=body) as response,
-        ):
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    break  # one event, then hang up
+        await _one_event_then_hang_up(gw.url, body)
         assert worker.jobs  # the worker holds it, unacked
         for _ in range(100):
             if (await js.stream_info(nats_config.stream)).state.messages == 0:
@@ -328,13 +333,7 @@ async def test_client_disconnect_mid_stream_aborts_the_worker_and_ends_resume(
     ):
         controls = await _collect_controls(nats_config, worker.nc, "short")
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 26, "stream": True}
-        async with (
-            httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
-            http.stream("POST", "/v1/completions", json=body) as response,
-        ):
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    break  # one event, then hang up
+        await _one_event_then_hang_up(gw.url, body)
         for _ in range(100):
             if controls:
                 break

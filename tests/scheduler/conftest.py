@@ -218,3 +218,19 @@ class Load:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pacer
         return await asyncio.gather(*self.requests, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def hand_driven(config: Config) -> AsyncIterator[tuple[SchedulerService, list[float]]]:
+    """A started leader whose ticks and rebalances only the test runs, on a clock the test
+    moves (``now[0]``)."""
+    now = [1000.0]
+    service = SchedulerService(config, scheduler_id="s", clock=lambda: now[0])
+    await service.start()
+    try:
+        for task in service._tasks:
+            task.cancel()
+        await asyncio.gather(*service._tasks, return_exceptions=True)
+        yield service, now
+    finally:
+        await service.stop()

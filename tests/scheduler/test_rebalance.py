@@ -6,8 +6,7 @@ import asyncio
 import json
 
 from common.protocol import RequestParams, Telemetry
-from scheduler.service import SchedulerService
-from tests.scheduler.conftest import make_config, until
+from tests.scheduler.conftest import hand_driven, make_config, until
 from workers.sim import SimCost
 
 SLOW_LONG = SimCost(base_s=0.1, prefill_s_per_token=0.0, decode_s_per_seq=0.0)  # 1 s a request
@@ -53,13 +52,7 @@ async def test_backlog_moves_an_idle_replica_and_drains_with_nothing_lost(
 async def test_a_replica_that_missed_its_report_is_not_counted_when_moving(nats_config):
     """short has a (reporting) and b (silent 1 s, not yet forgotten: maybe dead). Counting b
     would let the rebalancer move a to long's backlog, leaving short no live replica."""
-    now = [1000.0]
-    service = SchedulerService(make_config(nats_config), scheduler_id="s", clock=lambda: now[0])
-    await service.start()
-    try:
-        for task in service._tasks:  # rebalancing is driven by hand, on the fake clock
-            task.cancel()
-        await asyncio.gather(*service._tasks, return_exceptions=True)
+    async with hand_driven(make_config(nats_config)) as (service, now):
 
         async def rounds(b_reports: bool) -> list[str]:
             for _ in range(3):  # move_after_ticks is 2
@@ -78,5 +71,3 @@ async def test_a_replica_that_missed_its_report_is_not_counted_when_moving(nats_
         now[0] += 0.9
         assert await rounds(b_reports=False) == []
         assert await rounds(b_reports=True) == ["a"]  # both live: one may go
-    finally:
-        await service.stop()

@@ -22,8 +22,7 @@ from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
 from scheduler.history import DemandHistory
 from scheduler.lease import LEASE_KEY, Lease, LeaseRecord
 from scheduler.records import BREAKER_RENEW_S, BreakerRecord, breaker_key
-from scheduler.service import SchedulerService
-from tests.scheduler.conftest import MAX_TOKENS, Load, make_config, until
+from tests.scheduler.conftest import MAX_TOKENS, Load, hand_driven, make_config, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -165,13 +164,7 @@ async def test_a_new_leader_whose_breaker_load_fails_retries_it_and_starts_its_t
 async def test_the_leader_renews_an_open_breaker_record_and_not_a_closed_one(nats_config, js):
     """Gateways read an open record nobody renews as left by a dead scheduler; the leader
     must therefore rewrite it every BREAKER_RENEW_S while it stays open."""
-    now = [1000.0]
-    service = SchedulerService(make_config(nats_config), scheduler_id="s", clock=lambda: now[0])
-    await service.start()
-    try:
-        for task in service._tasks:  # ticks are driven by hand, on the fake clock
-            task.cancel()
-        await asyncio.gather(*service._tasks, return_exceptions=True)
+    async with hand_driven(make_config(nats_config)) as (service, now):
         assert service.is_leader and service.kv is not None
         kv = service.kv
 
@@ -199,8 +192,6 @@ async def test_the_leader_renews_an_open_breaker_record_and_not_a_closed_one(nat
         orders = [Control.from_bytes((await caps.next_msg(timeout=2)).data) for _ in range(2)]
         assert [(c.action, c.batch_cap) for c in orders] == [("set_batch_cap", 2)] * 2
         assert await revision("short") == 0  # closed: nothing to renew
-    finally:
-        await service.stop()
 
 
 async def test_a_holder_whose_renewal_stalls_stops_acting_before_a_standby_can_take_over(

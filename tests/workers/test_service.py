@@ -625,23 +625,33 @@ async def test_a_direct_client_hears_when_jetstream_gives_its_request_up(
         await asyncio.wait_for(pending, 5)
 
 
+async def _moving_to_long(
+    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects, grace_s: float,
+    max_tokens: int,
+) -> tuple[Any, asyncio.Future[Any]]:  # fmt: skip
+    """A short replica with a request in flight, told to move to long: draining for it."""
+    service = await start_worker(
+        engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.02)),
+        grace_s=grace_s,
+    )
+    params = RequestParams(max_tokens=max_tokens)
+    running = asyncio.ensure_future(
+        client.collect(group="short", prompt_token_ids=[1], params=params)
+    )
+    await eventually(lambda: len(service.inflight_ids) == 1)
+    await nc.publish(subjects.control(service.worker_id),
+                     Control(action="assign_group", group="long").to_bytes())  # fmt: skip
+    await eventually(lambda: service.state == "draining")
+    return service, running
+
+
 async def test_a_stop_during_a_group_move_stays_stopped(
     start_worker: Any, client: QosClient, nc: Client, subjects: Subjects, worker_config: Config
 ) -> None:
     """KEDA's SIGTERM can land while the replica drains for a move: the move must not bind
     the new group and report serving after the stop (a dying replica fetching, its new
     requests left unacked)."""
-    service = await start_worker(
-        engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.02)),
-        grace_s=0.6,
-    )
-    running = asyncio.ensure_future(
-        client.collect(group="short", prompt_token_ids=[1], params=RequestParams(max_tokens=200))
-    )
-    await eventually(lambda: len(service.inflight_ids) == 1)
-    await nc.publish(subjects.control(service.worker_id),
-                     Control(action="assign_group", group="long").to_bytes())  # fmt: skip
-    await eventually(lambda: service.state == "draining")
+    service, running = await _moving_to_long(start_worker, client, nc, subjects, 0.6, 200)
     await service.stop(grace_s=2.0)  # outlasts the move's own 0.6 s grace
     assert service.state == "stopped" and not service._accepting
     running.cancel()  # handed back at the stop: nobody serves it here
@@ -689,17 +699,8 @@ async def test_a_resume_during_a_group_move_does_not_claim_serving(
 ) -> None:
     """Mid-move the old group's intake is halted: a resume then would report serving while
     nothing fetches (gateways count the replica live). The move itself resumes it."""
-    service = await start_worker(
-        engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.02)),
-        grace_s=5.0,
-    )
-    running = asyncio.ensure_future(
-        client.collect(group="short", prompt_token_ids=[1], params=RequestParams(max_tokens=40))
-    )
-    await eventually(lambda: len(service.inflight_ids) == 1)
+    service, running = await _moving_to_long(start_worker, client, nc, subjects, 5.0, 40)
     ctl = subjects.control(service.worker_id)
-    await nc.publish(ctl, Control(action="assign_group", group="long").to_bytes())
-    await eventually(lambda: service.state == "draining")
     await nc.publish(ctl, Control(action="resume").to_bytes())
     await asyncio.sleep(0.2)
     assert service.state == "draining" and service.group == "short"
