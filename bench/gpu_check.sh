@@ -105,8 +105,8 @@ step bench_policies_stack_delay 170 env PATH="/tmp/site/bin:$PATH" python3 -m be
 # Host only (sim engine, no GPU): tracing's cost with the OTLP encoding in the service and
 # in a process of its own, on 16 cores, where the child's encoding does not share the
 # worker's two (issue #7; HTTP/protobuf because grpcio is not among the carried wheels).
-step bench_tracing_process 250 env PATH="/tmp/site/bin:$PATH" bash -c '
-  for exporter in qos qos-process; do
+step bench_tracing_process 300 env PATH="/tmp/site/bin:$PATH" bash -c '
+  for exporter in qos-process qos; do
     python3 -m bench.tracing_overhead --sample-ratios 1 --repeats 2 --protocol http/protobuf \
       --otlp-exporter "$exporter" --out "$0/tracing_$exporter.json" || exit 1
   done' "$OUT"

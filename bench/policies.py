@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.arrivals import arrival_offsets
-from bench.policies_load import Sent, TelemetryLog, make_sessions, run_sessions
+from bench.policies_load import UNSENT, Sent, TelemetryLog, make_sessions, run_sessions
 from bench.policies_table import table
 from bench.policy_spec import POLICIES, POOL_SUFFIX, split_stack_spec
 from bench.serve import summarize
@@ -396,10 +396,14 @@ def field_comparison(results: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def unexpected_errors(result: dict[str, Any]) -> int:
-    """Failed requests other than admission sheds, in every phase of one policy."""
+    """Failed requests other than admission sheds (and the later turns a failed one left
+    unsent), in every phase of one policy."""
     phases = [result["fixed_rate"], *result["sweep"]]
     return sum(
-        n for ph in phases for key, n in ph["errors"].items() if not key.startswith(SHED_STATUS)
+        n
+        for ph in phases
+        for key, n in ph["errors"].items()
+        if not key.startswith(SHED_STATUS) and UNSENT not in key
     )
 
 

@@ -30,6 +30,11 @@ GROUP_OF = {"long_doc": "long", "conversation": "short", "short": "short"}
 DOCUMENTS = 4  # long documents are drawn from a few, as users ask about the same manuals
 
 
+# The error of a conversation turn never sent because an earlier one failed: that failure is
+# what counts (a shed or an error), not the turns it left.
+UNSENT = "not sent: an earlier turn failed"
+
+
 @dataclass(frozen=True)
 class Session:
     kind: str  # long_doc | conversation | short
@@ -112,7 +117,7 @@ async def run_sessions(
                     # sent count as not completed (the 99 % check is over requests due).
                     for _ in session.turns[n + 1 :]:
                         unsent = Sent(session.kind, session.group)
-                        unsent.result.error = "not sent: an earlier turn failed"
+                        unsent.result.error = UNSENT
                         sent[i].append(unsent)
                     return
 

@@ -96,6 +96,7 @@ def default_groups() -> dict[str, GroupConfig]:
             slo_ttft_ms=200,
             slo_e2e_p99_ms=500,
             policy="hybrid",
+            prefill_delay_factor=1.0,  # README "Prefill delay": it pays for hybrid on a GPU
             max_pending=256,
             fallback="long",
             rank=1,
@@ -106,6 +107,7 @@ def default_groups() -> dict[str, GroupConfig]:
             slo_ttft_ms=5000,
             slo_e2e_p99_ms=60000,
             policy="hybrid",
+            prefill_delay_factor=1.0,
             max_pending=16,
             fallback=None,
             rank=2,
@@ -182,7 +184,14 @@ class WorkerConfig(_Strict):
     model: str = "demo"
     device: str = "auto"
     dtype: str = "auto"
-    kv_cache_gib: float = Field(0.5, gt=0)
+    # KV cache size. None = sized for the device: 0.5 GiB on a CPU; on a GPU what is left of
+    # this worker's share of the GPU (gpu_memory_utilization) once a profile forward has
+    # measured the weights and activations, as vLLM does.
+    kv_cache_gib: float | None = Field(None, gt=0)
+    # This worker's share of its GPU's memory (weights, activations and KV), vLLM's
+    # per-instance meaning: workers sharing one GPU each take a part (`qosserve up` divides
+    # 0.9 among the workers it starts on one device).
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # KV cache storage: auto = the model dtype; int8 / fp8_e4m3 halve KV memory (one scale per
     # token per KV head). On the demo model int8 changes 2-4 % of greedy golden answers and
     # fp8 8-10 % (bench/kvquant.py; README "Status"): prefer int8 where memory binds.

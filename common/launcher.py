@@ -200,6 +200,17 @@ class Settings:
         )
 
 
+def gpu_share_env(config: Config, device: str, workers: int) -> dict[str, str]:
+    """Every worker of the local stack runs on the same device: on a GPU, each takes an
+    equal part of the default 0.9 of its memory (one alone would size its KV cache to
+    nearly all of it and leave the next nothing). What the config sets is kept."""
+    chosen = config.worker.model_fields_set & {"gpu_memory_utilization", "kv_cache_gib"}
+    if device == "cpu" or workers < 2 or chosen:
+        return {}
+    share = config.worker.gpu_memory_utilization / workers
+    return {"QOS_WORKER__GPU_MEMORY_UTILIZATION": f"{share:.4f}"}
+
+
 def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     replicas = parse_replicas(args.replicas, config)
@@ -237,6 +248,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     if "kv_redis" not in config.worker.model_fields_set:  # the local stack shares its Redis
         env["QOS_WORKER__KV_REDIS"] = "true"
+    env.update(gpu_share_env(config, device, sum(replicas.values())))
     if args.config:
         env["QOS_CONFIG"] = str(Path(args.config).resolve())
     py = sys.executable

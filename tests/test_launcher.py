@@ -125,3 +125,23 @@ def test_a_port_the_last_run_left_in_time_wait_is_free_and_port_0_picks_one(
     assert not launcher._port_in_use("127.0.0.1", port)
     got = settings(tmp_path, "gateway: {port: 0}\n", [])
     assert got.port > 0
+
+
+def test_workers_sharing_a_gpu_split_its_memory_and_a_configured_share_is_kept(
+    tmp_path: Path,
+) -> None:
+    """Two workers on one GPU with the per-worker default (0.9) would each size a KV cache
+    to nearly the whole device: the first takes it, the second fails to start."""
+    plain = load_config(None)
+    assert launcher.gpu_share_env(plain, "cuda", 2) == {
+        "QOS_WORKER__GPU_MEMORY_UTILIZATION": "0.4500"
+    }
+    assert launcher.gpu_share_env(plain, "auto", 3)["QOS_WORKER__GPU_MEMORY_UTILIZATION"] == (
+        "0.3000"
+    )
+    assert launcher.gpu_share_env(plain, "cpu", 2) == {}
+    assert launcher.gpu_share_env(plain, "cuda", 1) == {}
+    for setting in ("gpu_memory_utilization: 0.8", "kv_cache_gib: 12"):
+        path = tmp_path / "qos.yaml"
+        path.write_text(f"worker:\n  {setting}\n")
+        assert launcher.gpu_share_env(load_config(str(path)), "cuda", 2) == {}

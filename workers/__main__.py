@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default worker.device)")
     p.add_argument("--dtype", help="auto | float32 | float16 | bfloat16 (default worker.dtype)")
     p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default worker.kv_cache_gib)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="this worker's share of its GPU (default worker.gpu_memory_utilization)")  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8_e4m3"),
                    help="KV cache storage (default worker.kv_cache_dtype)")  # fmt: skip
     p.add_argument("--policy", choices=("static", "dynamic", "continuous", "hybrid"),
@@ -104,6 +106,7 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
     for flag, key in (("model", "model"), ("device", "device"), ("dtype", "dtype"),
                       ("kv_cache_gib", "kv_cache_gib"), ("coalesce_ms", "coalesce_ms"),
                       ("kv_cache_dtype", "kv_cache_dtype"),
+                      ("gpu_memory_utilization", "gpu_memory_utilization"),
                       ("metrics_port", "metrics_port")):  # fmt: skip
         if getattr(args, flag) is not None:
             worker[key] = getattr(args, flag)
@@ -151,6 +154,7 @@ def build_engine(config: Config, args: argparse.Namespace) -> Any:
         max_num_batched_tokens=max(2048, max_batch),
         max_seq_len=args.max_seq_len or min(group.max_seq_len, model_max),
         kv_cache_gib=config.worker.kv_cache_gib,
+        gpu_memory_utilization=config.worker.gpu_memory_utilization,
         kv_cache_dtype=config.worker.kv_cache_dtype,
         device=config.worker.device,
         dtype=config.worker.dtype,

@@ -19,8 +19,9 @@ from bench.policies import (
     stack_config,
     step_figures,
     sweep_factors,
+    unexpected_errors,
 )
-from bench.policies_load import Sent, make_sessions
+from bench.policies_load import UNSENT, Sent, make_sessions
 from bench.serve_http import Result
 from common.config import load_config
 
@@ -184,3 +185,14 @@ def test_the_field_comparison_takes_the_best_grouped_continuous_or_hybrid_run_ov
     found = field_comparison(results)
     assert found is not None and found["slo_rate_ratio"] is None
     assert found["slo_rate_ratio_low"] == 4.0 and found["met"]
+
+
+def test_sheds_and_the_turns_they_left_unsent_do_not_fail_the_run_but_other_errors_do() -> None:
+    """An overloaded step sheds with 429 and a shed conversation's later turns go unsent:
+    the stack working as designed (the H200 run of 2026-11-30 exited 1 on them)."""
+    shed = {'429 {"error":{"message":"instance group \'short\' is at its limit': 67}
+    unsent = {f"0 {UNSENT}": 38}
+    run = {"fixed_rate": {"errors": {}}, "sweep": [{"errors": shed}, {"errors": unsent}]}
+    assert unexpected_errors(run) == 0
+    run["sweep"].append({"errors": {"502 upstream reset": 2}})
+    assert unexpected_errors(run) == 2

@@ -9,7 +9,7 @@ import torch
 
 from common.config import Config, WorkerConfig, default_groups
 from tests.engine.tiny_checkpoints import checkpoint
-from workers.__main__ import build_engine, build_parser
+from workers.__main__ import _apply_flags, build_engine, build_parser
 
 
 def test_the_groups_policy_batch_and_prefill_delay_reach_the_engine() -> None:
@@ -39,3 +39,18 @@ def test_a_sliding_window_model_serves_a_long_group_up_to_its_window(tmp_path: P
     assert config.groups["long"].max_seq_len > 64
     engine = build_engine(config, build_parser().parse_args(["--group", "long"]))
     assert engine.max_seq_len == 64
+
+
+def test_a_worker_sizes_its_kv_cache_for_its_device_unless_told() -> None:
+    """No kv_cache_gib: the CPU default (on a GPU, the profiled share); the share flag
+    reaches the engine."""
+    from workers.engine.args import DEFAULT_CPU_KV_CACHE_GIB
+
+    torch.set_num_threads(1)
+    config = Config(worker=WorkerConfig(model="dummy:tiny", device="cpu"))
+    assert config.worker.kv_cache_gib is None
+    args = build_parser().parse_args(["--group", "short", "--gpu-memory-utilization", "0.4"])
+    engine = build_engine(_apply_flags(config, args), args)
+    assert engine.args.gpu_memory_utilization == 0.4
+    per_block = engine.runner.bytes_per_block()
+    assert engine.pool.num_blocks == int(DEFAULT_CPU_KV_CACHE_GIB * (1 << 30) // per_block)

@@ -25,9 +25,10 @@ class EngineArgs:
     """Configuration of one :class:`~workers.engine.engine.LLMEngine`.
 
     ``model`` is a local Hugging Face folder or a ``dummy:<shape>`` spec. The KV cache is sized
-    by ``num_kv_blocks`` if given, else ``kv_cache_gib`` if given, else (CUDA) the fraction
-    ``gpu_memory_utilization`` of device memory left after a profile run, or (CPU)
-    ``DEFAULT_CPU_KV_CACHE_GIB``. ``max_seq_len=None`` means the model's context length,
+    by ``num_kv_blocks`` if given, else ``kv_cache_gib`` if given, else (CUDA) what a profile
+    run leaves of this engine's share ``gpu_memory_utilization`` of the device's memory
+    (vLLM's per-instance meaning: engines sharing a GPU each take a part; the cache never
+    takes more than is free), or (CPU) ``DEFAULT_CPU_KV_CACHE_GIB``. ``max_seq_len=None`` means the model's context length,
     capped to what the KV cache can hold. ``kv_cache_dtype`` "int8" or "fp8_e4m3" stores
     K/V quantised with a scale per token per KV head (about half the bytes of bf16).
     ``async_output`` (default: on CUDA) launches step N+1 before reading step N's tokens

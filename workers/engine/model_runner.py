@@ -109,9 +109,10 @@ class ModelRunner:
     def profile_num_blocks(
         self, gpu_memory_utilization: float, max_tokens: int, max_batch_size: int
     ) -> int:
-        """Blocks that fit in ``gpu_memory_utilization`` of the device once the weights, the
-        peak activations of a ``max_tokens`` forward (measured, not guessed) and the
-        sampler's work on ``[max_batch_size, vocab]`` logits are paid."""
+        """Blocks that fit in this engine's share ``gpu_memory_utilization`` of the device
+        once its weights, the peak activations of a ``max_tokens`` forward (measured, not
+        guessed) and the sampler's work on ``[max_batch_size, vocab]`` logits are paid
+        (:func:`kv_budget_bytes`)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -139,16 +140,24 @@ class ModelRunner:
         cache_bytes = n_seqs * blocks_per_seq * self.bytes_per_block()
         self.kv_caches, self._kv, self._kv_scale = [], None, None
         torch.cuda.empty_cache()
-        used_before = total - free  # weights, CUDA context, other processes
         activations = max(0, peak - cache_bytes)
         # Softmax, sort and noise for top-p/top-k sampling: a few fp32 copies of the logits.
         sampler = 6 * max_batch_size * self.cfg.vocab_size * 4
-        budget = total * gpu_memory_utilization - used_before - activations - sampler
+        budget = kv_budget_bytes(
+            total=total,
+            free=free,
+            own=base,
+            working=activations + sampler,
+            utilization=gpu_memory_utilization,
+        )
         log.info(
-            "kv budget: total %.1f GiB, in use %.1f GiB, activations %.2f GiB -> %.2f GiB",
+            "kv budget: total %.1f GiB, free %.1f GiB, this engine's weights %.2f GiB, "
+            "activations %.2f GiB, share %.2f -> %.2f GiB",
             total / GiB,
-            used_before / GiB,
+            free / GiB,
+            base / GiB,
             activations / GiB,
+            gpu_memory_utilization,
             budget / GiB,
         )
         return int(budget // self.bytes_per_block())
@@ -394,3 +403,21 @@ class ModelRunner:
             bufs["context_lens"][n:bucket].zero_()
         self._graphs[bucket].replay()
         return self.model.compute_logits(bufs["hidden"][inputs.logits_idx])
+
+
+# Left free on the device beyond the working memory: the CUDA context, cuBLAS workspaces
+# and allocator slack that torch does not count as allocated.
+FREE_MARGIN_FRACTION = 0.02
+
+
+def kv_budget_bytes(total: int, free: int, own: int, working: int, utilization: float) -> int:
+    """KV cache bytes for an engine whose weights take ``own`` bytes and whose forward and
+    sampler need ``working`` more, on a device of ``total`` bytes with ``free`` free.
+
+    Its share is ``utilization`` of ``total`` whatever other processes hold (vLLM's
+    per-instance meaning: two workers sharing a GPU set 0.45 each); a cache larger than
+    what is free would fail to allocate, so that bounds it too. Never negative.
+    """
+    share = total * utilization - own - working
+    available = free - working - total * FREE_MARGIN_FRACTION
+    return max(0, int(min(share, available)))
