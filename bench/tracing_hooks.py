@@ -62,8 +62,10 @@ def worker_us(tracer: Any, n: int) -> float:
     now = time.time()
     output = types.SimpleNamespace(metrics=RequestMetrics(now, now + 1e-3, now + 2e-3,
                                                           now + 3e-3, 0, 0))  # fmt: skip
-    step = types.SimpleNamespace(token_ids=[1, 2, 3, 4], output=None)
-    last = types.SimpleNamespace(token_ids=[1, 2, 3, 4], output=output)
+    first = types.SimpleNamespace(token_ids=[1, 2, 3, 4], output=None,
+                                  first_token_metrics=output.metrics)  # fmt: skip
+    step = types.SimpleNamespace(token_ids=[1, 2, 3, 4], output=None, first_token_metrics=None)
+    last = types.SimpleNamespace(token_ids=[1, 2, 3, 4], output=output, first_token_metrics=None)
     tokens = Chunk(id="x", token_ids=[1, 2, 3, 4])
     final = Chunk(id="x", token_ids=[5], finish_reason="length", usage=Usage(32, 16, 0))
     params = RequestParams(max_tokens=16, temperature=0.7, top_p=0.9)
@@ -74,8 +76,8 @@ def worker_us(tracer: Any, n: int) -> float:
     for req in requests:
         st = Flight(req, msg, 1, now)
         observer.fetched(st, msg, "short")
-        for _ in range(3):
-            observer.output(st, step)
+        for delta in (first, step, step):
+            observer.output(st, delta)
             observer.chunk(st, tokens)
         observer.output(st, last)
         observer.answered(st, final, error=False)

@@ -82,7 +82,9 @@ QUEUE_TIME = Spec(
     REQUEST, QUEUE_BUCKETS,
 )  # fmt: skip
 SUCCESS = Spec(
-    "qos_request_success", "Requests answered, by finish reason", (*REQUEST, "finished_reason")
+    "qos_request_success",
+    "Requests answered, by finish reason (abort: cancelled by its caller; no latency observed)",
+    (*REQUEST, "finished_reason"),
 )
 ERRORS = Spec("qos_request_errors", "Requests answered with an error, by code", (*REQUEST, "code"))
 RESUMED = Spec("qos_request_resumed", "Redelivered requests resumed here (attempt > 1)", REQUEST)

@@ -9,10 +9,12 @@ and gives the same ids and chat strings as transformers' ``AutoTokenizer`` (the 
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -79,6 +81,15 @@ class BaseTokenizer(ABC):
     @abstractmethod
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of ``token_id``, or None when out of range."""
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes ``token_id`` stands for (``b""`` when out of range).
+
+        Unlike ``decode([token_id])`` this keeps a character split over several tokens
+        intact: each piece gives its own bytes, not U+FFFD, and the pieces' bytes join
+        into the text. Special tokens give their text.
+        """
 
     @property
     def eos_token_id(self) -> int | None:
@@ -239,6 +250,27 @@ class Tokenizer(BaseTokenizer):
         token_id = self._tok.token_to_id(token)
         return None if token_id is None else int(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        added = self._added_texts.get(token_id)
+        if added is not None:
+            return added.encode()  # added tokens are stored as plain text, never encoded
+        piece = self.id_to_token(token_id) if token_id >= 0 else None
+        if piece is None:
+            return b""
+        data = _piece_bytes(piece, self._piece_style)
+        if data is None:  # a vocabulary we cannot read byte for byte (WordPiece...)
+            data = self.decode([token_id], skip_special_tokens=False).encode()
+        return data
+
+    @cached_property
+    def _added_texts(self) -> dict[int, str]:
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+
+    @cached_property
+    def _piece_style(self) -> _PieceStyle:
+        # Lazy: only logprobs need it, and to_str() serialises the whole vocabulary.
+        return _piece_style(json.loads(self._tok.to_str()).get("decoder"))
+
     def _named_id(self, name: str, fallback: int | None) -> int | None:
         text = self.special_tokens.get(name)
         token_id = self.token_to_id(text) if text is not None else None
@@ -304,6 +336,77 @@ class ByteTokenizer(BaseTokenizer):
 
     def token_to_id(self, token: str) -> int | None:
         return next((i for i, t in self._SPECIALS.items() if t == token), None)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < 256:
+            return bytes((token_id,))
+        special = self._SPECIALS.get(token_id)
+        return b"" if special is None else special.encode()
+
+
+# ---- vocabulary entries as bytes ------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> character table for byte-level BPE vocabularies: printable bytes
+    stand for themselves, the others (controls, space, 127-160, 173) for 256, 257, ..."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in table]
+    table.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return table
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@dataclass(frozen=True)
+class _PieceStyle:
+    """How a vocabulary spells bytes, read off tokenizer.json's decoder."""
+
+    byte_level: bool = False  # GPT-2's byte alphabet (GPT-2, Llama 3, Qwen)
+    byte_fallback: bool = False  # <0xNN> pieces for bytes (Llama 2, Mistral, Gemma)
+    space: str | None = None  # SentencePiece's word-boundary mark, usually "▁"
+
+
+def _piece_style(decoder: object) -> _PieceStyle:
+    parts = _decoder_parts(decoder)
+    space = None
+    for part in parts:
+        if part.get("type") == "Metaspace":
+            space = str(part.get("replacement", "\u2581"))
+        elif part.get("type") == "Replace" and part.get("content") == " ":
+            pattern = part.get("pattern")
+            if isinstance(pattern, dict) and isinstance(pattern.get("String"), str):
+                space = pattern["String"]
+    return _PieceStyle(
+        byte_level=any(p.get("type") == "ByteLevel" for p in parts),
+        byte_fallback=any(p.get("type") == "ByteFallback" for p in parts),
+        space=space or None,
+    )
+
+
+def _decoder_parts(decoder: object) -> list[dict[str, Any]]:
+    """A decoder and, for a ``Sequence``, the decoders in it (nested ones too)."""
+    if not isinstance(decoder, dict):
+        return []
+    if decoder.get("type") == "Sequence":
+        return [p for d in decoder.get("decoders") or [] for p in _decoder_parts(d)]
+    return [decoder]
+
+
+def _piece_bytes(piece: str, style: _PieceStyle) -> bytes | None:
+    """The bytes of vocabulary entry ``piece``, or None when ``style`` cannot tell."""
+    if style.byte_level:
+        if all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return None
+    if style.byte_fallback and (m := _BYTE_PIECE.fullmatch(piece)):
+        return bytes((int(m.group(1), 16),))
+    if style.space is not None:
+        return piece.replace(style.space, " ").encode()
+    return None
 
 
 def load_tokenizer(path_or_spec: str | Path) -> BaseTokenizer:

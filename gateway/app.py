@@ -213,9 +213,13 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
     async def generate(kind: Kind, request: Request, group: str | None) -> Response:
-        state.keys.check(request.headers.get("authorization"))
-        if state.generator is None:
-            raise InternalError("the gateway is not connected to NATS yet")
+        try:
+            state.keys.check(request.headers.get("authorization"))
+            if state.generator is None:
+                raise InternalError("the gateway is not connected to NATS yet")
+        except QosError as exc:  # refused before classification: group "-"
+            state.metrics.finished("-", exc.http_status)
+            raise
         return await state.generator.handle(kind, request, group)
 
     # The fixed routes come first: /v1/chat/completions must not read as group "chat".

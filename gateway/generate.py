@@ -60,7 +60,7 @@ DEADLINE_HEADER = "X-QoS-Deadline-Ms"
 MAX_DEADLINE_MS = 24 * 3600 * 1000
 # Prompts longer than this are tokenized in a thread, so the event loop keeps streaming.
 INLINE_TOKENIZE_CHARS = 16_384
-# How often a request waiting for its first token checks whether the client left.
+# How often a request in flight checks whether its client left.
 DISCONNECT_POLL_S = 1.0
 PUBLISH_TIMEOUT_S = 5.0
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -82,6 +82,8 @@ class Flight:
     started: float  # time.monotonic() at arrival
     deadline: float  # time.monotonic() by which it must finish
     first_token_at: float | None = None
+    # time.monotonic() of the next check that the client is still there
+    disconnect_check_at: float = field(default_factory=lambda: time.monotonic() + DISCONNECT_POLL_S)
     completion_tokens: int = 0
     worker_usage: Any = None
     finish_reason: str | None = None
@@ -120,9 +122,8 @@ class Generator:
         self._log_prompts = log_prompts
         self._subjects = Subjects(config.nats.subject_prefix)
         self._check_vocab = not isinstance(tokenizer, ByteTokenizer)
-        self.token_text: Callable[[int], str] = lru_cache(maxsize=65536)(
-            lambda i: tokenizer.decode([i], skip_special_tokens=False)
-        )
+        # Logprobs show each token's own bytes: decoding one piece of a character gives U+FFFD.
+        self.token_bytes: Callable[[int], bytes] = lru_cache(maxsize=65536)(tokenizer.token_bytes)
 
     # -- the whole request -----------------------------------------------------------------
 
@@ -172,11 +173,15 @@ class Generator:
             self._metrics.finished(group_label, exc.http_status)
             raise
         except ClientGone:
+            self._metrics.finished(group_label, 499)
             return Response(status_code=499)
         try:
             flight = self._take_off(kind, body, route, prompt_ids, logprobs, started, deadline_ms)
-        except BaseException:
+        except BaseException as exc:
             self._admission.release(route.group)  # nothing else holds the slot yet
+            self._metrics.finished(
+                route.group, exc.http_status if isinstance(exc, QosError) else 500
+            )
             raise
         streaming = False
         try:
@@ -300,7 +305,7 @@ class Generator:
             request_id,
             self._model,
             int(time.time()),
-            self.token_text,
+            self.token_bytes,
             logprobs=logprobs,
             include_usage=body.include_usage(),
         )
@@ -383,21 +388,30 @@ class Generator:
     async def _next(self, flight: Flight, request: Request | None) -> Delivery:
         """The next delivery; 504 at the deadline; :class:`ClientGone` if the client left."""
         while True:
-            left = flight.deadline - time.monotonic()
+            now = time.monotonic()
+            left = flight.deadline - now
             if left <= 0:
                 raise DeadlineExceededError("the request's deadline passed before it finished")
+            # Also while deliveries keep coming (a worker flushes every few ms, so a wait
+            # for silence would never end): a client that hung up frees its worker's slot.
+            if request is not None and now >= flight.disconnect_check_at:
+                flight.disconnect_check_at = now + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    raise ClientGone
             delivery = await flight.stream.next(min(left, DISCONNECT_POLL_S) if request else left)
             if delivery is not None:
                 if delivery.token_ids and flight.first_token_at is None:
                     flight.first_token_at = time.monotonic()
+                    # Observed now, not at the end: a long answer would report it late, one
+                    # that fails afterwards never.
+                    series = self._metrics.series(flight.route.group, self._model)
+                    series.ttft.observe(flight.first_token_at - flight.started)
                 flight.completion_tokens += len(delivery.token_ids)
                 if delivery.usage is not None:
                     flight.worker_usage = delivery.usage
                 if delivery.finish_reason is not None:
                     flight.finish_reason = delivery.finish_reason
                 return delivery
-            if request is not None and await request.is_disconnected():
-                raise ClientGone
 
     async def _collect(self, flight: Flight, first: Delivery, request: Request) -> Response:
         deliveries = [first]
@@ -477,8 +491,6 @@ class Generator:
         if flight.completion_tokens:
             series.tokens.inc(flight.completion_tokens)
         if status == 200:
-            if flight.first_token_at is not None:
-                series.ttft.observe(flight.first_token_at - flight.started)
             series.e2e.observe(time.monotonic() - flight.started)
 
     def _decode_tail(self, delivered: Sequence[int], new: Sequence[int]) -> str:

@@ -11,7 +11,9 @@ string beats one of a nested dict.
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -22,11 +24,25 @@ from gateway.streams import Delivery, sse_event
 Kind = Literal["completion", "chat"]
 # OpenAI's stand-in for -inf: JSON has no infinity.
 MIN_LOGPROB = -9999.0
-TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _clamp(logprob: float) -> float:
+    # JSON has no NaN either: a NaN (a broken distribution) reads as "very unlikely".
+    return MIN_LOGPROB if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
+
+
+def _completion_token(data: bytes) -> str:
+    """A legacy ``logprobs.tokens`` entry: the token's text, or OpenAI's ``bytes:\\xNN``
+    spelling for a piece of a character (bytes that are not UTF-8 on their own)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, worker: Usage | None) -> dict[str, Any]:
@@ -50,7 +66,7 @@ class Shaper:
         request_id: str,
         model: str,
         created: int,
-        token_text: TokenText,
+        token_bytes: TokenBytes,
         *,
         logprobs: int | None = None,
         include_usage: bool = False,
@@ -59,10 +75,13 @@ class Shaper:
         self.request_id = request_id
         self.model = model
         self.created = created
-        self.token_text = token_text
+        self.token_bytes = token_bytes
         self.logprobs = logprobs
         self.include_usage = include_usage
         self._text_offset = 0  # completions' logprobs.text_offset runs across chunks
+        # The tokens' bytes so far, as text: a character split over tokens counts once,
+        # when its last byte comes, so text_offset indexes the text the client got.
+        self._offset_text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._object = "text_completion" if kind == "completion" else "chat.completion.chunk"
         head = _dumps(
             {"id": request_id, "object": self._object, "created": created, "model": model}
@@ -190,13 +209,19 @@ class Shaper:
         for i, (token_id, lp) in enumerate(
             zip(delivery.token_ids, delivery.logprobs, strict=False)
         ):
-            text = self.token_text(token_id)
+            data = self.token_bytes(token_id)
             entry: dict[str, Any] = {
-                "token": text,
-                "logprob": max(lp, MIN_LOGPROB),
-                "bytes": list(text.encode()),
+                # The token's own bytes: a piece of a character shows U+FFFD as its text,
+                # and the pieces' bytes join into the character.
+                "token": data.decode("utf-8", errors="replace"),
+                "logprob": _clamp(lp),
+                "bytes": list(data),
                 "top_logprobs": [
-                    {"token": t, "logprob": max(v, MIN_LOGPROB), "bytes": list(t.encode())}
+                    {
+                        "token": t.decode("utf-8", errors="replace"),
+                        "logprob": _clamp(v),
+                        "bytes": list(t),
+                    }
                     for t, v in self._top(delivery.top_logprobs, i)
                 ],
             }
@@ -206,29 +231,30 @@ class Shaper:
     def _completion_logprobs(self, delivery: Delivery) -> dict[str, Any]:
         tokens, offsets = [], []
         for token_id in delivery.token_ids:
-            text = self.token_text(token_id)
-            tokens.append(text)
+            data = self.token_bytes(token_id)
+            tokens.append(_completion_token(data))
             offsets.append(self._text_offset)
-            self._text_offset += len(text)
+            self._text_offset += len(self._offset_text.decode(data))
         top: list[dict[str, float]] | None = None
         if self.logprobs:
             top = [
-                {t: max(v, MIN_LOGPROB) for t, v in self._top(delivery.top_logprobs, i)}
+                {_completion_token(t): _clamp(v) for t, v in self._top(delivery.top_logprobs, i)}
                 for i in range(len(delivery.token_ids))
             ]
         return {
             "tokens": tokens,
-            "token_logprobs": [max(lp, MIN_LOGPROB) for lp in delivery.logprobs],
+            "token_logprobs": [_clamp(lp) for lp in delivery.logprobs],
             "top_logprobs": top,
             "text_offset": offsets,
         }
 
-    def _top(self, tops: Sequence[TopLogprobs], i: int) -> list[tuple[str, float]]:
+    def _top(self, tops: Sequence[TopLogprobs], i: int) -> list[tuple[bytes, float]]:
+        """Position ``i``'s alternatives as (token bytes, logprob), best first."""
         if not self.logprobs or i >= len(tops):
             return []
         alternatives = tops[i]
         pairs = zip(alternatives.token_ids, alternatives.logprobs, strict=False)
-        return [(self.token_text(t), v) for t, v in list(pairs)[: self.logprobs]]
+        return [(self.token_bytes(t), v) for t, v in list(pairs)[: self.logprobs]]
 
 
 def merge(deliveries: Sequence[Delivery]) -> Delivery:

@@ -10,10 +10,11 @@ published in the heartbeat, so replicas on one host never collide).
 Per request, on the event loop:
 
 - TTFT and queue time come from the engine's own times (``arrival`` = the gateway's
-  ``created_ms``, so JetStream queueing counts), only on a first attempt: a resumed
-  request's first token reached the caller on an earlier one;
+  ``created_ms``, so JetStream queueing counts), observed at the first token, only on a
+  first attempt: a resumed request's first token reached the caller on an earlier one;
 - ITL is the time between two engine outputs of a request, divided over their tokens;
-- E2E is ``created_ms`` to the final chunk out, as in the telemetry the breakers judge.
+- E2E is ``created_ms`` to the final chunk out, as in the telemetry the breakers judge; a
+  request its caller cancelled (finish reason ``abort``) counts by outcome only.
 """
 
 from __future__ import annotations
@@ -105,8 +106,6 @@ class WorkerObserver:
         watch = Watch(group, self.metrics.series(group), time.time())
         st.watch = watch
         bind_request(req.id)
-        if st.attempt > 1:
-            watch.series.resumed.inc()
         if self.spans is not None:
             span = watch.span = self.spans.start(
                 req, msg.headers, group=group, attempt=st.attempt,
@@ -118,6 +117,13 @@ class WorkerObserver:
             elif span is not None:
                 context.attach(trace.set_span_in_context(span))
 
+    def resumed(self, st: Flight) -> None:
+        """A redelivered request's caller answered: it continues here. (Deliveries handed
+        back or dropped unanswered are not resumes.)"""
+        watch: Watch | None = st.watch
+        if watch is not None:
+            watch.series.resumed.inc()
+
     def output(self, st: Flight, delta: RequestDelta) -> None:
         """An engine output for ``st``: inter-token latency, the final engine times."""
         watch: Watch | None = st.watch
@@ -126,12 +132,27 @@ class WorkerObserver:
         n = len(delta.token_ids)
         if n:
             now = time.monotonic()
-            if watch.last_output_at is not None:
+            if watch.last_output_at is None:
+                self._first_output(st, watch, delta)
+            else:
                 # Per token: n tokens that came out together share the gap.
                 watch.series.itl.observe((now - watch.last_output_at) / n, n)
             watch.last_output_at = now
         if delta.output is not None:
             watch.output = delta.output
+
+    def _first_output(self, st: Flight, watch: Watch, delta: RequestDelta) -> None:
+        """TTFT and queue time when the first token comes out, not when the request ends
+        (a long answer would report them a minute late, one that fails later never), and
+        only on a first attempt: a resumed request's first token reached its caller on an
+        earlier one."""
+        times = delta.first_token_metrics
+        if st.base or times is None:
+            return
+        if times.first_token_time is not None:
+            watch.series.ttft.observe(max(0.0, times.first_token_time - times.arrival_time))
+        if times.first_scheduled_time is not None:
+            watch.series.queue.observe(max(0.0, times.first_scheduled_time - times.arrival_time))
 
     def chunk(self, st: Flight, chunk: Chunk) -> None:
         """A chunk is about to be published: tokens generated, the stream's interval."""
@@ -159,13 +180,8 @@ class WorkerObserver:
             series = watch.series
             if chunk.usage is not None:
                 series.prompt_tokens.inc(chunk.usage.prompt_tokens)
-            series.e2e.observe(max(0.0, now - st.start))
-            times = watch.output.metrics if watch.output is not None else None
-            if times is not None and st.base == 0:
-                if times.first_token_time is not None:
-                    series.ttft.observe(max(0.0, times.first_token_time - times.arrival_time))
-                if times.first_scheduled_time is not None:
-                    series.queue.observe(max(0.0, times.first_scheduled_time - times.arrival_time))
+            if chunk.finish_reason != "abort":  # a cancelled lifetime is no latency
+                series.e2e.observe(max(0.0, now - st.start))
         if watch.span is not None and self.spans is not None:
             stream = None
             if watch.first_chunk_at is not None and watch.last_chunk_at is not None:

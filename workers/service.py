@@ -466,6 +466,7 @@ class WorkerService:
                 return
             resume, resume_text_len = reply.token_ids, reply.text_len
             st.resumed_at(len(resume))
+            self.observer.resumed(st)
             if req.id in self._aborted:  # aborted while we asked
                 await settle(msg.ack)
                 self.observer.abandoned(st, "aborted")
@@ -601,7 +602,10 @@ class WorkerService:
         await self._publish(st, chunk)
         await settle(st.msg.ack)
         self._resync.finished(st)
-        self.telemetry.finished(time.time() - st.start, error=error)
+        if error or chunk.finish_reason != "abort":
+            # A request its caller cancelled (or whose gateway went silent) says nothing
+            # about this group's latency or health: the breakers do not see it.
+            self.telemetry.finished(time.time() - st.start, error=error)
         self.observer.answered(st, chunk, error=error)
         self._poke()
 
@@ -740,7 +744,15 @@ class WorkerService:
         action = control.action
         if action == "abort" and control.request_id:
             self._aborted.add(control.request_id)
-            if control.request_id in self._inflight and self.bridge is not None:
+            st = self._inflight.get(control.request_id)
+            if st is not None and self.bridge is not None:
+                deadline = st.request.deadline_ms
+                if st.error is None and deadline is not None and time.time() * 1000 >= deadline:
+                    # The gateway answered 504 before this replica's own deadline check
+                    # ran: the request failed by its deadline, it was not cancelled.
+                    st.error = DeadlineExceededError(
+                        "the request's deadline passed while generating"
+                    )
                 self.bridge.abort(control.request_id)
         elif action == "set_batch_cap" and self.bridge is not None:
             group_max = self.config.groups[self.group].max_batch

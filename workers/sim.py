@@ -281,7 +281,8 @@ class SimEngine:
         token = sim_token(req.seed, req.num_tokens, self.vocab_size)
         req.output_token_ids.append(token)
         self.num_generation_tokens += 1
-        if req.first_token_time is None:
+        first = req.first_token_time is None
+        if first:
             req.first_token_time = now
         params = req.params
         reason: str | None = None
@@ -318,6 +319,7 @@ class SimEngine:
             finish_reason=reason,
             output=req.output() if reason is not None else None,
             num_output_tokens=len(req.output_token_ids),
+            first_token_metrics=req.output().metrics if first else None,
         )
 
     def _finish(self, req: _SimRequest, reason: str, now: float) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
+from gateway import generate as generate_module
 from tests.e2e.stack import Stack
 from workers.engine.outputs import EngineStats
 
@@ -56,4 +58,27 @@ def test_client_disconnect_mid_stream_aborts_and_frees_the_kv_cache(real_stack: 
     assert after.num_free_blocks == after.num_blocks
     generated = after.num_generation_tokens - before.num_generation_tokens
     assert generated < MAX_TOKENS // 2, f"generated {generated}: the abort came late or never"
+    assert real_stack.final_chunk(request_id).finish_reason == "abort"
+
+
+def test_a_non_stream_client_that_hangs_up_while_tokens_flow_aborts_it(
+    real_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway asked whether a non-stream client was still there only after a second
+    without deliveries, which a worker flushing every few ms never leaves: a client that
+    timed out kept its worker generating to the end (and the openai client retries)."""
+    monkeypatch.setattr(generate_module, "DISCONNECT_POLL_S", 0.1)
+    wait_idle(real_stack, "long-0")
+    known = set(real_stack.chunks)
+    body = {
+        "model": real_stack.model,
+        "prompt": "The quick brown fox jumps over the lazy dog.",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+    }
+    with httpx.Client(timeout=0.4) as http, pytest.raises(httpx.ReadTimeout):
+        http.post(f"{real_stack.base_url}/long/completions", json=body)
+    after = wait_idle(real_stack, "long-0")
+    assert after.num_free_blocks == after.num_blocks
+    (request_id,) = set(real_stack.chunks) - known
     assert real_stack.final_chunk(request_id).finish_reason == "abort"

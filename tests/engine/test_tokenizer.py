@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from common.tokenizer import (
+    BaseTokenizer,
     ByteTokenizer,
     ChatTemplateError,
     Tokenizer,
@@ -314,3 +315,72 @@ def test_a_long_text_encodes_the_same_without_holding_the_gil() -> None:
     tok.encode(text)
     tok.encode("short")
     assert calls == ["encode_batch", "encode"]
+
+
+def sentencepiece_byte_fallback() -> Tokenizer:
+    """A Llama-2-style vocabulary: "▁" marks spaces, characters outside it are <0xNN> bytes."""
+    vocab = {"<unk>": 0, BOS: 1, EOS: 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ("▁", "o", "k", "▁o", "▁ok"):
+        vocab[piece] = len(vocab)
+    rust = RustTokenizer(
+        models.BPE(vocab, [("▁", "o"), ("▁o", "k")], unk_token="<unk>", byte_fallback=True)
+    )
+    rust.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    rust.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return Tokenizer(rust, {"bos_token": BOS, "eos_token": EOS}, {})
+
+
+@pytest.mark.parametrize("kind", ["byte", "byte_level_bpe", "sentencepiece_byte_fallback"])
+def test_token_bytes_join_into_the_text_where_characters_span_tokens(
+    tmp_path: Path, kind: str
+) -> None:
+    """Logprobs' ``bytes``: each piece of a split character gives its own bytes (decode of
+    one piece gives U+FFFD), and the pieces join into the text."""
+    text = "é🙂 ok"
+    expected = text.encode()
+    tok: BaseTokenizer
+    if kind == "byte":
+        tok = ByteTokenizer()
+    elif kind == "byte_level_bpe":
+        tok = Tokenizer.from_pretrained(write_hf_folder(tmp_path))
+    else:
+        tok = sentencepiece_byte_fallback()
+        expected = b" " + expected  # the word boundary SentencePiece prepends is a space
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == expected
+    assert "\ufffd".encode() not in pieces
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # what logprobs used to show
+    eos = tok.token_to_id(tok.special_tokens["eos_token"])
+    assert eos is not None and tok.token_bytes(eos) == tok.special_tokens["eos_token"].encode()
+    assert tok.token_bytes(10**6) == b""
+
+
+def test_byte_level_vocabulary_maps_back_through_gpt2s_byte_table() -> None:
+    tok = Tokenizer(train_byte_bpe(), {"eos_token": EOS}, {})
+    # The 256 one-character entries are the 256 bytes, one each.
+    singles = [tok.token_to_id(c) for c in pre_tokenizers.ByteLevel.alphabet()]
+    assert sorted(tok.token_bytes(i) for i in singles if i is not None) == [
+        bytes((b,)) for b in range(256)
+    ]
+    assert [tok.token_bytes(tok.token_to_id(c) or 0) for c in "!ĠĊÃ"] == [
+        b"!",
+        b" ",
+        b"\n",
+        b"\xc3",
+    ]
+    # Longer entries: their text is what decoding them alone gives.
+    specials = set(tok.all_special_ids)
+    for i in range(tok.vocab_size):
+        if i not in specials:
+            assert tok.token_bytes(i).decode("utf-8", errors="replace") == tok.decode([i])

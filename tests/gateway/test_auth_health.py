@@ -14,7 +14,7 @@ from common.protocol import Control
 from common.subjects import Subjects
 from gateway.auth import ApiKeys, key_digest
 from tests.gateway.conftest import MODEL, gateway_config, serve
-from tests.gateway.fake_worker import never_answer, running_worker
+from tests.gateway.fake_worker import Job, alphabet_tokens, never_answer, running_worker
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
 KEY = "sk-test-0123456789"
@@ -36,11 +36,14 @@ async def test_api_keys_missing_or_wrong_is_401_right_is_200(nats_config: NatsCo
         right = await openai.AsyncOpenAI(
             base_url=gw.base_url, api_key=KEY, max_retries=0
         ).completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        metrics = (await http.get("/metrics")).text
     for response in (missing, wrong, models):
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
     assert health.status_code == 200
     assert right.choices[0].text == "abc"
+    # Refused generations count too (Requests/s under-counted them), before any group.
+    assert 'qos_gateway_requests_total{group="-",status="401"} 2.0' in metrics
 
 
 async def test_no_keys_configured_is_open_and_warns(
@@ -116,3 +119,25 @@ async def test_non_streaming_client_that_gives_up_aborts_the_worker(nats_config:
             await asyncio.sleep(0.03)
         assert [c.request_id for c in controls] == [worker.jobs[0].request.id]
         assert gw.app.state.gateway.admission.in_flight("short") == 0
+
+
+async def _one_token_then_silence(job: Job) -> None:
+    await job.send(0, alphabet_tokens(1))
+    await asyncio.sleep(3600)
+
+
+async def test_ttft_is_observed_when_the_first_token_arrives(nats_config: NatsConfig):
+    """Not when the request ends: a long answer reported it a minute late, and one that then
+    failed (a 504, a client gone) never."""
+    name = 'qos_gateway_time_to_first_token_seconds_count{group="short",model="dummy:tiny"}'
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=_one_token_then_silence),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+        http.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                break
+        metrics = (await http.get("/metrics")).text
+    assert f"{name} 1.0" in metrics

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
+import json
+from typing import Any
 
 import openai
+import pytest
 
 from common.config import NatsConfig
+from common.protocol import Chunk, TopLogprobs
+from common.tokenizer import ByteTokenizer
+from gateway.responses import MIN_LOGPROB, Kind, Shaper
+from gateway.streams import Delivery
 from tests.gateway.conftest import MODEL, Served
-from tests.gateway.fake_worker import CACHED_TOKENS, expected_reply, running_worker
+from tests.gateway.fake_worker import (
+    CACHED_TOKENS,
+    Behaviour,
+    Job,
+    expected_reply,
+    running_worker,
+)
 
 PROMPT = "Say the alphabet"
 PROMPT_TOKENS = 1 + len(PROMPT)  # ByteTokenizer: BOS + one token per byte
@@ -133,3 +147,128 @@ async def test_models_lists_the_served_model(gateway: Served):
     client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+ALTERNATIVE = 0xE2  # every position's runner-up: the first byte of a 3-byte character
+
+
+def spell(reply: str) -> Behaviour:
+    """A worker answering ``reply`` one byte (ByteTokenizer token) a chunk, each with the
+    text it completes: none for a piece of a character, the character with its last byte."""
+
+    async def behaviour(job: Job) -> None:
+        ids = list(reply.encode())
+        text = codecs.getincrementaldecoder("utf-8")()
+        for seq, token in enumerate(ids):
+            last = seq == len(ids) - 1
+            chunk = Chunk(
+                id=job.request.id,
+                seq=seq,
+                token_ids=[token],
+                text=text.decode(bytes((token,))),
+                finish_reason="stop" if last else None,
+                usage=job.usage(len(ids)) if last else None,
+                logprobs=[-0.5],
+                top_logprobs=[TopLogprobs([token, ALTERNATIVE], [-0.5, -1.5])],
+                worker=job.worker.worker_id,
+            )
+            await job.worker.nc.publish(job.request.reply, chunk.to_bytes())
+
+    return behaviour
+
+
+async def test_chat_logprobs_of_a_character_split_over_tokens_carry_its_bytes(
+    gateway: Served, nats_config: NatsConfig
+):
+    async with running_worker(nats_config, "short", behaviour=spell("é!")):
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        chat = await client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,  # type: ignore[arg-type]
+            max_tokens=5,
+            logprobs=True,
+            top_logprobs=2,
+        )
+    assert chat.choices[0].message.content == "é!"
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    # Each piece's own byte, not U+FFFD's [239, 191, 189]; its text is U+FFFD.
+    assert [(c.token, c.bytes) for c in content] == [
+        ("\ufffd", [195]),
+        ("\ufffd", [169]),
+        ("!", [33]),
+    ]
+    assert bytes(b for c in content[:2] for b in c.bytes or []).decode() == "é"
+    assert [[(t.token, t.bytes) for t in c.top_logprobs] for c in content] == [
+        [("\ufffd", [195]), ("\ufffd", [ALTERNATIVE])],
+        [("\ufffd", [169]), ("\ufffd", [ALTERNATIVE])],
+        [("!", [33]), ("\ufffd", [ALTERNATIVE])],
+    ]
+
+
+async def test_completion_logprobs_spell_pieces_as_bytes_and_offsets_index_the_text(
+    gateway: Served, nats_config: NatsConfig
+):
+    reply = "aé🙂b"
+    async with running_worker(nats_config, "short", behaviour=spell(reply)):
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        whole = await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, logprobs=2
+        )
+        stream = await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, logprobs=2, stream=True
+        )
+        chunks = [c async for c in stream]
+    lp = whole.choices[0].logprobs
+    assert lp is not None
+    # Streamed, offsets run on across chunks (one token each here) just the same.
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    for text, tokens, offsets, top in [
+        (whole.choices[0].text, lp.tokens, lp.text_offset, lp.top_logprobs),
+        (
+            "".join(c.choices[0].text for c in chunks),
+            [t for s in streamed for t in s.tokens or []],
+            [o for s in streamed for o in s.text_offset or []],
+            [t for s in streamed for t in s.top_logprobs or []],
+        ),
+    ]:
+        assert text == reply
+        # OpenAI's spelling of bytes that are no text on their own.
+        assert tokens == ["a", "bytes:\\xc3", "bytes:\\xa9"] + [
+            f"bytes:\\x{b:02x}" for b in "🙂".encode()
+        ] + ["b"]
+        assert offsets == [0, 1, 1, 2, 2, 2, 2, 3]
+        assert [text[o] for o in offsets] == ["a", "é", "é", "🙂", "🙂", "🙂", "🙂", "b"]
+        assert top is not None and top[:2] == [
+            {"a": -0.5, "bytes:\\xe2": -1.5},
+            {"bytes:\\xc3": -0.5, "bytes:\\xe2": -1.5},
+        ]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_nan_logprob_serialises_as_a_number(kind: Kind) -> None:
+    # The wire refuses NaN (common.protocol), so only a gateway-side bug could bring one;
+    # the response must still be valid JSON.
+    nan = float("nan")
+    delivery = Delivery(
+        token_ids=[97],
+        text="a",
+        logprobs=[nan],
+        top_logprobs=[TopLogprobs([97, 98], [nan, float("-inf")])],
+    )
+    shaper = Shaper(kind, "id-1", MODEL, 0, ByteTokenizer().token_bytes, logprobs=2)
+    body = json.dumps(shaper.body("a", "stop", {}, delivery), allow_nan=False)
+    event = shaper.delta_event(delivery).decode().removeprefix("data: ")
+    for document in (body, event):
+        choice = json.loads(document, parse_constant=_reject_constant)["choices"][0]
+        if kind == "chat":
+            entry = choice["logprobs"]["content"][0]
+            assert entry["logprob"] == MIN_LOGPROB
+            assert [t["logprob"] for t in entry["top_logprobs"]] == [MIN_LOGPROB] * 2
+        else:
+            assert choice["logprobs"]["token_logprobs"] == [MIN_LOGPROB]
+            assert choice["logprobs"]["top_logprobs"] == [{"a": MIN_LOGPROB, "b": MIN_LOGPROB}]

@@ -17,6 +17,7 @@ from common.services import RedisServer
 from kvstore.redis_tier import CircuitBreaker
 from kvstore.tiers import KVTiers
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
+from workers.engine import batcher as batcher_module
 from workers.engine.block_pool import hash_chain
 
 BS = 4
@@ -131,11 +132,13 @@ def test_generated_blocks_are_written_through_for_a_resumed_request(
 
 
 class VanishingTier:
-    """Claims every block at lookup, then loses them all: the worst a tier can do."""
+    """Claims every block at lookup, then loses them all: the worst a tier can do (or, with
+    ``claims=False``, holds nothing)."""
 
     accepts_stores = accepts_offloads = False
 
-    def __init__(self) -> None:
+    def __init__(self, claims: bool = True) -> None:
+        self.claims = claims
         self.lookups = 0
 
     def bind(self, model: str, seed: int, layout: object) -> None:
@@ -143,7 +146,7 @@ class VanishingTier:
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         self.lookups += 1
-        return len(hashes)
+        return len(hashes) if self.claims else 0
 
     def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
         return []
@@ -158,11 +161,19 @@ class VanishingTier:
         pass
 
 
+@pytest.mark.parametrize("claims", [True, False], ids=["hit", "miss"])
 @pytest.mark.parametrize("policy", ["continuous", "hybrid"])
 def test_a_tier_that_loses_blocks_costs_recompute_and_a_waiting_head_asks_once(
-    tiny_llama: Path, reference: Callable[[list[list[int]]], list[list[int]]], policy: str
+    tiny_llama: Path,
+    reference: Callable[[list[list[int]]], list[list[int]]],
+    policy: str,
+    claims: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    tier = VanishingTier()
+    """A miss too: each step's lookup was a Redis round trip on the engine thread, and
+    counted the head's tokens as queried again (the tier hit rate read low)."""
+    monkeypatch.setattr(batcher_module, "TIER_LOOKUP_REUSE_S", 1e9)  # however slow the run
+    tier = VanishingTier(claims)
     eng = engine(tiny_llama, tier, num_kv_blocks=16, policy=policy)  # type: ignore[arg-type]
     first, second = prompt(30, 7 * BS), prompt(31, 10 * BS)  # 7 + 10 blocks > 16: one waits
     for i, p in enumerate((first, second)):
@@ -179,6 +190,22 @@ def drain_all(eng: LLMEngine) -> dict[str, list[int]]:
         for delta in eng.step():
             outs.setdefault(delta.request_id, []).extend(delta.token_ids)
     return outs
+
+
+def test_a_waiting_heads_tier_answer_is_asked_again_after_a_while(tiny_llama: Path) -> None:
+    """Reused for TIER_LOOKUP_REUSE_S only: another node may store the prefix meanwhile."""
+    tier = VanishingTier(claims=False)
+    eng = engine(tiny_llama, tier, num_kv_blocks=16, policy="continuous")  # type: ignore[arg-type]
+    now = [100.0]
+    eng.batcher.clock = lambda: now[0]
+    eng.add_request("0", prompt_token_ids=prompt(30, 7 * BS), params=GREEDY)
+    eng.add_request("1", prompt_token_ids=prompt(31, 10 * BS), params=GREEDY)
+    eng.step()
+    eng.step()
+    assert tier.lookups == 2 and len(eng.batcher.waiting) == 1
+    now[0] += batcher_module.TIER_LOOKUP_REUSE_S + 0.5
+    eng.step()
+    assert tier.lookups == 3
 
 
 def test_a_corrupt_block_is_recomputed_and_counted(

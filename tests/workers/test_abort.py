@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 from typing import Any
 
 from common.client import QosClient
-from common.protocol import RequestParams
+from common.protocol import Control, RequestParams
 from workers.engine import EngineArgs, LLMEngine
 from workers.engine.outputs import EngineStats
+from workers.sim import SimCost, SimEngine
 
 
 async def test_client_abort_stops_the_request_and_frees_its_kv_blocks(
@@ -42,3 +44,74 @@ async def test_client_abort_stops_the_request_and_frees_its_kv_blocks(
         await asyncio.sleep(0.02)
     assert stats.num_free_blocks == stats.num_blocks
     assert stats.num_generation_tokens < 100  # stopped long before its 400 tokens
+
+
+def _total(registry: Any, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(
+        s.value
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def _first_tokens(stream: Any, n: int) -> None:
+    received = 0
+    async for chunk in stream:
+        received += len(chunk.token_ids)
+        if received >= n:
+            return
+
+
+async def _drained(service: Any) -> None:
+    deadline = time.monotonic() + 10
+    while service.inflight_ids:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+
+
+async def test_a_cancelled_request_counts_by_outcome_only_and_its_ttft_when_it_came(
+    start_worker: Any, client: QosClient
+) -> None:
+    """A request its caller cancelled is no success latency and no breaker sample (it read
+    as a success with its cut-short lifetime); its first token's TTFT was observed when the
+    token came, not at the end."""
+    engine = SimEngine(max_batch_size=4, max_seq_len=1024, cost=SimCost(base_s=0.005))
+    service = await start_worker(engine=engine)
+    registry = service.observer.registry
+    params = RequestParams(max_tokens=400, ignore_eos=True, temperature=0)
+    stream = client.generate(group="short", prompt_token_ids=list(range(1, 20)), params=params)
+    await _first_tokens(stream, 3)
+    assert _total(registry, "qos_time_to_first_token_seconds_count", group="short") == 1
+    assert _total(registry, "qos_e2e_request_latency_seconds_count", group="short") == 0
+    await stream.aclose()
+    await _drained(service)
+    assert _total(registry, "qos_request_success_total", finished_reason="abort") == 1
+    assert _total(registry, "qos_e2e_request_latency_seconds_count", group="short") == 0
+    assert (service.telemetry.requests_done, service.telemetry.errors) == (0, 0)
+
+
+async def test_an_abort_after_the_deadline_is_a_deadline_error(
+    start_worker: Any, client: QosClient
+) -> None:
+    """The gateway answers 504 at the deadline and aborts: the worker, whose own deadline
+    check runs every half second, counted that abort as a success."""
+    engine = SimEngine(max_batch_size=4, max_seq_len=1024, cost=SimCost(base_s=0.005))
+    service = await start_worker(engine=engine)
+    registry = service.observer.registry
+    deadline_ms = int(time.time() * 1000) + 400
+    params = RequestParams(max_tokens=400, ignore_eos=True, temperature=0)
+    stream = client.generate(
+        group="short", prompt_token_ids=list(range(1, 20)), params=params, deadline_ms=deadline_ms
+    )
+    await _first_tokens(stream, 1)
+    (rid,) = service.inflight_ids
+    await asyncio.sleep(max(0.0, deadline_ms / 1000 - time.time()) + 0.01)
+    control = Control(action="abort", request_id=rid)
+    await service._on_control(types.SimpleNamespace(data=control.to_bytes(), subject="ctl"))
+    await _drained(service)
+    await stream.aclose()
+    assert _total(registry, "qos_request_errors_total", code="deadline_exceeded") == 1
+    assert _total(registry, "qos_request_success_total") == 0
+    assert (service.telemetry.requests_done, service.telemetry.errors) == (0, 1)

@@ -82,6 +82,10 @@ class BatchPlan:
         return not self.seqs
 
 
+# How long a waiting request's KV-tier lookup answer is reused (Batcher._tier_seen).
+TIER_LOOKUP_REUSE_S = 1.0
+
+
 class Batcher:
     """Waiting and running queues of one engine, and the policy that moves between them."""
 
@@ -108,9 +112,11 @@ class Batcher:
         self.num_preemptions = 0
         self.tier_query_tokens = 0  # tokens asked of the KV tier at admission
         self.tier_hit_tokens = 0  # of which loaded from it
-        # request id -> (tokens, device hit, tier hit) of a lookup whose admission then waited
-        # for blocks: a queue head that waits must not cost a Redis round trip every step.
-        self._tier_seen: dict[str, tuple[int, int, int]] = {}
+        # request id -> (tokens, device hit, tier hit, when) of its last KV-tier lookup, kept
+        # while it waits for blocks, hit or miss: a queue head that waits must not cost a
+        # Redis round trip (and count its tokens as queried again) every step. Asked again
+        # after TIER_LOOKUP_REUSE_S, in case another node has stored the prefix meanwhile.
+        self._tier_seen: dict[str, tuple[int, int, int, float]] = {}
         # static/dynamic: ids of the batch in flight; empty = a new batch may form.
         self._members: set[str] = set()
         self.prefill_delay_factor = prefill_delay_factor
@@ -257,10 +263,7 @@ class Batcher:
                 break
             num_new = remaining if whole else min(remaining, budget)
             if not self.pool.allocate_slots(req, tier_tokens + num_new, hit_blocks, admission=True):
-                if tier_tokens:
-                    key = (req.num_tokens, len(hit_blocks), tier_tokens)
-                    self._tier_seen[req.request_id] = key
-                break
+                break  # its tier lookup stays in _tier_seen for the next try
             self._tier_seen.pop(req.request_id, None)
             self.waiting.remove(req)
             req.num_computed_tokens = hit_tokens
@@ -288,10 +291,16 @@ class Batcher:
         if first >= limit:
             return 0
         seen = self._tier_seen.get(req.request_id)
-        if seen is not None and seen[:2] == (req.num_tokens, first):
+        if (
+            seen is not None
+            and seen[:2] == (req.num_tokens, first)
+            and self.clock() - seen[3] < TIER_LOOKUP_REUSE_S
+        ):
             return seen[2]
         self.tier_query_tokens += (limit - first) * bs
-        return self.kv_tier.lookup(self.pool.update_hashes(req)[first:limit]) * bs
+        tokens = self.kv_tier.lookup(self.pool.update_hashes(req)[first:limit]) * bs
+        self._tier_seen[req.request_id] = (req.num_tokens, first, tokens, self.clock())
+        return tokens
 
     def _tier_load(self, req: Request, plan: BatchPlan, first: int, tokens: int) -> int:
         """Fetch the tier's blocks into the request's freshly allocated ones; name them in

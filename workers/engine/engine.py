@@ -28,7 +28,7 @@ from workers.engine.batcher import Batcher, BatchPlan
 from workers.engine.block_pool import BlockPool, KVTier
 from workers.engine.loader import generation_config_eos, load_model_config
 from workers.engine.model_runner import GiB, ModelRunner, TokenFeed
-from workers.engine.outputs import EngineStats, RequestDelta, RequestOutput
+from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.request import PLACEHOLDER, Request
 from workers.engine.sampling_params import SamplingParams
 
@@ -409,7 +409,8 @@ class LLMEngine:
         params = req.params
         if not appended:
             req.append_token(token)
-        if req.first_token_time is None:
+        first = req.first_token_time is None
+        if first:
             req.first_token_time = now
         asked = params.logprobs is not None
         if asked:
@@ -455,6 +456,7 @@ class LLMEngine:
             top_logprobs=[req.top_logprobs[-1]] if asked else None,
             output=RequestOutput.of(req) if reason is not None else None,
             num_output_tokens=req.num_output_tokens,
+            first_token_metrics=RequestMetrics.of(req) if first else None,
         )
 
     @staticmethod

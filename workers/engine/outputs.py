@@ -22,6 +22,18 @@ class RequestMetrics:
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
+    @classmethod
+    def of(cls, req: Request) -> RequestMetrics:
+        """The request's times now."""
+        return cls(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            finish_time=req.finish_time,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_preemptions=req.num_preemptions,
+        )
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -62,14 +74,7 @@ class RequestOutput:
             cumulative_logprob=req.cumulative_logprob if asked else None,
             logprobs=list(req.logprobs) if asked else None,
             top_logprobs=[list(t) for t in req.top_logprobs] if asked else None,
-            metrics=RequestMetrics(
-                arrival_time=req.arrival_time,
-                first_scheduled_time=req.first_scheduled_time,
-                first_token_time=req.first_token_time,
-                finish_time=req.finish_time,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-                num_preemptions=req.num_preemptions,
-            ),
+            metrics=RequestMetrics.of(req),
         )
 
 
@@ -86,6 +91,8 @@ class RequestDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     output: RequestOutput | None = None
     num_output_tokens: int = 0  # tokens generated so far, these included
+    # Set on the delta that carries the request's first token: its TTFT is known then.
+    first_token_metrics: RequestMetrics | None = None
 
 
 @dataclass(frozen=True)
