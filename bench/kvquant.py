@@ -68,7 +68,7 @@ import json
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
@@ -112,9 +112,15 @@ def chat_prompts(tokenizer, limit: int) -> list[list[int]]:
     return [tokenizer.encode(c, add_special_tokens=False) for c in chats]
 
 
-def _stdlib_defs() -> Iterator[list[str]]:
-    """Stdlib modules with a top-level ``def``, sorted by name: their lines from that one on."""
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+def _stdlib_defs(recursive: bool = False) -> Iterator[list[str]]:
+    """Stdlib modules with a top-level ``def``, sorted by path: their lines from that one
+    on (``recursive``: the packages' modules too, tests and site-packages left out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = root.rglob("*.py") if recursive else root.glob("*.py")
+    for path in sorted(paths):
+        parts = path.relative_to(root).parts
+        if recursive and any(p in ("test", "tests", "site-packages", "idlelib") for p in parts):
+            continue
         lines = path.read_text(errors="replace").splitlines()
         first = next((i for i, line in enumerate(lines) if line.startswith("def ")), None)
         if first is not None:
@@ -129,14 +135,28 @@ def code_prompts(tokenizer, limit: int) -> list[list[int]]:
     ]
 
 
-def calibration_prompts(tokenizer, skip: int, limit: int = 64) -> list[list[int]]:
-    """Text the measured sets do not hold, for the calibrated schemes: up to 512 tokens of 40
-    lines from the first ``def`` of the stdlib modules after the ``skip`` that
-    :func:`code_prompts` takes."""
-    return [
-        tokenizer.encode("\n".join(lines[:40]) + "\n")[:512]
-        for lines in itertools.islice(_stdlib_defs(), skip, skip + limit)
-    ]
+def calibration_excerpts(skip: int, avoid: Iterable[str], limit: int = 64) -> list[str]:
+    """Text the measured sets do not hold, for the calibrated schemes: 40 lines from the first
+    ``def`` of stdlib modules (packages' too), leaving out the ``skip`` top-level modules that
+    :func:`code_prompts` takes and any excerpt that contains one of ``avoid`` (the measured
+    answers: a docstring the model is asked to recite must not calibrate it). Exactly
+    ``limit`` of them, or ValueError: a shorter stdlib would change the figures silently."""
+    taken = {tuple(lines[:3]) for lines in itertools.islice(_stdlib_defs(), skip)}
+    needles = [a for a in avoid if len(a) >= 20]
+    out: list[str] = []
+    for lines in _stdlib_defs(recursive=True):
+        text = "\n".join(lines[:40]) + "\n"
+        if tuple(lines[:3]) in taken or any(n in text for n in needles):
+            continue
+        out.append(text)
+        if len(out) == limit:
+            return out
+    raise ValueError(f"only {len(out)} stdlib excerpts qualify for calibration, {limit} wanted")
+
+
+def calibration_prompts(tokenizer, excerpts: list[str]) -> list[list[int]]:
+    """Up to 512 tokens of each excerpt."""
+    return [tokenizer.encode(text)[:512] for text in excerpts]
 
 
 def golden_prompts(tokenizer, rows: list[dict[str, Any]]) -> list[list[int]]:
@@ -227,6 +247,10 @@ def golden(rows: list[dict[str, Any]], run: Run, base: Run | None) -> dict[str, 
             ).as_dict()
             for name, key in (("exact_match", "em"), ("rouge_l", "rouge_l"))
         }
+        # The drop nets answers the scheme broke against answers it happened to fix (a bf16
+        # baseline is not all correct): how many answers changed at all says what it moved.
+        changed = sum(a != b for a, b in zip(run.golden_texts, base.golden_texts, strict=True))
+        out["answers_changed"] = changed
     return out
 
 
@@ -291,7 +315,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work: Workload | None = None
     shape: CacheShape | None = None
     runs: dict[tuple[str, str], Run] = {}
-    report: dict[str, Any] = {"kv_bytes_per_token": {}, "golden": {}, "agreement": {}}
+    report: dict[str, Any] = {
+        "python": sys.version.split()[0],  # the stdlib the code and calibration text come from
+        "kv_bytes_per_token": {},
+        "golden": {},
+        "agreement": {},
+    }
     extra: dict[str, Any] = {}
     for dtype in args.model_dtypes.split(","):
         for kv in KV_DTYPES:
@@ -397,7 +426,7 @@ def _workload(args: argparse.Namespace) -> Workload:
     return Workload(
         agreement=chat_prompts(tok, args.chat) + code_prompts(tok, args.code),
         agreement_params=SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
-        calibration=calibration_prompts(tok, skip=args.code),
+        calibration=calibration_prompts(tok, calibration_excerpts(args.code, _answers(rows))),
         golden_rows=rows,
         golden=golden_prompts(tok, rows),
         golden_params=[
@@ -409,6 +438,12 @@ def _workload(args: argparse.Namespace) -> Workload:
             for r in rows
         ],
     )
+
+
+def _answers(golden_rows: list[dict[str, Any]]) -> list[str]:
+    """Every expected answer the measured sets hold: the Q/A answers and golden references."""
+    qa = [json.loads(line)["answer"] for line in QA.read_text().splitlines() if line.strip()]
+    return qa + [str(r.get("reference", "")) for r in golden_rows]
 
 
 def _hf_tokenizer(model: str):

@@ -551,6 +551,9 @@ class Telemetry(Message):
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     busy_ratio: float = 0.0
+    # The longest sequence (prompt + output tokens) this worker serves now: its group's
+    # max_seq_len capped by its model's context and KV cache. 0 = not said (older workers).
+    max_seq_len: int = 0
 
     def validate(self) -> None:
         # The scheduler sizes groups from these (desired replicas, a demand history kept for
@@ -574,7 +577,7 @@ MAX_TELEMETRY_COUNT = 1 << 20
 _TELEMETRY_COUNTS = ("running", "waiting", "batch_cap")
 _TELEMETRY_AMOUNTS = (
     "tokens_per_s", "requests_done", "errors", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms",
-    "e2e_p99_ms", "samples", "prefix_queried_tokens", "prefix_hit_tokens",
+    "e2e_p99_ms", "samples", "prefix_queried_tokens", "prefix_hit_tokens", "max_seq_len",
 )  # fmt: skip
 
 

@@ -64,6 +64,10 @@ class Admission:
             nxt = self._groups[nxt].fallback
         return chain
 
+    def seq_limit(self, group: str) -> int:
+        """The longest request ``group`` takes now (see :meth:`WorkersView.seq_limit`)."""
+        return self._view.seq_limit(group, self._groups[group].max_seq_len)
+
     def in_flight(self, group: str) -> int:
         return self._in_flight.get(group, 0)
 
@@ -110,7 +114,7 @@ class Admission:
             if not self._view.is_live(candidate):
                 reason = reason or "no_worker"
                 continue
-            if candidate != group and need_tokens > self._groups[candidate].max_seq_len:
+            if candidate != group and need_tokens > self.seq_limit(candidate):
                 continue
             # Last: only a request the half-open group could serve spends one of its turns.
             if state == "half_open":

@@ -242,7 +242,9 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         state.keys.check(request.headers.get("authorization"))
         if group is not None:
             explicit_group(state.config, group, None)  # 404 group_not_found when unknown
-        longest = max(g.max_seq_len for g in state.config.groups.values())
+        # What the groups take now: a group's workers may serve less than its config says.
+        names = [group] if group is not None else list(state.config.groups)
+        longest = max(state.admission.seq_limit(name) for name in names)
         card = {
             "id": state.served_model,
             "object": "model",

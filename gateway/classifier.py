@@ -8,7 +8,8 @@ The rule, in order:
    ``max_seq_len`` or it is refused with ``context_length_exceeded``: the client asked for
    that service class, and silently moving it would break its latency expectation.
 2. **By length**: otherwise the lowest-``rank`` group whose ``max_seq_len`` holds
-   ``prompt tokens + max_tokens``. Groups with ``max_batch == 1`` (``realtime``) are only
+   ``prompt tokens + max_tokens`` (a group's limit is what its live workers serve when
+   that is less: a model's context or a KV cache can be shorter than the configured one). Groups with ``max_batch == 1`` (``realtime``) are only
    ever chosen explicitly: one slot would queue everyone behind one request. (If every
    group has ``max_batch == 1``, all of them are candidates.)
 3. A request with no ``max_tokens`` asks for ``gateway.default_max_tokens``; when that does
@@ -21,6 +22,7 @@ nothing a client sends becomes part of a NATS subject unchecked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,27 +82,31 @@ def classify(
     path_group: str | None = None,
     header_group: str | None = None,
     prompt_param: str = "prompt",
+    seq_limit: Callable[[str], int] | None = None,
 ) -> Classification:
-    """Pick the group and settle ``max_tokens``; raise a 4xx :class:`QosError` if none fits."""
+    """Pick the group and settle ``max_tokens``; raise a 4xx :class:`QosError` if none fits.
+    ``seq_limit(group)`` is a group's limit now (default: its configured ``max_seq_len``;
+    the gateway passes what its live workers serve, when that is less)."""
+    limit_of = seq_limit or (lambda name: config.groups[name].max_seq_len)
     default = config.gateway.default_max_tokens
     named = explicit_group(config, path_group, header_group)
     if named is not None:
-        limit = config.groups[named].max_seq_len
+        limit = limit_of(named)
         settled = _settle(prompt_tokens, max_tokens, default, limit)
         if settled is None:
             raise _too_long(prompt_tokens, max_tokens, limit, prompt_param, f"group {named!r}")
         return Classification(named, settled, "path" if path_group else "header")
 
-    candidates = auto_candidates(config)
+    limits = [(name, limit_of(name)) for name, _ in auto_candidates(config)]
     want = max_tokens if max_tokens is not None else default
-    for name, group in candidates:
-        if prompt_tokens + want <= group.max_seq_len:
+    for name, limit in limits:
+        if prompt_tokens + want <= limit:
             return Classification(name, want, "length")
     if max_tokens is None:
-        for name, group in candidates:
-            if prompt_tokens < group.max_seq_len:
-                return Classification(name, group.max_seq_len - prompt_tokens, "length")
-    largest = max(group.max_seq_len for _, group in candidates)
+        for name, limit in limits:
+            if prompt_tokens < limit:
+                return Classification(name, limit - prompt_tokens, "length")
+    largest = max(limit for _, limit in limits)
     raise _too_long(prompt_tokens, max_tokens, largest, prompt_param, "any instance group")
 
 

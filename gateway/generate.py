@@ -158,6 +158,7 @@ class Generator:
                 path_group=path_group,
                 header_group=request.headers.get(GROUP_HEADER),
                 prompt_param=prompt_param,
+                seq_limit=self._admission.seq_limit,
             )
             group_label = classified.group
             deadline_ms = _deadline_ms(request, self._config.gateway.default_deadline_ms)
@@ -506,7 +507,11 @@ def _deadline_ms(request: Request, default_ms: int) -> int:
     if raw is None:
         return default_ms
     raw = raw.strip()
-    if not raw.isdigit() or not 0 < int(raw) <= MAX_DEADLINE_MS:
+    # ASCII digits only, and few: isdigit() takes '²' and 5,000 nines, which int() refuses.
+    if (
+        not (raw.isascii() and raw.isdigit() and len(raw) <= 12)
+        or not 0 < int(raw) <= MAX_DEADLINE_MS
+    ):
         raise InvalidRequestError(
             f"header {DEADLINE_HEADER} must be a whole number of milliseconds in 1..{MAX_DEADLINE_MS}",
             param=DEADLINE_HEADER,

@@ -216,7 +216,8 @@ class CompletionRequest(_SamplingBody):
                 raise ValueError("prompt must not be empty")
             if isinstance(value[0], str | list) and len(value) != 1:
                 raise ValueError("batched prompts are not supported; send one prompt per request")
-            if isinstance(value[0], int) and any(not 0 <= t < 2**31 for t in value):
+            ids = value[0] if isinstance(value[0], list) else value  # [[ids]]: one prompt
+            if ids and isinstance(ids[0], int) and any(not 0 <= t < 2**31 for t in ids):
                 raise ValueError("token ids must be non-negative int32 values")
         return value
 

@@ -84,6 +84,8 @@ class WorkersView:
         self._wall = wall
         # group -> worker -> monotonic time of its latest "serving" report
         self._serving: dict[str, dict[str, float]] = {g: {} for g in self._groups}
+        # group -> worker -> the longest sequence it says it serves (its report's max_seq_len)
+        self._seq_lens: dict[str, dict[str, int]] = {g: {} for g in self._groups}
         self._breakers: dict[str, BreakerState] = {}
         self._breaker_stale_s = breaker_stale_s
         self._breaker_at: dict[str, float] = {}  # group -> when its record was last written
@@ -108,6 +110,18 @@ class WorkersView:
             return False
         oldest = self._clock() - self._window
         return any(t >= oldest for t in seen.values())
+
+    def seq_limit(self, group: str, configured: int) -> int:
+        """The longest sequence (prompt + max_tokens) ``group`` can take: its configured
+        ``max_seq_len``, or less when its live workers serve less (a model's context or a
+        KV cache shorter than the group's limit): a request any of them would refuse must
+        be refused here, before it queues."""
+        seen, lens = self._serving.get(group), self._seq_lens.get(group)
+        if not seen or not lens:
+            return configured
+        oldest = self._clock() - self._window
+        served = [lens[w] for w, t in seen.items() if t >= oldest and w in lens]
+        return min(configured, *served) if served else configured
 
     def live_counts(self) -> dict[str, int]:
         return {g: self.live_workers(g) for g in self._groups}
@@ -151,10 +165,16 @@ class WorkersView:
     def on_telemetry(self, report: Telemetry) -> None:
         """Record one worker report (also used by tests that have no NATS)."""
         seen = self._serving.setdefault(report.group, {})
+        lens = self._seq_lens.setdefault(report.group, {})
         if report.state != "serving":
             seen.pop(report.worker, None)
+            lens.pop(report.worker, None)
             return
         seen[report.worker] = self._clock()
+        if report.max_seq_len > 0:
+            lens[report.worker] = report.max_seq_len
+        else:  # a worker that does not say: the configured limit
+            lens.pop(report.worker, None)
         for groups, waiter in self._waiters:
             if report.group in groups and not waiter.done():
                 waiter.set_result(None)

@@ -77,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache storage (default worker.kv_cache_dtype)")  # fmt: skip
     p.add_argument("--policy", choices=("static", "dynamic", "continuous", "hybrid"),
                    help="batching policy (default: the group's)")  # fmt: skip
-    p.add_argument("--max-batch", type=int, help="engine batch size (default: the group's)")
-    p.add_argument("--max-seq-len", type=int, help="context length (default: the group's)")
+    p.add_argument("--max-batch", type=int,
+                   help="engine batch size (default: the largest group's; a group's own applies)")  # fmt: skip
+    p.add_argument("--max-seq-len", type=int,
+                   help="context length (default: the longest group's, within the model's)")  # fmt: skip
     p.add_argument("--grace-s", type=float, default=30.0, help="drain grace period on SIGTERM")
     p.add_argument(
         "--coalesce-ms", type=float, help="chunk coalescing (default worker.coalesce_ms)"
@@ -125,13 +127,16 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
 def build_engine(config: Config, args: argparse.Namespace) -> Any:
     """The engine the flags ask for (slow for a real model: loads weights)."""
     group = config.groups[args.group]
-    max_batch = args.max_batch or group.max_batch
+    # Built for every group, not only the first: the scheduler may move this replica, and
+    # the service then applies the new group's limits within these (see _apply_group_limits).
+    max_batch = args.max_batch or max(g.max_batch for g in config.groups.values())
+    widest = max(g.max_seq_len for g in config.groups.values())
     if args.engine == "sim":
         from workers.sim import SimCost, SimEngine
 
         engine = SimEngine(
             max_batch_size=max_batch,
-            max_seq_len=args.max_seq_len or group.max_seq_len,
+            max_seq_len=args.max_seq_len or widest,
             cost=SimCost(
                 base_s=args.sim_base_ms / 1e3,
                 prefill_s_per_token=args.sim_prefill_us_per_token / 1e6,
@@ -152,7 +157,9 @@ def build_engine(config: Config, args: argparse.Namespace) -> Any:
         prefill_delay_factor=group.prefill_delay_factor,
         max_batch_size=max_batch,
         max_num_batched_tokens=max(2048, max_batch),
-        max_seq_len=args.max_seq_len or min(group.max_seq_len, model_max),
+        # None: the model's context, capped to what the KV cache holds (no error for a
+        # group limit the cache cannot reach: the worker serves what it can and says so).
+        max_seq_len=args.max_seq_len or (widest if widest < model_max else None),
         kv_cache_gib=config.worker.kv_cache_gib,
         gpu_memory_utilization=config.worker.gpu_memory_utilization,
         kv_cache_dtype=config.worker.kv_cache_dtype,

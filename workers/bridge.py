@@ -160,6 +160,9 @@ class EngineBridge:
         self._live: set[str] = set()  # added and not finished (engine thread only)
         self._failed: set[str] = set()  # failed here: their abort deltas are swallowed
         self.batch_cap = engine_max_batch(engine)
+        # The longest sequence the engine was built for, and the current group's limit.
+        self.built_max_seq_len = int(engine.max_seq_len)
+        self.seq_limit = self.built_max_seq_len
         self.stats: EngineStats = engine.stats()
         self.busy_s = 0.0  # wall time spent inside step() that did work
         self._last_stats = 0.0
@@ -184,6 +187,14 @@ class EngineBridge:
         self.batch_cap = max(1, min(int(cap), engine_max_batch(self.engine)))
         self._queue.put(("cap", self.batch_cap))
         return self.batch_cap
+
+    def set_seq_limit(self, limit: int) -> int:
+        """Serve sequences of at most ``limit`` tokens (the group's ``max_seq_len``, clamped
+        to what the engine was built for); returns the limit applied. Requests added after
+        it see it; those running keep theirs."""
+        self.seq_limit = max(2, min(int(limit), self.built_max_seq_len))
+        self._queue.put(("seq_limit", self.seq_limit))
+        return self.seq_limit
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; await its result."""
@@ -242,6 +253,8 @@ class EngineBridge:
                 self.engine.abort(arg)
             elif kind == "cap":
                 apply_batch_cap(self.engine, arg)
+            elif kind == "seq_limit":  # both engines check max_seq_len at add_request
+                self.engine.max_seq_len = arg
             elif kind == "call":
                 fn, future = arg
                 try:

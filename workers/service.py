@@ -219,8 +219,7 @@ class WorkerService:
         self.bridge = EngineBridge(
             self.engine, self._on_engine_events, loop, name=f"engine-{self.worker_id}"
         )
-        cap = min(self.config.groups[self.group].max_batch, self.bridge.batch_cap)
-        self.bridge.set_batch_cap(cap)
+        self._apply_group_limits(self.group)
         self.bridge.start()
         self.nc = await qnats.connect(cfg, f"worker-{self.worker_id}")
         self.js = self.nc.jetstream()
@@ -240,7 +239,8 @@ class WorkerService:
             asyncio.create_task(self._telemetry_loop(), name="worker-telemetry"),
         ]
         self._set_serving(True)
-        log.info("worker %s serving group %s (batch cap %d)", self.worker_id, self.group, cap)
+        log.info("worker %s serving group %s (batch cap %d, up to %d tokens)", self.worker_id,
+                 self.group, self.bridge.batch_cap, self.bridge.seq_limit)  # fmt: skip
 
     async def run(self) -> None:
         """Serve until :meth:`request_stop` (a signal), then stop gracefully."""
@@ -717,8 +717,9 @@ class WorkerService:
         if self.nc is None or self.bridge is None:
             return
         message = self.telemetry.build(
-            self.group, state, self.bridge.stats, self.bridge.batch_cap, self.bridge.busy_s
-        )
+            self.group, state, self.bridge.stats, self.bridge.batch_cap, self.bridge.busy_s,
+            max_seq_len=self.bridge.seq_limit,
+        )  # fmt: skip
         await telemetry.publish(
             self.nc, self.kv, self.subjects, message, self.observer.metrics_port
         )
@@ -803,11 +804,22 @@ class WorkerService:
                         log.error("bound to no group (NATS unreachable?): staying drained")
                         return
                     group = old
-                assert self.bridge is not None
-                self.bridge.set_batch_cap(self.config.groups[group].max_batch)
+                self._apply_group_limits(group)
                 self._cap_set_at = None
                 log.info("moved from group %s to %s", old, group)
             self._set_serving(True)
+
+    def _apply_group_limits(self, group: str) -> None:
+        """The group's batch size and sequence length, within what the engine was built
+        for (``build_engine`` sizes it for every group, so a moved replica serves its new
+        group's requests, not its first group's limits)."""
+        assert self.bridge is not None
+        limits = self.config.groups[group]
+        batch = self.bridge.set_batch_cap(limits.max_batch)
+        seq = self.bridge.set_seq_limit(limits.max_seq_len)
+        if batch < limits.max_batch or seq < limits.max_seq_len:
+            log.info("group %s asks batch %d, %d tokens; this engine serves %d, %d",
+                     group, limits.max_batch, limits.max_seq_len, batch, seq)  # fmt: skip
 
     async def _bind_retrying(self, group: str, attempts: int = 4) -> bool:
         """Bind to ``group``, retrying a failure (a NATS hiccup, a JetStream leader

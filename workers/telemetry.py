@@ -111,7 +111,14 @@ class WorkerTelemetry:
         self.e2e.add(e2e_s)
 
     def build(
-        self, group: str, state: State, stats: EngineStats, batch_cap: int, busy_s: float
+        self,
+        group: str,
+        state: State,
+        stats: EngineStats,
+        batch_cap: int,
+        busy_s: float,
+        *,
+        max_seq_len: int = 0,
     ) -> Telemetry:
         """The telemetry message now; rates cover the time since the previous call."""
         now = self._clock()
@@ -142,6 +149,7 @@ class WorkerTelemetry:
             prefix_queried_tokens=stats.prefix_cache_queries,
             prefix_hit_tokens=stats.prefix_cache_hits,
             busy_ratio=busy_ratio,
+            max_seq_len=max_seq_len,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -43,6 +44,12 @@ def test_golden_scores_against_the_references_and_the_drop_counts_changed_prompt
     assert got["drop"]["exact_match"]["points"] == 5.0
     assert got["drop"]["rouge_l"]["points"] > 0
     assert kvquant.golden(rows, base, None)["exact_match_pct"] == 100.0
+    assert got["answers_changed"] == 1
+    # A wrong baseline that the scheme "fixes" while it breaks another nets no drop, yet
+    # two answers changed.
+    wrong_base = _run(["nope"] + [r["reference"] for r in rows[1:]])
+    swapped = kvquant.golden(rows, worse, wrong_base)
+    assert swapped["drop"]["exact_match"]["points"] == 0.0 and swapped["answers_changed"] == 2
     assert kvquant.target(got) == {
         "exact_match_drop_under_1": False,
         "exact_match_ci95_under_1": False,
@@ -182,3 +189,21 @@ def test_exact_step_attends_over_its_own_rows_unrounded_and_leaves_them_quantise
     # Quantised for real: the shipped scheme, rounding before it attends, logs other values.
     shipped = LLM(model, dtype="float32", num_kv_blocks=64, kv_cache_dtype="int8")
     assert first_logprobs(shipped) != want
+
+
+def test_calibration_text_is_64_excerpts_holding_no_measured_answer() -> None:
+    """It was the top-level modules after the code prompts' 100: 40 of them on Python 3.11,
+    nine holding a Q/A answer word for word (zipfile's docstring is a golden prompt's)."""
+    rows = [json.loads(line) for line in GOLDEN.read_text().splitlines() if line.strip()]
+    answers = kvquant._answers(rows)
+    excerpts = kvquant.calibration_excerpts(100, answers)
+    assert len(excerpts) == 64 and len(set(excerpts)) == 64
+    assert not any(a in text for a in answers if len(a) >= 20 for text in excerpts)
+    taken = {text.splitlines()[0] for text in [*map("\n".join, _first_defs(100))]}
+    assert not any(text.splitlines()[0] in taken for text in excerpts)
+    with pytest.raises(ValueError, match="qualify"):
+        kvquant.calibration_excerpts(100, answers, limit=100_000)
+
+
+def _first_defs(n: int) -> list[list[str]]:
+    return [lines[:3] for lines in itertools.islice(kvquant._stdlib_defs(), n)]

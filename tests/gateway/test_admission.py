@@ -12,10 +12,11 @@ import msgpack
 import pytest
 
 from common.config import Config, NatsConfig, SchedulerConfig
-from common.errors import RateLimitError, ServiceUnavailableError
+from common.errors import ContextLengthExceededError, RateLimitError, ServiceUnavailableError
 from common.nats import connect
 from common.protocol import Telemetry
 from gateway.admission import Admission
+from gateway.classifier import classify
 from gateway.workers_view import BREAKER_STALE_S, WorkersView, decode_breaker
 from scheduler.records import BREAKER_RENEW_S
 from tests.gateway.conftest import MODEL, gateway_config, serve
@@ -24,8 +25,10 @@ from tests.gateway.fake_worker import echo_alphabet, running_worker
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 6}
 
 
-def _report(group: str, worker: str = "w", state: str = "serving") -> Telemetry:
-    return Telemetry(worker=worker, group=group, ts_ms=0, state=state)  # type: ignore[arg-type]
+def _report(
+    group: str, worker: str = "w", state: str = "serving", max_seq_len: int = 0
+) -> Telemetry:
+    return Telemetry(worker=worker, group=group, ts_ms=0, state=state, max_seq_len=max_seq_len)  # type: ignore[arg-type]
 
 
 async def test_saturated_group_answers_429_with_retry_after(nats_config: NatsConfig):
@@ -292,3 +295,25 @@ def test_a_replayed_open_record_ages_from_when_the_server_stored_it() -> None:
     recent = datetime.datetime.fromtimestamp(now - 5, datetime.UTC)
     view.on_breaker_entry("breaker.long", value, None, recent)
     assert view.breaker("long") == "open"
+
+
+async def test_a_groups_limit_is_what_its_live_workers_serve_when_that_is_less():
+    """The demo model's context is 2,048 tokens while short's config says 4,096 and long's
+    128k: the gateway queued requests its workers then refused (each a group error for the
+    breaker) or cut short. It now takes the least its live workers report."""
+    config = Config()
+    clock = [0.0]
+    view = WorkersView(config.groups, clock=lambda: clock[0])
+    admission = Admission(config, view)
+    assert admission.seq_limit("short") == 4096  # nobody has said anything yet
+    view.on_telemetry(_report("short", "a", max_seq_len=2048))
+    view.on_telemetry(_report("short", "b", max_seq_len=8192))
+    view.on_telemetry(_report("long", "c", max_seq_len=2048))
+    assert admission.seq_limit("short") == 2048 and admission.seq_limit("long") == 2048
+    routed = classify(config, prompt_tokens=1900, max_tokens=100, seq_limit=admission.seq_limit)
+    assert routed.group == "short"
+    with pytest.raises(ContextLengthExceededError):  # fits the config, not the workers
+        classify(config, prompt_tokens=1900, max_tokens=1000, seq_limit=admission.seq_limit)
+    clock[0] += 60  # "a" and "c" stop reporting: the configured limits again
+    view.on_telemetry(_report("short", "b", max_seq_len=8192))
+    assert admission.seq_limit("short") == 4096 and admission.seq_limit("long") == 131072

@@ -71,6 +71,7 @@ BAD_PARAMETERS = [
     ("completions", {"prompt": ["a", "b"]}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": [1, -5]}, "prompt"),
+    ("completions", {"prompt": [[1, -5]]}, "prompt"),  # the nested form too
     ("completions", {"prompt": 42}, "prompt"),
     ("completions", {"stream": "yes"}, "stream"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
@@ -206,7 +207,10 @@ async def test_unknown_model_is_404_model_not_found(client: httpx.AsyncClient):
 
 async def test_models_are_listed_under_a_group_base_url_too(client: httpx.AsyncClient):
     listed = (await client.get("/v1/models")).json()
-    assert (await client.get("/v1/short/models")).json() == listed
+    by_group = (await client.get("/v1/short/models")).json()
+    # The same card, with the length that group takes (the long group's, unnamed).
+    (card,), (short_card,) = listed["data"], by_group["data"]
+    assert short_card == {**card, "max_model_len": 256}  # gateway_config: short 256, long 2048
     error = _assert_openai_error(await client.get("/v1/bogus/models"), 404, None)
     assert error["code"] == "group_not_found"
 
@@ -222,8 +226,13 @@ async def test_unknown_route_is_404_in_openai_shape(client: httpx.AsyncClient):
     _assert_openai_error(response, 404, None)
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "soon", "99999999999"])
-async def test_bad_deadline_header_is_400_naming_it(client: httpx.AsyncClient, value: str):
+@pytest.mark.parametrize(
+    "value",
+    # The last two pass str.isdigit() yet int() refuses them: they were a 500.
+    ["0", "-5", "soon", "99999999999", "9" * 4301, b"\xb2"],
+    ids=["zero", "negative", "word", "too-far", "4301-digits", "superscript-two"],
+)
+async def test_bad_deadline_header_is_400_naming_it(client: httpx.AsyncClient, value: str | bytes):
     response = await client.post(
         "/v1/completions", json=OK_COMPLETION, headers={"X-QoS-Deadline-Ms": value}
     )

@@ -347,6 +347,47 @@ async def test_assign_group_moves_the_replica_to_the_new_groups_consumer(
     assert ids == expected_tokens(1, 2) and final.worker == "w0"
 
 
+async def test_a_replica_built_for_short_serves_long_requests_once_moved_there(
+    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    """The engine was built for its first group's limits: moved from short (batch 16, 4k
+    tokens) to long, it refused every prompt over 4k; from long, it batched short's
+    requests two at a time. Built for every group, it takes each group's own limits."""
+    from workers.__main__ import build_engine, build_parser
+
+    args = build_parser().parse_args(
+        ["--group", "short", "--engine", "sim", "--model", "dummy:tiny"]
+    )
+    service = await start_worker(engine=build_engine(worker_config, args))
+    short, long = worker_config.groups["short"], worker_config.groups["long"]
+    assert (service.bridge.batch_cap, service.bridge.seq_limit) == (
+        short.max_batch,
+        short.max_seq_len,
+    )
+    await nc.publish(
+        subjects.control("w0"), Control(action="assign_group", group="long").to_bytes()
+    )
+    await eventually(lambda: service.group == "long" and service.state == "serving")
+    assert (service.bridge.batch_cap, service.bridge.seq_limit) == (
+        long.max_batch,
+        long.max_seq_len,
+    )
+    prompt = [3] * (short.max_seq_len + 100)  # beyond short's limit, within long's
+    ids, _, final = await client.collect(
+        group="long", prompt_token_ids=prompt, params=RequestParams(max_tokens=2)
+    )
+    assert len(ids) == 2 and final.finish_reason == "length" and final.error is None
+    reports: asyncio.Queue[Telemetry] = asyncio.Queue()
+
+    async def on_report(msg: Any) -> None:
+        reports.put_nowait(Telemetry.from_bytes(msg.data))
+
+    sub = await nc.subscribe(subjects.telemetry("long", "w0"), cb=on_report)
+    report = await asyncio.wait_for(reports.get(), 5)
+    await sub.unsubscribe()
+    assert report.max_seq_len == long.max_seq_len  # what the gateway limits long's requests to
+
+
 @pytest.mark.parametrize("failures", [1, 99])
 async def test_a_move_whose_bind_fails_retries_or_goes_back_never_serving_nothing(
     start_worker: Any,
