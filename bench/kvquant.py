@@ -42,16 +42,16 @@ KV to bf16 (simulated) drops golden EM 0.9 and agreement EM 1.5 points: 16-bit K
 bar, 8-bit does not on this model.
 
 Simulated schemes on the fp32 model (golden EM / agreement EM drop; the calibrated ones
-calibrated on 64 stdlib code excerpts neither set holds): fp8 per token per head 10.4 / 16.8
+calibrated on 64 stdlib excerpts holding no measured answer): fp8 per token per head 10.4 / 16.8
 (the shipped scheme; its simulation reproduces the real run token for token), amax -> 240
 12.2 / 18.8, per block per head (append-only, 2x margin) 12.6 / 20.3, per tensor 12.2 /
-19.0, Hadamard-rotated 12.2 / 20.0: no scale choice helps, since fp8's error is its 3
+21.3, Hadamard-rotated 12.2 / 20.0: no scale choice helps, since fp8's error is its 3
 mantissa bits (K reconstruction error 2.1 % vs int8's 0.77 %). K is the sensitive half:
 int8 K with fp8 V 5.7 / 11.5, fp8 K with int8 V 11.7 / 14.3. Two int8 K refinements: K
-less its per-channel mean (free under softmax, as SageAttention does) 3.0 / 6.25, K's
-channels smoothed by sqrt(amax) folded into q (QServe's SmoothAttention) 3.5 / 5.5; an
-earlier run calibrated K's mean on the measured prompts' own caches and read 2.6 for
-centring, a leak. A step attending over its own K/V unrounded (``*_exact_step``, as vLLM's
+less its per-channel mean (free under softmax, as SageAttention does) 3.9 / 4.0, K's
+channels smoothed by sqrt(amax) folded into q (QServe's SmoothAttention) 5.2 / 6.75;
+earlier runs calibrated on the measured prompts' own caches (2.6 for centring), then on 40
+top-level modules of which nine quote Q/A answers (3.0): leaks, both. A step attending over its own K/V unrounded (``*_exact_step``, as vLLM's
 prefill does over an fp8 cache) 2.6 / 5.25 for int8, 8.7 / 12.25 for fp8: the best here,
 but it makes a token depend on how its prompt was cut into steps (chunked prefill, prefix
 hits read back quantised), which the shipped cache does not. None reaches the bar, so
