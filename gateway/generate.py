@@ -358,11 +358,12 @@ class Generator:
         else:
             traced.forward_traceparent(request.headers, headers)
         timeout = max(0.1, min(PUBLISH_TIMEOUT_S, flight.deadline - time.monotonic()))
+        payload = message.to_bytes()
         try:
             with publish_span:
                 ack = await self._js.publish(
                     subject,
-                    message.to_bytes(),
+                    payload,
                     timeout=timeout,
                     stream=self._config.nats.stream,
                     headers=headers,
@@ -385,6 +386,14 @@ class Generator:
         except nats.errors.ConnectionClosedError:
             raise ServiceUnavailableError(
                 "the gateway lost its NATS connection", retry_after_s=2
+            ) from None
+        except nats.errors.MaxPayloadError:
+            # The server's max_payload is below nats.max_payload_bytes (its default is 1 MiB):
+            # the request itself is fine, the message plane cannot carry it.
+            raise PayloadTooLargeError(
+                f"the request takes {len(payload)} bytes on the message plane, over the NATS "
+                "server's max_payload; shorten the prompt, or raise the server's max_payload",
+                param="prompt",
             ) from None
 
     # -- back to the client ----------------------------------------------------------------

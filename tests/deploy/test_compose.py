@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ import jsonschema
 import pytest
 import yaml
 
-from common.config import default_groups, load_config
+from common.config import Config, default_groups, load_config
+from common.services import find_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"
@@ -128,8 +130,19 @@ def test_qosserve_services_probe_their_own_served_endpoints(compose: dict[str, A
 
 def test_infrastructure_is_configured_as_the_design_says(compose: dict[str, Any]) -> None:
     svc = services(compose)
-    nats = svc["nats"]["command"]
-    assert "-js" in nats and nats[nats.index("-sd") + 1] == "/data" and "8222" in nats
+    nats = svc["nats"]
+    mounted = dict(v.split(":")[:2][::-1] for v in nats["volumes"])  # container path -> source
+    assert nats["command"] == ["-c", "/etc/nats/nats.conf"] and mounted["/data"] == "nats-data"
+    conf = (COMPOSE_DIR / mounted["/etc/nats/nats.conf"]).resolve().read_text()
+    # JetStream on the volume, monitoring where the health check looks, and messages as
+    # large as the services allow (the server's default 1 MiB is below nats.max_payload_bytes).
+    assert "store_dir: /data" in conf and "http_port: 8222" in conf
+    assert "max_payload: 8MB" in conf and Config().nats.max_payload_bytes == 8 << 20
+    checked = subprocess.run(
+        [str(find_binary("nats-server")), "-c", str(COMPOSE_DIR / mounted["/etc/nats/nats.conf"]), "-t"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stderr
     redis = svc["redis"]["command"]
     assert redis[redis.index("--maxmemory-policy") + 1] == "allkeys-lru"
     assert redis[redis.index("--save") + 1] == "" and redis[redis.index("--appendonly") + 1] == "no"

@@ -20,6 +20,7 @@ from common.errors import InvalidRequestError
 from common.services import NatsServer
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from tests.gateway.conftest import MODEL, gateway_config, serve
+from tests.gateway.fake_worker import running_worker
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -289,3 +290,21 @@ async def test_a_big_body_renders_off_the_loop_even_when_its_contents_are_short(
     ]}  # fmt: skip
     await client.post("/v1/chat/completions", json=body)
     assert "render" in threaded
+
+
+async def test_a_request_over_the_servers_max_payload_is_413_not_500(
+    tmp_path: Any,
+) -> None:
+    """A NATS server left at a small max_payload (compose ran the default 1 MiB while the
+    services allow 8 MiB): the publish failed with MaxPayloadError, answered as a 500."""
+    with NatsServer(store_dir=tmp_path / "nats", max_payload=4096) as small:
+        nats_config = NatsConfig(url=small.url)
+        async with (
+            serve(gateway_config(nats_config)) as gw,
+            running_worker(nats_config, "long"),
+            httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+        ):
+            body = {"model": MODEL, "prompt": list(range(1, 1500)), "max_tokens": 4}
+            response = await http.post("/v1/long/completions", json=body)
+    error = _assert_openai_error(response, 413, "prompt")
+    assert "max_payload" in error["message"]
