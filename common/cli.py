@@ -6,6 +6,7 @@ import argparse
 import runpy
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 # subcommand -> (module run as __main__, one-line help)
 _MODULES: dict[str, tuple[str, str]] = {
@@ -76,8 +77,25 @@ def _print_config(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"qosserve config: {exc}", file=sys.stderr)
         return 2
-    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    print(yaml.safe_dump(redacted(config.model_dump(mode="json")), sort_keys=False))
     return 0
+
+
+def redacted(value: Any, key: str = "") -> Any:
+    """The dumped config fit to print: secrets (passwords, tokens, the alert webhook, whose
+    URL is often its credential) as ``***``, credentials inside URLs masked."""
+    from common.config import SECRET_KEYS
+    from common.logging import redact_url
+
+    if isinstance(value, dict):
+        return {k: redacted(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redacted(v, key) for v in value]
+    if isinstance(value, str) and value and key in SECRET_KEYS:
+        return "***"
+    if isinstance(value, str) and "://" in value:
+        return redact_url(value)
+    return value
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ little-endian float32.
    makes the worker drop the request. After a NATS reconnect a worker asks the same
    question with its *current* attempt (nothing changes on your side) and re-sends every
    chunk past your answer, so chunks lost in the outage arrive again (drop them by ``seq``).
-5. To cancel, publish (core NATS) on ``P.ctl.group.<group>`` the map
+5. To cancel, publish (core NATS) on ``P.abort.<group>`` the map
    ``{v: 1, action: "abort", request_id: <id>, group: <group>, issued_ms: int, reason:
    str}`` and unsubscribe; the worker frees the request's KV cache at once.
 6. Deadlines. The worker answers a request whose ``deadline_ms`` passed (before or while
@@ -342,7 +342,7 @@ class QosClient:
             reason=reason,
         )
         with contextlib.suppress(Exception):
-            await self.nc.publish(self.subjects.control_group(group), control.to_bytes())
+            await self.nc.publish(self.subjects.abort(group), control.to_bytes())
         if queued is not None:
             with contextlib.suppress(Exception):  # gone already (a worker acked it): fine
                 await self.js.delete_msg(*queued)

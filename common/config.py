@@ -29,7 +29,7 @@ from common.errors import ConfigError
 
 ENV_PREFIX = "QOS_"
 # Keys whose variables are taken as raw strings, never parsed (nor quoted in errors).
-_SECRET_KEYS = frozenset({"password", "token", "alert_webhook_url"})
+SECRET_KEYS = frozenset({"password", "token", "alert_webhook_url"})
 Policy = Literal["static", "dynamic", "continuous", "hybrid"]
 
 
@@ -320,7 +320,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
         if any(not part for part in path):
             raise ConfigError(f"environment variable {name}: empty key segment")
-        if path[-1] in _SECRET_KEYS:
+        if path[-1] in SECRET_KEYS:
             value: Any = raw  # as given: "#x", "null" or "p: [" are passwords too
         else:
             try:

@@ -180,6 +180,10 @@ async def _created_meanwhile(
         raise ConfigError(f"cannot create stream {stream}: {exc}") from exc
 
 
+# The request stream's max_age: a day (the longest deadline a caller may set) and an hour.
+REQUEST_MAX_AGE_S = 25 * 3600.0
+
+
 def _stream_config(cfg: NatsConfig) -> api.StreamConfig:
     return api.StreamConfig(
         name=cfg.stream,
@@ -189,6 +193,9 @@ def _stream_config(cfg: NatsConfig) -> api.StreamConfig:
         storage=api.StorageType.FILE,
         duplicate_window=cfg.duplicate_window_s,
         max_msg_size=cfg.max_payload_bytes,
+        # No request outlives the longest deadline a caller may ask: what JetStream keeps past
+        # that (one given up on every delivery, one nobody acked) is refuse, not work.
+        max_age=REQUEST_MAX_AGE_S,
         num_replicas=cfg.replicas,
     )
 
@@ -236,12 +243,14 @@ async def ensure_stream(
         sorted(have.subjects or []) != sorted(want.subjects or [])
         or not math.isclose(have.duplicate_window, want.duplicate_window)
         or have.max_msg_size != want.max_msg_size
+        or not math.isclose(have.max_age or 0.0, want.max_age or 0.0)
     ):
-        log.info("stream %s: updating subjects/duplicate_window/max_msg_size", cfg.stream)
+        log.info("stream %s: updating subjects/duplicate_window/max_msg_size/max_age", cfg.stream)
         updated = have.evolve(
             subjects=want.subjects,
             duplicate_window=want.duplicate_window,
             max_msg_size=want.max_msg_size,
+            max_age=want.max_age,
         )
         try:
             return await js.update_stream(updated)

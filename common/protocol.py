@@ -394,6 +394,9 @@ def _names(cls: type) -> frozenset[str]:
 # Stop token ids a request may name: each generated token is checked against them on the
 # engine thread that serves the whole batch, so a list of thousands would slow everyone.
 MAX_STOP_TOKEN_IDS = 64
+# Per stop string: the engine matches every one against each token's text (cost grows with
+# their length, for the whole batch on its thread).
+MAX_STOP_CHARS = 1024
 
 
 @dataclass
@@ -455,6 +458,8 @@ class GenerateRequest(Message):
             raise ProtocolError(
                 f"request.params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids"
             )
+        if any(len(s) > MAX_STOP_CHARS for s in self.params.stop):
+            raise ProtocolError(f"request.params.stop: at most {MAX_STOP_CHARS} characters each")
 
 
 @dataclass
@@ -518,12 +523,15 @@ class ResumeQuery(Message):
 
 @dataclass
 class ResumeReply(Message):
-    """The caller's answer: every output token it already delivered, in order."""
+    """The caller's answer: every output token it already delivered, in order; or, with
+    ``closed``, that it has finished with the request (answered it, or gave up on it): a
+    redelivered copy is to be acked and dropped, nothing re-sent."""
 
     KIND: ClassVar[str] = "resume_reply"
     id: str
     token_ids: list[int] = packed_i32()
     text_len: int = 0
+    closed: bool = False
 
 
 @dataclass

@@ -58,7 +58,13 @@ class Subjects:
         return f"{self.prefix}.ctl.{self._token(worker_id, 'worker id')}"
 
     def control_group(self, group: str) -> str:
+        """The scheduler's commands to every replica of ``group`` (batch caps)."""
         return f"{self.prefix}.ctl.group.{self._token(group, 'group')}"
+
+    def abort(self, group: str) -> str:
+        """Callers' aborts of ``group``'s requests: a subject of its own, so that the right
+        to abort (gateways, NATS callers) is not the right to command the group."""
+        return f"{self.prefix}.abort.{self._token(group, 'group')}"
 
     @property
     def kv_events(self) -> str:

@@ -122,20 +122,29 @@ class BaseTokenizer(ABC):
             or not all(isinstance(t, Mapping) for t in tools)
         ):
             raise ChatTemplateError("tools must be a list of objects", param="tools")
+        variables = {**self.special_tokens, **template_kwargs}
+        # RAG templates (Command-R, Granite) take documents, as transformers passes them.
+        documents = variables.pop("documents", None)
+        if documents is not None and (
+            isinstance(documents, str | bytes | Mapping)
+            or not isinstance(documents, Sequence)
+            or not all(isinstance(d, Mapping) for d in documents)
+        ):
+            raise ChatTemplateError("documents must be a list of objects", param="documents")
         source = self._select_template(tools)
         chat = [_normalize_message(m) for m in messages]
-        variables = {**self.special_tokens, **template_kwargs}
         try:
             return _compile(source).render(
                 messages=chat,
                 tools=[dict(t) for t in tools] if tools is not None else None,
-                documents=None,
+                documents=[dict(d) for d in documents] if documents is not None else None,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-        except (jinja2.TemplateError, TypeError) as e:
-            # A TypeError is the messages' shape meeting the template (content a list
-            # where it concatenates strings): bad input, not a server fault.
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, RecursionError) as e:
+            # The messages' shape meeting the template (content a list where it concatenates
+            # strings, a format spec it applies to client text, a key it expects): bad
+            # input, not a server fault.
             raise ChatTemplateError(f"chat template: {e}") from e
 
     def _select_template(self, tools: object) -> str:

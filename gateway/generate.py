@@ -63,6 +63,8 @@ INLINE_TOKENIZE_CHARS = 16_384
 # How often a request in flight checks whether its client left.
 DISCONNECT_POLL_S = 1.0
 PUBLISH_TIMEOUT_S = 5.0
+# Publishes of one request (same Nats-Msg-Id) before a timeout is a 503.
+PUBLISH_ATTEMPTS = 3
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 log = logging.getLogger(__name__)
 
@@ -257,7 +259,7 @@ class Generator:
                 # the event loop serves every other stream meanwhile.
                 text = await asyncio.to_thread(render) if big else render()
             except ChatTemplateError as exc:
-                if exc.param == "tools":  # they reach the template through chat_template_kwargs
+                if exc.param in ("tools", "documents"):  # through chat_template_kwargs
                     raise InvalidRequestError(
                         f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
                     ) from None
@@ -357,17 +359,10 @@ class Generator:
             )
         else:
             traced.forward_traceparent(request.headers, headers)
-        timeout = max(0.1, min(PUBLISH_TIMEOUT_S, flight.deadline - time.monotonic()))
         payload = message.to_bytes()
         try:
             with publish_span:
-                ack = await self._js.publish(
-                    subject,
-                    payload,
-                    timeout=timeout,
-                    stream=self._config.nats.stream,
-                    headers=headers,
-                )
+                ack = await self._publish_once(subject, payload, headers, flight.deadline)
             flight.stream.stream_seq = ack.seq
         except (
             nats.errors.NoRespondersError,
@@ -395,6 +390,28 @@ class Generator:
                 "server's max_payload; shorten the prompt, or raise the server's max_payload",
                 param="prompt",
             ) from None
+
+    async def _publish_once(
+        self, subject: str, payload: bytes, headers: dict[str, str], deadline: float
+    ) -> Any:
+        """Publish to the request stream, asking again under the same ``Nats-Msg-Id`` after
+        a timeout while the deadline allows: a timeout may hide a message JetStream stored
+        (its ack was late). Answered 503 then, it would run for nobody on a replica that never
+        heard the abort; asked again, JetStream acks the stored copy (``duplicate``) with its
+        sequence, and the request is served or cleaned up as any other."""
+        for attempt in range(PUBLISH_ATTEMPTS):
+            timeout = max(0.1, min(PUBLISH_TIMEOUT_S, deadline - time.monotonic()))
+            try:
+                return await self._js.publish(
+                    subject, payload, timeout=timeout, stream=self._config.nats.stream,
+                    headers=headers,
+                )  # fmt: skip
+            except nats.errors.TimeoutError:
+                if attempt + 1 == PUBLISH_ATTEMPTS or deadline - time.monotonic() < 0.2:
+                    raise
+                log.info("publishing request %s timed out; asking again (same id)",
+                         headers.get("Nats-Msg-Id"))  # fmt: skip
+        raise AssertionError("unreachable")
 
     # -- back to the client ----------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.errors import InvalidRequestError
-from common.protocol import MAX_STOP_TOKEN_IDS, RequestParams
+from common.protocol import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, RequestParams
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
@@ -102,8 +102,8 @@ def _decoded_call(call: Any) -> Any:
     arguments = function["arguments"]
     try:
         decoded = json.loads(arguments)
-    except ValueError:
-        return call  # not JSON: the template gets what the client sent
+    except (ValueError, RecursionError):  # not JSON, or nested beyond the parser's reach
+        return call  # the template gets what the client sent
     return {**call, "function": {**function, "arguments": decoded}}
 
 
@@ -140,6 +140,9 @@ class _SamplingBody(_Strict):
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else value or []
+        if any(len(s) > MAX_STOP_CHARS for s in strings if isinstance(s, str)):
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
         if isinstance(value, list):
             if len(value) > MAX_STOP_SEQUENCES:
                 raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")

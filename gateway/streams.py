@@ -51,12 +51,17 @@ from common.errors import (
     ServiceUnavailableError,
 )
 from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprobs, Usage
+from common.recent_ids import RecentIds
 from common.sequencer import ChunkSequencer, DecodeTail
 from common.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
+# How long, and how many, finished request ids a gateway remembers for resume queries: a
+# redelivery comes ack_wait (30 s) after the lost ack, its retries within a minute more.
+CLOSED_TTL_S = 600.0
+CLOSED_MAX = 100_000
 
 
 def sse_event(obj: Any) -> bytes:
@@ -278,6 +283,10 @@ class Dispatcher:
         self._abort_task: asyncio.Task[None] | None = None
         self._deletes: asyncio.Queue[int] = asyncio.Queue()
         self._delete_task: asyncio.Task[None] | None = None
+        # Requests this gateway finished with: a copy redelivered later (its ack was lost)
+        # is told so, rather than met with silence that a live gateway's worker must read
+        # as "busy, hand it back" until JetStream gives up and keeps it for good.
+        self._closed = RecentIds(ttl_s=CLOSED_TTL_S, max_size=CLOSED_MAX)
 
     async def start(self) -> None:
         prefix = self._subjects.prefix
@@ -322,8 +331,10 @@ class Dispatcher:
         return self._streams.get(stream.request_id) is stream
 
     def close(self, stream: ResponseStream, *, abort: bool = False, reason: str = "") -> None:
-        """Forget ``stream`` (resume queries go unanswered); ``abort`` tells the worker."""
+        """Forget ``stream`` (resume queries are answered ``closed``); ``abort`` tells the
+        worker."""
         self._streams.pop(stream.request_id, None)
+        self._closed.add(stream.request_id)
         if abort:
             stream.finished = True
             self._aborts.put_nowait((stream.group, stream.request_id, reason, stream.stream_seq))
@@ -340,15 +351,20 @@ class Dispatcher:
         stream.feed(chunk)
 
     async def _on_resume(self, msg: Msg) -> None:
-        stream = self._streams.get(msg.subject[self._resume_prefix :])
-        if stream is None or not msg.reply:
-            return  # silence = the caller is gone; the worker drops the request
+        request_id = msg.subject[self._resume_prefix :]
+        stream = self._streams.get(request_id)
+        if not msg.reply or (stream is None and request_id not in self._closed):
+            return  # another gateway's request, or silence: the caller is gone
         try:
             query = ResumeQuery.from_bytes(msg.data, self._max_payload)
         except ProtocolError as exc:
             log.warning("bad resume query on %s: %s", msg.subject, exc.message)
             return
-        await self._nc.publish(msg.reply, stream.resume(query).to_bytes())
+        if query.id != request_id:  # a query about one request cannot steer another
+            log.warning("resume query for %r on %s's subject ignored", query.id, request_id)
+            return
+        reply = ResumeReply(id=request_id, closed=True) if stream is None else stream.resume(query)
+        await self._nc.publish(msg.reply, reply.to_bytes())
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
         try:
@@ -365,6 +381,8 @@ class Dispatcher:
             stream.request_id, deliveries, advisory.get("consumer", "?"),
         )  # fmt: skip
         stream.worker_done = True  # JetStream gave it up: no worker holds it
+        # A work queue keeps a message past max_deliver for good: delete it.
+        self._deletes.put_nowait(seq)
         stream.fail(
             InternalError(
                 f"the request failed on every one of its {deliveries} deliveries to workers "
@@ -383,7 +401,7 @@ class Dispatcher:
                 reason=reason,
             )
             try:
-                await self._nc.publish(self._subjects.control_group(group), control.to_bytes())
+                await self._nc.publish(self._subjects.abort(group), control.to_bytes())
             except Exception:
                 log.warning("could not publish abort for %s", request_id, exc_info=True)
             if self._stream is not None and stream_seq is not None:

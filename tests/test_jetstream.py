@@ -165,6 +165,8 @@ async def test_ensure_calls_are_idempotent_and_update_what_can_change(
     assert stream2.config.retention == api.RetentionPolicy.WORK_QUEUE
     assert stream2.config.storage == api.StorageType.FILE
     assert stream2.config.max_msg_size == nats_config.max_payload_bytes
+    # Nothing older than the longest deadline stays: a given-up request was kept for good.
+    assert stream2.config.max_age == qnats.REQUEST_MAX_AGE_S
     assert consumers2[GROUP].created == consumers[GROUP].created
     consumer = consumers2[GROUP].config
     assert consumer.durable_name == "grp-short"
@@ -182,6 +184,11 @@ async def test_ensure_calls_are_idempotent_and_update_what_can_change(
     assert updated.created == consumers[GROUP].created
     assert updated.config.ack_wait == 7.0 and updated.config.max_deliver == 2
     assert (await qnats.ensure_stream(js, changed)).config.duplicate_window == 30.0
+
+    # A stream made before max_age was set gets it in place.
+    info = await js.stream_info(nats_config.stream)
+    await js.update_stream(info.config.evolve(max_age=0.0))
+    assert (await qnats.ensure_stream(js, changed)).config.max_age == qnats.REQUEST_MAX_AGE_S
 
 
 async def test_ensure_stream_refuses_a_stream_it_cannot_fix(

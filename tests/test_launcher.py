@@ -145,3 +145,21 @@ def test_workers_sharing_a_gpu_split_its_memory_and_a_configured_share_is_kept(
         path = tmp_path / "qos.yaml"
         path.write_text(f"worker:\n  {setting}\n")
         assert launcher.gpu_share_env(load_config(str(path)), "cuda", 2) == {}
+
+
+def test_qosserve_config_prints_no_secret(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It dumped the passwords, tokens and webhook URL as they were."""
+    from common import cli
+
+    monkeypatch.setenv("QOS_NATS__PASSWORD", "nats-secret-1")
+    monkeypatch.setenv("QOS_REDIS__URL", "redis://:redis-secret-2@cache:6379/0")
+    monkeypatch.setenv("QOS_SCHEDULER__ALERT_WEBHOOK_URL", "https://hooks.example/T0/secret-3")
+    path = tmp_path / "qos.yaml"
+    path.write_text("nats: {token: tok-secret-4, url: 'nats://u:nats-secret-5@nats:4222'}\n")
+    assert cli.main(["config", str(path)]) == 0
+    out = capsys.readouterr().out
+    for secret in ("nats-secret-1", "redis-secret-2", "secret-3", "tok-secret-4", "nats-secret-5"):
+        assert secret not in out
+    assert "password: '***'" in out and "cache:6379" in out  # the rest still shows

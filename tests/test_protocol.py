@@ -123,6 +123,10 @@ def test_token_id_beyond_int32_is_refused_when_encoding() -> None:
             ),
             "at most 64 token ids",
         ),
+        (
+            _raw(id="a", group="g", reply="r", prompt="x", params={"stop": ["x" * 1025]}),
+            "at most 1024 characters",
+        ),
         (msgpack.packb({1: 2}), "not valid msgpack"),
     ],
 )

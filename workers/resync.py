@@ -140,7 +140,7 @@ class Resync:
 
     async def _resync(self, nc: Client, st: Flight) -> None:
         reply = await self._ask(nc, st)
-        if reply is None:
+        if reply is None or reply.closed:  # gone, or finished with it: nothing to re-send
             return
         delivered = len(reply.token_ids)
         resent = 0

@@ -60,6 +60,7 @@ from common.protocol import (
     ResumeQuery,
     heartbeat_reconnects,
 )
+from common.recent_ids import RecentIds
 from common.subjects import Subjects
 from common.tasks import cancel_and_wait
 from common.tracing import tracer_for
@@ -76,7 +77,6 @@ from workers.engine.sampling_params import SamplingParamsError
 from workers.intake import (
     Intake,
     NoAnswer,
-    RecentIds,
     ask_resume,
     reject_undecodable,
     retry_or_fail,
@@ -103,6 +103,10 @@ CAP_LAPSE_S = 30.0
 CREATED_SKEW_S = 1.0
 # Text prompts longer than this are tokenized on a thread before they reach the engine.
 OFFLOAD_TOKENIZE_CHARS = 16 * 1024
+
+
+# What a group's shared subjects may ask of its replicas (see _on_group_control).
+GROUP_ACTIONS = frozenset({"abort", "set_batch_cap"})
 
 
 @dataclass
@@ -181,6 +185,7 @@ class WorkerService:
         self._intake: Intake | None = None
         self._ctl_subs: list[Subscription] = []
         self._group_ctl: Subscription | None = None
+        self._group_abort: Subscription | None = None
         self._cap_set_at: float | None = None  # when a cap below the group max was last set
         self._inflight: dict[str, Flight] = {}
         self._starting: dict[asyncio.Task[None], Msg] = {}  # fetched, not in the engine yet
@@ -268,6 +273,9 @@ class WorkerService:
         await cancel_and_wait(self._tasks, what=f"worker {self.worker_id} tasks")
         self.state = "stopped"
         await self._publish_telemetry("stopped")
+        if self.kv is not None:  # ids are host-pid: a key left behind is never reused
+            with contextlib.suppress(Exception):
+                await self.kv.purge(telemetry.HEARTBEAT_KEY_PREFIX + self.worker_id)
         await self._resync.close()
         if self.bridge is not None:
             await self.bridge.stop()
@@ -289,7 +297,10 @@ class WorkerService:
         await qnats.ensure_group_consumer(self.js, self.config.nats, group)
         psub = await qnats.group_pull_subscription(self.js, self.config.nats, group)
         self._group_ctl = await self.nc.subscribe(
-            self.subjects.control_group(group), cb=self._on_control
+            self.subjects.control_group(group), cb=self._on_group_control
+        )
+        self._group_abort = await self.nc.subscribe(
+            self.subjects.abort(group), cb=self._on_group_control
         )
         self._intake = Intake(
             psub,
@@ -305,10 +316,11 @@ class WorkerService:
         if self._intake is not None:
             await self._intake.close()
             self._intake = None
-        if self._group_ctl is not None:
-            with contextlib.suppress(Exception):
-                await self._group_ctl.unsubscribe()
-            self._group_ctl = None
+        for sub in (self._group_ctl, self._group_abort):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self._group_ctl = self._group_abort = None
 
     def _set_serving(self, on: bool) -> None:
         on = on and not self._stopped  # stopping is for good: nothing turns serving back on
@@ -451,6 +463,15 @@ class WorkerService:
                 # resume subjects and stays silent for ids it does not hold. Only a gateway
                 # that still beats (reconnecting, or its loop late) is known to be there.
                 if req.origin and not self._gateways.orphaned(req.origin):
+                    if attempt >= self.config.nats.max_deliver:
+                        # Handed back now, it would stay in the work queue for good (JetStream
+                        # keeps a message past max_deliver); its caller never answered.
+                        log.warning("request %s: its live gateway %s never answered the resume "
+                                    "query, on its last delivery; dropping it", req.id,
+                                    req.origin)  # fmt: skip
+                        await settle(msg.term)
+                        self.observer.abandoned(st, "no_caller")
+                        return
                     # Hand the request back to be asked again, rather than drop what a client
                     # is waiting for (JetStream's max_deliver bounds the retries, and its
                     # advisory then fails the stream).
@@ -463,6 +484,11 @@ class WorkerService:
                 log.info("request %s: no caller answers the resume query; dropping it", req.id)
                 await settle(msg.ack)
                 self.observer.abandoned(st, "no_caller")
+                return
+            if reply.closed:  # answered already (the first attempt's ack was lost)
+                log.info("request %s: its caller has finished with it; dropping the copy", req.id)
+                await settle(msg.ack)
+                self.observer.abandoned(st, "closed")
                 return
             resume, resume_text_len = reply.token_ids, reply.text_len
             st.resumed_at(len(resume))
@@ -736,13 +762,24 @@ class WorkerService:
 
     # --- control -------------------------------------------------------------------------
 
-    async def _on_control(self, msg: Msg) -> None:
+    async def _on_group_control(self, msg: Msg) -> None:
+        """The group's control subject (the scheduler's caps) and its abort subject (the
+        gateways' and NATS callers' aborts) change no more than that: a drain, resume or move
+        is addressed to one replica (``qos.ctl.<worker>``), so a caller allowed to abort cannot
+        empty a group."""
+        await self._on_control(msg, allowed=GROUP_ACTIONS)
+
+    async def _on_control(self, msg: Msg, allowed: frozenset[str] | None = None) -> None:
         try:
             control = Control.from_bytes(msg.data, self._max_payload)
         except ProtocolError as exc:
             log.warning("bad control message on %s: %s", msg.subject, exc.message)
             return
         action = control.action
+        if allowed is not None and action not in allowed:
+            log.warning("control %r refused on %s: it is sent to one replica's own subject",
+                        action, msg.subject)  # fmt: skip
+            return
         if action == "abort" and control.request_id:
             self._aborted.add(control.request_id)
             st = self._inflight.get(control.request_id)

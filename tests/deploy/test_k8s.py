@@ -241,6 +241,9 @@ def test_workers_get_time_to_drain_and_everything_spreads_across_zones(
         if deploy["metadata"]["name"] == "gateway":
             assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
         assert pod["securityContext"]["runAsNonRoot"] is True
+        # The runtime's syscall filter, and no API token: no pod here calls Kubernetes.
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
 
 
 def test_only_the_gpu_overlay_gives_workers_gpus_and_the_cuda_image(

@@ -289,3 +289,11 @@ def test_a_request_names_at_most_64_stop_token_ids() -> None:
     SamplingParams(stop_token_ids=list(range(64))).validate()
     with pytest.raises(SamplingParamsError, match="at most 64"):
         SamplingParams(stop_token_ids=list(range(65))).validate()
+
+
+def test_a_stop_string_has_at_most_1024_characters() -> None:
+    """Each is matched against every token's text on the engine thread, for the whole batch:
+    a huge one slowed every request of the group."""
+    SamplingParams(stop=["x" * 1024]).validate()
+    with pytest.raises(SamplingParamsError, match="1024 characters"):
+        SamplingParams(stop=["x" * 1025]).validate()

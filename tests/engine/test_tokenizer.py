@@ -384,3 +384,27 @@ def test_byte_level_vocabulary_maps_back_through_gpt2s_byte_table() -> None:
     for i in range(tok.vocab_size):
         if i not in specials:
             assert tok.token_bytes(i).decode("utf-8", errors="replace") == tok.decode([i])
+
+
+def test_documents_reach_a_rag_template_as_transformers_passes_them(tmp_path: Path) -> None:
+    """They collided with the documents=None we passed: a TypeError, a 400 on messages."""
+    folder = write_hf_folder(tmp_path)
+    (folder / "chat_template.jinja").write_text(
+        "{% for d in documents or [] %}<doc {{ d.title }}>{{ d.text }}</doc>{% endfor %}"
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    )
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    messages = [{"role": "user", "content": "what is in it?"}]
+    documents = [{"title": "a", "text": "alpha"}, {"title": "b", "text": "beta"}]
+    got = ours.apply_chat_template(messages, documents=documents)
+    assert got == ref.apply_chat_template(messages, documents=documents, tokenize=False)
+    with pytest.raises(ChatTemplateError, match="documents"):
+        ours.apply_chat_template(messages, documents="not a list")
+
+
+def test_a_template_failing_on_client_data_is_a_chat_template_error(tmp_path: Path) -> None:
+    """A ValueError inside the template (a format spec meeting client text) was a 500."""
+    body = '{{ "{:d}".format(messages[0].content) }}'
+    folder = write_hf_folder(tmp_path, config={"chat_template": body})
+    with pytest.raises(ChatTemplateError, match="format code"):
+        Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "user", "content": "x"}])

@@ -107,9 +107,7 @@ async def test_non_streaming_client_that_gives_up_aborts_the_worker(nats_config:
         async def on_msg(msg) -> None:  # type: ignore[no-untyped-def]
             controls.append(Control.from_bytes(msg.data))
 
-        await worker.nc.subscribe(
-            Subjects(nats_config.subject_prefix).control_group("short"), cb=on_msg
-        )
+        await worker.nc.subscribe(Subjects(nats_config.subject_prefix).abort("short"), cb=on_msg)
         async with httpx.AsyncClient(base_url=gw.url, timeout=0.3) as http:
             with pytest.raises(httpx.ReadTimeout):
                 await http.post("/v1/completions", json=BODY)

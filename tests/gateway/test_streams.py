@@ -216,7 +216,7 @@ async def _collect_controls(nats_config: NatsConfig, gw_nc, group: str):  # type
     async def on_msg(msg) -> None:  # type: ignore[no-untyped-def]
         got.append(msg.data)
 
-    await gw_nc.subscribe(Subjects(nats_config.subject_prefix).control_group(group), cb=on_msg)
+    await gw_nc.subscribe(Subjects(nats_config.subject_prefix).abort(group), cb=on_msg)
     return got
 
 
@@ -341,8 +341,65 @@ async def test_client_disconnect_mid_stream_aborts_the_worker_and_ends_resume(
         request_id = worker.jobs[0].request.id
         (abort,) = [Control.from_bytes(c) for c in controls]
         assert (abort.action, abort.request_id, abort.group) == ("abort", request_id, "short")
-        # The gateway no longer answers for it: a redelivered attempt would drop it.
+        # The gateway has finished with it: a redelivered attempt is told so, and drops it.
         query = ResumeQuery(id=request_id, attempt=2)
-        with pytest.raises(nats.errors.TimeoutError):
-            await worker.nc.request(subjects.resume(request_id), query.to_bytes(), timeout=0.3)
+        answer = await worker.nc.request(subjects.resume(request_id), query.to_bytes(), timeout=2)
+        assert ResumeReply.from_bytes(answer.data).closed
         assert gw.app.state.gateway.admission.in_flight("short") == 0
+
+
+async def test_a_finished_requests_resume_query_is_answered_closed(nats_config: NatsConfig):
+    """A copy redelivered after its answer (the ack was lost) must learn the caller is done:
+    silence from a live gateway reads as "busy, hand it back" until JetStream gives up."""
+    subjects = Subjects(nats_config.subject_prefix)
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                            "max_tokens": 3})  # fmt: skip
+        assert response.status_code == 200
+        (job,) = worker.jobs
+        query = ResumeQuery(id=job.request.id, attempt=2, worker="w2")
+        answer = await worker.nc.request(
+            subjects.resume(job.request.id), query.to_bytes(), timeout=2
+        )
+        # A query naming another request on this one's subject is not answered either.
+        forged = ResumeQuery(id="someone-else", attempt=99, worker="w2")
+        with pytest.raises(nats.errors.TimeoutError):
+            await worker.nc.request(subjects.resume(job.request.id), forged.to_bytes(), timeout=0.5)
+        other = ResumeQuery(id="never-seen", attempt=2, worker="w2")
+        with pytest.raises(nats.errors.TimeoutError):  # not ours: another gateway's, silence
+            await worker.nc.request(subjects.resume("never-seen"), other.to_bytes(), timeout=0.5)
+    reply = ResumeReply.from_bytes(answer.data)
+    assert reply.closed and reply.token_ids == []
+
+
+async def test_a_publish_whose_ack_times_out_is_asked_again_under_the_same_id(
+    nats_config: NatsConfig,
+):
+    """JetStream stored the request but its ack came late: answered 503, the request ran for
+    nobody on a replica that never heard the abort, and the client's retry ran it again."""
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        js = gw.app.state.gateway.generator._js
+        real = js.publish
+        calls: list[str] = []
+
+        async def late_ack(subject: str, payload: bytes, **kwargs: object) -> object:
+            calls.append(kwargs["headers"]["Nats-Msg-Id"])  # type: ignore[index]
+            ack = await real(subject, payload, **kwargs)  # stored ...
+            if len(calls) == 1:
+                raise nats.errors.TimeoutError  # ... but the ack is "lost"
+            return ack
+
+        js.publish = late_ack
+        response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                            "max_tokens": 3})  # fmt: skip
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "abc"
+    assert len(calls) == 2 and calls[0] == calls[1]  # the same Nats-Msg-Id: deduplicated
+    assert len(worker.jobs) == 1  # served once

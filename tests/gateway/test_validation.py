@@ -74,6 +74,7 @@ BAD_PARAMETERS = [
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": [1, -5]}, "prompt"),
     ("completions", {"prompt": [[1, -5]]}, "prompt"),  # the nested form too
+    ("completions", {"prompt": "hi", "stop": "x" * 1025}, "stop"),  # matched every token
     ("completions", {"prompt": 42}, "prompt"),
     ("completions", {"stream": "yes"}, "stream"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
@@ -308,3 +309,16 @@ async def test_a_request_over_the_servers_max_payload_is_413_not_500(
             response = await http.post("/v1/long/completions", json=body)
     error = _assert_openai_error(response, 413, "prompt")
     assert "max_payload" in error["message"]
+
+
+async def test_deeply_nested_tool_arguments_are_not_a_500(client: httpx.AsyncClient):
+    """json.loads raised RecursionError on them, which no handler caught."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}  # fmt: skip
+    body = {**OK_CHAT, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]}  # fmt: skip
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code != 500, response.text

@@ -100,6 +100,9 @@ async def test_a_worker_user_cannot_publish_requests_or_read_chunks(
             await seen.next_msg(timeout=0.5)
         with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
             await worker.jetstream().publish("qos.req.short", b"forged", timeout=1)
+        # The gateway aborts on qos.abort.<group>; it cannot command a group (drain, caps).
+        await gateway.publish("qos.ctl.group.short", b"forged")
+        await gateway.flush()
         for client, subject in ((worker, "qos.out.*"), (scheduler, "qos.out.*"),
                                 (scheduler, "qos.req.>")):  # fmt: skip
             await client.subscribe(subject)
@@ -113,3 +116,4 @@ async def test_a_worker_user_cannot_publish_requests_or_read_chunks(
     assert 'user:qos-worker" - Subscription Violation - Subject "qos.out.*"' in log
     assert 'user:qos-scheduler" - Subscription Violation - Subject "qos.out.*"' in log
     assert 'user:qos-scheduler" - Subscription Violation - Subject "qos.req.>"' in log
+    assert 'user:qos-gateway" - Publish Violation - Subject "qos.ctl.group.short"' in log

@@ -47,11 +47,14 @@ async def test_a_request_that_kills_every_worker_is_given_up_after_max_deliver_w
         took = time.monotonic() - started
         await asyncio.sleep(1.0)  # no fourth delivery comes
         deliveries = len(worker.jobs)
+        # Given up, it must not stay: a work queue keeps a message past max_deliver for good.
+        js = worker.nc.jetstream()
+        left = (await js.stream_info(nats.stream)).state.messages
     assert response.status_code == 500, response.text
     error = response.json()["error"]
     assert error["code"] == "internal_error" and "3 deliveries" in error["message"]
     assert took < 5, f"the caller waited {took:.1f}s"
-    assert deliveries == 3
+    assert deliveries == 3 and left == 0
     assert any("failed on all 3 deliveries" in r.getMessage() for r in caplog.records)
 
 

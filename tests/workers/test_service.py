@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import nats.errors
 import nats.js.errors
 import pytest
 from nats.aio.client import Client
@@ -308,9 +309,18 @@ async def test_control_caps_the_batch_drains_and_resumes(
     )
     await asyncio.sleep(0.7)  # more than a fetch long-poll: a drained worker fetches nothing
     assert not pending.done()
+    # The group's shared subjects (caps, aborts) cannot resume, drain or move it: those go
+    # to one replica's own subject, so a caller allowed to abort cannot empty a group.
     await nc.publish(ctl, Control(action="resume").to_bytes())
+    await nc.publish(subjects.abort("short"), Control(action="resume").to_bytes())
+    await asyncio.sleep(0.3)
+    assert service.state == "draining"
+    await nc.publish(subjects.control("w0"), Control(action="resume").to_bytes())
     ids, _, _ = await asyncio.wait_for(pending, 5)
     assert ids == expected_tokens(1, 2) and service.state == "serving"
+    await nc.publish(subjects.abort("short"), Control(action="drain").to_bytes())
+    await asyncio.sleep(0.3)
+    assert service.state == "serving"
 
 
 async def test_a_cap_no_scheduler_renews_lapses_back_to_the_groups_max(
@@ -465,6 +475,47 @@ async def test_a_redelivery_whose_live_gateway_misses_the_resume_query_is_not_dr
     assert tokens == expected_tokens(2, 3)
 
 
+async def _redelivered(
+    nc: Client, subjects: Subjects, worker_config: Config, origin: str
+) -> tuple[str, Any]:
+    """A request whose first delivery was handed back (as one whose ack was lost): the next
+    fetch is attempt 2. Returns its id and a subscription to its chunks."""
+    rid = new_id()
+    req = GenerateRequest(
+        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
+        params=RequestParams(max_tokens=3), origin=origin,
+    )  # fmt: skip
+    chunks = await nc.subscribe(subjects.out(rid))
+    js = nc.jetstream()
+    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
+    await js.publish(subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid})
+    first = await qnats.group_pull_subscription(js, worker_config.nats, "short")
+    (msg,) = await first.fetch(1, timeout=5)
+    await msg.nak()
+    await first.unsubscribe()
+    return rid, chunks
+
+
+async def test_a_redelivery_of_a_request_its_gateway_finished_is_acked_not_served(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    """Its ack was lost after the final chunk: the gateway, still alive, used to stay silent
+    on the resume query, and the worker handed the copy back until JetStream gave up on it
+    and kept it in the work queue for good. The gateway now says it is closed."""
+    rid, chunks = await _redelivered(nc, subjects, worker_config, "gw-live")
+
+    async def closed(msg: Any) -> None:
+        await msg.respond(ResumeReply(id=rid, closed=True).to_bytes())
+
+    await nc.subscribe(subjects.resume(rid), cb=closed)
+    await start_worker()
+    with pytest.raises(nats.errors.TimeoutError):  # nothing generated for nobody
+        await chunks.next_msg(timeout=1.5)
+    js = nc.jetstream()
+    info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
+    assert info.num_pending == 0 and info.num_ack_pending == 0  # acked: gone from the queue
+
+
 class HungSim(SimEngine):
     """A device that hangs: once a request has 2 tokens, ``step`` blocks until released."""
 
@@ -540,7 +591,7 @@ async def test_telemetry_arrives_every_interval_with_sane_values(
     start_worker: Any, client: QosClient, nc: Client, subjects: Subjects, worker_config: Config
 ) -> None:
     sub = await nc.subscribe(subjects.telemetry("short", "w0"))
-    await start_worker()
+    service = await start_worker()
     for _ in range(3):
         await client.collect(
             group="short", prompt_token_ids=[1, 2], params=RequestParams(max_tokens=8)
@@ -564,6 +615,11 @@ async def test_telemetry_arrives_every_interval_with_sane_values(
     beat = json.loads((await kv.get("workers.w0")).value)
     assert (beat["group"], beat["state"]) == ("short", "serving")
     assert abs(beat["ts_ms"] / 1000 - time.time()) < 2
+    # A replica that stops takes its key with it: ids are host-pid, never reused, and the
+    # bucket kept one per replica ever started (each scrape-target pass read them all).
+    await service.stop(grace_s=0)
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get("workers.w0")
 
 
 async def test_the_client_says_service_unavailable_when_no_stream_takes_the_request(

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_STOP_TOKEN_IDS = 64  # as the wire allows (common.protocol): the engine is used alone too
+MAX_STOP_CHARS = 1024  # likewise, per stop string
 
 
 class SamplingParamsError(ValueError):
@@ -103,6 +104,9 @@ class SamplingParams:
             raise SamplingParamsError("stop", "must be non-empty strings")
         if len(self.stop) > 16:
             raise SamplingParamsError("stop", "at most 16 stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            # Each is matched against every token's text on the engine thread, for the batch.
+            raise SamplingParamsError("stop", f"at most {MAX_STOP_CHARS} characters each")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids", "must be non-negative integers")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
