@@ -61,7 +61,8 @@ class OtlpSettings:
         """The SDK's reading of the variables: ``…_TRACES_X`` before ``…_X``; gRPC
         endpoints are plaintext for ``http://`` unless ``…_INSECURE`` says otherwise; an
         HTTP base endpoint gets ``/v1/traces`` appended, a traces endpoint is used as is;
-        the timeout is in seconds (as the Python SDK reads it)."""
+        the timeout is in seconds (as the Python SDK reads it), or milliseconds (as the spec
+        and the other SDKs write it) when over 1000."""
 
         def var(name: str) -> str | None:
             value = env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or env.get(
@@ -101,12 +102,22 @@ class OtlpSettings:
             endpoint=endpoint,
             insecure=insecure,
             headers=tuple(headers.items()),
-            timeout_s=float(var("TIMEOUT") or 10),
+            timeout_s=_timeout_s(var("TIMEOUT")),
             compression=None if compression == "none" else compression,
             certificate=var("CERTIFICATE"),
             client_key=var("CLIENT_KEY"),
             client_certificate=var("CLIENT_CERTIFICATE"),
         )
+
+
+def _timeout_s(raw: str | None) -> float:
+    """``OTEL_EXPORTER_OTLP_TIMEOUT``: seconds for the Python SDK, milliseconds for the spec
+    and every other SDK. A config shared with them says 10000 for 10 s, which read as seconds
+    let one stalled export hold the export thread for hours: above 1000 it is milliseconds."""
+    value = float(raw) if raw else 10.0
+    if not value > 0:
+        raise ValueError(f"OTEL_EXPORTER_OTLP_TIMEOUT={raw!r}: must be a positive number")
+    return value / 1000 if value > 1000 else value
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,19 @@ class BaseTokenizer(ABC):
     chat_templates: dict[str, str]  # template name ("default", "tool_use", ...) -> source
 
     @property
+    def content_parts(self) -> bool:
+        """Whether the default chat template loops over a message's content parts itself
+        (Gemma 3, Llama 4...): then a list of ``{"type": "text"}`` parts reaches it as is, as
+        transformers passes it; else parts are joined into one string first, as vLLM does
+        for templates that treat content as a string."""
+        cached: bool | None = getattr(self, "_content_parts", None)
+        if cached is None:  # asked per request: the template's source is searched once
+            templates = self.chat_templates
+            source = templates.get("default") or next(iter(templates.values()), "")
+            cached = self._content_parts = bool(_LOOPS_OVER_CONTENT.search(source))
+        return cached
+
+    @property
     @abstractmethod
     def vocab_size(self) -> int:
         """Number of ids this tokenizer can produce, added tokens included."""
@@ -165,6 +178,9 @@ class BaseTokenizer(ABC):
 
 # Texts longer than this are encoded without holding the GIL (see Tokenizer.encode).
 GIL_FREE_CHARS = 16 * 1024
+# A template loop over a message's content: {% for part in message['content'] %},
+# {%- for c in message.content -%}, {% for item in content %}.
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+[\w.\[\]'\"]*content\b")
 
 
 class Tokenizer(BaseTokenizer):

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -133,9 +134,29 @@ def _sdk_otlp_exporter(env: Mapping[str, str], protocol: str) -> SpanExporter:
     return HttpExporter(endpoint=endpoint)
 
 
+def resource_attributes(
+    service_name: str, instance_id: str | None, env: Mapping[str, str]
+) -> dict[str, str]:
+    """What the code adds to the resource the ``OTEL_*`` variables describe: a default
+    ``service.name`` (``OTEL_SERVICE_NAME`` wins, and a ``service.name`` in
+    ``OTEL_RESOURCE_ATTRIBUTES`` is kept, not overridden) and ``service.instance.id`` (the
+    replica: a worker's id, else a fresh one), so replicas can be told apart."""
+    named_in_env = any(
+        part.split("=", 1)[0].strip() == SERVICE_NAME
+        for part in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")
+    )
+    attributes = {"service.instance.id": instance_id or uuid.uuid4().hex}
+    if env.get("OTEL_SERVICE_NAME"):
+        attributes[SERVICE_NAME] = env["OTEL_SERVICE_NAME"]
+    elif not named_in_env:
+        attributes[SERVICE_NAME] = service_name
+    return attributes
+
+
 def init_tracing(
     service_name: str,
     *,
+    instance_id: str | None = None,
     exporter: SpanExporter | None = None,
     env: Mapping[str, str] | None = None,
     batch: bool = True,
@@ -154,7 +175,7 @@ def init_tracing(
     exporters = [exporter] if exporter is not None else _exporters(env)
     if not exporters:
         return None
-    resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service_name})
+    resource = Resource.create(resource_attributes(service_name, instance_id, env))
     provider = TracerProvider(resource=resource)
     for exp in exporters:
         provider.add_span_processor(SpanBatch(exp, env) if batch else SimpleSpanProcessor(exp))

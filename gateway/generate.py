@@ -247,7 +247,8 @@ class Generator:
         if isinstance(body, ChatCompletionRequest):
 
             def render() -> str:
-                messages = [m.for_template() for m in body.messages]  # decodes tool arguments
+                parts = self._tok.content_parts  # the template loops over content parts
+                messages = [m.for_template(parts) for m in body.messages]  # decodes tool args
                 return self._tok.apply_chat_template(
                     messages, add_generation_prompt=body.add_generation_prompt,
                     **(body.chat_template_kwargs or {}),

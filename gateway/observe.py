@@ -104,6 +104,8 @@ class ObserveMiddleware:
         if route:  # the route template, not the path: /v1/{group}/completions
             span.update_name(f"{method} {route}")
             span.set_attribute("http.route", route)
+        else:  # no route took it: the method alone (HTTP semconv), not a name per probed path
+            span.update_name(method)
         span.set_attribute("http.response.status_code", status)
         if status >= 500:
             span.set_status(Status(StatusCode.ERROR))

@@ -82,12 +82,18 @@ class ChatMessage(BaseModel):
             )
         return self.content
 
-    def for_template(self) -> dict[str, Any]:
-        """The message as a chat template expects it: content parts flattened to text, and a
-        tool call's ``arguments`` (a JSON string on the wire) as the object templates render
-        with ``tojson`` (a string would come out encoded twice), as vLLM passes them."""
+    def for_template(self, parts: bool = False) -> dict[str, Any]:
+        """The message as a chat template expects it: content parts flattened to text (or,
+        with ``parts``, for a template that loops over them, kept as text parts), and a tool
+        call's ``arguments`` (a JSON string on the wire) as the object templates render with
+        ``tojson`` (a string would come out encoded twice), as vLLM passes them."""
         out = self.model_dump(exclude_none=True)
-        if self.content is not None:
+        if isinstance(self.content, list) and parts:
+            out["content"] = [
+                {"type": "text", "text": p.text if isinstance(p, TextPart) else p.refusal}
+                for p in self.content
+            ]
+        elif self.content is not None:
             out["content"] = self.text()
         calls = out.get("tool_calls")
         if isinstance(calls, list):

@@ -98,7 +98,9 @@ class ServerCall(Deferred):
 
     def build(self) -> RecordedSpan:
         tracer = self.tracer
-        name = f"{self.method} {self.route or self.path}"
+        # The route template, or the method alone when none took it (HTTP semconv): a name
+        # per probed path would flood a tracing backend's operation index.
+        name = f"{self.method} {self.route}" if self.route else self.method
         span = RecordedSpan(tracer, name, SpanKind.SERVER, self.trace_id, self.span_id,
                             self.parent, True, self.trace_state(), self.attributes,
                             self.start_ns)  # fmt: skip

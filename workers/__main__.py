@@ -216,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _apply_flags(load_config(args.config), args)
         config.log = log_config_from(config.log, args)
         setup_logging("worker", config.log)
-        init_tracing("qosserve-worker")
+        args.worker_id = args.worker_id or default_worker_id()
+        init_tracing("qosserve-worker", instance_id=args.worker_id)
         if args.group not in config.groups:
             raise ConfigError(f"--group {args.group!r}: not one of {sorted(config.groups)}")
         if args.worker_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", args.worker_id):

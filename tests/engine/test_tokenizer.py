@@ -408,3 +408,33 @@ def test_a_template_failing_on_client_data_is_a_chat_template_error(tmp_path: Pa
     folder = write_hf_folder(tmp_path, config={"chat_template": body})
     with pytest.raises(ChatTemplateError, match="format code"):
         Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+GEMMA3_LIKE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'text' %}"
+    "{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_content_parts_reach_a_template_that_loops_over_them_as_transformers_passes_them(
+    tmp_path: Path,
+) -> None:
+    """Joined with newlines first, Gemma 3's parts rendered 'Describe\\nbriefly.' where
+    transformers renders 'Describebriefly.': other tokens than the reference's."""
+    from gateway.openai_api import ChatMessage
+
+    folder = write_hf_folder(tmp_path)
+    (folder / "chat_template.jinja").write_text(GEMMA3_LIKE)
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    raw = [{"role": "user", "content": [{"type": "text", "text": "Describe"},
+                                        {"type": "text", "text": "briefly."}]}]  # fmt: skip
+    assert ours.content_parts
+    messages = [ChatMessage.model_validate(m).for_template(ours.content_parts) for m in raw]
+    expected = ref.apply_chat_template(raw, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == expected
+    assert "Describebriefly." in expected
+    plain = Tokenizer.from_pretrained(write_hf_folder(tmp_path / "plain"))
+    assert not plain.content_parts  # a template that prints content as a string: joined

@@ -357,5 +357,8 @@ def test_settings_read_the_variables_as_the_sdk_exporters_do() -> None:
     signal = {**http, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:9/custom"}
     assert OtlpSettings.from_env(signal, "http/protobuf").endpoint == "http://t:9/custom"
     assert OtlpSettings.from_env({}, "http/protobuf").endpoint == "http://localhost:4318/v1/traces"
+    # The spec's (and every other SDK's) milliseconds: 10000 is 10 s, not 2.8 hours.
+    shared = OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_TIMEOUT": "10000"}, "http/protobuf")
+    assert shared.timeout_s == 10.0
     with pytest.raises(ValueError):
         OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_COMPRESSION": "deflate"}, "grpc")

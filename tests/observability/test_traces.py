@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
+import pytest
 from nats.aio.client import Client
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
@@ -12,7 +14,7 @@ from opentelemetry.trace import SpanKind
 
 from common.config import Config
 from common.subjects import Subjects
-from common.tracing import init_tracing, tracer_for
+from common.tracing import init_tracing, resource_attributes, tracer_for
 from tests.gateway.conftest import serve
 from tests.observability.conftest import (
     MODEL,
@@ -294,3 +296,39 @@ def test_a_recorded_span_writes_its_own_traceparent_and_exports_as_a_readable_sp
     assert parent_id(exported_child) == exported_root.context.span_id
     assert format(parent_id(exported_root) or 0, "016x") == CLIENT_SPAN
     assert exported_root.parent is not None and exported_root.parent.is_remote
+
+
+async def test_a_path_no_route_takes_is_a_span_named_by_its_method_alone(
+    config: Config, traced: Traced
+) -> None:
+    """Named by its raw path, each probed /v1/<random> was an operation of its own in the
+    tracing backend's index; HTTP semantic conventions name it by the method."""
+    async with (
+        serve(config, tracer_provider=traced.provider) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        for probe in ("/v1/aaa-1", "/v1/bbb-2"):
+            assert (await http.get(probe)).status_code == 404
+    spans = await traced.wait_for(lambda s: len(by_kind(s, SpanKind.SERVER)) >= 2)
+    assert {s.name for s in by_kind(spans, SpanKind.SERVER)} == {"GET"}
+
+
+def test_the_resource_keeps_the_operators_service_name_and_names_the_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTEL_RESOURCE_ATTRIBUTES' service.name was overridden by the code's default, and
+    replicas had no service.instance.id to tell them apart."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=billing-llm,team=ml")
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    provider = init_tracing("qosserve-worker", instance_id="w-7", exporter=InMemorySpanExporter(),
+                            batch=False, set_global=False)  # fmt: skip
+    assert provider is not None
+    attributes = provider.resource.attributes
+    assert attributes["service.name"] == "billing-llm" and attributes["team"] == "ml"
+    assert attributes["service.instance.id"] == "w-7"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "named")
+    assert resource_attributes("qosserve-gateway", None, os.environ)["service.name"] == "named"
+    plain = resource_attributes("qosserve-gateway", None, {})
+    assert plain["service.name"] == "qosserve-gateway" and len(plain["service.instance.id"]) == 32
