@@ -174,6 +174,10 @@ class GatewayConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     default_deadline_ms: int = Field(120_000, ge=100)
     default_max_tokens: int = Field(256, ge=1)
+    # Refuse (400) chat messages whose text holds a special token's text (<|eot_id|>...):
+    # tokenized as the token, as transformers does, it lets a user close their turn and
+    # write a system one. Off by default, as in transformers and vLLM.
+    reject_control_tokens: bool = False
     served_model_name: str | None = None
     # Published on qos.gw.<gateway id> so workers can tell a dead gateway's requests
     # (nobody will read their answers) from live ones; see worker.orphan_after_s.

@@ -65,6 +65,20 @@ class BaseTokenizer(ABC):
     special_tokens: dict[str, str]  # name (``bos_token`` ...) -> text, for chat templates
     chat_templates: dict[str, str]  # template name ("default", "tool_use", ...) -> source
 
+    def control_token_pattern(self) -> re.Pattern[str] | None:
+        """One pattern matching the text of any special token (None when there are none),
+        to find them in client text in one pass."""
+        cached: re.Pattern[str] | bool | None = getattr(self, "_control_pattern", False)
+        if cached is False:
+            texts = sorted(self.special_token_texts(), key=len, reverse=True)
+            cached = re.compile("|".join(map(re.escape, texts))) if texts else None
+            self._control_pattern = cached
+        return cached  # type: ignore[return-value]
+
+    def special_token_texts(self) -> list[str]:
+        """The text of every special token (what ``skip_special_tokens`` drops)."""
+        return [t for i in self.all_special_ids if (t := self.id_to_token(i))]
+
     @property
     def content_parts(self) -> bool:
         """Whether the default chat template loops over a message's content parts itself

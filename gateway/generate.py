@@ -245,6 +245,8 @@ class Generator:
         """Prompt token ids and the parameter to blame if they are too many. ``big``: the
         request body is large, so a conversation is prepared and rendered on a thread."""
         if isinstance(body, ChatCompletionRequest):
+            if self._config.gateway.reject_control_tokens:
+                self._refuse_control_tokens(body)
 
             def render() -> str:
                 parts = self._tok.content_parts  # the template loops over content parts
@@ -391,6 +393,22 @@ class Generator:
                 "server's max_payload; shorten the prompt, or raise the server's max_payload",
                 param="prompt",
             ) from None
+
+    def _refuse_control_tokens(self, body: ChatCompletionRequest) -> None:
+        """400 for a message whose text holds a special token's text (gateway config
+        ``reject_control_tokens``): encoded, it would be that token, a turn's end or a role."""
+        pattern = self._tok.control_token_pattern()
+        if pattern is None:
+            return
+        for i, message in enumerate(body.messages):
+            found = pattern.search(message.text() or "")
+            if found is not None:
+                raise InvalidRequestError(
+                    f"messages[{i}] contains {found.group()!r}, a special token of this model; "
+                    "this gateway refuses control tokens in message text",
+                    param=f"messages[{i}].content",
+                    code="control_token",
+                )
 
     async def _publish_once(
         self, subject: str, payload: bytes, headers: dict[str, str], deadline: float

@@ -438,3 +438,13 @@ def test_content_parts_reach_a_template_that_loops_over_them_as_transformers_pas
     assert "Describebriefly." in expected
     plain = Tokenizer.from_pretrained(write_hf_folder(tmp_path / "plain"))
     assert not plain.content_parts  # a template that prints content as a string: joined
+
+
+def test_the_control_token_pattern_finds_every_special_tokens_text(tmp_path: Path) -> None:
+    ours = Tokenizer.from_pretrained(write_hf_folder(tmp_path))
+    pattern = ours.control_token_pattern()
+    assert pattern is not None
+    for token_id in ours.all_special_ids:
+        text = ours.id_to_token(token_id)
+        assert text and pattern.search(f"before {text} after").group() == text
+    assert pattern.search("plain text with <| and |> but no token") is None
