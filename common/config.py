@@ -127,6 +127,9 @@ class NatsConfig(_Strict):
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # TLS before any NATS byte (the server's tls { handshake_first: true }): without it the
+    # client upgrades only when the server's INFO asks, which a man in the middle can strip.
+    tls_handshake_first: bool = False
     subject_prefix: str = Field("qos", pattern=r"^[A-Za-z0-9_-]+$")
     stream: str = Field("QOS_REQ", pattern=r"^[A-Za-z0-9_-]+$")
     kv_bucket: str = Field("qos_state", pattern=r"^[A-Za-z0-9_-]+$")

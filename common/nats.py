@@ -45,6 +45,8 @@ def _show(value: object) -> str:
 
 def _tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
     if not (cfg.tls_ca_file or cfg.tls_cert_file or cfg.tls_key_file):
+        if cfg.tls_handshake_first:  # the system's CAs then
+            return ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
         return None
     if bool(cfg.tls_cert_file) != bool(cfg.tls_key_file):
         raise ConfigError("nats.tls_cert_file and nats.tls_key_file must be set together")
@@ -127,6 +129,7 @@ async def connect(cfg: NatsConfig, name: str, *, initial_timeout_s: float | None
             reconnect_time_wait=cfg.reconnect_wait_s,  # type: ignore[arg-type]  # a float works
             max_reconnect_attempts=cfg.max_reconnect_attempts,
             tls=_tls_context(cfg),
+            tls_handshake_first=cfg.tls_handshake_first,
             **_auth_options(cfg),
         )
     )

@@ -220,6 +220,37 @@ async def test_nats_connect_needs_the_right_password_and_the_servers_ca(
         assert "s3cret-pw" not in str(info.value) and "guess" not in str(info.value), why
 
 
+async def test_nats_tls_can_start_before_any_protocol_byte(
+    tmp_path: Path, fresh_nats_server: Callable[..., NatsServer]
+) -> None:
+    """nats.tls_handshake_first against a server that wants TLS first: nothing travels in
+    clear for a man in the middle to strip (the INFO's tls_required), and a client that
+    waits for that INFO cannot connect to such a server at all."""
+    ca, ca_key, ca_path = make_ca(tmp_path, "qos-ca")
+    cert, key = make_server_cert(tmp_path, ca, ca_key)
+    server = fresh_nats_server(
+        extra_config=f"""
+tls {{
+  cert_file: "{cert}"
+  key_file: "{key}"
+  handshake_first: true
+  timeout: 2
+}}
+"""
+    )
+    first = NatsConfig(url=server.url, tls_ca_file=str(ca_path), tls_handshake_first=True,
+                       connect_timeout_s=3)  # fmt: skip
+    nc = await qnats.connect(first, "tls-first")
+    try:
+        sub = await nc.subscribe("qos.ping")
+        await nc.publish("qos.ping", b"pong")
+        assert (await sub.next_msg(timeout=2)).data == b"pong"
+    finally:
+        await nc.close()
+    with pytest.raises(ConnectionError):
+        await qnats.connect(first.model_copy(update={"tls_handshake_first": False}), "tls-late")
+
+
 # --- Redis AUTH ----------------------------------------------------------------------
 
 LAYOUT = KVLayout(block_size=4, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
