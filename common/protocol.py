@@ -531,7 +531,9 @@ class ResumeReply(Message):
     id: str
     token_ids: list[int] = packed_i32()
     text_len: int = 0
-    closed: bool = False
+    # Sent only when true (None is never encoded): a peer that predates the field, and
+    # decodes strictly, still reads every other reply during a rolling upgrade.
+    closed: bool | None = None
 
 
 @dataclass
@@ -560,8 +562,9 @@ class Telemetry(Message):
     prefix_hit_tokens: int = 0
     busy_ratio: float = 0.0
     # The longest sequence (prompt + output tokens) this worker serves now: its group's
-    # max_seq_len capped by its model's context and KV cache. 0 = not said (older workers).
-    max_seq_len: int = 0
+    # max_seq_len capped by its model's context and KV cache. None = not said (an older
+    # worker); never encoded then, so a peer that predates the field still decodes reports.
+    max_seq_len: int | None = None
 
     def validate(self) -> None:
         # The scheduler sizes groups from these (desired replicas, a demand history kept for
@@ -578,6 +581,8 @@ class Telemetry(Message):
         for name in ("kv_usage", "busy_ratio"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ProtocolError(f"telemetry.{name}: must be a ratio in [0, 1]")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ProtocolError("telemetry.max_seq_len: must be >= 1")
 
 
 # Per worker: sequences running or waiting, batch cap. Far above any engine, far below harm.
@@ -585,7 +590,7 @@ MAX_TELEMETRY_COUNT = 1 << 20
 _TELEMETRY_COUNTS = ("running", "waiting", "batch_cap")
 _TELEMETRY_AMOUNTS = (
     "tokens_per_s", "requests_done", "errors", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms",
-    "e2e_p99_ms", "samples", "prefix_queried_tokens", "prefix_hit_tokens", "max_seq_len",
+    "e2e_p99_ms", "samples", "prefix_queried_tokens", "prefix_hit_tokens",
 )  # fmt: skip
 
 

@@ -255,7 +255,7 @@ class Tokenizer(BaseTokenizer):
             eos_ids += _ids(source.get("eos_token_id"))
         bos = _ids(generation.get("bos_token_id")) or _ids(model.get("bos_token_id"))
         pad = _ids(generation.get("pad_token_id")) or _ids(model.get("pad_token_id"))
-        return cls(
+        tokenizer = cls(
             RustTokenizer.from_file(str(tok_file)),
             config,
             _load_chat_templates(folder, config),
@@ -263,6 +263,10 @@ class Tokenizer(BaseTokenizer):
             model_bos_id=bos[0] if bos else None,
             model_pad_id=pad[0] if pad else None,
         )
+        # Read now, not on the first logprobs request: it serialises the whole vocabulary
+        # (megabytes for a 128k one), which on a gateway's event loop stalls every stream.
+        _ = tokenizer._piece_style
+        return tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -307,7 +311,7 @@ class Tokenizer(BaseTokenizer):
 
     @cached_property
     def _piece_style(self) -> _PieceStyle:
-        # Lazy: only logprobs need it, and to_str() serialises the whole vocabulary.
+        # to_str() serialises the whole vocabulary: read once, at load (from_pretrained).
         return _piece_style(json.loads(self._tok.to_str()).get("decoder"))
 
     def _named_id(self, name: str, fallback: int | None) -> int | None:

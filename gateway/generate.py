@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -400,15 +400,22 @@ class Generator:
         pattern = self._tok.control_token_pattern()
         if pattern is None:
             return
-        for i, message in enumerate(body.messages):
-            found = pattern.search(message.text() or "")
-            if found is not None:
-                raise InvalidRequestError(
-                    f"messages[{i}] contains {found.group()!r}, a special token of this model; "
-                    "this gateway refuses control tokens in message text",
-                    param=f"messages[{i}].content",
-                    code="control_token",
-                )
+        # Every string the template may print: contents, names, tool arguments, reasoning,
+        # and the tools and documents passed through chat_template_kwargs.
+        fields: list[tuple[str, Any]] = [
+            (f"messages[{i}]", m.model_dump()) for i, m in enumerate(body.messages)
+        ]
+        fields.append(("chat_template_kwargs", body.chat_template_kwargs or {}))
+        for param, value in fields:
+            for text in _strings(value):
+                found = pattern.search(text)
+                if found is not None:
+                    raise InvalidRequestError(
+                        f"{param} contains {found.group()!r}, a special token of this model; "
+                        "this gateway refuses control tokens in client text",
+                        param=param,
+                        code="control_token",
+                    )
 
     async def _publish_once(
         self, subject: str, payload: bytes, headers: dict[str, str], deadline: float
@@ -548,6 +555,20 @@ class Generator:
         before = self._tok.decode(context)
         after = self._tok.decode([*context, *new])
         return after[len(before) :] if after.startswith(before) else self._tok.decode(list(new))
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside ``value`` (dict keys and values, list items), depth first."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
 
 
 def _deadline_ms(request: Request, default_ms: int) -> int:

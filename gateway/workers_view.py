@@ -171,7 +171,7 @@ class WorkersView:
             lens.pop(report.worker, None)
             return
         seen[report.worker] = self._clock()
-        if report.max_seq_len > 0:
+        if report.max_seq_len is not None:
             lens[report.worker] = report.max_seq_len
         else:  # a worker that does not say: the configured limit
             lens.pop(report.worker, None)

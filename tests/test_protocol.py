@@ -268,3 +268,15 @@ def test_decoders_raise_nothing_but_protocol_error(payload: bytes) -> None:
     for cls in (GenerateRequest, Chunk, ResumeQuery, ResumeReply, Telemetry, Control, KvEvent):
         with contextlib.suppress(ProtocolError):
             cls.from_bytes(payload)
+
+
+def test_fields_added_since_the_last_release_are_not_sent_unless_set() -> None:
+    """Decoding is strict: a peer of the release before these fields rejects a message that
+    carries them, so a rolling upgrade must not send them with their defaults."""
+    report = Telemetry(worker="w", group="short", ts_ms=1)
+    assert "max_seq_len" not in msgpack.unpackb(report.to_bytes())
+    assert "max_seq_len" in msgpack.unpackb(
+        Telemetry(worker="w", group="short", ts_ms=1, max_seq_len=4096).to_bytes()
+    )
+    assert "closed" not in msgpack.unpackb(ResumeReply(id="r").to_bytes())
+    assert msgpack.unpackb(ResumeReply(id="r", closed=True).to_bytes())["closed"] is True

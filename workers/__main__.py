@@ -157,9 +157,11 @@ def build_engine(config: Config, args: argparse.Namespace) -> Any:
         prefill_delay_factor=group.prefill_delay_factor,
         max_batch_size=max_batch,
         max_num_batched_tokens=max(2048, max_batch),
-        # None: the model's context, capped to what the KV cache holds (no error for a
-        # group limit the cache cannot reach: the worker serves what it can and says so).
-        max_seq_len=args.max_seq_len or (widest if widest < model_max else None),
+        # The longest group's limit within the model's context and, unless the flag asked
+        # for it, within what the KV cache holds: the worker serves what it can and says so
+        # in its telemetry (the gateway limits the group to it).
+        max_seq_len=args.max_seq_len or min(widest, model_max),
+        fit_max_seq_len=args.max_seq_len is None,
         kv_cache_gib=config.worker.kv_cache_gib,
         gpu_memory_utilization=config.worker.gpu_memory_utilization,
         kv_cache_dtype=config.worker.kv_cache_dtype,

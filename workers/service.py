@@ -48,6 +48,7 @@ from common.config import Config
 from common.errors import (
     ContextLengthExceededError,
     DeadlineExceededError,
+    InternalError,
     InvalidRequestError,
     ProtocolError,
     QosError,
@@ -105,8 +106,10 @@ CREATED_SKEW_S = 1.0
 OFFLOAD_TOKENIZE_CHARS = 16 * 1024
 
 
-# What a group's shared subjects may ask of its replicas (see _on_group_control).
+# What a group's control subject may ask of its replicas (see _on_group_control): the
+# scheduler's caps, and aborts from gateways of the release before qos.abort.<group>.
 GROUP_ACTIONS = frozenset({"abort", "set_batch_cap"})
+ABORT_ONLY = frozenset({"abort"})
 
 
 @dataclass
@@ -299,9 +302,7 @@ class WorkerService:
         self._group_ctl = await self.nc.subscribe(
             self.subjects.control_group(group), cb=self._on_group_control
         )
-        self._group_abort = await self.nc.subscribe(
-            self.subjects.abort(group), cb=self._on_group_control
-        )
+        self._group_abort = await self.nc.subscribe(self.subjects.abort(group), cb=self._on_abort)
         self._intake = Intake(
             psub,
             ready=self._has_room,
@@ -469,6 +470,11 @@ class WorkerService:
                         log.warning("request %s: its live gateway %s never answered the resume "
                                     "query, on its last delivery; dropping it", req.id,
                                     req.origin)  # fmt: skip
+                        # Its caller may still be listening, only slow: tell it, rather than
+                        # leave it to its deadline.
+                        await self._publish(st, st.error_chunk(self.worker_id, InternalError(
+                            "the request was given up: its caller never answered where to "
+                            "resume it")))  # fmt: skip
                         await settle(msg.term)
                         self.observer.abandoned(st, "no_caller")
                         return
@@ -763,11 +769,15 @@ class WorkerService:
     # --- control -------------------------------------------------------------------------
 
     async def _on_group_control(self, msg: Msg) -> None:
-        """The group's control subject (the scheduler's caps) and its abort subject (the
-        gateways' and NATS callers' aborts) change no more than that: a drain, resume or move
-        is addressed to one replica (``qos.ctl.<worker>``), so a caller allowed to abort cannot
-        empty a group."""
+        """The group's control subject carries the scheduler's caps (and older gateways'
+        aborts), no more: a drain, resume or move is addressed to one replica
+        (``qos.ctl.<worker>``), so a publisher there cannot empty a group."""
         await self._on_control(msg, allowed=GROUP_ACTIONS)
+
+    async def _on_abort(self, msg: Msg) -> None:
+        """The group's abort subject: aborts, nothing else (no caps either: the right to
+        abort, which gateways and NATS callers have, is not a say over the group)."""
+        await self._on_control(msg, allowed=ABORT_ONLY)
 
     async def _on_control(self, msg: Msg, allowed: frozenset[str] | None = None) -> None:
         try:

@@ -118,7 +118,7 @@ class WorkerTelemetry:
         batch_cap: int,
         busy_s: float,
         *,
-        max_seq_len: int = 0,
+        max_seq_len: int | None = None,
     ) -> Telemetry:
         """The telemetry message now; rates cover the time since the previous call."""
         now = self._clock()

@@ -26,7 +26,7 @@ BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 6}
 
 
 def _report(
-    group: str, worker: str = "w", state: str = "serving", max_seq_len: int = 0
+    group: str, worker: str = "w", state: str = "serving", max_seq_len: int | None = None
 ) -> Telemetry:
     return Telemetry(worker=worker, group=group, ts_ms=0, state=state, max_seq_len=max_seq_len)  # type: ignore[arg-type]
 

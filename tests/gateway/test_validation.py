@@ -337,6 +337,13 @@ async def test_control_tokens_in_message_text_are_refused_when_configured(
     ):
         refused = await http.post("/v1/chat/completions", json=forged)
         fine = await http.post("/v1/chat/completions", json={**OK_CHAT, "max_tokens": 1})
-    error = _assert_openai_error(refused, 400, "messages[0].content")
+        call = {"id": "c1", "type": "function",
+                "function": {"name": "f", "arguments": '{"x": "<|bos|>"}'}}  # fmt: skip
+        in_tool = await http.post("/v1/chat/completions", json={**OK_CHAT, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]})  # fmt: skip
+    error = _assert_openai_error(refused, 400, "messages[0]")
     assert error["code"] == "control_token" and "<|eos|>" in error["message"]
+    assert _assert_openai_error(in_tool, 400, "messages[1]")["code"] == "control_token"
     assert fine.status_code != 400  # no worker here: 503, but not refused

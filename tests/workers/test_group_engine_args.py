@@ -54,3 +54,13 @@ def test_a_worker_sizes_its_kv_cache_for_its_device_unless_told() -> None:
     assert engine.args.gpu_memory_utilization == 0.4
     per_block = engine.runner.bytes_per_block()
     assert engine.pool.num_blocks == int(DEFAULT_CPU_KV_CACHE_GIB * (1 << 30) // per_block)
+
+
+def test_a_kv_cache_shorter_than_the_longest_group_serves_what_it_holds() -> None:
+    """Built for every group, a worker whose cache cannot hold the longest group's limit
+    refused to start; it now serves what the cache holds (and says so in its telemetry)."""
+    torch.set_num_threads(1)
+    config = Config(worker=WorkerConfig(model="dummy:tiny", device="cpu", kv_cache_gib=0.0005))
+    engine = build_engine(config, build_parser().parse_args(["--group", "short"]))
+    capacity = (engine.pool.num_blocks - engine.pool.watermark_blocks) * engine.pool.block_size
+    assert engine.max_seq_len == capacity < max(g.max_seq_len for g in config.groups.values())

@@ -319,8 +319,14 @@ async def test_control_caps_the_batch_drains_and_resumes(
     ids, _, _ = await asyncio.wait_for(pending, 5)
     assert ids == expected_tokens(1, 2) and service.state == "serving"
     await nc.publish(subjects.abort("short"), Control(action="drain").to_bytes())
+    await nc.publish(
+        subjects.abort("short"), Control(action="set_batch_cap", batch_cap=1).to_bytes()
+    )
+    await nc.publish(ctl, Control(action="set_batch_cap").to_bytes())  # back to the group's
+    await eventually(lambda: service.bridge.batch_cap > 1)
     await asyncio.sleep(0.3)
-    assert service.state == "serving"
+    # The abort subject (gateways', NATS callers') neither drains nor caps.
+    assert service.state == "serving" and service.bridge.batch_cap > 1
 
 
 async def test_a_cap_no_scheduler_renews_lapses_back_to_the_groups_max(

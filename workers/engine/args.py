@@ -50,6 +50,10 @@ class EngineArgs:
     # last admitting step's duration and at most max_wait_ms, to prefill them together
     # (batcher.py, "Prefill delay").
     prefill_delay_factor: float = 0.0
+    # A max_seq_len the KV cache cannot hold: refuse to start (an explicit choice), or, with
+    # this, serve what the cache holds (a worker sized for every group's limit: the gateway
+    # learns the real one from its telemetry).
+    fit_max_seq_len: bool = False
     # Share of blocks kept free when admitting new requests, so running decodes can grow.
     watermark: float = 0.01
     backend: str = "auto"

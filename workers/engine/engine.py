@@ -162,6 +162,10 @@ class LLMEngine:
                 f"EngineArgs.max_seq_len: {wanted} exceeds the model's context length {model_max}",
                 param="max_seq_len",
             )
+        if wanted > capacity and self.args.fit_max_seq_len:
+            log.warning("max_seq_len %d does not fit in the KV cache; serving up to %d tokens",
+                        wanted, capacity)  # fmt: skip
+            return capacity
         if wanted > capacity:
             raise ConfigError(
                 f"EngineArgs.max_seq_len: {wanted} tokens do not fit in the KV cache "
