@@ -106,6 +106,8 @@ CREATED_SKEW_S = 1.0
 OFFLOAD_TOKENIZE_CHARS = 16 * 1024
 
 
+# How often a worker re-reads its group consumer's ack_wait from the server.
+CONSUMER_CHECK_S = 30.0
 # What a group's control subject may ask of its replicas (see _on_group_control): the
 # scheduler's caps, and aborts from gateways of the release before qos.abort.<group>.
 GROUP_ACTIONS = frozenset({"abort", "set_batch_cap"})
@@ -189,6 +191,10 @@ class WorkerService:
         self._ctl_subs: list[Subscription] = []
         self._group_ctl: Subscription | None = None
         self._group_abort: Subscription | None = None
+        # The consumer's ack_wait as last read from the server, and the pace it sets.
+        self._ack_wait_s = config.nats.ack_wait_s
+        self._server_ack_wait: float | None = None
+        self._ack_wait_checked = 0.0
         self._cap_set_at: float | None = None  # when a cap below the group max was last set
         self._inflight: dict[str, Flight] = {}
         self._starting: dict[asyncio.Task[None], Msg] = {}  # fetched, not in the engine yet
@@ -298,6 +304,7 @@ class WorkerService:
         """Join ``group``: its consumer (created if missing) and its control subject."""
         assert self.nc is not None and self.js is not None
         await qnats.ensure_group_consumer(self.js, self.config.nats, group)
+        self._ack_wait_checked = 0.0  # another consumer now: read its ack_wait at the next tick
         psub = await qnats.group_pull_subscription(self.js, self.config.nats, group)
         self._group_ctl = await self.nc.subscribe(
             self.subjects.control_group(group), cb=self._on_group_control
@@ -654,10 +661,11 @@ class WorkerService:
     async def _ticker(self) -> None:
         """Keep held messages from redelivering; abort requests whose deadline passed;
         resync callers after a NATS reconnect."""
-        progress_every = self.config.nats.ack_wait_s / 3
-        tick = min(progress_every, 0.5)
         last_progress = time.monotonic()
         while True:
+            # Paced by the consumer's ack_wait as the server has it (see _check_ack_wait).
+            progress_every = self._ack_wait_s / 3
+            tick = min(progress_every, 0.5)
             await asyncio.sleep(tick)
             # First and on its own: were it to stop, JetStream would redeliver requests that
             # still run here (settle() never raises).
@@ -672,10 +680,36 @@ class WorkerService:
             except Exception:  # a bug in one check must not end the ticks for good
                 log.exception("worker tick failed; the next one runs as usual")
 
+    async def _check_ack_wait(self) -> None:
+        """Every component writes the group consumer's config at start, the last one's
+        ``ack_wait`` wins: paced by this worker's own, ``in_progress`` would come too late
+        for a shorter one, and every long request would be redelivered and run twice. So the
+        pace follows the shorter of the two, re-read every ``CONSUMER_CHECK_S``."""
+        self._ack_wait_checked = time.monotonic()
+        if self.js is None:
+            return
+        try:
+            info = await self.js.consumer_info(
+                self.config.nats.stream, Subjects.consumer(self.group)
+            )
+        except Exception as exc:  # NATS reconnecting: the last known value stands
+            log.debug("consumer info for the ack_wait check failed: %s", exc)
+            return
+        server = float(info.config.ack_wait or self.config.nats.ack_wait_s)
+        mine = self.config.nats.ack_wait_s
+        if server != mine and server != self._server_ack_wait:
+            log.warning("consumer %s has ack_wait %.1f s, this worker's nats.ack_wait_s is "
+                        "%.1f s: in_progress paced by the shorter (keep them equal)",
+                        Subjects.consumer(self.group), server, mine)  # fmt: skip
+        self._server_ack_wait = server
+        self._ack_wait_s = min(mine, server)
+
     async def _tick_checks(self) -> None:
         """Resync, deadlines, the engine thread's health and orphans: one tick's worth."""
         if self.nc is not None:
             self._resync.tick(self.nc, list(self._inflight.values()))
+        if time.monotonic() - self._ack_wait_checked >= CONSUMER_CHECK_S:
+            await self._check_ack_wait()
         now_ms = time.time() * 1000
         for st in list(self._inflight.values()):
             deadline = st.request.deadline_ms

@@ -522,6 +522,32 @@ async def test_a_redelivery_of_a_request_its_gateway_finished_is_acked_not_serve
     assert info.num_pending == 0 and info.num_ack_pending == 0  # acked: gone from the queue
 
 
+async def test_in_progress_follows_the_consumers_ack_wait_as_the_server_has_it(
+    start_worker: Any,
+    client: QosClient,
+    nc: Client,
+    worker_config: Config,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another component (a gateway configured otherwise) rewrote the consumer with a
+    shorter ack_wait (0.2 s): paced by its own (2 s here: in_progress every 0.5 s), the worker
+    let the request be redelivered until JetStream gave it up. It now reads the server's."""
+    monkeypatch.setattr(worker_service, "CONSUMER_CHECK_S", 0.2)
+    await start_worker(
+        engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.05))
+    )
+    js = nc.jetstream()
+    info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
+    await js.add_consumer(worker_config.nats.stream, info.config.evolve(ack_wait=0.2))
+    await asyncio.sleep(0.6)  # a few consumer checks
+    ids, _, final = await client.collect(  # 40 steps of 50 ms: five times the ack_wait
+        group="short", prompt_token_ids=[1], params=RequestParams(max_tokens=40)
+    )
+    assert len(ids) == 40 and final.attempt == 1
+    info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
+    assert info.num_redelivered == 0  # never redelivered
+
+
 class HungSim(SimEngine):
     """A device that hangs: once a request has 2 tokens, ``step`` blocks until released."""
 
