@@ -143,21 +143,11 @@ class BaseTokenizer(ABC):
         """
         if not messages:
             raise ChatTemplateError("cannot apply a chat template to an empty conversation")
-        if tools is not None and (
-            isinstance(tools, str | bytes | Mapping)
-            or not isinstance(tools, Sequence)
-            or not all(isinstance(t, Mapping) for t in tools)
-        ):
-            raise ChatTemplateError("tools must be a list of objects", param="tools")
+        _check_objects(tools, "tools")
         variables = {**self.special_tokens, **template_kwargs}
         # RAG templates (Command-R, Granite) take documents, as transformers passes them.
         documents = variables.pop("documents", None)
-        if documents is not None and (
-            isinstance(documents, str | bytes | Mapping)
-            or not isinstance(documents, Sequence)
-            or not all(isinstance(d, Mapping) for d in documents)
-        ):
-            raise ChatTemplateError("documents must be a list of objects", param="documents")
+        _check_objects(documents, "documents")
         source = self._select_template(tools)
         chat = [_normalize_message(m) for m in messages]
         try:
@@ -385,6 +375,17 @@ class ByteTokenizer(BaseTokenizer):
             return bytes((token_id,))
         special = self._SPECIALS.get(token_id)
         return b"" if special is None else special.encode()
+
+
+def _check_objects(value: object, name: str) -> None:
+    """``value`` (``tools``, ``documents``) is None or a list of objects, as templates
+    iterate them; else a :class:`ChatTemplateError` naming it."""
+    if value is not None and (
+        isinstance(value, str | bytes | Mapping)
+        or not isinstance(value, Sequence)
+        or not all(isinstance(item, Mapping) for item in value)
+    ):
+        raise ChatTemplateError(f"{name} must be a list of objects", param=name)
 
 
 # ---- vocabulary entries as bytes ------------------------------------------------------
