@@ -84,8 +84,10 @@ little-endian float32.
    reply subject with ``{v: 1, id, token_ids: bin i32 (every token delivered so far, in
    order), text_len: int (characters of text delivered)}`` and set ``min_attempt =
    max(min_attempt, attempt)``; drop any held chunk of an older attempt. The worker continues from prompt + those tokens, sending ``seq`` from
-   ``len(token_ids)``. Not answering (after the stream ended, or when the caller gave up)
-   makes the worker drop the request. After a NATS reconnect a worker asks the same
+   ``len(token_ids)``. Once finished with a request, a caller may answer
+   ``{v: 1, id, closed: true}`` (the copy is acked and dropped); not answering makes the
+   worker drop the request (this client sends no ``origin``, so at once). After a NATS
+   reconnect a worker asks the same
    question with its *current* attempt (nothing changes on your side) and re-sends every
    chunk past your answer, so chunks lost in the outage arrive again (drop them by ``seq``).
 5. To cancel, publish (core NATS) on ``P.abort.<group>`` the map
