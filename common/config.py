@@ -170,6 +170,10 @@ class GatewayConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     # sha256 hex digests of accepted API keys; empty = open (a warning is logged at start).
     api_key_sha256: list[str] = Field(default_factory=list)
+    # Per key (its digest): the instance groups it may use, by name or by length routing,
+    # fallbacks included (another team's key kept off realtime, say). A key not listed may
+    # use every group.
+    api_key_groups: dict[str, list[str]] = Field(default_factory=dict)
     # Per API key: sustained requests/s and burst (a token bucket each); 0 = unlimited.
     # A key over its rate gets 429 rate_limit_exceeded with Retry-After.
     api_key_rate_limit_rps: float = Field(0.0, ge=0)
@@ -301,6 +305,18 @@ class Config(_Strict):
                 raise ValueError(f"groups.{name}.fallback names unknown group {group.fallback!r}")
             if group.fallback == name:
                 raise ValueError(f"groups.{name}.fallback cannot be the group itself")
+        known = {d.strip().lower() for d in self.gateway.api_key_sha256}
+        for digest, allowed in self.gateway.api_key_groups.items():
+            if digest.strip().lower() not in known:
+                raise ValueError(
+                    f"gateway.api_key_groups: {digest[:12]}… is not in gateway.api_key_sha256"
+                )
+            unknown = sorted(set(allowed) - set(self.groups))
+            if unknown or not allowed:
+                raise ValueError(
+                    f"gateway.api_key_groups.{digest[:12]}…: "
+                    + (f"unknown groups {unknown}" if unknown else "names no group")
+                )
         return self
 
     def groups_by_rank(self) -> list[tuple[str, GroupConfig]]:

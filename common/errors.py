@@ -84,6 +84,12 @@ class AuthenticationError(QosError):
     default_code = "invalid_api_key"
 
 
+class PermissionDeniedError(QosError):
+    http_status = 403
+    error_type = "permission_error"
+    default_code = "permission_denied"
+
+
 class NotFoundError(QosError):
     http_status = 404
     error_type = "invalid_request_error"

@@ -19,6 +19,7 @@ appear, holding a slot of ``g`` so waiters are bounded too; then **503** with
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from common.config import Config
@@ -71,19 +72,26 @@ class Admission:
     def in_flight(self, group: str) -> int:
         return self._in_flight.get(group, 0)
 
-    async def admit(self, group: str, need_tokens: int, time_left_s: float) -> Route:
+    async def admit(
+        self,
+        group: str,
+        need_tokens: int,
+        time_left_s: float,
+        allowed: Collection[str] | None = None,
+    ) -> Route:
         """Choose the group for a request needing ``need_tokens`` of context, and take a
-        slot in it; release it with :meth:`release`. Raises 429/503 errors."""
+        slot in it; release it with :meth:`release`. Raises 429/503 errors. ``allowed``:
+        the groups the caller's key may use (a fallback outside them is not taken)."""
         # A half-open group's turn is decided once per request, however often it is asked.
         turns: dict[str, bool] = {}
-        route = self._pick(group, need_tokens, turns)
+        route = self._pick(group, need_tokens, turns, allowed)
         if route is None:
             self._take(group)  # a waiter holds a slot too: waiting is bounded by max_pending
             try:
                 await self._view.wait_live(self._chains[group], min(time_left_s, self._wait_s))
             finally:
                 self.release(group)
-            route = self._pick(group, need_tokens, turns)
+            route = self._pick(group, need_tokens, turns, allowed)
             if route is None:
                 raise ServiceUnavailableError(
                     f"no worker of instance group {group!r} (or its fallbacks) is available",
@@ -104,9 +112,17 @@ class Admission:
             )
         self._in_flight[group] += 1
 
-    def _pick(self, group: str, need_tokens: int, turns: dict[str, bool]) -> Route | None:
+    def _pick(
+        self,
+        group: str,
+        need_tokens: int,
+        turns: dict[str, bool],
+        allowed: Collection[str] | None = None,
+    ) -> Route | None:
         reason: str | None = None
         for candidate in self._chains[group]:
+            if allowed is not None and candidate not in allowed:
+                continue
             state = self._view.breaker(candidate)
             if state == "open":
                 reason = reason or "breaker_open"

@@ -110,6 +110,7 @@ def create_app(
             config.gateway.api_key_sha256,
             rate_per_s=config.gateway.api_key_rate_limit_rps,
             burst=config.gateway.api_key_rate_limit_burst,
+            groups=config.gateway.api_key_groups,
         ),
         metrics=GatewayMetrics(registry),
         view=view,
@@ -214,13 +215,13 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     async def generate(kind: Kind, request: Request, group: str | None) -> Response:
         try:
-            state.keys.check(request.headers.get("authorization"))
+            allowed = state.keys.check(request.headers.get("authorization"))
             if state.generator is None:
                 raise InternalError("the gateway is not connected to NATS yet")
         except QosError as exc:  # refused before classification: group "-"
             state.metrics.finished("-", exc.http_status)
             raise
-        return await state.generator.handle(kind, request, group)
+        return await state.generator.handle(kind, request, group, allowed)
 
     # The fixed routes come first: /v1/chat/completions must not read as group "chat".
     generation: list[tuple[str, str, Kind, type]] = [

@@ -10,6 +10,10 @@ With ``gateway.api_key_rate_limit_rps`` set, each key has a token bucket of that
 (``api_key_rate_limit_burst`` deep): a request over it is refused with 429
 ``rate_limit_exceeded`` and a ``Retry-After`` of when the next token is due, before it
 costs anything else. Limits are per gateway process.
+
+``gateway.api_key_groups`` binds a key to the instance groups it may use: :meth:`ApiKeys.check`
+returns them, and classification and admission keep its requests inside them (403
+``permission_denied`` for a group it names and may not use).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from common.errors import AuthenticationError, RateLimitError
 
@@ -63,6 +67,7 @@ class ApiKeys:
         *,
         rate_per_s: float = 0.0,
         burst: int = 0,
+        groups: Mapping[str, Iterable[str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         wrong = ValueError("gateway.api_key_sha256 entries must be sha256 hex digests")
@@ -72,6 +77,11 @@ class ApiKeys:
             raise wrong from None
         if any(len(d) != 32 for d in self._digests):
             raise wrong
+        # Per key (same order as the digests): the groups it may use; None = every group.
+        by_digest = {
+            bytes.fromhex(d.strip().lower()): frozenset(g) for d, g in (groups or {}).items()
+        }
+        self._groups = [by_digest.get(d) for d in self._digests]
         self._buckets: list[TokenBucket] | None = None
         if rate_per_s > 0:
             depth = burst or max(1, math.ceil(rate_per_s))
@@ -87,11 +97,12 @@ class ApiKeys:
                 "no API keys configured (gateway.api_key_sha256): the gateway accepts every request"
             )
 
-    def check(self, authorization: str | None) -> None:
-        """Accept the request or raise :class:`AuthenticationError` (401) or, for a key
-        over its rate, :class:`RateLimitError` (429)."""
+    def check(self, authorization: str | None) -> frozenset[str] | None:
+        """Accept the request and return the groups its key may use (None: every group),
+        or raise :class:`AuthenticationError` (401) or, for a key over its rate,
+        :class:`RateLimitError` (429)."""
         if self.open:
-            return
+            return None
         if not authorization:
             raise AuthenticationError(
                 "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
@@ -116,3 +127,4 @@ class ApiKeys:
                     retry_after_s=wait_s,
                     code="rate_limit_exceeded",
                 )
+        return self._groups[matched]

@@ -22,12 +22,17 @@ nothing a client sends becomes part of a NATS subject unchecked.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal
 
 from common.config import Config, GroupConfig
-from common.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
+from common.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 
 GROUP_HEADER = "X-QoS-Group"
 Source = Literal["path", "header", "length"]
@@ -83,13 +88,21 @@ def classify(
     header_group: str | None = None,
     prompt_param: str = "prompt",
     seq_limit: Callable[[str], int] | None = None,
+    allowed: Collection[str] | None = None,
 ) -> Classification:
     """Pick the group and settle ``max_tokens``; raise a 4xx :class:`QosError` if none fits.
     ``seq_limit(group)`` is a group's limit now (default: its configured ``max_seq_len``;
-    the gateway passes what its live workers serve, when that is less)."""
+    the gateway passes what its live workers serve, when that is less). ``allowed``: the
+    groups the caller's API key may use (None: every group)."""
     limit_of = seq_limit or (lambda name: config.groups[name].max_seq_len)
     default = config.gateway.default_max_tokens
     named = explicit_group(config, path_group, header_group)
+    if named is not None and allowed is not None and named not in allowed:
+        raise PermissionDeniedError(
+            f"this API key may not use instance group {named!r} "
+            f"(it may use: {', '.join(sorted(allowed))})",
+            code="group_not_allowed",
+        )
     if named is not None:
         limit = limit_of(named)
         settled = _settle(prompt_tokens, max_tokens, default, limit)
@@ -97,7 +110,12 @@ def classify(
             raise _too_long(prompt_tokens, max_tokens, limit, prompt_param, f"group {named!r}")
         return Classification(named, settled, "path" if path_group else "header")
 
-    limits = [(name, limit_of(name)) for name, _ in auto_candidates(config)]
+    candidates = auto_candidates(config)
+    if allowed is not None:  # the key's groups: batched ones first, as for everyone
+        candidates = [c for c in candidates if c[0] in allowed] or [
+            c for c in config.groups_by_rank() if c[0] in allowed
+        ]
+    limits = [(name, limit_of(name)) for name, _ in candidates]
     want = max_tokens if max_tokens is not None else default
     for name, limit in limits:
         if prompt_tokens + want <= limit:
@@ -107,7 +125,8 @@ def classify(
             if prompt_tokens < limit:
                 return Classification(name, limit - prompt_tokens, "length")
     largest = max(limit for _, limit in limits)
-    raise _too_long(prompt_tokens, max_tokens, largest, prompt_param, "any instance group")
+    where = "any instance group" if allowed is None else "any instance group this key may use"
+    raise _too_long(prompt_tokens, max_tokens, largest, prompt_param, where)
 
 
 def _settle(prompt: int, max_tokens: int | None, default: int, limit: int) -> int | None:

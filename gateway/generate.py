@@ -129,7 +129,13 @@ class Generator:
 
     # -- the whole request -----------------------------------------------------------------
 
-    async def handle(self, kind: Kind, request: Request, path_group: str | None) -> Response:
+    async def handle(
+        self,
+        kind: Kind,
+        request: Request,
+        path_group: str | None,
+        allowed: frozenset[str] | None = None,
+    ) -> Response:
         """Answer one generation request; a :class:`QosError` becomes the app's error reply."""
         started = time.monotonic()
         group_label = "-"
@@ -163,6 +169,7 @@ class Generator:
                 header_group=request.headers.get(GROUP_HEADER),
                 prompt_param=prompt_param,
                 seq_limit=self._admission.seq_limit,
+                allowed=allowed,
             )
             group_label = classified.group
             deadline_ms = _deadline_ms(request, self._config.gateway.default_deadline_ms)
@@ -171,7 +178,7 @@ class Generator:
             if left_s <= 0:
                 raise DeadlineExceededError("the request's deadline passed before it was admitted")
             route = await self._admission.admit(
-                classified.group, len(prompt_ids) + classified.max_tokens, left_s
+                classified.group, len(prompt_ids) + classified.max_tokens, left_s, allowed
             )
             group_label = route.group
         except QosError as exc:

@@ -317,3 +317,16 @@ async def test_a_groups_limit_is_what_its_live_workers_serve_when_that_is_less()
     clock[0] += 60  # "a" and "c" stop reporting: the configured limits again
     view.on_telemetry(_report("short", "b", max_seq_len=8192))
     assert admission.seq_limit("short") == 4096 and admission.seq_limit("long") == 131072
+
+
+async def test_a_fallback_outside_the_keys_groups_is_not_taken():
+    config = Config()
+    view = WorkersView(config.groups)
+    for group in config.groups:
+        view.on_telemetry(_report(group))
+    view.set_breaker("short", "open")  # short falls back to long ...
+    admission = Admission(config, view, wait_s=0.01)
+    assert (await admission.admit("short", 10, 1.0)).group == "long"
+    admission.release("long")
+    with pytest.raises(ServiceUnavailableError):  # ... but not for a key kept to short
+        await admission.admit("short", 10, 1.0, allowed={"short"})

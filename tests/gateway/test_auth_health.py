@@ -139,3 +139,35 @@ async def test_ttft_is_observed_when_the_first_token_arrives(nats_config: NatsCo
                 break
         metrics = (await http.get("/metrics")).text
     assert f"{name} 1.0" in metrics
+
+
+async def test_a_key_bound_to_a_group_gets_403_for_another_and_is_served_in_its_own(
+    nats_config: NatsConfig,
+):
+    team = "sk-team-0123456789"
+    config = gateway_config(
+        nats_config,
+        api_key_sha256=[key_digest(KEY), key_digest(team)],
+        api_key_groups={key_digest(team): ["short"]},
+    )
+    async with serve(config) as gw, running_worker(nats_config, "short"):
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=team, max_retries=0)
+        served = await client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        with pytest.raises(openai.PermissionDeniedError) as refused:
+            await client.completions.create(
+                model=MODEL, prompt="hi", max_tokens=3,
+                extra_headers={"X-QoS-Group": "realtime"},
+            )  # fmt: skip
+    assert served.choices[0].text == "abc"
+    assert refused.value.status_code == 403
+    assert refused.value.body["code"] == "group_not_allowed"  # type: ignore[index]
+
+
+def test_api_key_groups_must_name_configured_keys_and_groups():
+    from common.config import Config, GatewayConfig
+
+    digest = key_digest(KEY)
+    with pytest.raises(ValueError, match=r"not in gateway\.api_key_sha256"):
+        Config(gateway=GatewayConfig(api_key_groups={digest: ["short"]}))
+    with pytest.raises(ValueError, match="unknown groups"):
+        Config(gateway=GatewayConfig(api_key_sha256=[digest], api_key_groups={digest: ["gpu"]}))

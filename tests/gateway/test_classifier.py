@@ -6,7 +6,12 @@ import httpx
 import pytest
 
 from common.config import Config, NatsConfig, default_groups
-from common.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
+from common.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 from gateway.classifier import classify
 from tests.gateway.conftest import MODEL, gateway_config, serve
 from tests.gateway.fake_worker import running_worker
@@ -120,3 +125,16 @@ async def test_requests_reach_the_worker_of_the_group_they_were_classified_into(
     assert request.reply == f"{nats_config.subject_prefix}.out.{request.id}"
     assert request.deadline_ms is not None and request.deadline_ms > request.created_ms
     assert job.headers["Qos-Deadline-Ms"] == str(request.deadline_ms)
+
+
+def test_a_key_bound_to_groups_is_routed_and_refused_within_them():
+    """gateway.api_key_groups: another team's key kept off realtime. Named, a group outside
+    the key's is a 403; by length, only the key's groups are candidates."""
+    with pytest.raises(PermissionDeniedError) as refused:
+        classify(CONFIG, prompt_tokens=5, max_tokens=5, path_group="realtime", allowed={"short"})
+    assert refused.value.http_status == 403 and refused.value.code == "group_not_allowed"
+    assert classify(CONFIG, prompt_tokens=5, max_tokens=5, allowed={"long"}).group == "long"
+    # Only a batch-1 group allowed: length routing takes it (else nothing would).
+    assert classify(CONFIG, prompt_tokens=5, max_tokens=5, allowed={"realtime"}).group == "realtime"
+    with pytest.raises(ContextLengthExceededError, match="this key may use"):
+        classify(CONFIG, prompt_tokens=5000, max_tokens=5, allowed={"short"})
