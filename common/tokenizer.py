@@ -63,6 +63,7 @@ class BaseTokenizer(ABC):
     pad_token_id: int | None
     all_special_ids: list[int]  # every id ``skip_special_tokens`` drops, sorted
     special_tokens: dict[str, str]  # name (``bos_token`` ...) -> text, for chat templates
+    template_tokens: dict[str, str]  # every named token a chat template sees (a superset)
     chat_templates: dict[str, str]  # template name ("default", "tool_use", ...) -> source
 
     def control_token_pattern(self) -> re.Pattern[str] | None:
@@ -144,7 +145,7 @@ class BaseTokenizer(ABC):
         if not messages:
             raise ChatTemplateError("cannot apply a chat template to an empty conversation")
         _check_objects(tools, "tools")
-        variables = {**self.special_tokens, **template_kwargs}
+        variables = {**self.template_tokens, **template_kwargs}
         # RAG templates (Command-R, Granite) take documents, as transformers passes them.
         documents = variables.pop("documents", None)
         _check_objects(documents, "documents")
@@ -210,6 +211,15 @@ class Tokenizer(BaseTokenizer):
             for name in SPECIAL_TOKEN_NAMES
             if (text := _token_text(config.get(name))) is not None
         }
+        # Templates see every named token transformers 5 exposes: the standard ones, any
+        # other ``*_token`` key (Gemma 3's image_token) and ``extra_special_tokens``.
+        extra = config.get("extra_special_tokens")
+        named = {**config, **(extra if isinstance(extra, dict) else {})}
+        self.template_tokens = {
+            name: text
+            for name, value in named.items()
+            if name.endswith("_token") and (text := _token_text(value)) is not None
+        } | self.special_tokens
         self.chat_templates = chat_templates
         self._add_missing_special_tokens()
 
@@ -343,6 +353,7 @@ class ByteTokenizer(BaseTokenizer):
             "eos_token": self._SPECIALS[self.EOS],
             "pad_token": self._SPECIALS[self.PAD],
         }
+        self.template_tokens = self.special_tokens
         self.chat_templates = {"default": self.CHAT_TEMPLATE}
 
     @property

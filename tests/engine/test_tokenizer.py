@@ -448,3 +448,22 @@ def test_the_control_token_pattern_finds_every_special_tokens_text(tmp_path: Pat
         text = ours.id_to_token(token_id)
         assert text and pattern.search(f"before {text} after").group() == text
     assert pattern.search("plain text with <| and |> but no token") is None
+
+
+def test_templates_see_every_named_token_as_transformers_exposes_them(tmp_path: Path) -> None:
+    """transformers 5 hands a template every ``*_token`` key of tokenizer_config and the
+    ``extra_special_tokens`` map (Gemma 3's image_token, boi_token); they rendered as ''."""
+    body = "{{ image_token }}|{{ boi_token }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    folder = write_hf_folder(
+        tmp_path,
+        config={
+            "chat_template": body,
+            "image_token": EOT,
+            "extra_special_tokens": {"boi_token": EOS},
+        },
+    )
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    messages = [{"role": "user", "content": "hi"}]
+    got = ours.apply_chat_template(messages, add_generation_prompt=False)
+    assert got == ref.apply_chat_template(messages, tokenize=False)
+    assert got.startswith(f"{EOT}|{EOS}|")
