@@ -47,6 +47,37 @@ class RemoteParent:
         return trace.set_span_in_context(NonRecordingSpan(self.span_context()))
 
 
+# W3C trace context: a tracestate list member is key=value, at most 32 of them, 512 chars.
+_TRACESTATE_MEMBER = re.compile(
+    r"^(?:[a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]$"
+)
+_TRACESTATE_MAX_MEMBERS = 32
+_TRACESTATE_MAX_CHARS = 512
+
+
+def clean_tracestate(value: str | None) -> str | None:
+    """``value``'s well-formed list members, at most 32 and 512 characters, whole members
+    dropped from the end past that (the spec's rule), None when none is left: what we
+    forward, never the client's text as is."""
+    if not value:
+        return None
+    members: list[str] = []
+    length = 0
+    for raw in value.split(","):
+        member = raw.strip()
+        if not member or not _TRACESTATE_MEMBER.match(member):
+            continue
+        if len(members) == _TRACESTATE_MAX_MEMBERS:
+            break
+        added = len(member) + (1 if members else 0)
+        if length + added > _TRACESTATE_MAX_CHARS:
+            break
+        members.append(member)
+        length += added
+    return ",".join(members) or None
+
+
 def parse(traceparent: str | None, tracestate: str | None = None) -> RemoteParent | None:
     """The parent ``traceparent`` names, or None when it is absent or malformed (the span
     then starts a trace of its own), by the W3C propagator's rules."""
@@ -61,7 +92,8 @@ def parse(traceparent: str | None, tracestate: str | None = None) -> RemoteParen
     trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
     if not trace_id or not span_id:
         return None
-    return RemoteParent(trace_id, span_id, bool(int(flags_hex, 16) & 1), tracestate or None)
+    sampled = bool(int(flags_hex, 16) & 1)
+    return RemoteParent(trace_id, span_id, sampled, clean_tracestate(tracestate))
 
 
 def from_headers(headers: Mapping[str, str] | None) -> RemoteParent | None:

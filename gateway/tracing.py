@@ -22,7 +22,6 @@ SDK) gets spans, built as the request runs.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import MutableMapping
 from contextlib import AbstractContextManager, nullcontext
@@ -44,9 +43,8 @@ from common import tracing as t
 from common.span_batch import Deferred
 from common.span_recorder import RecordedSpan, exception_event
 from common.span_recorder import Tracer as OurTracer
-from common.trace_context import EMPTY_STATE, RemoteParent, Unsampled, traceparent
+from common.trace_context import EMPTY_STATE, RemoteParent, Unsampled, parse, traceparent
 
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 OPERATIONS = {"chat": "chat", "completion": "text_completion"}
 SCOPE_KEY = "qos.trace"  # the ASGI scope's: the server span, or Unsampled
 _NO_SPAN: AbstractContextManager[None] = nullcontext()
@@ -302,8 +300,8 @@ def landed(
 def forward_traceparent(request_headers: Any, headers: MutableMapping[str, str]) -> None:
     """Copy a well-formed client ``traceparent`` (and its ``tracestate``) onto the NATS
     message, as is: tracing is off here, but the client's trace goes on."""
-    traceparent = request_headers.get("traceparent")
-    if traceparent and _TRACEPARENT.match(traceparent.strip()):
-        headers["traceparent"] = traceparent.strip()
-        if tracestate := request_headers.get("tracestate"):
-            headers["tracestate"] = tracestate.strip()[:512]
+    parent = parse(request_headers.get("traceparent"), request_headers.get("tracestate"))
+    if parent is not None:  # by the W3C rules (no version ff, no all-zero ids)
+        headers["traceparent"] = request_headers.get("traceparent").strip()
+        if parent.tracestate:  # whole members only, within the spec's limits
+            headers["tracestate"] = parent.tracestate

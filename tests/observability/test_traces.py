@@ -332,3 +332,27 @@ def test_the_resource_keeps_the_operators_service_name_and_names_the_replica(
     assert resource_attributes("qosserve-gateway", None, os.environ)["service.name"] == "named"
     plain = resource_attributes("qosserve-gateway", None, {})
     assert plain["service.name"] == "qosserve-gateway" and len(plain["service.instance.id"]) == 32
+
+
+def test_tracestate_is_forwarded_as_whole_well_formed_members_within_the_limits() -> None:
+    """It was cut at 512 characters mid-member (a collector then drops every vendor's entry)
+    or, on the sampled-out path, forwarded as the client sent it, of any size; and a
+    traceparent of version ff or all-zero ids was forwarded with tracing off."""
+    from common.trace_context import clean_tracestate
+    from gateway.tracing import forward_traceparent
+
+    members = [f"v{i:02d}=" + "x" * 24 for i in range(20)]  # 28 chars each: 20 > 512 in all
+    cleaned = clean_tracestate(",".join(members))
+    assert cleaned is not None and len(cleaned) <= 512
+    assert cleaned.split(",") == members[: len(cleaned.split(","))]  # whole members, in order
+    assert clean_tracestate(",".join(f"k{i}=v" for i in range(40))).count(",") == 31
+    assert clean_tracestate("good=1, BAD KEY=2,also=fine ,=x,k=") == "good=1,also=fine"
+    assert clean_tracestate("nothing valid here") is None
+
+    for bad in (f"ff-{CLIENT_TRACE}-{CLIENT_SPAN}-01", f"00-{'0' * 32}-{CLIENT_SPAN}-01"):
+        out: dict[str, str] = {}
+        forward_traceparent({"traceparent": bad, "tracestate": "a=1"}, out)
+        assert out == {}
+    out = {}
+    forward_traceparent({"traceparent": TRACEPARENT, "tracestate": ",".join(members)}, out)
+    assert out["traceparent"] == TRACEPARENT and out["tracestate"] == cleaned
