@@ -194,6 +194,17 @@ authorization {{
     return fresh_nats_server(extra_config=config), ca_path, foreign
 
 
+async def _round_trip(config: NatsConfig, name: str) -> None:
+    """Connect with ``config`` and get a message back through the server."""
+    nc = await qnats.connect(config, name)
+    try:
+        sub = await nc.subscribe("qos.ping")
+        await nc.publish("qos.ping", b"pong")
+        assert (await sub.next_msg(timeout=2)).data == b"pong"
+    finally:
+        await nc.close()
+
+
 async def test_nats_connect_needs_the_right_password_and_the_servers_ca(
     tls_nats: tuple[NatsServer, Path, Path],
 ) -> None:
@@ -201,13 +212,7 @@ async def test_nats_connect_needs_the_right_password_and_the_servers_ca(
     good = NatsConfig(
         url=server.url, user="svc", password="s3cret-pw", tls_ca_file=str(ca), connect_timeout_s=3
     )
-    nc = await qnats.connect(good, "tls-ok")
-    try:
-        sub = await nc.subscribe("qos.ping")
-        await nc.publish("qos.ping", b"pong")
-        assert (await sub.next_msg(timeout=2)).data == b"pong"
-    finally:
-        await nc.close()
+    await _round_trip(good, "tls-ok")
     refused = {
         "wrong password": good.model_copy(update={"password": "guess"}),
         "no credentials": good.model_copy(update={"user": None, "password": None}),
@@ -240,13 +245,7 @@ tls {{
     )
     first = NatsConfig(url=server.url, tls_ca_file=str(ca_path), tls_handshake_first=True,
                        connect_timeout_s=3)  # fmt: skip
-    nc = await qnats.connect(first, "tls-first")
-    try:
-        sub = await nc.subscribe("qos.ping")
-        await nc.publish("qos.ping", b"pong")
-        assert (await sub.next_msg(timeout=2)).data == b"pong"
-    finally:
-        await nc.close()
+    await _round_trip(first, "tls-first")
     with pytest.raises(ConnectionError):
         await qnats.connect(first.model_copy(update={"tls_handshake_first": False}), "tls-late")
 

@@ -443,21 +443,8 @@ async def test_a_redelivery_whose_live_gateway_misses_the_resume_query_is_not_dr
     """Attempt 2 asks its caller what was delivered; nobody answers (its gateway is
     reconnecting) though the gateway is not silent: the request is handed back and served
     once the caller answers, instead of acked away while its client waits."""
-    origin = "gw-reconnecting"
-    rid = new_id()
-    req = GenerateRequest(
-        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
-        params=RequestParams(max_tokens=3), origin=origin,
-    )  # fmt: skip
-    chunks = await nc.subscribe(subjects.out(rid))
-    js = nc.jetstream()
-    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
-    await js.publish(subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid})
     # Attempt 1 goes to a replica that hands it back at once (as one that died would, late).
-    first = await qnats.group_pull_subscription(js, worker_config.nats, "short")
-    (msg,) = await first.fetch(1, timeout=5)
-    await msg.nak()
-    await first.unsubscribe()
+    rid, chunks = await _redelivered(nc, subjects, worker_config, "gw-reconnecting")
     # The caller's subscription is there but does not answer (its loop is late): the
     # query for attempt 2 times out.
     silent = await nc.subscribe(subjects.resume(rid))
