@@ -44,6 +44,8 @@ little-endian float32.
    ``created_ms``        int       optional, epoch ms the caller made it (within 1 s of
                                    JetStream's storing time, else that time counts)
    ``origin``            str       optional, the gateway id whose heartbeat workers watch
+   ``cache_salt``        str       optional (<= 512 chars): only requests with the same
+                                   salt share cached prompt prefixes (default "": shared)
    ====================  ========  =========================================================
 
    ``params`` (every key optional): ``max_tokens`` int (256, >= 1), ``temperature`` float
@@ -201,6 +203,7 @@ class QosClient:
         priority: int = 0,
         model: str = "",
         decode_tail: DecodeTail | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[Chunk]:
         """Yield the answer's chunks, each with only new tokens; the last one is final.
 
@@ -224,6 +227,7 @@ class QosClient:
             priority=priority,
             deadline_ms=deadline_ms,
             created_ms=now_ms,
+            cache_salt=cache_salt,
         )
         request.validate()
         stream = ChunkSequencer(rid, decode_tail)

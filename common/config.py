@@ -185,6 +185,11 @@ class GatewayConfig(_Strict):
     # tokenized as the token, as transformers does, it lets a user close their turn and
     # write a system one. Off by default, as in transformers and vLLM.
     reject_control_tokens: bool = False
+    # "shared": every request may reuse every cached prompt prefix (system prompts, RAG
+    # documents: the cheap path). "api_key": each key's requests reuse only their own key's
+    # prefixes, on the workers and in the Redis tier, so no team can tell from a fast first
+    # token what another team sent. A request's cache_salt narrows either further.
+    cache_isolation: Literal["shared", "api_key"] = "shared"
     served_model_name: str | None = None
     # Published on qos.gw.<gateway id> so workers can tell a dead gateway's requests
     # (nobody will read their answers) from live ones; see worker.orphan_after_s.
@@ -306,6 +311,11 @@ class Config(_Strict):
             if group.fallback == name:
                 raise ValueError(f"groups.{name}.fallback cannot be the group itself")
         known = {d.strip().lower() for d in self.gateway.api_key_sha256}
+        if self.gateway.cache_isolation == "api_key" and not known:
+            raise ValueError(
+                "gateway.cache_isolation is 'api_key' but no keys are configured "
+                "(gateway.api_key_sha256): every request would share one namespace"
+            )
         for digest, allowed in self.gateway.api_key_groups.items():
             if digest.strip().lower() not in known:
                 raise ValueError(

@@ -397,6 +397,7 @@ MAX_STOP_TOKEN_IDS = 64
 # Per stop string: the engine matches every one against each token's text (cost grows with
 # their length, for the whole batch on its thread).
 MAX_STOP_CHARS = 1024
+MAX_CACHE_SALT_CHARS = 512  # the gateway's key part (64) plus a caller's salt (<= 256)
 
 
 @dataclass
@@ -436,6 +437,10 @@ class GenerateRequest(Message):
     # The gateway that holds the caller's connection, heartbeating on qos.gw.<origin>;
     # "" for callers on NATS itself. Workers abort a request whose origin went silent.
     origin: str = ""
+    # Prefix-cache namespace: only requests with the same salt share cached KV blocks
+    # (on the worker and in the Redis tier). The gateway derives it from the API key
+    # when gateway.cache_isolation is "api_key", joined to the request's own cache_salt.
+    cache_salt: str = ""
 
     def validate(self) -> None:
         from common.subjects import is_subject_token
@@ -460,6 +465,8 @@ class GenerateRequest(Message):
             )
         if any(len(s) > MAX_STOP_CHARS for s in self.params.stop):
             raise ProtocolError(f"request.params.stop: at most {MAX_STOP_CHARS} characters each")
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ProtocolError(f"request.cache_salt: at most {MAX_CACHE_SALT_CHARS} characters")
 
 
 @dataclass

@@ -111,6 +111,7 @@ def create_app(
             rate_per_s=config.gateway.api_key_rate_limit_rps,
             burst=config.gateway.api_key_rate_limit_burst,
             groups=config.gateway.api_key_groups,
+            isolate_cache=config.gateway.cache_isolation == "api_key",
         ),
         metrics=GatewayMetrics(registry),
         view=view,
@@ -215,13 +216,13 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     async def generate(kind: Kind, request: Request, group: str | None) -> Response:
         try:
-            allowed = state.keys.check(request.headers.get("authorization"))
+            grant = state.keys.check(request.headers.get("authorization"))
             if state.generator is None:
                 raise InternalError("the gateway is not connected to NATS yet")
         except QosError as exc:  # refused before classification: group "-"
             state.metrics.finished("-", exc.http_status)
             raise
-        return await state.generator.handle(kind, request, group, allowed)
+        return await state.generator.handle(kind, request, group, grant)
 
     # The fixed routes come first: /v1/chat/completions must not read as group "chat".
     generation: list[tuple[str, str, Kind, type]] = [

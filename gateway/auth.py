@@ -14,6 +14,10 @@ costs anything else. Limits are per gateway process.
 ``gateway.api_key_groups`` binds a key to the instance groups it may use: :meth:`ApiKeys.check`
 returns them, and classification and admission keep its requests inside them (403
 ``permission_denied`` for a group it names and may not use).
+
+``gateway.cache_isolation: api_key`` gives each key a prefix-cache namespace of its own
+(:attr:`KeyGrant.cache_namespace`, derived from its digest): one team's requests then never
+reuse, and so can never time, the KV blocks of another's prompts.
 """
 
 from __future__ import annotations
@@ -24,10 +28,29 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from common.errors import AuthenticationError, RateLimitError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KeyGrant:
+    """What an accepted request's key may do: the groups it may use (None: every group) and
+    its prefix-cache namespace ("": the cache everyone shares)."""
+
+    groups: frozenset[str] | None = None
+    cache_namespace: str = ""
+
+
+OPEN_GRANT = KeyGrant()
+
+
+def cache_namespace(digest: bytes) -> str:
+    """A key's prefix-cache namespace: 32 hex digits, one-way from its digest, the same on
+    every gateway (so a key's prefixes are shared across gateways and workers)."""
+    return hashlib.blake2b(digest, digest_size=16, person=b"qos-kv-namespace").hexdigest()
 
 
 def key_digest(key: str) -> str:
@@ -68,6 +91,7 @@ class ApiKeys:
         rate_per_s: float = 0.0,
         burst: int = 0,
         groups: Mapping[str, Iterable[str]] | None = None,
+        isolate_cache: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         wrong = ValueError("gateway.api_key_sha256 entries must be sha256 hex digests")
@@ -81,7 +105,10 @@ class ApiKeys:
         by_digest = {
             bytes.fromhex(d.strip().lower()): frozenset(g) for d, g in (groups or {}).items()
         }
-        self._groups = [by_digest.get(d) for d in self._digests]
+        self._grants = [
+            KeyGrant(by_digest.get(d), cache_namespace(d) if isolate_cache else "")
+            for d in self._digests
+        ]
         self._buckets: list[TokenBucket] | None = None
         if rate_per_s > 0:
             depth = burst or max(1, math.ceil(rate_per_s))
@@ -97,12 +124,12 @@ class ApiKeys:
                 "no API keys configured (gateway.api_key_sha256): the gateway accepts every request"
             )
 
-    def check(self, authorization: str | None) -> frozenset[str] | None:
-        """Accept the request and return the groups its key may use (None: every group),
-        or raise :class:`AuthenticationError` (401) or, for a key over its rate,
+    def check(self, authorization: str | None) -> KeyGrant:
+        """Accept the request and return what its key may do, or raise
+        :class:`AuthenticationError` (401) or, for a key over its rate,
         :class:`RateLimitError` (429)."""
         if self.open:
-            return None
+            return OPEN_GRANT
         if not authorization:
             raise AuthenticationError(
                 "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
@@ -127,4 +154,4 @@ class ApiKeys:
                     retry_after_s=wait_s,
                     code="rate_limit_exceeded",
                 )
-        return self._groups[matched]
+        return self._grants[matched]

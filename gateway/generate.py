@@ -43,6 +43,7 @@ from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
 from gateway import tracing as traced
 from gateway.admission import Admission, Route
+from gateway.auth import OPEN_GRANT, KeyGrant
 from gateway.classifier import GROUP_HEADER, classify
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
@@ -134,7 +135,7 @@ class Generator:
         kind: Kind,
         request: Request,
         path_group: str | None,
-        allowed: frozenset[str] | None = None,
+        grant: KeyGrant = OPEN_GRANT,
     ) -> Response:
         """Answer one generation request; a :class:`QosError` becomes the app's error reply."""
         started = time.monotonic()
@@ -169,7 +170,7 @@ class Generator:
                 header_group=request.headers.get(GROUP_HEADER),
                 prompt_param=prompt_param,
                 seq_limit=self._admission.seq_limit,
-                allowed=allowed,
+                allowed=grant.groups,
             )
             group_label = classified.group
             deadline_ms = _deadline_ms(request, self._config.gateway.default_deadline_ms)
@@ -178,7 +179,7 @@ class Generator:
             if left_s <= 0:
                 raise DeadlineExceededError("the request's deadline passed before it was admitted")
             route = await self._admission.admit(
-                classified.group, len(prompt_ids) + classified.max_tokens, left_s, allowed
+                classified.group, len(prompt_ids) + classified.max_tokens, left_s, grant.groups
             )
             group_label = route.group
         except QosError as exc:
@@ -205,7 +206,8 @@ class Generator:
                 )  # fmt: skip
             if self._log_prompts:
                 log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
-            await self._publish(flight, body, prompt_ids, classified.max_tokens, request)
+            salt = prefix_cache_salt(grant.cache_namespace, body.cache_salt)
+            await self._publish(flight, body, prompt_ids, classified.max_tokens, request, salt)
             first = await self._next(flight, request)
             if first.error is not None:
                 raise first.error
@@ -342,6 +344,7 @@ class Generator:
         prompt_ids: list[int],
         max_tokens: int,
         request: Request,
+        cache_salt: str,
     ) -> None:
         now_ms = int(time.time() * 1000)
         # The worker's deadline is the gateway's, not a fresh one from now.
@@ -359,6 +362,7 @@ class Generator:
             deadline_ms=deadline_at_ms,
             created_ms=now_ms,
             origin=self._origin,
+            cache_salt=cache_salt,
         )
         headers = {"Nats-Msg-Id": request_id, "Qos-Deadline-Ms": str(deadline_at_ms)}
         subject = self._subjects.request(flight.route.group)
@@ -576,6 +580,14 @@ def _strings(value: Any) -> Iterator[str]:
             stack.extend(item.values())
         elif isinstance(item, list | tuple):
             stack.extend(item)
+
+
+def prefix_cache_salt(namespace: str, requested: str | None) -> str:
+    """The worker's prefix-cache salt: the key's namespace (fixed length, so a client's own
+    salt can never reach another key's), then the client's ``cache_salt``."""
+    if not namespace:
+        return requested or ""
+    return f"{namespace}:{requested or ''}"
 
 
 def _deadline_ms(request: Request, default_ms: int) -> int:

@@ -2,8 +2,8 @@
 
 The models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` plus the vLLM
 extensions users expect (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``priority``, ``chat_template_kwargs``). Validation is strict: an
-unknown parameter, a wrong type or an out-of-range value is a 400 naming the parameter,
+``stop_token_ids``, ``priority``, ``chat_template_kwargs``, ``cache_salt``). Validation is
+strict: an unknown parameter, a wrong type or an out-of-range value is a 400 naming the parameter,
 never a silent coercion, because a client that misspells ``max_tokens`` deserves to know.
 OpenAI parameters of features this gateway does not serve are known, not unknown: sent with
 a value that asks for nothing (``logit_bias: null``, ``tools: []``, ``response_format:
@@ -113,6 +113,9 @@ def _decoded_call(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": decoded}}
 
 
+MAX_CLIENT_CACHE_SALT = 256  # characters; vLLM suggests 43 (256 random bits, base64)
+
+
 class _SamplingBody(_Strict):
     """Parameters both endpoints share."""
 
@@ -130,6 +133,8 @@ class _SamplingBody(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     priority: int | None = Field(None, ge=-(2**31), lt=2**31)
+    # vLLM's: requests share cached prompt prefixes only with requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CLIENT_CACHE_SALT)
     user: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None

@@ -127,6 +127,10 @@ def test_token_id_beyond_int32_is_refused_when_encoding() -> None:
             _raw(id="a", group="g", reply="r", prompt="x", params={"stop": ["x" * 1025]}),
             "at most 1024 characters",
         ),
+        (
+            _raw(id="a", group="g", reply="r", prompt="x", cache_salt="s" * 513),
+            "cache_salt: at most 512 characters",
+        ),
         (msgpack.packb({1: 2}), "not valid msgpack"),
     ],
 )

@@ -65,6 +65,7 @@ class StepEngine(Protocol):
         arrival_time: float | None = None,
         resumed_tokens: int = 0,
         delivered_text_len: int = 0,
+        cache_salt: str = "",
     ) -> None: ...
 
     def abort(self, request_id: str) -> bool: ...
@@ -100,6 +101,7 @@ class AddRequest:
     resume_text_len: int = 0
     priority: int = 0
     arrival_time: float | None = None
+    cache_salt: str = ""
 
 
 def engine_max_batch(engine: Any) -> int:
@@ -291,13 +293,14 @@ class EngineBridge:
                 prompt_token_ids=[*base, *cmd.resume_token_ids],
                 priority=cmd.priority, arrival_time=cmd.arrival_time,
                 resumed_tokens=len(cmd.resume_token_ids),
-                delivered_text_len=cmd.resume_text_len,
+                delivered_text_len=cmd.resume_text_len, cache_salt=cmd.cache_salt,
             )  # fmt: skip
         else:
             self.engine.add_request(
                 cmd.request_id, cmd.prompt, cmd.params,
                 prompt_token_ids=cmd.prompt_token_ids if cmd.prompt is None else None,
                 priority=cmd.priority, arrival_time=cmd.arrival_time,
+                cache_salt=cmd.cache_salt,
             )  # fmt: skip
         self._live.add(cmd.request_id)
 

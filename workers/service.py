@@ -546,6 +546,7 @@ class WorkerService:
                 resume_text_len=resume_text_len,
                 priority=req.priority,
                 arrival_time=st.start,
+                cache_salt=req.cache_salt,
             )
         )
 

@@ -193,6 +193,7 @@ class SimEngine:
         arrival_time: float | None = None,
         resumed_tokens: int = 0,
         delivered_text_len: int = 0,
+        cache_salt: str = "",  # no prefix cache here to salt
     ) -> None:
         """Queue a request; raises and resumes like :meth:`LLMEngine.add_request`."""
         params = params if params is not None else SamplingParams()

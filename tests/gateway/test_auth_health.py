@@ -171,3 +171,48 @@ def test_api_key_groups_must_name_configured_keys_and_groups():
         Config(gateway=GatewayConfig(api_key_groups={digest: ["short"]}))
     with pytest.raises(ValueError, match="unknown groups"):
         Config(gateway=GatewayConfig(api_key_sha256=[digest], api_key_groups={digest: ["gpu"]}))
+
+
+async def test_cache_isolation_by_key_salts_each_keys_requests_apart(nats_config: NatsConfig):
+    """gateway.cache_isolation=api_key: each key's requests carry a namespace of their own
+    (the same for every request of that key), a client's cache_salt is kept inside it, and
+    no client salt can name another key's namespace."""
+    team = "sk-team-0123456789"
+    config = gateway_config(
+        nats_config, api_key_sha256=[key_digest(KEY), key_digest(team)], cache_isolation="api_key"
+    )
+    async with serve(config) as gw, running_worker(nats_config, "short") as worker:
+        for key, extra in [(KEY, {}), (KEY, {}), (team, {}), (team, {"cache_salt": "s1"})]:
+            client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+            await client.completions.create(
+                model=MODEL, prompt="hi", max_tokens=3, extra_body=extra
+            )
+    salts = [job.request.cache_salt for job in worker.jobs]
+    assert salts[0] == salts[1] and salts[0] != salts[2]  # per key, stable
+    assert len(salts[0]) == 33 and salts[0].endswith(":")  # 32 hex digits, then the client's
+    assert salts[3] == salts[2] + "s1"
+    assert KEY not in salts[0] and key_digest(KEY) not in salts[0]  # nothing secret travels
+
+
+async def test_shared_cache_forwards_a_clients_cache_salt_and_checks_it(nats_config: NatsConfig):
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        served = await http.post("/v1/completions", json={**BODY, "cache_salt": "tenant-7"})
+        plain = await http.post("/v1/completions", json=BODY)
+        empty = await http.post("/v1/completions", json={**BODY, "cache_salt": ""})
+        huge = await http.post("/v1/completions", json={**BODY, "cache_salt": "x" * 257})
+    assert served.status_code == plain.status_code == 200
+    assert [job.request.cache_salt for job in worker.jobs] == ["tenant-7", ""]
+    for refused in (empty, huge):
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "cache_salt"
+
+
+def test_cache_isolation_by_key_needs_keys():
+    from common.config import Config, GatewayConfig
+
+    with pytest.raises(ValueError, match="no keys are configured"):
+        Config(gateway=GatewayConfig(cache_isolation="api_key"))

@@ -194,7 +194,8 @@ class BlockPool:
         known = req.num_tokens - (req.pending_row >= 0)
         if len(req.block_hashes) < known // self.block_size:
             tokens = req.token_ids if known == req.num_tokens else req.token_ids[:known]
-            req.block_hashes = hash_chain(tokens, self.block_size, self.hash_salt, req.block_hashes)
+            salt = self.hash_salt + req.cache_salt  # the pool's salt is fixed: still one-to-one
+            req.block_hashes = hash_chain(tokens, self.block_size, salt, req.block_hashes)
         return req.block_hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:

@@ -187,6 +187,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         resumed_tokens: int = 0,
         delivered_text_len: int = 0,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request (exactly one of ``prompt`` / ``prompt_token_ids``).
 
@@ -196,6 +197,9 @@ class LLMEngine:
         A redelivered request continues its output: its prompt ends with the
         ``resumed_tokens`` tokens its caller has, with ``delivered_text_len`` characters of
         their text (see :func:`~workers.engine.detokenizer.attach_text_state`).
+        Requests share cached prefix blocks (here and in the KV tiers) only when their
+        ``cache_salt`` is equal, as in vLLM: a tenant's own salt keeps others from reusing,
+        and so from timing, its prompts.
         """
         params = params if params is not None else SamplingParams()
 
@@ -221,6 +225,7 @@ class LLMEngine:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             prompt=prompt,
             max_total_tokens=min(len(ids) + params.max_tokens, self.max_seq_len),
+            cache_salt=cache_salt.encode(),
         )
         req.resumed_tokens = resumed_tokens
         if params.seed is not None:

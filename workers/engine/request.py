@@ -55,6 +55,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    # Mixed into every block name: requests with different salts never share a prefix.
+    cache_salt: bytes = b""
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 = not admitted yet
     num_preemptions: int = 0
