@@ -572,6 +572,10 @@ class Telemetry(Message):
     # max_seq_len capped by its model's context and KV cache. None = not said (an older
     # worker); never encoded then, so a peer that predates the field still decodes reports.
     max_seq_len: int | None = None
+    # The longest sequence its engine can hold in any group (built for the longest group,
+    # capped by model and KV cache): the scheduler moves it only into groups it can serve
+    # at their current length. None = not said, as above.
+    engine_max_seq_len: int | None = None
 
     def validate(self) -> None:
         # The scheduler sizes groups from these (desired replicas, a demand history kept for
@@ -588,8 +592,10 @@ class Telemetry(Message):
         for name in ("kv_usage", "busy_ratio"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ProtocolError(f"telemetry.{name}: must be a ratio in [0, 1]")
-        if self.max_seq_len is not None and self.max_seq_len < 1:
-            raise ProtocolError("telemetry.max_seq_len: must be >= 1")
+        for name in ("max_seq_len", "engine_max_seq_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ProtocolError(f"telemetry.{name}: must be >= 1")
 
 
 # Per worker: sequences running or waiting, batch cap. Far above any engine, far below harm.

@@ -14,8 +14,11 @@ service acts on it (batch cap, KV state, alert).
 - OPEN: samples are ignored (they describe the incident the breaker already acted on);
   after ``wait_open_s`` it goes HALF_OPEN.
 - HALF_OPEN: each sample is judged alone: unhealthy (p99 over the threshold, or the error
-  rate since half-open over the limit) re-opens; ``close_after_healthy`` healthy samples
-  in a row close it.
+  rate since half-open over the limit, judged from ``close_after_healthy`` finished
+  requests) re-opens; ``close_after_healthy`` healthy samples in a row close it. A sample
+  is healthy only if a probe *succeeded* in it: one in which nothing finished (a long
+  group's probes take seconds) or everything failed is no evidence of health (failed
+  requests stay out of the latency windows, so their p99 reads as 0).
 
 Every transition empties the window, so no state judges data from before its start.
 
@@ -176,18 +179,21 @@ class Breaker:
             return self._move(
                 "open", now, f"p99 {sample.p99_ms:.0f} ms > {s.p99_threshold_ms:g} ms while probing"
             )
-        tripped = self._error_trip(now)
+        tripped = self._error_trip(now, min(s.min_requests, s.close_after_healthy))
         if tripped is not None:
             return tripped
+        if sample.requests - sample.errors <= 0:
+            return None  # nothing succeeded: no evidence either way
         self.healthy_in_row += 1
         if self.healthy_in_row >= s.close_after_healthy:
             return self._move("closed", now, f"{self.healthy_in_row} healthy samples")
         return None
 
-    def _error_trip(self, now: float) -> Transition | None:
+    def _error_trip(self, now: float, min_requests: int | None = None) -> Transition | None:
         s = self.settings
         rate, requests = self.error_rate()
-        if requests >= s.min_requests and rate > s.error_rate_threshold:
+        needed = s.min_requests if min_requests is None else min_requests
+        if requests >= needed and rate > s.error_rate_threshold:
             return self._move(
                 "open",
                 now,

@@ -15,9 +15,13 @@ an autoscaler) and, for a fixed fleet, at most one :class:`Move` of an idle repl
 - the group's minimum; and at most ``max_replicas``.
 
 **A move** takes an idle replica (serving, nothing running or waiting) from a *source* —
-no backlog, closed breaker, more replicas than both its minimum and its desired count, the
-most SLO headroom (lowest p99 / SLO) — to the *destination* with the most backlog per batch
-slot (``backlog / max_batch``) among groups with a backlog that want more replicas.
+no backlog, closed breaker, more replicas than both its minimum and its desired count and
+never its last one, the most SLO headroom (lowest p99 / SLO) — to the *destination* with
+the most backlog per batch slot (``backlog / max_batch``) among groups with a backlog that
+want more replicas. The replica must hold the sequences the destination serves now
+(``GroupView.seq_need``): a worker whose KV cache holds 32k tokens moved into a group whose
+replicas serve 128k would cut the group's limit (the gateway limits a group to what its
+live workers serve) and fail the long requests already queued.
 Hysteresis: the same (source, destination) pair must win ``move_after_ticks`` calls in a
 row, so input that flaps between groups never moves anything; after a move, neither group
 gives up a replica and the moved worker does not move again for ``cooldown_s``.
@@ -38,6 +42,7 @@ class ReplicaView:
     running: int = 0
     waiting: int = 0
     serving: bool = True
+    capacity: int = 0  # the longest sequence its engine holds; 0 = not said (any)
 
     @property
     def idle(self) -> bool:
@@ -58,6 +63,9 @@ class GroupView:
     min_replicas: int = 1
     forecast: float = 0.0  # expected concurrency from the hour-of-week history
     breaker: str = "closed"
+    # The sequence length a replica moved here must hold: what the group's live replicas
+    # serve now (its max_seq_len, or less); 0 = none serves it, any replica beats none.
+    seq_need: int = 0
 
     @property
     def serving(self) -> int:
@@ -140,7 +148,7 @@ def decide(
         return Decision(desired, (), RebalancerState(pair, streak, cooldown), why)
     by_name = {g.name: g for g in groups}
     src, dst = by_name[pair[0]], by_name[pair[1]]
-    worker = _idle_worker(src, cooldown)
+    worker = _idle_worker(src, cooldown, dst.seq_need)
     assert worker is not None  # _best_pair only picks sources that have one
     move = Move(
         worker,
@@ -156,8 +164,15 @@ def decide(
     return Decision(desired, (move,), RebalancerState(None, 0, cooldown), why)
 
 
-def _idle_worker(g: GroupView, cooldown: Mapping[str, float]) -> str | None:
-    idle = sorted(r.worker for r in g.replicas if r.idle and f"worker:{r.worker}" not in cooldown)
+def _idle_worker(g: GroupView, cooldown: Mapping[str, float], seq_need: int = 0) -> str | None:
+    """An idle replica of ``g`` that may move and holds ``seq_need`` tokens (by name)."""
+    idle = sorted(
+        r.worker
+        for r in g.replicas
+        if r.idle
+        and f"worker:{r.worker}" not in cooldown
+        and (r.capacity == 0 or r.capacity >= seq_need)
+    )
     return idle[0] if idle else None
 
 
@@ -177,8 +192,8 @@ def _best_pair(
         and g.backlog == 0
         and g.breaker == "closed"
         and f"group:{g.name}" not in cooldown
-        and g.serving - 1 >= max(g.min_replicas, desired[g.name])
-        and _idle_worker(g, cooldown) is not None
+        and g.serving - 1 >= max(1, g.min_replicas, desired[g.name])
+        and _idle_worker(g, cooldown, dst.seq_need) is not None
     ]
     if not sources:
         return None

@@ -406,18 +406,25 @@ class SchedulerService:
             waiting = backlog(self.queue_depths[group], held)
             self.histories[group].observe(held + waiting, epoch, self.cfg.history_alpha)
             kind = gc.breaker.p99_kind
+            replicas = tuple(
+                ReplicaView(
+                    r.worker,
+                    r.running,
+                    r.waiting,
+                    r.state == "serving" and r.worker in current,
+                    r.engine_max_seq_len or 0,
+                )
+                for r in reports
+            )
+            serves = [
+                r.max_seq_len or gc.max_seq_len
+                for r, v in zip(reports, replicas, strict=True)
+                if v.serving
+            ]
             views.append(
                 GroupView(
                     name=group,
-                    replicas=tuple(
-                        ReplicaView(
-                            r.worker,
-                            r.running,
-                            r.waiting,
-                            r.state == "serving" and r.worker in current,
-                        )
-                        for r in reports
-                    ),
+                    replicas=replicas,
                     backlog=waiting,
                     concurrency=stats.concurrency,  # the window's mean: a burst is not a trend
                     p99_ms=stats.e2e_p99_ms if kind == "e2e" else stats.ttft_p99_ms,
@@ -426,6 +433,7 @@ class SchedulerService:
                     min_replicas=self.cfg.min_replicas.get(group, self.cfg.default_min_replicas),
                     forecast=self.histories[group].forecast(epoch),
                     breaker=self.breakers[group].state,
+                    seq_need=min([gc.max_seq_len, *serves]) if serves else 0,
                 )
             )
         decision = decide(views, self.rebalancer_state, self.rebalance_settings, now)
@@ -456,6 +464,9 @@ class SchedulerService:
             action="assign_group",
             issued_ms=int(self._wall() * 1000),
             group=move.dst,
+            # The destination's breaker cap, so the replica does not run its first batch
+            # there at full size while the group is degraded.
+            batch_cap=self._cap_for(move.dst, self.breakers[move.dst].state),
             reason=f"rebalance: {move.reason}",
         )
         await self._publish(self.subjects.control(move.worker), control)
@@ -471,8 +482,15 @@ class SchedulerService:
         held = await self.lease.refresh()
         if held and not was:
             # A new term: nothing from an earlier one counts, and the breakers continue from
-            # where the previous leader left them.
-            self.rebalancer_state = RebalancerState()
+            # where the previous leader left them. Its cooldowns lived in its memory: those
+            # of the moves this standby saw in the workers' reports are taken up again, so a
+            # failover cannot bounce a moved replica straight back.
+            cooldown_s = self.rebalance_settings.cooldown_s
+            cooldown: dict[str, float] = {}
+            for at, worker, src, dst in self.windows.recent_moves(self._clock(), cooldown_s):
+                for key in (f"worker:{worker}", f"group:{src}", f"group:{dst}"):
+                    cooldown[key] = max(cooldown.get(key, 0.0), at + cooldown_s)
+            self.rebalancer_state = RebalancerState(cooldown_until=cooldown)
             self.desired.clear()
             self._breaker_written.clear()
             self._history_saved = self._clock()  # a history is saved only once it is loaded

@@ -123,6 +123,8 @@ class TelemetryWindows:
         self.groups = list(groups)
         self._silent_s = silent_s
         self._workers: dict[str, _Worker] = {}
+        # worker -> (when, old group, new group) of the last group change seen in its reports
+        self.moves_seen: dict[str, tuple[float, str, str]] = {}
         self.windows: dict[str, SlidingWindow[GroupSample]] = {
             g: SlidingWindow(window_samples, window_s) for g in self.groups
         }
@@ -139,6 +141,8 @@ class TelemetryWindows:
         known = self._workers.get(report.worker)
         if known is None or known.report.group != report.group:
             # New here, or moved: its counters start counting for this group from now.
+            if known is not None:
+                self.moves_seen[report.worker] = (now, known.report.group, report.group)
             known = _Worker(report, now, base_finished=report.requests_done + report.errors,
                             base_errors=report.errors)  # fmt: skip
             self._workers[report.worker] = known
@@ -151,6 +155,12 @@ class TelemetryWindows:
         elif progressed or known.stall_from is None:
             # What runs now still runs at the next report if nothing finishes in between.
             known.stall_from = now
+
+    def recent_moves(self, now: float, within_s: float) -> list[tuple[float, str, str, str]]:
+        """(when, worker, old group, new group) of group changes seen within ``within_s``."""
+        for worker in [w for w, (at, _, _) in self.moves_seen.items() if now - at > within_s]:
+            del self.moves_seen[worker]
+        return [(at, w, src, dst) for w, (at, src, dst) in self.moves_seen.items()]
 
     def expire(self, now: float) -> list[Telemetry]:
         """Forget workers silent for ``silent_s``; returns their last reports."""

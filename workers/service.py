@@ -785,7 +785,7 @@ class WorkerService:
             return
         message = self.telemetry.build(
             self.group, state, self.bridge.stats, self.bridge.batch_cap, self.bridge.busy_s,
-            max_seq_len=self.bridge.seq_limit,
+            max_seq_len=self.bridge.seq_limit, engine_max_seq_len=self.bridge.built_max_seq_len,
         )  # fmt: skip
         await telemetry.publish(
             self.nc, self.kv, self.subjects, message, self.observer.metrics_port
@@ -838,6 +838,11 @@ class WorkerService:
                     )
                 self.bridge.abort(control.request_id)
         elif action == "set_batch_cap" and self.bridge is not None:
+            if control.group is not None and control.group != self.group:
+                # For the group this replica just left (a reconcile sent before its move):
+                # its new group's breaker is another matter.
+                log.info("batch cap for group %s ignored: serving %s", control.group, self.group)
+                return
             group_max = self.config.groups[self.group].max_batch
             before = self.bridge.batch_cap
             cap = self.bridge.set_batch_cap(min(control.batch_cap or group_max, group_max))
@@ -858,12 +863,15 @@ class WorkerService:
             else:
                 self._set_serving(True)
         elif action == "assign_group" and control.group:
-            task = asyncio.create_task(self.assign_group(control.group), name="assign-group")
+            task = asyncio.create_task(
+                self.assign_group(control.group, control.batch_cap), name="assign-group"
+            )
             task.add_done_callback(_log_failure)  # held in _tasks: nobody else would read it
             self._tasks.append(task)
 
-    async def assign_group(self, group: str) -> None:
-        """Drain, then move this replica to ``group``'s consumer (its batch limit too)."""
+    async def assign_group(self, group: str, batch_cap: int | None = None) -> None:
+        """Drain, then move this replica to ``group``'s consumer (its batch limit too, or
+        ``batch_cap`` below it: the group's breaker degrades it)."""
         if group not in self.config.groups:
             log.warning("assign_group: unknown group %r ignored", group)
             return
@@ -888,6 +896,12 @@ class WorkerService:
                     group = old
                 self._apply_group_limits(group)
                 self._cap_set_at = None
+                if group != old:
+                    self.telemetry.reset_latency()
+                    limit = self.config.groups[group].max_batch
+                    if batch_cap is not None and batch_cap < limit and self.bridge is not None:
+                        self.bridge.set_batch_cap(batch_cap)  # lapses unless renewed, as any
+                        self._cap_set_at = time.monotonic()
                 log.info("moved from group %s to %s", old, group)
             self._set_serving(True)
 

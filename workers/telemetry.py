@@ -96,6 +96,12 @@ class WorkerTelemetry:
         self._last_tokens = 0
         self._last_busy = 0.0
 
+    def reset_latency(self) -> None:
+        """Forget the latency windows: the replica moved, and its old group's latencies (a
+        long document's 20 s) would count against its new group's SLO and breaker."""
+        self.ttft = LatencyWindow(horizon_s=self.ttft._horizon, clock=self._clock)
+        self.e2e = LatencyWindow(horizon_s=self.e2e._horizon, clock=self._clock)
+
     def first_token(self, ttft_s: float) -> None:
         self.ttft.add(ttft_s)
 
@@ -119,6 +125,7 @@ class WorkerTelemetry:
         busy_s: float,
         *,
         max_seq_len: int | None = None,
+        engine_max_seq_len: int | None = None,
     ) -> Telemetry:
         """The telemetry message now; rates cover the time since the previous call."""
         now = self._clock()
@@ -150,6 +157,7 @@ class WorkerTelemetry:
             prefix_hit_tokens=stats.prefix_cache_hits,
             busy_ratio=busy_ratio,
             max_seq_len=max_seq_len,
+            engine_max_seq_len=engine_max_seq_len,
         )
 
 

@@ -17,7 +17,8 @@ S = BreakerSettings(
     wait_open_s=10,
     close_after_healthy=3,
 )
-SLOW, FAST = BreakerSample(900), BreakerSample(100)
+SLOW, FAST = BreakerSample(900, requests=2), BreakerSample(100, requests=2)
+IDLE = BreakerSample(0)  # nothing finished since the last sample
 
 
 def feed(b: Breaker, samples: list[BreakerSample], start: float = 0.0, step: float = 1.0):
@@ -97,6 +98,23 @@ def test_half_open_reopens_on_errors():
     b.tick(10.0)
     moves = feed(b, [BreakerSample(50, requests=10, errors=5)], start=11.0)
     assert moves[0].target == "open"
+
+
+def test_half_open_does_not_close_on_samples_in_which_no_probe_succeeded():
+    """A sample with nothing finished (a long group's probes take seconds), or only
+    failures (which stay out of the latency windows: p99 0), is no evidence of health: it
+    closed a breaker whose every probe failed, which then re-opened: a 14 s flap."""
+    b = opened()
+    b.tick(10.0)
+    assert feed(b, [IDLE] * 5, start=10.5) == [] and b.state == "half_open"
+    moves = feed(b, [IDLE, FAST, IDLE, FAST, FAST], start=16.0)
+    assert [(m.source, m.target) for m in moves] == [("half_open", "closed")]
+    failing = opened()
+    failing.tick(10.0)
+    moves = feed(failing, [BreakerSample(0, requests=2, errors=2)] * 3, start=10.5)
+    # Judged from close_after_healthy (3) finished requests, not min_requests (10).
+    assert [(m.source, m.target) for m in moves] == [("half_open", "open")]
+    assert moves[0].at == 11.5 and "error rate" in moves[0].reason
 
 
 def test_every_transition_resets_the_window():

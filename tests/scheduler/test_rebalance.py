@@ -71,3 +71,32 @@ async def test_a_replica_that_missed_its_report_is_not_counted_when_moving(nats_
         now[0] += 0.9
         assert await rounds(b_reports=False) == []
         assert await rounds(b_reports=True) == ["a"]  # both live: one may go
+
+
+async def test_a_new_leader_keeps_the_cooldown_of_a_move_it_saw_the_old_one_make(
+    nats_config, monkeypatch
+):
+    """The cooldowns lived in the old leader's memory: a standby that took over 4 s after a
+    move could order it reversed within seconds. It saw the move in the worker's reports
+    (a group change), and takes that cooldown up with the lease."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        service.windows.observe(Telemetry(worker="w", group="short", ts_ms=0), now[0])
+        now[0] += 1.0
+        service.windows.observe(Telemetry(worker="w", group="long", ts_ms=0), now[0])
+        moved_at = now[0]
+        service.windows.observe(Telemetry(worker="x", group="short", ts_ms=0), now[0])
+        now[0] += 4.0
+        lease = service.lease
+        answers = iter([False, True])  # a standby now, then the leader
+
+        async def refresh() -> bool:
+            lease.held = next(answers)
+            return lease.held
+
+        monkeypatch.setattr(lease, "refresh", refresh)
+        await service._refresh_lease()
+        await service._refresh_lease()
+        until_ = moved_at + service.rebalance_settings.cooldown_s
+        assert dict(service.rebalancer_state.cooldown_until) == {
+            "worker:w": until_, "group:short": until_, "group:long": until_,
+        }  # fmt: skip

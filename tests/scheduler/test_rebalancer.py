@@ -128,3 +128,36 @@ def test_moving_can_be_switched_off():
     off = RebalanceSettings(move_replicas=False, move_after_ticks=1)
     d = decide(fleet(), RebalancerState(), off, 0.0)
     assert d.moves == () and d.desired["long"] >= 2
+
+
+def test_a_replica_moves_only_into_a_group_whose_sequences_it_holds():
+    """long's replicas serve 128k tokens: a short replica whose KV cache holds 32k would
+    cut long's limit (the gateway takes the least a group's live workers serve) and fail
+    the long prompts already queued. One that holds 128k moves; a group nobody serves
+    takes any replica."""
+    small, big = ReplicaView("s1", capacity=32_768), ReplicaView("s2", capacity=131_072)
+
+    def views(replicas: tuple[ReplicaView, ...], seq_need: int) -> list[GroupView]:
+        long = fleet()[1]
+        return [
+            GroupView("short", replicas=replicas, slo_ms=500, max_batch=16),
+            GroupView("long", replicas=long.replicas, backlog=8, concurrency=10,
+                      slo_ms=60000, max_batch=2, seq_need=seq_need),
+        ]  # fmt: skip
+
+    moves, _ = run([views((small, big), 131_072)] * 3)
+    assert [m.worker for m in moves] == ["s2"]  # not s1, first by name
+    small2 = ReplicaView("s3", capacity=32_768)
+    assert run([views((small, small2), 131_072)] * 10)[0] == []
+    assert [m.worker for m in run([views((small, small2), 0)] * 3)[0]] == ["s1"]
+    unknown = (ReplicaView("s1"), ReplicaView("s3"))  # workers that predate the field
+    assert [m.worker for m in run([views(unknown, 131_072)] * 3)[0]] == ["s1"]
+
+
+def test_never_moves_a_groups_last_replica_even_with_a_minimum_of_zero():
+    """A group left with no replica is not live: the gateway refuses its requests (503),
+    so it never shows a backlog and never gets a replica back."""
+    views = [g if g.name != "short" else GroupView(
+        "short", replicas=idle("s1"), slo_ms=500, max_batch=16, min_replicas=0)
+        for g in fleet()]  # fmt: skip
+    assert run([views] * 10)[0] == []

@@ -402,6 +402,31 @@ async def test_a_replica_built_for_short_serves_long_requests_once_moved_there(
     report = await asyncio.wait_for(reports.get(), 5)
     await sub.unsubscribe()
     assert report.max_seq_len == long.max_seq_len  # what the gateway limits long's requests to
+    assert report.engine_max_seq_len == service.bridge.built_max_seq_len  # what it could hold
+
+
+async def test_a_moved_replica_reports_no_old_latency_and_takes_its_new_groups_cap(
+    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects
+) -> None:
+    """Its old group's latencies (a long document's seconds) counted against its new
+    group's SLO and opened that group's breaker; the move carries the destination's
+    breaker cap; a cap the scheduler sent for the group it left is not applied."""
+    service = await start_worker()
+    await client.collect(group="short", prompt_token_ids=[3], params=RequestParams(max_tokens=2))
+    assert service.telemetry.e2e.percentiles_ms()[2] == 1
+    move = Control(action="assign_group", group="long", batch_cap=1)
+    await nc.publish(subjects.control("w0"), move.to_bytes())
+    await eventually(lambda: service.group == "long" and service.state == "serving")
+    assert service.telemetry.e2e.percentiles_ms() == (0.0, 0.0, 0)
+    assert service.telemetry.ttft.percentiles_ms() == (0.0, 0.0, 0)
+    assert service.bridge.batch_cap == 1  # long's breaker is open: not its max batch of 2
+    stale = Control(action="set_batch_cap", group="short", batch_cap=16)
+    await nc.publish(subjects.control("w0"), stale.to_bytes())
+    renewed = Control(action="set_batch_cap", group="long", batch_cap=1)
+    await nc.publish(subjects.control("w0"), renewed.to_bytes())
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    assert service.bridge.batch_cap == 1
 
 
 @pytest.mark.parametrize("failures", [1, 99])
