@@ -190,6 +190,8 @@ class GatewayConfig(_Strict):
     # prefixes, on the workers and in the Redis tier, so no team can tell from a fast first
     # token what another team sent. A request's cache_salt narrows either further.
     cache_isolation: Literal["shared", "api_key"] = "shared"
+    # Origins browsers may call the API from (CORS; ["*"] for any); empty = no CORS headers.
+    cors_allow_origins: list[str] = Field(default_factory=list)
     served_model_name: str | None = None
     # Published on qos.gw.<gateway id> so workers can tell a dead gateway's requests
     # (nobody will read their answers) from live ones; see worker.orphan_after_s.

@@ -137,6 +137,17 @@ class InternalError(QosError):
     pass
 
 
+class RequestGivenUpError(InternalError):
+    """Failed on every delivery JetStream allows (a request that crashes workers, say)."""
+
+    default_code = "request_given_up"
+
+    def headers(self) -> dict[str, str]:
+        # Run again by the openai client's retries, it would fail (or kill workers) on every
+        # delivery once more, twice.
+        return {**super().headers(), "x-should-retry": "false"}
+
+
 _BY_CODE: dict[str, type[QosError]] = {
     cls.default_code: cls
     for cls in (
@@ -151,6 +162,7 @@ _BY_CODE: dict[str, type[QosError]] = {
         ServiceUnavailableError,
         DeadlineExceededError,
         InternalError,
+        RequestGivenUpError,
     )
 }
 

@@ -94,6 +94,17 @@ class BaseTokenizer(ABC):
         return cached
 
     @property
+    def knows_developer_role(self) -> bool:
+        """Whether the default chat template names OpenAI's ``developer`` role (gpt-oss's
+        does); most print only system/user/assistant/tool and drop, or refuse, the rest."""
+        cached: bool | None = getattr(self, "_knows_developer", None)
+        if cached is None:
+            templates = self.chat_templates
+            source = templates.get("default") or next(iter(templates.values()), "")
+            cached = self._knows_developer = "developer" in source
+        return cached
+
+    @property
     @abstractmethod
     def vocab_size(self) -> int:
         """Number of ids this tokenizer can produce, added tokens included."""

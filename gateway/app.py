@@ -28,12 +28,20 @@ from nats.aio.client import Client
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route
 from starlette.types import Scope
 
 from common.config import Config
-from common.errors import InternalError, InvalidRequestError, QosError, error_from_code
+from common.errors import (
+    InternalError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    QosError,
+    ServiceUnavailableError,
+    error_from_code,
+)
 from common.logging import prompts_loggable
 from common.nats import connect, ensure_jetstream
 from common.subjects import Subjects
@@ -42,7 +50,7 @@ from common.trace_metrics import register_trace_metrics
 from common.tracing import tracer_for
 from gateway.admission import ADMISSION_WAIT_S, Admission
 from gateway.auth import ApiKeys
-from gateway.classifier import explicit_group
+from gateway.classifier import GROUP_HEADER, explicit_group
 from gateway.generate import Generator
 from gateway.heartbeat import Heartbeat, new_gateway_id
 from gateway.metrics import GatewayMetrics
@@ -75,6 +83,7 @@ class GatewayState:
     admission: Admission
     served_model: str
     created: int
+    aliases: tuple[str, ...] = ()  # other names a request's "model" may use
     nc: Client | None = None
     generator: Generator | None = None
 
@@ -118,6 +127,7 @@ def create_app(
         admission=Admission(config, view, wait_s=admission_wait_s),
         served_model=served,
         created=int(time.time()),
+        aliases=tuple(aliases),
     )
     register_trace_metrics(state.metrics.registry, tracer)
     subjects = Subjects(config.nats.subject_prefix)
@@ -164,6 +174,14 @@ def create_app(
     app.state.gateway = state
     if tracer is not None or config.log.access_log:
         app.add_middleware(ObserveMiddleware, tracer=tracer, access_log=config.log.access_log)
+    if config.gateway.cors_allow_origins:  # browser clients: answer their preflights
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.gateway.cors_allow_origins,
+            allow_methods=["GET", "HEAD", "POST"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", GROUP_HEADER, "X-QoS-Fallback-From", "Retry-After"],
+        )
     _add_error_handlers(app)
     _add_routes(app, state)
     _add_openapi(app)
@@ -218,7 +236,9 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         try:
             grant = state.keys.check(request.headers.get("authorization"))
             if state.generator is None:
-                raise InternalError("the gateway is not connected to NATS yet")
+                raise ServiceUnavailableError(
+                    "the gateway is not connected to NATS yet", retry_after_s=1
+                )
         except QosError as exc:  # refused before classification: group "-"
             state.metrics.finished("-", exc.http_status)
             raise
@@ -238,23 +258,38 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         doc = _documented_group if "{group}" in path else _documented
         app.post(path, openapi_extra=body_doc(body), name=name)(doc)
 
-    @app.get("/v1/models")
-    @app.get("/v1/{group}/models")  # a client whose base_url names a group lists models too
-    async def models(request: Request, group: str | None = None) -> dict[str, Any]:
-        state.keys.check(request.headers.get("authorization"))
+    def model_card(group: str | None) -> dict[str, Any]:
         if group is not None:
             explicit_group(state.config, group, None)  # 404 group_not_found when unknown
         # What the groups take now: a group's workers may serve less than its config says.
         names = [group] if group is not None else list(state.config.groups)
         longest = max(state.admission.seq_limit(name) for name in names)
-        card = {
+        return {
             "id": state.served_model,
             "object": "model",
             "created": state.created,
             "owned_by": "qosserve",
             "max_model_len": longest,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    @app.get("/v1/{group}/models")  # a client whose base_url names a group lists models too
+    @app.head("/v1/models", include_in_schema=False)  # uptime checkers probe with HEAD
+    @app.head("/v1/{group}/models", include_in_schema=False)
+    async def models(request: Request, group: str | None = None) -> dict[str, Any]:
+        state.keys.check(request.headers.get("authorization"))
+        return {"object": "list", "data": [model_card(group)]}
+
+    @app.get("/v1/models/{model_id:path}")  # client.models.retrieve; ids may hold a "/"
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
+        state.keys.check(request.headers.get("authorization"))
+        if model_id not in (state.served_model, *state.aliases):
+            raise ModelNotFoundError(
+                f"The model '{model_id}' does not exist; this gateway serves "
+                f"'{state.served_model}'",
+                param="model",
+            )
+        return model_card(None)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -294,11 +329,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        error = error_from_code(code, str(exc.detail))
+        client_side = 400 <= exc.status_code < 500  # a 405 is the caller's, not ours
+        error_type = (
+            "invalid_request_error" if client_side else error_from_code(code, "").error_type
+        )
         body = {
             "error": {
                 "message": str(exc.detail),
-                "type": error.error_type,
+                "type": error_type,
                 "param": None,
                 "code": code,
             }

@@ -138,14 +138,19 @@ def _settle(prompt: int, max_tokens: int | None, default: int, limit: int) -> in
 def _too_long(
     prompt: int, max_tokens: int | None, limit: int, prompt_param: str, where: str
 ) -> ContextLengthExceededError:
+    # OpenAI's and vLLM's first sentence, which LiteLLM matches to raise its
+    # ContextWindowExceededError (and take a router's context-window fallback).
+    head = f"This model's maximum context length is {limit} tokens"
     if prompt >= limit or max_tokens is None:
         return ContextLengthExceededError(
-            f"the prompt has {prompt} tokens; {where} accepts at most {limit} tokens "
-            "including at least one completion token",
+            f"{head}. However, your prompt has {prompt} tokens, and at least one completion "
+            f"token is needed ({where} accepts at most {limit} tokens).",
             param=prompt_param,
         )
     return ContextLengthExceededError(
-        f"this request needs {prompt + max_tokens} tokens ({prompt} in the prompt, "
-        f"{max_tokens} in max_tokens); {where} accepts at most {limit}",
+        f"{head}. However, you requested {prompt + max_tokens} tokens ({prompt} in the "
+        f"{'messages' if prompt_param == 'messages' else 'prompt'}, {max_tokens} in the "
+        f"completion). Please reduce the length of the {prompt_param} or completion "
+        f"({where} accepts at most {limit} tokens).",
         param="max_tokens",
     )

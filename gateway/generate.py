@@ -259,7 +259,8 @@ class Generator:
 
             def render() -> str:
                 parts = self._tok.content_parts  # the template loops over content parts
-                messages = [m.for_template(parts) for m in body.messages]  # decodes tool args
+                developer = self._tok.knows_developer_role
+                messages = [m.for_template(parts, developer) for m in body.messages]
                 return self._tok.apply_chat_template(
                     messages, add_generation_prompt=body.add_generation_prompt,
                     **(body.chat_template_kwargs or {}),

@@ -82,12 +82,16 @@ class ChatMessage(BaseModel):
             )
         return self.content
 
-    def for_template(self, parts: bool = False) -> dict[str, Any]:
+    def for_template(self, parts: bool = False, developer: bool = False) -> dict[str, Any]:
         """The message as a chat template expects it: content parts flattened to text (or,
         with ``parts``, for a template that loops over them, kept as text parts), and a tool
         call's ``arguments`` (a JSON string on the wire) as the object templates render with
-        ``tojson`` (a string would come out encoded twice), as vLLM passes them."""
+        ``tojson`` (a string would come out encoded twice), as vLLM passes them. OpenAI's
+        ``developer`` role is its system role: a template that does not name it
+        (``developer`` False) gets ``system``, which Qwen's templates silently dropped."""
         out = self.model_dump(exclude_none=True)
+        if self.role == "developer" and not developer:
+            out["role"] = "system"
         if isinstance(self.content, list) and parts:
             out["content"] = [
                 {"type": "text", "text": p.text if isinstance(p, TextPart) else p.refusal}
@@ -122,7 +126,7 @@ class _SamplingBody(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: only the likeliest token, greedy
     top_k: int | None = Field(None, ge=-1, lt=2**31)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # any 64-bit seed, as OpenAI
@@ -144,6 +148,7 @@ class _SamplingBody(_Strict):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     # Known, not served: accepted only with a value that asks for nothing (see _NEUTRAL).
     logit_bias: Any = None
@@ -186,10 +191,15 @@ class _SamplingBody(_Strict):
 
     def wire_params(self, max_tokens: int, logprobs: int | None) -> RequestParams:
         """The sampling parameters as they travel to the worker, OpenAI's defaults filled in."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if self.top_p == 0:
+            # Only the likeliest token (OpenAI allows top_p 0; clients send "temperature 0,
+            # top_p 0" for determinism): greedy, as temperature 0 is.
+            temperature = 0.0
         return RequestParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=temperature,
+            top_p=1.0 if self.top_p in (None, 0) else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k,
             min_p=self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,

@@ -48,6 +48,7 @@ from common.errors import (
     InternalError,
     ProtocolError,
     QosError,
+    RequestGivenUpError,
     ServiceUnavailableError,
 )
 from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprobs, Usage
@@ -314,7 +315,7 @@ class Dispatcher:
         if self._delete_task is not None:
             self._delete_task.cancel()
         for stream in list(self._streams.values()):
-            stream.fail(InternalError("the gateway is shutting down"))
+            stream.fail(ServiceUnavailableError("the gateway is shutting down", retry_after_s=1))
         self._streams.clear()
 
     @property
@@ -384,7 +385,7 @@ class Dispatcher:
         # A work queue keeps a message past max_deliver for good: delete it.
         self._deletes.put_nowait(seq)
         stream.fail(
-            InternalError(
+            RequestGivenUpError(
                 f"the request failed on every one of its {deliveries} deliveries to workers "
                 "and was given up"
             )

@@ -27,7 +27,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from common.errors import ProtocolError
+from common.errors import ProtocolError, RequestGivenUpError
 from common.protocol import Chunk, ErrorInfo, ResumeQuery, ResumeReply
 from common.subjects import Subjects
 from workers.outbox import raw_reply
@@ -177,7 +177,7 @@ async def retry_or_fail(
     if reply is not None:
         chunk = Chunk(
             id=rid, attempt=attempt, finish_reason="error", worker=worker_id,
-            error=ErrorInfo("internal_error", f"the worker failed this request on every one of its {attempt} deliveries"),
+            error=ErrorInfo(RequestGivenUpError.default_code, f"the worker failed this request on every one of its {attempt} deliveries"),
         )  # fmt: skip
         with contextlib.suppress(Exception):
             await nc.publish(reply, chunk.to_bytes())

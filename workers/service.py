@@ -48,10 +48,10 @@ from common.config import Config
 from common.errors import (
     ContextLengthExceededError,
     DeadlineExceededError,
-    InternalError,
     InvalidRequestError,
     ProtocolError,
     QosError,
+    RequestGivenUpError,
 )
 from common.protocol import (
     Chunk,
@@ -479,7 +479,7 @@ class WorkerService:
                                     req.origin)  # fmt: skip
                         # Its caller may still be listening, only slow: tell it, rather than
                         # leave it to its deadline.
-                        await self._publish(st, st.error_chunk(self.worker_id, InternalError(
+                        await self._publish(st, st.error_chunk(self.worker_id, RequestGivenUpError(
                             "the request was given up: its caller never answered where to "
                             "resume it")))  # fmt: skip
                         await settle(msg.term)

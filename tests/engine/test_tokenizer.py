@@ -467,3 +467,38 @@ def test_templates_see_every_named_token_as_transformers_exposes_them(tmp_path: 
     got = ours.apply_chat_template(messages, add_generation_prompt=False)
     assert got == ref.apply_chat_template(messages, tokenize=False)
     assert got.startswith(f"{EOT}|{EOS}|")
+
+
+QWEN_LIKE = (
+    "{% for message in messages %}{% if message['role'] in ['system', 'user', 'assistant'] %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_developer_message_reaches_a_template_that_knows_only_system_as_system(
+    tmp_path: Path,
+) -> None:
+    """OpenAI's developer role is its system role; Qwen's templates print only the roles
+    they know, so the developer's instructions vanished from the prompt (a 200 all the
+    same). A template that names the role (gpt-oss) gets it as sent."""
+    from gateway.openai_api import ChatMessage
+
+    folder = write_hf_folder(tmp_path)
+    (folder / "chat_template.jinja").write_text(QWEN_LIKE)
+    ours = Tokenizer.from_pretrained(folder)
+    raw = [{"role": "developer", "content": "Answer in French."},
+           {"role": "user", "content": "Hello"}]  # fmt: skip
+    assert not ours.knows_developer_role
+    messages = [
+        ChatMessage.model_validate(m).for_template(developer=ours.knows_developer_role)
+        for m in raw
+    ]
+    rendered = ours.apply_chat_template(messages)
+    assert "<|im_start|>system\nAnswer in French.<|im_end|>" in rendered
+    named = write_hf_folder(tmp_path / "named")
+    (named / "chat_template.jinja").write_text(QWEN_LIKE.replace("'system', ", "'developer', "))
+    knows = Tokenizer.from_pretrained(named)
+    assert knows.knows_developer_role
+    kept = ChatMessage.model_validate(raw[0]).for_template(developer=knows.knows_developer_role)
+    assert kept["role"] == "developer"

@@ -55,7 +55,7 @@ def _assert_openai_error(
 BAD_PARAMETERS = [
     ("completions", {"temperature": -0.1}, "temperature"),
     ("completions", {"temperature": "hot"}, "temperature"),
-    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"top_p": -0.1}, "top_p"),
     ("completions", {"top_k": -2}, "top_k"),
     ("completions", {"min_p": 1.5}, "min_p"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
