@@ -258,3 +258,35 @@ def test_redis_dying_mid_run_costs_recomputation_not_requests(
         b = engine(tiny_llama, other)
         assert serve(b, [prompt(20)]) == reference([prompt(20)])
         assert b.stats().kv_tier_hits == 5 * BS
+
+
+def test_a_step_whose_tier_load_fails_leaves_no_block_named_without_its_bytes(
+    tiny_llama: Path,
+    reference: Callable[[list[list[int]]], list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tier hits are named in the device cache when scheduled and copied in later: a copy
+    that failed left them named over stale bytes, and the next request with that prefix
+    hit them and generated garbage, with no error."""
+    p, others = prompt(1, 3 * BS + 1), [prompt(s, 3 * BS + 1) for s in (2, 3)]
+    with KVTiers(host_capacity_bytes=64 * 2048, pin_host=False) as tier:
+        eng = engine(tiny_llama, tier, num_kv_blocks=8, policy="hybrid")
+        serve(eng, [p, *others])  # the others' blocks evict p's to the host tier
+        real = eng.runner.swap_blocks
+        calls = {"loads": 0}
+
+        def failing_once(*args: object) -> object:
+            if args[1] and not calls["loads"]:  # the first swap that brings tier hits in
+                calls["loads"] = len(args[1])  # type: ignore[arg-type]
+                raise RuntimeError("injected: swap failed")
+            return real(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(eng.runner, "swap_blocks", failing_once)
+        eng.add_request("b", prompt_token_ids=p, params=GREEDY)
+        with pytest.raises(RuntimeError, match="injected"):
+            for _ in range(20):  # admitted within a few steps (hybrid may wait to batch)
+                eng.step()
+        eng.abort("b")  # what the worker's bridge does with a failed batch
+        eng.step()
+        (again,) = serve(eng, [p])
+    assert again == reference([p])[0]

@@ -239,6 +239,15 @@ class BlockPool:
             block.token_ids = tuple(req.token_ids[i * self.block_size : (i + 1) * self.block_size])
             self._by_hash[hashes[i]] = block.block_id
 
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """Unname these blocks: what they hold is not what their names say (a KV-tier load
+        that failed after its blocks were named)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self._by_hash.get(block.block_hash) == block_id:
+                del self._by_hash[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+
     def reset_prefix_cache(self) -> None:
         """Forget every name (blocks in use keep their data)."""
         for block in self.blocks:

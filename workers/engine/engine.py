@@ -399,10 +399,26 @@ class LLMEngine:
         tier hits come in. Loads may be views of host-tier slots: offload goes last."""
         assert self.kv_tier is not None
         evicted = self.pool.evictions or []
-        saved = self.runner.swap_blocks([b for b, _ in evicted], plan.kv_loads)
+        try:
+            saved = self.runner.swap_blocks([b for b, _ in evicted], plan.kv_loads)
+        except BaseException:
+            self._undo_loads(plan)
+            raise
         if evicted:
             self.kv_tier.offload([h for _, h in evicted], saved)
             evicted.clear()
+
+    def _undo_loads(self, plan: BatchPlan) -> None:
+        """Tier hits whose bytes never arrived: their requests did not compute them, and the
+        blocks lose the names scheduling gave them, so no later request with that prefix
+        hits stale bytes (freeing a request names every block it computed)."""
+        loaded = {block_id for block_id, _ in plan.kv_loads}
+        bs = self.pool.block_size
+        for req in {id(r): r for r in [*plan.requests, *self.batcher.running]}.values():
+            first = next((i for i, b in enumerate(req.block_table) if b in loaded), None)
+            if first is not None:
+                req.num_computed_tokens = min(req.num_computed_tokens, first * bs)
+        self.pool.forget(loaded)
 
     def _accept(
         self,
