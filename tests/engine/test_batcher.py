@@ -310,3 +310,26 @@ def test_hybrid_preempts_the_least_urgent_even_when_it_is_the_decode_asking() ->
     plan = run(b)  # low's next token needs a block
     assert [r.request_id for r in plan.preempted] == ["low"]
     assert ids(plan) == ["urgent"]
+
+
+def test_hybrid_takes_blocks_from_a_less_urgent_decode_already_scheduled_this_step() -> None:
+    """The decodes go first into the plan; an urgent prompt's chunk that then found no
+    block preempted itself while the less urgent decodes ran on (vLLM takes the victim
+    from every running request and un-schedules it): the urgent request finished last."""
+    b = make_batcher("hybrid", num_blocks=12, budget=8, max_batch_size=4)
+    b.add(req("low1", 8, max_tokens=14, priority=5, arrival=1.0))
+    b.add(req("low2", 8, max_tokens=14, priority=5, arrival=1.5))
+    for _ in range(3):
+        run(b)
+    b.add(req("high", 22, max_tokens=4, priority=0, arrival=2.0))
+    finished: list[str] = []
+    for _ in range(200):
+        running = {r.request_id for r in b.running}
+        plan = run(b)
+        assert "high" not in [r.request_id for r in plan.preempted]
+        finished += sorted(running - {r.request_id for r in b.running} - set(
+            r.request_id for r in plan.preempted))  # fmt: skip
+        if not b.running and not b.waiting:
+            break
+    assert finished[0] == "high", finished
+    assert b.pool.num_free_blocks == 12  # the un-scheduled victims left nothing behind

@@ -320,8 +320,10 @@ class Batcher:
     def _schedule_running(self, plan: BatchPlan, budget: int | None) -> None:
         """Give running requests their next tokens: decodes first, then unfinished prefill
         chunks (``budget`` bounds the total; None = one token each, the whole-prompt
-        policies' decode step). When blocks run out, the least urgent request not yet
-        scheduled this step goes (requests already in the plan keep their blocks)."""
+        policies' decode step). When blocks run out, the least urgent running request goes,
+        the asker included; one already scheduled this step leaves the plan (its tokens go
+        back to the budget), as in vLLM: hybrid schedules decodes first, and sparing them
+        made an urgent prompt preempt itself while less urgent decodes ran on."""
         if budget is None:
             queue = sorted(self.running, key=lambda r: r.sort_key)
         else:
@@ -335,11 +337,13 @@ class Batcher:
             if num_new <= 0:
                 break
             while not self.pool.allocate_slots(req, num_new):
-                # The least urgent of those not yet scheduled, the asker included: hybrid
-                # puts decodes first, so an urgent prompt's chunks may still be queued.
-                victim = max([*queue, req], key=lambda r: r.sort_key)
-                if victim is not req:
+                victim = max([*queue, req, *plan.requests], key=lambda r: r.sort_key)
+                if victim in queue:
                     queue.remove(victim)
+                elif victim is not req:
+                    freed = self._unschedule(plan, victim)
+                    if budget is not None:
+                        budget += freed
                 self._preempt(victim, plan)
                 if victim is req:
                     break
@@ -347,6 +351,13 @@ class Batcher:
                 self._add_seq(plan, req, num_new)
                 if budget is not None:
                     budget -= num_new
+
+    @staticmethod
+    def _unschedule(plan: BatchPlan, req: Request) -> int:
+        """Take ``req`` out of this step's plan; returns the tokens it had there."""
+        i = next(i for i, r in enumerate(plan.requests) if r is req)
+        del plan.requests[i]
+        return len(plan.seqs.pop(i).token_ids)
 
     def _preempt(self, req: Request, plan: BatchPlan) -> None:
         self.running.remove(req)
