@@ -65,6 +65,16 @@ def test_text_prompts_and_per_prompt_params(llm: LLM) -> None:
     )
 
 
+def test_stop_reason_names_the_stop_string_the_text_was_cut_at(llm: LLM) -> None:
+    """Two stop strings ending at the same character: the text is cut before the longer
+    (it started first), and stop_reason named whichever came first in the list."""
+    base = llm.generate(["abcabc"], greedy(16))[0]
+    longer, shorter = base.text[3:6], base.text[4:6]
+    out = llm.generate(["abcabc"], greedy(16, stop=[shorter, longer]))[0]
+    assert out.text == base.text[: base.text.find(longer)]
+    assert out.finish_reason == "stop" and out.stop_reason == longer
+
+
 def test_stop_string_cuts_the_text_and_ends_the_request(llm: LLM) -> None:
     base = llm.generate(["abcabc"], greedy(16))[0]
     stop = base.text[4:6]

@@ -491,8 +491,7 @@ def test_a_developer_message_reaches_a_template_that_knows_only_system_as_system
            {"role": "user", "content": "Hello"}]  # fmt: skip
     assert not ours.knows_developer_role
     messages = [
-        ChatMessage.model_validate(m).for_template(developer=ours.knows_developer_role)
-        for m in raw
+        ChatMessage.model_validate(m).for_template(developer=ours.knows_developer_role) for m in raw
     ]
     rendered = ours.apply_chat_template(messages)
     assert "<|im_start|>system\nAnswer in French.<|im_end|>" in rendered

@@ -218,8 +218,6 @@ def attach_text_state(
                 params.skip_special_tokens,
             )  # fmt: skip
             req.stop_matcher.hold(held)
-            if hasattr(req, "stop_window"):
-                req.stop_window = held
 
 
 def held_back_text(

@@ -486,18 +486,14 @@ class LLMEngine:
 
     @staticmethod
     def _match_stop(req: Request, piece: str) -> str:
-        """Pass new text through the request's stop strings; remember which one matched."""
+        """Pass new text through the request's stop strings; remember which one matched
+        (the one the text was cut at: the earliest to end, the longer on a tie)."""
         matcher = req.stop_matcher
         if matcher is None or not piece:
             return piece
-        longest = max(len(s) for s in req.params.stop)
-        req.stop_window = (req.stop_window + piece)[-2 * longest - len(piece) :]
         check = matcher.feed(piece)
         if check.stopped and req.stop_reason is None:
-            ends = {
-                s: req.stop_window.find(s) + len(s) for s in req.params.stop if s in req.stop_window
-            }
-            req.stop_reason = min(ends, key=lambda s: ends[s]) if ends else None
+            req.stop_reason = matcher.matched
         return str(check.text)
 
     def _finish(self, req: Request, reason: str, now: float) -> None:

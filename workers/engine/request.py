@@ -69,7 +69,6 @@ class Request:
     noise_to_skip: int = 0
 
     output_text: str = ""
-    stop_window: str = ""  # recent raw text, to name the stop string that matched
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
