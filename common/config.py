@@ -190,6 +190,10 @@ class GatewayConfig(_Strict):
     # prefixes, on the workers and in the Redis tier, so no team can tell from a fast first
     # token what another team sent. A request's cache_salt narrows either further.
     cache_isolation: Literal["shared", "api_key"] = "shared"
+    # On SIGTERM: streams still open this long after are ended with a 503 / an error event
+    # the client can act on (a second before the server would cut them); the long group's
+    # documents take their time, so give its SLO. Kubernetes' grace period must exceed it.
+    shutdown_grace_s: float = Field(30.0, ge=1.0)
     # Origins browsers may call the API from (CORS; ["*"] for any); empty = no CORS headers.
     cors_allow_origins: list[str] = Field(default_factory=list)
     served_model_name: str | None = None

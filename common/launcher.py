@@ -348,13 +348,19 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     finally:
         print("stopping …", flush=True)
-        _shutdown(children)
+        _shutdown(children, config.gateway.shutdown_grace_s)
         nats.stop()
         redis.stop()
         print("stopped.", flush=True)
 
 
-def _shutdown(children: list[Child]) -> None:
+WORKER_GRACE_S = 30.0  # workers' --grace-s default: how long they drain on SIGTERM
+# Past a child's own graceful period: its hand-back, last telemetry and flush get to run
+# (killed at the same moment, the gateway lost its aborts and the workers their naks).
+STOP_MARGIN_S = 5.0
+
+
+def _shutdown(children: list[Child], gateway_grace_s: float) -> None:
     """Gateway first (no new work), then workers drain, then the scheduler."""
     order = sorted(
         children, key=lambda c: 0 if c.name == "gateway" else 2 if c.name == "scheduler" else 1
@@ -362,8 +368,8 @@ def _shutdown(children: list[Child]) -> None:
     for child in order:
         child.terminate()
         if child.name == "gateway":
-            child.wait_or_kill(time.monotonic() + 10)
-    deadline = time.monotonic() + 30
+            child.wait_or_kill(time.monotonic() + gateway_grace_s + STOP_MARGIN_S)
+    deadline = time.monotonic() + WORKER_GRACE_S + STOP_MARGIN_S
     for child in order:
         child.wait_or_kill(deadline)
 

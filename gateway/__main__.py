@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.server import GatewayServer
 
     if args.served_model_name:
         config.gateway.served_model_name = args.served_model_name
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         config.gateway.served_model_name = served_name(spec)
     app = create_app(config, tokenizer, model=model)
     runtime.settle_heap()  # tokenizer, app and schemas stay; uvicorn brings uvloop
-    uvicorn.run(
+    server_config = uvicorn.Config(
         app,
         host=args.host or config.gateway.host,
         port=args.port if args.port is not None else config.gateway.port,
@@ -88,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         log_level=config.log.level,
         log_config=None,  # our handlers (common.logging), not uvicorn's
         access_log=False,  # ours (gateway.observe) has the group and request id
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=max(1, round(config.gateway.shutdown_grace_s)),
     )
+    GatewayServer(server_config, app.state.gateway.dispatch).run()
     return 0
 
 

@@ -12,12 +12,13 @@ Every error is OpenAI's ``{"error": {...}}`` with the status of its :class:`QosE
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.observe import ObserveMiddleware
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from gateway.responses import Kind
+from gateway.server import DispatcherRef
 from gateway.streams import Dispatcher
 from gateway.workers_view import LIVE_WINDOW_S, WorkersView
 
@@ -84,6 +86,7 @@ class GatewayState:
     served_model: str
     created: int
     aliases: tuple[str, ...] = ()  # other names a request's "model" may use
+    dispatch: DispatcherRef = field(default_factory=DispatcherRef)  # for GatewayServer
     nc: Client | None = None
     generator: Generator | None = None
 
@@ -140,6 +143,7 @@ def create_app(
         _, _, kv = await ensure_jetstream(js, config.nats, config.groups)
         dispatcher = Dispatcher(nc, subjects, config.nats.max_payload_bytes, config.nats.stream)
         await dispatcher.start()
+        state.dispatch.dispatcher, state.dispatch.loop = dispatcher, asyncio.get_running_loop()
         await view.start(nc, subjects, kv)
         gateway_id = new_gateway_id()
         heartbeat = Heartbeat(nc, subjects, gateway_id, config.gateway.heartbeat_interval_s)
@@ -166,6 +170,7 @@ def create_app(
         finally:
             await heartbeat.stop()
             await view.stop()
+            state.dispatch.dispatcher = None
             await dispatcher.stop()
             await nc.close()
             state.nc = state.generator = None

@@ -314,9 +314,14 @@ class Dispatcher:
             self._abort_task.cancel()
         if self._delete_task is not None:
             self._delete_task.cancel()
-        for stream in list(self._streams.values()):
-            stream.fail(ServiceUnavailableError("the gateway is shutting down", retry_after_s=1))
+        self.fail_all(ServiceUnavailableError("the gateway is shutting down", retry_after_s=1))
         self._streams.clear()
+
+    def fail_all(self, error: QosError) -> None:
+        """End every open stream with ``error`` (their handlers answer it and abort the
+        requests on the workers)."""
+        for stream in list(self._streams.values()):
+            stream.fail(error)
 
     @property
     def open_streams(self) -> int:

@@ -94,7 +94,7 @@ def test_every_qos_variable_is_a_configuration_key_the_loader_accepts(
             assert config.nats.url == "nats://nats:4222", name
     # The GPU override's variables too, on top of the base file's.
     for name, svc in load(GPU_OVERRIDE)["services"].items():
-        base = env_of(services(compose)[name])
+        base = env_of(services(compose)[svc.get("extends", {}).get("service", name)])
         config = load_config(env={k: v for k, v in {**base, **env_of(svc)}.items() if "QOS_" in k})
         if name.startswith("worker-"):
             assert config.worker.device == "cuda", name
@@ -103,6 +103,45 @@ def test_every_qos_variable_is_a_configuration_key_the_loader_accepts(
         assert config.worker.model == "/models/current", name
         assert any(v.endswith(":/models/current:ro") for v in svc["volumes"]), name
     assert {"gateway", "worker-short"} <= set(load(GPU_OVERRIDE)["services"])
+
+
+def test_the_gpu_override_gives_each_worker_container_a_gpu_of_its_own(
+    compose: dict[str, Any],
+) -> None:
+    """``count: 1`` maps every container to GPU 0 (Docker hands out ids 0..count-1), where
+    each worker claims 0.9 of the memory; replicas of one service cannot differ in ids."""
+    override = load(GPU_OVERRIDE)["services"]
+    gpus, groups = [], set()
+    for name, svc in override.items():
+        if not name.startswith("worker-"):
+            continue
+        base = services(compose)[svc.get("extends", {}).get("service", name)]
+        if "extends" in svc:
+            assert svc["extends"]["file"] == COMPOSE.name  # beside the override
+        argv = base["command"]
+        groups.add(argv[argv.index("--group") + 1])
+        replicas = svc.get("deploy", {}).get("replicas", base["deploy"]["replicas"])
+        assert replicas == 1, f"{name}: {replicas} replicas would share one GPU"
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in device and device["capabilities"] == ["gpu"], name
+        assert len(device["device_ids"]) == 1, name
+        gpus += device["device_ids"]
+    assert groups == set(default_groups()), "a group without a GPU worker"
+    assert len(gpus) == len(set(gpus)), f"two workers on one GPU: {gpus}"
+    # As many containers per group as the CPU file runs, and the header's GPU count.
+    for group in default_groups():
+        cpu = services(compose)[f"worker-{group}"]["deploy"]["replicas"]
+        gpu = sum(1 for n in override if n == f"worker-{group}" or n.startswith(f"worker-{group}-"))
+        assert gpu == cpu, group
+    assert f"# Needs {len(gpus)} GPUs," in GPU_OVERRIDE.read_text()
+
+
+def test_the_gateway_stops_within_its_graceful_shutdown(compose: dict[str, Any]) -> None:
+    gateway = services(compose)["gateway"]
+    env = {k: v for k, v in env_of(gateway).items() if k.startswith("QOS_")}
+    config = load_config(env=env).gateway
+    # gateway.shutdown_grace_s is uvicorn's graceful stop; then 5 s to exit before SIGKILL.
+    assert _seconds(gateway["stop_grace_period"]) >= config.shutdown_grace_s + 5
 
 
 def test_one_worker_service_per_default_group_with_replicas_and_a_drain_window(
@@ -175,6 +214,16 @@ def test_dockerfile_builds_cpu_and_cuda_as_a_non_root_user_with_a_healthcheck() 
     assert {"torch-cpu", "torch-cuda", "runtime"} <= set(stages)
     assert re.search(r"^FROM torch-\$\{VARIANT\} AS runtime", text, re.M)
     assert "download.pytorch.org/whl/cpu" in text
+    # Triton compiles a C launcher at the first kernel launch: the CUDA stage needs a
+    # compiler, which the slim base lacks; the CPU image stays without one.
+    stage = {
+        m[1]: m[2]
+        for m in re.finditer(r"^FROM\s+\S+\s+AS\s+(\S+)\n(.*?)(?=^FROM|\Z)", text, re.M | re.S)
+    }
+    cuda = stage["torch-cuda"].replace("\\\n", " ")
+    assert re.search(r"apt-get install -y --no-install-recommends .*\bgcc\b.*\blibc6-dev\b", cuda)
+    assert "rm -rf /var/lib/apt/lists/*" in cuda
+    assert "apt-get" not in stage["torch-cpu"] + stage["python-base"]
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0")
     assert re.search(r'pip install "/src\[local\]"', text)

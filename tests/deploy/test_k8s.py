@@ -167,10 +167,37 @@ def test_keda_scales_each_group_on_its_own_jetstream_consumer(
         assert meta["stream"] == config.nats.stream == "QOS_REQ"
         assert meta["consumer"] == Subjects.consumer(group) == f"grp-{group}"
         assert meta["account"] == "$G"
-        assert meta["natsServerMonitoringEndpoint"].endswith(":8222")
+        # The nats chart (1.x) serves 8222 on its headless Service only, and KEDA asks each
+        # server as <pod>.<endpoint host>: names only the headless Service has.
+        namespace = scaled["metadata"]["namespace"]
+        endpoint = f"nats-headless.{namespace}.svc.cluster.local:8222"
+        assert meta["natsServerMonitoringEndpoint"] == endpoint
         assert int(meta["lagThreshold"]) >= 1
         assert all(isinstance(v, str) for v in meta.values()), "KEDA metadata values are strings"
     assert "gateway" in services and "workers-metrics" in services
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "hpa"])
+def test_every_disruption_budget_lets_a_node_drain_at_the_fewest_replicas(
+    rendered: dict[str, list[Obj]], overlay: str
+) -> None:
+    """minAvailable 1 on a one-replica Deployment (cpu-demo's gateway and scheduler, a group
+    scaled down to one) allows no eviction: a node drain waits for ever."""
+    objects = rendered[overlay]
+    fewest = {name: d["spec"]["replicas"] for name, d in by_kind(objects, "Deployment").items()}
+    for kind in ("ScaledObject", "HorizontalPodAutoscaler"):
+        for scaler in by_kind(objects, kind).values():
+            spec = scaler["spec"]
+            target = spec["scaleTargetRef"]["name"]
+            fewest[target] = min(
+                fewest[target], spec.get("minReplicaCount", spec.get("minReplicas", 1))
+            )
+    pdbs = by_kind(objects, "PodDisruptionBudget")
+    assert set(pdbs) == set(fewest)  # each PDB is named after its Deployment
+    for name, pdb in pdbs.items():
+        spec = pdb["spec"]
+        allowed = spec.get("maxUnavailable", fewest[name] - spec.get("minAvailable", 0))
+        assert isinstance(allowed, int) and allowed >= 1, f"{overlay}: PDB {name} blocks drains"
 
 
 def test_the_hpa_alternative_reads_qos_desired_replicas_per_group(
@@ -227,7 +254,7 @@ def test_probes_point_at_paths_and_ports_the_services_serve(
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_workers_get_time_to_drain_and_everything_spreads_across_zones(
-    rendered: dict[str, list[Obj]], overlay: str
+    rendered: dict[str, list[Obj]], overlay: str, tmp_path: Path
 ) -> None:
     for deploy, container in containers(rendered[overlay]):
         pod = deploy["spec"]["template"]["spec"]
@@ -239,7 +266,14 @@ def test_workers_get_time_to_drain_and_everything_spreads_across_zones(
             grace = float(args[args.index("--grace-s") + 1]) if "--grace-s" in args else 30.0
             assert pod["terminationGracePeriodSeconds"] >= grace + 10, deploy["metadata"]["name"]
         if deploy["metadata"]["name"] == "gateway":
-            assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+            sleep, seconds = container["lifecycle"]["preStop"]["exec"]["command"]
+            assert sleep == "sleep"
+            env = {k: v for k, v in env_of(container).items()
+                   if k.startswith("QOS_") and k != "QOS_CONFIG"}  # fmt: skip
+            gateway = config_of(rendered[overlay], tmp_path, env).gateway
+            # preStop, then the graceful stop, then 5 s to exit before the SIGKILL.
+            grace = float(seconds) + gateway.shutdown_grace_s + 5
+            assert pod["terminationGracePeriodSeconds"] >= grace
         assert pod["securityContext"]["runAsNonRoot"] is True
         # The runtime's syscall filter, and no API token: no pod here calls Kubernetes.
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -262,6 +296,50 @@ def test_only_the_gpu_overlay_gives_workers_gpus_and_the_cuda_image(
                     if k.startswith("QOS_") and k != "QOS_CONFIG"
                 }
                 assert config_of(rendered[overlay], tmp_path, env).worker.device == "cuda"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_overlays_images_entry_names_every_pods_image(
+    rendered: dict[str, list[Obj]], overlay: str
+) -> None:
+    """One place sets the registry: an image the entry misses (the gpu overlay's gateway and
+    scheduler once) would be pulled from docker.io/library/qosserve."""
+    spec = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
+    (entry,) = spec["images"]
+    assert entry["name"] == "qosserve"
+    for deploy, container in containers(rendered[overlay]):
+        name, _, tag = container["image"].rpartition(":")
+        assert name == entry["newName"], (deploy["metadata"]["name"], container["image"])
+        assert tag in ("cpu", "cuda")
+    if overlay == "gpu":  # GPU clusters pull from a registry: the placeholder says where
+        assert "." in entry["newName"].split("/")[0], entry
+
+
+def test_the_models_claim_is_mounted_read_only_by_pods_on_many_nodes(
+    rendered: dict[str, list[Obj]],
+) -> None:
+    """The gateway and every GPU worker mount qosserve-models: a ReadOnlyMany claim needs
+    read-only mounts, and a ReadWriteOnce one would attach to one node only."""
+    objects = rendered["gpu"]
+    users = []
+    for deploy, container in containers(objects):
+        pod = deploy["spec"]["template"]["spec"]
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]
+            for v in pod["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        for mount in container.get("volumeMounts", []):
+            if mount["name"] in claims:
+                claim = claims[mount["name"]]
+                assert claim["claimName"] == "qosserve-models"
+                assert claim["readOnly"] is True and mount["readOnly"] is True
+                users.append(deploy["metadata"]["name"])
+    assert "gateway" in users and len(users) >= 4, users
+    for pvc in by_kind(objects, "PersistentVolumeClaim").values():  # none now: yours
+        assert set(pvc["spec"]["accessModes"]) & {"ReadOnlyMany", "ReadWriteMany"}, pvc
+    readme = (K8S / "README.md").read_text()
+    assert "ReadOnlyMany" in readme and "ReadWriteMany" in readme
 
 
 def test_the_gateway_reads_the_checkpoint_the_workers_serve(

@@ -31,7 +31,7 @@ def secured_nats(
 ) -> NatsServer:
     """A nats-server whose only users are the ones permissions.conf defines."""
     for service, password in PASSWORDS.items():
-        monkeypatch.setenv(f"QOS_NATS_{service.upper()}_PASSWORD", password)
+        monkeypatch.setenv(f"NATS_QOS_{service.upper()}_PASSWORD", password)
     return fresh_nats_server(extra_config=PERMISSIONS.read_text())
 
 

@@ -1,0 +1,65 @@
+"""uvicorn's server, told when a shutdown begins: streams still open near the end of the
+graceful period end with an error the client can act on, not a cut connection.
+
+On SIGTERM uvicorn stops accepting, waits ``timeout_graceful_shutdown`` for open requests,
+then cancels them: a streaming client saw its body end mid-chunk (no error event, no
+``[DONE]``), a waiting one a plain-text 500. Here the gateway ends every stream still open
+:data:`CUT_MARGIN_S` before that deadline with a 503 ``service_unavailable`` (``Retry-After:
+1``): an error event then ``[DONE]`` mid-stream, the JSON error otherwise; the requests are
+aborted on the workers as for any stream the gateway ends itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import FrameType
+
+import uvicorn
+
+from common.errors import ServiceUnavailableError
+from gateway.streams import Dispatcher
+
+log = logging.getLogger(__name__)
+
+CUT_MARGIN_S = 1.0  # for the error to be written and the handlers to finish
+
+
+class GatewayServer(uvicorn.Server):
+    """``uvicorn.Server`` that ends the dispatcher's streams before its graceful timeout."""
+
+    def __init__(self, config: uvicorn.Config, dispatcher: DispatcherRef) -> None:
+        super().__init__(config)
+        self._dispatcher = dispatcher
+        self._cut: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn's signal handler: in the main thread, between the loop's callbacks.
+        if not self.should_exit:
+            self.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+    def begin_shutdown(self) -> None:
+        """Plan the end of the streams still open (the server stops on ``should_exit``)."""
+        if self._dispatcher.loop is not None:
+            self._dispatcher.loop.call_soon_threadsafe(self._start_cut)
+
+    def _start_cut(self) -> None:
+        self._cut = asyncio.get_running_loop().create_task(self._cut_streams(), name="cut")
+
+    async def _cut_streams(self) -> None:
+        grace = self.config.timeout_graceful_shutdown or 0
+        await asyncio.sleep(max(0.0, grace - CUT_MARGIN_S))
+        dispatcher = self._dispatcher.dispatcher
+        if dispatcher is not None and dispatcher.open_streams:
+            log.warning("shutting down: ending %d open streams", dispatcher.open_streams)
+            dispatcher.fail_all(
+                ServiceUnavailableError("the gateway is shutting down", retry_after_s=1)
+            )
+
+
+class DispatcherRef:
+    """Where the app's lifespan puts its dispatcher and loop once connected."""
+
+    dispatcher: Dispatcher | None = None
+    loop: asyncio.AbstractEventLoop | None = None
