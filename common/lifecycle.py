@@ -21,7 +21,8 @@ class Service(Protocol):
 
 
 async def run_until_signalled(service: Service) -> int:
-    """Start ``service``, run it until it returns (SIGTERM/SIGINT ask it to stop), stop it."""
+    """Start ``service``, run it until it returns (SIGTERM/SIGINT ask it to stop), stop it.
+    Returns its ``exit_code`` (0 when it has none): a worker whose engine failed says 1."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.request_stop)
@@ -33,4 +34,4 @@ async def run_until_signalled(service: Service) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
-    return 0
+    return int(getattr(service, "exit_code", 0))

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -196,7 +197,19 @@ def _sim_tokenizer(source: str) -> Any | None:
     return load_tokenizer(source)
 
 
+def exit_while_loading(sig: int) -> None:
+    """SIGTERM/SIGINT before the service starts: nothing is held yet (no connection, no
+    request), so exit now. Without a handler the signal was lost on a container's PID 1
+    (which ignores what it does not handle), and a pod stopped during a minutes-long load
+    went on to fetch requests, then was killed holding them."""
+    log.info("signal %d while loading the model: exiting", sig)
+    os._exit(128 + sig)
+
+
 async def serve(config: Config, args: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # run_until_signalled replaces them
+        loop.add_signal_handler(sig, exit_while_loading, sig)
     engine = await asyncio.to_thread(build_engine, config, args)
     runtime.settle_heap()  # the engine (and its model, if real) is loaded: freeze it
     runtime.share_gil_quickly()  # the engine thread steps while this loop moves messages

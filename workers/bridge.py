@@ -167,6 +167,9 @@ class EngineBridge:
         self.seq_limit = self.built_max_seq_len
         self.stats: EngineStats = engine.stats()
         self.busy_s = 0.0  # wall time spent inside step() that did work
+        # time.monotonic() when the step running now began; None between steps. Read from
+        # the loop: a step that never returns is a hung device (see step_running_s).
+        self._step_began: float | None = None
         self._last_stats = 0.0
         # Output handed to the loop and not taken yet; ``_handoff_lock`` guards both.
         self._outbox: list[BridgeEvent] = []
@@ -204,13 +207,14 @@ class EngineBridge:
         self._queue.put(("call", (fn, future)))
         return await future
 
-    async def stop(self) -> None:
-        """Stop the thread after the current step; requests still inside are left as is."""
+    async def stop(self, join_s: float | None = None) -> None:
+        """Stop the thread after the current step (waiting ``join_s``, default
+        :data:`STOP_JOIN_S`); requests still inside are left as is."""
         if self._thread.is_alive():
             self._queue.put(("stop", None))
             # Bounded: a wedged device holds the thread forever, and the service must still
             # close its connections (the thread is a daemon: it does not keep the process).
-            await asyncio.to_thread(self._thread.join, STOP_JOIN_S)
+            await asyncio.to_thread(self._thread.join, STOP_JOIN_S if join_s is None else join_s)
             if self._thread.is_alive():
                 log.error("the engine thread did not stop within %.0f s (a hung device?); "
                           "leaving it", STOP_JOIN_S)  # fmt: skip
@@ -218,6 +222,11 @@ class EngineBridge:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def step_running_s(self) -> float:
+        """How long the engine's current step has run (0.0 between steps)."""
+        began = self._step_began
+        return 0.0 if began is None else time.monotonic() - began
 
     # --- engine thread -------------------------------------------------------------------
 
@@ -308,12 +317,15 @@ class EngineBridge:
         engine = self.engine
         steps_before = getattr(engine, "num_steps", None)
         started = time.perf_counter()
+        self._step_began = time.monotonic()
         try:
             deltas = engine.step()
         except Exception as exc:
             log.exception("engine step failed; failing the requests it touched")
             self._fail_batch(exc, events)
             return
+        finally:
+            self._step_began = None
         elapsed = time.perf_counter() - started
         did_work = bool(deltas) or getattr(engine, "num_steps", None) != steps_before
         if did_work:

@@ -122,6 +122,10 @@ class WorkerOptions:
     worker_id: str
     model: str = ""
     grace_s: float = 30.0
+    # One engine step running this long is a hung device: the replica hands its requests
+    # back and exits (1) for its supervisor to restart it. Steps take milliseconds on a
+    # GPU and seconds at most for a long prefill chunk on a CPU.
+    engine_stuck_s: float = 60.0
     fetch_timeout_s: float = 0.5  # long-poll length; also bounds how fast fetching stops
     resume_timeout_s: float = 1.0
 
@@ -211,6 +215,7 @@ class WorkerService:
         self._flush_timer: asyncio.TimerHandle | None = None  # armed for the first of them
         self._stop_requested = asyncio.Event()
         self._stopped = False
+        self.exit_code = 0  # 1 once the engine failed for good (see _engine_failed)
         self._switch_lock = asyncio.Lock()
         self._coalesce_s = config.worker.coalesce_ms / 1000.0
         self._max_payload = config.nats.max_payload_bytes
@@ -272,6 +277,8 @@ class WorkerService:
         self._stopped = True
         self._stop_requested.set()
         grace = self.options.grace_s if grace_s is None else grace_s
+        if self.exit_code:
+            grace = 0.0  # the engine is gone: nothing here finishes, hand it all back now
         self._set_serving(False)
         if self._intake is not None:
             await self._intake.halt()
@@ -287,7 +294,7 @@ class WorkerService:
                 await self.kv.purge(telemetry.HEARTBEAT_KEY_PREFIX + self.worker_id)
         await self._resync.close()
         if self.bridge is not None:
-            await self.bridge.stop()
+            await self.bridge.stop(join_s=1.0 if self.exit_code else None)
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await self.nc.flush(timeout=2)  # acks, naks and the last telemetry go out
@@ -727,10 +734,24 @@ class WorkerService:
                           "deadline; answering from the event loop", st.request.id,
                           ENGINE_STUCK_S)  # fmt: skip
                 await self._send_error(st, st.error)
-        if self.bridge is not None and not self.bridge.alive and self._accepting:
-            log.error("the engine thread has ended: draining this replica")
-            self._set_serving(False)
+                self._engine_failed("it did not act on an abort")
+        if self.bridge is not None and not self.bridge.alive:
+            self._engine_failed("its thread has ended")
+        elif self.bridge is not None and self.bridge.step_running_s() > self.options.engine_stuck_s:
+            self._engine_failed(f"one step has run {self.bridge.step_running_s():.0f} s")
         self._reap_orphans()
+
+    def _engine_failed(self, why: str) -> None:
+        """The engine will serve nothing more (a hung device, a dead thread): stop taking
+        work, hand what it holds back to JetStream for another replica, exit 1. It used to
+        stay up holding its requests (in_progress kept them from redelivery) until each
+        one's deadline, taking new ones as slots freed."""
+        if self.exit_code:
+            return
+        log.error("the engine failed (%s): handing its requests back and exiting", why)
+        self.exit_code = 1
+        self._set_serving(False)
+        self.request_stop()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         gateway_id = msg.subject.rsplit(".", 1)[-1]

@@ -1,0 +1,70 @@
+"""A replica whose engine hangs hands its requests to another replica and exits 1, instead
+of holding them (in_progress keeps JetStream from redelivering) until their deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+from common.client import QosClient
+from common.lifecycle import run_until_signalled
+from common.protocol import RequestParams
+from tests.workers.conftest import FAST, expected_tokens
+from workers.sim import SimEngine
+
+
+class HangingEngine(SimEngine):
+    """Its first step with work blocks until released: a hung device."""
+
+    def __init__(self) -> None:
+        super().__init__(max_batch_size=4, max_seq_len=256, cost=FAST)
+        self.release = threading.Event()
+        self.hung = threading.Event()
+
+    def step(self):  # type: ignore[no-untyped-def]
+        if self.has_unfinished():
+            self.hung.set()
+            self.release.wait(30)
+        return super().step()
+
+
+async def test_a_hung_engine_hands_its_requests_to_another_replica_and_exits_1(
+    start_worker: Any, client: QosClient
+) -> None:
+    engine = HangingEngine()
+    hung = await start_worker(engine=engine, worker_id="hung", engine_stuck_s=0.5)
+    running = asyncio.create_task(hung.run())  # what run_until_signalled awaits
+    params = RequestParams(max_tokens=3, seed=1)
+    answer = asyncio.create_task(
+        client.collect(group="short", prompt_token_ids=[1, 2], params=params, timeout_s=20)
+    )
+    try:
+        await asyncio.to_thread(engine.hung.wait, 5)
+        assert engine.hung.is_set()
+        started = time.monotonic()
+        await start_worker(worker_id="healthy")
+        ids, _, final = await asyncio.wait_for(answer, 15)
+        assert ids == expected_tokens(2, 3, seed=1)
+        assert final.worker == "healthy" and final.attempt == 2
+        assert time.monotonic() - started < 5  # handed back, not held to its deadline (20 s)
+        await asyncio.wait_for(running, 15)  # it stopped by itself
+        assert hung.state == "stopped" and hung.exit_code == 1
+    finally:
+        engine.release.set()
+
+
+async def test_run_until_signalled_returns_the_services_exit_code() -> None:
+    class Failing:
+        exit_code = 1
+
+        def request_stop(self) -> None: ...
+
+        async def start(self) -> None: ...
+
+        async def run(self) -> None: ...
+
+        async def stop(self) -> None: ...
+
+    assert await run_until_signalled(Failing()) == 1
