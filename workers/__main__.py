@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int,
                    help="context length (default: the longest group's, within the model's)")  # fmt: skip
     p.add_argument("--grace-s", type=float, default=30.0, help="drain grace period on SIGTERM")
+    p.add_argument("--engine-stuck-s", type=float, default=60.0,
+                   help="one engine step this long is a hung device: hand requests back, exit 1")  # fmt: skip
     p.add_argument(
         "--coalesce-ms", type=float, help="chunk coalescing (default worker.coalesce_ms)"
     )
@@ -219,6 +221,7 @@ async def serve(config: Config, args: argparse.Namespace) -> int:
         worker_id=args.worker_id or default_worker_id(),
         model=model_name,
         grace_s=args.grace_s,
+        engine_stuck_s=args.engine_stuck_s,
     )
     service = WorkerService(config, engine, options)
     return await run_until_signalled(service)
