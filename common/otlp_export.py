@@ -320,6 +320,8 @@ class OtlpSpanExporter(SpanExporter):
         until ``MAX_ATTEMPTS`` or the timeout, whichever comes first (or shutdown)."""
         deadline = time.monotonic() + self.settings.timeout_s
         sent = Sent(False, detail="timed out")
+        if self._closed.is_set():
+            return Sent(False, detail="the exporter is shutting down")
         for attempt in range(MAX_ATTEMPTS):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -340,6 +342,11 @@ class OtlpSpanExporter(SpanExporter):
             if self._closed.wait(delay):
                 break
         return sent
+
+    def stop_retrying(self) -> None:
+        """From now on nothing is sent (the send in flight ends within its timeout):
+        the processor's shutdown ran out of time."""
+        self._closed.set()
 
     def shutdown(self) -> None:
         self._closed.set()

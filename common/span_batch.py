@@ -46,6 +46,10 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value if value > 0 else default
 
 
+# How long a stopping service waits for its span export before giving the rest up.
+SHUTDOWN_FLUSH_S = 5.0
+
+
 class Deferred:
     """A span recorded as plain values on the request path and queued as such; the export
     thread makes it a span (:meth:`build`) in its batch loop. ``_phases``, the phases it will
@@ -186,10 +190,17 @@ class SpanBatch(SpanProcessor):
         return flushed and time.monotonic() <= deadline
 
     def shutdown(self) -> None:
+        """Export what is queued, within :data:`SHUTDOWN_FLUSH_S`: past it (a collector down
+        or black-holed) the exporter stops retrying and the rest fails at once. Waiting on
+        every batch's retries kept a stopping service ~30-50 s, past its pod's grace."""
         if self._closed:
             return
         self._closed = True
         self._wake.set()
-        self._thread.join(self.timeout_s)
+        self._thread.join(min(self.timeout_s, SHUTDOWN_FLUSH_S))
+        if self._thread.is_alive():
+            stop_retrying = getattr(self.span_exporter, "stop_retrying", None)
+            if stop_retrying is not None:
+                stop_retrying()
         self._export(everything=True)
         self.span_exporter.shutdown()

@@ -59,9 +59,13 @@ class ProcessSpanExporter(SpanExporter):
     def __init__(self, env: Mapping[str, str], protocol: str, timeout_s: float = 30.0) -> None:
         # A plain child interpreter (not multiprocessing's spawn, which would import the
         # service's __main__ again, engine and all): frames over its stdin and stdout.
+        # A session of its own: a terminal's Ctrl-C reaches the service, which drains and
+        # flushes its last spans through the child; it killed the child first. Stdin EOF
+        # still ends it with its parent.
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "common.span_process"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+            start_new_session=True,
         )  # fmt: skip
         self._timeout_s = timeout_s
         self._lock = threading.Lock()  # one batch in the pipe at a time; flush waits its turn

@@ -362,3 +362,41 @@ def test_settings_read_the_variables_as_the_sdk_exporters_do() -> None:
     assert shared.timeout_s == 10.0
     with pytest.raises(ValueError):
         OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_COMPRESSION": "deflate"}, "grpc")
+
+
+def test_shutdown_gives_up_a_black_holed_collector_within_its_flush_budget(
+    spans: list[ReadableSpan], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collector that accepts connections and never answers: each queued batch waited
+    its whole export timeout, retries included, and a stopping service sat ~30-50 s, past
+    its pod's grace. Past the flush budget the exporter stops and the rest fails at once."""
+    import socket
+    import time
+
+    from common import span_batch
+    from common.span_batch import SpanBatch
+
+    monkeypatch.setattr(span_batch, "SHUTDOWN_FLUSH_S", 0.3)
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)  # never accepted, never answered
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{hole.getsockname()[1]}",
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "1500",
+        "OTEL_BSP_SCHEDULE_DELAY": "10",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": str(len(spans)),
+    }
+    exporter = OtlpSpanExporter(OtlpSettings.from_env(env, "http/protobuf"), backoff_s=0.05)
+    batch = SpanBatch(exporter, env)
+    try:
+        for _ in range(5):  # five batches queued
+            for span in spans:
+                batch.on_end(span)
+        time.sleep(0.1)  # the export thread is inside the first batch's send
+        t0 = time.monotonic()
+        batch.shutdown()
+        took = time.monotonic() - t0
+    finally:
+        hole.close()
+    assert took < 2.5  # the send in flight ends within its 1.5 s; the rest at once
+    assert batch.failed == 5 * len(spans) and batch.exported == 0

@@ -129,3 +129,16 @@ def test_shared_definitions_forgotten_between_batches_are_sent_again(
     groups = sorted(a.value.string_value for s in got.spans() for a in s.attributes
                     if a.key == "qos.group")  # fmt: skip
     assert groups == [f"g{n}" for n in range(6)]
+
+
+def test_the_export_child_is_out_of_reach_of_the_terminals_ctrl_c() -> None:
+    """In the service's process group, a Ctrl-C killed the child at once, and the spans of
+    the service's own drain had nowhere to go."""
+    import os
+
+    exporter = ProcessSpanExporter({}, "http/protobuf")
+    try:
+        child = exporter._proc.pid
+        assert os.getpgid(child) != os.getpgid(0) and os.getsid(child) == child
+    finally:
+        exporter.shutdown()
