@@ -310,8 +310,10 @@ class Config(_Strict):
         if not self.groups:
             raise ValueError("at least one instance group is required")
         for name, group in self.groups.items():
-            if not name.replace("-", "").replace("_", "").isalnum():
-                raise ValueError(f"group name {name!r} must be alphanumeric (it is a NATS token)")
+            bare = name.replace("-", "").replace("_", "")
+            if not (bare.isascii() and bare.isalnum()):
+                # A NATS token, and an HTTP header's value (X-QoS-Group is latin-1).
+                raise ValueError(f"group name {name!r} must be ASCII letters, digits, - and _")
             if group.fallback is not None and group.fallback not in self.groups:
                 raise ValueError(f"groups.{name}.fallback names unknown group {group.fallback!r}")
             if group.fallback == name:

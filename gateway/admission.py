@@ -19,6 +19,7 @@ appear, holding a slot of ``g`` so waiters are bounded too; then **503** with
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -86,19 +87,53 @@ class Admission:
         turns: dict[str, bool] = {}
         route = self._pick(group, need_tokens, turns, allowed)
         if route is None:
-            self._take(group)  # a waiter holds a slot too: waiting is bounded by max_pending
+            try:  # a waiter holds a slot too: waiting is bounded by max_pending
+                self._take(group)
+            except RateLimitError:
+                if any(self._view.is_live(c) for c in self._chains[group]):
+                    raise  # full, and served: come back shortly
+                # Full of requests stuck since its workers went away: no worker is the news.
+                raise self._unavailable(group) from None
             try:
-                await self._view.wait_live(self._chains[group], min(time_left_s, self._wait_s))
+                route = await self._wait_for_route(group, need_tokens, turns, allowed, time_left_s)
             finally:
                 self.release(group)
-            route = self._pick(group, need_tokens, turns, allowed)
             if route is None:
-                raise ServiceUnavailableError(
-                    f"no worker of instance group {group!r} (or its fallbacks) is available",
-                    retry_after_s=RETRY_AFTER_UNAVAILABLE_S,
-                )
+                raise self._unavailable(group)
         self._take(route.group)
         return route
+
+    async def _wait_for_route(
+        self,
+        group: str,
+        need_tokens: int,
+        turns: dict[str, bool],
+        allowed: Collection[str] | None,
+        time_left_s: float,
+    ) -> Route | None:
+        """Pick again as the chain's groups come live, until min(deadline, wait) passes.
+        Waits only on groups the key may use and that are not live yet: a live group this
+        request cannot use (breaker open, another team's) ended the wait at once, and any
+        report of one woke it to a single last try."""
+        end = time.monotonic() + min(time_left_s, self._wait_s)
+        while (left := end - time.monotonic()) > 0:
+            pending = [
+                c
+                for c in self._chains[group]
+                if (allowed is None or c in allowed) and not self._view.is_live(c)
+            ]
+            if not pending or not await self._view.wait_live(pending, left):
+                return None
+            route = self._pick(group, need_tokens, turns, allowed)
+            if route is not None:
+                return route
+        return None
+
+    def _unavailable(self, group: str) -> ServiceUnavailableError:
+        return ServiceUnavailableError(
+            f"no worker of instance group {group!r} (or its fallbacks) is available",
+            retry_after_s=RETRY_AFTER_UNAVAILABLE_S,
+        )
 
     def release(self, group: str) -> None:
         self._in_flight[group] -= 1
@@ -130,9 +165,18 @@ class Admission:
             if not self._view.is_live(candidate):
                 reason = reason or "no_worker"
                 continue
-            if candidate != group and need_tokens > self.seq_limit(candidate):
+            # The request's own group too: a worker that came live while it waited may
+            # serve less than the limit it was classified under (it would cut the answer).
+            if need_tokens > self.seq_limit(candidate):
                 continue
-            # Last: only a request the half-open group could serve spends one of its turns.
+            # Last: only a request the half-open group could serve spends one of its turns,
+            # and not when the group is full (the probe would be a 429, not a probe).
+            if (
+                state == "half_open"
+                and self._in_flight[candidate] >= self._groups[candidate].max_pending
+            ):
+                reason = reason or "full"
+                continue
             if state == "half_open":
                 if candidate not in turns:
                     turns[candidate] = self._half_open_turn(candidate)

@@ -213,13 +213,17 @@ class Generator:
                 raise first.error
             if not body.stream:
                 return await self._collect(flight, first, request)
-            streaming = True
-            return SseResponse(
+            response = SseResponse(
                 self._sse(flight, first),
                 headers={**flight.headers, **_SSE_HEADERS},
                 on_disconnect=flight.stream.hang_up,
-                on_close=lambda: self._land(flight, status=499),
+                on_close=lambda status: self._land(flight, status=status),
+                # The events end the stream at its deadline themselves (an error event);
+                # this bounds a client that stopped reading, a second later.
+                deadline=flight.deadline + 1.0,
             )
+            streaming = True  # the response lands the flight from here on
+            return response
         except ClientGone:
             self._land(flight, status=499)
             return Response(status_code=499)
@@ -529,8 +533,9 @@ class Generator:
                     status = exc.http_status
                     yield shaper.error_event(exc) + SSE_DONE
                     return
-        except BaseException:
-            # Cancelled (server shutdown): nothing may await here.
+        except (GeneratorExit, asyncio.CancelledError):
+            # The response stopped reading (client gone, its deadline) or the server is
+            # shutting down: nothing may await here.
             status = 499
             raise
         finally:

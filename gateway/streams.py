@@ -218,12 +218,14 @@ class SseResponse(StreamingResponse):
         *,
         headers: Mapping[str, str],
         on_disconnect: Callable[[], None],
-        on_close: Callable[[], None],
+        on_close: Callable[[int], None],
+        deadline: float | None = None,
     ) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events  # Starlette types its body_iterator wider than our bytes
         self._on_disconnect = on_disconnect
-        self._on_close = on_close
+        self._on_close = on_close  # with the status to record if the events did not land
+        self._deadline = deadline  # time.monotonic(): the request's, plus a margin
         self._done = False
         self._receive: Receive
         self._watcher: asyncio.Future[Message]  # the pending receive(), for http.disconnect
@@ -231,25 +233,32 @@ class SseResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._receive = receive
         self._watch()
+        status = 499
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": self.status_code,
-                    "headers": self.raw_headers,
-                }
-            )
-            ended = False
-            async for event in self._events:
-                # ``[DONE]`` is the stream's last event: it ends the body in the same write.
-                ended = event.endswith(SSE_DONE)
-                await send({"type": "http.response.body", "body": event, "more_body": not ended})
-            if not ended:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # A client that keeps its connection open and stops reading blocks send() once
+            # the socket's buffers fill: the events' own deadline check never runs again,
+            # and the stream held its admission slot for as long as the client liked.
+            left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+            async with asyncio.timeout(left):
+                await self._body(send)
+        except TimeoutError:
+            status = 504
+            log.warning("a streaming client read nothing until past its deadline: dropped")
         finally:
             self._done = True
             self._watcher.cancel()
-            self._on_close()
+            self._on_close(status)
+
+    async def _body(self, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        ended = False
+        async for event in self._events:
+            # ``[DONE]`` is the stream's last event: it ends the body in the same write.
+            ended = event.endswith(SSE_DONE)
+            await send({"type": "http.response.body", "body": event, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _watch(self) -> None:
         self._watcher = asyncio.ensure_future(self._receive())

@@ -109,3 +109,14 @@ def test_a_redis_ca_file_needs_a_tls_url() -> None:
         load_config(None, env={"QOS_REDIS__TLS_CA_FILE": "/ca.pem"})
     tls = {"QOS_REDIS__TLS_CA_FILE": "/ca.pem", "QOS_REDIS__URL": "rediss://r:6380/0"}
     assert load_config(None, env=tls).redis.tls_ca_file == "/ca.pem"
+
+
+def test_group_names_are_ascii_tokens():
+    """A Cyrillic name passed isalnum() and then broke every streamed response (its
+    X-QoS-Group header is latin-1) after the request had taken its slot."""
+    from common.config import Config, default_groups
+
+    group = default_groups()["long"]  # no fallback to name
+    with pytest.raises(ValueError, match="ASCII"):
+        Config(groups={"быстро": group})
+    assert "fast-1_a" in Config(groups={"fast-1_a": group}).groups

@@ -229,8 +229,9 @@ async def test_waiting_requests_count_against_max_pending():
     admission = Admission(config, WorkersView(config.groups), wait_s=0.5)
     waiting = asyncio.create_task(admission.admit("short", 10, 5.0))
     await asyncio.sleep(0.05)
-    with pytest.raises(RateLimitError):
-        await admission.admit("short", 10, 5.0)
+    # Refused at once, not queued behind it; no worker is the news (503), not a full group.
+    with pytest.raises(ServiceUnavailableError):
+        await admission.admit("short", 10, 0.01)
     with pytest.raises(ServiceUnavailableError):
         await waiting
     assert admission.in_flight("short") == 0
@@ -330,3 +331,60 @@ async def test_a_fallback_outside_the_keys_groups_is_not_taken():
     admission.release("long")
     with pytest.raises(ServiceUnavailableError):  # ... but not for a key kept to short
         await admission.admit("short", 10, 1.0, allowed={"short"})
+
+
+# -- from the admission review ---------------------------------------------------------------
+
+
+async def test_the_wait_rides_out_a_blip_of_the_only_group_a_key_may_use():
+    """A key bound to realtime, realtime's replica restarting, short live: the wait for a
+    live worker returned at once (short, which this key may not use, was live) and the
+    request got a 503 instead of waiting for realtime to come back."""
+    config = Config()
+    view = WorkersView(config.groups)
+    view.on_telemetry(_report("short"))
+    admission = Admission(config, view, wait_s=2.0)
+    asyncio.get_running_loop().call_later(0.3, view.on_telemetry, _report("short", "w2"))
+    asyncio.get_running_loop().call_later(0.6, view.on_telemetry, _report("realtime"))
+    started = time.monotonic()
+    route = await admission.admit("realtime", 10, 5.0, allowed={"realtime"})
+    assert route.group == "realtime" and 0.5 < time.monotonic() - started < 1.5
+
+
+async def test_a_group_that_came_live_serving_less_is_checked_again():
+    """Classified under short's configured 4096 while no worker reported, the request was
+    routed to a worker that came live serving 2048, which cut its answer short."""
+    config = Config()
+    view = WorkersView(config.groups)
+    admission = Admission(config, view, wait_s=1.0)
+    asyncio.get_running_loop().call_later(
+        0.1, view.on_telemetry, _report("short", max_seq_len=2048)
+    )
+    with pytest.raises(ServiceUnavailableError):
+        await admission.admit("short", 3000, 5.0, allowed={"short"})
+
+
+async def test_a_full_half_open_group_passes_its_probe_on_instead_of_refusing_it():
+    config = Config()
+    view = WorkersView(config.groups)
+    for group in config.groups:
+        view.on_telemetry(_report(group))
+    view.set_breaker("short", "half_open")
+    admission = Admission(config, view)
+    for _ in range(config.groups["short"].max_pending):
+        admission._take("short")  # full of requests from before
+    routes = [await admission.admit("short", 10, 1.0) for _ in range(8)]
+    assert {r.group for r in routes} == {"long"}  # no 429s: long had room
+
+
+async def test_a_dead_group_full_of_stuck_requests_answers_503_not_429():
+    config = Config()
+    view = WorkersView(config.groups)
+    admission = Admission(config, view, wait_s=0.05)
+    for _ in range(config.groups["long"].max_pending):
+        admission._take("long")
+    with pytest.raises(ServiceUnavailableError):
+        await admission.admit("long", 10, 1.0)
+    view.on_telemetry(_report("long"))  # served, and full: come back shortly
+    with pytest.raises(RateLimitError):
+        await admission.admit("long", 10, 1.0)

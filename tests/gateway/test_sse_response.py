@@ -31,7 +31,10 @@ async def test_a_late_body_message_does_not_stop_the_disconnect_watch() -> None:
         release.set()
 
     response = SseResponse(
-        events(), headers={}, on_disconnect=on_disconnect, on_close=lambda: closed.append(True)
+        events(),
+        headers={},
+        on_disconnect=on_disconnect,
+        on_close=lambda status: closed.append(True),
     )
     serving = asyncio.ensure_future(response({"type": "http"}, receive, send))
     await messages.put({"type": "http.request", "body": b"", "more_body": False})

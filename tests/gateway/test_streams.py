@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import nats.errors
@@ -14,7 +16,7 @@ from common.config import NatsConfig
 from common.errors import DeadlineExceededError, RateLimitError
 from common.protocol import Chunk, Control, ErrorInfo, ResumeQuery, ResumeReply, Usage
 from common.subjects import Subjects
-from gateway.streams import Delivery, ResponseStream
+from gateway.streams import Delivery, ResponseStream, SseResponse
 from tests.gateway.conftest import MODEL, gateway_config, serve
 from tests.gateway.fake_worker import Job, alphabet_tokens, running_worker
 
@@ -403,3 +405,33 @@ async def test_a_publish_whose_ack_times_out_is_asked_again_under_the_same_id(
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "abc"
     assert len(calls) == 2 and calls[0] == calls[1]  # the same Nats-Msg-Id: deduplicated
     assert len(worker.jobs) == 1  # served once
+
+
+async def test_a_stream_whose_client_stopped_reading_lets_go_at_its_deadline():
+    """A client that keeps its connection open and reads nothing blocks send() once the
+    socket's buffers fill: the events' own deadline check never ran again and the stream
+    held its admission slot (and the worker its request) as long as the client liked."""
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(100):
+            yield f"data: {i}\n\n".encode()
+
+    sent: list[Any] = []
+    blocked = asyncio.Event()
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+        if len(sent) >= 3:  # the socket's buffers are full: never drains
+            blocked.set()
+            await asyncio.Event().wait()
+
+    async def receive() -> Any:
+        await asyncio.Event().wait()  # the connection stays open
+
+    closed: list[int] = []
+    response = SseResponse(
+        events(), headers={}, on_disconnect=lambda: None, on_close=closed.append,
+        deadline=time.monotonic() + 0.3,
+    )  # fmt: skip
+    await asyncio.wait_for(response({"type": "http"}, receive, send), 5)
+    assert blocked.is_set() and closed == [504]

@@ -52,7 +52,7 @@ async def test_a_request_that_kills_every_worker_is_given_up_after_max_deliver_w
         left = (await js.stream_info(nats.stream)).state.messages
     assert response.status_code == 500, response.text
     error = response.json()["error"]
-    assert error["code"] == "internal_error" and "3 deliveries" in error["message"]
+    assert error["code"] == "request_given_up" and "3 deliveries" in error["message"]
     assert took < 5, f"the caller waited {took:.1f}s"
     assert deliveries == 3 and left == 0
     assert any("failed on all 3 deliveries" in r.getMessage() for r in caplog.records)
@@ -82,7 +82,7 @@ async def test_a_request_the_worker_fails_on_every_time_is_retried_then_answered
             completion(http, url, body(stack.model, POISON_SEED, 8)),
             *(completion(http, url, body(stack.model, seed, 8)) for seed in range(6)),
         )
-    assert poison.kind == "error" and poison.code == "internal_error", poison
+    assert poison.kind == "error" and poison.code == "request_given_up", poison
     assert "3 deliveries" in poison.error["message"]  # type: ignore[index]
     for seed, outcome in enumerate(normal):  # the other requests never noticed
         assert outcome.kind == "complete" and outcome.text == expected_text(tokenizer, 8, seed)  # type: ignore[arg-type]
@@ -130,7 +130,7 @@ async def test_worker_processes_sigkilled_on_every_delivery_end_in_an_error_not_
         started = time.monotonic()
         outcome = await request
         took = time.monotonic() - started
-    assert outcome.kind == "error" and outcome.code == "internal_error", outcome
+    assert outcome.kind == "error" and outcome.code == "request_given_up", outcome
     assert "2 deliveries" in outcome.error["message"]  # type: ignore[index]
     assert took < 10, f"the caller waited {took:.1f}s after the last crash"
     attempts = {c.attempt for chunks in stack.chunks.values() for c in chunks}
