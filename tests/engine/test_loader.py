@@ -112,3 +112,82 @@ def test_auto_dtype_serves_a_16_bit_checkpoint_in_its_own_dtype_on_cuda() -> Non
     assert resolve_dtype("auto", cuda, None) == torch.bfloat16
     assert resolve_dtype("auto", cpu, fp16) == torch.float32
     assert resolve_dtype("float16", cpu, "bfloat16") == torch.float16
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of checkpoint ``src`` whose tensors ``edit`` (dict -> dict) changed."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    save_file(edit(dict(tensors)), dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_a_tied_config_whose_checkpoint_has_its_own_head_serves_that_head(
+    tmp_path: Path,
+) -> None:
+    """A fine-tune trained untied with its config left tied: transformers 5 keeps the
+    checkpoint's lm_head (and warns); tying it away gave other tokens from the first."""
+    src = checkpoint("qwen2", str(tmp_path))  # tied
+    torch.manual_seed(5)
+
+    def own_head(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        t["lm_head.weight"] = torch.randn_like(t["model.embed_tokens.weight"]) * 3
+        return t
+
+    path = _rewrite(src, tmp_path / "own-head", own_head)
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=32)
+    batch = prompts(4, seed=3)[:3]
+    outs = llm.generate(
+        prompt_token_ids=batch, sampling_params=SamplingParams(temperature=0, max_tokens=6)
+    )
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, 6) for p in batch]
+
+
+def test_a_tied_checkpoint_with_only_the_head_and_bare_names_loads_as_transformers(
+    tmp_path: Path,
+) -> None:
+    """The head stored instead of the embedding, and tensors saved from the bare model
+    (no "model." prefix): transformers loads both; we refused them."""
+    src = checkpoint("qwen2", str(tmp_path))
+
+    def head_only_bare(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {k.removeprefix("model."): v for k, v in t.items() if k != "lm_head.weight"}
+        out["lm_head.weight"] = out.pop("embed_tokens.weight")
+        return out
+
+    path = _rewrite(src, tmp_path / "head-only", head_only_bare)
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=32)
+    batch = prompts(4, seed=4)[:3]
+    outs = llm.generate(
+        prompt_token_ids=batch, sampling_params=SamplingParams(temperature=0, max_tokens=6)
+    )
+    assert [o.token_ids for o in outs] == [hf_greedy(src, p, 6) for p in batch]
+
+
+def test_quantized_and_half_specified_configs_are_refused_by_name(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from workers.engine.loader import ModelLoadError
+
+    src = checkpoint("llama", str(tmp_path))
+    for name, change, message in [
+        ("awq", {"quantization_config": {"quant_method": "awq"}}, "quantized.*'awq'"),
+        (
+            "rope",
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "needs low_freq_factor, high_freq_factor",
+        ),
+    ]:
+        path = tmp_path / name
+        shutil.copytree(src, path)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.pop("rope_parameters", None)
+        cfg.update(change)
+        (path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ModelLoadError, match=message):
+            load_model_config(str(path))

@@ -138,6 +138,15 @@ def load_model_config(model: str) -> ModelConfig:
             f"{path}: unsupported model_type {model_type!r}; supported: "
             + ", ".join(sorted(set(SUPPORTED_ARCHITECTURES.values())))
         )
+    quant = cfg.get("quantization_config") or cfg.get("compression_config")
+    if quant:
+        # Refused here, before the full-size unquantized model is allocated (which either
+        # runs out of memory or fails on the first scale tensor).
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ModelLoadError(
+            f"{path}: quantized checkpoints are not supported (quant_method={method!r}); "
+            "serve the unquantized weights"
+        )
     try:
         return ModelConfig.from_hf(cfg)
     except (KeyError, ValueError, TypeError) as exc:

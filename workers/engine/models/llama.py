@@ -15,6 +15,7 @@ runs (the interpreter must be switched on before that, see ``tests/kernels/conft
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from torch import nn
 from workers.engine.attention import AttentionMetadata, LayerKV, attend, write_kv
 
 KVCache = LayerKV
+log = logging.getLogger(__name__)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -80,6 +82,12 @@ class ModelConfig:
                 f"rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
             )
         rope["rope_type"] = rope_type
+        needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+        missing = [k for k in needs.get(rope_type, ()) if k not in rope]
+        if missing:
+            raise ValueError(
+                f"rope type {rope_type!r} needs {', '.join(missing)} in its parameters"
+            )
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         if rope_type == "llama3":  # the pre-scaling length: top level first, as transformers
             rope["original_max_position_embeddings"] = int(
@@ -382,13 +390,17 @@ class LlamaForCausalLM(nn.Module):
         expected: dict[str, int] = {}  # param name -> rows still to fill
         for name, p in params.items():
             expected[name] = p.shape[0]
+        tied_head: torch.Tensor | None = None  # a tied config's lm_head.weight, if any
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name:
                 continue
+            if not hf_name.startswith(("model.", "lm_head.")):
+                hf_name = "model." + hf_name  # saved from the bare LlamaModel
             name = hf_name.replace("model.embed_tokens.weight", "model.embed_tokens")
             name = "lm_head" if name == "lm_head.weight" else name
             if name == "lm_head" and self.lm_head is None:
-                continue  # tied: some checkpoints still carry a copy
+                tied_head = tensor  # tied: a copy, or a head of its own (see below)
+                continue
             parts = name.split(".")
             start, rows = 0, None
             if len(parts) >= 2 and parts[-2] in fused:
@@ -406,6 +418,30 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             expected[name] -= dest.shape[0]
+        if tied_head is not None:
+            self._settle_tied_head(tied_head, expected)
         missing = sorted(n for n, left in expected.items() if left > 0)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
+
+    def _settle_tied_head(self, head: torch.Tensor, expected: dict[str, int]) -> None:
+        """A tied config whose checkpoint has ``lm_head.weight``, as transformers 5 reads it:
+        the embedding's copy is dropped; with no embedding it fills it; a head that differs
+        (a fine-tune trained untied, its config left tied) is kept as the head: tying would
+        silently give other tokens."""
+        embed = self.model.embed_tokens
+        if tuple(head.shape) != tuple(embed.shape):
+            raise ValueError(
+                f"checkpoint tensor 'lm_head.weight' has shape {tuple(head.shape)}, "
+                f"expected {tuple(embed.shape)}"
+            )
+        if expected.get("model.embed_tokens", 0) > 0:
+            embed.data.copy_(head)
+            expected["model.embed_tokens"] = 0
+        elif not torch.equal(embed.data, head.to(embed.dtype)):
+            log.warning("tie_word_embeddings is set but the checkpoint's lm_head.weight differs "
+                        "from its embedding: serving the checkpoint's head, as transformers 5 "
+                        "does")  # fmt: skip
+            self.lm_head = nn.Parameter(
+                head.to(device=embed.device, dtype=embed.dtype), requires_grad=False
+            )
