@@ -55,7 +55,9 @@ class BulkConnection:
             sock.settimeout(timeout)
             sock.connect(path)
         else:
-            sock = socket.create_connection((url["host"], url["port"]), timeout)
+            # redis-py's defaults for what a URL leaves out (redis://redis/0 has no port).
+            address = (url.get("host", "localhost"), url.get("port", 6379))
+            sock = socket.create_connection(address, timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if config.url.startswith("rediss://"):
             context = ssl.create_default_context(cafile=config.tls_ca_file)
@@ -65,8 +67,10 @@ class BulkConnection:
         self._pending = bytearray()  # received, not yet parsed
         self._scratch = bytearray(_CHUNK)
         try:
-            password = config.password or url.get("password")
-            username = config.username or url.get("username")
+            # The URL's credentials win over the settings', as redis-py's from_url has it:
+            # both clients must log in as the same user.
+            password = url.get("password") or config.password
+            username = url.get("username") or config.username
             if password:
                 auth = [username.encode()] if username else []
                 self._simple(_command(b"AUTH", *auth, password.encode()))

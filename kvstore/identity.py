@@ -29,16 +29,18 @@ def _digest(*parts: bytes) -> bytes:
     return h.digest()
 
 
-def model_fingerprint(model: str, seed: int = 0) -> bytes:
+def model_fingerprint(model: str, seed: int = 0, weights_device: str = "") -> bytes:
     """Fingerprint of the weights a worker serves.
 
     A folder: its ``config.json`` bytes plus, per weight file, its name, size and a sample
     of its contents (see :func:`_weights_sample`): a retrained or fine-tuned checkpoint
     keeps its config and its file sizes, and must not read the KV its predecessor wrote.
-    A ``dummy:<shape>`` spec: the spec and the seed, since the random weights come from it.
+    A ``dummy:<shape>`` spec: the spec, the seed and ``weights_device`` (what drew the
+    random weights: CPU and CUDA generators, and CUDA on GPUs of different SM counts, give
+    other numbers for one seed, so two such workers must not share KV).
     """
     if model.startswith("dummy:"):
-        return _digest(b"dummy", model.encode(), str(seed).encode())
+        return _digest(b"dummy", model.encode(), str(seed).encode(), weights_device.encode())
     folder = Path(model)
     config = (folder / "config.json").read_bytes()
     files = sorted(

@@ -95,10 +95,11 @@ class KVTiers:
 
     # --- set-up --------------------------------------------------------------------------
 
-    def bind(self, model: str, seed: int, layout: CacheLayout) -> None:
+    def bind(self, model: str, seed: int, layout: CacheLayout, weights_device: str = "") -> None:
         """Fix the key namespace (model and layout fingerprints) and start the tiers.
 
-        ``layout`` is the engine's ``KVCacheLayout`` (any object with its fields).
+        ``layout`` is the engine's ``KVCacheLayout`` (any object with its fields);
+        ``weights_device`` says what drew a dummy model's random weights.
         """
         kv_layout = KVLayout(
             block_size=layout.block_size,
@@ -111,7 +112,7 @@ class KVTiers:
             tp_size=getattr(layout, "tp_size", 1),
             compute_dtype=getattr(layout, "compute_dtype", ""),
         )
-        self.identity = KVIdentity(model_fingerprint(model, seed), kv_layout)
+        self.identity = KVIdentity(model_fingerprint(model, seed, weights_device), kv_layout)
         self._block_tokens = layout.block_size
         if self.host_capacity_bytes > 0:
             self.host = HostTier(self.host_capacity_bytes, kv_layout.block_bytes, self.pin_host)

@@ -81,6 +81,28 @@ def test_password_and_database_from_the_config_and_a_wrong_password_is_an_error(
     raw.close()
     with pytest.raises(ResponseError):
         BulkConnection(RedisConfig(url=url, password="wrong"))
+    # The URL's password wins over the setting's, as in redis-py's from_url: both clients
+    # log in alike (the raw path failed where redis-py connected).
+    in_url = url.replace("redis://", "redis://:r3dis-pw@")
+    assert redis.Redis.from_url(in_url, password="wrong").ping()
+    BulkConnection(RedisConfig(url=in_url, password="wrong")).close()
+
+
+def test_a_url_without_a_port_means_redis_py_s_6379(monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis://redis/0 has no port: redis-py takes 6379, the raw path raised KeyError and
+    the tier never reached Redis."""
+    import socket
+
+    asked: list[tuple[str, int]] = []
+
+    def refuse(address: tuple[str, int], timeout: float | None = None) -> socket.socket:
+        asked.append(address)
+        raise ConnectionRefusedError("no server in this test")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    with pytest.raises(ConnectionRefusedError):
+        BulkConnection(RedisConfig(url="redis://redis-host/0"))
+    assert asked == [("redis-host", 6379)]
 
 
 def test_the_pool_drops_connections_the_server_closed_while_they_were_idle(

@@ -141,7 +141,7 @@ class VanishingTier:
         self.claims = claims
         self.lookups = 0
 
-    def bind(self, model: str, seed: int, layout: object) -> None:
+    def bind(self, model: str, seed: int, layout: object, weights_device: str = "") -> None:
         pass
 
     def lookup(self, hashes: Sequence[bytes]) -> int:

@@ -62,3 +62,14 @@ def test_a_git_lfs_pointer_in_place_of_the_weights_is_fingerprinted_not_read_who
     first = model_fingerprint(str(folder))
     (folder / "model.safetensors").write_text(pointer.replace("ab", "cd"))
     assert model_fingerprint(str(folder)) != first
+
+
+def test_dummy_weights_drawn_on_other_devices_have_other_fingerprints() -> None:
+    """CPU and CUDA generators (and CUDA on GPUs with other SM counts) draw other weights
+    for one seed: two such workers loaded each other's KV from Redis as hits."""
+    cpu = model_fingerprint("dummy:tiny", 0, "cpu")
+    assert cpu == model_fingerprint("dummy:tiny", 0, "cpu")
+    assert cpu != model_fingerprint("dummy:tiny", 0, "cuda:NVIDIA H200:132")
+    assert model_fingerprint("dummy:tiny", 0, "cuda:NVIDIA A100:108") != model_fingerprint(
+        "dummy:tiny", 0, "cuda:NVIDIA H200:132"
+    )

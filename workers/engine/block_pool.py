@@ -83,7 +83,7 @@ class KVTier(Protocol):
     def accepts_offloads(self) -> bool:
         """``offload`` is worth a copy of the evicted blocks."""
 
-    def bind(self, model: str, seed: int, layout: KVCacheLayout) -> None:
+    def bind(self, model: str, seed: int, layout: KVCacheLayout, weights_device: str = "") -> None:
         """Called once by the engine: which model and cache layout the blocks belong to."""
 
     def lookup(self, hashes: Sequence[bytes]) -> int:

@@ -38,6 +38,14 @@ log = logging.getLogger(__name__)
 _MAX_PROFILE_TOKENS = 32768
 
 
+def weights_device(device: torch.device) -> str:
+    """What a dummy model's random weights were drawn on, as far as it changes them."""
+    if device.type != "cuda":
+        return device.type
+    props = torch.cuda.get_device_properties(device)
+    return f"cuda:{props.name}:{props.multi_processor_count}"
+
+
 class LLMEngine:
     """One model, one KV cache, one batching policy. See :class:`EngineArgs`.
 
@@ -75,7 +83,9 @@ class LLMEngine:
         )
         self.kv_tier = kv_tier
         if kv_tier is not None:
-            kv_tier.bind(args.model, args.seed, self.runner.kv_layout())
+            kv_tier.bind(
+                args.model, args.seed, self.runner.kv_layout(), weights_device(self.device)
+            )
             if kv_tier.accepts_offloads:
                 self.pool.evictions = []
         self.max_seq_len = self._resolve_max_seq_len()
