@@ -48,7 +48,14 @@ from common.protocol import Control, Telemetry
 from common.subjects import Subjects
 from common.tasks import cancel_and_wait
 from scheduler.alerts import Alerter
-from scheduler.breaker import Breaker, BreakerSample, BreakerSettings, State, Transition
+from scheduler.breaker import (
+    LEGAL,
+    Breaker,
+    BreakerSample,
+    BreakerSettings,
+    State,
+    Transition,
+)
 from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
 from scheduler.history import DemandHistory
 from scheduler.lease import Lease
@@ -112,6 +119,9 @@ class SchedulerService:
             window_s=self.cfg.window_s,
         )
         self.metrics = SchedulerMetrics()
+        for group in self.groups:  # at 0 from the start: increase() sees the first one
+            for source, target in sorted(LEGAL):
+                self.metrics.breaker_transitions.labels(group, source, target)
         self.alerter = Alerter(self.cfg.alert_webhook_url)
         self.rebalance_settings = RebalanceSettings(
             move_replicas=self.cfg.move_replicas,

@@ -206,3 +206,20 @@ def test_samples_from_before_a_gap_do_not_judge_the_replicas_that_came_back():
     assert b.state == "closed" and len(b.window) == 3
     # Within the age the window counts as before: slow samples close together still trip.
     assert [t.target for t in feed(b, [BreakerSample(3000)] * 5, start=3603.0)] == ["open"]
+
+
+def test_every_groups_transition_series_exists_at_zero_before_the_first_one():
+    """Created at the first transition, already at 1, a series shows Prometheus no step:
+    increase() read 0 for every group's first incident (and after each failover)."""
+    from common.config import Config
+    from scheduler.service import SchedulerService
+
+    service = SchedulerService(Config(), scheduler_id="metrics-only")
+    samples = {
+        (s.labels["group"], s.labels["from"], s.labels["to"]): s.value
+        for family in service.metrics.registry.collect()
+        for s in family.samples
+        if s.name == "qos_breaker_transitions_total"
+    }
+    expected = {(g, a, b) for g in Config().groups for a, b in LEGAL}
+    assert set(samples) == expected and set(samples.values()) == {0.0}
