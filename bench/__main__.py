@@ -45,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown benchmark {name!r}; choose from: {', '.join(names)}", file=sys.stderr)
         return 2
     sys.argv = [f"qosserve bench {name}", *args[1:]]
-    runpy.run_module(f"bench.{name}", run_name="__main__", alter_sys=True)
+    from common.errors import QosError
+
+    try:
+        runpy.run_module(f"bench.{name}", run_name="__main__", alter_sys=True)
+    except QosError as exc:  # a bad flag or model, in one line, as the services say it
+        print(f"qosserve bench {name}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

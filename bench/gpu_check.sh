@@ -52,7 +52,7 @@ step bench_engine_fixed 100 python3 -m bench.engine --model dummy:llama-8b --dty
   --out "$OUT/engine_fixed.json"
 # The same with the decode kernel's previous launch config (two pipeline stages): the A/B
 # of decode_plan's choice in one run.
-step bench_engine_fixed_stages2 80 env QOS_DECODE_CONFIG=64,4,2 python3 -m bench.engine \
+step bench_engine_fixed_stages2 80 env QOSSERVE_DECODE_CONFIG=64,4,2 python3 -m bench.engine \
   --model dummy:llama-8b --dtype bf16 --fixed-batch 256 --input-len 512 --output-len 128 \
   --profile-kernels --out "$OUT/engine_fixed_stages2.json"
 # The four policies on nano-vllm's mixed-length protocol (256 seqs, lengths 100..1024), with

@@ -71,13 +71,24 @@ def _print_config(argv: list[str]) -> int:
     )
     p.add_argument("file", nargs="?", help="YAML config file (same as --config)")
     p.add_argument("--config", help="YAML config file (default: $QOS_CONFIG, else none)")
+    p.add_argument(
+        "--changed",
+        action="store_true",
+        help="only what the file and QOS_* variables set (a file to keep and feed back)",
+    )
     args = p.parse_args(argv)
     try:
         config = load_config(args.config or args.file)
     except ConfigError as exc:
         print(f"qosserve config: {exc}", file=sys.stderr)
         return 2
-    print(yaml.safe_dump(redacted(config.model_dump(mode="json")), sort_keys=False))
+    if not args.changed:
+        # A full dump names every key, and `qosserve up` takes a key a file names as chosen
+        # (the demo's CPU device, Redis tier and GPU share then no longer apply).
+        print("# Every key, defaults included; to keep as a config file, use --changed.")
+        print("# Secrets show as ***: put the real ones back before reusing this.")
+    dump = config.model_dump(mode="json", exclude_unset=args.changed)
+    print(yaml.safe_dump(redacted(dump), sort_keys=False))
     return 0
 
 

