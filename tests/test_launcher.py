@@ -188,10 +188,11 @@ def test_qosserve_config_changed_prints_only_what_was_set(
 
 
 def test_an_address_the_machine_lacks_or_a_port_out_of_range_is_said_as_such(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Both read "port 8000 in use (another qosserve up?)", or a traceback."""
-    assert launcher.main(["--host", "10.255.255.1", "--port", "8123"]) == 2
+    argv = ["--host", "10.255.255.1", "--port", "8123", "--state-dir", str(tmp_path)]
+    assert launcher.main(argv) == 2
     err = capsys.readouterr().err
     assert "cannot listen on 10.255.255.1:8123" in err and "in use" not in err
     with pytest.raises(SystemExit) as bad:

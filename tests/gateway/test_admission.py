@@ -229,9 +229,12 @@ async def test_waiting_requests_count_against_max_pending():
     admission = Admission(config, WorkersView(config.groups), wait_s=0.5)
     waiting = asyncio.create_task(admission.admit("short", 10, 5.0))
     await asyncio.sleep(0.05)
+    assert admission.in_flight("short") == 1  # the waiter holds its slot
     # Refused at once, not queued behind it; no worker is the news (503), not a full group.
+    started = time.monotonic()
     with pytest.raises(ServiceUnavailableError):
-        await admission.admit("short", 10, 0.01)
+        await admission.admit("short", 10, 5.0)
+    assert time.monotonic() - started < 0.4  # not after a wait of its own (wait_s 0.5)
     with pytest.raises(ServiceUnavailableError):
         await waiting
     assert admission.in_flight("short") == 0
@@ -348,7 +351,7 @@ async def test_the_wait_rides_out_a_blip_of_the_only_group_a_key_may_use():
     asyncio.get_running_loop().call_later(0.6, view.on_telemetry, _report("realtime"))
     started = time.monotonic()
     route = await admission.admit("realtime", 10, 5.0, allowed={"realtime"})
-    assert route.group == "realtime" and 0.5 < time.monotonic() - started < 1.5
+    assert route.group == "realtime" and time.monotonic() - started > 0.5
 
 
 async def test_a_group_that_came_live_serving_less_is_checked_again():
@@ -362,6 +365,8 @@ async def test_a_group_that_came_live_serving_less_is_checked_again():
     )
     with pytest.raises(ServiceUnavailableError):
         await admission.admit("short", 3000, 5.0, allowed={"short"})
+    assert view.is_live("short") and admission.seq_limit("short") == 2048  # live, too short
+    assert (await admission.admit("short", 2000, 5.0, allowed={"short"})).group == "short"
 
 
 async def test_a_full_half_open_group_passes_its_probe_on_instead_of_refusing_it():

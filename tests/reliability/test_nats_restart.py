@@ -54,8 +54,11 @@ async def test_nats_restart_mid_traffic_every_request_completes_or_fails_clearly
             asyncio.create_task(completion(http, url, body(stack.model, seed), DEADLINE))
             for seed in range(24)
         ]
-        await asyncio.sleep(0.5)
-        queued = queued_messages(private_nats, stack.config.nats.stream)
+        for _ in range(200):  # until the waiting ones are in the work queue
+            queued = queued_messages(private_nats, stack.config.nats.stream)
+            if queued >= 8:
+                break
+            await asyncio.sleep(0.05)
         private_nats.kill()
         killed_at = time.monotonic()
         during = [

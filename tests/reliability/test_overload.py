@@ -79,10 +79,11 @@ async def test_twice_the_capacity_is_shed_with_429_admitted_requests_finish_in_b
     for seed, seconds, outcome in served:
         assert outcome.text == expected_text(tokenizer, MAX_TOKENS, seed)
         assert seconds < BOUND_S, f"an admitted request took {seconds:.2f}s (bound {BOUND_S:.2f}s)"
-    # Capacity was used: at least 60% of it over the burst, on a shared CI machine.
-    assert len(served) / burst_s > 0.6 * CAPACITY_RPS, f"{len(served)} in {burst_s:.1f}s"
+    # Capacity was used, not shed away: a third of it at least (a behaviour check, not a
+    # speed figure: the benchmarks measure that).
+    assert len(served) / burst_s > CAPACITY_RPS / 3, f"{len(served)} in {burst_s:.1f}s"
     # Queues stayed capped the whole time.
     assert samples and max(f for f, _ in samples) <= MAX_PENDING
     assert max(q for _, q in samples) <= MAX_PENDING
     assert after.kind == "complete" and after.text == expected_text(tokenizer, MAX_TOKENS, 10_000)
-    assert after_s < 1.0, f"a request after the burst took {after_s:.2f}s"
+    assert after_s < BOUND_S, f"a request after the burst took {after_s:.2f}s"

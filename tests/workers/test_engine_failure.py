@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 from common.client import QosClient
@@ -43,12 +42,11 @@ async def test_a_hung_engine_hands_its_requests_to_another_replica_and_exits_1(
     try:
         await asyncio.to_thread(engine.hung.wait, 5)
         assert engine.hung.is_set()
-        started = time.monotonic()
         await start_worker(worker_id="healthy")
         ids, _, final = await asyncio.wait_for(answer, 15)
         assert ids == expected_tokens(2, 3, seed=1)
+        # Handed back, not held to its deadline (20 s: wait_for above would have failed).
         assert final.worker == "healthy" and final.attempt == 2
-        assert time.monotonic() - started < 5  # handed back, not held to its deadline (20 s)
         await asyncio.wait_for(running, 15)  # it stopped by itself
         assert hung.state == "stopped" and hung.exit_code == 1
     finally:
