@@ -211,6 +211,11 @@ class RedisTier:
             self.breaker.failure()
             log.debug("redis tier: %s: %s", type(exc).__name__, exc)
             return None
+        except BaseException:
+            # Cancelled, or a bug: still an answer to the breaker, whose half-open probe
+            # would otherwise stay taken and refuse every call for good.
+            self.breaker.failure()
+            raise
         self.breaker.success()
         return result
 

@@ -306,6 +306,10 @@ class KVTiers:
             if n == 0:
                 return
             self._queued_bytes += n * row_bytes
+        if n < len(hashes):
+            # A view would keep the whole export alive, dropped rows too, past the queue's
+            # byte bound until the last sub-batch is written.
+            data = data[:n].copy()
         step = self.batch_blocks
         for i in range(0, n, step):
             part = data[i : min(i + step, n)]
