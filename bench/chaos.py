@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from bench.chaos_stack import ChaosStack, rss_mb
+from bench.percentiles import pct
 from common.tokenizer import BaseTokenizer, load_tokenizer
 from workers.engine.sampling_params import SamplingParams
 from workers.sim import SimCost, SimEngine
@@ -301,10 +302,11 @@ async def soak(args: argparse.Namespace, stack: ChaosStack, ref: Reference) -> R
 
 
 def p99(values: list[float]) -> float | None:
+    """As every benchmark here reports it (:func:`bench.percentiles.pct`); index
+    int(0.99 n) was the maximum of 100 values."""
     if not values:
         return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3)
+    return round(pct(sorted(values), 99), 3)
 
 
 def report(args: argparse.Namespace, run: Run, start: float) -> dict[str, Any]:
