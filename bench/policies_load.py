@@ -21,7 +21,7 @@ from typing import Any
 import nats
 
 from bench.field_mix import MIX
-from bench.serve_http import Result, open_sender
+from bench.serve_http import Result, open_sender, token_events
 from bench.serve_load import Req, paced
 from common.protocol import Telemetry
 from common.subjects import Subjects
@@ -109,6 +109,7 @@ async def run_sessions(
                     "ignore_eos": True,
                     "stream": True,
                     "stream_options": {"include_usage": True},
+                    **token_events(model),
                 }
                 route = pool or session.group
                 await sender.send(i, f"/v1/{route}/completions", body, item.result)

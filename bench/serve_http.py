@@ -46,6 +46,13 @@ class Result:
     output_tokens: int = 0
 
 
+def token_events(model: str) -> dict[str, Any]:
+    """Body fields that give every generated token an SSE event of its own: a ``dummy:*``
+    model's byte tokenizer gives most tokens no text, and the gateway sends an event only
+    for text (or logprobs), so most streams had no event to time a first token by."""
+    return {"logprobs": 0} if model.startswith("dummy:") else {}
+
+
 class EventClock:
     """Times one response's SSE events into its :class:`Result`."""
 
@@ -65,7 +72,8 @@ class EventClock:
             return False
         if event.get("usage"):
             res.output_tokens = event["usage"]["completion_tokens"]
-        if event.get("choices") and event["choices"][0].get("text"):
+        choice = event["choices"][0] if event.get("choices") else {}
+        if choice.get("text") or (choice.get("logprobs") or {}).get("tokens"):
             now = time.perf_counter()
             if res.ttft is None:
                 res.ttft = now - self.t0

@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from bench.serve_http import Result, open_sender
+from bench.serve_http import Result, open_sender, token_events
 from common.client import QosClient
 from common.config import NatsConfig
 from common.errors import QosError
@@ -86,6 +86,7 @@ async def run_load(
                 "ignore_eos": True,  # every request produces its whole output
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                **token_events(model),
             }
             async with gate or contextlib.nullcontext():
                 results[i].start = time.perf_counter() - start
