@@ -157,18 +157,23 @@ class KVTiers:
 
     # --- the engine's calls --------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        """Longest prefix of ``hashes`` in host memory, then Redis."""
+    def lookup(self, hashes: Sequence[bytes], count: bool = True) -> int:
+        """Longest prefix of ``hashes`` in host memory, then Redis. ``count`` False: a
+        question asked again (a request still waiting), whose tokens were counted as queried
+        the first time; hits count once, at load, so counting every ask read the hit rate
+        low, by as many times as the request was asked."""
         if not hashes:
             return 0
         bt = self._block_tokens
         n = 0
         if self.host is not None:
-            self.host_counters.query_tokens += len(hashes) * bt
+            if count:
+                self.host_counters.query_tokens += len(hashes) * bt
             n = self.host.prefix(hashes)
         rest = hashes[n:]
         if rest and self._bulk is not None:
-            self.redis_counters.query_tokens += len(rest) * bt
+            if count:
+                self.redis_counters.query_tokens += len(rest) * bt
             n += self._redis_prefix(rest)
         return n
 

@@ -140,12 +140,14 @@ class VanishingTier:
     def __init__(self, claims: bool = True) -> None:
         self.claims = claims
         self.lookups = 0
+        self.counted: list[bool] = []  # each lookup's count flag
 
     def bind(self, model: str, seed: int, layout: object, weights_device: str = "") -> None:
         pass
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
+    def lookup(self, hashes: Sequence[bytes], count: bool = True) -> int:
         self.lookups += 1
+        self.counted.append(count)
         return len(hashes) if self.claims else 0
 
     def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
@@ -203,9 +205,13 @@ def test_a_waiting_heads_tier_answer_is_asked_again_after_a_while(tiny_llama: Pa
     eng.step()
     eng.step()
     assert tier.lookups == 2 and len(eng.batcher.waiting) == 1
+    queried = eng.batcher.tier_query_tokens
     now[0] += batcher_module.TIER_LOOKUP_REUSE_S + 0.5
     eng.step()
     assert tier.lookups == 3
+    # Asked again, not counted again: hits count once, and each re-ask of a waiting head
+    # divided the tiers' hit rates by one more.
+    assert tier.counted == [True, True, False] and eng.batcher.tier_query_tokens == queried
 
 
 def test_a_corrupt_block_is_recomputed_and_counted(

@@ -297,8 +297,11 @@ class Batcher:
             and self.clock() - seen[3] < TIER_LOOKUP_REUSE_S
         ):
             return seen[2]
-        self.tier_query_tokens += (limit - first) * bs
-        tokens = self.kv_tier.lookup(self.pool.update_hashes(req)[first:limit]) * bs
+        fresh = seen is None or seen[:2] != (req.num_tokens, first)  # else asked again
+        if fresh:
+            self.tier_query_tokens += (limit - first) * bs
+        hashes = self.pool.update_hashes(req)[first:limit]
+        tokens = self.kv_tier.lookup(hashes, count=fresh) * bs
         self._tier_seen[req.request_id] = (req.num_tokens, first, tokens, self.clock())
         return tokens
 

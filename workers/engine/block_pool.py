@@ -86,8 +86,9 @@ class KVTier(Protocol):
     def bind(self, model: str, seed: int, layout: KVCacheLayout, weights_device: str = "") -> None:
         """Called once by the engine: which model and cache layout the blocks belong to."""
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        """How many of ``hashes``, from the first, the tiers hold."""
+    def lookup(self, hashes: Sequence[bytes], count: bool = True) -> int:
+        """How many of ``hashes``, from the first, the tiers hold; ``count`` False: the
+        same question asked again (a waiting request), not counted as queried tokens."""
         ...
 
     def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
