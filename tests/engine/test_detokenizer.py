@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -290,3 +291,53 @@ def test_a_held_tail_is_released_or_cut_like_any_other() -> None:
     matcher.hold("EN")
     check = matcher.feed("D and more")
     assert check == StopCheck("", True) and matcher.matched == "END"
+
+
+def _byte_fallback_tokenizer(root: Path) -> Tokenizer:
+    """Llama 2's kind: SentencePiece spaces, and every character outside a tiny vocabulary
+    spelled as <0xNN> byte tokens, which its decoder fuses back (U+FFFD for a whole run if
+    any byte in it is invalid)."""
+    import json
+
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HfTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {p: len(vocab) for p in ("▁", "T", "e", "l", "m", "▁T", "ell", "▁me")}
+    hf = HfTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in vocab][:3])
+    root.mkdir(parents=True, exist_ok=True)
+    hf.save(str(root / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer.from_pretrained(root)
+
+
+def test_a_byte_fallback_prompt_cut_inside_a_character_corrupts_no_output(
+    tmp_path: Path,
+) -> None:
+    """The prompt's last 5 tokens, decoded as context with the output, started or ended
+    inside a character: its decoder turned the whole byte run to U+FFFD, corrupting the
+    output's own characters (mojibake, an emoji lost, a resumed one sent twice)."""
+    tok = _byte_fallback_tokenizer(tmp_path / "bf")
+
+    def byte_ids(text: str) -> list[int]:
+        return [tok.token_to_id(f"<0x{b:02X}>") for b in text.encode()]  # type: ignore[misc]
+
+    for prompt, out in [("中文", "测试好的"), ("😀😀", "😀👍")]:
+        detok = IncrementalDetokenizer(tok, byte_ids(prompt))
+        assert "".join(stream(detok, byte_ids(out))) + detok.flush() == out
+    # A resumed request: the prompt ends with the first k output tokens, inside "你".
+    answer = byte_ids(" 你好 😀")
+    for k in range(1, len(answer)):
+        first = IncrementalDetokenizer(tok, byte_ids("Tell me"))
+        sent = "".join(stream(first, answer[:k]))
+        resumed = IncrementalDetokenizer(tok, byte_ids("Tell me") + answer[:k])
+        rest = "".join(stream(resumed, answer[k:])) + resumed.flush()
+        assert sent + rest == " 你好 😀", k

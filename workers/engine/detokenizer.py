@@ -8,6 +8,7 @@ character, so a client never sees U+FFFD for a character whose bytes are still c
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -46,9 +47,44 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        start, end, context = self._context(prompt_token_ids)
+        self._tokens = context[start:]
         self._prefix = 0  # window start: decoded only as context for the next delta
-        self._read = len(self._tokens)  # tokens before this have been emitted as text
+        self._read = end - start  # tokens before this have been emitted as text
+
+    def _context(self, prompt_token_ids: Sequence[int]) -> tuple[int, int, list[int]]:
+        """The prompt's last tokens as left context, cut on character boundaries: (start,
+        end, tokens), ``tokens[start:end]`` the context and ``tokens[end:]`` a character the
+        prompt leaves unfinished (a resumed request's), to be emitted whole as output.
+
+        A byte-fallback decoder (Llama 2, Mistral, Gemma) turns a whole run of byte tokens
+        into U+FFFD if any byte in it is invalid: a context starting or ending inside a
+        character corrupted the output's own bytes decoded with it (mojibake, lost
+        characters, a resumed request's character sent twice)."""
+        n = _MAX_CHAR_TOKENS
+        tokens = list(prompt_token_ids[-(_CONTEXT_TOKENS + 2 * n) :])
+        # Only bytes that leave a character unfinished are held as output; a U+FFFD the
+        # prompt really ends with is text like any other.
+        for pending in range(n) if self._ends_unfinished(tokens) else (0,):
+            end = len(tokens) - pending
+            for drop in range(n):
+                start = max(0, end - _CONTEXT_TOKENS) + drop
+                if start >= end:
+                    break
+                text = self._tokenizer.decode(tokens[start:end], skip_special_tokens=self._skip)
+                if not text.startswith(_REPLACEMENT) and not text.endswith(_REPLACEMENT):
+                    return start, end, tokens
+        return max(0, len(tokens) - _CONTEXT_TOKENS), len(tokens), tokens  # invalid bytes
+
+    def _ends_unfinished(self, tokens: Sequence[int]) -> bool:
+        """Whether the bytes of ``tokens`` end inside a character (False when the
+        tokenizer cannot tell its tokens' bytes)."""
+        token_bytes = getattr(self._tokenizer, "token_bytes", None)
+        if token_bytes is None or not tokens:
+            return False
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        utf8.decode(b"".join(token_bytes(t) for t in tokens[-_MAX_CHAR_TOKENS:]))
+        return bool(utf8.getstate()[0])
 
     def add(self, token_id: int) -> str:
         """Append one output token; return the text it completes (often ``""``)."""
