@@ -232,7 +232,7 @@ class Tokenizer(BaseTokenizer):
             if name.endswith("_token") and (text := _token_text(value)) is not None
         } | self.special_tokens
         self.chat_templates = chat_templates
-        self._add_missing_special_tokens()
+        self._add_missing_special_tokens(_listed_special_tokens(config))
 
         self.bos_token_id = self._named_id("bos_token", model_bos_id)
         self.pad_token_id = self._named_id("pad_token", model_pad_id)
@@ -330,11 +330,14 @@ class Tokenizer(BaseTokenizer):
         token_id = self.token_to_id(text) if text is not None else None
         return token_id if token_id is not None else fallback
 
-    def _add_missing_special_tokens(self) -> None:
-        # transformers adds named special tokens the vocabulary lacks; ids must agree.
+    def _add_missing_special_tokens(self, listed: Sequence[str] = ()) -> None:
+        # transformers adds the special tokens tokenizer.json lacks, named then listed
+        # (additional_special_tokens, a list of extra_special_tokens): ids must agree, or
+        # "<|tool_call|>" is split into pieces and its id decodes to nothing.
         from tokenizers import AddedToken
 
-        missing = [t for t in self.special_tokens.values() if self._tok.token_to_id(t) is None]
+        wanted = dict.fromkeys([*self.special_tokens.values(), *listed])
+        missing = [t for t in wanted if self._tok.token_to_id(t) is None]
         if missing:
             self._tok.add_special_tokens(
                 [AddedToken(t, special=True, normalized=False) for t in missing]
@@ -397,6 +400,19 @@ class ByteTokenizer(BaseTokenizer):
             return bytes((token_id,))
         special = self._SPECIALS.get(token_id)
         return b"" if special is None else special.encode()
+
+
+def _listed_special_tokens(config: Mapping[str, Any]) -> list[str]:
+    """tokenizer_config's special tokens by list: ``additional_special_tokens`` and an
+    ``extra_special_tokens`` given as a list (a dict names them: see template_tokens)."""
+    listed: list[str] = []
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        value = config.get(key)
+        if isinstance(value, list):
+            listed += [t for v in value if (t := _token_text(v)) is not None]
+        elif key == "extra_special_tokens" and isinstance(value, dict):
+            listed += [t for v in value.values() if (t := _token_text(v)) is not None]
+    return listed
 
 
 def _check_objects(value: object, name: str) -> None:

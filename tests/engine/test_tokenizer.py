@@ -501,3 +501,25 @@ def test_a_developer_message_reaches_a_template_that_knows_only_system_as_system
     assert knows.knows_developer_role
     kept = ChatMessage.model_validate(raw[0]).for_template(developer=knows.knows_developer_role)
     assert kept["role"] == "developer"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"additional_special_tokens": ["<|tool_call|>"]},
+        {"extra_special_tokens": ["<|x|>"]},
+        {"extra_special_tokens": {"tool_token": "<|x|>"}},
+    ],
+)
+def test_special_tokens_listed_in_the_config_but_not_in_tokenizer_json_are_added(
+    tmp_path: Path, extra: dict[str, Any]
+) -> None:
+    """transformers adds additional/extra special tokens that tokenizer.json lacks: we
+    split "<|tool_call|>" into pieces, and the id transformers gives it decoded to nothing."""
+    folder = write_hf_folder(tmp_path, config=extra)
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    text = "hi<|tool_call|>x<|x|>"
+    assert ours.encode(text) == ref.encode(text)
+    ids = ref.encode(text)
+    assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids)
+    assert ours.vocab_size == len(ref)
