@@ -348,8 +348,13 @@ class EngineBridge:
             touched = set(running_ids(engine))
         except Exception:
             touched = set(self._live)
-        # Requests the engine no longer holds would never finish otherwise.
+        # Requests the engine no longer holds would never finish otherwise -- but for those
+        # whose ending (finished, aborted at a deadline) the next step still reports: a
+        # completed answer read as a failed step.
+        pending = getattr(engine, "pending_finished_ids", None)
+        ending = pending() if pending is not None else set()
         touched |= {rid for rid in self._live if rid not in engine.requests}
+        touched -= ending
         # The exception's text stays in the worker's log (it can name devices and paths).
         error = InternalError(
             f"the engine step failed ({type(exc).__name__}); the request was stopped"

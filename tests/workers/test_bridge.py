@@ -118,3 +118,36 @@ async def test_a_failed_step_fails_its_requests_without_the_exception_text() -> 
     assert isinstance(failed, RequestFailed) and failed.request_id == "a"
     assert "RuntimeError" in failed.error.message and "/opt" not in failed.error.message
     await bridge.stop()
+
+
+async def test_a_step_failing_after_a_request_finished_does_not_fail_that_request() -> None:
+    """The step read back a request's last token (it finished, the engine let it go),
+    then failed: the bridge failed it as lost, a completed answer ending in a 500, while
+    the engine reported its finish on the next step."""
+    from workers.engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=32))
+    real_run = engine._run_step
+    failed_once: list[bool] = []
+
+    def run_then_fail(deltas: list[RequestDelta]) -> None:
+        real_run(deltas)
+        if any(d.finished for d in deltas) and not failed_once:
+            failed_once.append(True)
+            raise RuntimeError("write-through export failed")
+
+    engine._run_step = run_then_fail  # type: ignore[method-assign]
+    bridge, inbox = started(engine)
+    bridge.add(
+        AddRequest("r", SamplingParams(max_tokens=3, temperature=0), prompt_token_ids=[5, 6])
+    )
+    events = []
+    while True:
+        event = await asyncio.wait_for(inbox.get(), 10)
+        events.append(event)
+        if isinstance(event, RequestFailed) or (event.request_id == "r" and event.finished):
+            break
+    await bridge.stop()
+    assert failed_once
+    assert not any(isinstance(e, RequestFailed) for e in events), events
+    assert events[-1].finish_reason == "length"

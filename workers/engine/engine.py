@@ -251,6 +251,11 @@ class LLMEngine:
         self.requests[request_id] = req
         self.batcher.add(req)
 
+    def pending_finished_ids(self) -> set[str]:
+        """Requests whose finished delta the next :meth:`step` returns (a step that raised
+        keeps what it had gathered)."""
+        return {d.request_id for d in self._pending if d.finished}
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; the next :meth:`step` reports it with
         ``finish_reason="abort"``. False if it is unknown or already finished."""
