@@ -104,7 +104,11 @@ class ChunkSequencer:
         return [chunk]
 
     def resume(self, query: ResumeQuery) -> ResumeReply:
-        """What the caller has; chunks of older attempts are ignored from now on."""
+        """What the caller has; chunks of older attempts are ignored from now on. A stream
+        that has its final chunk is closed: a redelivered copy (its ack lost) would else
+        generate the rest again for nobody, unaborted since its worker was done."""
+        if self.finished:
+            return ResumeReply(id=self.request_id, closed=True)
         if query.attempt > self.min_attempt:
             self.min_attempt = query.attempt
             self._early.clear()  # held chunks came from an older attempt; the new one resends

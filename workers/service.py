@@ -489,6 +489,7 @@ class WorkerService:
                         await self._publish(st, st.error_chunk(self.worker_id, RequestGivenUpError(
                             "the request was given up: its caller never answered where to "
                             "resume it")))  # fmt: skip
+                        self._resync.finished(st)  # terminated: only a resync re-sends it
                         await settle(msg.term)
                         self.observer.abandoned(st, "no_caller")
                         return

@@ -48,6 +48,10 @@ def test_resume_answers_what_was_delivered_and_silences_older_attempts() -> None
     assert delivered(stream, chunk(2, [9, 9], attempt=1)) == []  # the old worker, still talking
     assert delivered(stream, chunk(2, [3], attempt=2, final=True)) == [3]
     assert stream.token_ids == [1, 2, 3]
+    # Finished: a copy redelivered after a lost ack is told to drop it, not handed the
+    # tokens to generate the rest again for nobody.
+    again = stream.resume(ResumeQuery(id="r", attempt=3))
+    assert again.closed and again.token_ids == []
 
 
 def test_an_error_chunk_raises_the_matching_error() -> None:
