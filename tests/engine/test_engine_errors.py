@@ -167,3 +167,14 @@ def test_a_step_that_raises_keeps_the_reports_it_had_gathered(monkeypatch: pytes
     deltas = {d.request_id: d for d in engine.step()}
     assert deltas["a"].finished and deltas["a"].finish_reason == "abort"
     assert "b" in deltas  # b goes on
+
+
+def test_a_block_size_the_triton_kernels_cannot_tile_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU it passed the checks and failed in the first kernel with a bare
+    ValueError; the torch backend (the CPU's) serves any size."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton backend on this CPU
+    with pytest.raises(ConfigError, match="block_size: 24 must be a power of two"):
+        LLMEngine(EngineArgs("dummy:tiny", num_kv_blocks=8, block_size=24, backend="triton"))
+    LLMEngine(EngineArgs("dummy:tiny", num_kv_blocks=8, block_size=24, backend="torch"))

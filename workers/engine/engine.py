@@ -64,6 +64,13 @@ class LLMEngine:
         self.model_config = load_model_config(args.model)
         self.dtype = resolve_dtype(args.dtype, self.device, self.model_config.checkpoint_dtype)
         self.backend = resolve_backend(args.backend, self.device)
+        if self.backend == "triton" and args.block_size & (args.block_size - 1):
+            # The Triton kernels tile KV blocks by powers of two: said here, by name, not
+            # as a bare ValueError from the first kernel of the warm-up profile.
+            raise ConfigError(
+                f"EngineArgs.block_size: {args.block_size} must be a power of two with the "
+                "triton backend (8, 16, 32 ...)"
+            )
         torch.manual_seed(args.seed)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(args)
         self.runner = ModelRunner(
