@@ -30,6 +30,7 @@ class Flight:
     msg: Any  # nats.aio.msg.Msg: acked after the final chunk
     attempt: int  # JetStream delivery count, stamped on every chunk
     start: float  # time.time() the latency clock starts (created_ms when known)
+    delivered: int = 0  # the latest delivery count seen here (a late in_progress redelivers)
     base: int = 0  # tokens the caller already had when this attempt began (resume)
     sent: int = 0  # absolute index of the next token to publish = the next chunk's seq
     ids: list[int] = field(default_factory=list)

@@ -436,7 +436,21 @@ class WorkerService:
         existing = self._inflight.get(req.id)
         if existing is not None:
             if _stream_seq(existing.msg) == _stream_seq(msg):
+                if attempt > max(existing.delivered, existing.attempt) + 1:
+                    # Deliveries in between went to another replica, whose attempt the
+                    # caller now follows: ours, still stamped with our first one, would be
+                    # ignored until the deadline. Stop ours; the next delivery resumes.
+                    log.info("request %s: delivery %d here, another replica held it since "
+                             "our delivery %d; handing it back to resume", req.id, attempt,
+                             existing.attempt)  # fmt: skip
+                    self._inflight.pop(req.id, None)
+                    if self.bridge is not None:
+                        self.bridge.abort(req.id)
+                    self.observer.abandoned(existing, "handed_back")
+                    await settle(lambda: msg.nak(delay=RESUME_RETRY_S))
+                    return
                 existing.msg = msg  # our own request, redelivered after a late in_progress
+                existing.delivered = attempt
             else:
                 # Another message reusing the id of one in flight: serving it would mix two
                 # answers on one reply subject, and swapping it in stranded the first unacked.

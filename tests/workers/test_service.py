@@ -855,3 +855,45 @@ async def test_a_resume_during_a_group_move_does_not_claim_serving(
     assert service.state == "draining" and service.group == "short"
     await running  # the old group's request finishes; then the move completes
     await eventually(lambda: service.group == "long" and service.state == "serving")
+
+
+async def test_a_delivery_back_from_another_replica_stops_ours_to_resume_it(
+    start_worker: Any, client: QosClient
+) -> None:
+    """This replica held the request; a stall longer than ack_wait gave the next delivery
+    to another replica (the caller then follows that attempt), which handed it back: the
+    one after came here, where our copy went on stamping its first attempt, ignored by the
+    caller until its deadline. Now ours stops and the delivery is handed back, to resume
+    as the newest attempt."""
+    import types
+
+    service = await start_worker(
+        engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.05))
+    )
+    asking = asyncio.ensure_future(
+        client.collect(group="short", prompt_token_ids=[1, 2], params=RequestParams(max_tokens=60))
+    )
+    await eventually(lambda: len(service.inflight_ids) == 1)
+    (rid,) = service.inflight_ids
+    held = service._inflight[rid].msg
+    naks: list[float | None] = []
+
+    class Delivery:  # the message as JetStream delivers it again: same stream sequence
+        data = held.data
+
+        def __init__(self, count: int) -> None:
+            stream_seq = held.metadata.sequence.stream
+            self.metadata = types.SimpleNamespace(
+                num_delivered=count, sequence=types.SimpleNamespace(stream=stream_seq)
+            )
+
+        async def nak(self, delay: float | None = None) -> None:
+            naks.append(delay)
+
+    # Delivery 2 here (our in_progress came late): still our own request.
+    await service._admit(Delivery(2))  # type: ignore[arg-type]
+    assert rid in service.inflight_ids and naks == []
+    # Delivery 4: the 3rd went elsewhere.
+    await service._admit(Delivery(4))  # type: ignore[arg-type]
+    assert rid not in service.inflight_ids and naks == [worker_service.RESUME_RETRY_S]
+    asking.cancel()
