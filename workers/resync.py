@@ -13,7 +13,9 @@ what it has, with the resume query a redelivered attempt sends (``qos.resume.<id
 DESIGN §2) but with the *same* attempt number, which changes nothing on the caller's
 side, then re-publishes every chunk past that point; the caller drops what it already
 has by ``seq``. No responder means the caller is not back yet: ask again, for up to
-``window_s``. Silence from a subscribed caller means it has finished or is gone.
+``window_s``; so does silence from a caller whose gateway still beats (a gateway answers
+``closed`` when it has everything, so its silence is lateness); silence from one that went
+quiet, or from a direct caller, means it is gone.
 """
 
 from __future__ import annotations
@@ -152,6 +154,12 @@ class Resync:
         if resent:
             log.info("request %s: re-sent %d chunks after a reconnect", st.request.id, resent)
 
+    def _caller_beats(self, st: Flight) -> bool:
+        origin = st.request.origin
+        if not origin or self._origin_silent_s is None:
+            return False
+        return self._origin_silent_s(origin) < self._origin_quiet_after_s
+
     async def _ask(self, nc: Client, st: Flight) -> ResumeReply | None:
         """The caller's answer; None when it stays silent (done or gone) or never returns."""
         query = ResumeQuery(id=st.request.id, attempt=st.attempt, worker=self._worker_id)
@@ -161,8 +169,15 @@ class Resync:
             try:
                 answer = await nc.request(subject, query.to_bytes(), timeout=self._timeout_s)
                 return ResumeReply.from_bytes(answer.data, self._max_payload)
-            except (nats.errors.TimeoutError, TimeoutError, ProtocolError):
-                return None  # subscribed but silent: it has the whole answer, or left
+            except ProtocolError:
+                return None
+            except (nats.errors.TimeoutError, TimeoutError):
+                # A gateway answers closed when it has everything: silence from one that
+                # still beats is a late event loop (every worker resyncs at once after a
+                # NATS restart), not an answer. Ask again within the window; give up on a
+                # caller that went quiet too, or on a direct one (no origin).
+                if not self._caller_beats(st):
+                    return None
             except Exception:  # no responder yet, or our own link is still down
                 await asyncio.sleep(RETRY_S)
         return None

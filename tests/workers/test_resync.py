@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import pytest
 
-from common.protocol import GenerateRequest
+from common.protocol import GenerateRequest, ResumeReply
 from common.subjects import Subjects
+from tests.workers.conftest import new_id
 from workers import resync as resync_module
 from workers.orphans import GatewayWatch
 from workers.outbox import Flight
@@ -87,3 +89,28 @@ def test_streams_of_a_gateway_that_never_returns_go_after_the_window(clock: Cloc
     assert len(resync._flights([])) == 1
     _tick_until(resync, nc, clock, t0 + 10.5)
     assert resync._flights([]) == []
+
+
+async def test_a_caller_whose_gateway_beats_is_asked_again_after_a_silent_query(
+    nc: Any, subjects: Subjects
+) -> None:
+    """After a NATS restart every worker resyncs at once and a gateway's loop runs late:
+    one silent query used to end the resync for good (a gateway that has everything answers
+    closed), leaving its client a gap or no final chunk until the deadline."""
+    beats = {"gw-a": 0.1}  # seconds since its last heartbeat
+    resync = Resync(subjects, "w0", 1 << 20, timeout_s=0.2, window_s=5.0,
+                    origin_silent_s=lambda origin: beats.get(origin, 99.0))  # fmt: skip
+    st = _flight(new_id())
+    asked: list[int] = []
+
+    async def late_then_answers(msg: Any) -> None:
+        asked.append(1)
+        if len(asked) > 1:  # the first query finds its loop busy
+            await msg.respond(ResumeReply(id=st.request.id, token_ids=[4, 5]).to_bytes())
+
+    await nc.subscribe(subjects.resume(st.request.id), cb=late_then_answers)
+    reply = await resync._ask(nc, st)
+    assert reply is not None and reply.token_ids == [4, 5] and len(asked) == 2
+    beats["gw-a"] = 60.0  # a gateway gone quiet: its silence is an answer
+    asked.clear()
+    assert await resync._ask(nc, st) is None and len(asked) == 1
