@@ -84,7 +84,13 @@ class Flight:
         ``base`` tokens) and every output token, resumed ones included.
         """
         output = delta.output if delta is not None else None
-        prompt = len(output.prompt_token_ids) - self.base if output is not None else 0
+        # Without the engine's word (a resumed request that had nothing left to generate),
+        # the request's own token ids: its usage read 0 prompt tokens.
+        prompt = (
+            len(output.prompt_token_ids) - self.base
+            if output is not None
+            else len(self.request.prompt_token_ids)
+        )
         cached = min(output.num_cached_tokens, prompt) if output is not None else 0
         chunk = self.take_chunk(worker)
         chunk.finish_reason = cast(FinishReason, reason)
