@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from common.config import Config
+from common.detokenizer import IncrementalDetokenizer
 from common.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -567,11 +568,12 @@ class Generator:
             series.e2e.observe(time.monotonic() - flight.started)
 
     def _decode_tail(self, delivered: Sequence[int], new: Sequence[int]) -> str:
-        # Decode with a little context so a token that continues a word keeps its spacing.
-        context = list(delivered[-8:])
-        before = self._tok.decode(context)
-        after = self._tok.decode([*context, *new])
-        return after[len(before) :] if after.startswith(before) else self._tok.decode(list(new))
+        """The text of ``new`` after the ``delivered`` tokens (a redelivered attempt's chunk
+        that overlaps them), as the worker's detokenizer streams it: with the delivered
+        tokens as context, cut on character boundaries (decoding them with a few tokens of
+        context started U+FFFD when that context began inside a character)."""
+        detokenizer = IncrementalDetokenizer(self._tok, delivered)
+        return "".join(detokenizer.add(t) for t in new) + detokenizer.flush()
 
 
 def _strings(value: Any) -> Iterator[str]:

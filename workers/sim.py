@@ -211,7 +211,7 @@ class SimEngine:
             seed=params.seed if params.seed is not None else 0,
         )
         if self.tokenizer is not None:
-            from workers.engine.detokenizer import attach_text_state
+            from common.detokenizer import attach_text_state
 
             attach_text_state(
                 req, self.tokenizer, ids, params,

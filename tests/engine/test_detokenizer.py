@@ -9,14 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.tokenizer import ByteTokenizer, Tokenizer
-from tests.engine.test_tokenizer import write_hf_folder
-from workers.engine.detokenizer import (
+from common.detokenizer import (
     IncrementalDetokenizer,
     StopCheck,
     StopStringMatcher,
     held_back_text,
 )
+from common.tokenizer import ByteTokenizer, Tokenizer
+from tests.engine.test_tokenizer import write_hf_folder
 
 FFFD = "\ufffd"
 # Multi-byte characters a byte-level BPE splits across tokens: emoji (4 bytes, with

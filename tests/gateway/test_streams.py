@@ -435,3 +435,21 @@ async def test_a_stream_whose_client_stopped_reading_lets_go_at_its_deadline():
     )  # fmt: skip
     await asyncio.wait_for(response({"type": "http"}, receive, send), 5)
     assert blocked.is_set() and closed == [504]
+
+
+def test_an_overlapping_chunks_new_tokens_keep_a_character_split_across_the_overlap():
+    """A redelivered attempt's chunk that overlaps what the client has: its new tokens were
+    decoded after 8 tokens of context starting anywhere, and a character whose first bytes
+    the client's tokens ended with came out as U+FFFD."""
+    import types
+
+    from common.tokenizer import ByteTokenizer
+    from gateway.generate import Generator
+
+    tok = ByteTokenizer()
+    text = " 你好😀".encode()
+    for cut in range(1, len(text)):
+        delivered, new = list(text[:cut]), list(text[cut:])
+        sent = bytes(delivered).decode("utf-8", "ignore")  # complete characters only
+        tail = Generator._decode_tail(types.SimpleNamespace(_tok=tok), delivered, new)  # type: ignore[arg-type]
+        assert sent + tail == " 你好😀", cut

@@ -213,7 +213,7 @@ class LLMEngine:
         Generation stops with ``finish_reason="length"`` at ``max_seq_len``.
         A redelivered request continues its output: its prompt ends with the
         ``resumed_tokens`` tokens its caller has, with ``delivered_text_len`` characters of
-        their text (see :func:`~workers.engine.detokenizer.attach_text_state`).
+        their text (see :func:`~common.detokenizer.attach_text_state`).
         Requests share cached prefix blocks (here and in the KV tiers) only when their
         ``cache_salt`` is equal, as in vLLM: a tenant's own salt keeps others from reusing,
         and so from timing, its prompts.
@@ -249,7 +249,7 @@ class LLMEngine:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
             req.noise_to_skip = resumed_tokens
         if self.tokenizer is not None:
-            from workers.engine.detokenizer import attach_text_state
+            from common.detokenizer import attach_text_state
 
             attach_text_state(
                 req, self.tokenizer, ids, params,
