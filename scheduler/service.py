@@ -567,7 +567,17 @@ class SchedulerService:
         for group in self.groups:
             stats = self.windows.stats(group, now, self.queue_depths[group])
             m.group_replicas.labels(group).set(stats.replicas)
-            m.group_p99.labels(group, "e2e").set(stats.e2e_p99_ms / 1e3)
-            m.group_p99.labels(group, "ttft").set(stats.ttft_p99_ms / 1e3)
-            m.queue_depth.labels(group).set(stats.queue_depth)
+            # No samples, no p99; an unknown depth (the JetStream poll failed), no depth:
+            # absent series read "no data" on the dashboard, where a 0 read perfect/empty.
+            for kind, p99_ms in (("e2e", stats.e2e_p99_ms), ("ttft", stats.ttft_p99_ms)):
+                if stats.samples:
+                    m.group_p99.labels(group, kind).set(p99_ms / 1e3)
+                else:
+                    with contextlib.suppress(KeyError):
+                        m.group_p99.remove(group, kind)
+            if self.queue_depths[group] >= 0 or stats.samples:
+                m.queue_depth.labels(group).set(stats.queue_depth)
+            else:
+                with contextlib.suppress(KeyError):
+                    m.queue_depth.remove(group)
             m.error_rate.labels(group).set(stats.error_rate)

@@ -223,3 +223,31 @@ def test_every_groups_transition_series_exists_at_zero_before_the_first_one():
     }
     expected = {(g, a, b) for g in Config().groups for a, b in LEGAL}
     assert set(samples) == expected and set(samples.values()) == {0.0}
+
+
+def test_a_group_without_samples_exports_no_p99_and_an_unknown_queue_no_depth():
+    """They read 0: an idle group's p99 looked perfect, a failed JetStream poll an empty
+    queue. Absent, the dashboard says "no data"."""
+    from common.config import Config
+    from common.protocol import Telemetry
+    from scheduler.service import SchedulerService
+
+    service = SchedulerService(Config(), scheduler_id="metrics-only")
+
+    def series(name: str) -> set[tuple[str, ...]]:
+        return {
+            tuple(s.labels.values())
+            for family in service.metrics.registry.collect()
+            for s in family.samples
+            if s.name == name
+        }
+
+    service._export_groups(100.0)
+    assert series("qos_group_p99_seconds") == set() and series("qos_group_queue_depth") == set()
+    report = Telemetry(worker="w", group="short", ts_ms=0, e2e_p99_ms=120.0, samples=3)
+    service.windows.observe(report, 100.0)
+    service.queue_depths["short"] = 4
+    service.windows.sample(100.5, service.queue_depths)
+    service._export_groups(100.5)
+    assert ("short", "e2e") in series("qos_group_p99_seconds")
+    assert ("short",) in series("qos_group_queue_depth")
