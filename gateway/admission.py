@@ -171,13 +171,10 @@ class Admission:
                 continue
             # Last: only a request the half-open group could serve spends one of its turns,
             # and not when the group is full (the probe would be a 429, not a probe).
-            if (
-                state == "half_open"
-                and self._in_flight[candidate] >= self._groups[candidate].max_pending
-            ):
-                reason = reason or "full"
-                continue
             if state == "half_open":
+                if self._in_flight[candidate] >= self._groups[candidate].max_pending:
+                    reason = reason or "full"
+                    continue
                 if candidate not in turns:
                     turns[candidate] = self._half_open_turn(candidate)
                 if not turns[candidate]:

@@ -214,10 +214,11 @@ class EngineBridge:
             self._queue.put(("stop", None))
             # Bounded: a wedged device holds the thread forever, and the service must still
             # close its connections (the thread is a daemon: it does not keep the process).
-            await asyncio.to_thread(self._thread.join, STOP_JOIN_S if join_s is None else join_s)
+            wait_s = STOP_JOIN_S if join_s is None else join_s
+            await asyncio.to_thread(self._thread.join, wait_s)
             if self._thread.is_alive():
                 log.error("the engine thread did not stop within %.0f s (a hung device?); "
-                          "leaving it", STOP_JOIN_S)  # fmt: skip
+                          "leaving it", wait_s)  # fmt: skip
 
     @property
     def alive(self) -> bool:
