@@ -341,7 +341,7 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"  {child.name:<22} pid {child.proc.pid if child.proc else '-':<7} log {child.log_path}"
         )
-    print(f"  model {model_name} on {device} ({args.engine} engine)")
+    print(f"  model {served} ({model_name}) on {device}, {args.engine} engine")
     if device == "cpu" and args.engine == "real" and _cuda_available():
         print("  (a GPU is present: pass --device cuda to use it)")
     print(f"waiting for the gateway on {base} and a live worker in every group …", flush=True)
