@@ -15,6 +15,13 @@ from workers.engine.loader import load_model, load_model_config
 from workers.engine.models.llama import ModelConfig, rope_inv_freq
 
 
+def served_greedy(path: Path, batch: list[list[int]], max_tokens: int = 6) -> list[list[int]]:
+    """Greedy tokens of ``batch`` from our engine on the checkpoint at ``path``."""
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=32)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=batch, sampling_params=params)]
+
+
 def test_sharded_checkpoint_loads_through_its_index(tmp_path: Path) -> None:
     import transformers as tf
 
@@ -25,11 +32,7 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path: Path) -> None:
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 1
     batch = prompts(4, seed=9)
-    llm = LLM(str(sharded), dtype="float32", block_size=4, num_kv_blocks=32)
-    outs = llm.generate(
-        prompt_token_ids=batch, sampling_params=SamplingParams(temperature=0, max_tokens=6)
-    )
-    assert [o.token_ids for o in outs] == [hf_greedy(src, p, 6) for p in batch]
+    assert served_greedy(sharded, batch) == [hf_greedy(src, p, 6) for p in batch]
 
 
 def test_qkv_and_gate_up_are_fused_in_checkpoint_order(tmp_path: Path) -> None:
@@ -139,12 +142,8 @@ def test_a_tied_config_whose_checkpoint_has_its_own_head_serves_that_head(
         return t
 
     path = _rewrite(src, tmp_path / "own-head", own_head)
-    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=32)
     batch = prompts(4, seed=3)[:3]
-    outs = llm.generate(
-        prompt_token_ids=batch, sampling_params=SamplingParams(temperature=0, max_tokens=6)
-    )
-    assert [o.token_ids for o in outs] == [hf_greedy(path, p, 6) for p in batch]
+    assert served_greedy(path, batch) == [hf_greedy(path, p, 6) for p in batch]
 
 
 def test_a_tied_checkpoint_with_only_the_head_and_bare_names_loads_as_transformers(
@@ -160,12 +159,8 @@ def test_a_tied_checkpoint_with_only_the_head_and_bare_names_loads_as_transforme
         return out
 
     path = _rewrite(src, tmp_path / "head-only", head_only_bare)
-    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=32)
     batch = prompts(4, seed=4)[:3]
-    outs = llm.generate(
-        prompt_token_ids=batch, sampling_params=SamplingParams(temperature=0, max_tokens=6)
-    )
-    assert [o.token_ids for o in outs] == [hf_greedy(src, p, 6) for p in batch]
+    assert served_greedy(path, batch) == [hf_greedy(src, p, 6) for p in batch]
 
 
 def test_quantized_and_half_specified_configs_are_refused_by_name(tmp_path: Path) -> None:

@@ -31,6 +31,14 @@ def _report(
     return Telemetry(worker=worker, group=group, ts_ms=0, state=state, max_seq_len=max_seq_len)  # type: ignore[arg-type]
 
 
+def _all_live(config: Config) -> WorkersView:
+    """A view in which every group of ``config`` has a serving worker."""
+    view = WorkersView(config.groups)
+    for group in config.groups:
+        view.on_telemetry(_report(group))
+    return view
+
+
 async def test_saturated_group_answers_429_with_retry_after(nats_config: NatsConfig):
     slow = functools.partial(echo_alphabet, delay_s=0.4)
     config = gateway_config(nats_config, short__max_pending=2)
@@ -176,9 +184,7 @@ async def test_draining_worker_takes_no_new_requests():
 
 async def test_half_open_breaker_admits_its_share_and_passes_the_rest_on():
     config = Config()
-    view = WorkersView(config.groups)
-    for group in config.groups:
-        view.on_telemetry(_report(group))
+    view = _all_live(config)
     view.set_breaker("short", "half_open")  # default half_open_share = 0.25
     admission = Admission(config, view)
     routes = [await admission.admit("short", 10, 1.0) for _ in range(8)]
@@ -190,9 +196,7 @@ async def test_a_half_open_group_with_nowhere_to_fall_back_admits_only_its_share
     """Asked again after the wait for a live worker (which returns at once: the group is
     live), the request must not take a second turn: the probe share would double."""
     config = Config()
-    view = WorkersView(config.groups)
-    for group in config.groups:
-        view.on_telemetry(_report(group))
+    view = _all_live(config)
     view.set_breaker("long", "half_open")  # long has no fallback; share 0.25
     admission = Admission(config, view, wait_s=0.01)
     admitted = 0
@@ -208,9 +212,7 @@ async def test_a_half_open_group_with_nowhere_to_fall_back_admits_only_its_share
 
 async def test_requests_the_half_open_group_could_not_serve_spend_none_of_its_turns():
     config = Config()
-    view = WorkersView(config.groups)
-    for group in config.groups:
-        view.on_telemetry(_report(group))
+    view = _all_live(config)
     view.set_breaker("short", "half_open")
     view.set_breaker("realtime", "open")
     admission = Admission(config, view)
@@ -325,9 +327,7 @@ async def test_a_groups_limit_is_what_its_live_workers_serve_when_that_is_less()
 
 async def test_a_fallback_outside_the_keys_groups_is_not_taken():
     config = Config()
-    view = WorkersView(config.groups)
-    for group in config.groups:
-        view.on_telemetry(_report(group))
+    view = _all_live(config)
     view.set_breaker("short", "open")  # short falls back to long ...
     admission = Admission(config, view, wait_s=0.01)
     assert (await admission.admit("short", 10, 1.0)).group == "long"
@@ -371,9 +371,7 @@ async def test_a_group_that_came_live_serving_less_is_checked_again():
 
 async def test_a_full_half_open_group_passes_its_probe_on_instead_of_refusing_it():
     config = Config()
-    view = WorkersView(config.groups)
-    for group in config.groups:
-        view.on_telemetry(_report(group))
+    view = _all_live(config)
     view.set_breaker("short", "half_open")
     admission = Admission(config, view)
     for _ in range(config.groups["short"].max_pending):
