@@ -170,12 +170,10 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+def _nvidia_gpu_present() -> bool:
+    """An NVIDIA driver is loaded: a hint, read without importing torch into the launcher
+    (seconds of start-up for one line of advice)."""
+    return Path("/proc/driver/nvidia/version").exists()
 
 
 def _live_workers(health: dict | None) -> dict[str, int]:
@@ -342,7 +340,7 @@ def _run(args: argparse.Namespace) -> int:
             f"  {child.name:<22} pid {child.proc.pid if child.proc else '-':<7} log {child.log_path}"
         )
     print(f"  model {served} ({model_name}) on {device}, {args.engine} engine")
-    if device == "cpu" and args.engine == "real" and _cuda_available():
+    if device == "cpu" and args.engine == "real" and _nvidia_gpu_present():
         print("  (a GPU is present: pass --device cuda to use it)")
     print(f"waiting for the gateway on {base} and a live worker in every group …", flush=True)
 
