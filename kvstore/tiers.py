@@ -86,6 +86,7 @@ class KVTiers:
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="kv-write")
         self._bulk = None if redis is None else BulkPool(redis, read_threads + write_threads)
         self.value_bytes = 0  # of one block in Redis, header included (known after bind)
+        self.block_bytes = 0  # of one block as the engine hands it over (known after bind)
         self.batch_blocks = 1  # blocks per sub-batch: about batch_bytes
         self._lock = threading.Lock()  # the queue figure changes on both threads
         self._queued_bytes = 0
@@ -116,6 +117,7 @@ class KVTiers:
         self._block_tokens = layout.block_size
         if self.host_capacity_bytes > 0:
             self.host = HostTier(self.host_capacity_bytes, kv_layout.block_bytes, self.pin_host)
+        self.block_bytes = kv_layout.block_bytes
         self.value_bytes = HEADER_BYTES + kv_layout.block_bytes
         # Big values in few commands, never one huge reply; sub-batches run in parallel.
         self.batch_blocks = max(1, self.batch_bytes // self.value_bytes)
@@ -134,7 +136,8 @@ class KVTiers:
         return (
             self._bulk is not None
             and not self.breaker.rejecting()
-            and self._queued_bytes < self.store_queue_bytes
+            # room for a block: with less, every block offered would be dropped on arrival
+            and self._queued_bytes + self.block_bytes <= self.store_queue_bytes
         )
 
     @property

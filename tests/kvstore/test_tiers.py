@@ -117,6 +117,26 @@ def test_a_batch_larger_than_the_queue_stores_its_leading_blocks(
         assert tiers.lookup(HASHES[:5]) == 3
 
 
+def test_stores_are_not_asked_for_when_the_queue_has_no_room_for_a_block(
+    fresh_redis_server: Callable[..., RedisServer],
+) -> None:
+    """A queue with room for less than a block would drop every block offered: the engine
+    must not copy them off the device for that."""
+    server = fresh_redis_server()
+    assert server.pid is not None
+    config = RedisConfig(url=server.url, socket_timeout_s=2.0)
+    with make(config, store_queue_bytes=LAYOUT.block_bytes * 3 // 2) as tiers:
+        assert tiers.accepts_stores
+        os.kill(server.pid, signal.SIGSTOP)  # the write stays queued while Redis is silent
+        try:
+            tiers.store_async(HASHES[:1], blocks(1))
+            assert not tiers.accepts_stores  # half a block of room left
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert tiers.flush()
+        assert tiers.accepts_stores and tiers.stats().redis.store_blocks == 1
+
+
 def test_breaker_opens_while_redis_is_down_and_hits_resume_after_restart(
     fresh_redis_server: Callable[..., RedisServer],
 ) -> None:
