@@ -27,6 +27,7 @@ from redis.connection import parse_url
 from redis.exceptions import ConnectionError, ResponseError
 
 from common.config import RedisConfig
+from kvstore.resolver import Resolver, connect
 
 _CHUNK = 1 << 16  # reads of reply headers; whatever payload they catch is copied once
 
@@ -46,7 +47,7 @@ def _command(*args: bytes) -> bytes:
 class BulkConnection:
     """One blocking connection (TCP, TLS or a Unix socket), authenticated and on its db."""
 
-    def __init__(self, config: RedisConfig) -> None:
+    def __init__(self, config: RedisConfig, resolver: Resolver | None = None) -> None:
         url = parse_url(config.url)
         timeout = config.socket_timeout_s
         path = url.get("path")
@@ -56,8 +57,10 @@ class BulkConnection:
             sock.connect(path)
         else:
             # redis-py's defaults for what a URL leaves out (redis://redis/0 has no port).
-            address = (url.get("host", "localhost"), url.get("port", 6379))
-            sock = socket.create_connection(address, timeout)
+            host, port = url.get("host", "localhost"), url.get("port", 6379)
+            # The name resolves within the socket timeout too: DNS is unbounded otherwise.
+            infos = (resolver or Resolver()).addresses(host, port, timeout)
+            sock = connect(infos, timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if config.url.startswith("rediss://"):
             context = ssl.create_default_context(cafile=config.tls_ca_file)
@@ -214,8 +217,9 @@ class BulkConnection:
 class BulkPool:
     """Up to ``size`` idle connections, opened on demand; one borrower at a time each."""
 
-    def __init__(self, config: RedisConfig, size: int) -> None:
+    def __init__(self, config: RedisConfig, size: int, resolver: Resolver | None = None) -> None:
         self.config = config
+        self.resolver = resolver or Resolver()  # shared: one lookup in flight, answers kept
         self._idle: queue.LifoQueue[BulkConnection] = queue.LifoQueue(size)
 
     def take(self) -> BulkConnection:
@@ -224,7 +228,7 @@ class BulkPool:
             try:
                 conn = self._idle.get_nowait()
             except queue.Empty:
-                return BulkConnection(self.config)
+                return BulkConnection(self.config, self.resolver)
             if conn.idle_and_open():
                 return conn
             conn.close()

@@ -4,6 +4,9 @@ credentials, database and dead connections are handled like redis-py would."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -15,6 +18,7 @@ from common.config import RedisConfig
 from common.services import RedisServer
 from kvstore.bulk_io import MISSING, TOO_LONG, BulkConnection, BulkPool
 from kvstore.identity import KVLayout
+from kvstore.resolver import AddrInfo, Resolver
 from kvstore.tiers import KVTiers
 
 LAYOUT = KVLayout(block_size=4, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
@@ -88,21 +92,73 @@ def test_password_and_database_from_the_config_and_a_wrong_password_is_an_error(
     BulkConnection(RedisConfig(url=in_url, password="wrong")).close()
 
 
-def test_a_url_without_a_port_means_redis_py_s_6379(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_url_without_a_port_means_redis_py_s_6379() -> None:
     """redis://redis/0 has no port: redis-py takes 6379, the raw path raised KeyError and
     the tier never reached Redis."""
-    import socket
-
     asked: list[tuple[str, int]] = []
 
-    def refuse(address: tuple[str, int], timeout: float | None = None) -> socket.socket:
-        asked.append(address)
-        raise ConnectionRefusedError("no server in this test")
+    def unknown(host: str, port: int, **_: object) -> list[AddrInfo]:
+        asked.append((host, port))
+        raise socket.gaierror(socket.EAI_NONAME, "no such name in this test")
 
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    with pytest.raises(ConnectionRefusedError):
-        BulkConnection(RedisConfig(url="redis://redis-host/0"))
+    with pytest.raises(socket.gaierror):
+        BulkConnection(RedisConfig(url="redis://redis-host/0"), Resolver(lookup=unknown))
     assert asked == [("redis-host", 6379)]
+
+
+def test_a_slow_name_lookup_holds_a_connect_no_longer_than_the_socket_timeout(
+    redis_config: RedisConfig,
+) -> None:
+    """getaddrinfo has no timeout: with DNS down, the engine thread's tier lookup waited
+    for the C library's retries. Now it fails after the socket timeout, one lookup stays in
+    flight for everyone, and its answer serves the connections that follow."""
+    port = int(redis_config.url.rsplit(":", 1)[1].split("/")[0])
+    answered = threading.Event()
+    asked: list[str] = []
+
+    def slow(host: str, port: int, **kw: object) -> list[AddrInfo]:
+        asked.append(host)
+        answered.wait(30)
+        return socket.getaddrinfo("127.0.0.1", port, **kw)  # type: ignore[arg-type]
+
+    config = RedisConfig(url=f"redis://redis.example:{port}/0", socket_timeout_s=0.2)
+    pool = BulkPool(config, size=2, resolver=Resolver(lookup=slow))
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError, match=r"redis\.example"):
+            pool.take()
+        assert time.perf_counter() - t0 < 2.0
+    assert asked == ["redis.example"]  # one lookup, not one per attempt
+    answered.set()
+    deadline = time.monotonic() + 10
+    while True:  # the lookup's thread stores its answer
+        try:
+            conn = pool.take()
+            break
+        except TimeoutError:
+            assert time.monotonic() < deadline
+    assert conn.expire_many([b"k"], 10) == [False]
+    pool.give(conn)
+    pool.close()
+    assert asked == ["redis.example"]
+
+
+def test_an_expired_answer_serves_while_the_next_lookup_is_slow() -> None:
+    answers = iter([0.0, 5.0])
+    gate = threading.Event()
+
+    def lookup(host: str, port: int, **_: object) -> list[AddrInfo]:
+        delay = next(answers)
+        if delay:
+            gate.wait(delay)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    resolver = Resolver(ttl_s=0.0, lookup=lookup)
+    first = resolver.addresses("redis", 6379, timeout=5)
+    t0 = time.perf_counter()
+    assert resolver.addresses("redis", 6379, timeout=0.1) == first  # expired, DNS slow
+    assert time.perf_counter() - t0 < 1.0
+    gate.set()
 
 
 def test_the_pool_drops_connections_the_server_closed_while_they_were_idle(
