@@ -296,3 +296,67 @@ def test_a_step_whose_tier_load_fails_leaves_no_block_named_without_its_bytes(
         eng.step()
         (again,) = serve(eng, [p])
     assert again == reference([p])[0]
+
+
+class RecordingTier(VanishingTier):
+    """Holds nothing, takes every write-through, and notes when each arrived."""
+
+    accepts_stores = True
+
+    def __init__(self) -> None:
+        super().__init__(claims=False)
+        self.eng_steps: Callable[[], int] = lambda: -1
+        self.stores: list[tuple[int, list[bytes], np.ndarray]] = []
+
+    def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
+        self.stores.append((self.eng_steps(), list(hashes), data.copy()))
+
+
+@pytest.mark.parametrize("async_output", [False, True])
+def test_write_through_hands_blocks_over_after_their_copy_and_before_the_engine_idles(
+    tiny_llama: Path, async_output: bool
+) -> None:
+    """A step's filled blocks are copied off the device behind the step and handed to the
+    tier at a later step (reading them at once made the host wait for the whole step on
+    the device). Every full block arrives once, in order, holding what a synchronous
+    export of the cache reads; the engine is not idle until the last has been handed over."""
+    tier = RecordingTier()
+    eng = engine(tiny_llama, tier, num_kv_blocks=32, async_output=async_output)  # type: ignore[arg-type]
+    tier.eng_steps = lambda: eng.num_steps
+    p = prompt(40, 3 * BS)  # 3 full blocks at prefill, 1 more after 4 decodes (6 generated)
+    eng.add_request("r", prompt_token_ids=p, params=GREEDY)
+    tokens: list[int] = []
+    finished = False
+    while eng.has_unfinished():
+        for delta in eng.step():
+            tokens += delta.token_ids
+            finished |= delta.finished
+    full = (len(p) + len(tokens) - 1) // BS  # the last token is never fed back
+    names = hash_chain([*p, *tokens][: full * BS], BS)
+    assert [h for _, hashes, _ in tier.stores for h in hashes] == names
+    assert all(step >= 1 for step, _, _ in tier.stores)  # not during the prefill step (0)
+    assert finished  # and, the loop over, every block handed over (below)
+    cached = {b.block_hash: b.block_id for b in eng.pool.blocks if b.block_hash is not None}
+    rows = np.concatenate([data for _, _, data in tier.stores])
+    assert np.array_equal(rows, eng.runner.export_blocks([cached[h] for h in names]))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it() -> None:
+    """Write-through must not synchronise: with asynchronous output the host schedules the
+    next step while the device runs this one (a ``.cpu()`` of the export waited for it)."""
+    tier = RecordingTier()
+    eng = LLMEngine(
+        EngineArgs("dummy:llama-1b", device="cuda", dtype="bfloat16", block_size=16,
+                   max_batch_size=32, max_num_batched_tokens=8192, async_output=True),
+        kv_tier=tier,  # type: ignore[arg-type]
+    )  # fmt: skip
+    for i in range(32):  # a 4,096-token prefill: milliseconds of device work
+        eng.add_request(str(i), prompt_token_ids=prompt(i, 128), params=GREEDY)
+    eng.step()
+    assert not torch.cuda.current_stream().query()  # still running: nobody waited
+    assert tier.stores == []
+    while eng.has_unfinished():
+        eng.step()
+    assert sum(len(hashes) for _, hashes, _ in tier.stores) == 32 * ((128 + 5) // 16)

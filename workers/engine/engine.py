@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,7 @@ class LLMEngine:
             self.device.type == "cuda" if args.async_output is None else args.async_output
         )
         self._inflight: _Inflight | None = None
+        self._exports: list[_Export] = []  # write-through copies on their way to the host
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
@@ -286,7 +288,12 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.batcher.has_unfinished() or bool(self._pending) or self._inflight is not None
+        return (
+            self.batcher.has_unfinished()
+            or bool(self._pending)
+            or self._inflight is not None
+            or bool(self._exports)  # an idle step hands them to the tier
+        )
 
     # --- stepping ------------------------------------------------------------------------
 
@@ -322,6 +329,7 @@ class LLMEngine:
             self._swap_kv(plan)
         if plan.is_empty:
             deltas += self._read_back()
+            self._hand_over_exports(wait=True)
             return
         logits = self.runner.execute(plan, self._feed(plan))
         sampling = [r for r, s in zip(plan.requests, plan.seqs, strict=True) if s.sample]
@@ -346,9 +354,11 @@ class LLMEngine:
     def _commit(self, plan: BatchPlan) -> None:
         """The step's tokens are in the cache: name full blocks, write them through, count."""
         self.batcher.commit(plan)
+        self._hand_over_exports(wait=False)
         if plan.kv_stores and self.kv_tier is not None:
             hashes, ids = zip(*plan.kv_stores, strict=True)
-            self.kv_tier.store_async(hashes, self.runner.export_blocks(ids))
+            rows, copied = self.runner.export_blocks_async(ids)
+            self._exports.append(_Export(hashes, rows, copied))
         self.num_steps += 1
         self.num_tokens_computed += plan.num_tokens
         for seq, req in zip(plan.seqs, plan.requests, strict=True):
@@ -356,6 +366,24 @@ class LLMEngine:
             if seq.start_pos < n_prompt:  # decodes (the common case) computed no prompt
                 end = seq.start_pos + len(seq.token_ids)
                 self.num_prompt_tokens_computed += min(end, n_prompt) - seq.start_pos
+
+    def _hand_over_exports(self, *, wait: bool) -> None:
+        """Give the tier the write-through blocks whose copy to the host has finished
+        (all of them with ``wait``). The copy is queued behind the step that filled the
+        blocks; reading it at once (``.cpu()``) made the host wait for that whole step on
+        every step that filled a block, which with a batch decoding is nearly every step:
+        the overlap of asynchronous output was lost whenever the Redis tier was on."""
+        assert self.kv_tier is not None or not self._exports
+        while self._exports:
+            export = self._exports[0]
+            if export.copied is not None:
+                if wait:
+                    export.copied.synchronize()
+                elif not export.copied.query():
+                    return  # later ones were queued behind it
+            self._exports.pop(0)
+            assert self.kv_tier is not None
+            self.kv_tier.store_async(export.hashes, export.rows.numpy())
 
     # --- asynchronous output -------------------------------------------------------------
 
@@ -554,6 +582,15 @@ class _Inflight:
     tokens: torch.Tensor  # [rows] on the device
     host: torch.Tensor  # [rows], pinned on CUDA: the copy's target
     ready: torch.cuda.Event | None  # recorded after the copy (CUDA)
+
+
+@dataclass
+class _Export:
+    """Full blocks written through to the KV tier once their bytes are on the host."""
+
+    hashes: Sequence[bytes]
+    rows: torch.Tensor  # uint8 [blocks, bytes per block] on the host (pinned on CUDA)
+    copied: torch.cuda.Event | None  # recorded after the copy (CUDA); None: already there
 
 
 def _load_tokenizer(args: EngineArgs) -> Any | None:

@@ -194,12 +194,34 @@ class ModelRunner:
         """A host copy of whole blocks for the KV tiers: uint8 ``[n, bytes_per_block]``, row
         ``i`` the ``[2, layers, block_size, kv_heads, head_dim]`` K/V of ``block_ids[i]``,
         preceded in a quantised cache by their ``[2, layers, block_size, kv_heads]`` scales."""
+        rows, copied = self.export_blocks_async(block_ids)
+        if copied is not None:
+            copied.synchronize()
+        return rows.numpy()
+
+    def export_blocks_async(
+        self, block_ids: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """:meth:`export_blocks` without waiting: (host rows, the event recorded after their
+        copy on CUDA, None elsewhere). The copy is queued behind the work already launched,
+        so the rows hold the blocks as that work leaves them."""
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        rows = [
-            p.index_select(2, ids).permute(2, 0, 1, 3).reshape(len(ids), -1)
-            for p in self._kv_bytes()
-        ]
-        return torch.cat(rows, dim=1).cpu().numpy()
+        rows = torch.cat(
+            [
+                p.index_select(2, ids).permute(2, 0, 1, 3).reshape(len(ids), -1)
+                for p in self._kv_bytes()
+            ],
+            dim=1,
+        )
+        if not self.is_cuda:
+            return rows, None
+        # Pinned (torch's caching host allocator: no cudaHostAlloc per step), so the copy
+        # runs without the host.
+        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
 
     def kv_layout(self) -> KVCacheLayout:
         """What a KV tier needs to tell this cache's blocks from other layouts'."""
