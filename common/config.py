@@ -130,6 +130,10 @@ class NatsConfig(_Strict):
     # TLS before any NATS byte (the server's tls { handshake_first: true }): without it the
     # client upgrades only when the server's INFO asks, which a man in the middle can strip.
     tls_handshake_first: bool = False
+    # Where replies to this connection arrive (pulled requests, JetStream API answers).
+    # Unset: _INBOX_<service> (gateway, worker, scheduler), so deploy/nats/permissions.conf
+    # can keep each service out of the others' replies, which carry prompts.
+    inbox_prefix: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
     subject_prefix: str = Field("qos", pattern=r"^[A-Za-z0-9_-]+$")
     stream: str = Field("QOS_REQ", pattern=r"^[A-Za-z0-9_-]+$")
     kv_bucket: str = Field("qos_state", pattern=r"^[A-Za-z0-9_-]+$")

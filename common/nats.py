@@ -88,8 +88,19 @@ def _is_fatal(exc: Exception) -> bool:
     )
 
 
-async def connect(cfg: NatsConfig, name: str, *, initial_timeout_s: float | None = None) -> Client:
+async def connect(
+    cfg: NatsConfig,
+    name: str,
+    *,
+    initial_timeout_s: float | None = None,
+    service: str | None = None,
+) -> Client:
     """Connect with reconnect/backoff, credentials and TLS from ``cfg``; callbacks log.
+
+    ``service`` (gateway, worker, scheduler) names the reply inbox, ``_INBOX_<service>``,
+    unless ``nats.inbox_prefix`` sets one: NATS delivers a reply to every subscriber whose
+    permissions match, so with one shared ``_INBOX`` any service user could subscribe to
+    ``_INBOX.>`` and read the requests JetStream hands the workers, prompts included.
 
     nats-py retries the *first* connection forever when ``max_reconnect_attempts`` is
     -1 (or 0), so the first connection is bounded here by ``initial_timeout_s``
@@ -130,6 +141,7 @@ async def connect(cfg: NatsConfig, name: str, *, initial_timeout_s: float | None
             max_reconnect_attempts=cfg.max_reconnect_attempts,
             tls=_tls_context(cfg),
             tls_handshake_first=cfg.tls_handshake_first,
+            inbox_prefix=inbox_prefix(cfg, service),
             **_auth_options(cfg),
         )
     )
@@ -157,6 +169,13 @@ async def connect(cfg: NatsConfig, name: str, *, initial_timeout_s: float | None
         f"cannot connect to NATS at {url} as {name!r} "
         f"(gave up after {time.monotonic() - started:.1f}s): {last or 'no answer'}"
     ) from last
+
+
+def inbox_prefix(cfg: NatsConfig, service: str | None) -> str:
+    """The inbox a connection's replies arrive on (see :func:`connect`)."""
+    if cfg.inbox_prefix:
+        return cfg.inbox_prefix
+    return f"_INBOX_{service}" if service else "_INBOX"
 
 
 async def barrier(nc: Client, timeout_s: float = 2.0) -> None:

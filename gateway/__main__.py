@@ -100,7 +100,7 @@ async def _reach_nats(config: Config) -> None:
     line before uvicorn starts, not a traceback from the app's startup hook."""
     from common.nats import connect
 
-    nc = await connect(config.nats, "qosserve-gateway-probe")
+    nc = await connect(config.nats, "qosserve-gateway-probe", service="gateway")
     await nc.close()
 
 

@@ -138,7 +138,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.keys.warn_if_open()
-        nc = await connect(config.nats, "qosserve-gateway")
+        nc = await connect(config.nats, "qosserve-gateway", service="gateway")
         js = nc.jetstream()
         _, _, kv = await ensure_jetstream(js, config.nats, config.groups)
         dispatcher = Dispatcher(nc, subjects, config.nats.max_payload_bytes, config.nats.stream)

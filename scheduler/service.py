@@ -166,7 +166,7 @@ class SchedulerService:
 
     async def start(self) -> None:
         """Connect, make sure the stream/consumers/bucket exist, load state, start the loops."""
-        self.nc = await qnats.connect(self.config.nats, f"scheduler-{self.id}")
+        self.nc = await qnats.connect(self.config.nats, f"scheduler-{self.id}", service="scheduler")
         self.js = self.nc.jetstream()
         _, _, self.kv = await qnats.ensure_jetstream(self.js, self.config.nats, self.groups)
         self._sub = await self.nc.subscribe(self.subjects.telemetry_wildcard, cb=self._on_telemetry)

@@ -292,6 +292,24 @@ async def test_credentials_are_sent_and_a_wrong_password_fails_fast(
     assert time.monotonic() - started < 2
 
 
+async def test_each_service_gets_replies_on_its_own_inbox_unless_one_is_configured(
+    nats_config: NatsConfig,
+):
+    """deploy/nats/permissions.conf lets each service user read its own inbox only."""
+    inboxes = {}
+    for service, cfg in (("worker", nats_config), (None, nats_config),
+                         ("worker", nats_config.model_copy(update={"inbox_prefix": "_IN.w1"}))):  # fmt: skip
+        nc = await qnats.connect(cfg, "inboxes", service=service)
+        try:
+            await qnats.barrier(nc)  # a request's reply reaches the prefixed inbox
+            inboxes[service, cfg.inbox_prefix] = nc.new_inbox()
+        finally:
+            await nc.close()
+    assert inboxes["worker", None].startswith("_INBOX_worker.")
+    assert inboxes[None, None].startswith("_INBOX.")  # a client of its own: nats-py's default
+    assert inboxes["worker", "_IN.w1"].startswith("_IN.w1.")
+
+
 def test_redact_url_hides_passwords_and_tokens():
     assert qnats.redact_url("nats://svc:pw@h:4222") == "nats://svc:***@h:4222"
     assert qnats.redact_url("nats://tok@h:4222") == "nats://***@h:4222"

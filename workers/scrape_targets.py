@@ -78,7 +78,7 @@ def write_atomically(path: Path, targets: list[dict[str, Any]]) -> None:
 
 async def run(config_path: str | None, out: Path, interval_s: float, max_age_s: float) -> None:
     config = load_config(config_path)
-    nc = await connect(config.nats, "qosserve-scrape-targets")
+    nc = await connect(config.nats, "qosserve-scrape-targets", service="scheduler")
     try:
         js = nc.jetstream()
         await ensure_kv(js, config.nats)

@@ -240,7 +240,7 @@ class WorkerService:
         )
         self._apply_group_limits(self.group)
         self.bridge.start()
-        self.nc = await qnats.connect(cfg, f"worker-{self.worker_id}")
+        self.nc = await qnats.connect(cfg, f"worker-{self.worker_id}", service="worker")
         self.js = self.nc.jetstream()
         await qnats.ensure_stream(self.js, cfg, [self.group])
         self.kv = await qnats.ensure_kv(self.js, cfg)

@@ -97,7 +97,8 @@ class Stack:
         return self
 
     async def _start(self) -> None:
-        self._nc = await qnats.connect(self.config.nats, "e2e-snoop")
+        # The gateway's settings, so its inbox too (a secured server allows no other).
+        self._nc = await qnats.connect(self.config.nats, "e2e-snoop", service="gateway")
         await self._nc.subscribe(f"{self.config.nats.subject_prefix}.out.*", cb=self._record)
         await qnats.barrier(self._nc)  # flush() may overtake the SUB
         app = create_app(

@@ -88,9 +88,10 @@ async def test_a_worker_user_cannot_publish_requests_or_read_chunks(
     secured_stack: tuple[Stack, Config], secured_nats: NatsServer
 ) -> None:
     _, config = secured_stack
-    gateway = await qnats.connect(as_user(config, "gateway").nats, "perm-gateway")
-    worker = await qnats.connect(as_user(config, "worker").nats, "perm-worker")
-    scheduler = await qnats.connect(as_user(config, "scheduler").nats, "perm-scheduler")
+    gateway, worker, scheduler = [
+        await qnats.connect(as_user(config, s).nats, f"perm-{s}", service=s)
+        for s in ("gateway", "worker", "scheduler")
+    ]
     try:
         seen = await gateway.subscribe("qos.req.>")
         await qnats.barrier(gateway)
@@ -103,8 +104,12 @@ async def test_a_worker_user_cannot_publish_requests_or_read_chunks(
         # The gateway aborts on qos.abort.<group>; it cannot command a group (drain, caps).
         await gateway.publish("qos.ctl.group.short", b"forged")
         await gateway.flush()
+        # Nor may a service read another's replies: JetStream hands the workers their
+        # requests (prompts) on the worker inbox.
         for client, subject in ((worker, "qos.out.*"), (scheduler, "qos.out.*"),
-                                (scheduler, "qos.req.>")):  # fmt: skip
+                                (scheduler, "qos.req.>"), (scheduler, "_INBOX.>"),
+                                (scheduler, "_INBOX_worker.>"), (gateway, "_INBOX_worker.>"),
+                                (worker, "_INBOX_gateway.>")):  # fmt: skip
             await client.subscribe(subject)
             await client.flush()
         await asyncio.sleep(0.2)
@@ -117,3 +122,7 @@ async def test_a_worker_user_cannot_publish_requests_or_read_chunks(
     assert 'user:qos-scheduler" - Subscription Violation - Subject "qos.out.*"' in log
     assert 'user:qos-scheduler" - Subscription Violation - Subject "qos.req.>"' in log
     assert 'user:qos-gateway" - Publish Violation - Subject "qos.ctl.group.short"' in log
+    assert 'user:qos-scheduler" - Subscription Violation - Subject "_INBOX.>"' in log
+    assert 'user:qos-scheduler" - Subscription Violation - Subject "_INBOX_worker.>"' in log
+    assert 'user:qos-gateway" - Subscription Violation - Subject "_INBOX_worker.>"' in log
+    assert 'user:qos-worker" - Subscription Violation - Subject "_INBOX_gateway.>"' in log
