@@ -59,6 +59,24 @@ def _tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
     return context
 
 
+class _TlsRequiredClient(Client):
+    """A client that refuses a server whose greeting does not require TLS.
+
+    nats-py upgrades to TLS only when the server's INFO says ``tls_required``; a man in the
+    middle who rewrites that line got the CONNECT, credentials included, in clear although
+    the settings named a CA or a client certificate. Checked on every (re)connection, before
+    anything is sent.
+    """
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        if initial_connection and not info.get("tls_required"):
+            raise ssl.SSLError(
+                "nats server offered no TLS although nats.tls_* is set: not sending "
+                "anything in clear (a man in the middle strips TLS that way)"
+            )
+        await super()._process_info(info, initial_connection)
+
+
 def _auth_options(cfg: NatsConfig) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if cfg.user is not None or cfg.password is not None:
@@ -108,7 +126,11 @@ async def connect(
     Raises :class:`ConnectionError` naming the server and the last error.
     """
     url = redact_url(cfg.url)
-    nc = Client()
+    tls = _tls_context(cfg)
+    # Handshake first already encrypts before the greeting; otherwise TLS asked for must be
+    # TLS got. tls:// alone: nats-py then builds a default context itself.
+    wants_tls = tls is not None or cfg.url.startswith("tls://")
+    nc = _TlsRequiredClient() if wants_tls and not cfg.tls_handshake_first else Client()
     refused = asyncio.Event()
 
     async def on_error(exc: Exception) -> None:
@@ -139,7 +161,7 @@ async def connect(
             connect_timeout=math.ceil(cfg.connect_timeout_s),
             reconnect_time_wait=cfg.reconnect_wait_s,  # type: ignore[arg-type]  # a float works
             max_reconnect_attempts=cfg.max_reconnect_attempts,
-            tls=_tls_context(cfg),
+            tls=tls,
             tls_handshake_first=cfg.tls_handshake_first,
             inbox_prefix=inbox_prefix(cfg, service),
             **_auth_options(cfg),

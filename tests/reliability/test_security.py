@@ -14,6 +14,7 @@ import datetime
 import hmac
 import ipaddress
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -248,6 +249,22 @@ tls {{
     await _round_trip(first, "tls-first")
     with pytest.raises(ConnectionError):
         await qnats.connect(first.model_copy(update={"tls_handshake_first": False}), "tls-late")
+
+
+async def test_nats_settings_that_ask_for_tls_refuse_a_server_that_offers_none(
+    tmp_path: Path, fresh_nats_server: Callable[..., NatsServer]
+) -> None:
+    """What a man in the middle does to strip TLS: a greeting without tls_required. nats-py
+    then sent the CONNECT, password included, in clear although a CA was configured."""
+    _, _, ca_path = make_ca(tmp_path, "qos-ca")
+    plain = fresh_nats_server(extra_config='authorization { user: "svc", password: "pw-9" }')
+    asks = NatsConfig(url=plain.url, user="svc", password="pw-9", tls_ca_file=str(ca_path),
+                      connect_timeout_s=3)  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match="offered no TLS"):
+        await qnats.connect(asks, "tls-stripped")
+    assert time.monotonic() - t0 < 2  # refused at once, not retried until the timeout
+    await _round_trip(asks.model_copy(update={"tls_ca_file": None}), "plain-ok")
 
 
 # --- Redis AUTH ----------------------------------------------------------------------
