@@ -44,7 +44,13 @@ _TRACE: ContextVar[tuple[int, int] | None] = ContextVar("qos_trace", default=Non
 # Any userinfo: user:password, :password (redis://:pw@h) and a lone token (nats://tok@h).
 _URL_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
 _BEARER = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]+")
+# redis-py also reads a password from the query (redis://h/0?password=...).
+_QUERY_SECRET = re.compile(r"(?i)([?&](?:password|passwd|pass|token|secret)=)[^&\s#]*")
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Control characters in a text line's message and fields are shown escaped: a value a
+# client chose (a percent-decoded path in the access log) could otherwise end the line and
+# forge the next one. Tracebacks keep their lines.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), 127) if c != 9} | {10: "\\n", 13: "\\r"}
 
 
 def bind_request(request_id: str | None) -> None:
@@ -68,6 +74,7 @@ def unbind_trace(token: Token[tuple[int, int] | None] | None) -> None:
 def redact_url(url: str) -> str:
     """``nats://user:secret@host`` → ``nats://user:***@host``, ``redis://:pw@h`` →
     ``redis://***@h``: a URL fit for logs and errors."""
+    url = _QUERY_SECRET.sub(r"\1***", url)
     parts = urlsplit(url)
     if "@" not in parts.netloc:
         return url
@@ -81,6 +88,7 @@ def redact(message: str) -> str:
     """``message`` with URL credentials and bearer tokens masked."""
     if "://" in message:
         message = _URL_CREDENTIALS.sub(r"\1***@", message)
+        message = _QUERY_SECRET.sub(r"\1***", message)
     if "earer" in message:
         message = _BEARER.sub(r"\1***", message)
     return message
@@ -131,11 +139,15 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__(_TEXT_FORMAT)
 
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.translate(_CONTROLS)
+        return super().formatMessage(record)
+
     def format(self, record: logging.LogRecord) -> str:
         line = redact(super().format(record))
         extra = getattr(record, "fields", None)
         if isinstance(extra, dict) and extra:
-            line += " " + " ".join(f"{k}={v}" for k, v in extra.items())
+            line += " " + " ".join(f"{k}={str(v).translate(_CONTROLS)}" for k, v in extra.items())
         ctx = context_fields()
         tags = [f"req={ctx['request_id']}"] if "request_id" in ctx else []
         if "trace_id" in ctx:

@@ -6,6 +6,7 @@ import contextvars
 import io
 import json
 import logging
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -100,9 +101,32 @@ def test_credentials_and_bearer_tokens_are_masked_in_every_format() -> None:
     assert "nats://***@nats:4222" in masked and "Bearer ***" in masked
     assert "redis://***@redis:6379/0" in masked
     assert redact_url("redis://:redispw@redis:6379/0") == "redis://:***@redis:6379/0"
+    # redis-py logs in with a password from the query string too
+    assert redact_url("redis://redis:6379/0?password=qpw&db=1") == (
+        "redis://redis:6379/0?password=***&db=1"
+    )
+    assert "qpw" not in redact("tier at redis://redis/0?db=1&Password=qpw down")
     record = logging.LogRecord("x", logging.ERROR, __file__, 1, "%s", (message,), None)
     assert "hunter2" not in JsonFormatter("gw").format(record)
     assert "hunter2" not in TextFormatter().format(record)
+
+
+def test_a_text_line_cannot_be_ended_by_a_value_a_client_chose() -> None:
+    """A percent-decoded path such as ``/x%0a... WARNING gateway.auth ...`` forged a second
+    line in the text access log, before any API key check."""
+    path = "/v1/models/x\n2026-01-01 00:00:00,000 WARNING gateway.auth: incorrect API key\r"
+    record = logging.LogRecord(
+        "qosserve.access", logging.INFO, __file__, 1, "%s %s %d", ("GET", path, 404), None
+    )
+    record.fields = {"path": path, "status": 404}
+    line = TextFormatter().format(record)
+    assert "\n" not in line and "\r" not in line
+    assert "x\\n2026-01-01" in line and "path=/v1/models/x\\n2026" in line
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failed = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    assert "Traceback" in TextFormatter().format(failed).splitlines()[1]  # tracebacks keep lines
 
 
 def test_setup_logging_writes_json_lines_for_every_logger() -> None:
