@@ -199,7 +199,7 @@ class Shaper:
 
     def _logprobs(self, delivery: Delivery) -> dict[str, Any] | None:
         if not delivery.logprobs:
-            return {"content": []} if self.kind == "chat" else None
+            return None  # a chunk with no token (the last, with only the finish reason)
         if self.kind == "chat":
             return {"content": self._chat_logprobs(delivery)}
         return self._completion_logprobs(delivery)
@@ -235,15 +235,17 @@ class Shaper:
             tokens.append(_completion_token(data))
             offsets.append(self._text_offset)
             self._text_offset += len(self._offset_text.decode(data))
-        top: list[dict[str, float]] | None = None
-        if self.logprobs:
-            top = [
-                {_completion_token(t): _clamp(v) for t, v in self._top(delivery.top_logprobs, i)}
-                for i in range(len(delivery.token_ids))
-            ]
+        token_logprobs = [_clamp(lp) for lp in delivery.logprobs]
+        # The chosen token's entry too, whether or not it is among the best (OpenAI: "up to
+        # logprobs+1 elements"; with logprobs 0, that entry alone).
+        top = [
+            {_completion_token(t): _clamp(v) for t, v in self._top(delivery.top_logprobs, i)}
+            | {token: token_logprobs[i]}
+            for i, token in enumerate(tokens[: len(token_logprobs)])
+        ]
         return {
             "tokens": tokens,
-            "token_logprobs": [_clamp(lp) for lp in delivery.logprobs],
+            "token_logprobs": token_logprobs,
             "top_logprobs": top,
             "text_offset": offsets,
         }

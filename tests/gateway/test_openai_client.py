@@ -272,3 +272,24 @@ def test_a_nan_logprob_serialises_as_a_number(kind: Kind) -> None:
         else:
             assert choice["logprobs"]["token_logprobs"] == [MIN_LOGPROB]
             assert choice["logprobs"]["top_logprobs"] == [{"a": MIN_LOGPROB, "b": MIN_LOGPROB}]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_completion_top_logprobs_always_hold_the_chosen_token(k: int) -> None:
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be
+    up to logprobs+1 elements"; a sampled token outside the best k was missing, and
+    ``logprobs: 0`` gave null."""
+    delivery = Delivery(
+        token_ids=[99], text="c", logprobs=[-2.0], top_logprobs=[TopLogprobs([97], [-0.1])]
+    )
+    shaper = Shaper("completion", "id-1", MODEL, 0, ByteTokenizer().token_bytes, logprobs=k)
+    top = shaper.body("c", "length", {}, delivery)["choices"][0]["logprobs"]["top_logprobs"]
+    assert top == ([{"a": -0.1, "c": -2.0}] if k else [{"c": -2.0}])
+
+
+def test_a_streamed_chunk_without_tokens_has_null_logprobs() -> None:
+    """The last chunk, with only the finish reason, sent ``{"content": []}`` (OpenAI: null)."""
+    shaper = Shaper("chat", "id-1", MODEL, 0, ByteTokenizer().token_bytes, logprobs=0)
+    event = shaper.delta_event(Delivery(token_ids=[], text="", finish_reason="stop"))
+    choice = json.loads(event.decode().removeprefix("data: "))["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
