@@ -177,16 +177,20 @@ class StopStringMatcher:
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the output
 
-    def feed(self, delta: str) -> StopCheck:
-        """Add ``delta``; return the text now safe to emit and whether a stop matched."""
+    def feed(self, delta: str, match: bool = True) -> StopCheck:
+        """Add ``delta``; return the text now safe to emit and whether a stop matched.
+        ``match`` False (before a request's min_tokens): all of it is safe, held text too."""
         if self.stopped:
             return StopCheck("", True)
         if not self._stop:
             return StopCheck(delta, False)
         text = self._held + delta
-        match = self._first_match(text)
-        if match is not None:
-            start, end = match
+        if not match:
+            self._held = ""
+            return StopCheck(text, False)
+        found = self._first_match(text)
+        if found is not None:
+            start, end = found
             self.stopped, self.matched = True, text[start:end]
             self._held = ""
             return StopCheck(text[: end if self._include else start], True)

@@ -417,6 +417,11 @@ class RequestParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's extensions. None is left out on the wire, so a worker of an earlier release
+    # still reads every request that does not use them.
+    min_tokens: int | None = None  # EOS, stop ids and stop strings wait for this many tokens
+    skip_special_tokens: bool | None = None  # None: True
+    include_stop_str_in_output: bool | None = None  # None: False
 
 
 @dataclass

@@ -148,7 +148,7 @@ class Generator:
                 if kind == "completion"
                 else parse_body(ChatCompletionRequest, raw)
             )
-            body.check_stream_options()
+            body.check_fields()
             if body.model is not None and body.model not in self._model_names:
                 raise ModelNotFoundError(
                     f"The model '{body.model}' does not exist; this gateway serves '{self._model}'",

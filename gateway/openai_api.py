@@ -143,6 +143,10 @@ class _SamplingBody(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    # vLLM's extensions (``extra_body`` in the openai client).
+    min_tokens: int | None = Field(None, ge=0, lt=2**31)
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     # OpenAI parameters served as no-ops: storage, metadata, tiers and cache hints.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -211,15 +215,26 @@ class _SamplingBody(_Strict):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            # Sent only when they change something (an older worker refuses unknown fields).
+            min_tokens=min(self.min_tokens, max_tokens) if self.min_tokens else None,
+            skip_special_tokens=False if self.skip_special_tokens is False else None,
+            include_stop_str_in_output=True if self.include_stop_str_in_output else None,
         )
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def check_stream_options(self) -> None:
+    def check_fields(self) -> None:
+        """Rules across fields, checked before the request is routed."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        asked_max = getattr(self, "max_completion_tokens", None) or self.max_tokens
+        if self.min_tokens and asked_max and self.min_tokens > asked_max:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({asked_max})",
+                param="min_tokens",
             )
 
 

@@ -106,17 +106,24 @@ class Flight:
 
 
 def sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams:
-    """The engine's parameters for ``request`` (``max_tokens`` less any resumed tokens).
+    """The engine's parameters for ``request`` (``max_tokens`` less any resumed tokens;
+    ``min_tokens`` less them too).
 
     Raises :class:`~workers.engine.sampling_params.SamplingParamsError` for a bad value.
     """
     p = request.params
+    resumed = p.max_tokens - max_tokens
+    min_tokens = p.min_tokens
+    if isinstance(min_tokens, int) and min_tokens > 0:  # a bad value is validate()'s to name
+        min_tokens = max(0, min(min_tokens - resumed, max_tokens))
     return SamplingParams(
         max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
         min_p=p.min_p, repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+        ignore_eos=p.ignore_eos, logprobs=p.logprobs, min_tokens=min_tokens or 0,
+        skip_special_tokens=p.skip_special_tokens is not False,
+        include_stop_str_in_output=bool(p.include_stop_str_in_output),
     )  # fmt: skip
 
 

@@ -287,15 +287,16 @@ class SimEngine:
             req.first_token_time = now
         params = req.params
         reason: str | None = None
-        if token in params.stop_token_ids:
+        armed = len(req.output_token_ids) >= params.min_tokens  # nothing stops before
+        if armed and token in params.stop_token_ids:
             reason, req.stop_reason = "stop", token
-        elif not params.ignore_eos and token in self.eos_token_ids:
+        elif armed and not params.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         text = ""
         if req.detokenizer is not None:
             piece = "" if reason is not None else req.detokenizer.add(token)
             if req.stop_matcher is not None:
-                check = req.stop_matcher.feed(piece)
+                check = req.stop_matcher.feed(piece, match=armed)
                 piece = check.text
                 if check.stopped and reason is None:
                     reason, req.stop_reason = "stop", req.stop_matcher.matched

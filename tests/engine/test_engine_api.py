@@ -267,3 +267,29 @@ def test_text_released_at_the_length_limit_that_completes_a_stop_string_ends_as_
     (delta,) = engine.step()
     assert delta.finished and delta.finish_reason == "stop" and delta.text == ""
     assert delta.output is not None and delta.output.stop_reason == "q"
+
+
+@pytest.mark.parametrize("async_output", [False, True])
+def test_min_tokens_holds_eos_stop_ids_and_stop_strings_back(
+    path: Path, async_output: bool
+) -> None:
+    """vLLM's min_tokens: EOS and stop ids are not sampled, and stop strings do not end the
+    output, before that many tokens; the logprobs reported stay the model's own."""
+    llm = LLM(str(path), tokenizer=LetterTokenizer(), block_size=4, num_kv_blocks=64,
+              dtype="float32", async_output=async_output)  # fmt: skip
+    # This checkpoint answers "abcd" with EOS at once.
+    out = llm.generate(["abcd"], greedy(12, min_tokens=4, logprobs=2))[0]
+    assert out.top_logprobs is not None
+    assert EOS not in out.token_ids[:4] and len(out.token_ids) >= 4
+    assert out.top_logprobs[0][0][0] == EOS  # still the model's favourite, as reported
+    assert out.token_ids[0] == out.top_logprobs[0][1][0]  # the runner-up was taken
+    base = llm.generate(["hello"], greedy(12))[0].token_ids
+    stop_token = base[1]
+    held = llm.generate(["hello"], greedy(12, stop_token_ids=[stop_token], min_tokens=5))[0]
+    assert stop_token not in held.token_ids[:5] and len(held.token_ids) >= 5
+    text = llm.generate(["abcabc"], greedy(16))[0].text
+    stop = text[1:3]
+    late = text.find(stop) + len(stop) + 1  # armed only after the first occurrence
+    cut = llm.generate(["abcabc"], greedy(16, stop=[stop], min_tokens=late))[0]
+    assert cut.text.startswith(text[:late]) and len(cut.token_ids) >= late
+    assert cut.finish_reason == "length" or stop not in cut.text

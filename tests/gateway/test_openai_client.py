@@ -293,3 +293,21 @@ def test_a_streamed_chunk_without_tokens_has_null_logprobs() -> None:
     event = shaper.delta_event(Delivery(token_ids=[], text="", finish_reason="stop"))
     choice = json.loads(event.decode().removeprefix("data: "))["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
+
+
+async def test_vllm_extensions_travel_to_the_worker(gateway: Served, nats_config: NatsConfig):
+    """min_tokens, skip_special_tokens and include_stop_str_in_output (vLLM's, through
+    ``extra_body``) were refused as unknown; left out, nothing new travels (an older worker
+    refuses fields it does not know)."""
+    extra = {"min_tokens": 2, "skip_special_tokens": False, "include_stop_str_in_output": True}
+    async with running_worker(nats_config, "short") as worker:
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=3, extra_body=extra)
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    asked, plain = (job.request.params for job in worker.jobs)
+    assert (asked.min_tokens, asked.skip_special_tokens, asked.include_stop_str_in_output) == (
+        2, False, True,
+    )  # fmt: skip
+    assert (plain.min_tokens, plain.skip_special_tokens, plain.include_stop_str_in_output) == (
+        None, None, None,
+    )  # fmt: skip

@@ -91,6 +91,9 @@ BAD_PARAMETERS = [
         "stream_options.continuous_usage_stats",
     ),
     ("completions", {"frobnicate": True}, "frobnicate"),
+    ("completions", {"max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+    ("completions", {"min_tokens": -1}, "min_tokens"),
+    ("chat/completions", {"max_completion_tokens": 3, "min_tokens": 4}, "min_tokens"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     (

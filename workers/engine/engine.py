@@ -245,6 +245,7 @@ class LLMEngine:
             prompt=prompt,
             max_total_tokens=min(len(ids) + params.max_tokens, self.max_seq_len),
             cache_salt=cache_salt.encode(),
+            eos_token_ids=self.eos_token_ids,
         )
         req.resumed_tokens = resumed_tokens
         if params.seed is not None:
@@ -494,16 +495,19 @@ class LLMEngine:
             req.cumulative_logprob += lp
             req.top_logprobs.append(list(top or []))
         reason: str | None = None
-        if token in params.stop_token_ids:
+        # Before min_tokens nothing stops the output but its length (the sampler kept EOS
+        # and stop ids out; stop strings are not looked for), as in vLLM.
+        armed = req.num_output_tokens >= params.min_tokens
+        if armed and token in params.stop_token_ids:
             reason, req.stop_reason = "stop", token
-        elif not params.ignore_eos and token in self.eos_token_ids:
+        elif armed and not params.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         # A stop token's own text stays out unless asked for, as in vLLM.
         hidden = reason is not None and not params.include_stop_str_in_output
         text = ""
         if req.detokenizer is not None:
             piece = req.detokenizer.add(token)
-            text = self._match_stop(req, "" if hidden else piece)
+            text = self._match_stop(req, "" if hidden else piece, armed)
             if reason is None and req.stop_matcher is not None and req.stop_matcher.stopped:
                 reason = "stop"
         if reason is None and (
@@ -513,7 +517,7 @@ class LLMEngine:
         stopped_by_string = req.stop_matcher is not None and req.stop_matcher.stopped
         if reason is not None and req.detokenizer is not None and not stopped_by_string:
             # Release what was held back: an unfinished character, a partial stop string.
-            text += self._match_stop(req, "" if hidden else req.detokenizer.flush())
+            text += self._match_stop(req, "" if hidden else req.detokenizer.flush(), armed)
             if req.stop_matcher is not None:
                 text += req.stop_matcher.flush()
                 if req.stop_matcher.stopped and reason == "length":
@@ -535,13 +539,14 @@ class LLMEngine:
         )
 
     @staticmethod
-    def _match_stop(req: Request, piece: str) -> str:
+    def _match_stop(req: Request, piece: str, armed: bool = True) -> str:
         """Pass new text through the request's stop strings; remember which one matched
-        (the one the text was cut at: the earliest to end, the longer on a tie)."""
+        (the one the text was cut at: the earliest to end, the longer on a tie). Not
+        ``armed`` (before min_tokens): the text passes unmatched."""
         matcher = req.stop_matcher
         if matcher is None or not piece:
             return piece
-        check = matcher.feed(piece)
+        check = matcher.feed(piece, match=armed)
         if check.stopped and req.stop_reason is None:
             req.stop_reason = matcher.matched
         return str(check.text)

@@ -38,6 +38,7 @@ class SamplerInput(Protocol):
     # Output tokens a resumed request carries at the end of its prompt (see Request).
     resumed_tokens: int
     noise_to_skip: int
+    eos_token_ids: frozenset[int]  # read for rows short of their min_tokens only
 
 
 def _output_so_far(r: SamplerInput) -> list[int]:
@@ -85,6 +86,9 @@ class Sampler:
         long as no row has penalties (they read the request's output tokens). ``logits``
         may be half precision: the fused kernel widens as it reads, the rest widen first."""
         params = [r.params for r in batch]
+        early = [i for i, r in enumerate(batch) if len(r.output_token_ids) < r.params.min_tokens]
+        if early:
+            logits = _hold_stops(logits, [batch[i] for i in early], early)
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             logits = logits.float()
@@ -108,6 +112,31 @@ class Sampler:
             tokens[mask] = _sample_fused(logits[mask], fast)
             tokens[~mask] = _sample_torch(logits[~mask], rest)
         return tokens
+
+
+def _hold_stops(
+    logits: torch.Tensor, batch: Sequence[SamplerInput], rows: Sequence[int]
+) -> torch.Tensor:
+    """``logits`` with EOS (unless ignored) and the stop ids at -inf in ``rows``, requests
+    short of their min_tokens (a new tensor: the caller's logits, whose raw logprobs are
+    reported, stay untouched). The count is this attempt's output, placeholders of a step
+    still in flight included, as ``min_tokens`` on a resumed request is what is left."""
+    vocab = logits.shape[-1]
+    row_ids: list[int] = []
+    col_ids: list[int] = []
+    for row, r in zip(rows, batch, strict=True):
+        ids = set(r.params.stop_token_ids)
+        if not r.params.ignore_eos:
+            ids |= r.eos_token_ids
+        ids = {t for t in ids if t < vocab}
+        row_ids += [row] * len(ids)
+        col_ids += sorted(ids)
+    if not row_ids:
+        return logits
+    index = torch.tensor([row_ids, col_ids], device=logits.device)
+    return logits.index_put(
+        (index[0], index[1]), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    )
 
 
 def _is_greedy(params: SamplingParams) -> bool:

@@ -40,6 +40,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: EOS and stop_token_ids cannot be sampled, and stop strings do not end the
+    # output, before this many tokens (max_tokens still ends it).
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +110,8 @@ class SamplingParams:
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             # Each is matched against every token's text on the engine thread, for the batch.
             raise SamplingParamsError("stop", f"at most {MAX_STOP_CHARS} characters each")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingParamsError("min_tokens", "must be an integer in [0, max_tokens]")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids", "must be non-negative integers")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
