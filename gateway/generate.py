@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import nats.errors
@@ -323,7 +323,10 @@ class Generator:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         bind_request(request_id)
-        stream = self._dispatcher.open(request_id, route.group, self._decode_tail)
+        decode_tail = self._decode_tail
+        if body.skip_special_tokens is False:  # the worker's text keeps them: so must ours
+            decode_tail = partial(self._decode_tail, skip_special_tokens=False)
+        stream = self._dispatcher.open(request_id, route.group, decode_tail)
         shaper = Shaper(
             kind,
             request_id,
@@ -567,12 +570,14 @@ class Generator:
         if status == 200:
             series.e2e.observe(time.monotonic() - flight.started)
 
-    def _decode_tail(self, delivered: Sequence[int], new: Sequence[int]) -> str:
+    def _decode_tail(
+        self, delivered: Sequence[int], new: Sequence[int], skip_special_tokens: bool = True
+    ) -> str:
         """The text of ``new`` after the ``delivered`` tokens (a redelivered attempt's chunk
         that overlaps them), as the worker's detokenizer streams it: with the delivered
         tokens as context, cut on character boundaries (decoding them with a few tokens of
         context started U+FFFD when that context began inside a character)."""
-        detokenizer = IncrementalDetokenizer(self._tok, delivered)
+        detokenizer = IncrementalDetokenizer(self._tok, delivered, skip_special_tokens)
         return "".join(detokenizer.add(t) for t in new) + detokenizer.flush()
 
 

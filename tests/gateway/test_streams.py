@@ -453,3 +453,19 @@ def test_an_overlapping_chunks_new_tokens_keep_a_character_split_across_the_over
         sent = bytes(delivered).decode("utf-8", "ignore")  # complete characters only
         tail = Generator._decode_tail(types.SimpleNamespace(_tok=tok), delivered, new)  # type: ignore[arg-type]
         assert sent + tail == " 你好😀", cut
+
+
+def test_an_overlapping_chunk_keeps_special_tokens_when_the_request_asked_to():
+    """skip_special_tokens false: the worker's text has them, so the gateway's rebuilt tail
+    of a redelivered attempt's chunk must too."""
+    import types
+
+    from common.tokenizer import ByteTokenizer
+    from gateway.generate import Generator
+
+    tok = ByteTokenizer()
+    this = types.SimpleNamespace(_tok=tok)
+    delivered, new = list(b"ab"), [*b"c", tok.EOS]
+    assert Generator._decode_tail(this, delivered, new) == "c"  # type: ignore[arg-type]
+    kept = Generator._decode_tail(this, delivered, new, skip_special_tokens=False)  # type: ignore[arg-type]
+    assert kept == "c<|eos|>"
