@@ -343,9 +343,17 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# Tools a request declines to have called ("none"): agent frameworks bind their tools to
+# every call and switch them off this way. OpenAI answers in plain text; so does this
+# gateway, without rendering them (vLLM's --exclude-tools-when-tool-choice-none).
+_DECLINED_BY = {"tools": "tool_choice", "functions": "function_call"}
+
+
 def _check_neutral(body: BaseModel) -> None:
     """A 400 for a known-but-unserved parameter sent with a value that asks for it."""
     for name, (asks_nothing, why) in _NEUTRAL.items():
+        if name in _DECLINED_BY and getattr(body, _DECLINED_BY[name], None) == "none":
+            continue
         if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
             raise InvalidRequestError(
                 f"Unsupported value for '{name}': {why}", param=name, code="unsupported_value"

@@ -154,6 +154,11 @@ async def test_openai_parameters_that_ask_for_nothing_are_accepted(fields: dict[
                          {"role": "user", "content": "b"}]}  # fmt: skip
     parsed = parse_body(ChatCompletionRequest, json.dumps(chat).encode())
     assert [m.text() for m in parsed.messages] == ["a", "no", "b"]
+    # Tools bound to every call and declined (agent frameworks do): a plain answer, as OpenAI.
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    for declined in ({"tools": [tool], "tool_choice": "none"},
+                     {"functions": [tool["function"]], "function_call": "none"}):  # fmt: skip
+        parse_body(ChatCompletionRequest, json.dumps({**OK_CHAT, **declined}).encode())
 
 
 async def test_tool_call_arguments_reach_the_template_as_objects() -> None:
