@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -42,3 +42,20 @@ async def cancel_and_wait(
     for task in every:
         if not task.cancelled():
             task.exception()  # retrieved: no "exception was never retrieved" noise
+
+
+def watch(task: asyncio.Task[None], on_failure: Callable[[str], None]) -> asyncio.Task[None]:
+    """Report ``task``, a loop its service depends on, if it ends by raising: the traceback
+    is logged and ``on_failure`` gets a line naming it. Unwatched, such a loop died without
+    a word and the service stayed up, broken (a worker that fetched and generated but sent
+    no chunk), until it was stopped, when :func:`cancel_and_wait` dropped the exception."""
+
+    def ended(t: asyncio.Task[None]) -> None:
+        if t.cancelled() or t.exception() is None:
+            return
+        exc = t.exception()
+        log.error("task %s died", t.get_name(), exc_info=exc)
+        on_failure(f"task {t.get_name()} died: {exc!r}")
+
+    task.add_done_callback(ended)
+    return task

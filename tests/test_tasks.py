@@ -1,4 +1,5 @@
-"""``cancel_and_wait`` stops tasks that swallow a cancellation, and never hangs."""
+"""``cancel_and_wait`` stops tasks that swallow a cancellation, and never hangs; ``watch``
+reports a loop that dies."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 
 import pytest
 
-from common.tasks import cancel_and_wait
+from common.tasks import cancel_and_wait, watch
 
 
 async def _swallows_once(log: list[str]) -> None:
@@ -68,3 +69,26 @@ async def test_failed_and_finished_tasks_are_fine(caplog: pytest.LogCaptureFixtu
         del failed, done  # a task whose exception nobody read says so as it is collected
         gc.collect()
     assert "exception was never retrieved" not in caplog.text
+
+
+async def test_a_watched_task_that_raises_is_logged_and_reported_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reports: list[str] = []
+
+    async def dies() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("bug")
+
+    async def returns() -> None:
+        await asyncio.sleep(0)
+
+    failing = watch(asyncio.create_task(dies(), name="loop-a"), reports.append)
+    fine = watch(asyncio.create_task(returns(), name="loop-b"), reports.append)
+    cancelled = watch(asyncio.create_task(asyncio.sleep(10), name="loop-c"), reports.append)
+    cancelled.cancel()
+    with caplog.at_level(logging.ERROR, logger="common.tasks"):
+        await asyncio.wait([failing, fine, cancelled])
+        await asyncio.sleep(0)  # done callbacks run on the next turn
+    assert reports == ["task loop-a died: ValueError('bug')"]
+    assert "task loop-a died" in caplog.text and "ValueError: bug" in caplog.text

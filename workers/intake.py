@@ -30,9 +30,12 @@ from nats.js import JetStreamContext
 from common.errors import ProtocolError, RequestGivenUpError
 from common.protocol import Chunk, ErrorInfo, ResumeQuery, ResumeReply
 from common.subjects import Subjects
+from common.tasks import watch
 from workers.outbox import raw_reply
 
 log = logging.getLogger(__name__)
+
+_RECONNECT_POLL_S = 0.1  # how often a disconnected intake looks again
 
 
 class Intake:
@@ -45,9 +48,13 @@ class Intake:
         ready: Callable[[], bool],
         accept: Callable[[Msg], None],
         fetch_timeout_s: float = 0.5,
+        connected: Callable[[], bool] = lambda: True,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.psub = psub
         self._ready = ready
+        self._connected = connected
+        self._on_failure = on_failure
         self._accept = accept
         self._timeout = fetch_timeout_s
         self._wake = asyncio.Event()
@@ -56,6 +63,8 @@ class Intake:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="worker-intake")
+        if self._on_failure is not None:
+            watch(self._task, self._on_failure)
 
     def wake(self) -> None:
         """Look at ``ready()`` again (a slot freed, the cap or the state changed)."""
@@ -92,6 +101,12 @@ class Intake:
                 self._wake.clear()
                 if not self._stop and not self._ready():  # re-check: no lost wake-up
                     await self._wake.wait()
+                continue
+            if not self._connected():
+                # nats-py buffers a pull sent while reconnecting: each would go out at the
+                # reconnect, live on the server for a while, and together grab a burst of the
+                # backlog (more than this replica has room for, in_progress for none of it).
+                await asyncio.sleep(_RECONNECT_POLL_S)
                 continue
             try:
                 msgs = await self.psub.fetch(1, timeout=self._timeout)

@@ -63,7 +63,7 @@ from common.protocol import (
 )
 from common.recent_ids import RecentIds
 from common.subjects import Subjects
-from common.tasks import cancel_and_wait
+from common.tasks import cancel_and_wait, watch
 from common.tracing import tracer_for
 from workers import telemetry
 from workers.bridge import (
@@ -253,10 +253,10 @@ class WorkerService:
         )
         await self._bind(self.group)
         self._tasks = [
-            asyncio.create_task(self._pump(), name="worker-pump"),
-            asyncio.create_task(self._ticker(), name="worker-ticker"),
-            asyncio.create_task(self._telemetry_loop(), name="worker-telemetry"),
-        ]
+            watch(asyncio.create_task(coro, name=name), self._cannot_serve)
+            for coro, name in ((self._pump(), "worker-pump"), (self._ticker(), "worker-ticker"),
+                               (self._telemetry_loop(), "worker-telemetry"))
+        ]  # fmt: skip
         self._set_serving(True)
         log.info("worker %s serving group %s (batch cap %d, up to %d tokens)", self.worker_id,
                  self.group, self.bridge.batch_cap, self.bridge.seq_limit)  # fmt: skip
@@ -322,6 +322,8 @@ class WorkerService:
             ready=self._has_room,
             accept=self._accept,
             fetch_timeout_s=self.options.fetch_timeout_s,
+            connected=lambda: self.nc is not None and self.nc.is_connected,
+            on_failure=self._cannot_serve,
         )
         self._intake.start()
         await qnats.barrier(self.nc)  # the server has our subscriptions before we say we serve
@@ -761,9 +763,15 @@ class WorkerService:
         work, hand what it holds back to JetStream for another replica, exit 1. It used to
         stay up holding its requests (in_progress kept them from redelivery) until each
         one's deadline, taking new ones as slots freed."""
+        self._cannot_serve(f"the engine failed: {why}")
+
+    def _cannot_serve(self, why: str) -> None:
+        """Serving is over for this process (the engine, or a loop it needs, failed): hand
+        the requests back and exit 1, for the orchestrator to start a fresh one."""
         if self.exit_code:
             return
-        log.error("the engine failed (%s): handing its requests back and exiting", why)
+        log.error("worker %s cannot serve (%s): handing its requests back and exiting",
+                  self.worker_id, why)  # fmt: skip
         self.exit_code = 1
         self._set_serving(False)
         self.request_stop()

@@ -66,3 +66,32 @@ async def test_run_until_signalled_returns_the_services_exit_code() -> None:
         async def stop(self) -> None: ...
 
     assert await run_until_signalled(Failing()) == 1
+
+
+async def test_a_worker_whose_loop_dies_hands_its_requests_back_and_exits_1(
+    start_worker: Any, client: QosClient
+) -> None:
+    """A loop the worker needs (pump, ticker, telemetry, intake) ending by an exception: it
+    used to die without a word, the worker staying up, broken (no chunk out from a dead
+    pump, until each request's deadline), and its stop dropped the exception."""
+    engine = HangingEngine()  # holds the request, so the worker has one to hand back
+    broken = await start_worker(engine=engine, worker_id="broken")
+    running = asyncio.create_task(broken.run())
+    params = RequestParams(max_tokens=3, seed=2)
+    answer = asyncio.create_task(
+        client.collect(group="short", prompt_token_ids=[1, 2], params=params, timeout_s=20)
+    )
+    try:
+        await asyncio.to_thread(engine.hung.wait, 5)
+
+        def bug() -> None:
+            raise RuntimeError("a bug in the telemetry loop")
+
+        broken._lapse_unrenewed_cap = bug  # its next tick raises
+        await asyncio.wait_for(running, 10)  # it stopped by itself
+        assert broken.state == "stopped" and broken.exit_code == 1
+        await start_worker(worker_id="healthy")
+        ids, _, final = await asyncio.wait_for(answer, 15)
+        assert ids == expected_tokens(2, 3, seed=2) and final.worker == "healthy", final
+    finally:
+        engine.release.set()
