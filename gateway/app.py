@@ -89,6 +89,9 @@ class GatewayState:
     dispatch: DispatcherRef = field(default_factory=DispatcherRef)  # for GatewayServer
     nc: Client | None = None
     generator: Generator | None = None
+    # Loops the gateway needs that died (aborts, deletes, heartbeat, breaker watch): /health
+    # answers 503 naming them, for the orchestrator to replace this process.
+    failed: list[str] = field(default_factory=list)
 
 
 def error_response(exc: QosError) -> JSONResponse:
@@ -142,12 +145,12 @@ def create_app(
         js = nc.jetstream()
         _, _, kv = await ensure_jetstream(js, config.nats, config.groups)
         dispatcher = Dispatcher(nc, subjects, config.nats.max_payload_bytes, config.nats.stream)
-        await dispatcher.start()
+        await dispatcher.start(on_failure=state.failed.append)
         state.dispatch.dispatcher, state.dispatch.loop = dispatcher, asyncio.get_running_loop()
-        await view.start(nc, subjects, kv)
+        await view.start(nc, subjects, kv, on_failure=state.failed.append)
         gateway_id = new_gateway_id()
         heartbeat = Heartbeat(nc, subjects, gateway_id, config.gateway.heartbeat_interval_s)
-        await heartbeat.start()
+        await heartbeat.start(on_failure=state.failed.append)
         state.nc = nc
         state.generator = Generator(
             config=config,
@@ -307,8 +310,11 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
             }
             for name in state.config.groups
         }
-        body = {"status": "ok" if connected else "unavailable", "nats": connected, "groups": groups}
-        return JSONResponse(body, status_code=200 if connected else 503)
+        status = "unavailable" if not connected else "broken" if state.failed else "ok"
+        body: dict[str, Any] = {"status": status, "nats": connected, "groups": groups}
+        if state.failed:
+            body["failed"] = state.failed
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

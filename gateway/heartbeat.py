@@ -23,12 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 
 from nats.aio.client import Client
 
 from common.protocol import heartbeat_payload
 from common.subjects import Subjects
-from common.tasks import cancel_and_wait
+from common.tasks import cancel_and_wait, watch
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,12 @@ class Heartbeat:
         self._interval = interval_s
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
+    async def start(self, on_failure: Callable[[str], None] | None = None) -> None:
+        """Beat now, then every interval (``on_failure``: told if the loop dies)."""
         await self._beat()  # workers hear of us before our first request reaches them
         self._task = asyncio.create_task(self._run(), name="gateway-heartbeat")
+        if on_failure is not None:
+            watch(self._task, on_failure)
 
     async def stop(self) -> None:
         if self._task is not None:

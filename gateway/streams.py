@@ -55,6 +55,7 @@ from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprob
 from common.recent_ids import RecentIds
 from common.sequencer import ChunkSequencer, DecodeTail
 from common.subjects import Subjects
+from common.tasks import watch
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 # redelivery comes ack_wait (30 s) after the lost ack, its retries within a minute more.
 CLOSED_TTL_S = 600.0
 CLOSED_MAX = 100_000
+MAX_QUEUED_DELETES = 10_000  # aborted requests' stream messages waiting to be deleted
+ABORT_FLUSH_S = 2.0  # how long a stopping gateway waits for its queued aborts to go out
 
 
 def sse_event(obj: Any) -> bytes:
@@ -291,14 +294,17 @@ class Dispatcher:
         # (group, request id, reason, the request's sequence in the stream if known)
         self._aborts: asyncio.Queue[tuple[str, str, str, int | None]] = asyncio.Queue()
         self._abort_task: asyncio.Task[None] | None = None
-        self._deletes: asyncio.Queue[int] = asyncio.Queue()
+        # Bounded: with JetStream slow and clients leaving in a crowd it grew without end; a
+        # delete left out costs a replica fetching a request nobody waits for.
+        self._deletes: asyncio.Queue[int] = asyncio.Queue(MAX_QUEUED_DELETES)
         self._delete_task: asyncio.Task[None] | None = None
         # Requests this gateway finished with: a copy redelivered later (its ack was lost)
         # is told so, rather than met with silence that a live gateway's worker must read
         # as "busy, hand it back" until JetStream gives up and keeps it for good.
         self._closed = RecentIds(ttl_s=CLOSED_TTL_S, max_size=CLOSED_MAX)
 
-    async def start(self) -> None:
+    async def start(self, on_failure: Callable[[str], None] | None = None) -> None:
+        """Subscribe and start the abort and delete loops (``on_failure``: told if one dies)."""
         prefix = self._subjects.prefix
         self._subs = [
             await self._nc.subscribe(f"{prefix}.out.*", cb=self._on_out),
@@ -309,6 +315,10 @@ class Dispatcher:
             self._subs.append(await self._nc.subscribe(advisories, cb=self._on_max_deliveries))
             self._delete_task = asyncio.create_task(self._delete_aborted(), name="gateway-deletes")
         self._abort_task = asyncio.create_task(self._publish_aborts(), name="gateway-aborts")
+        if on_failure is not None:
+            for task in (self._delete_task, self._abort_task):
+                if task is not None:
+                    watch(task, on_failure)
 
     async def stop(self) -> None:
         for sub in self._subs:
@@ -317,8 +327,13 @@ class Dispatcher:
             except Exception:  # the connection may be closing already
                 log.debug("unsubscribe failed", exc_info=True)
         if self._abort_task is not None:
-            # Let queued aborts go out first: workers free their KV blocks on them.
+            # Let queued aborts go out first: workers free their KV blocks on them. Bounded:
+            # a stalled link still looks connected, and nothing bounds a lifespan shutdown.
+            deadline = time.monotonic() + ABORT_FLUSH_S
             while not self._aborts.empty() and self._nc.is_connected:
+                if time.monotonic() > deadline:
+                    log.warning("%d aborts not sent at shutdown", self._aborts.qsize())
+                    break
                 await asyncio.sleep(0.01)
             self._abort_task.cancel()
         if self._delete_task is not None:
@@ -397,7 +412,7 @@ class Dispatcher:
         )  # fmt: skip
         stream.worker_done = True  # JetStream gave it up: no worker holds it
         # A work queue keeps a message past max_deliver for good: delete it.
-        self._deletes.put_nowait(seq)
+        self._queue_delete(seq)
         stream.fail(
             RequestGivenUpError(
                 f"the request failed on every one of its {deliveries} deliveries to workers "
@@ -420,7 +435,13 @@ class Dispatcher:
             except Exception:
                 log.warning("could not publish abort for %s", request_id, exc_info=True)
             if self._stream is not None and stream_seq is not None:
-                self._deletes.put_nowait(stream_seq)
+                self._queue_delete(stream_seq)
+
+    def _queue_delete(self, seq: int) -> None:
+        try:
+            self._deletes.put_nowait(seq)
+        except asyncio.QueueFull:
+            log.debug("delete queue full: stream message %d stays", seq)
 
     async def _delete_aborted(self) -> None:
         """Take aborted requests out of the stream. Still queued, one would be fetched later

@@ -39,7 +39,7 @@ from nats.js.kv import KeyValue
 from common.errors import ProtocolError
 from common.protocol import Telemetry
 from common.subjects import Subjects
-from common.tasks import cancel_and_wait
+from common.tasks import cancel_and_wait, watch
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +208,20 @@ class WorkersView:
 
     # -- NATS ------------------------------------------------------------------------------
 
-    async def start(self, nc: Client, subjects: Subjects, kv: KeyValue | None) -> None:
-        """Subscribe to telemetry and, given the bucket, watch ``breaker.*``."""
+    async def start(
+        self,
+        nc: Client,
+        subjects: Subjects,
+        kv: KeyValue | None,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        """Subscribe to telemetry and, given the bucket, watch ``breaker.*`` (``on_failure``:
+        told if the watch dies)."""
         self._sub = await nc.subscribe(subjects.telemetry_wildcard, cb=self._on_message)
         if kv is not None:
             self._watch_task = asyncio.create_task(self._watch(kv), name="gateway-breakers")
+            if on_failure is not None:
+                watch(self._watch_task, on_failure)
 
     async def stop(self) -> None:
         if self._watch_task is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 import openai
@@ -95,6 +96,50 @@ async def test_health_and_metrics_report_groups_and_requests(nats_config: NatsCo
     )
     assert 'qos_gateway_requests_in_flight{group="short"} 0.0' in metrics
     assert 'qos_gateway_live_workers{group="short"} 1.0' in metrics
+
+
+async def test_health_is_503_naming_a_loop_the_gateway_needs_that_died(
+    nats_config: NatsConfig,
+):
+    """The abort loop (or the heartbeat, the breaker watch, the deletes) dying by a bug left
+    a gateway answering 200 that no longer told workers of disconnects."""
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        assert (await http.get("/health")).status_code == 200
+        dispatcher = gw.app.state.gateway.dispatch.dispatcher
+        dispatcher._aborts.put_nowait(None)  # not a (group, id, reason, seq): the loop raises
+        for _ in range(100):
+            health = await http.get("/health")
+            if health.status_code != 200:
+                break
+            await asyncio.sleep(0.02)
+    assert health.status_code == 503 and health.json()["status"] == "broken"
+    assert health.json()["failed"] == [
+        "task gateway-aborts died: TypeError('cannot unpack non-iterable NoneType object')"
+    ]
+
+
+async def test_a_stop_waits_for_queued_aborts_a_bounded_time(nats_config: NatsConfig):
+    """A stalled link still reads as connected: the wait for queued aborts had no deadline,
+    and nothing bounds uvicorn's lifespan shutdown (SIGTERM hung until SIGKILL)."""
+    from gateway.streams import ABORT_FLUSH_S
+
+    async with serve(gateway_config(nats_config)) as gw:
+        dispatcher = gw.app.state.gateway.dispatch.dispatcher
+
+        async def stalled(*args: object, **kwargs: object) -> None:
+            await asyncio.sleep(3600)
+
+        dispatcher._nc.publish = stalled
+        for i in range(2):  # the loop holds the first; the second stays queued
+            stream = dispatcher.open(f"r{i}", "short", lambda done, new: "")
+            dispatcher.close(stream, abort=True, reason="client_disconnected")
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await dispatcher.stop()
+        assert time.monotonic() - t0 < ABORT_FLUSH_S + 1.0
 
 
 async def test_non_streaming_client_that_gives_up_aborts_the_worker(nats_config: NatsConfig):
