@@ -148,6 +148,11 @@ class NatsConfig(_Strict):
     connect_timeout_s: float = Field(5.0, gt=0)
     reconnect_wait_s: float = Field(0.5, gt=0)
     max_reconnect_attempts: int = -1  # -1 = forever: services outlive a NATS restart
+    # A link that dies without a close (a powered-off node, a partition dropping packets)
+    # shows only as pongs that stop: declared dead after this many pings unanswered, ~15-20 s
+    # (nats-py's defaults, 120 s and 2, kept a gateway answering 200 for four minutes).
+    ping_interval_s: float = Field(5.0, gt=0)
+    max_outstanding_pings: int = Field(3, ge=1)
 
 
 class RedisConfig(_Strict):

@@ -161,6 +161,8 @@ async def connect(
             connect_timeout=math.ceil(cfg.connect_timeout_s),
             reconnect_time_wait=cfg.reconnect_wait_s,  # type: ignore[arg-type]  # a float works
             max_reconnect_attempts=cfg.max_reconnect_attempts,
+            ping_interval=cfg.ping_interval_s,  # type: ignore[arg-type]  # a float works
+            max_outstanding_pings=cfg.max_outstanding_pings,
             tls=tls,
             tls_handshake_first=cfg.tls_handshake_first,
             inbox_prefix=inbox_prefix(cfg, service),

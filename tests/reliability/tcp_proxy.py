@@ -1,7 +1,9 @@
 """A TCP forwarder a test can cut: one service's link to a server fails, the others' do not.
 
 ``cut()`` drops every forwarded connection and turns new ones away until ``restore()``;
-the server itself stays up, so only what connects through the proxy notices.
+the server itself stays up, so only what connects through the proxy notices. ``stall()``
+keeps the connections open but forwards nothing (a node gone dark, no close), until
+``restore()``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class TcpProxy:
         self.target = (target_host, target_port)
         self.port = free_port()
         self._open = True
+        self._stalled = False
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
@@ -34,7 +37,12 @@ class TcpProxy:
         """Drop every forwarded connection now and refuse new ones."""
         self._call(self._cut())
 
+    def stall(self) -> None:
+        """Forward nothing more, in either direction, and close nothing."""
+        self._stalled = True
+
     def restore(self) -> None:
+        self._stalled = False
         self._call(self._set_open(True))
 
     def close(self) -> None:
@@ -80,6 +88,8 @@ class TcpProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while data := await reader.read(65536):
+                if self._stalled:
+                    continue  # lost on the way
                 writer.write(data)
                 await writer.drain()
         finally:

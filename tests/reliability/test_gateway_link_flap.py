@@ -96,3 +96,31 @@ async def test_streams_finish_exactly_after_the_gateways_link_to_nats_flaps(
     assert took_s < cut_s + 6, (
         f"streams took {took_s:.1f}s after the cut: they waited, not resynced"
     )
+
+
+async def test_a_link_gone_dark_without_a_close_is_declared_dead_and_comes_back(
+    proxy: TcpProxy,
+) -> None:
+    """A node that loses power closes nothing: only the pongs stop. With nats-py's defaults
+    (a ping every 120 s, 2 unanswered) the gateway read connected, answering 200 to its
+    health probe, for four minutes; nats.ping_interval_s and max_outstanding_pings bound it."""
+    import common.nats as qnats
+    from common.config import NatsConfig
+
+    cfg = NatsConfig(url=f"nats://127.0.0.1:{proxy.port}", ping_interval_s=0.2,
+                     max_outstanding_pings=2, reconnect_wait_s=0.1, connect_timeout_s=1)  # fmt: skip
+    nc = await qnats.connect(cfg, "dark")
+    try:
+        await qnats.barrier(nc)
+        proxy.stall()
+        t0 = time.monotonic()
+        while nc.is_connected and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.05)
+        assert not nc.is_connected and time.monotonic() - t0 < 3  # ~0.6 s of silent pings
+        proxy.restore()
+        t0 = time.monotonic()
+        while not nc.is_connected and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.05)
+        await qnats.barrier(nc)  # round trips again
+    finally:
+        await nc.close()
