@@ -320,6 +320,8 @@ class SchedulerService:
     async def _act(self, t: Transition) -> None:
         """Publish a transition: bucket first (gateways divert), then workers, then alert."""
         assert self.nc is not None and self.kv is not None
+        if not self.acts:  # the lease lapsed during this tick's JetStream calls
+            return
         gc = self.config.groups[t.group]
         record = self._record(t.group, t.target, t.at, t.reason)
         cap, since_ms = record.batch_cap, record.since_ms
@@ -364,6 +366,8 @@ class SchedulerService:
         """Write the breaker states not yet in the bucket (a failed write is retried)."""
         assert self.kv is not None
         for group, record in list(self._unsaved.items()):
+            if not self.acts:
+                return  # kept unsaved: a new term reloads the bucket and starts over
             try:
                 await self.kv.put(breaker_key(group), record.to_bytes())
                 del self._unsaved[group]
@@ -458,7 +462,7 @@ class SchedulerService:
     async def _publish_desired(self, view: GroupView, replicas: int, why: str) -> None:
         assert self.kv is not None
         self.metrics.desired_replicas.labels(view.name).set(replicas)
-        if self.desired.get(view.name) == replicas:
+        if self.desired.get(view.name) == replicas or not self.acts:
             return
         self.desired[view.name] = replicas
         record = DesiredRecord(replicas, view.serving, why, int(self._wall() * 1000))
@@ -470,6 +474,8 @@ class SchedulerService:
         log.info("desired replicas %s: %d (%s; now %d)", view.name, replicas, why, view.serving)
 
     async def _order_move(self, move: Move) -> None:
+        if not self.acts:
+            return
         control = Control(
             action="assign_group",
             issued_ms=int(self._wall() * 1000),
@@ -551,12 +557,20 @@ class SchedulerService:
         assert self.kv is not None
         self._history_saved = self._clock()
         for group, history in self.histories.items():
+            if not self.acts:
+                return
             await self.kv.put(HISTORY_PREFIX + group, history.to_bytes())
 
     # --- helpers -------------------------------------------------------------------------
 
     async def _publish(self, subject: str, control: Control) -> None:
+        """Send a control, only while this replica leads: a tick or a rebalance checks at its
+        start, but its JetStream calls (5 s timeouts) can outlast the 3 s lease, and a
+        standby that took over meanwhile must not have a second scheduler commanding."""
         assert self.nc is not None
+        if not self.acts:
+            log.info("not leading any more: %s on %s not sent", control.action, subject)
+            return
         try:
             await self.nc.publish(subject, control.to_bytes())
         except Exception as exc:

@@ -13,14 +13,18 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nats.errors
 import nats.js.errors
+import pytest
 import yaml
 
+from common.nats import barrier
 from common.protocol import Control
 from common.services import free_port
 from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
 from scheduler.history import DemandHistory
 from scheduler.lease import LEASE_KEY, Lease, LeaseRecord
+from scheduler.rebalancer import Move
 from scheduler.records import BREAKER_RENEW_S, BreakerRecord, breaker_key
 from tests.scheduler.conftest import MAX_TOKENS, Load, hand_driven, make_config, until
 
@@ -233,3 +237,34 @@ async def test_a_new_leader_takes_the_demand_history_from_the_bucket(
     await service.kv.put(HISTORY_PREFIX + "short", learnt.to_bytes())  # the other leader's
     await service._refresh_lease()  # leader
     assert service.histories["short"].to_bytes() == learnt.to_bytes()
+
+
+async def test_a_leader_whose_lease_lapses_mid_tick_sends_and_writes_nothing_more(nats_config):
+    """The lease is checked when a tick starts; its JetStream calls (5 s timeouts each) can
+    outlast the 3 s lease, and a standby that took over meanwhile must not have the old
+    leader still writing breaker records and ordering caps and moves."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        assert service.acts and service.nc is not None and service.lease is not None
+        controls = await service.nc.subscribe(f"{service.subjects.prefix}.ctl.>")
+        await barrier(service.nc)
+        service.breakers["long"].restore("open", now[0], "an incident")  # due for renewal
+        first = next(iter(service.breakers))
+        assert first != "long"
+        real_tick = service.breakers[first].tick
+
+        def lapse(at: float) -> object:
+            assert service.lease is not None
+            service.lease.current = None  # this tick's calls ran past the lease's expiry
+            return real_tick(at)
+
+        service.breakers[first].tick = lapse  # type: ignore[method-assign]
+        await service.tick()
+        assert service._unsaved  # the renewal it would have written stays unsaved
+        await service._order_move(Move("w1", "short", "long", "test"))
+        await service._publish(
+            service.subjects.control_group("long"),
+            Control(action="set_batch_cap", issued_ms=0, group="long", batch_cap=1, reason="x"),
+        )
+        with pytest.raises(nats.errors.TimeoutError):
+            await controls.next_msg(timeout=0.3)
+        assert service.moves == []
