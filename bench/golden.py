@@ -175,7 +175,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data", default=str(GOLDEN), help="golden JSONL (bench/make_golden.py)")
     p.add_argument("--model", default="demo", help="the checkpoint the references came from")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--kv-dtypes", default="auto", help="auto, and int8/fp8_e4m3 once built")
+    p.add_argument(
+        "--kv-dtypes",
+        default="auto",
+        help="comma-separated KV cache dtypes to compare: auto, int8, fp8_e4m3",
+    )
     p.add_argument("--limit", type=int, help="score this many prompts (spread over the set)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     p.add_argument("--out", help="write the JSON here too")

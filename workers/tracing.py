@@ -276,11 +276,11 @@ def _phases(metrics: Any, fetched_at: float) -> list[tuple[str, float, float]]:
     if scheduled is None:
         return phases
     phases.append(("queue", fetched_at, max(fetched_at, scheduled)))
-    # An engine that times its KV-tier loads reports them here; the sim and today's
-    # engine do not, and then there is no span rather than a made-up one.
-    kv_load_s = getattr(metrics, "kv_load_s", None)
-    if kv_load_s:
-        phases.append(("kv load", scheduled, scheduled + kv_load_s))
+    # Reading KV-tier blocks (host memory, Redis) at admission; none without a tier hit
+    # (and from the sim), rather than a made-up span.
+    kv_start = getattr(metrics, "kv_load_start", None)
+    if kv_start is not None:
+        phases.append(("kv load", kv_start, kv_start + metrics.kv_load_s))
     if first is not None:
         phases.append(("prefill", scheduled, first))
         if done is not None:

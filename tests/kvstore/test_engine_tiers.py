@@ -360,3 +360,34 @@ def test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it() -> No
     while eng.has_unfinished():
         eng.step()
     assert sum(len(hashes) for _, hashes, _ in tier.stores) == 32 * ((128 + 5) // 16)
+
+
+def test_a_request_that_loads_from_the_tier_times_the_load_for_its_trace(
+    tiny_llama: Path, redis_config: RedisConfig
+) -> None:
+    """The worker's trace shows a "kv load" phase from these (issue #7's KV lookup/load
+    span); a request with no tier hit has none."""
+    from workers.tracing import _phases
+
+    p = prompt(50)
+
+    def metrics(eng: LLMEngine) -> object:
+        eng.add_request("x", prompt_token_ids=p, params=GREEDY)
+        out = None
+        while eng.has_unfinished():
+            for delta in eng.step():
+                out = delta.output or out
+        assert out is not None
+        return out.metrics
+
+    with KVTiers(redis_config) as a_tier:
+        computed = metrics(engine(tiny_llama, a_tier))
+    with KVTiers(redis_config) as b_tier:
+        loaded = metrics(engine(tiny_llama, b_tier))
+    assert computed.kv_load_start is None  # type: ignore[attr-defined]
+    assert "kv load" not in [name for name, _, _ in _phases(computed, time.time() - 60)]
+    start, took = loaded.kv_load_start, loaded.kv_load_s  # type: ignore[attr-defined]
+    assert start is not None and 0 < took < 5
+    assert start <= loaded.first_scheduled_time  # type: ignore[attr-defined]
+    phases = {name: (a, b) for name, a, b in _phases(loaded, start - 1)}
+    assert phases["kv load"] == (start, start + took)

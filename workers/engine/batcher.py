@@ -310,7 +310,12 @@ class Batcher:
         the device cache. Returns the tokens that arrived (a value may have vanished)."""
         assert self.kv_tier is not None
         bs = self.pool.block_size
+        started = self.clock()
         data = self.kv_tier.load(req.block_hashes[first : first + tokens // bs])
+        # The request's "kv load" phase in its trace (a preempted request may load again).
+        if req.kv_load_start is None:
+            req.kv_load_start = started
+        req.kv_load_s += self.clock() - started
         block_ids = req.block_table[first : first + len(data)]
         plan.kv_loads.extend(zip(block_ids, data, strict=True))
         loaded = len(data) * bs

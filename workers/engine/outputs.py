@@ -17,6 +17,8 @@ class RequestMetrics:
     finish_time: float | None
     num_cached_tokens: int
     num_preemptions: int
+    kv_load_start: float | None = None  # the KV-tier load, for the trace's "kv load" phase
+    kv_load_s: float = 0.0
 
     @property
     def ttft(self) -> float | None:
@@ -32,6 +34,8 @@ class RequestMetrics:
             finish_time=req.finish_time,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_preemptions=req.num_preemptions,
+            kv_load_start=req.kv_load_start,
+            kv_load_s=req.kv_load_s,
         )
 
 

@@ -76,6 +76,8 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     first_scheduled_time: float | None = None
+    kv_load_start: float | None = None  # its first KV-tier load began (batcher clock)
+    kv_load_s: float = 0.0  # spent reading KV-tier blocks, every admission's load summed
     first_token_time: float | None = None
     finish_time: float | None = None
 
