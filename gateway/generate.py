@@ -323,10 +323,6 @@ class Generator:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         bind_request(request_id)
-        decode_tail = self._decode_tail
-        if body.skip_special_tokens is False:  # the worker's text keeps them: so must ours
-            decode_tail = partial(self._decode_tail, skip_special_tokens=False)
-        stream = self._dispatcher.open(request_id, route.group, decode_tail)
         shaper = Shaper(
             kind,
             request_id,
@@ -340,6 +336,12 @@ class Generator:
         if route.is_fallback:
             headers["X-QoS-Fallback-From"] = route.requested
             self._metrics.fallbacks.labels(route.requested, route.group, route.reason or "").inc()
+        decode_tail = self._decode_tail
+        if body.skip_special_tokens is False:  # the worker's text keeps them: so must ours
+            decode_tail = partial(self._decode_tail, skip_special_tokens=False)
+        # Registered last: the caller's failure path frees the admission slot, not a stream
+        # (one opened before a failing step stayed registered for good).
+        stream = self._dispatcher.open(request_id, route.group, decode_tail)
         self._metrics.series(route.group, self._model).in_flight.inc()
         return Flight(
             route, stream, shaper, len(prompt_ids), started, started + deadline_ms / 1000,

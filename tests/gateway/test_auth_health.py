@@ -142,6 +142,27 @@ async def test_a_stop_waits_for_queued_aborts_a_bounded_time(nats_config: NatsCo
         assert time.monotonic() - t0 < ABORT_FLUSH_S + 1.0
 
 
+async def test_a_request_failing_before_it_is_sent_leaves_no_stream_registered(
+    nats_config: NatsConfig, monkeypatch: pytest.MonkeyPatch
+):
+    """The response stream was registered before the rest of the set-up: a step failing
+    after it left the stream in the dispatcher for good (counted open at every shutdown)."""
+    import gateway.generate
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in the response shaping")
+
+    monkeypatch.setattr(gateway.generate, "Shaper", broken)
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short"),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        failed = await http.post("/v1/completions", json=BODY)
+        dispatcher = gw.app.state.gateway.dispatch.dispatcher
+        assert failed.status_code == 500 and dispatcher._streams == {}
+
+
 async def test_non_streaming_client_that_gives_up_aborts_the_worker(nats_config: NatsConfig):
     async with (
         serve(gateway_config(nats_config)) as gw,
