@@ -47,6 +47,9 @@ BreakerState = Literal["closed", "open", "half_open"]
 BREAKER_STATES: frozenset[str] = frozenset({"closed", "open", "half_open"})
 BREAKER_KEY_PREFIX = "breaker."
 LIVE_WINDOW_S = 3.0
+# A worker silent this many live windows is forgotten (crashed: no last report), so the
+# per-request liveness checks do not walk every worker ever seen.
+FORGET_AFTER_WINDOWS = 20
 BREAKER_STALE_S = 30.0
 
 
@@ -86,6 +89,7 @@ class WorkersView:
         self._serving: dict[str, dict[str, float]] = {g: {} for g in self._groups}
         # group -> worker -> the longest sequence it says it serves (its report's max_seq_len)
         self._seq_lens: dict[str, dict[str, int]] = {g: {} for g in self._groups}
+        self._pruned_at = clock()
         self._breakers: dict[str, BreakerState] = {}
         self._breaker_stale_s = breaker_stale_s
         self._breaker_at: dict[str, float] = {}  # group -> when its record was last written
@@ -170,7 +174,9 @@ class WorkersView:
             seen.pop(report.worker, None)
             lens.pop(report.worker, None)
             return
-        seen[report.worker] = self._clock()
+        now = seen[report.worker] = self._clock()
+        if now - self._pruned_at > FORGET_AFTER_WINDOWS * self._window:
+            self._forget_silent(now)
         if report.max_seq_len is not None:
             lens[report.worker] = report.max_seq_len
         else:  # a worker that does not say: the configured limit
@@ -178,6 +184,16 @@ class WorkersView:
         for groups, waiter in self._waiters:
             if report.group in groups and not waiter.done():
                 waiter.set_result(None)
+
+    def _forget_silent(self, now: float) -> None:
+        """Drop workers silent for many live windows: a crashed one says no last word, and
+        every request's liveness check walked every worker ever seen."""
+        self._pruned_at = now
+        horizon = now - FORGET_AFTER_WINDOWS * self._window
+        for group, seen in self._serving.items():
+            for worker in [w for w, at in seen.items() if at < horizon]:
+                del seen[worker]
+                self._seq_lens.get(group, {}).pop(worker, None)
 
     def set_breaker(self, group: str, state: BreakerState, age_s: float = 0.0) -> None:
         """A record was written ``age_s`` ago (a change or a renewal)."""

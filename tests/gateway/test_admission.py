@@ -182,6 +182,20 @@ async def test_draining_worker_takes_no_new_requests():
     assert not view.is_live("short")
 
 
+async def test_workers_silent_for_many_windows_are_forgotten():
+    """A crashed worker sends no last report: it stayed in the view for good, walked by
+    every request's liveness check."""
+    from gateway.workers_view import FORGET_AFTER_WINDOWS
+
+    now = [0.0]
+    view = WorkersView(["short"], live_window_s=1.0, clock=lambda: now[0])
+    view.on_telemetry(_report("short", worker="crashed", max_seq_len=64))
+    now[0] = FORGET_AFTER_WINDOWS + 1.0
+    view.on_telemetry(_report("short", worker="alive"))
+    assert list(view._serving["short"]) == ["alive"] and "crashed" not in view._seq_lens["short"]
+    assert view.live_workers("short") == 1
+
+
 async def test_half_open_breaker_admits_its_share_and_passes_the_rest_on():
     config = Config()
     view = _all_live(config)
