@@ -184,8 +184,14 @@ async def connect(
     if connecting.done() and connecting.exception() is None:
         return nc
     connecting.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
+    try:
         await connecting
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise  # our caller was cancelled meanwhile: that is not a connection error
+    except Exception:
+        pass  # the attempt's own failure: last_error below says it
     last = nc.last_error
     with contextlib.suppress(Exception):
         await nc.close()
