@@ -349,7 +349,8 @@ def test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it() -> No
     tier = RecordingTier()
     eng = LLMEngine(
         EngineArgs("dummy:llama-1b", device="cuda", dtype="bfloat16", block_size=16,
-                   max_batch_size=32, max_num_batched_tokens=8192, async_output=True),
+                   num_kv_blocks=512, max_batch_size=32, max_num_batched_tokens=8192,
+                   async_output=True),
         kv_tier=tier,  # type: ignore[arg-type]
     )  # fmt: skip
     for i in range(32):  # a 4,096-token prefill: milliseconds of device work
