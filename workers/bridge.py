@@ -233,6 +233,7 @@ class EngineBridge:
 
     def _run(self) -> None:
         engine = self.engine
+        _use_engine_device(engine)
         while True:
             busy = engine.has_unfinished()
             if not busy:
@@ -409,3 +410,14 @@ def _set_result(future: asyncio.Future[Any], result: Any) -> None:
 def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+def _use_engine_device(engine: object) -> None:
+    """Make the engine's GPU current on its thread (the current device is per thread): on
+    ``cuda:1`` the step's events, and kernels that launch on the current device's stream,
+    went to cuda:0's while the tensors lived on cuda:1."""
+    device = getattr(engine, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)

@@ -128,9 +128,12 @@ def test_max_batch_size_caps_running_requests() -> None:
         b = make_batcher(policy, max_batch_size=2)
         for i in range(5):
             b.add(req(str(i), 3, max_tokens=3))
+        peak = 0
         for _ in range(6):
             run(b)
             assert len(b.running) <= 2
+            peak = max(peak, len(b.running))
+        assert peak == 2, policy  # the cap, reached: not a policy that admits fewer
 
 
 def test_hybrid_decodes_first_then_prefill_chunks_within_the_token_budget() -> None:

@@ -307,6 +307,10 @@ class RecordingTier(VanishingTier):
         super().__init__(claims=False)
         self.eng_steps: Callable[[], int] = lambda: -1
         self.stores: list[tuple[int, list[bytes], np.ndarray]] = []
+        self.dropped = 0
+
+    def skipped(self, blocks: int) -> None:
+        self.dropped += blocks
 
     def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         self.stores.append((self.eng_steps(), list(hashes), data.copy()))
@@ -341,9 +345,44 @@ def test_write_through_hands_blocks_over_after_their_copy_and_before_the_engine_
     assert np.array_equal(rows, eng.runner.export_blocks([cached[h] for h in names]))
 
 
+def test_a_failed_step_drops_its_pending_write_through_and_counts_it(tiny_llama: Path) -> None:
+    """Exports waiting for their copy when a step fails are given up (a device in a sticky
+    error state fails every wait: kept, they held the engine "unfinished", spinning)."""
+    tier = RecordingTier()
+    eng = engine(tiny_llama, tier, num_kv_blocks=32)  # type: ignore[arg-type]
+    eng.add_request("r", prompt_token_ids=prompt(41, 3 * BS), params=GREEDY)
+    eng.step()  # the prefill: 3 full blocks exported, handed over at the next step
+    assert len(eng._exports) == 1 and tier.stores == []
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device error")
+
+    eng.runner.execute = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="device error"):
+        eng.step()
+    assert eng._exports == [] and tier.dropped == 3 and tier.stores == []
+    eng.abort("r")
+    eng.step()
+    assert not eng.has_unfinished()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it() -> None:
+@pytest.mark.parametrize(
+    "params",
+    [
+        [GREEDY],
+        # Filters, min_tokens and greedy rows in one batch: every host-to-device copy of
+        # their parameters is queued, none waits for the step (torch.tensor(..., device=)
+        # and boolean-mask indexing did).
+        [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=6, seed=1),
+         SamplingParams(temperature=0.7, min_p=0.05, min_tokens=4, max_tokens=6)],
+    ],
+    ids=["greedy", "mixed"],
+)  # fmt: skip
+def test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it(
+    params: list[SamplingParams],
+) -> None:
     """Write-through must not synchronise: with asynchronous output the host schedules the
     next step while the device runs this one (a ``.cpu()`` of the export waited for it)."""
     tier = RecordingTier()
@@ -354,7 +393,7 @@ def test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it() -> No
         kv_tier=tier,  # type: ignore[arg-type]
     )  # fmt: skip
     for i in range(32):  # a 4,096-token prefill: milliseconds of device work
-        eng.add_request(str(i), prompt_token_ids=prompt(i, 128), params=GREEDY)
+        eng.add_request(str(i), prompt_token_ids=prompt(i, 128), params=params[i % len(params)])
     eng.step()
     assert not torch.cuda.current_stream().query()  # still running: nobody waited
     assert tier.stores == []

@@ -657,7 +657,9 @@ async def test_telemetry_arrives_every_interval_with_sane_values(
     assert 0 < last.ttft_p50_ms <= last.ttft_p99_ms < 2000
     assert 0 < last.e2e_p50_ms <= last.e2e_p99_ms < 2000 and last.ttft_p50_ms <= last.e2e_p99_ms
     assert (last.running, last.waiting, last.kv_usage) == (0, 0, 0.0)
-    assert 0.0 <= last.busy_ratio <= 1.0 and last.prefix_queried_tokens == 6
+    assert last.prefix_queried_tokens == 6
+    # Clamped to [0, 1] by the sender: what says it is measured is a report during the work.
+    assert max(r.busy_ratio for _, r in reports) > 0.0
     kv = await nc.jetstream().key_value(worker_config.nats.kv_bucket)
     beat = json.loads((await kv.get("workers.w0")).value)
     assert (beat["group"], beat["state"]) == ("short", "serving")

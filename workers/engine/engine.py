@@ -318,6 +318,7 @@ class LLMEngine:
             self._run_step(deltas)
         except BaseException:
             self._pending = deltas + self._pending
+            self._drop_exports()  # its copies may never land: nothing may wait on them
             raise
         return deltas
 
@@ -354,8 +355,10 @@ class LLMEngine:
 
     def _commit(self, plan: BatchPlan) -> None:
         """The step's tokens are in the cache: name full blocks, write them through, count."""
-        self.batcher.commit(plan)
+        # Exports that landed go to the tier first: the store queue's room, which the
+        # batcher asks about next, then counts them.
         self._hand_over_exports(wait=False)
+        self.batcher.commit(plan)
         if plan.kv_stores and self.kv_tier is not None:
             hashes, ids = zip(*plan.kv_stores, strict=True)
             rows, copied = self.runner.export_blocks_async(ids)
@@ -376,15 +379,28 @@ class LLMEngine:
         the overlap of asynchronous output was lost whenever the Redis tier was on."""
         assert self.kv_tier is not None or not self._exports
         while self._exports:
-            export = self._exports[0]
+            # Out of the list before the device is asked: a device that fails every call
+            # (a sticky CUDA error) must not leave it there, the engine "unfinished" for good.
+            export = self._exports.pop(0)
             if export.copied is not None:
-                if wait:
-                    export.copied.synchronize()
-                elif not export.copied.query():
-                    return  # later ones were queued behind it
-            self._exports.pop(0)
+                try:
+                    if wait:
+                        export.copied.synchronize()
+                    elif not export.copied.query():
+                        self._exports.insert(0, export)
+                        return  # later ones were queued behind it
+                except BaseException:
+                    self._drop_exports(export)
+                    raise
             assert self.kv_tier is not None
             self.kv_tier.store_async(export.hashes, export.rows.numpy())
+
+    def _drop_exports(self, *more: _Export) -> None:
+        """Give up pending write-through (a failed step): counted with the tier's drops."""
+        lost = [*more, *self._exports]
+        self._exports.clear()
+        if lost and self.kv_tier is not None:
+            self.kv_tier.skipped(sum(len(e.hashes) for e in lost))
 
     # --- asynchronous output -------------------------------------------------------------
 
@@ -404,7 +420,7 @@ class LLMEngine:
         ready = None
         if cuda:
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(tokens.device))
         return _Inflight(sampling, tokens, host, ready)
 
     def _defer(self, step: _Inflight) -> None:

@@ -24,6 +24,7 @@ from workers.engine.block_pool import KVCacheLayout
 from workers.engine.kernels.kv_quant import SCALE_DTYPE, is_quantized
 from workers.engine.loader import load_model
 from workers.engine.models.llama import KVCache, ModelConfig
+from workers.engine.transfer import host_to_device, to_device
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class ModelRunner:
         """:meth:`export_blocks` without waiting: (host rows, the event recorded after their
         copy on CUDA, None elsewhere). The copy is queued behind the work already launched,
         so the rows hold the blocks as that work leaves them."""
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        ids = to_device(list(block_ids), self.device, torch.long)
         rows = torch.cat(
             [
                 p.index_select(2, ids).permute(2, 0, 1, 3).reshape(len(ids), -1)
@@ -220,7 +221,7 @@ class ModelRunner:
         host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
         host.copy_(rows, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(self.device))  # cuda:N's stream, not cuda:0's
         return host, copied
 
     def kv_layout(self) -> KVCacheLayout:
@@ -251,8 +252,8 @@ class ModelRunner:
         host = np.empty((n, self.bytes_per_block()), dtype=np.uint8)
         for i, buf in enumerate(data):
             host[i] = np.frombuffer(buf, dtype=np.uint8)
-        src = torch.from_numpy(host).to(self.device)
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        src = host_to_device(torch.from_numpy(host), self.device)
+        ids = to_device(list(block_ids), self.device, torch.long)
         offset = 0
         for part in self._kv_bytes():  # byte views: index_copy_ writes the cache itself
             two, layers, _, width = part.shape
@@ -288,7 +289,7 @@ class ModelRunner:
             offset += n
         dev = self._pinned[:total].to(self.device, non_blocking=True)
         self._copy_done = torch.cuda.Event()
-        self._copy_done.record()
+        self._copy_done.record(torch.cuda.current_stream(self.device))
         out, offset = [], 0
         for a, n in zip(arrays, sizes, strict=True):
             out.append(dev[offset : offset + n].view(a.shape))

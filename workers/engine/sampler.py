@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.transfer import host_to_device, to_device
 
 _GREEDY_BELOW = 1e-5
 
@@ -92,7 +93,7 @@ class Sampler:
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             logits = logits.float()
-            rows = torch.tensor(penalized, device=logits.device)
+            rows = to_device(penalized, logits.device)
             # index_put (not in place): the caller's logits stay untouched.
             penalties = apply_penalties(logits[rows], [batch[i] for i in penalized])
             logits = logits.index_put((rows,), penalties)
@@ -106,11 +107,9 @@ class Sampler:
         else:
             logits = logits.float()
             tokens = torch.empty(len(batch), dtype=torch.long, device=logits.device)
-            mask = torch.tensor(plain, device=logits.device)
-            fast = [r for r, f in zip(batch, plain, strict=True) if f]
-            rest = [r for r, f in zip(batch, plain, strict=True) if not f]
-            tokens[mask] = _sample_fused(logits[mask], fast)
-            tokens[~mask] = _sample_torch(logits[~mask], rest)
+            fast, rest = _split_rows(plain, logits.device)
+            tokens[fast[1]] = _sample_fused(logits[fast[1]], [batch[i] for i in fast[0]])
+            tokens[rest[1]] = _sample_torch(logits[rest[1]], [batch[i] for i in rest[0]])
         return tokens
 
 
@@ -133,10 +132,10 @@ def _hold_stops(
         col_ids += sorted(ids)
     if not row_ids:
         return logits
-    index = torch.tensor([row_ids, col_ids], device=logits.device)
-    return logits.index_put(
-        (index[0], index[1]), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
-    )
+    index = to_device([row_ids, col_ids], logits.device)
+    held = logits.clone()
+    held[index[0], index[1]] = float("-inf")
+    return held
 
 
 def _is_greedy(params: SamplingParams) -> bool:
@@ -159,11 +158,21 @@ def _sample_torch(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.
     if not any(greedy):
         return _sample_random(logits, batch)
     tokens = torch.empty(len(batch), dtype=torch.long, device=logits.device)
-    mask = torch.tensor(greedy, device=logits.device)
-    tokens[mask] = logits[mask].argmax(dim=-1)
-    randoms = [r for r, g in zip(batch, greedy, strict=True) if not g]
-    tokens[~mask] = _sample_random(logits[~mask], randoms)
+    chosen, sampled = _split_rows(greedy, logits.device)
+    tokens[chosen[1]] = logits[chosen[1]].argmax(dim=-1)
+    tokens[sampled[1]] = _sample_random(logits[sampled[1]], [batch[i] for i in sampled[0]])
     return tokens
+
+
+RowIndex = tuple[list[int], torch.Tensor]  # row numbers, and the same as a device index
+
+
+def _split_rows(flags: Sequence[bool], device: torch.device) -> tuple[RowIndex, RowIndex]:
+    """Rows where ``flags`` holds, and the rest. Integer indices, not a boolean mask: a mask
+    index counts its rows on the device, which makes the host wait for the step."""
+    yes = [i for i, f in enumerate(flags) if f]
+    no = [i for i, f in enumerate(flags) if not f]
+    return (yes, to_device(yes, device, torch.long)), (no, to_device(no, device, torch.long))
 
 
 def _sample_fused(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
@@ -228,13 +237,13 @@ def apply_penalties(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torc
     out = logits
     # Decisions read the params on the host, never a device tensor: no sync per step.
     if any(r.params.repetition_penalty != 1.0 for r in batch):
-        factor = torch.tensor([[r.params.repetition_penalty] for r in batch], device=device)
+        factor = to_device([[r.params.repetition_penalty] for r in batch], device)
         prompt_and_output = [[*r.prompt_token_ids, *r.output_token_ids] for r in batch]
         seen = _token_counts(prompt_and_output, vocab, device) > 0
         out = torch.where(seen, torch.where(out > 0, out / factor, out * factor), out)
     if any(r.params.presence_penalty != 0 or r.params.frequency_penalty != 0 for r in batch):
-        presence = torch.tensor([[r.params.presence_penalty] for r in batch], device=device)
-        frequency = torch.tensor([[r.params.frequency_penalty] for r in batch], device=device)
+        presence = to_device([[r.params.presence_penalty] for r in batch], device)
+        frequency = to_device([[r.params.frequency_penalty] for r in batch], device)
         counts = _token_counts([_output_so_far(r) for r in batch], vocab, device)
         out = out - frequency * counts - presence * (counts > 0)
     return out
@@ -251,7 +260,7 @@ def _token_counts(
     for row, tokens in enumerate(token_lists):
         if tokens:
             ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    ids = ids.masked_fill((ids < 0) | (ids > vocab), vocab).to(device)
+    ids = host_to_device(ids.masked_fill((ids < 0) | (ids > vocab), vocab), device)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
     return counts[:, :vocab]
@@ -261,11 +270,11 @@ def _sample_random(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch
     """Sampled ids for non-greedy rows ``[n, V]``: temperature, filters, exponential race."""
     device = logits.device
     params = [r.params for r in batch]
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = to_device([p.temperature for p in params], device)
     logits = logits / temperature.unsqueeze(1)
 
     if any(p.min_p > 0 for p in params):
-        logits = _apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+        logits = _apply_min_p(logits, to_device([p.min_p for p in params], device))
     vocab = logits.shape[1]
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p = [p.top_p for p in params]
@@ -290,7 +299,7 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 
     One ``topk`` of the largest k instead of a full-vocabulary sort.
     """
-    k = torch.tensor(top_k, device=logits.device)
+    k = to_device(top_k, logits.device)
     largest = logits.topk(max(top_k), dim=-1).values
     kth = largest.gather(1, (k - 1).clamp(min=0).unsqueeze(1))
     kth = torch.where(k.unsqueeze(1) > 0, kth, torch.full_like(kth, float("-inf")))
@@ -302,11 +311,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     vocab = logits.shape[1]
     device = logits.device
     ordered, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([kk or vocab for kk in top_k], device=device)
+    k = to_device([kk or vocab for kk in top_k], device)
     kth = ordered.gather(1, (k - 1).unsqueeze(1))
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))
 
-    p = torch.tensor(top_p, device=device).unsqueeze(1)
+    p = to_device(top_p, device).unsqueeze(1)
     probs = torch.softmax(ordered, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     # p == 1 keeps everything: rounding in the cumsum must not drop the tail.
