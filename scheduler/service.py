@@ -278,6 +278,10 @@ class SchedulerService:
         if not self.acts:
             return
         for group, breaker in self.breakers.items():
+            if not self.acts:
+                # The lease lapsed during this tick's JetStream calls: no breaker moves in
+                # memory only (its record, caps and alert unsent), to be undone by a reload.
+                break
             sample = samples.get(group)
             if sample is not None:
                 transition = breaker.observe(self._breaker_sample(group, sample), now)
@@ -320,8 +324,6 @@ class SchedulerService:
     async def _act(self, t: Transition) -> None:
         """Publish a transition: bucket first (gateways divert), then workers, then alert."""
         assert self.nc is not None and self.kv is not None
-        if not self.acts:  # the lease lapsed during this tick's JetStream calls
-            return
         gc = self.config.groups[t.group]
         record = self._record(t.group, t.target, t.at, t.reason)
         cap, since_ms = record.batch_cap, record.since_ms

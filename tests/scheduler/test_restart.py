@@ -247,7 +247,8 @@ async def test_a_leader_whose_lease_lapses_mid_tick_sends_and_writes_nothing_mor
         assert service.acts and service.nc is not None and service.lease is not None
         controls = await service.nc.subscribe(f"{service.subjects.prefix}.ctl.>")
         await barrier(service.nc)
-        service.breakers["long"].restore("open", now[0], "an incident")  # due for renewal
+        # Open long enough to probe: this tick would move it to half-open.
+        service.breakers["long"].restore("open", now[0] - 3600, "an incident")
         first = next(iter(service.breakers))
         assert first != "long"
         real_tick = service.breakers[first].tick
@@ -259,7 +260,9 @@ async def test_a_leader_whose_lease_lapses_mid_tick_sends_and_writes_nothing_mor
 
         service.breakers[first].tick = lapse  # type: ignore[method-assign]
         await service.tick()
-        assert service._unsaved  # the renewal it would have written stays unsaved
+        # Not moved in memory only (its record, caps and alert unsent, undone by a reload).
+        assert service.breakers["long"].state == "open" and service.acted == []
+        assert not service._unsaved
         await service._order_move(Move("w1", "short", "long", "test"))
         await service._publish(
             service.subjects.control_group("long"),
