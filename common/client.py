@@ -162,12 +162,20 @@ class QosClient:
         self._owns = owns_connection
 
     @classmethod
-    async def connect(cls, config: Config | NatsConfig, name: str = "qos-client") -> Self:
-        """Connect with :func:`common.nats.connect`; :meth:`close` closes the connection."""
+    async def connect(
+        cls, config: Config | NatsConfig, name: str = "qos-client", service: str | None = None
+    ) -> Self:
+        """Connect with :func:`common.nats.connect`; :meth:`close` closes the connection.
+
+        Replies (JetStream's publish acks) come back on ``nats.inbox_prefix``, else on
+        ``_INBOX_<service>``, else on ``_INBOX``: under ``deploy/nats/permissions.conf``,
+        whose users may each read their own inbox only, run as a user allowed to publish
+        requests with the inbox it may read (``service="gateway"`` as the gateway's user).
+        """
         from common.nats import connect
 
         cfg = config.nats if isinstance(config, Config) else config
-        nc = await connect(cfg, name)
+        nc = await connect(cfg, name, service=service)
         return cls(
             nc,
             Subjects(cfg.subject_prefix),

@@ -126,3 +126,20 @@ async def test_a_worker_user_cannot_publish_requests_or_read_chunks(
     assert 'user:qos-scheduler" - Subscription Violation - Subject "_INBOX_worker.>"' in log
     assert 'user:qos-gateway" - Subscription Violation - Subject "_INBOX_worker.>"' in log
     assert 'user:qos-worker" - Subscription Violation - Subject "_INBOX_gateway.>"' in log
+
+
+async def test_the_nats_client_works_as_the_gateway_user_with_its_inbox(
+    secured_stack: tuple[Stack, Config], tokenizer: BaseTokenizer
+) -> None:
+    """A NATS-native caller under permissions.conf: as the gateway's user it gets its
+    JetStream publish acks only on the gateway's inbox."""
+    from common.client import QosClient
+    from common.protocol import RequestParams
+
+    _, config = secured_stack
+    async with await QosClient.connect(as_user(config, "gateway"), service="gateway") as client:
+        ids, _, final = await client.collect(
+            group="short", prompt_token_ids=[1, 2], params=RequestParams(max_tokens=4, seed=3),
+            timeout_s=20,
+        )  # fmt: skip
+    assert len(ids) == 4 and final.finish_reason == "length"
