@@ -50,7 +50,12 @@ _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Control characters in a text line's message and fields are shown escaped: a value a
 # client chose (a percent-decoded path in the access log) could otherwise end the line and
 # forge the next one. Tracebacks keep their lines.
-_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), 127) if c != 9} | {10: "\\n", 13: "\\r"}
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160)) if c != 9} | {
+    10: "\\n",
+    13: "\\r",
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
 
 
 def bind_request(request_id: str | None) -> None:

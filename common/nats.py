@@ -77,6 +77,16 @@ class _TlsRequiredClient(Client):
         await super()._process_info(info, initial_connection)
 
 
+def must_see_tls_required(cfg: NatsConfig, tls: ssl.SSLContext | None) -> bool:
+    """Whether the server's greeting must ask for TLS: the settings ask for it (a context,
+    or tls://, for which nats-py builds a default one) and nothing encrypts before the
+    greeting (handshake first). Not over websockets: nats-py never upgrades a ws:// link,
+    and a wss:// one is TLS already while its INFO speaks for the main listener."""
+    if cfg.tls_handshake_first or cfg.url.startswith(("ws://", "wss://")):
+        return False
+    return tls is not None or cfg.url.startswith("tls://")
+
+
 def _auth_options(cfg: NatsConfig) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if cfg.user is not None or cfg.password is not None:
@@ -127,10 +137,7 @@ async def connect(
     """
     url = redact_url(cfg.url)
     tls = _tls_context(cfg)
-    # Handshake first already encrypts before the greeting; otherwise TLS asked for must be
-    # TLS got. tls:// alone: nats-py then builds a default context itself.
-    wants_tls = tls is not None or cfg.url.startswith("tls://")
-    nc = _TlsRequiredClient() if wants_tls and not cfg.tls_handshake_first else Client()
+    nc = _TlsRequiredClient() if must_see_tls_required(cfg, tls) else Client()
     refused = asyncio.Event()
 
     async def on_error(exc: Exception) -> None:
@@ -189,7 +196,11 @@ async def connect(
     except asyncio.CancelledError:
         current = asyncio.current_task()
         if current is not None and current.cancelling():
-            raise  # our caller was cancelled meanwhile: that is not a connection error
+            # Our caller was cancelled meanwhile: not a connection error. Close what the
+            # attempt opened first (shielded: this task is being cancelled).
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(nc.close())
+            raise
     except Exception:
         pass  # the attempt's own failure: last_error below says it
     last = nc.last_error

@@ -56,6 +56,10 @@ class Resolver:
             if answer is not None:
                 return answer[1]  # an expired answer beats none while DNS is slow
             raise TimeoutError(f"resolving {host!r} took over {timeout:g}s") from None
+        except OSError:
+            if answer is not None:
+                return answer[1]  # or failing (SERVFAIL during a DNS outage)
+            raise
 
     def _resolve(self, key: tuple[str, int], future: Future[Sequence[AddrInfo]]) -> None:
         try:

@@ -161,6 +161,20 @@ def test_an_expired_answer_serves_while_the_next_lookup_is_slow() -> None:
     gate.set()
 
 
+def test_an_expired_answer_serves_while_lookups_fail() -> None:
+    calls = iter([None, socket.gaierror(socket.EAI_AGAIN, "SERVFAIL")])
+
+    def lookup(host: str, port: int, **_: object) -> list[AddrInfo]:
+        failure = next(calls)
+        if failure is not None:
+            raise failure
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    resolver = Resolver(ttl_s=0.0, lookup=lookup)
+    first = resolver.addresses("redis", 6379, timeout=5)
+    assert resolver.addresses("redis", 6379, timeout=5) == first  # DNS down: the last answer
+
+
 def test_the_pool_drops_connections_the_server_closed_while_they_were_idle(
     fresh_redis_server: Callable[..., RedisServer],
 ) -> None:

@@ -114,13 +114,15 @@ def test_credentials_and_bearer_tokens_are_masked_in_every_format() -> None:
 def test_a_text_line_cannot_be_ended_by_a_value_a_client_chose() -> None:
     """A percent-decoded path such as ``/x%0a... WARNING gateway.auth ...`` forged a second
     line in the text access log, before any API key check."""
-    path = "/v1/models/x\n2026-01-01 00:00:00,000 WARNING gateway.auth: incorrect API key\r"
+    path = (
+        "/v1/models/x\n2026-01-01 00:00:00,000 WARNING gateway.auth: incorrect API key\r\x85\u2028"
+    )
     record = logging.LogRecord(
         "qosserve.access", logging.INFO, __file__, 1, "%s %s %d", ("GET", path, 404), None
     )
     record.fields = {"path": path, "status": 404}
     line = TextFormatter().format(record)
-    assert "\n" not in line and "\r" not in line
+    assert "\n" not in line and "\r" not in line and len(line.splitlines()) == 1
     assert "x\\n2026-01-01" in line and "path=/v1/models/x\\n2026" in line
     try:
         raise ValueError("boom")

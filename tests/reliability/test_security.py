@@ -14,6 +14,7 @@ import datetime
 import hmac
 import ipaddress
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -265,6 +266,13 @@ async def test_nats_settings_that_ask_for_tls_refuse_a_server_that_offers_none(
         await qnats.connect(asks, "tls-stripped")
     assert time.monotonic() - t0 < 2  # refused at once, not retried until the timeout
     await _round_trip(asks.model_copy(update={"tls_ca_file": None}), "plain-ok")
+    context = ssl.create_default_context()
+    assert qnats.must_see_tls_required(NatsConfig(url="tls://h:4222"), None)
+    assert qnats.must_see_tls_required(NatsConfig(url="nats://h:4222"), context)
+    assert not qnats.must_see_tls_required(NatsConfig(url="nats://h:4222"), None)
+    for first in (NatsConfig(url="nats://h:4222", tls_handshake_first=True),
+                  NatsConfig(url="wss://h:443"), NatsConfig(url="ws://h:80")):  # fmt: skip
+        assert not qnats.must_see_tls_required(first, context)
 
 
 # --- Redis AUTH ----------------------------------------------------------------------
