@@ -4,6 +4,7 @@ a gateway has finished with."""
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 
@@ -23,16 +24,18 @@ class RecentIds:
         self._ttl = ttl_s
         self._max = max_size
         self._clock = clock
-        self._seen: dict[str, float] = {}
+        # Oldest first. An OrderedDict: popping a plain dict's first entries leaves dead slots
+        # that every later "first" skips (an add cost 15 -> 69 us as a 100k set filled).
+        self._seen: OrderedDict[str, float] = OrderedDict()
 
     def add(self, key: str) -> None:
         now = self._clock()
-        self._seen.pop(key, None)
         self._seen[key] = now
+        self._seen.move_to_end(key)
         while len(self._seen) > self._max or (
             self._seen and now - next(iter(self._seen.values())) >= self._ttl
         ):
-            self._seen.pop(next(iter(self._seen)))
+            self._seen.popitem(last=False)
 
     def __contains__(self, key: object) -> bool:
         at = self._seen.get(key) if isinstance(key, str) else None

@@ -31,6 +31,7 @@ import re
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,7 @@ log = logging.getLogger(__name__)
 CAP_RESEND_S = 2.0
 HISTORY_SAVE_S = 60.0
 QUEUE_POLL_TIMEOUT_S = 0.5
+RECENT_ACTIONS = 1000  # transitions and moves kept in memory
 
 
 def default_scheduler_id() -> str:
@@ -117,6 +119,7 @@ class SchedulerService:
             silent_s=self.cfg.worker_silent_s,
             window_samples=self.cfg.window_samples,
             window_s=self.cfg.window_s,
+            moves_kept_s=max(3600.0, self.cfg.move_cooldown_s),
         )
         self.metrics = SchedulerMetrics()
         for group in self.groups:  # at 0 from the start: increase() sees the first one
@@ -137,8 +140,10 @@ class SchedulerService:
         self.desired: dict[str, int] = {}
         # As leader: the breakers are loaded from the bucket since this term began.
         self._leader_synced = False
-        self.acted: list[Transition] = []  # transitions this replica acted on
-        self.moves: list[Move] = []  # moves this replica ordered
+        # The latest transitions this replica acted on and moves it ordered (a flapping
+        # breaker makes ~115k transitions a week): for tests and debugging.
+        self.acted: deque[Transition] = deque(maxlen=RECENT_ACTIONS)
+        self.moves: deque[Move] = deque(maxlen=RECENT_ACTIONS)
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.kv: KeyValue | None = None
@@ -271,7 +276,9 @@ class SchedulerService:
         now = self._clock()
         for gone in self.windows.expire(now):
             log.info("worker %s (group %s) went silent", gone.worker, gone.group)
-            self._cap_sent.pop(gone.worker, None)
+        # Workers that went silent or stopped (deploys, moves, exits) need no cap resent.
+        for worker in self._cap_sent.keys() - self.windows.worker_ids():
+            del self._cap_sent[worker]
         await self._poll_queue_depths()
         samples = self.windows.sample(now, self.queue_depths)
         self._export_groups(now)

@@ -118,10 +118,17 @@ class TelemetryWindows:
     """Latest report per worker and a :class:`SlidingWindow` of samples per group."""
 
     def __init__(
-        self, groups: list[str], *, silent_s: float, window_samples: int, window_s: float
+        self,
+        groups: list[str],
+        *,
+        silent_s: float,
+        window_samples: int,
+        window_s: float,
+        moves_kept_s: float = 3600.0,
     ) -> None:
         self.groups = list(groups)
         self._silent_s = silent_s
+        self._moves_kept_s = moves_kept_s  # at least the move cooldown a new leader takes up
         self._workers: dict[str, _Worker] = {}
         # worker -> (when, old group, new group) of the last group change seen in its reports
         self.moves_seen: dict[str, tuple[float, str, str]] = {}
@@ -163,11 +170,19 @@ class TelemetryWindows:
         return [(at, w, src, dst) for w, (at, src, dst) in self.moves_seen.items()]
 
     def expire(self, now: float) -> list[Telemetry]:
-        """Forget workers silent for ``silent_s``; returns their last reports."""
+        """Forget workers silent for ``silent_s`` (returns their last reports), and moves
+        older than a new leader could still need (a standby never asks: it kept them all)."""
         gone = [w for w in self._workers.values() if now - w.seen_at >= self._silent_s]
         for w in gone:
             del self._workers[w.report.worker]
+        for worker in [w for w, (at, _, _) in self.moves_seen.items()
+                       if now - at > self._moves_kept_s]:  # fmt: skip
+            del self.moves_seen[worker]
         return [w.report for w in gone]
+
+    def worker_ids(self) -> set[str]:
+        """Workers reporting now (neither silent nor stopped)."""
+        return set(self._workers)
 
     def sample(self, now: float, queue_depths: dict[str, int]) -> dict[str, GroupSample]:
         """One sample per group with reports since the last call; each joins its window."""

@@ -785,6 +785,9 @@ class WorkerService:
         """Abort requests whose gateway went silent (see :mod:`workers.orphans`)."""
         watch = self._gateways
         if not watch.enabled or self.bridge is None:
+            # Gateways (a new id per gateway process) are still heard for resyncs: forget
+            # the ones long gone, or every worker keeps each one ever started.
+            watch.forget_stale()
             return
         if self.nc is None or not self.nc.is_connected:
             watch.cut_off()
@@ -911,6 +914,8 @@ class WorkerService:
                 self.assign_group(control.group, control.batch_cap), name="assign-group"
             )
             task.add_done_callback(_log_failure)  # held in _tasks: nobody else would read it
+            # Finished moves leave the list (any publisher on our control subject adds one).
+            self._tasks = [t for t in self._tasks if not t.done()]
             self._tasks.append(task)
 
     async def assign_group(self, group: str, batch_cap: int | None = None) -> None:

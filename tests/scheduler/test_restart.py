@@ -261,7 +261,7 @@ async def test_a_leader_whose_lease_lapses_mid_tick_sends_and_writes_nothing_mor
         service.breakers[first].tick = lapse  # type: ignore[method-assign]
         await service.tick()
         # Not moved in memory only (its record, caps and alert unsent, undone by a reload).
-        assert service.breakers["long"].state == "open" and service.acted == []
+        assert service.breakers["long"].state == "open" and not service.acted
         assert not service._unsaved
         await service._order_move(Move("w1", "short", "long", "test"))
         await service._publish(
@@ -270,4 +270,16 @@ async def test_a_leader_whose_lease_lapses_mid_tick_sends_and_writes_nothing_mor
         )
         with pytest.raises(nats.errors.TimeoutError):
             await controls.next_msg(timeout=0.3)
-        assert service.moves == []
+        assert not service.moves
+
+
+async def test_what_the_leader_remembers_of_workers_and_actions_is_bounded(nats_config):
+    """Caps sent to workers that stopped (deploys, moves) were kept for good, and every
+    transition a flapping breaker made (~115k a week)."""
+    from scheduler.service import RECENT_ACTIONS
+
+    async with hand_driven(make_config(nats_config)) as (service, _):
+        service._cap_sent["stopped-long-ago"] = 0.0
+        await service.tick()
+        assert "stopped-long-ago" not in service._cap_sent
+        assert service.acted.maxlen == service.moves.maxlen == RECENT_ACTIONS

@@ -119,3 +119,20 @@ def test_history_folds_each_hour_and_forecasts_now_or_the_next_hour():
     back = DemandHistory.from_bytes(h.to_bytes())
     assert back.slots == h.slots and (back.hour, back.count) == (h.hour, h.count)
     assert DemandHistory.from_bytes(b"junk").slots == [None] * HOURS_PER_WEEK
+
+
+def test_moves_and_stopped_workers_are_forgotten():
+    """A long-lived leader, or a standby that never leads, kept every group change ever
+    seen; a worker that stops leaves the reporting set at once."""
+    w = TelemetryWindows(["short", "long"], silent_s=3.0, window_samples=5, window_s=10.0,
+                         moves_kept_s=100.0)  # fmt: skip
+    w.observe(tel("a", "short"), 0.0)
+    w.observe(tel("a", "long"), 1.0)  # moved
+    w.observe(tel("b", "short"), 1.0)
+    assert set(w.moves_seen) == {"a"} and w.worker_ids() == {"a", "b"}
+    w.observe(tel("b", "short", state="stopped"), 2.0)
+    assert w.worker_ids() == {"a"}
+    w.expire(50.0)
+    assert set(w.moves_seen) == {"a"}  # within what a new leader may still need
+    w.expire(102.0)
+    assert w.moves_seen == {}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from common.config import Config
 from common.protocol import heartbeat_payload, heartbeat_reconnects
 from workers.orphans import GatewayWatch
 
@@ -90,3 +93,16 @@ def test_heartbeat_payload_round_trip_and_junk() -> None:
     assert heartbeat_reconnects(heartbeat_payload(12345)) == 12345
     for junk in (b"", b"-1", b"1.5", b"\xff", b"9" * 13, b" 3"):
         assert heartbeat_reconnects(junk) is None
+
+
+async def test_gateways_long_gone_are_forgotten_with_orphan_detection_off_too(
+    start_worker: Any, worker_config: Config
+) -> None:
+    """Heartbeats are still heard for resyncs with worker.orphan_after_s 0: every gateway
+    process id ever started stayed on every worker."""
+    off = worker_config.worker.model_copy(update={"orphan_after_s": 0.0})
+    service = await start_worker(config=worker_config.model_copy(update={"worker": off}))
+    assert not service._gateways.enabled
+    service._gateways._seen["gw-gone"] = -1e9  # heard long ago
+    service._reap_orphans()
+    assert "gw-gone" not in service._gateways.known()
