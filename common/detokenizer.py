@@ -179,16 +179,18 @@ class StopStringMatcher:
 
     def feed(self, delta: str, match: bool = True) -> StopCheck:
         """Add ``delta``; return the text now safe to emit and whether a stop matched.
-        ``match`` False (before a request's min_tokens): all of it is safe, held text too."""
+
+        ``match`` False (a request short of its min_tokens): no stop string ends in this
+        text, but a tail that may begin one is still held: one that starts before
+        min_tokens and ends after it stops the output, as in vLLM. Only a stop string that
+        ends in ``delta`` counts (one inside text held unmatched does not)."""
         if self.stopped:
             return StopCheck("", True)
         if not self._stop:
             return StopCheck(delta, False)
+        held = len(self._held)
         text = self._held + delta
-        if not match:
-            self._held = ""
-            return StopCheck(text, False)
-        found = self._first_match(text)
+        found = self._first_match(text, ends_after=held) if match else None
         if found is not None:
             start, end = found
             self.stopped, self.matched = True, text[start:end]
@@ -208,11 +210,12 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _first_match(self, text: str) -> tuple[int, int] | None:
-        """(start, end) of the stop string that completes first in ``text``."""
+    def _first_match(self, text: str, ends_after: int = 0) -> tuple[int, int] | None:
+        """(start, end) of the stop string that completes first in ``text``, of those that
+        end past its first ``ends_after`` characters."""
         best: tuple[int, int] | None = None
         for s in self._stop:
-            start = text.find(s)
+            start = text.find(s, max(0, ends_after - len(s) + 1))
             if start < 0:
                 continue
             end = start + len(s)

@@ -287,7 +287,7 @@ class SimEngine:
             req.first_token_time = now
         params = req.params
         reason: str | None = None
-        armed = len(req.output_token_ids) >= params.min_tokens  # nothing stops before
+        armed = len(req.output_token_ids) > params.min_tokens  # the first min_tokens stop nothing
         if armed and token in params.stop_token_ids:
             reason, req.stop_reason = "stop", token
         elif armed and not params.ignore_eos and token in self.eos_token_ids:

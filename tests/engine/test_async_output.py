@@ -124,3 +124,50 @@ def test_the_last_allowed_token_is_never_scheduled_past(path: Path) -> None:
     params = SamplingParams(max_tokens=50, ignore_eos=True)
     out = run(eng, [("y", list(range(2, 10)), params)])["y"]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+class FailingOnce(LetterTokenizer):
+    """Its decode raises once when asked to (a tokenizer bug on one token)."""
+
+    fail_next = False
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # type: ignore[no-untyped-def]
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("decode failed")
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_a_token_that_fails_to_land_leaves_no_placeholder_for_the_others(path: Path) -> None:
+    """Reading back a step's tokens, one request's accept raising left the next request's
+    placeholder (-1) in its tokens, and every later step embedded it (IndexError on the
+    CPU, a device-side assert on CUDA)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = LLMEngine(EngineArgs(str(path), block_size=4, num_kv_blocks=64, dtype="float32"),
+                    tokenizer=LetterTokenizer())  # fmt: skip
+    ref.add_request("b", prompt_token_ids=[5, 6, 7], params=params)
+    want = run_until_done(ref)["b"]
+    tok = FailingOnce()
+    eng = LLMEngine(EngineArgs(str(path), block_size=4, num_kv_blocks=64, dtype="float32",
+                               async_output=True), tokenizer=tok)  # fmt: skip
+    eng.add_request("a", prompt_token_ids=[3, 4], params=params)
+    eng.add_request("b", prompt_token_ids=[5, 6, 7], params=params)
+    got: dict[str, list[int]] = {}
+    for d in eng.step():  # the prefill, launched: nothing read back yet
+        got.setdefault(d.request_id, []).extend(d.token_ids)
+    tok.fail_next = True  # a's token lands first and its decode fails
+    with pytest.raises(RuntimeError, match="decode failed"):
+        eng.step()
+    assert all(t >= 0 for r in eng.requests.values() for t in r.output_token_ids)
+    eng.abort("a")
+    for rid, tokens in run_until_done(eng).items():
+        got.setdefault(rid, []).extend(tokens)
+    assert got["b"][-5:] == want[-5:] and len(want) == 6  # b went on, its tokens intact
+
+
+def run_until_done(eng: LLMEngine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    return out

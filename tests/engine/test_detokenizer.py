@@ -341,3 +341,16 @@ def test_a_byte_fallback_prompt_cut_inside_a_character_corrupts_no_output(
         resumed = IncrementalDetokenizer(tok, byte_ids("Tell me") + answer[:k])
         rest = "".join(stream(resumed, answer[k:])) + resumed.flush()
         assert sent + rest == " 你好 😀", k
+
+
+def test_before_min_tokens_a_stop_prefix_is_still_held_and_only_later_ends_count() -> None:
+    """Unmatched text (a request short of its min_tokens) keeps a tail that may begin a stop
+    string: one that starts there and ends in matched text stops the output, as vLLM finds
+    it; a shorter one lying wholly inside that held tail does not."""
+    matcher = StopStringMatcher(["ab", "xaby"])
+    assert matcher.feed("kx", match=False) == ("k", False)  # "x" may begin "xaby"
+    assert matcher.feed("ab", match=False) == ("", False)  # "ab" ends unmatched: held
+    assert matcher.feed("y") == ("", True) and matcher.matched == "xaby"
+    straddle = StopStringMatcher(["kbo"])
+    assert straddle.feed("kk", match=False) == ("k", False)
+    assert straddle.feed("bo") == ("", True)  # the output ends before the held "k"

@@ -287,9 +287,11 @@ def test_min_tokens_holds_eos_stop_ids_and_stop_strings_back(
     stop_token = base[1]
     held = llm.generate(["hello"], greedy(12, stop_token_ids=[stop_token], min_tokens=5))[0]
     assert stop_token not in held.token_ids[:5] and len(held.token_ids) >= 5
-    text = llm.generate(["abcabc"], greedy(16))[0].text
-    stop = text[1:3]
-    late = text.find(stop) + len(stop) + 1  # armed only after the first occurrence
-    cut = llm.generate(["abcabc"], greedy(16, stop=[stop], min_tokens=late))[0]
-    assert cut.text.startswith(text[:late]) and len(cut.token_ids) >= late
-    assert cut.finish_reason == "length" or stop not in cut.text
+    text = llm.generate(["abcabc"], greedy(16))[0].text  # a letter a token, no EOS
+    stop = text[1:4]
+    for m in range(8):
+        cut = llm.generate(["abcabc"], greedy(16, stop=[stop], min_tokens=m))[0]
+        # vLLM's rule: the first occurrence that ends past the first m tokens' text, one
+        # that began before them included.
+        ends = [j for j in range(len(text)) if text.startswith(stop, j) and j + len(stop) > m]
+        assert cut.text == (text[: ends[0]] if ends else text), m

@@ -431,3 +431,18 @@ def test_a_request_that_loads_from_the_tier_times_the_load_for_its_trace(
     assert start <= loaded.first_scheduled_time  # type: ignore[attr-defined]
     phases = {name: (a, b) for name, a, b in _phases(loaded, start - 1)}
     assert phases["kv load"] == (start, start + took)
+
+
+def test_a_write_through_copy_that_fails_costs_the_blocks_not_the_step(tiny_llama: Path) -> None:
+    """The copy off the device failing (out of memory for it) after the step's tokens were
+    committed left its requests computed but never sampled: stalled, the engine unfinished."""
+    tier = RecordingTier()
+    eng = engine(tiny_llama, tier, num_kv_blocks=32)  # type: ignore[arg-type]
+
+    def no_memory(ids: object) -> None:
+        raise torch.cuda.OutOfMemoryError("no room for the copy")
+
+    eng.runner.export_blocks_async = no_memory  # type: ignore[method-assign,assignment]
+    eng.add_request("r", prompt_token_ids=prompt(42, 3 * BS), params=GREEDY)
+    tokens = drain_all(eng)["r"]
+    assert len(tokens) == GREEDY.max_tokens and tier.dropped >= 3 and tier.stores == []

@@ -330,13 +330,13 @@ class LLMEngine:
         if self.kv_tier is not None and (plan.kv_loads or self.pool.evictions):
             self._swap_kv(plan)
         if plan.is_empty:
-            deltas += self._read_back()
+            self._read_back(deltas)
             self._hand_over_exports(wait=True)
             return
         logits = self.runner.execute(plan, self._feed(plan))
         sampling = [r for r, s in zip(plan.requests, plan.seqs, strict=True) if s.sample]
         launched = self._launch(logits, sampling) if self._can_defer(sampling) else None
-        deltas += self._read_back()  # the previous step's tokens: on the host by now
+        self._read_back(deltas)  # the previous step's tokens: on the host by now
         self._commit(plan)
         if launched is not None:
             self._defer(launched)
@@ -361,8 +361,13 @@ class LLMEngine:
         self.batcher.commit(plan)
         if plan.kv_stores and self.kv_tier is not None:
             hashes, ids = zip(*plan.kv_stores, strict=True)
-            rows, copied = self.runner.export_blocks_async(ids)
-            self._exports.append(_Export(hashes, rows, copied))
+            try:
+                rows, copied = self.runner.export_blocks_async(ids)
+            except Exception:  # best effort (out of memory for the copy): the step is done
+                log.warning("kv write-through of %d blocks failed", len(ids), exc_info=True)
+                self.kv_tier.skipped(len(ids))
+            else:
+                self._exports.append(_Export(hashes, rows, copied))
         self.num_steps += 1
         self.num_tokens_computed += plan.num_tokens
         for seq, req in zip(plan.seqs, plan.requests, strict=True):
@@ -433,25 +438,35 @@ class LLMEngine:
             req.pending_row = row
         self._inflight = step
 
-    def _read_back(self) -> list[RequestDelta]:
-        """Wait for the step in flight's tokens; put them in place of the placeholders."""
+    def _read_back(self, deltas: list[RequestDelta]) -> None:
+        """Wait for the step in flight's tokens; put them in place of the placeholders and
+        append their deltas to ``deltas``. Every placeholder is replaced before any token is
+        accepted: an accept that raises (a tokenizer's decode) must not leave a -1 behind
+        for a later step to embed, nor lose the deltas already made."""
         step, self._inflight = self._inflight, None
         if step is None:
-            return []
+            return
         if step.ready is not None:
             step.ready.synchronize()
         tokens = step.host.tolist()
         now = time.time()
-        deltas = []
+        landed = []
         for row, req in enumerate(step.requests):
             if req.pending_row != row:  # aborted meanwhile, or it had already stopped
                 continue
-            token = tokens[row]
             req.pending_row = -1
-            req.token_ids[-1] = req.output_token_ids[-1] = token
+            req.token_ids[-1] = req.output_token_ids[-1] = tokens[row]
+            landed.append(req)
+        failed: BaseException | None = None
+        for req in landed:
             self.num_generation_tokens += 1
-            deltas.append(self._accept(req, token, None, None, now, appended=True))
-        return deltas
+            try:
+                token = req.output_token_ids[-1]
+                deltas.append(self._accept(req, token, None, None, now, appended=True))
+            except Exception as exc:  # the others' tokens still count; raised once all are in
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _feed(self, plan: BatchPlan) -> TokenFeed | None:
         """Which sequences take their last input token from the step still in flight."""
@@ -511,9 +526,9 @@ class LLMEngine:
             req.cumulative_logprob += lp
             req.top_logprobs.append(list(top or []))
         reason: str | None = None
-        # Before min_tokens nothing stops the output but its length (the sampler kept EOS
-        # and stop ids out; stop strings are not looked for), as in vLLM.
-        armed = req.num_output_tokens >= params.min_tokens
+        # The first min_tokens tokens stop nothing but the length (the sampler kept EOS and
+        # stop ids out of them; no stop string ends in their text), as in vLLM.
+        armed = req.num_output_tokens > params.min_tokens
         if armed and token in params.stop_token_ids:
             reason, req.stop_reason = "stop", token
         elif armed and not params.ignore_eos and token in self.eos_token_ids:
