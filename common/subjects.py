@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 # Request ids and worker ids become subject tokens: no dots, wildcards or spaces.
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# A worker's heartbeat key in the state bucket: workers.<worker id>.
+HEARTBEAT_KEY_PREFIX = "workers."
 
 
 def is_subject_token(value: str) -> bool:

@@ -57,6 +57,7 @@ from scheduler.breaker import (
     State,
     Transition,
 )
+from scheduler.heartbeat_sweep import STALE_AFTER_S, SWEEP_EVERY_S, sweep_heartbeats
 from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
 from scheduler.history import DemandHistory
 from scheduler.lease import Lease
@@ -189,6 +190,9 @@ class SchedulerService:
             ),
             asyncio.create_task(
                 self._every(self.cfg.rebalance_interval_s, self.rebalance), name="sched-rebalance"
+            ),
+            asyncio.create_task(
+                self._every(SWEEP_EVERY_S, self.sweep_heartbeats), name="sched-heartbeats"
             ),
         ]
         log.info("scheduler %s started (groups %s)", self.id, ", ".join(self.groups))
@@ -569,6 +573,13 @@ class SchedulerService:
             if not self.acts:
                 return
             await self.kv.put(HISTORY_PREFIX + group, history.to_bytes())
+
+    async def sweep_heartbeats(self) -> None:
+        """Leader only: heartbeat keys of workers long gone leave the bucket."""
+        if self.acts and self.js is not None and self.kv is not None:
+            await sweep_heartbeats(
+                self.js, self.kv, self.config.nats.kv_bucket, STALE_AFTER_S, self._wall() * 1000
+            )
 
     # --- helpers -------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from nats.js import JetStreamContext
 from common.config import load_config
 from common.errors import ConfigError
 from common.nats import connect, ensure_kv
-from workers.telemetry import HEARTBEAT_KEY_PREFIX
+from common.subjects import HEARTBEAT_KEY_PREFIX
 
 log = logging.getLogger(__name__)
 

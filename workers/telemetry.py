@@ -28,14 +28,13 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from common.protocol import Telemetry
-from common.subjects import Subjects
+from common.subjects import HEARTBEAT_KEY_PREFIX, Subjects
 from workers.engine.outputs import EngineStats
 
 log = logging.getLogger(__name__)
 
 WINDOW_SAMPLES = 512
 WINDOW_S = 3.0
-HEARTBEAT_KEY_PREFIX = "workers."
 State = Literal["starting", "serving", "draining", "stopped"]
 _HOST = socket.gethostname()
 

@@ -143,3 +143,30 @@ async def test_the_nats_client_works_as_the_gateway_user_with_its_inbox(
             timeout_s=20,
         )  # fmt: skip
     assert len(ids) == 4 and final.finish_reason == "length"
+
+
+async def test_the_scheduler_user_may_sweep_heartbeats_of_workers_gone(
+    secured_stack: tuple[Stack, Config], secured_nats: NatsServer
+) -> None:
+    import json
+    import time
+
+    from scheduler.heartbeat_sweep import sweep_heartbeats
+
+    _, config = secured_stack
+    bucket = config.nats.kv_bucket
+    worker = await qnats.connect(as_user(config, "worker").nats, "perm-w", service="worker")
+    scheduler = await qnats.connect(
+        as_user(config, "scheduler").nats, "perm-s", service="scheduler"
+    )
+    try:
+        old = json.dumps({"worker": "gone-1", "ts_ms": time.time() * 1000 - 3.6e6}).encode()
+        await (await worker.jetstream().key_value(bucket)).put("workers.gone-1", old)
+        js = scheduler.jetstream()
+        removed = await sweep_heartbeats(js, await js.key_value(bucket), bucket, 600.0,
+                                         time.time() * 1000)  # fmt: skip
+        assert removed == ["workers.gone-1"]
+    finally:
+        await worker.close()
+        await scheduler.close()
+    assert "Violation" not in secured_nats.log_tail(200)
