@@ -39,11 +39,12 @@ step() {
 
 # Correctness on the device: kernels vs torch references (CUDA shapes included), CUDA
 # graph replay == eager, seeded sampling on CUDA, engine greedy == transformers, KV
-# write-through that does not wait for the device.
+# write-through and steps that do not wait for the device (torch's sync debug mode).
 step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider \
   tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_sampler.py \
   tests/engine/test_greedy_matches_transformers.py tests/engine/test_async_output.py \
-  tests/kvstore/test_engine_tiers.py::test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it
+  tests/kvstore/test_engine_tiers.py::test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it \
+  tests/kvstore/test_engine_tiers.py::test_no_step_makes_the_host_wait_for_the_device
 # Kernel microbenchmark: decode GB/s vs SDPA and a device copy; prefill TFLOP/s.
 step bench_kernels 75 python3 -m bench.kernels --out "$OUT/kernels.json"
 # The issue's headline shape: dummy:llama-8b bf16, B=256, in 512, out 128 (transformers'

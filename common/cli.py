@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from collections.abc import Sequence
@@ -62,7 +63,7 @@ def _print_config(argv: list[str]) -> int:
     """``qosserve config [--config FILE]`` (a bare FILE works too): the effective config."""
     import yaml
 
-    from common.config import load_config
+    from common.config import changed_settings, load_config
     from common.errors import ConfigError
 
     p = argparse.ArgumentParser(
@@ -87,8 +88,12 @@ def _print_config(argv: list[str]) -> int:
         # (the demo's CPU device, Redis tier and GPU share then no longer apply).
         print("# Every key, defaults included; to keep as a config file, use --changed.")
         print("# Secrets show as ***: put the real ones back before reusing this.")
-    dump = config.model_dump(mode="json", exclude_unset=args.changed)
-    print(yaml.safe_dump(redacted(dump), sort_keys=False))
+    dump = changed_settings(config) if args.changed else config.model_dump(mode="json")
+    try:
+        print(yaml.safe_dump(redacted(dump), sort_keys=False))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `qosserve config | head`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

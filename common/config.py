@@ -11,6 +11,7 @@ or a bad value fails at start-up with a :class:`ConfigError` naming it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -28,6 +30,7 @@ from pydantic import (
 from common.errors import ConfigError
 
 ENV_PREFIX = "QOS_"
+_SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 # Keys whose variables are taken as raw strings, never parsed (nor quoted in errors).
 SECRET_KEYS = frozenset({"password", "token", "alert_webhook_url"})
 Policy = Literal["static", "dynamic", "continuous", "hybrid"]
@@ -134,6 +137,18 @@ class NatsConfig(_Strict):
     # Unset: _INBOX_<service> (gateway, worker, scheduler), so deploy/nats/permissions.conf
     # can keep each service out of the others' replies, which carry prompts.
     inbox_prefix: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+
+    @field_validator("url")
+    @classmethod
+    def _nats_url(cls, value: str) -> str:
+        # Several servers comma-separated (a cluster's seeds, tried in turn); the value
+        # stays out of the message (a URL may carry a password).
+        urls = [url.strip() for url in value.split(",") if url.strip()]
+        if not urls or any(
+            not url.startswith(("nats://", "tls://", "ws://", "wss://")) for url in urls
+        ):
+            raise ValueError("must be nats://, tls://, ws:// or wss:// URLs, comma-separated")
+        return value
     subject_prefix: str = Field("qos", pattern=r"^[A-Za-z0-9_-]+$")
     stream: str = Field("QOS_REQ", pattern=r"^[A-Za-z0-9_-]+$")
     kv_bucket: str = Field("qos_state", pattern=r"^[A-Za-z0-9_-]+$")
@@ -165,6 +180,14 @@ class RedisConfig(_Strict):
     max_connections: int = Field(16, ge=1)
     ttl_s: int = Field(3600, ge=1)
     socket_timeout_s: float = Field(0.5, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        # The message leaves the value out: a URL may carry a password.
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
 
     @model_validator(mode="after")
     def _tls_needs_rediss(self) -> RedisConfig:
@@ -210,11 +233,23 @@ class GatewayConfig(_Strict):
     # (nobody will read their answers) from live ones; see worker.orphan_after_s.
     heartbeat_interval_s: float = Field(1.0, gt=0)
 
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _digests(cls, value: list[str]) -> list[str]:
+        # Checked here, not when the gateway starts: a key pasted in plain text stopped it
+        # with a traceback after the model had loaded.
+        if any(not _SHA256_HEX.match(d.strip()) for d in value):
+            raise ValueError(
+                "each entry must be the SHA-256 hex digest of a key (64 hex digits), not the "
+                "key: python -c \"import hashlib; print(hashlib.sha256(b'KEY').hexdigest())\""
+            )
+        return value
+
 
 class WorkerConfig(_Strict):
     model: str = "demo"
-    device: str = "auto"
-    dtype: str = "auto"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    dtype: Literal["auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16"] = "auto"
     # KV cache size. None = sized for the device: 0.5 GiB on a CPU; on a GPU what is left of
     # this worker's share of the GPU (gpu_memory_utilization) once a profile forward has
     # measured the weights and activations, as vLLM does.
@@ -313,6 +348,13 @@ class Config(_Strict):
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    # Loaded with groups_replace_defaults (the file's or the environment's): the groups are
+    # exactly those given, not the defaults plus them. Kept for `qosserve config --changed`.
+    _replaces_default_groups: bool = PrivateAttr(False)
+
+    @property
+    def replaces_default_groups(self) -> bool:
+        return self._replaces_default_groups
 
     @model_validator(mode="after")
     def _check_groups(self) -> Config:
@@ -346,6 +388,40 @@ class Config(_Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _check_timing(self) -> Config:
+        """Intervals that only work together: each service reads the others' beats."""
+        beat = self.worker.telemetry_interval_s
+        if self.scheduler.worker_silent_s <= 2 * beat:
+            raise ValueError(
+                f"scheduler.worker_silent_s ({self.scheduler.worker_silent_s:g}) must exceed "
+                f"twice worker.telemetry_interval_s ({beat:g}): workers would read as gone "
+                "between their reports"
+            )
+        orphan, gw_beat = self.worker.orphan_after_s, self.gateway.heartbeat_interval_s
+        if 0 < orphan < 3 * gw_beat:
+            raise ValueError(
+                f"worker.orphan_after_s ({orphan:g}) must be at least three "
+                f"gateway.heartbeat_interval_s ({gw_beat:g}), or 0: live gateways' requests "
+                "would be aborted as orphaned"
+            )
+        # A breaker judges samples younger than scheduler.window_s, and a group gets at most
+        # one a tick, and with one replica one a report.
+        most = self.scheduler.window_s / max(self.scheduler.tick_interval_s, beat)
+        for name, group in self.groups.items():
+            need = min(group.breaker.min_samples, group.breaker.window_samples)
+            if need > most:
+                raise ValueError(
+                    f"groups.{name}.breaker.min_samples ({need}) can never be reached: "
+                    f"scheduler.window_s ({self.scheduler.window_s:g} s) holds at most "
+                    f"{most:g} samples at one per max(scheduler.tick_interval_s, "
+                    "worker.telemetry_interval_s); the breaker could never open"
+                )
+        unknown = sorted(set(self.scheduler.min_replicas) - set(self.groups))
+        if unknown:
+            raise ValueError(f"scheduler.min_replicas names unknown groups {unknown}")
+        return self
+
     def groups_by_rank(self) -> list[tuple[str, GroupConfig]]:
         """Groups from the first choice (lowest rank) to the last."""
         return sorted(self.groups.items(), key=lambda item: (item[1].rank, item[0]))
@@ -372,12 +448,19 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
             raise ConfigError(f"environment variable {name}: empty key segment")
         if path[-1] in SECRET_KEYS:
             value: Any = raw  # as given: "#x", "null" or "p: [" are passwords too
+        elif _text_field(path):
+            # A text setting as given: YAML read QOS_NATS__USER=123 as a number, "no" as
+            # false, and refused it; null still unsets an optional one.
+            value = None if raw in ("null", "~") and _text_field(path) == "optional" else raw
         else:
             try:
                 value = yaml.safe_load(raw) if raw != "" else ""
             except yaml.YAMLError:
                 # Not the parser's message: it quotes the value, which may be a secret.
-                raise ConfigError(f"environment variable {name}: not a valid YAML value") from None
+                raise ConfigError(
+                    f"environment variable {name}: not a valid YAML value (quote a string "
+                    """as '\"...\"', write a list as '[a, b]')"""
+                ) from None
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -387,11 +470,28 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     return tree
 
 
+def _text_field(path: list[str], model: Any = None) -> str | None:
+    """ "text" or "optional" (``str | None``) when the config key at ``path`` holds a string;
+    None for anything else or a path that names no field (the model then says so)."""
+    model = Config if model is None else model
+    fields = getattr(model, "model_fields", None)
+    if not path or fields is None or path[0] not in fields:
+        return None
+    annotation = fields[path[0]].annotation
+    if len(path) == 1:
+        return "text" if annotation is str else "optional" if annotation == (str | None) else None
+    if model is Config and path[0] == "groups":  # groups.<name>.<field>
+        return _text_field(path[2:], GroupConfig)
+    return _text_field(path[1:], annotation)
+
+
 def _format_validation(exc: ValidationError, source: str) -> str:
     problems = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        problems.append(f"{where}: {err['msg']}")
+        where = ".".join(str(p) for p in err["loc"])
+        # Our own checks say what they mean; pydantic prefixes them "Value error, ".
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        problems.append(f"{where}: {msg}" if where else msg)
     return f"invalid configuration ({source}): " + "; ".join(problems)
 
 
@@ -410,7 +510,11 @@ def load_config(
         try:
             loaded = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {file}: not valid YAML ({exc})") from exc
+            # The problem and where, not the parser's snippet: that line may hold a secret.
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or "syntax error"
+            raise ConfigError(f"config file {file}: not valid YAML{where}: {problem}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {file}: the top level must be a mapping")
         data = loaded
@@ -420,15 +524,72 @@ def load_config(
         source += " + environment"
     # Groups named in the file or environment start from their defaults when they have them.
     defaults = {name: g.model_dump() for name, g in default_groups().items()}
+    for given in (data.get("groups"), overrides.get("groups")):
+        if given is not None and not isinstance(given, dict):
+            raise ConfigError(
+                f"invalid configuration ({source}): groups must be a mapping of group names "
+                "to their settings"
+            )
     groups_in = _deep_merge(data.get("groups") or {}, overrides.get("groups") or {})
     merged = _deep_merge(data, overrides)
     if "groups" in merged:
-        if not isinstance(groups_in, dict):
-            raise ConfigError(f"invalid configuration ({source}): groups must be a mapping")
-        base = defaults if not data.get("groups_replace_defaults") else {}
+        # The flag from the environment too (QOS_GROUPS_REPLACE_DEFAULTS=true).
+        base = defaults if not merged.get("groups_replace_defaults") else {}
         merged["groups"] = _deep_merge(base, groups_in)
-    merged.pop("groups_replace_defaults", None)
+    replaces = bool(merged.pop("groups_replace_defaults", None))
     try:
-        return Config.model_validate(merged)
+        config = Config.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc, source)) from None
+    config._replaces_default_groups = replaces
+    return config
+
+
+def with_settings(config: Config, source: str, **sections: dict[str, Any]) -> Config:
+    """``config`` with ``sections`` set (``worker={"device": "cpu"}``), checked as a file's
+    values are: a bad command-line flag is one line naming it, not a traceback."""
+    data = config.model_dump()
+    for section, values in sections.items():
+        if values:
+            data[section] = {**data[section], **values}
+    try:
+        updated = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, source)) from None
+    updated._replaces_default_groups = config.replaces_default_groups
+    return updated
+
+
+def changed_settings(config: Config) -> dict[str, Any]:
+    """What a file and the environment set, as a mapping that loads back into ``config``:
+    unset keys left out, and a default group only with the keys that differ from its
+    defaults (a file naming one of its keys had printed all three groups in full)."""
+    dump = config.model_dump(mode="json", exclude_unset=True)
+    if "groups" not in dump:
+        return dump
+    if config.replaces_default_groups:
+        return {"groups_replace_defaults": True, **dump}
+    defaults = {name: g.model_dump(mode="json") for name, g in default_groups().items()}
+    groups = {}
+    for name, group in config.groups.items():
+        full = group.model_dump(mode="json")
+        differs = full if name not in defaults else _differences(full, defaults[name])
+        if differs:
+            groups[name] = differs
+    if groups:
+        dump["groups"] = groups
+    else:
+        del dump["groups"]
+    return dump
+
+
+def _differences(value: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if isinstance(item, dict) and isinstance(base.get(key), dict):
+            nested = _differences(item, base[key])
+            if nested:
+                out[key] = nested
+        elif base.get(key) != item:
+            out[key] = item
+    return out

@@ -119,6 +119,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# The local stack's own nats-server and redis-server take no credentials and speak no TLS:
+# a deployment's settings for them (a file passed with --config) made every child fail.
+LOCAL_SERVERS_OPEN = {
+    **{f"QOS_NATS__{key}": "null" for key in ("USER", "CREDS_FILE", "NKEY_SEED_FILE",
+                                               "TLS_CA_FILE", "TLS_CERT_FILE", "TLS_KEY_FILE")},
+    "QOS_NATS__PASSWORD": "",  # secrets are taken as written: "" is unset
+    "QOS_NATS__TOKEN": "",
+    "QOS_NATS__TLS_HANDSHAKE_FIRST": "false",
+    "QOS_REDIS__USERNAME": "null",
+    "QOS_REDIS__PASSWORD": "",
+    "QOS_REDIS__TLS_CA_FILE": "null",
+}  # fmt: skip
+
+
 def _tcp_port(text: str) -> int:
     port = int(text)
     if not 0 <= port <= 65535:
@@ -265,6 +279,7 @@ def _run(args: argparse.Namespace) -> int:
     env.update(
         QOS_NATS__URL=nats.url,
         QOS_REDIS__URL=redis.url,
+        **LOCAL_SERVERS_OPEN,
         PYTHONUNBUFFERED="1",
         # Several torch processes share the cores: one thread each avoids oversubscription.
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
@@ -278,6 +293,12 @@ def _run(args: argparse.Namespace) -> int:
     env.update(gpu_share_env(config, device, sum(replicas.values())))
     if args.config:
         env["QOS_CONFIG"] = str(Path(args.config).resolve())
+    try:  # what every child will load: a bad combination is one line now, not N crashes
+        load_config(args.config, env)
+    except ConfigError:
+        redis.stop()
+        nats.stop()
+        raise
     py = sys.executable
     children: list[Child] = []
     if not args.no_scheduler:

@@ -77,21 +77,28 @@ class _TlsRequiredClient(Client):
         await super()._process_info(info, initial_connection)
 
 
+def nats_servers(cfg: NatsConfig) -> list[str]:
+    """``nats.url`` as a server list: several comma-separated URLs (a cluster's seeds) are
+    tried in turn, as nats-py does."""
+    return [url.strip() for url in cfg.url.split(",") if url.strip()]
+
+
 def must_see_tls_required(cfg: NatsConfig, tls: ssl.SSLContext | None) -> bool:
     """Whether the server's greeting must ask for TLS: the settings ask for it (a context,
     or tls://, for which nats-py builds a default one) and nothing encrypts before the
     greeting (handshake first). Not over websockets: nats-py never upgrades a ws:// link,
     and a wss:// one is TLS already while its INFO speaks for the main listener."""
-    if cfg.tls_handshake_first or cfg.url.startswith(("ws://", "wss://")):
+    first = nats_servers(cfg)[0]
+    if cfg.tls_handshake_first or first.startswith(("ws://", "wss://")):
         return False
-    return tls is not None or cfg.url.startswith("tls://")
+    return tls is not None or first.startswith("tls://")
 
 
 def _auth_options(cfg: NatsConfig) -> dict[str, Any]:
     options: dict[str, Any] = {}
-    if cfg.user is not None or cfg.password is not None:
+    if cfg.user or cfg.password:  # "" is unset: the local stack blanks them (launcher)
         options["user"], options["password"] = cfg.user, cfg.password
-    if cfg.token is not None:
+    if cfg.token:
         options["token"] = cfg.token
     if cfg.creds_file or cfg.nkey_seed_file:
         # nats-py signs the server nonce with the optional `nkeys` package.
@@ -135,7 +142,8 @@ async def connect(
     (default ``cfg.connect_timeout_s``); bad credentials or TLS end it at once.
     Raises :class:`ConnectionError` naming the server and the last error.
     """
-    url = redact_url(cfg.url)
+    servers = nats_servers(cfg)
+    url = ", ".join(redact_url(server) for server in servers)
     tls = _tls_context(cfg)
     nc = _TlsRequiredClient() if must_see_tls_required(cfg, tls) else Client()
     refused = asyncio.Event()
@@ -159,7 +167,7 @@ async def connect(
 
     connecting = asyncio.ensure_future(
         nc.connect(
-            servers=[cfg.url],
+            servers=servers,
             name=name,
             error_cb=on_error,
             disconnected_cb=on_disconnected,

@@ -11,7 +11,7 @@ import asyncio
 import sys
 
 from common import runtime
-from common.config import Config, load_config
+from common.config import Config, load_config, with_settings
 from common.errors import ConfigError
 from common.logging import add_log_flags, log_config_from, setup_logging
 from common.models import resolve_model, served_name
@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     """Load the config and tokenizer, then serve with uvicorn (uvloop + httptools)."""
     args = parse_args(argv)
     try:
-        config = load_config(args.config)
+        listen = {"host": args.host} if args.host else {}
+        if args.port is not None:
+            listen["port"] = args.port
+        config = with_settings(load_config(args.config), "flags", gateway=listen)
         config.log = log_config_from(config.log, args)
         if args.no_access_log:
             config.log.access_log = False
@@ -82,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     runtime.settle_heap()  # tokenizer, app and schemas stay; uvicorn brings uvloop
     server_config = uvicorn.Config(
         app,
-        host=args.host or config.gateway.host,
-        port=args.port if args.port is not None else config.gateway.port,
+        host=config.gateway.host,
+        port=config.gateway.port,
         loop="uvloop",
         http="httptools",
         log_level=config.log.level,

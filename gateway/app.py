@@ -118,7 +118,10 @@ def create_app(
     tracer = tracer_for(tracer_provider, "qosserve.gateway")
     served = config.gateway.served_model_name or model_name(model) or "default"
     aliases = [model] if model else []
-    view = WorkersView(config.groups, live_window_s=live_window_s)
+    # Three reports' worth at least: workers reporting every 5 s read as gone for 2 s of
+    # each 5 in a fixed 3 s window (503 "no worker" to requests meanwhile).
+    window = max(live_window_s, 3 * config.worker.telemetry_interval_s)
+    view = WorkersView(config.groups, live_window_s=window)
     state = GatewayState(
         config=config,
         keys=ApiKeys(

@@ -18,10 +18,9 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from common import runtime
-from common.config import Config, load_config
+from common.config import Config, load_config, with_settings
 from common.errors import ConfigError
 from common.lifecycle import run_until_signalled
 from common.logging import add_log_flags, log_config_from, setup_logging
@@ -39,15 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
-    update: dict[str, Any] = {}
-    if args.nats_url:
-        update["nats"] = config.nats.model_copy(update={"url": args.nats_url})
-    if args.metrics_port is not None:
-        update["scheduler"] = config.scheduler.model_copy(
-            update={"metrics_port": args.metrics_port}
-        )
-    # model_copy skips validation: re-validate so a bad flag fails like a bad file.
-    return Config.model_validate(config.model_copy(update=update).model_dump())
+    nats = {"url": args.nats_url} if args.nats_url else {}
+    scheduler = {} if args.metrics_port is None else {"metrics_port": args.metrics_port}
+    return with_settings(config, "flags", nats=nats, scheduler=scheduler)
 
 
 async def serve(config: Config, scheduler_id: str | None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,7 @@ def test_secrets_in_variables_are_taken_as_given_and_never_quoted_in_errors() ->
     assert config.nats.token == "null"
     with pytest.raises(ConfigError) as bad:
         load_config(None, env={"QOS_REDIS__URL": "hunter2: [x"})
-    assert "hunter2" not in str(bad.value) and "QOS_REDIS__URL" in str(bad.value)
+    assert "hunter2" not in str(bad.value) and "redis.url" in str(bad.value)
 
 
 def test_a_redis_ca_file_needs_a_tls_url() -> None:
@@ -120,3 +121,74 @@ def test_group_names_are_ascii_tokens():
     with pytest.raises(ValueError, match="ASCII"):
         Config(groups={"быстро": group})
     assert "fast-1_a" in Config(groups={"fast-1_a": group}).groups
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"QOS_WORKER__TELEMETRY_INTERVAL_S": "5"}, "worker_silent_s (3) must exceed twice"),
+        ({"QOS_WORKER__ORPHAN_AFTER_S": "2"}, "orphan_after_s (2) must be at least three"),
+        ({"QOS_GROUPS__SHORT__BREAKER__MIN_SAMPLES": "30",
+          "QOS_GROUPS__SHORT__BREAKER__WINDOW_SAMPLES": "40"}, "can never be reached"),
+        ({"QOS_SCHEDULER__MIN_REPLICAS": "{shrot: 2}"}, "unknown groups ['shrot']"),
+        ({"QOS_GATEWAY__API_KEY_SHA256": "[sk-plain-key]"}, "SHA-256 hex digest"),
+        ({"QOS_WORKER__DEVICE": "gpu"}, "worker.device"),
+        ({"QOS_WORKER__DTYPE": "fp8"}, "worker.dtype"),
+        ({"QOS_GROUPS": "[short]"}, "groups must be a mapping"),
+    ],
+)  # fmt: skip
+def test_settings_that_cannot_work_together_are_refused_with_one_line(
+    env: dict[str, str], says: str
+) -> None:
+    """Accepted before, each broke a running system: workers read as gone between reports,
+    live gateways' requests aborted as orphans, a breaker that could never open, a typo'd
+    group ignored, a plain-text key or a bad device failing only once a service started, a
+    list of groups a traceback."""
+    with pytest.raises(ConfigError, match=re.escape(says)) as info:
+        load_config(env=env)
+    assert "\n" not in info.value.message and "Value error" not in info.value.message
+    assert "sk-plain-key" not in info.value.message
+
+
+def test_text_settings_from_the_environment_are_taken_as_written() -> None:
+    """YAML read QOS_NATS__USER=123 as a number and "no" as false, and refused both."""
+    cfg = load_config(env={"QOS_NATS__USER": "123", "QOS_REDIS__USERNAME": "no",
+                           "QOS_WORKER__MODEL": "1.0", "QOS_GROUPS__SHORT__FALLBACK": "null"})  # fmt: skip
+    assert (cfg.nats.user, cfg.redis.username, cfg.worker.model) == ("123", "no", "1.0")
+    assert cfg.groups["short"].fallback is None  # null still unsets an optional one
+    with pytest.raises(ConfigError, match="quote a string"):
+        load_config(env={"QOS_GATEWAY__CORS_ALLOW_ORIGINS": "*"})
+
+
+def test_a_yaml_error_does_not_quote_the_line(tmp_path: Path) -> None:
+    file = tmp_path / "bad.yaml"
+    file.write_text('nats:\n  password: "s3cr3t-pa55\n  url: x\n')
+    with pytest.raises(ConfigError, match="not valid YAML at line") as info:
+        load_config(file, env={})
+    assert "s3cr3t" not in info.value.message
+
+
+def test_changed_settings_load_back_into_the_same_config(tmp_path: Path) -> None:
+    """--changed printed every group in full for one changed key, and dropped
+    groups_replace_defaults (set from the environment it did nothing at all)."""
+    import yaml
+
+    from common.config import changed_settings
+
+    one_key = load_config(env={"QOS_GROUPS__SHORT__MAX_BATCH": "8"})
+    assert changed_settings(one_key) == {"groups": {"short": {"max_batch": 8}}}
+    solo = {"QOS_GROUPS_REPLACE_DEFAULTS": "true", "QOS_GROUPS__SOLO__MAX_BATCH": "2",
+            "QOS_GROUPS__SOLO__MAX_SEQ_LEN": "512", "QOS_GROUPS__SOLO__SLO_TTFT_MS": "100",
+            "QOS_GROUPS__SOLO__SLO_E2E_P99_MS": "500"}  # fmt: skip
+    for cfg in (one_key, load_config(env=solo)):
+        file = tmp_path / "changed.yaml"
+        file.write_text(yaml.safe_dump(changed_settings(cfg)))
+        assert load_config(file, env={}) == cfg
+    assert list(load_config(env=solo).groups) == ["solo"]
+
+
+def test_a_bad_flag_value_is_a_config_error_naming_it() -> None:
+    from common.config import with_settings
+
+    with pytest.raises(ConfigError, match=r"\(flags\): scheduler.metrics_port"):
+        with_settings(load_config(env={}), "flags", scheduler={"metrics_port": 70000})

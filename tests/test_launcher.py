@@ -13,6 +13,7 @@ import pytest
 
 from common import launcher
 from common.config import load_config
+from common.errors import ConfigError
 
 
 def settings(tmp_path: Path, yaml_text: str, argv: list[str], env: dict[str, str] | None = None):
@@ -210,3 +211,31 @@ def test_a_taken_scheduler_metrics_port_is_one_line_naming_it() -> None:
         port = held.getsockname()[1]
         with pytest.raises(ConfigError, match=f"scheduler.metrics_port {port}"):
             SchedulerMetrics().serve(port)
+
+
+def test_a_deployment_config_s_tls_and_credentials_do_not_reach_the_local_servers(
+    tmp_path: Path,
+) -> None:
+    """`qosserve up --config prod.yaml` starts its own plain, open nats-server and
+    redis-server: the file's TLS and credentials made every child fail at start (a CA file
+    with the local redis:// URL is refused, TLS against a plain NATS never connects)."""
+    from common.config import load_config
+    from common.launcher import LOCAL_SERVERS_OPEN
+
+    prod = tmp_path / "prod.yaml"
+    prod.write_text(
+        "nats: {url: tls://nats:4222, user: qos-gateway, password: pw, tls_ca_file: /ca.pem,"
+        " tls_handshake_first: true, token: t}\n"
+        "redis: {url: 'rediss://r:6380/0', username: u, password: pw, tls_ca_file: /ca.pem}\n"
+    )
+    local = {"QOS_NATS__URL": "nats://127.0.0.1:4222", "QOS_REDIS__URL": "redis://127.0.0.1:6379/0"}
+    with pytest.raises(ConfigError, match="rediss://"):
+        load_config(prod, env=local)  # what the children loaded before
+    cfg = load_config(prod, env=local | LOCAL_SERVERS_OPEN)
+    assert (cfg.nats.user, cfg.nats.tls_ca_file, cfg.nats.tls_handshake_first) == (
+        None,
+        None,
+        False,
+    )
+    assert not cfg.nats.password and not cfg.nats.token
+    assert (cfg.redis.username, cfg.redis.tls_ca_file, cfg.redis.password) == (None, None, "")

@@ -27,10 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from common import runtime
-from common.config import Config, load_config
+from common.config import Config, load_config, with_settings
 from common.errors import ConfigError
 from common.lifecycle import run_until_signalled
 from common.logging import add_log_flags, log_config_from, setup_logging
@@ -78,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache storage (default worker.kv_cache_dtype)")  # fmt: skip
     p.add_argument("--policy", choices=("static", "dynamic", "continuous", "hybrid"),
                    help="batching policy (default: the group's)")  # fmt: skip
-    p.add_argument("--max-batch", type=int,
+    p.add_argument("--max-batch", type=_positive_int,
                    help="engine batch size (default: the largest group's; a group's own applies)")  # fmt: skip
-    p.add_argument("--max-seq-len", type=int,
+    p.add_argument("--max-seq-len", type=_positive_int,
                    help="context length (default: the longest group's, within the model's)")  # fmt: skip
     p.add_argument("--grace-s", type=float, default=30.0, help="drain grace period on SIGTERM")
     p.add_argument("--engine-stuck-s", type=float, default=60.0,
@@ -106,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: 0 read as "unset" here (the group's limit) and was taken silently."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
     worker: dict[str, Any] = {}
     for flag, key in (("model", "model"), ("device", "device"), ("dtype", "dtype"),
@@ -115,16 +121,8 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
                       ("metrics_port", "metrics_port")):  # fmt: skip
         if getattr(args, flag) is not None:
             worker[key] = getattr(args, flag)
-    update: dict[str, Any] = {"worker": config.worker.model_copy(update=worker)}
-    if args.nats_url:
-        update["nats"] = config.nats.model_copy(update={"url": args.nats_url})
-    merged = config.model_copy(update=update)
-    # model_copy skips validation: re-validate so a bad flag fails like a bad file.
-    try:
-        return Config.model_validate(merged.model_dump())
-    except ValidationError as exc:
-        where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"invalid flag value ({where})") from None
+    nats = {"url": args.nats_url} if args.nats_url else {}
+    return with_settings(config, "flags", worker=worker, nats=nats)
 
 
 def build_engine(config: Config, args: argparse.Namespace) -> Any:

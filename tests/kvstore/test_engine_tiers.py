@@ -402,6 +402,36 @@ def test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it(
     assert sum(len(hashes) for _, hashes, _ in tier.stores) == 32 * ((128 + 5) // 16)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_step_makes_the_host_wait_for_the_device() -> None:
+    """Asynchronous output's point: the host prepares a step while the device runs the one
+    before. Filters, min_tokens, greedy rows, write-through and host-tier offloads (the
+    prefix cache full, blocks evicted every step) together: torch reports any implicit
+    synchronisation (a blocking copy, nonzero, .item()) as an error here. Logprobs and
+    penalties still run synchronously, by design."""
+    with KVTiers(host_capacity_bytes=256 << 20) as tier:
+        eng = LLMEngine(
+            EngineArgs("dummy:llama-1b", device="cuda", dtype="bfloat16", block_size=16,
+                       num_kv_blocks=96, max_batch_size=8, async_output=True),
+            kv_tier=tier,
+        )  # fmt: skip
+        mixed = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=6),
+                 SamplingParams(temperature=0.7, min_p=0.05, min_tokens=4, max_tokens=6)]  # fmt: skip
+        for round_ in range(2):  # the first fills the cache, the second evicts it
+            for i in range(8):
+                eng.add_request(f"{round_}-{i}", prompt_token_ids=prompt(10 * round_ + i, 160),
+                                params=mixed[i % 3])  # fmt: skip
+            eng.step()  # compiles what is new; then every step must queue, not wait
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                while eng.has_unfinished():
+                    eng.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert tier.stats().host.store_blocks > 0  # offloads happened, asynchronously too
+
+
 def test_a_request_that_loads_from_the_tier_times_the_load_for_its_trace(
     tiny_llama: Path, redis_config: RedisConfig
 ) -> None:

@@ -32,6 +32,7 @@ from workers.engine.model_runner import GiB, ModelRunner, TokenFeed
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.request import PLACEHOLDER, Request
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +346,9 @@ class LLMEngine:
         if not rows:
             return
         live = [sampling[i] for i in rows]
-        out = self.sampler.sample(logits if len(rows) == len(sampling) else logits[rows], live)
+        if len(rows) < len(sampling):  # a device index: a list's blocking copy would wait
+            logits = logits.index_select(0, to_device(rows, logits.device, torch.long))
+        out = self.sampler.sample(logits, live)
         now = time.time()
         self.num_generation_tokens += len(live)
         for i, req in enumerate(live):
@@ -398,11 +401,14 @@ class LLMEngine:
                     self._drop_exports(export)
                     raise
             assert self.kv_tier is not None
-            self.kv_tier.store_async(export.hashes, export.rows.numpy())
+            if export.offload:
+                self.kv_tier.offload(export.hashes, export.rows.numpy())
+            else:
+                self.kv_tier.store_async(export.hashes, export.rows.numpy())
 
     def _drop_exports(self, *more: _Export) -> None:
         """Give up pending write-through (a failed step): counted with the tier's drops."""
-        lost = [*more, *self._exports]
+        lost = [e for e in (*more, *self._exports) if not e.offload]  # offloads: a cache
         self._exports.clear()
         if lost and self.kv_tier is not None:
             self.kv_tier.skipped(sum(len(e.hashes) for e in lost))
@@ -477,17 +483,20 @@ class LLMEngine:
         return TokenFeed(step.tokens, rows) if (rows >= 0).any() else None
 
     def _swap_kv(self, plan: BatchPlan) -> None:
-        """Before the step overwrites them, evicted named blocks go down to the host tier;
-        tier hits come in. Loads may be views of host-tier slots: offload goes last."""
+        """Before the step overwrites them, evicted named blocks are copied out, to go down
+        to the host tier once their bytes land (the copy used to make the host wait for the
+        step in flight: with the prefix cache full, nearly every step evicts); tier hits
+        come in. Loads may be views of host-tier slots: offload goes last."""
         assert self.kv_tier is not None
         evicted = self.pool.evictions or []
         try:
-            saved = self.runner.swap_blocks([b for b, _ in evicted], plan.kv_loads)
+            rows, copied = self.runner.swap_blocks([b for b, _ in evicted], plan.kv_loads)
         except BaseException:
             self._undo_loads(plan)
             raise
         if evicted:
-            self.kv_tier.offload([h for _, h in evicted], saved)
+            assert rows is not None
+            self._exports.append(_Export([h for _, h in evicted], rows, copied, offload=True))
             evicted.clear()
 
     def _undo_loads(self, plan: BatchPlan) -> None:
@@ -622,11 +631,13 @@ class _Inflight:
 
 @dataclass
 class _Export:
-    """Full blocks written through to the KV tier once their bytes are on the host."""
+    """Blocks handed to the KV tier once their bytes are on the host: full blocks written
+    through (``store_async``), or blocks the device cache evicted (``offload``)."""
 
     hashes: Sequence[bytes]
     rows: torch.Tensor  # uint8 [blocks, bytes per block] on the host (pinned on CUDA)
     copied: torch.cuda.Event | None  # recorded after the copy (CUDA); None: already there
+    offload: bool = False
 
 
 def _load_tokenizer(args: EngineArgs) -> Any | None:

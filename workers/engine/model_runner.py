@@ -95,8 +95,6 @@ class ModelRunner:
         self.max_batch_size = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_bufs: dict[str, torch.Tensor] = {}
-        self._pinned: torch.Tensor | None = None
-        self._copy_done: torch.cuda.Event | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -238,10 +236,14 @@ class ModelRunner:
 
     def swap_blocks(
         self, out_ids: Sequence[int], loads: Sequence[tuple[int, memoryview]]
-    ) -> np.ndarray:
-        """Copy ``out_ids`` out (see :meth:`export_blocks`), then the loads in: a block may
-        be both, evicted and then reused for a load."""
-        saved = self.export_blocks(out_ids) if out_ids else np.empty((0, 0), dtype=np.uint8)
+    ) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
+        """Copy ``out_ids`` out (as :meth:`export_blocks_async`: rows and their event, or
+        None without blocks), then the loads in. A block may be both, evicted and reused
+        for a load: the copies are queued in that order on one stream, so the export reads
+        it before the load overwrites it, and nothing here waits for the device."""
+        saved: tuple[torch.Tensor | None, torch.cuda.Event | None] = (None, None)
+        if out_ids:
+            saved = self.export_blocks_async(out_ids)
         if loads:
             self.import_blocks([b for b, _ in loads], [d for _, d in loads])
         return saved
@@ -267,7 +269,6 @@ class ModelRunner:
         """Size host buffers for the engine's limits; capture decode graphs if asked."""
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
-        self._pinned = None
         self._graphs.clear()
         if capture and self.is_cuda:
             self._capture_graphs()
@@ -278,18 +279,16 @@ class ModelRunner:
             return [torch.from_numpy(a.astype(np.int64, copy=False)) for a in arrays]
         sizes = [a.size for a in arrays]
         total = sum(sizes)
-        if self._pinned is None or self._pinned.numel() < total:
-            self._pinned = torch.empty(max(total, 1 << 16), dtype=torch.int64, pin_memory=True)
-        if self._copy_done is not None:
-            self._copy_done.synchronize()  # the previous copy must be out of the buffer
-        host = self._pinned.numpy()
+        # A fresh pinned buffer each step, from torch's caching host allocator, which reuses
+        # one only once the copy that read it has run: reusing our own made the host wait
+        # for the previous step's copy, and with it for the steps queued before.
+        pinned = torch.empty(total, dtype=torch.int64, pin_memory=True)
+        host = pinned.numpy()
         offset = 0
         for a, n in zip(arrays, sizes, strict=True):
             host[offset : offset + n] = a.reshape(-1)
             offset += n
-        dev = self._pinned[:total].to(self.device, non_blocking=True)
-        self._copy_done = torch.cuda.Event()
-        self._copy_done.record(torch.cuda.current_stream(self.device))
+        dev = pinned.to(self.device, non_blocking=True)
         out, offset = [], 0
         for a, n in zip(arrays, sizes, strict=True):
             out.append(dev[offset : offset + n].view(a.shape))

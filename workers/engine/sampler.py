@@ -132,9 +132,12 @@ def _hold_stops(
         col_ids += sorted(ids)
     if not row_ids:
         return logits
-    index = to_device([row_ids, col_ids], logits.device)
-    held = logits.clone()
-    held[index[0], index[1]] = float("-inf")
+    flat = to_device([r * vocab + c for r, c in zip(row_ids, col_ids, strict=True)],
+                     logits.device, torch.long)  # fmt: skip
+    held = logits.contiguous().clone()
+    # index_fill_ takes the value as a scalar argument; an indexed assignment copies it to
+    # the device as a tensor first, and that blocking copy waited for the step.
+    held.view(-1).index_fill_(0, flat, float("-inf"))
     return held
 
 
