@@ -148,6 +148,9 @@ class NatsConfig(_Strict):
             not url.startswith(("nats://", "tls://", "ws://", "wss://")) for url in urls
         ):
             raise ValueError("must be nats://, tls://, ws:// or wss:// URLs, comma-separated")
+        websocket = [url.startswith(("ws://", "wss://")) for url in urls]
+        if any(websocket) and not all(websocket):
+            raise ValueError("cannot mix websocket (ws://, wss://) and nats:// or tls:// URLs")
         return value
     subject_prefix: str = Field("qos", pattern=r"^[A-Za-z0-9_-]+$")
     stream: str = Field("QOS_REQ", pattern=r"^[A-Za-z0-9_-]+$")
@@ -451,7 +454,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         elif _text_field(path):
             # A text setting as given: YAML read QOS_NATS__USER=123 as a number, "no" as
             # false, and refused it; null still unsets an optional one.
-            value = None if raw in ("null", "~") and _text_field(path) == "optional" else raw
+            optional = _text_field(path) == "optional"
+            value = None if optional and raw.lower() in ("null", "~") else raw
         else:
             try:
                 value = yaml.safe_load(raw) if raw != "" else ""

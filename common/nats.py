@@ -88,10 +88,10 @@ def must_see_tls_required(cfg: NatsConfig, tls: ssl.SSLContext | None) -> bool:
     or tls://, for which nats-py builds a default one) and nothing encrypts before the
     greeting (handshake first). Not over websockets: nats-py never upgrades a ws:// link,
     and a wss:// one is TLS already while its INFO speaks for the main listener."""
-    first = nats_servers(cfg)[0]
-    if cfg.tls_handshake_first or first.startswith(("ws://", "wss://")):
-        return False
-    return tls is not None or first.startswith("tls://")
+    servers = nats_servers(cfg)
+    if cfg.tls_handshake_first or servers[0].startswith(("ws://", "wss://")):
+        return False  # (a list mixes no websocket URL with others: nats.url refuses it)
+    return tls is not None or any(url.startswith("tls://") for url in servers)
 
 
 def _auth_options(cfg: NatsConfig) -> dict[str, Any]:

@@ -104,7 +104,7 @@ def create_app(
     *,
     model: str | None = None,
     admission_wait_s: float = ADMISSION_WAIT_S,
-    live_window_s: float = LIVE_WINDOW_S,
+    live_window_s: float | None = None,
     registry: CollectorRegistry | None = None,
     tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
@@ -118,10 +118,11 @@ def create_app(
     tracer = tracer_for(tracer_provider, "qosserve.gateway")
     served = config.gateway.served_model_name or model_name(model) or "default"
     aliases = [model] if model else []
-    # Three reports' worth at least: workers reporting every 5 s read as gone for 2 s of
-    # each 5 in a fixed 3 s window (503 "no worker" to requests meanwhile).
-    window = max(live_window_s, 3 * config.worker.telemetry_interval_s)
-    view = WorkersView(config.groups, live_window_s=window)
+    if live_window_s is None:
+        # Three reports' worth at least: workers reporting every 5 s read as gone for 2 s of
+        # each 5 in a fixed 3 s window (503 "no worker" to requests meanwhile).
+        live_window_s = max(LIVE_WINDOW_S, 3 * config.worker.telemetry_interval_s)
+    view = WorkersView(config.groups, live_window_s=live_window_s)
     state = GatewayState(
         config=config,
         keys=ApiKeys(

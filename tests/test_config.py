@@ -135,6 +135,7 @@ def test_group_names_are_ascii_tokens():
         ({"QOS_WORKER__DEVICE": "gpu"}, "worker.device"),
         ({"QOS_WORKER__DTYPE": "fp8"}, "worker.dtype"),
         ({"QOS_GROUPS": "[short]"}, "groups must be a mapping"),
+        ({"QOS_NATS__URL": "ws://a:80,nats://b:4222"}, "cannot mix websocket"),
     ],
 )  # fmt: skip
 def test_settings_that_cannot_work_together_are_refused_with_one_line(
@@ -153,7 +154,7 @@ def test_settings_that_cannot_work_together_are_refused_with_one_line(
 def test_text_settings_from_the_environment_are_taken_as_written() -> None:
     """YAML read QOS_NATS__USER=123 as a number and "no" as false, and refused both."""
     cfg = load_config(env={"QOS_NATS__USER": "123", "QOS_REDIS__USERNAME": "no",
-                           "QOS_WORKER__MODEL": "1.0", "QOS_GROUPS__SHORT__FALLBACK": "null"})  # fmt: skip
+                           "QOS_WORKER__MODEL": "1.0", "QOS_GROUPS__SHORT__FALLBACK": "NULL"})  # fmt: skip
     assert (cfg.nats.user, cfg.redis.username, cfg.worker.model) == ("123", "no", "1.0")
     assert cfg.groups["short"].fallback is None  # null still unsets an optional one
     with pytest.raises(ConfigError, match="quote a string"):

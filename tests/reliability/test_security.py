@@ -270,6 +270,8 @@ async def test_nats_settings_that_ask_for_tls_refuse_a_server_that_offers_none(
     assert qnats.must_see_tls_required(NatsConfig(url="tls://h:4222"), None)
     assert qnats.must_see_tls_required(NatsConfig(url="nats://h:4222"), context)
     assert not qnats.must_see_tls_required(NatsConfig(url="nats://h:4222"), None)
+    # Any tls:// seed asks for TLS: a plain first seed left the others unguarded.
+    assert qnats.must_see_tls_required(NatsConfig(url="nats://a:4222,tls://b:4222"), None)
     for first in (NatsConfig(url="nats://h:4222", tls_handshake_first=True),
                   NatsConfig(url="wss://h:443"), NatsConfig(url="ws://h:80")):  # fmt: skip
         assert not qnats.must_see_tls_required(first, context)
