@@ -171,3 +171,24 @@ def run_until_done(eng: LLMEngine) -> dict[str, list[int]]:
         for d in eng.step():
             out.setdefault(d.request_id, []).extend(d.token_ids)
     return out
+
+
+def test_logprobs_ride_along_with_the_deferred_tokens(path: Path) -> None:
+    """A request asking for logprobs made every step of its batch synchronous (read back at
+    once, four times): now its logprobs are copied with the tokens, and come back the same."""
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=5, logprobs=3, ignore_eos=True)
+    outs = {}
+    for async_output in (False, True):
+        eng = engine(path, async_output)
+        eng.add_request("r", prompt_token_ids=[4, 5, 6], params=params)
+        deltas = eng.step()
+        assert (eng._inflight is not None) == async_output  # deferred, logprobs and all
+        while eng.has_unfinished():
+            deltas += eng.step()
+        (outs[async_output],) = [d.output for d in deltas if d.output is not None]
+    sync, deferred = outs[False], outs[True]
+    assert deferred.token_ids == sync.token_ids
+    assert deferred.logprobs == pytest.approx(sync.logprobs, abs=1e-5)
+    assert [[t for t, _ in top] for top in deferred.top_logprobs or []] == [
+        [t for t, _ in top] for top in sync.top_logprobs or []
+    ]

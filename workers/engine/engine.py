@@ -307,8 +307,8 @@ class LLMEngine:
         only then are they read back, checked for stops and returned, so the host's work
         overlaps the device's. Deltas then arrive one step later, and a request that stops
         on a token (EOS, stop string) computes one extra position that is thrown away.
-        Steps whose requests need their tokens on the host (penalties, logprobs) run
-        synchronously.
+        Steps whose requests need their tokens on the host (penalties) run synchronously;
+        logprobs are copied back with the tokens.
 
         A step that raises keeps the deltas it had gathered (abort reports, tokens read
         back from the step before) for the next call: a request that goes on must not
@@ -419,20 +419,28 @@ class LLMEngine:
         return (
             self.async_output
             and bool(sampling)
-            and all(r.params.logprobs is None and not r.params.has_penalties for r in sampling)
+            # Penalties count the output tokens on the host, placeholders included: those
+            # steps run synchronously. Logprobs ride along with the tokens (_launch).
+            and not any(r.params.has_penalties for r in sampling)
         )
 
     def _launch(self, logits: torch.Tensor, sampling: list[Request]) -> _Inflight:
-        """Queue the sampling and the copy of its tokens to the host; nothing waits."""
-        tokens = self.sampler.choose(logits, sampling)
-        cuda = tokens.is_cuda
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
-        host.copy_(tokens, non_blocking=cuda)
+        """Queue the sampling and the copy of its tokens (and of their logprobs, when a
+        request asked) to the host; nothing waits. Logprobs used to make the whole batch's
+        step synchronous: read back at once, four times."""
+        cuda = logits.is_cuda
+        extras: list[torch.Tensor | None] = []
+        if any(r.params.logprobs is not None for r in sampling):
+            tokens, *extras = self.sampler.choose_with_logprobs(logits, sampling)
+        else:
+            tokens = self.sampler.choose(logits, sampling)
+        host = _to_host(tokens, cuda)
+        on_host = [_to_host(t, cuda) if t is not None else None for t in extras]
         ready = None
         if cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tokens.device))
-        return _Inflight(sampling, tokens, host, ready)
+        return _Inflight(sampling, tokens, host, ready, *on_host)
 
     def _defer(self, step: _Inflight) -> None:
         """Give each request a placeholder for its token (one whose placeholder is its last
@@ -455,6 +463,9 @@ class LLMEngine:
         if step.ready is not None:
             step.ready.synchronize()
         tokens = step.host.tolist()
+        chosen = step.logprobs.tolist() if step.logprobs is not None else None
+        top_values = step.top_values.tolist() if step.top_values is not None else None
+        top_ids = step.top_ids.tolist() if step.top_ids is not None else None
         now = time.time()
         landed = []
         for row, req in enumerate(step.requests):
@@ -462,13 +473,20 @@ class LLMEngine:
                 continue
             req.pending_row = -1
             req.token_ids[-1] = req.output_token_ids[-1] = tokens[row]
-            landed.append(req)
+            landed.append((row, req))
         failed: BaseException | None = None
-        for req in landed:
+        for row, req in landed:
             self.num_generation_tokens += 1
+            logprob: float | None = None
+            top: list[tuple[int, float]] | None = None
+            if chosen is not None and req.params.logprobs is not None:
+                k = req.params.logprobs
+                logprob = chosen[row]
+                if top_ids is not None and top_values is not None:
+                    top = list(zip(top_ids[row][:k], top_values[row][:k], strict=True))
             try:
                 token = req.output_token_ids[-1]
-                deltas.append(self._accept(req, token, None, None, now, appended=True))
+                deltas.append(self._accept(req, token, logprob, top, now, appended=True))
             except Exception as exc:  # the others' tokens still count; raised once all are in
                 failed = failed or exc
         if failed is not None:
@@ -626,7 +644,19 @@ class _Inflight:
     requests: list[Request]  # row i sampled for requests[i]
     tokens: torch.Tensor  # [rows] on the device
     host: torch.Tensor  # [rows], pinned on CUDA: the copy's target
-    ready: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    ready: torch.cuda.Event | None  # recorded after the copies (CUDA)
+    # When a request asked for logprobs, on the host as the tokens are: the chosen ids' raw
+    # logprobs [rows], the top k values and ids [rows, k] (None when no row asked for any).
+    logprobs: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+
+def _to_host(tensor: torch.Tensor, cuda: bool) -> torch.Tensor:
+    """A copy of ``tensor`` on the host, queued (pinned memory) on CUDA."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
+    host.copy_(tensor, non_blocking=cuda)
+    return host
 
 
 @dataclass

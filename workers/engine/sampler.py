@@ -82,6 +82,21 @@ class Sampler:
             return SampleOutput(token_ids=tokens.tolist())
         return _with_logprobs(tokens, raw_logprobs, params)
 
+    def choose_with_logprobs(
+        self, logits: torch.Tensor, batch: Sequence[SamplerInput]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """:meth:`choose`, plus what :meth:`sample` reads back for logprobs, all left on the
+        device: (ids, the chosen ids' raw logprobs, the top ``k`` raw logprobs and their ids
+        for the largest ``k`` any row asked, or None when that is 0)."""
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        tokens = self.choose(logits, batch)
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        k_max = max((r.params.logprobs or 0) for r in batch)
+        if k_max == 0:
+            return tokens, chosen, None, None
+        top = raw.topk(k_max, dim=-1)
+        return tokens, chosen, top.values, top.indices
+
     def choose(self, logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
         """The chosen ids ``[B]`` as a device tensor: nothing waits for the device here, as
         long as no row has penalties (they read the request's output tokens). ``logits``
