@@ -152,6 +152,7 @@ class NatsConfig(_Strict):
         if any(websocket) and not all(websocket):
             raise ValueError("cannot mix websocket (ws://, wss://) and nats:// or tls:// URLs")
         return value
+
     subject_prefix: str = Field("qos", pattern=r"^[A-Za-z0-9_-]+$")
     stream: str = Field("QOS_REQ", pattern=r"^[A-Za-z0-9_-]+$")
     kv_bucket: str = Field("qos_state", pattern=r"^[A-Za-z0-9_-]+$")
