@@ -173,22 +173,37 @@ def run_until_done(eng: LLMEngine) -> dict[str, list[int]]:
     return out
 
 
-def test_logprobs_ride_along_with_the_deferred_tokens(path: Path) -> None:
-    """A request asking for logprobs made every step of its batch synchronous (read back at
-    once, four times): now its logprobs are copied with the tokens, and come back the same."""
-    params = SamplingParams(temperature=0.8, seed=5, max_tokens=5, logprobs=3, ignore_eos=True)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, seed=5, max_tokens=8, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, presence_penalty=2.0,
+                       frequency_penalty=2.0),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.8),
+    ],
+    ids=["logprobs", "presence-frequency", "repetition"],
+)  # fmt: skip
+def test_logprobs_and_penalties_ride_along_with_the_deferred_tokens(
+    path: Path, params: SamplingParams
+) -> None:
+    """One request asking for logprobs or penalties made every step of its batch
+    synchronous: now logprobs are copied back with the tokens, and penalties count the
+    token still on the device there. Same tokens and logprobs as the synchronous engine."""
     outs = {}
     for async_output in (False, True):
         eng = engine(path, async_output)
-        eng.add_request("r", prompt_token_ids=[4, 5, 6], params=params)
+        # Greedy repeats one token four times after this prompt: a penalty that misses the
+        # token still on the device lets it repeat.
+        eng.add_request("r", prompt_token_ids=[20, 21, 22, 23], params=params)
         deltas = eng.step()
-        assert (eng._inflight is not None) == async_output  # deferred, logprobs and all
+        assert (eng._inflight is not None) == async_output  # deferred, not synchronous
         while eng.has_unfinished():
             deltas += eng.step()
         (outs[async_output],) = [d.output for d in deltas if d.output is not None]
     sync, deferred = outs[False], outs[True]
     assert deferred.token_ids == sync.token_ids
-    assert deferred.logprobs == pytest.approx(sync.logprobs, abs=1e-5)
-    assert [[t for t, _ in top] for top in deferred.top_logprobs or []] == [
-        [t for t, _ in top] for top in sync.top_logprobs or []
-    ]
+    if params.logprobs is not None:
+        assert deferred.logprobs == pytest.approx(sync.logprobs, abs=1e-5)
+        assert [[t for t, _ in top] for top in deferred.top_logprobs or []] == [
+            [t for t, _ in top] for top in sync.top_logprobs or []
+        ]

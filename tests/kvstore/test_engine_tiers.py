@@ -408,8 +408,8 @@ def test_no_step_makes_the_host_wait_for_the_device() -> None:
     """Asynchronous output's point: the host prepares a step while the device runs the one
     before. Filters, min_tokens, greedy rows, write-through and host-tier offloads (the
     prefix cache full, blocks evicted every step) together: torch reports any implicit
-    synchronisation (a blocking copy, nonzero, .item()) as an error here. Penalties still
-    run synchronously, by design; logprobs ride along with the tokens."""
+    synchronisation (a blocking copy, nonzero, .item()) as an error here, logprobs and
+    penalties included."""
     with KVTiers(host_capacity_bytes=256 << 20) as tier:
         eng = LLMEngine(
             EngineArgs("dummy:llama-1b", device="cuda", dtype="bfloat16", block_size=16,
@@ -418,7 +418,7 @@ def test_no_step_makes_the_host_wait_for_the_device() -> None:
         )  # fmt: skip
         mixed = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=6),
                  SamplingParams(temperature=0.7, min_p=0.05, min_tokens=4, max_tokens=6,
-                                logprobs=2)]  # fmt: skip
+                                logprobs=2, presence_penalty=0.5, repetition_penalty=1.1)]  # fmt: skip
         for round_ in range(2):  # the first fills the cache, the second evicts it
             for i in range(8):
                 eng.add_request(f"{round_}-{i}", prompt_token_ids=prompt(10 * round_ + i, 160),

@@ -307,8 +307,8 @@ class LLMEngine:
         only then are they read back, checked for stops and returned, so the host's work
         overlaps the device's. Deltas then arrive one step later, and a request that stops
         on a token (EOS, stop string) computes one extra position that is thrown away.
-        Steps whose requests need their tokens on the host (penalties) run synchronously;
-        logprobs are copied back with the tokens.
+        Every sampling step is deferred: logprobs are copied back with the tokens, and
+        penalties count a request's token still on the device there.
 
         A step that raises keeps the deltas it had gathered (abort reports, tokens read
         back from the step before) for the next call: a request that goes on must not
@@ -416,24 +416,19 @@ class LLMEngine:
     # --- asynchronous output -------------------------------------------------------------
 
     def _can_defer(self, sampling: list[Request]) -> bool:
-        return (
-            self.async_output
-            and bool(sampling)
-            # Penalties count the output tokens on the host, placeholders included: those
-            # steps run synchronously. Logprobs ride along with the tokens (_launch).
-            and not any(r.params.has_penalties for r in sampling)
-        )
+        return self.async_output and bool(sampling)
 
     def _launch(self, logits: torch.Tensor, sampling: list[Request]) -> _Inflight:
         """Queue the sampling and the copy of its tokens (and of their logprobs, when a
         request asked) to the host; nothing waits. Logprobs used to make the whole batch's
         step synchronous: read back at once, four times."""
         cuda = logits.is_cuda
+        pending = self._pending_tokens(sampling)
         extras: list[torch.Tensor | None] = []
         if any(r.params.logprobs is not None for r in sampling):
-            tokens, *extras = self.sampler.choose_with_logprobs(logits, sampling)
+            tokens, *extras = self.sampler.choose_with_logprobs(logits, sampling, pending)
         else:
-            tokens = self.sampler.choose(logits, sampling)
+            tokens = self.sampler.choose(logits, sampling, pending)
         host = _to_host(tokens, cuda)
         on_host = [_to_host(t, cuda) if t is not None else None for t in extras]
         ready = None
@@ -441,6 +436,20 @@ class LLMEngine:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tokens.device))
         return _Inflight(sampling, tokens, host, ready, *on_host)
+
+    def _pending_tokens(self, sampling: list[Request]) -> torch.Tensor | None:
+        """Per row, the request's last token while it is still on the device (the step in
+        flight's; -1 for none), for penalties, which count output tokens: their host list
+        holds a placeholder for it. Penalties used to make every step of their batch
+        synchronous."""
+        step = self._inflight
+        if step is None or not any(r.params.has_penalties for r in sampling):
+            return None
+        rows = [r.pending_row for r in sampling]
+        if all(row < 0 for row in rows):
+            return None
+        index = to_device(rows, step.tokens.device, torch.long)
+        return torch.where(index >= 0, step.tokens[index.clamp(min=0)], -1)
 
     def _defer(self, step: _Inflight) -> None:
         """Give each request a placeholder for its token (one whose placeholder is its last

@@ -83,13 +83,16 @@ class Sampler:
         return _with_logprobs(tokens, raw_logprobs, params)
 
     def choose_with_logprobs(
-        self, logits: torch.Tensor, batch: Sequence[SamplerInput]
+        self,
+        logits: torch.Tensor,
+        batch: Sequence[SamplerInput],
+        pending: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """:meth:`choose`, plus what :meth:`sample` reads back for logprobs, all left on the
         device: (ids, the chosen ids' raw logprobs, the top ``k`` raw logprobs and their ids
         for the largest ``k`` any row asked, or None when that is 0)."""
         raw = torch.log_softmax(logits.float(), dim=-1)
-        tokens = self.choose(logits, batch)
+        tokens = self.choose(logits, batch, pending)
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k_max = max((r.params.logprobs or 0) for r in batch)
         if k_max == 0:
@@ -97,7 +100,12 @@ class Sampler:
         top = raw.topk(k_max, dim=-1)
         return tokens, chosen, top.values, top.indices
 
-    def choose(self, logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
+    def choose(
+        self,
+        logits: torch.Tensor,
+        batch: Sequence[SamplerInput],
+        pending: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The chosen ids ``[B]`` as a device tensor: nothing waits for the device here, as
         long as no row has penalties (they read the request's output tokens). ``logits``
         may be half precision: the fused kernel widens as it reads, the rest widen first."""
@@ -110,7 +118,11 @@ class Sampler:
             logits = logits.float()
             rows = to_device(penalized, logits.device)
             # index_put (not in place): the caller's logits stay untouched.
-            penalties = apply_penalties(logits[rows], [batch[i] for i in penalized])
+            penalties = apply_penalties(
+                logits[rows],
+                [batch[i] for i in penalized],
+                None if pending is None else pending[rows],
+            )
             logits = logits.index_put((rows,), penalties)
 
         fused = logits.is_cuda if self.fused is None else self.fused
@@ -243,12 +255,16 @@ def philox_key(seed: int, draw: int) -> int:
     return _splitmix64(_seed_key(seed) ^ draw) & _MASK63
 
 
-def apply_penalties(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, batch: Sequence[SamplerInput], pending: torch.Tensor | None = None
+) -> torch.Tensor:
     """Penalized copy of ``logits`` ``[n, V]``.
 
     Repetition (HF): a logit of a token seen in prompt or output is divided by the penalty
     when positive, multiplied when negative. Presence/frequency (OpenAI), over output
-    tokens only: ``logit -= presence * (count > 0) + frequency * count``.
+    tokens only: ``logit -= presence * (count > 0) + frequency * count``. ``pending``
+    (``[n]`` on the device, -1 for none): each row's last output token while it is still
+    on the device, its place in the host's list a placeholder (asynchronous output).
     """
     vocab = logits.shape[1]
     device = logits.device
@@ -257,20 +273,24 @@ def apply_penalties(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torc
     if any(r.params.repetition_penalty != 1.0 for r in batch):
         factor = to_device([[r.params.repetition_penalty] for r in batch], device)
         prompt_and_output = [[*r.prompt_token_ids, *r.output_token_ids] for r in batch]
-        seen = _token_counts(prompt_and_output, vocab, device) > 0
+        seen = _token_counts(prompt_and_output, vocab, device, pending) > 0
         out = torch.where(seen, torch.where(out > 0, out / factor, out * factor), out)
     if any(r.params.presence_penalty != 0 or r.params.frequency_penalty != 0 for r in batch):
         presence = to_device([[r.params.presence_penalty] for r in batch], device)
         frequency = to_device([[r.params.frequency_penalty] for r in batch], device)
-        counts = _token_counts([_output_so_far(r) for r in batch], vocab, device)
+        counts = _token_counts([_output_so_far(r) for r in batch], vocab, device, pending)
         out = out - frequency * counts - presence * (counts > 0)
     return out
 
 
 def _token_counts(
-    token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device
+    token_lists: Sequence[Sequence[int]],
+    vocab: int,
+    device: torch.device,
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[n, V]`` float counts of each id per row (ids outside the vocabulary ignored)."""
+    """``[n, V]`` float counts of each id per row (ids outside the vocabulary ignored: the
+    placeholders of tokens still on the device among them), plus ``pending``'s."""
     width = max(1, max((len(t) for t in token_lists), default=0))
     # Padding points at an extra column that is dropped afterwards; ids are built on the
     # host (small) and counted on the device (the [n, V] part).
@@ -281,6 +301,9 @@ def _token_counts(
     ids = host_to_device(ids.masked_fill((ids < 0) | (ids > vocab), vocab), device)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+    if pending is not None:  # on the device already: counted there, nothing waits
+        extra = torch.where((pending >= 0) & (pending < vocab), pending, vocab).unsqueeze(1)
+        counts.scatter_add_(1, extra, torch.ones(extra.shape, device=device))
     return counts[:, :vocab]
 
 
