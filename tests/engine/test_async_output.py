@@ -207,3 +207,38 @@ def test_logprobs_and_penalties_ride_along_with_the_deferred_tokens(
         assert [[t for t, _ in top] for top in deferred.top_logprobs or []] == [
             [t for t, _ in top] for top in sync.top_logprobs or []
         ]
+
+
+def test_a_request_preempted_with_a_token_in_flight_gets_it_only_where_it_samples() -> None:
+    """A step that preempts a request whose token is still on the device, then fails: the
+    request waits with its placeholder, and re-admitted in prefill chunks, the in-flight
+    token was written over the last input token of a chunk that does not sample (wrong K/V,
+    never recomputed: silently wrong output)."""
+    eng = LLMEngine(EngineArgs("dummy:tiny", block_size=4, dtype="float32", max_batch_size=4,
+                               max_num_batched_tokens=8, async_output=True, device="cpu",
+                               num_kv_blocks=12, enable_prefix_caching=False))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(f"r{i}", prompt_token_ids=list(range(10 + i, 24 + i)), params=params)
+    execute, armed, fed_wrong = eng.runner.execute, [True], []
+
+    def checked(plan, feed=None):  # type: ignore[no-untyped-def]
+        if armed[0] and any(r.pending_row >= 0 for r in plan.preempted):
+            armed[0] = False
+            raise RuntimeError("injected: the step fails after preempting")
+        if feed is not None:
+            rows = zip(plan.seqs, feed.rows, strict=True)
+            fed_wrong.extend(s.request_id for s, row in rows if row >= 0 and not s.sample)
+        return execute(plan, feed)
+
+    eng.runner.execute = checked  # type: ignore[method-assign]
+    for _ in range(300):
+        if not eng.has_unfinished():
+            break
+        try:
+            eng.step()
+        except RuntimeError:
+            for r in list(eng.batcher.running):  # what the worker's bridge does
+                eng.abort(r.request_id)
+    assert not armed[0], "the scenario did not happen"
+    assert fed_wrong == [] and not eng.has_unfinished()

@@ -466,11 +466,12 @@ class LLMEngine:
         append their deltas to ``deltas``. Every placeholder is replaced before any token is
         accepted: an accept that raises (a tokenizer's decode) must not leave a -1 behind
         for a later step to embed, nor lose the deltas already made."""
-        step, self._inflight = self._inflight, None
+        step = self._inflight
         if step is None:
             return
         if step.ready is not None:
-            step.ready.synchronize()
+            step.ready.synchronize()  # raising (a device error), the step stays in flight
+        self._inflight = None
         tokens = step.host.tolist()
         chosen = step.logprobs.tolist() if step.logprobs is not None else None
         top_values = step.top_values.tolist() if step.top_values is not None else None
@@ -506,7 +507,17 @@ class LLMEngine:
         step = self._inflight
         if step is None:
             return None
-        rows = np.fromiter((r.pending_row for r in plan.requests), np.int64, len(plan.requests))
+        # Only into a sequence that samples: a chunk that holds the placeholder ends on it
+        # and samples; one that does not (a request preempted with its token in flight by a
+        # step that then failed, re-admitted in chunks) had its real last token overwritten.
+        rows = np.fromiter(
+            (
+                r.pending_row if s.sample else -1
+                for s, r in zip(plan.seqs, plan.requests, strict=True)
+            ),
+            np.int64,
+            len(plan.requests),
+        )
         return TokenFeed(step.tokens, rows) if (rows >= 0).any() else None
 
     def _swap_kv(self, plan: BatchPlan) -> None:

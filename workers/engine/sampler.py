@@ -106,9 +106,10 @@ class Sampler:
         batch: Sequence[SamplerInput],
         pending: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The chosen ids ``[B]`` as a device tensor: nothing waits for the device here, as
-        long as no row has penalties (they read the request's output tokens). ``logits``
-        may be half precision: the fused kernel widens as it reads, the rest widen first."""
+        """The chosen ids ``[B]`` as a device tensor: nothing waits for the device here.
+        ``pending`` (see :func:`apply_penalties`): tokens still on the device that the rows'
+        penalties count. ``logits`` may be half precision: the fused kernel widens as it
+        reads, the rest widen first."""
         params = [r.params for r in batch]
         early = [i for i, r in enumerate(batch) if len(r.output_token_ids) < r.params.min_tokens]
         if early:
