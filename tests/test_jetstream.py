@@ -312,15 +312,17 @@ async def test_each_service_gets_replies_on_its_own_inbox_unless_one_is_configur
 
 async def test_several_servers_in_nats_url_are_tried_in_turn(nats_config: NatsConfig):
     """A cluster's seeds, comma-separated: one down, the next answers."""
-    from common.services import free_port
+    import socket
 
-    seeds = f"nats://127.0.0.1:{free_port()}, {nats_config.url}"
-    nc = await qnats.connect(nats_config.model_copy(update={"url": seeds}), "seeds")
-    try:
-        await qnats.barrier(nc)
-        assert nc.is_connected
-    finally:
-        await nc.close()
+    with socket.socket() as dead:  # bound, never listening: connections are refused
+        dead.bind(("127.0.0.1", 0))
+        seeds = f"nats://127.0.0.1:{dead.getsockname()[1]}, {nats_config.url}"
+        nc = await qnats.connect(nats_config.model_copy(update={"url": seeds}), "seeds")
+        try:
+            await qnats.barrier(nc)
+            assert nc.is_connected
+        finally:
+            await nc.close()
 
 
 def test_redact_url_hides_passwords_and_tokens():

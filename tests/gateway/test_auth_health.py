@@ -121,11 +121,14 @@ async def test_health_is_503_naming_a_loop_the_gateway_needs_that_died(
     ]
 
 
-async def test_a_stop_waits_for_queued_aborts_a_bounded_time(nats_config: NatsConfig):
+async def test_a_stop_waits_for_queued_aborts_a_bounded_time(
+    nats_config: NatsConfig, monkeypatch: pytest.MonkeyPatch
+):
     """A stalled link still reads as connected: the wait for queued aborts had no deadline,
     and nothing bounds uvicorn's lifespan shutdown (SIGTERM hung until SIGKILL)."""
-    from gateway.streams import ABORT_FLUSH_S
+    import gateway.streams
 
+    monkeypatch.setattr(gateway.streams, "ABORT_FLUSH_S", 0.3)
     async with serve(gateway_config(nats_config)) as gw:
         dispatcher = gw.app.state.gateway.dispatch.dispatcher
 
@@ -139,7 +142,7 @@ async def test_a_stop_waits_for_queued_aborts_a_bounded_time(nats_config: NatsCo
         await asyncio.sleep(0.05)
         t0 = time.monotonic()
         await dispatcher.stop()
-        assert time.monotonic() - t0 < ABORT_FLUSH_S + 1.0
+        assert time.monotonic() - t0 < 5.0  # the publish it waits on never ends
 
 
 async def test_a_request_failing_before_it_is_sent_leaves_no_stream_registered(

@@ -392,8 +392,11 @@ def test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it(
                    async_output=True),
         kv_tier=tier,  # type: ignore[arg-type]
     )  # fmt: skip
-    for i in range(32):  # a 4,096-token prefill: milliseconds of device work
+    for i in range(32):  # a 4,096-token prefill
         eng.add_request(str(i), prompt_token_ids=prompt(i, 128), params=params[i % len(params)])
+    # A second of device work queued first: a host that is slow to queue the step cannot
+    # see it done already, and any wait inside step() would wait this out too.
+    torch.cuda._sleep(int(2e9))
     eng.step()
     assert not torch.cuda.current_stream().query()  # still running: nobody waited
     assert tier.stores == []

@@ -83,6 +83,7 @@ async def test_a_worker_whose_loop_dies_hands_its_requests_back_and_exits_1(
     )
     try:
         await asyncio.to_thread(engine.hung.wait, 5)
+        assert engine.hung.is_set()  # it holds the request: the hand-back is what is tested
 
         def bug() -> None:
             raise RuntimeError("a bug in the telemetry loop")
