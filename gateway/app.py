@@ -60,6 +60,7 @@ from gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from gateway.responses import Kind
 from gateway.server import DispatcherRef
 from gateway.streams import Dispatcher
+from gateway.tokenize_api import detokenize, tokenize
 from gateway.workers_view import LIVE_WINDOW_S, WorkersView
 
 log = logging.getLogger(__name__)
@@ -283,6 +284,22 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
             "owned_by": "qosserve",
             "max_model_len": longest,
         }
+
+    def generator_for(request: Request) -> Generator:
+        state.keys.check(request.headers.get("authorization"))
+        if state.generator is None:
+            raise ServiceUnavailableError("the gateway is not ready yet", retry_after_s=1)
+        return state.generator
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        return await tokenize(generator_for(request), request)
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        return await detokenize(generator_for(request), request)
 
     @app.get("/v1/models")
     @app.get("/v1/{group}/models")  # a client whose base_url names a group lists models too

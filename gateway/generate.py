@@ -118,6 +118,7 @@ class Generator:
         self._tok = tokenizer
         self._model = served_model
         self._model_names = {served_model, *model_aliases}
+        self.tokenizer = tokenizer
         self._js = js
         self._dispatcher = dispatcher
         self._admission = admission
@@ -128,6 +129,18 @@ class Generator:
         self._check_vocab = not isinstance(tokenizer, ByteTokenizer)
         # Logprobs show each token's own bytes: decoding one piece of a character gives U+FFFD.
         self.token_bytes: Callable[[int], bytes] = lru_cache(maxsize=65536)(tokenizer.token_bytes)
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model name this gateway does not serve (None: the served one)."""
+        if model is not None and model not in self._model_names:
+            raise ModelNotFoundError(
+                f"The model '{model}' does not exist; this gateway serves '{self._model}'",
+                param="model",
+            )
+
+    def max_model_len(self) -> int:
+        """The longest sequence any group takes now (its workers may serve less)."""
+        return max(self._admission.seq_limit(group) for group in self._config.groups)
 
     # -- the whole request -----------------------------------------------------------------
 
@@ -142,20 +155,16 @@ class Generator:
         started = time.monotonic()
         group_label = "-"
         try:
-            raw = await self._read_body(request)
+            raw = await self.read_body(request)
             body: CompletionRequest | ChatCompletionRequest = (
                 parse_body(CompletionRequest, raw)
                 if kind == "completion"
                 else parse_body(ChatCompletionRequest, raw)
             )
             body.check_fields()
-            if body.model is not None and body.model not in self._model_names:
-                raise ModelNotFoundError(
-                    f"The model '{body.model}' does not exist; this gateway serves '{self._model}'",
-                    param="model",
-                )
+            self.check_model(body.model)
             logprobs = body.top_logprobs_count()
-            prompt_ids, prompt_param = await self._tokenize(
+            prompt_ids, prompt_param = await self.prompt_ids(
                 body, big=len(raw) > INLINE_TOKENIZE_CHARS
             )
             max_tokens = (
@@ -237,7 +246,7 @@ class Generator:
 
     # -- before NATS -----------------------------------------------------------------------
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
         limit = self._config.gateway.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -253,7 +262,7 @@ class Generator:
             raise ClientGone from None
         return b"".join(parts)
 
-    async def _tokenize(
+    async def prompt_ids(
         self, body: CompletionRequest | ChatCompletionRequest, *, big: bool = False
     ) -> tuple[list[int], str]:
         """Prompt token ids and the parameter to blame if they are too many. ``big``: the

@@ -313,7 +313,7 @@ class ChatCompletionRequest(_SamplingBody):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+Body = TypeVar("Body", bound=BaseModel)
 
 # OpenAI features this gateway does not serve: the values that ask for nothing, and what the
 # 400 for any other value says. vLLM serves some of these (tools with a parser, guided

@@ -7,6 +7,7 @@ import codecs
 import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -311,3 +312,37 @@ async def test_vllm_extensions_travel_to_the_worker(gateway: Served, nats_config
     assert (plain.min_tokens, plain.skip_special_tokens, plain.include_stop_str_in_output) == (
         None, None, None,
     )  # fmt: skip
+
+
+async def test_tokenize_counts_what_admission_will_see_and_detokenize_inverts_it(
+    gateway: Served, nats_config: NatsConfig
+):
+    """vLLM's /tokenize and /detokenize: a chat is rendered as /v1/chat/completions renders
+    it, so its count is the one the request is admitted with."""
+    tok = ByteTokenizer()
+    async with (
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gateway.url, timeout=10) as http,
+    ):
+        chat = await http.post("/tokenize", json={"model": MODEL, "messages": CHAT})
+        prompt = await http.post("/v1/tokenize", json={"prompt": "hi", "return_token_strs": True})
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+        back = await http.post("/detokenize", json={"tokens": [104, 105, tok.EOS]})
+        refused = [
+            await http.post("/tokenize", json={"model": MODEL}),
+            await http.post("/tokenize", json={"prompt": "a", "messages": CHAT}),
+            await http.post("/detokenize", json={"tokens": [10**9]}),
+        ]
+        unknown = await http.post("/tokenize", json={"model": "gpt-5", "prompt": "a"})
+    assert chat.status_code == prompt.status_code == back.status_code == 200
+    sent = list(worker.jobs[0].request.prompt_token_ids)
+    assert chat.json()["tokens"] == sent and chat.json()["count"] == len(sent)
+    assert chat.json()["max_model_len"] > 0
+    assert prompt.json() | {"max_model_len": 0} == {
+        "count": 3, "max_model_len": 0, "tokens": [tok.BOS, 104, 105],
+        "token_strs": ["<|bos|>", "h", "i"],
+    }  # fmt: skip
+    assert back.json() == {"prompt": "hi<|eos|>"}
+    assert [r.status_code for r in refused] == [400, 400, 400] and unknown.status_code == 404
+    assert refused[2].json()["error"]["param"] == "tokens"
