@@ -72,6 +72,18 @@ class HostTier:
         self._slots.move_to_end(block_hash)
         return memoryview(self._slab[slot])
 
+    def get_prefix(self, hashes: Sequence[bytes]) -> list[memoryview]:
+        """The bytes of the longest prefix of ``hashes`` held here, its head made the most
+        recently used: a prefix's first blocks must outlive its continuation, as in the
+        device cache (getting them one by one left the head the oldest of them, the next
+        to go, and the rest unreachable behind it)."""
+        n = self.prefix(hashes)
+        if n == 0 or self._slab is None:
+            return []
+        for h in reversed(hashes[:n]):
+            self._slots.move_to_end(h)
+        return [memoryview(self._slab[self._slots[h]]) for h in hashes[:n]]
+
     def put(self, block_hash: bytes, data: np.ndarray | bytes | memoryview) -> bool:
         """Copy one block in (evicting the least recently used one if full); False when the
         tier has no room at all or the data is not one block."""

@@ -214,11 +214,7 @@ class KVTiers:
         bt = self._block_tokens
         if self.host is not None:
             t0 = time.perf_counter()
-            for h in hashes:
-                view = self.host.get(h)
-                if view is None:
-                    break
-                out.append(view)
+            out = self.host.get_prefix(hashes)
             if out:
                 c = self.host_counters
                 c.loads += 1
@@ -236,10 +232,13 @@ class KVTiers:
         if not self.breaker.allow():
             return []
         step = self.batch_blocks
-        jobs = [
-            self._readers.submit(self._fetch, hashes[i : i + step])
-            for i in range(0, len(hashes), step)
-        ]
+        try:
+            jobs = [
+                self._readers.submit(self._fetch, hashes[i : i + step])
+                for i in range(0, len(hashes), step)
+            ]
+        except RuntimeError:  # closed meanwhile: a miss, as the methods promise
+            return []
         out: list[memoryview] = []
         failed = False
         for job in jobs:
@@ -321,7 +320,14 @@ class KVTiers:
         step = self.batch_blocks
         for i in range(0, n, step):
             part = data[i : min(i + step, n)]
-            self._writers.submit(self._store, list(hashes[i : min(i + step, n)]), part, part.nbytes)
+            try:
+                self._writers.submit(
+                    self._store, list(hashes[i : i + len(part)]), part, part.nbytes
+                )
+            except RuntimeError:  # closed meanwhile (an engine thread outliving its worker)
+                with self._lock:
+                    self._queued_bytes -= part.nbytes
+                    c.drops += len(part)
 
     def skipped(self, blocks: int) -> None:
         """Blocks the engine did not offer while stores were not accepted: drops too."""

@@ -246,6 +246,11 @@ class EngineBridge:
             events: list[BridgeEvent] = []
             while item is not None:
                 if item[0] == "stop":
+                    # Blocks copied off the device for the KV tiers reach them before the
+                    # tier closes (a stop takes no further step that would hand them over).
+                    flush = getattr(engine, "flush_exports", None)
+                    if flush is not None:
+                        flush()
                     self._snapshot(force=True)
                     return
                 self._handle(item, events)

@@ -480,3 +480,13 @@ def test_a_write_through_copy_that_fails_costs_the_blocks_not_the_step(tiny_llam
     eng.add_request("r", prompt_token_ids=prompt(42, 3 * BS), params=GREEDY)
     tokens = drain_all(eng)["r"]
     assert len(tokens) == GREEDY.max_tokens and tier.dropped >= 3 and tier.stores == []
+
+
+def test_flush_exports_hands_pending_copies_over_now(tiny_llama: Path) -> None:
+    tier = RecordingTier()
+    eng = engine(tiny_llama, tier, num_kv_blocks=32)  # type: ignore[arg-type]
+    eng.add_request("r", prompt_token_ids=prompt(43, 3 * BS), params=GREEDY)
+    eng.step()  # the prefill's 3 full blocks wait for the next step's hand-over
+    assert tier.stores == [] and len(eng._exports) == 1
+    eng.flush_exports()
+    assert [len(hashes) for _, hashes, _ in tier.stores] == [3] and eng._exports == []

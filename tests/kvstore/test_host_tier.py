@@ -41,3 +41,16 @@ def test_wrong_sized_data_and_a_zero_capacity_store_nothing() -> None:
     assert not HostTier(BLOCK, BLOCK, pin=False).put(name(0), np.zeros(BLOCK - 1, np.uint8))
     empty = HostTier(BLOCK - 1, BLOCK, pin=False)
     assert not empty.put(name(0), block(0)) and empty.get(name(0)) is None
+
+
+def test_a_prefix_read_keeps_its_head_the_most_recent() -> None:
+    """Blocks read one by one left the prefix's first block the oldest of them: the next
+    put evicted it, and the rest of the prefix sat unreachable behind it."""
+    tier = HostTier(4 * BLOCK, BLOCK, pin=False)
+    for i in reversed(range(4)):  # offloads arrive tail first, as the device cache evicts
+        tier.put(name(i), block(i))
+    views = tier.get_prefix([name(i) for i in range(4)])
+    assert [bytes(v) for v in views] == [bytes(block(i)) for i in range(4)]
+    tier.put(name(9), block(9))
+    assert tier.prefix([name(i) for i in range(4)]) == 3  # the tail went, not the head
+    assert tier.get_prefix([name(5)]) == []

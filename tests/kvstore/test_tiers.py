@@ -301,3 +301,28 @@ def test_the_engine_is_not_asked_for_blocks_the_tier_would_drop(redis_config: Re
         assert tiers.accepts_stores
         tiers.skipped(3)  # what the engine did not offer meanwhile counts as dropped
         assert tiers.stats().redis.drops == 3
+
+
+def test_a_host_tier_load_keeps_the_prefix_head_for_the_next_request() -> None:
+    """Loading a prefix left its first block the least recently used: the next offload
+    evicted it and the rest of the prefix became unreachable (lookups stop at the head)."""
+    with KVTiers(None, host_capacity_bytes=4 * LAYOUT.block_bytes, pin_host=False) as tiers:
+        tiers.bind("dummy:tiny", 0, LAYOUT)
+        data = blocks(5)
+        for i in reversed(range(4)):  # evicted tail first, as the device cache does
+            tiers.offload([HASHES[i]], data[i : i + 1])
+        assert len(tiers.load(HASHES[:4])) == 4
+        tiers.offload([HASHES[4]], data[4:5])
+        assert tiers.lookup(HASHES[:4]) == 3
+
+
+def test_a_closed_tier_answers_misses_and_counts_drops_without_raising(
+    redis_config: RedisConfig,
+) -> None:
+    """An engine thread that outlived its worker's stop called into a closed tier: the
+    thread pools raised RuntimeError, where every method promises a miss or a drop."""
+    tiers = make(redis_config)
+    tiers.close()
+    tiers.store_async(HASHES[:2], blocks(2))
+    assert tiers.load(HASHES[:2]) == []
+    assert tiers.stats().redis.drops == 2

@@ -151,3 +151,19 @@ async def test_a_step_failing_after_a_request_finished_does_not_fail_that_reques
     assert failed_once
     assert not any(isinstance(e, RequestFailed) for e in events), events
     assert events[-1].finish_reason == "length"
+
+
+async def test_a_stop_hands_the_engines_pending_kv_copies_over_before_the_tier_closes() -> None:
+    """Blocks copied off the device for the KV tiers are handed over at a later step; a
+    stop takes no further step, and they were lost (neither stored nor counted)."""
+
+    class Flushing(SimEngine):
+        flushed = 0
+
+        def flush_exports(self) -> None:
+            self.flushed += 1
+
+    engine = Flushing(cost=SimCost(0, 0, 0))
+    bridge, _ = started(engine)
+    await bridge.stop()
+    assert engine.flushed == 1

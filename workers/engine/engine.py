@@ -406,6 +406,15 @@ class LLMEngine:
             else:
                 self.kv_tier.store_async(export.hashes, export.rows.numpy())
 
+    def flush_exports(self) -> None:
+        """Hand every pending write-through and offload to the tier now, waiting for their
+        copies (a stopping worker: the engine takes no further step to do it)."""
+        try:
+            self._hand_over_exports(wait=True)
+        except Exception:
+            log.warning("pending KV copies lost at stop", exc_info=True)
+            self._drop_exports()
+
     def _drop_exports(self, *more: _Export) -> None:
         """Give up pending write-through (a failed step): counted with the tier's drops."""
         lost = [e for e in (*more, *self._exports) if not e.offload]  # offloads: a cache
@@ -531,6 +540,7 @@ class LLMEngine:
             rows, copied = self.runner.swap_blocks([b for b, _ in evicted], plan.kv_loads)
         except BaseException:
             self._undo_loads(plan)
+            evicted.clear()  # their copy may be half done: never offered under their names
             raise
         if evicted:
             assert rows is not None
