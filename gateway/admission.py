@@ -90,7 +90,8 @@ class Admission:
             try:  # a waiter holds a slot too: waiting is bounded by max_pending
                 self._take(group)
             except RateLimitError:
-                if any(self._view.is_live(c) for c in self._chains[group]):
+                usable = [c for c in self._chains[group] if allowed is None or c in allowed]
+                if any(self._view.is_live(c) and self._view.breaker(c) != "open" for c in usable):
                     raise  # full, and served: come back shortly
                 # Full of requests stuck since its workers went away: no worker is the news.
                 raise self._unavailable(group) from None
@@ -168,6 +169,7 @@ class Admission:
             # The request's own group too: a worker that came live while it waited may
             # serve less than the limit it was classified under (it would cut the answer).
             if need_tokens > self.seq_limit(candidate):
+                reason = reason or "too_long"
                 continue
             # Last: only a request the half-open group could serve spends one of its turns,
             # and not when the group is full (the probe would be a 429, not a probe).

@@ -16,7 +16,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +50,7 @@ from common.tokenizer import BaseTokenizer
 from common.trace_metrics import register_trace_metrics
 from common.tracing import tracer_for
 from gateway.admission import ADMISSION_WAIT_S, Admission
-from gateway.auth import ApiKeys
+from gateway.auth import ApiKeys, KeyGrant
 from gateway.classifier import GROUP_HEADER, explicit_group
 from gateway.generate import Generator
 from gateway.heartbeat import Heartbeat, new_gateway_id
@@ -271,11 +271,13 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         doc = _documented_group if "{group}" in path else _documented
         app.post(path, openapi_extra=body_doc(body), name=name)(doc)
 
-    def model_card(group: str | None) -> dict[str, Any]:
+    def model_card(group: str | None, allowed: Collection[str] | None = None) -> dict[str, Any]:
         if group is not None:
             explicit_group(state.config, group, None)  # 404 group_not_found when unknown
-        # What the groups take now: a group's workers may serve less than its config says.
+        # What the groups take now: a group's workers may serve less than its config says;
+        # of those the caller's key may use (a bound key saw the longest of all groups).
         names = [group] if group is not None else list(state.config.groups)
+        names = [n for n in names if allowed is None or n in allowed] or names
         longest = max(state.admission.seq_limit(name) for name in names)
         return {
             "id": state.served_model,
@@ -285,40 +287,42 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
             "max_model_len": longest,
         }
 
-    def generator_for(request: Request) -> Generator:
-        state.keys.check(request.headers.get("authorization"))
+    def generator_for(request: Request) -> tuple[Generator, KeyGrant]:
+        grant = state.keys.check(request.headers.get("authorization"))
         if state.generator is None:
             raise ServiceUnavailableError("the gateway is not ready yet", retry_after_s=1)
-        return state.generator
+        return state.generator, grant
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:
-        return await tokenize(generator_for(request), request)
+        generator, grant = generator_for(request)
+        return await tokenize(generator, request, grant.groups)
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize_route(request: Request) -> dict[str, Any]:
-        return await detokenize(generator_for(request), request)
+        generator, _ = generator_for(request)
+        return await detokenize(generator, request)
 
     @app.get("/v1/models")
     @app.get("/v1/{group}/models")  # a client whose base_url names a group lists models too
     @app.head("/v1/models", include_in_schema=False)  # uptime checkers probe with HEAD
     @app.head("/v1/{group}/models", include_in_schema=False)
     async def models(request: Request, group: str | None = None) -> dict[str, Any]:
-        state.keys.check(request.headers.get("authorization"))
-        return {"object": "list", "data": [model_card(group)]}
+        grant = state.keys.check(request.headers.get("authorization"))
+        return {"object": "list", "data": [model_card(group, grant.groups)]}
 
     @app.get("/v1/models/{model_id:path}")  # client.models.retrieve; ids may hold a "/"
     async def model(request: Request, model_id: str) -> dict[str, Any]:
-        state.keys.check(request.headers.get("authorization"))
+        grant = state.keys.check(request.headers.get("authorization"))
         if model_id not in (state.served_model, *state.aliases):
             raise ModelNotFoundError(
                 f"The model '{model_id}' does not exist; this gateway serves "
                 f"'{state.served_model}'",
                 param="model",
             )
-        return model_card(None)
+        return model_card(None, grant.groups)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -89,13 +89,15 @@ def classify(
     prompt_param: str = "prompt",
     seq_limit: Callable[[str], int] | None = None,
     allowed: Collection[str] | None = None,
+    min_tokens: int = 0,
 ) -> Classification:
     """Pick the group and settle ``max_tokens``; raise a 4xx :class:`QosError` if none fits.
     ``seq_limit(group)`` is a group's limit now (default: its configured ``max_seq_len``;
     the gateway passes what its live workers serve, when that is less). ``allowed``: the
-    groups the caller's API key may use (None: every group)."""
+    groups the caller's API key may use (None: every group). ``min_tokens``: a settled
+    ``max_tokens`` is never below it (the default was, and cut the answer silently)."""
     limit_of = seq_limit or (lambda name: config.groups[name].max_seq_len)
-    default = config.gateway.default_max_tokens
+    default = max(config.gateway.default_max_tokens, min_tokens)
     named = explicit_group(config, path_group, header_group)
     if named is not None and allowed is not None and named not in allowed:
         raise PermissionDeniedError(
@@ -106,7 +108,7 @@ def classify(
     if named is not None:
         limit = limit_of(named)
         settled = _settle(prompt_tokens, max_tokens, default, limit)
-        if settled is None:
+        if settled is None or settled < min_tokens:
             raise _too_long(prompt_tokens, max_tokens, limit, prompt_param, f"group {named!r}")
         return Classification(named, settled, "path" if path_group else "header")
 
@@ -122,11 +124,16 @@ def classify(
             return Classification(name, want, "length")
     if max_tokens is None:
         for name, limit in limits:
-            if prompt_tokens < limit:
+            if prompt_tokens + max(1, min_tokens) <= limit:
                 return Classification(name, limit - prompt_tokens, "length")
     largest = max(limit for _, limit in limits)
     where = "any instance group" if allowed is None else "any instance group this key may use"
     raise _too_long(prompt_tokens, max_tokens, largest, prompt_param, where)
+
+
+def settle_max_tokens(prompt: int, default: int, limit: int) -> int | None:
+    """What a request without ``max_tokens`` gets in a group of ``limit``."""
+    return _settle(prompt, None, default, limit)
 
 
 def _settle(prompt: int, max_tokens: int | None, default: int, limit: int) -> int | None:

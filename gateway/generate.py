@@ -16,8 +16,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from typing import Any
 
@@ -45,7 +45,7 @@ from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
 from gateway import tracing as traced
 from gateway.admission import Admission, Route
 from gateway.auth import OPEN_GRANT, KeyGrant
-from gateway.classifier import GROUP_HEADER, classify
+from gateway.classifier import GROUP_HEADER, classify, settle_max_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.responses import Kind, Shaper, merge, usage_dict
@@ -138,9 +138,11 @@ class Generator:
                 param="model",
             )
 
-    def max_model_len(self) -> int:
-        """The longest sequence any group takes now (its workers may serve less)."""
-        return max(self._admission.seq_limit(group) for group in self._config.groups)
+    def max_model_len(self, allowed: Collection[str] | None = None) -> int:
+        """The longest sequence any group takes now (its workers may serve less), of the
+        groups ``allowed`` (a key's; None: all)."""
+        groups = [g for g in self._config.groups if allowed is None or g in allowed]
+        return max(self._admission.seq_limit(group) for group in groups or self._config.groups)
 
     # -- the whole request -----------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class Generator:
                 prompt_param=prompt_param,
                 seq_limit=self._admission.seq_limit,
                 allowed=grant.groups,
+                min_tokens=body.min_tokens or 0,
             )
             group_label = classified.group
             deadline_ms = _deadline_ms(request, self._config.gateway.default_deadline_ms)
@@ -192,6 +195,16 @@ class Generator:
                 classified.group, len(prompt_ids) + classified.max_tokens, left_s, grant.groups
             )
             group_label = route.group
+            if route.group != classified.group and max_tokens is None:
+                # Settled for the group it asked for (realtime's 1,024 left a long prompt 24
+                # tokens); the group serving it may leave more.
+                wider = settle_max_tokens(
+                    len(prompt_ids),
+                    max(self._config.gateway.default_max_tokens, body.min_tokens or 0),
+                    self._admission.seq_limit(route.group),
+                )
+                if wider is not None and wider > classified.max_tokens:
+                    classified = replace(classified, max_tokens=wider)
         except QosError as exc:
             self._metrics.finished(group_label, exc.http_status)
             raise

@@ -7,6 +7,7 @@ rendered as ``/v1/chat/completions`` renders it, so the count is the one admissi
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -47,8 +48,11 @@ class DetokenizeRequest(_Strict):
     tokens: list[int] = Field(max_length=1 << 20)
 
 
-async def tokenize(generator: Generator, request: Request) -> dict[str, Any]:
-    """``{"count", "max_model_len", "tokens", "token_strs"}`` for the body's input."""
+async def tokenize(
+    generator: Generator, request: Request, allowed: Collection[str] | None = None
+) -> dict[str, Any]:
+    """``{"count", "max_model_len", "tokens", "token_strs"}`` for the body's input;
+    ``max_model_len`` over the groups ``allowed`` (the caller's key's)."""
     body = parse_body(TokenizeRequest, await generator.read_body(request))
     generator.check_model(body.model)
     if body.messages is not None:
@@ -70,7 +74,7 @@ async def tokenize(generator: Generator, request: Request) -> dict[str, Any]:
         strs = [generator.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
     return {
         "count": len(ids),
-        "max_model_len": generator.max_model_len(),
+        "max_model_len": generator.max_model_len(allowed),
         "tokens": ids,
         "token_strs": strs,
     }

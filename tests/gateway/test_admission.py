@@ -405,3 +405,32 @@ async def test_a_dead_group_full_of_stuck_requests_answers_503_not_429():
     view.on_telemetry(_report("long"))  # served, and full: come back shortly
     with pytest.raises(RateLimitError):
         await admission.admit("long", 10, 1.0)
+
+
+async def test_a_full_group_is_429_only_when_a_group_the_key_may_use_serves():
+    """Full short, its workers gone, long live: a key bound to short got 429 "at its limit"
+    (retry in 1 s) although nothing it may use serves; so did anyone when the live group's
+    breaker was open."""
+    config = Config()
+    view = WorkersView(config.groups)
+    admission = Admission(config, view, wait_s=0.05)
+    for _ in range(config.groups["short"].max_pending):
+        admission._take("short")
+    view.on_telemetry(_report("long"))
+    with pytest.raises(ServiceUnavailableError):
+        await admission.admit("short", 10, 1.0, allowed={"short"})
+    view.set_breaker("long", "open")
+    with pytest.raises(ServiceUnavailableError):
+        await admission.admit("short", 10, 1.0)
+
+
+def test_min_tokens_is_never_settled_below_itself():
+    """Without max_tokens a request got the default 256 and its min_tokens 1000 was cut to
+    it, silently."""
+    from gateway.classifier import classify
+
+    config = Config()
+    got = classify(config, prompt_tokens=10, max_tokens=None, min_tokens=1000)
+    assert got.max_tokens >= 1000 and got.group == "short"
+    with pytest.raises(ContextLengthExceededError):
+        classify(config, prompt_tokens=10, max_tokens=None, min_tokens=1020, path_group="realtime")

@@ -227,9 +227,20 @@ async def test_a_key_bound_to_a_group_gets_403_for_another_and_is_served_in_its_
                 model=MODEL, prompt="hi", max_tokens=3,
                 extra_headers={"X-QoS-Group": "realtime"},
             )  # fmt: skip
+        # The lengths it may send: short's, not long's (clients size prompts from this).
+        models = await client.models.list()
+        everyone = openai.AsyncOpenAI(base_url=gw.base_url, api_key=KEY, max_retries=0)
+        open_models = await everyone.models.list()
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            counted = await http.post(
+                "/tokenize", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {team}"}
+            )
     assert served.choices[0].text == "abc"
     assert refused.value.status_code == 403
     assert refused.value.body["code"] == "group_not_allowed"  # type: ignore[index]
+    short, longest = config.groups["short"].max_seq_len, config.groups["long"].max_seq_len
+    assert models.data[0].max_model_len == counted.json()["max_model_len"] == short  # type: ignore[attr-defined]
+    assert open_models.data[0].max_model_len == longest  # type: ignore[attr-defined]
 
 
 def test_api_key_groups_must_name_configured_keys_and_groups():

@@ -346,3 +346,23 @@ async def test_tokenize_counts_what_admission_will_see_and_detokenize_inverts_it
     assert back.json() == {"prompt": "hi<|eos|>"}
     assert [r.status_code for r in refused] == [400, 400, 400] and unknown.status_code == 404
     assert refused[2].json()["error"]["param"] == "tokens"
+
+
+async def test_a_fallback_group_settles_max_tokens_again_for_a_request_without_it(
+    gateway: Served, nats_config: NatsConfig
+):
+    """Asked for realtime (64 tokens here), a 60-token prompt without max_tokens was settled
+    to the 4 realtime leaves it, and kept 4 when realtime had no worker and short (256)
+    served it: an answer cut short for no reason."""
+    prompt = "a" * 59  # + BOS: 60 tokens
+    async with (
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gateway.url, timeout=10) as http,
+    ):
+        answer = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt},
+            headers={"X-QoS-Group": "realtime"},
+        )  # fmt: skip
+    assert answer.status_code == 200 and answer.headers["x-qos-fallback-from"] == "realtime"
+    default = gateway.config.gateway.default_max_tokens
+    assert worker.jobs[0].request.params.max_tokens == default  # not 64 - 60
