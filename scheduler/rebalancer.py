@@ -66,6 +66,7 @@ class GroupView:
     # The sequence length a replica moved here must hold: what the group's live replicas
     # serve now (its max_seq_len, or less); 0 = none serves it, any replica beats none.
     seq_need: int = 0
+    rank: int = 0  # the group's rank: lower is served first (realtime before short)
 
     @property
     def serving(self) -> int:
@@ -181,21 +182,31 @@ def _best_pair(
     desired: Mapping[str, int],
     cooldown: Mapping[str, float],
 ) -> tuple[str, str] | None:
-    destinations = [g for g in groups if g.backlog > 0 and desired[g.name] > g.serving]
-    if not destinations:
-        return None
-    dst = max(destinations, key=lambda g: (g.backlog / g.max_batch, g.name))
-    sources = [
-        g
-        for g in groups
-        if g.name != dst.name
-        and g.backlog == 0
-        and g.breaker == "closed"
-        and f"group:{g.name}" not in cooldown
-        and g.serving - 1 >= max(1, g.min_replicas, desired[g.name])
-        and _idle_worker(g, cooldown, dst.seq_need) is not None
-    ]
-    if not sources:
-        return None
-    src = max(sources, key=lambda g: (g.headroom, g.serving - desired[g.name], g.name))
-    return src.name, dst.name
+    # A group below its minimum (its last replica crashed: the gateway then sends its
+    # traffic to the fallback, so it shows no backlog) is refilled first; then groups by
+    # rank (realtime before short), then the most backlog per batch slot. Each in turn, so
+    # one no idle replica can hold (long's 131k tokens) does not block the next.
+    destinations = sorted(
+        (
+            g
+            for g in groups
+            if (g.backlog > 0 and desired[g.name] > g.serving) or g.serving < g.min_replicas
+        ),
+        key=lambda g: (g.serving >= g.min_replicas, g.rank, -g.backlog / g.max_batch, g.name),
+    )
+    for dst in destinations:
+        sources = [
+            g
+            for g in groups
+            if g.name != dst.name
+            and g.backlog == 0
+            and g.breaker == "closed"
+            and g.headroom > 0  # within its SLO: one over it keeps what it has
+            and f"group:{g.name}" not in cooldown
+            and g.serving - 1 >= max(1, g.min_replicas, desired[g.name])
+            and _idle_worker(g, cooldown, dst.seq_need) is not None
+        ]
+        if sources:
+            src = max(sources, key=lambda g: (g.headroom, g.serving - desired[g.name], g.name))
+            return src.name, dst.name
+    return None

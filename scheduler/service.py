@@ -461,6 +461,7 @@ class SchedulerService:
                     forecast=self.histories[group].forecast(epoch),
                     breaker=self.breakers[group].state,
                     seq_need=min([gc.max_seq_len, *serves]) if serves else 0,
+                    rank=gc.rank,
                 )
             )
         decision = decide(views, self.rebalancer_state, self.rebalance_settings, now)

@@ -161,3 +161,44 @@ def test_never_moves_a_groups_last_replica_even_with_a_minimum_of_zero():
         "short", replicas=idle("s1"), slo_ms=500, max_batch=16, min_replicas=0)
         for g in fleet()]  # fmt: skip
     assert run([views] * 10)[0] == []
+
+
+def test_a_group_left_below_its_minimum_is_refilled_backlog_or_not():
+    """realtime's only worker crashed: the gateway sends its traffic to the fallback, so it
+    shows no backlog, and it was never a destination: it stayed empty."""
+    views = [
+        GroupView("realtime", replicas=(), slo_ms=200, max_batch=1, min_replicas=1),
+        GroupView("short", replicas=idle("s1", "s2", "s3"), slo_ms=500, max_batch=16, rank=1),
+    ]  # fmt: skip
+    moves, _ = run([views] * 3)
+    assert [(m.src, m.dst) for m in moves] == [("short", "realtime")]
+
+
+def test_a_destination_no_replica_can_hold_does_not_block_the_next():
+    """long outranked short on backlog, no idle replica held long's sequences, and short,
+    backlogged too, never got one either."""
+    views = [
+        GroupView("short", replicas=busy("s1"), backlog=14, concurrency=20, slo_ms=500,
+                  max_batch=16, rank=1),
+        GroupView("long", replicas=busy("l1"), backlog=4, concurrency=6, slo_ms=60000,
+                  max_batch=2, rank=2, seq_need=131_072),
+        GroupView("realtime", replicas=tuple(ReplicaView(f"r{i}", capacity=4096) for i in range(3)),
+                  slo_ms=200, max_batch=1),
+    ]  # fmt: skip
+    moves, _ = run([views] * 3)
+    assert [(m.src, m.dst) for m in moves] == [("realtime", "short")]
+
+
+def test_groups_are_served_by_rank_and_a_group_over_its_slo_gives_nothing_up():
+    views = [
+        GroupView("realtime", replicas=busy("r1"), backlog=3, concurrency=4, slo_ms=200,
+                  max_batch=1),
+        GroupView("short", replicas=busy("s1"), backlog=64, concurrency=80, slo_ms=500,
+                  max_batch=16, rank=1),
+        GroupView("long", replicas=idle("l1", "l2"), slo_ms=60000, max_batch=2, rank=2),
+    ]  # fmt: skip
+    moves, _ = run([views] * 3)
+    assert [(m.src, m.dst) for m in moves] == [("long", "realtime")]  # 3/1 < 64/16, rank 0
+    views[2] = GroupView("long", replicas=idle("l1", "l2"), p99_ms=90_000, slo_ms=60000,
+                         max_batch=2, rank=2)  # fmt: skip
+    assert run([views] * 3)[0] == []  # over its SLO (its queue empty for a moment)
