@@ -182,17 +182,13 @@ def _best_pair(
     desired: Mapping[str, int],
     cooldown: Mapping[str, float],
 ) -> tuple[str, str] | None:
-    # A group below its minimum (its last replica crashed: the gateway then sends its
-    # traffic to the fallback, so it shows no backlog) is refilled first; then groups by
-    # rank (realtime before short), then the most backlog per batch slot. Each in turn, so
-    # one no idle replica can hold (long's 131k tokens) does not block the next.
+    # Groups by rank (realtime before short), then the most backlog per batch slot; each
+    # in turn, so one no idle replica can hold (long's 131k tokens) does not block the next.
+    # (A group left empty is not refilled without a backlog: one with no replica may be
+    # meant so, scaled to zero by KEDA, and its traffic goes to its fallback.)
     destinations = sorted(
-        (
-            g
-            for g in groups
-            if (g.backlog > 0 and desired[g.name] > g.serving) or g.serving < g.min_replicas
-        ),
-        key=lambda g: (g.serving >= g.min_replicas, g.rank, -g.backlog / g.max_batch, g.name),
+        (g for g in groups if g.backlog > 0 and desired[g.name] > g.serving),
+        key=lambda g: (g.rank, -g.backlog / g.max_batch, g.name),
     )
     for dst in destinations:
         sources = [

@@ -163,17 +163,6 @@ def test_never_moves_a_groups_last_replica_even_with_a_minimum_of_zero():
     assert run([views] * 10)[0] == []
 
 
-def test_a_group_left_below_its_minimum_is_refilled_backlog_or_not():
-    """realtime's only worker crashed: the gateway sends its traffic to the fallback, so it
-    shows no backlog, and it was never a destination: it stayed empty."""
-    views = [
-        GroupView("realtime", replicas=(), slo_ms=200, max_batch=1, min_replicas=1),
-        GroupView("short", replicas=idle("s1", "s2", "s3"), slo_ms=500, max_batch=16, rank=1),
-    ]  # fmt: skip
-    moves, _ = run([views] * 3)
-    assert [(m.src, m.dst) for m in moves] == [("short", "realtime")]
-
-
 def test_a_destination_no_replica_can_hold_does_not_block_the_next():
     """long outranked short on backlog, no idle replica held long's sequences, and short,
     backlogged too, never got one either."""
