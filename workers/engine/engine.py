@@ -32,7 +32,7 @@ from workers.engine.model_runner import GiB, ModelRunner, TokenFeed
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.request import PLACEHOLDER, Request
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.transfer import to_device
+from workers.engine.transfer import to_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -438,8 +438,8 @@ class LLMEngine:
             tokens, *extras = self.sampler.choose_with_logprobs(logits, sampling, pending)
         else:
             tokens = self.sampler.choose(logits, sampling, pending)
-        host = _to_host(tokens, cuda)
-        on_host = [_to_host(t, cuda) if t is not None else None for t in extras]
+        host = to_host(tokens)
+        on_host = [to_host(t) if t is not None else None for t in extras]
         ready = None
         if cuda:
             ready = torch.cuda.Event()
@@ -680,13 +680,6 @@ class _Inflight:
     logprobs: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
-
-
-def _to_host(tensor: torch.Tensor, cuda: bool) -> torch.Tensor:
-    """A copy of ``tensor`` on the host, queued (pinned memory) on CUDA."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
-    host.copy_(tensor, non_blocking=cuda)
-    return host
 
 
 @dataclass

@@ -24,7 +24,7 @@ from workers.engine.block_pool import KVCacheLayout
 from workers.engine.kernels.kv_quant import SCALE_DTYPE, is_quantized
 from workers.engine.loader import load_model
 from workers.engine.models.llama import KVCache, ModelConfig
-from workers.engine.transfer import host_to_device, to_device
+from workers.engine.transfer import host_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -214,10 +214,7 @@ class ModelRunner:
         )
         if not self.is_cuda:
             return rows, None
-        # Pinned (torch's caching host allocator: no cudaHostAlloc per step), so the copy
-        # runs without the host.
-        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
-        host.copy_(rows, non_blocking=True)
+        host = to_host(rows)  # pinned, from torch's caching host allocator: no wait
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(self.device))  # cuda:N's stream, not cuda:0's
         return host, copied
