@@ -143,7 +143,7 @@ class NatsConfig(_Strict):
     def _nats_url(cls, value: str) -> str:
         # Several servers comma-separated (a cluster's seeds, tried in turn); the value
         # stays out of the message (a URL may carry a password).
-        urls = [url.strip() for url in value.split(",") if url.strip()]
+        urls = _split_urls(value)
         if not urls or any(
             not url.startswith(("nats://", "tls://", "ws://", "wss://")) for url in urls
         ):
@@ -172,6 +172,15 @@ class NatsConfig(_Strict):
     # (nats-py's defaults, 120 s and 2, kept a gateway answering 200 for four minutes).
     ping_interval_s: float = Field(5.0, gt=0)
     max_outstanding_pings: int = Field(3, ge=1)
+
+    @property
+    def servers(self) -> list[str]:
+        """``url`` as a server list: a cluster's seeds, comma-separated, tried in turn."""
+        return _split_urls(self.url)
+
+
+def _split_urls(value: str) -> list[str]:
+    return [url.strip() for url in value.split(",") if url.strip()]
 
 
 class RedisConfig(_Strict):

@@ -77,18 +77,12 @@ class _TlsRequiredClient(Client):
         await super()._process_info(info, initial_connection)
 
 
-def nats_servers(cfg: NatsConfig) -> list[str]:
-    """``nats.url`` as a server list: several comma-separated URLs (a cluster's seeds) are
-    tried in turn, as nats-py does."""
-    return [url.strip() for url in cfg.url.split(",") if url.strip()]
-
-
 def must_see_tls_required(cfg: NatsConfig, tls: ssl.SSLContext | None) -> bool:
     """Whether the server's greeting must ask for TLS: the settings ask for it (a context,
     or tls://, for which nats-py builds a default one) and nothing encrypts before the
     greeting (handshake first). Not over websockets: nats-py never upgrades a ws:// link,
     and a wss:// one is TLS already while its INFO speaks for the main listener."""
-    servers = nats_servers(cfg)
+    servers = cfg.servers
     if cfg.tls_handshake_first or servers[0].startswith(("ws://", "wss://")):
         return False  # (a list mixes no websocket URL with others: nats.url refuses it)
     return tls is not None or any(url.startswith("tls://") for url in servers)
@@ -142,7 +136,7 @@ async def connect(
     (default ``cfg.connect_timeout_s``); bad credentials or TLS end it at once.
     Raises :class:`ConnectionError` naming the server and the last error.
     """
-    servers = nats_servers(cfg)
+    servers = cfg.servers
     url = ", ".join(redact_url(server) for server in servers)
     tls = _tls_context(cfg)
     nc = _TlsRequiredClient() if must_see_tls_required(cfg, tls) else Client()
