@@ -52,6 +52,7 @@ from common.errors import (
     ProtocolError,
     QosError,
     RequestGivenUpError,
+    error_from_code,
 )
 from common.protocol import (
     Chunk,
@@ -430,8 +431,7 @@ class WorkerService:
         except ProtocolError as exc:
             assert self.nc is not None
             await reject_undecodable(self.nc, msg, exc, self.worker_id, self.subjects)
-            self.telemetry.finished(0.0, error=True)
-            return
+            return  # the caller's mistake: nothing about this group's health
         if req.id in self._aborted:
             await settle(msg.ack)
             return
@@ -471,8 +471,7 @@ class WorkerService:
             with contextlib.suppress(Exception):
                 await self.nc.publish(self.subjects.out(req.id), chunk.to_bytes())
             await settle(msg.term)
-            self.telemetry.finished(0.0, error=True)
-            return
+            return  # the caller's mistake (see _complete)
         st = Flight(req, msg, attempt, start=_started_at(req, msg))
         self.observer.fetched(st, msg, self.group)
         if req.deadline_ms is not None and time.time() * 1000 >= req.deadline_ms:
@@ -666,7 +665,9 @@ class WorkerService:
         await self._publish(st, chunk)
         await settle(st.msg.ack)
         self._resync.finished(st)
-        if error or chunk.finish_reason != "abort":
+        if error and chunk.error is not None and _caller_error(chunk.error):
+            pass  # a bad parameter, a prompt too long: the breakers must not see an outage
+        elif error or chunk.finish_reason != "abort":
             # A request its caller cancelled (or whose gateway went silent) says nothing
             # about this group's latency or health: the breakers do not see it.
             self.telemetry.finished(time.time() - st.start, error=error)
@@ -1004,3 +1005,10 @@ def _log_failure(task: asyncio.Task[None]) -> None:
     """A control task's exception, logged as it ends (its result is never awaited)."""
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.error("%s failed", task.get_name(), exc_info=exc)
+
+
+def _caller_error(info: ErrorInfo) -> bool:
+    """An error the request itself caused (a 4xx: bad parameters, a prompt over the limit),
+    not the group: counted as the group's failures, a client sending bad requests opened
+    its breaker, and one invalid answer among half-open probes re-opened it."""
+    return error_from_code(info.code, info.message).http_status < 500

@@ -7,7 +7,10 @@ import time
 import types
 from typing import Any
 
+import pytest
+
 from common.client import QosClient
+from common.errors import QosError
 from common.protocol import Control, RequestParams
 from workers.engine import EngineArgs, LLMEngine
 from workers.engine.outputs import EngineStats
@@ -115,3 +118,23 @@ async def test_an_abort_after_the_deadline_is_a_deadline_error(
     assert _total(registry, "qos_request_errors_total", code="deadline_exceeded") == 1
     assert _total(registry, "qos_request_success_total") == 0
     assert (service.telemetry.requests_done, service.telemetry.errors) == (0, 1)
+
+
+async def test_a_request_s_own_mistake_is_not_counted_against_the_group(
+    start_worker: Any, client: QosClient
+) -> None:
+    """A client sending bad parameters (a NATS caller: the gateway refuses them first) or a
+    prompt over a worker's limit made the group's error rate, which opens its breaker, and
+    re-opened a half-open one on a single such answer among its probes."""
+    service = await start_worker(engine=SimEngine(max_batch_size=4, max_seq_len=64,
+                                                  cost=SimCost(0, 0, 0)))  # fmt: skip
+    bad = [RequestParams(max_tokens=4, top_p=5.0), RequestParams(max_tokens=4)]
+    prompts = [[1, 2, 3], list(range(1, 200))]  # a bad parameter, a prompt over 64 tokens
+    for params, prompt in zip(bad, prompts, strict=True):
+        with pytest.raises(QosError) as refused:
+            await client.collect(group="short", prompt_token_ids=prompt, params=params,
+                                 timeout_s=10)  # fmt: skip
+        assert refused.value.http_status == 400
+    await client.collect(group="short", prompt_token_ids=[1, 2], params=RequestParams(max_tokens=2))
+    await _drained(service)
+    assert (service.telemetry.requests_done, service.telemetry.errors) == (1, 0)
