@@ -141,6 +141,13 @@ class KVTiers:
         )
 
     @property
+    def store_room_blocks(self) -> int:
+        """Blocks the store queue can take now (0 while stores are not accepted)."""
+        if not self.accepts_stores or self.block_bytes <= 0:
+            return 0
+        return (self.store_queue_bytes - self._queued_bytes) // self.block_bytes
+
+    @property
     def accepts_offloads(self) -> bool:
         """Worth handing evicted device blocks to :meth:`offload`."""
         return self.host is not None and self.host.num_slots > 0

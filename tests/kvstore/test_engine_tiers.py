@@ -490,3 +490,60 @@ def test_flush_exports_hands_pending_copies_over_now(tiny_llama: Path) -> None:
     assert tier.stores == [] and len(eng._exports) == 1
     eng.flush_exports()
     assert [len(hashes) for _, hashes, _ in tier.stores] == [3] and eng._exports == []
+
+
+def test_blocks_are_offered_for_write_through_only_as_far_as_the_tier_has_room(
+    tiny_llama: Path,
+) -> None:
+    """The tier's room check said yes with room for one block, and a step's copies still on
+    their way were not counted: several steps' blocks were copied off the device only to be
+    dropped on arrival. Now each request's leading blocks up to the room are offered, the
+    rest counted as skipped."""
+    from workers.engine.engine import _Export
+
+    class Room(RecordingTier):
+        store_room_blocks = 2
+
+    tier = Room()
+    eng = engine(tiny_llama, tier, num_kv_blocks=32)  # type: ignore[arg-type]
+    p = prompt(44, 3 * BS)
+    eng.add_request("r", prompt_token_ids=p, params=GREEDY)
+    eng.step()  # the prefill fills 3 blocks: 2 offered, 1 skipped
+    eng.flush_exports()
+    assert [hashes for _, hashes, _ in tier.stores] == [hash_chain(p, BS)[:2]]
+    assert tier.dropped == 1
+
+    class InFlight:  # a copy that has not landed yet
+        def query(self) -> bool:
+            return False
+
+    eng._exports.append(_Export([b"x" * 16], torch.zeros(1, 1, dtype=torch.uint8), InFlight()))  # type: ignore[arg-type]
+    assert eng._store_budget() == 1  # the room less what is on its way
+    eng._exports.clear()
+
+
+def test_the_store_room_in_blocks_follows_the_queue_and_the_breaker(
+    fresh_redis_server: Callable[..., RedisServer],
+) -> None:
+    import os
+    import signal
+
+    server = fresh_redis_server()
+    assert server.pid is not None
+    breaker = CircuitBreaker(failures_to_open=1, open_s=30.0)
+    config = RedisConfig(url=server.url, socket_timeout_s=2.0)
+    with KVTiers(config, breaker=breaker) as tiers:
+        LLMEngine(EngineArgs("dummy:tiny", dtype="float32", block_size=BS, num_kv_blocks=8),
+                  kv_tier=tiers)  # binds the tier: its block size is known  # fmt: skip
+        row = tiers.block_bytes
+        tiers.store_queue_bytes = 3 * row
+        assert tiers.store_room_blocks == 3
+        os.kill(server.pid, signal.SIGSTOP)  # the write stays queued while Redis is silent
+        try:
+            tiers.store_async([b"a" * 16], np.zeros((1, row), dtype=np.uint8))
+            assert tiers.store_room_blocks == 2
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert tiers.flush() and tiers.store_room_blocks == 3
+        breaker.failure()
+        assert tiers.store_room_blocks == 0

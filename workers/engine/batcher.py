@@ -150,11 +150,15 @@ class Batcher:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def commit(self, plan: BatchPlan) -> None:
-        """After the step ran: its tokens are in the cache, and full blocks get names."""
+    def commit(self, plan: BatchPlan, store_budget: int | None = None) -> None:
+        """After the step ran: its tokens are in the cache, and full blocks get names.
+        ``store_budget``: at most this many blocks offered for write-through (the tier's
+        room less what is on its way to it), each request's leading ones first; the rest
+        are counted as skipped rather than copied off the device to be dropped."""
         tier = self.kv_tier
         write_through = tier is not None and self.pool.enable_prefix_caching
         stores = write_through and tier is not None and tier.accepts_stores
+        budget = store_budget
         skipped = 0
         bs = self.pool.block_size
         for seq, req in zip(plan.seqs, plan.requests, strict=True):
@@ -164,8 +168,15 @@ class Batcher:
             self.pool.cache_full_blocks(req, seq.start_pos)
             first, last = seq.start_pos // bs, req.num_computed_tokens // bs
             if stores and first < last:
-                hashes = self.pool.update_hashes(req)
-                plan.kv_stores += [(hashes[i], req.block_table[i]) for i in range(first, last)]
+                n = last - first if budget is None else min(last - first, budget)
+                if n:
+                    hashes = self.pool.update_hashes(req)
+                    plan.kv_stores += [
+                        (hashes[i], req.block_table[i]) for i in range(first, first + n)
+                    ]
+                if budget is not None:
+                    budget -= n
+                skipped += last - first - n
             elif write_through and first < last:
                 skipped += last - first
         if skipped and tier is not None:

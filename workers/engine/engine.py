@@ -361,7 +361,7 @@ class LLMEngine:
         # Exports that landed go to the tier first: the store queue's room, which the
         # batcher asks about next, then counts them.
         self._hand_over_exports(wait=False)
-        self.batcher.commit(plan)
+        self.batcher.commit(plan, self._store_budget())
         if plan.kv_stores and self.kv_tier is not None:
             hashes, ids = zip(*plan.kv_stores, strict=True)
             try:
@@ -405,6 +405,17 @@ class LLMEngine:
                 self.kv_tier.offload(export.hashes, export.rows.numpy())
             else:
                 self.kv_tier.store_async(export.hashes, export.rows.numpy())
+
+    def _store_budget(self) -> int | None:
+        """Blocks the tier's store queue can still take, less the write-through copies on
+        their way to it (None: the tier does not say). Those copies are not in its queue
+        yet, so its own room check let several steps' blocks be copied off the device, and
+        then dropped on arrival."""
+        room = getattr(self.kv_tier, "store_room_blocks", None)
+        if room is None:
+            return None
+        pending = sum(len(e.hashes) for e in self._exports if not e.offload)
+        return max(0, room - pending)
 
     def flush_exports(self) -> None:
         """Hand every pending write-through and offload to the tier now, waiting for their
