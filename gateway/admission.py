@@ -70,6 +70,15 @@ class Admission:
         """The longest request ``group`` takes now (see :meth:`WorkersView.seq_limit`)."""
         return self._view.seq_limit(group, self._groups[group].max_seq_len)
 
+    def max_model_len(
+        self, groups: Collection[str] | None = None, allowed: Collection[str] | None = None
+    ) -> int:
+        """The longest request any of ``groups`` (None: all) takes now, of those a key
+        ``allowed`` may use (all of them when it may use none)."""
+        names = list(self._groups) if groups is None else list(groups)
+        names = [n for n in names if allowed is None or n in allowed] or names
+        return max(self.seq_limit(name) for name in names)
+
     def in_flight(self, group: str) -> int:
         return self._in_flight.get(group, 0)
 

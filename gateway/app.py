@@ -276,9 +276,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
             explicit_group(state.config, group, None)  # 404 group_not_found when unknown
         # What the groups take now: a group's workers may serve less than its config says;
         # of those the caller's key may use (a bound key saw the longest of all groups).
-        names = [group] if group is not None else list(state.config.groups)
-        names = [n for n in names if allowed is None or n in allowed] or names
-        longest = max(state.admission.seq_limit(name) for name in names)
+        longest = state.admission.max_model_len(None if group is None else [group], allowed)
         return {
             "id": state.served_model,
             "object": "model",

@@ -139,10 +139,8 @@ class Generator:
             )
 
     def max_model_len(self, allowed: Collection[str] | None = None) -> int:
-        """The longest sequence any group takes now (its workers may serve less), of the
-        groups ``allowed`` (a key's; None: all)."""
-        groups = [g for g in self._config.groups if allowed is None or g in allowed]
-        return max(self._admission.seq_limit(group) for group in groups or self._config.groups)
+        """The longest sequence a key ``allowed`` these groups may send now."""
+        return self._admission.max_model_len(allowed=allowed)
 
     # -- the whole request -----------------------------------------------------------------
 
