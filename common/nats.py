@@ -29,7 +29,7 @@ from nats.js.kv import KeyValue
 from common.config import NatsConfig
 from common.errors import ConfigError
 from common.logging import redact_url
-from common.subjects import Subjects
+from common.subjects import HEARTBEAT_KEY_PREFIX, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -445,3 +445,12 @@ async def ensure_jetstream(
     consumers = {group: await ensure_group_consumer(js, cfg, group) for group in groups}
     kv = await ensure_kv(js, cfg)
     return stream, consumers, kv
+
+
+async def heartbeat_keys(js: JetStreamContext, bucket: str) -> list[str]:
+    """Every worker heartbeat key the state bucket's stream holds a subject for, sorted
+    (deleted and purged ones too: only their markers are left). One API call, rather than
+    ``KeyValue.keys()``, whose watcher could end its listing empty on a loaded server."""
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}{HEARTBEAT_KEY_PREFIX}>")
+    return sorted(subject[len(prefix) :] for subject in (info.state.subjects or {}))

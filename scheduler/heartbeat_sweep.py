@@ -17,7 +17,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from common.subjects import HEARTBEAT_KEY_PREFIX
+from common.nats import heartbeat_keys
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +30,8 @@ async def sweep_heartbeats(
 ) -> list[str]:
     """Remove the heartbeat subjects of workers gone (stale, or only a marker left); returns
     their keys. A value that is not a heartbeat is left alone."""
-    stream = f"KV_{bucket}"
-    prefix = f"$KV.{bucket}."
-    info = await js.stream_info(stream, subjects_filter=f"{prefix}{HEARTBEAT_KEY_PREFIX}>")
     removed = []
-    for subject in sorted(info.state.subjects or {}):
-        key = subject[len(prefix) :]
+    for key in await heartbeat_keys(js, bucket):
         try:
             entry = await kv.get(key)
             beat = json.loads(entry.value or b"{}")
@@ -45,7 +41,7 @@ async def sweep_heartbeats(
         except (ValueError, KeyError, TypeError):
             continue  # not a heartbeat: not ours to remove
         if gone:
-            await js.purge_stream(stream, subject=subject)
+            await js.purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
             removed.append(key)
     if removed:
         log.info("removed %d heartbeat keys of workers gone: %s", len(removed),

@@ -29,8 +29,7 @@ from nats.js import JetStreamContext
 
 from common.config import load_config
 from common.errors import ConfigError
-from common.nats import connect, ensure_kv
-from common.subjects import HEARTBEAT_KEY_PREFIX
+from common.nats import connect, ensure_kv, heartbeat_keys
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +44,7 @@ async def scrape_targets(
     loaded server and blank every target until the next rewrite.
     """
     kv = await js.key_value(bucket)
-    prefix = f"$KV.{bucket}."
-    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}{HEARTBEAT_KEY_PREFIX}>")
-    keys = sorted(subject[len(prefix) :] for subject in (info.state.subjects or {}))
+    keys = await heartbeat_keys(js, bucket)
     now_ms = time.time() * 1000
     found = []
     for key in keys:
