@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.stepping import drain_all
 from tests.engine.test_engine_api import LetterTokenizer
 from tests.engine.tiny_checkpoints import checkpoint
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
@@ -146,7 +147,7 @@ def test_a_token_that_fails_to_land_leaves_no_placeholder_for_the_others(path: P
     ref = LLMEngine(EngineArgs(str(path), block_size=4, num_kv_blocks=64, dtype="float32"),
                     tokenizer=LetterTokenizer())  # fmt: skip
     ref.add_request("b", prompt_token_ids=[5, 6, 7], params=params)
-    want = run_until_done(ref)["b"]
+    want = drain_all(ref)["b"]
     tok = FailingOnce()
     eng = LLMEngine(EngineArgs(str(path), block_size=4, num_kv_blocks=64, dtype="float32",
                                async_output=True), tokenizer=tok)  # fmt: skip
@@ -160,17 +161,9 @@ def test_a_token_that_fails_to_land_leaves_no_placeholder_for_the_others(path: P
         eng.step()
     assert all(t >= 0 for r in eng.requests.values() for t in r.output_token_ids)
     eng.abort("a")
-    for rid, tokens in run_until_done(eng).items():
+    for rid, tokens in drain_all(eng).items():
         got.setdefault(rid, []).extend(tokens)
     assert got["b"][-5:] == want[-5:] and len(want) == 6  # b went on, its tokens intact
-
-
-def run_until_done(eng: LLMEngine) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for d in eng.step():
-            out.setdefault(d.request_id, []).extend(d.token_ids)
-    return out
 
 
 @pytest.mark.parametrize(

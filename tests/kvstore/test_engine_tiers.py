@@ -16,6 +16,7 @@ from common.config import RedisConfig
 from common.services import RedisServer
 from kvstore.redis_tier import CircuitBreaker
 from kvstore.tiers import KVTiers
+from tests.engine.stepping import drain_all
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
 from workers.engine import batcher as batcher_module
 from workers.engine.block_pool import hash_chain
@@ -184,14 +185,6 @@ def test_a_tier_that_loses_blocks_costs_recompute_and_a_waiting_head_asks_once(
     assert [outs["0"], outs["1"]] == reference([first, second])
     assert eng.stats().num_prompt_tokens_computed == len(first) + len(second)
     assert tier.lookups == 2  # not once per step while "1" waited for blocks
-
-
-def drain_all(eng: LLMEngine) -> dict[str, list[int]]:
-    outs: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for delta in eng.step():
-            outs.setdefault(delta.request_id, []).extend(delta.token_ids)
-    return outs
 
 
 def test_a_waiting_heads_tier_answer_is_asked_again_after_a_while(tiny_llama: Path) -> None:
