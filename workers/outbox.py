@@ -32,6 +32,8 @@ class Flight:
     start: float  # time.time() the latency clock starts (created_ms when known)
     delivered: int = 0  # the latest delivery count seen here (a late in_progress redelivers)
     base: int = 0  # tokens the caller already had when this attempt began (resume)
+    resume_ids: list[int] = field(default_factory=list)  # those tokens (len == base)
+    resume_text_len: int = 0  # characters of their text the caller has
     sent: int = 0  # absolute index of the next token to publish = the next chunk's seq
     ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -44,9 +46,11 @@ class Flight:
     watch: Any = None  # metrics/tracing state (workers.observe.Watch), while observed
     sent_chunks: list[Chunk] = field(default_factory=list)  # for a resync (workers.resync)
 
-    def resumed_at(self, delivered: int) -> None:
-        """The caller already has ``delivered`` tokens: number from there."""
-        self.base = self.sent = delivered
+    def resumed_at(self, token_ids: list[int], text_len: int) -> None:
+        """The caller already has ``token_ids`` and ``text_len`` characters of their text:
+        number from there."""
+        self.resume_ids, self.resume_text_len = token_ids, text_len
+        self.base = self.sent = len(token_ids)
 
     @property
     def has_pending(self) -> bool:

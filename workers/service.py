@@ -35,6 +35,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -45,6 +46,7 @@ from opentelemetry.trace import TracerProvider
 
 import common.nats as qnats
 from common.config import Config
+from common.detokenizer import StopCheck, resumed_ending
 from common.errors import (
     ContextLengthExceededError,
     DeadlineExceededError,
@@ -527,7 +529,7 @@ class WorkerService:
                 self.observer.abandoned(st, "closed")
                 return
             resume, resume_text_len = reply.token_ids, reply.text_len
-            st.resumed_at(len(resume))
+            st.resumed_at(resume, resume_text_len)
             self.observer.resumed(st)
             if req.id in self._aborted:  # aborted while we asked
                 await settle(msg.ack)
@@ -535,7 +537,7 @@ class WorkerService:
                 return
         remaining = req.params.max_tokens - st.base
         if remaining <= 0:  # everything was delivered but the final chunk
-            await self._complete(st, st.final_chunk(self.worker_id, "length"), error=False)
+            await self._end_resumed(st)
             return
         try:
             params = sampling_params(req, remaining)
@@ -620,7 +622,7 @@ class WorkerService:
             error = event.error
             if st.base > 0 and isinstance(error, ContextLengthExceededError):
                 # Resumed right at the context limit: the first attempt would have ended here.
-                await self._complete(st, st.final_chunk(self.worker_id, "length"), error=False)
+                await self._end_resumed(st)
             else:
                 await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
             return
@@ -637,6 +639,31 @@ class WorkerService:
         elif st.flush_at is None:
             st.flush_at = asyncio.get_running_loop().time() + self._coalesce_s
             self._coalescing[event.request_id] = st
+
+    async def _end_resumed(self, st: Flight) -> None:
+        """End a resumed request with nothing left to generate as its first attempt would
+        have ended there: with the text that attempt held back (a possible stop-string
+        start, an unfinished character), which the caller does not have yet."""
+        ending = StopCheck("", False)
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if tokenizer is not None:
+            try:
+                ending = await asyncio.to_thread(self._resumed_ending, st, tokenizer)
+            except Exception:  # the tail costs its text, never the answer
+                log.exception("request %s: could not rebuild the held-back text", st.request.id)
+        st.text += ending.text
+        reason = "stop" if ending.stopped else "length"
+        await self._complete(st, st.final_chunk(self.worker_id, reason), error=False)
+
+    def _resumed_ending(self, st: Flight, tokenizer: Any) -> StopCheck:
+        req = st.request
+        prompt_ids = (
+            list(req.prompt_token_ids)
+            if req.prompt is None
+            else encode_prompt(self.engine, req.prompt)
+        )
+        params = sampling_params(req, req.params.max_tokens)
+        return resumed_ending(tokenizer, prompt_ids, st.resume_ids, st.resume_text_len, params)
 
     def _count(self, st: Flight, chunk: Chunk) -> None:
         """Telemetry for a chunk about to go out."""

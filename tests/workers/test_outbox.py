@@ -11,7 +11,7 @@ def test_a_final_chunk_without_an_engine_delta_still_counts_the_prompt():
     read 0 prompt tokens (and 0 cached)."""
     req = GenerateRequest(id="r", group="short", reply="o.r", prompt_token_ids=[1, 2, 3])
     st = Flight(req, msg=None, attempt=2, start=0.0)
-    st.resumed_at(4)  # the caller has all 4 tokens
+    st.resumed_at([5, 6, 7, 8], 4)  # the caller has all 4 tokens
     final = st.final_chunk("w0", "length")
     assert final.usage is not None
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (3, 4)

@@ -37,6 +37,7 @@ from common.protocol import (
     Telemetry,
 )
 from common.subjects import Subjects
+from common.tokenizer import ByteTokenizer
 from tests.workers.conftest import expected_tokens, new_id
 from workers import service as worker_service
 from workers.sim import SimCost, SimEngine
@@ -899,3 +900,60 @@ async def test_a_delivery_back_from_another_replica_stops_ours_to_resume_it(
     await service._admit(Delivery(4))  # type: ignore[arg-type]
     assert rid not in service.inflight_ids and naks == [worker_service.RESUME_RETRY_S]
     asking.cancel()
+
+
+@pytest.mark.parametrize("limit", ["max_tokens", "context"])
+@pytest.mark.parametrize(
+    ("stop", "delivered", "ending", "reason"),
+    [
+        ([], "hello wor", "\ufffd", "length"),  # an unfinished character: released as is
+        (["world"], "hello ", "wor\ufffd", "length"),  # a stop string's start, never completed
+        (["wor\ufffd"], "hello ", "", "stop"),  # ... completed by the released character
+    ],
+)
+async def test_a_resumed_request_with_nothing_left_to_generate_still_sends_the_held_back_text(
+    start_worker: Any,
+    nc: Client,
+    subjects: Subjects,
+    worker_config: Config,
+    limit: str,
+    stop: list[str],
+    delivered: str,
+    ending: str,
+    reason: str,
+) -> None:
+    """Its caller has every token (max_tokens reached) or every token the context holds,
+    but not all their text: the first attempt was holding back the start of a stop string
+    or a character whose bytes had not all come. The final chunk used to end it with no
+    text, losing that tail; it now ends it as the first attempt would have."""
+    tokens = [*b"hello wor", 0xC3]  # "é" cut after its first byte
+    prompt = [ByteTokenizer.BOS, *b"say hi"]
+    max_tokens = len(tokens) if limit == "max_tokens" else 64
+    engine = SimEngine(
+        max_batch_size=4, max_seq_len=len(prompt) + len(tokens), cost=SimCost(0, 0, 0),
+        tokenizer=ByteTokenizer(),
+    )  # fmt: skip
+    rid = new_id()
+    req = GenerateRequest(
+        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=prompt, origin="gw",
+        params=RequestParams(max_tokens=max_tokens, stop=stop),
+    )  # fmt: skip
+    chunks = await nc.subscribe(subjects.out(rid))
+    js = nc.jetstream()
+    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
+    await js.publish(subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid})
+    first = await qnats.group_pull_subscription(js, worker_config.nats, "short")
+    (msg,) = await first.fetch(1, timeout=5)
+    await msg.nak()  # the first attempt's replica is gone
+    await first.unsubscribe()
+
+    async def answer(msg: Any) -> None:
+        reply = ResumeReply(id=rid, token_ids=tokens, text_len=len(delivered))
+        await msg.respond(reply.to_bytes())
+
+    await nc.subscribe(subjects.resume(rid), cb=answer)
+    await start_worker(engine=engine)
+    final = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
+    assert (final.text, final.finish_reason, final.seq) == (ending, reason, len(tokens))
+    assert final.token_ids == [] and final.usage is not None
+    assert final.usage.completion_tokens == len(tokens)
