@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as aredis
@@ -42,9 +43,20 @@ T = TypeVar("T")
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
 
 
+@dataclass(frozen=True, slots=True)
+class BreakerPass:
+    """Leave for one call, from :meth:`CircuitBreaker.allow`; its answer goes back with it."""
+
+    epoch: int  # the breaker's state change it was given under
+
+
 class CircuitBreaker:
     """CLOSED -> (``failures_to_open`` consecutive failures) -> OPEN for ``open_s`` ->
     HALF_OPEN (one probe) -> CLOSED on success, OPEN again (twice as long) on failure.
+
+    An answer counts only in the state its call was let through in: a slow call from
+    before the breaker opened must not close it (nor keep it open longer), and while it is
+    half-open only the probe decides.
 
     Thread-safe: :class:`kvstore.tiers.KVTiers` calls it from the engine thread (lookups,
     loads) and its writer threads (stores); :class:`RedisTier` from its event loop."""
@@ -68,6 +80,7 @@ class CircuitBreaker:
         self._open_s = open_s
         self._reopen_at = 0.0
         self._probing = False
+        self._epoch = 0  # state changes so far: which passes still count
         self._lock = threading.Lock()
 
     def rejecting(self) -> bool:
@@ -76,29 +89,40 @@ class CircuitBreaker:
             return self.clock() < self._reopen_at
         return self.state == self.HALF_OPEN and self._probing
 
-    def allow(self) -> bool:
-        """May a call go out now? Turns an expired OPEN into HALF_OPEN with one probe."""
+    def allow(self) -> BreakerPass | None:
+        """Leave for a call now, or None. Turns an expired OPEN into HALF_OPEN with one
+        probe. Give the pass back to :meth:`success` or :meth:`failure`."""
         with self._lock:
             return self._allow()
 
-    def _allow(self) -> bool:
+    def _allow(self) -> BreakerPass | None:
         if self.state == self.CLOSED:
-            return True
+            return BreakerPass(self._epoch)
         if self.state == self.OPEN and self.clock() >= self._reopen_at:
-            self.state = self.HALF_OPEN
-            self._probing = False
+            self._enter(self.HALF_OPEN)
         if self.state == self.HALF_OPEN and not self._probing:
             self._probing = True
-            return True
-        return False
+            return BreakerPass(self._epoch)
+        return None
 
-    def success(self, light: bool = False) -> None:
+    def _enter(self, state: str) -> None:
+        self.state = state
+        self._epoch += 1
+        self._probing = False
+
+    def _counts(self, leave: BreakerPass | None) -> bool:
+        """Whether an answer speaks for the current state (None: a caller's own verdict)."""
+        return leave is None or leave.epoch == self._epoch
+
+    def success(self, leave: BreakerPass | None = None, light: bool = False) -> None:
         """A call went through. ``light``: a small one (an EXPIRE lookup), which says
         little about the big ones: it neither clears the failures loads and stores have
         counted (a link that passes small commands and times out on 2 MiB values must
         still open the breaker) nor closes a half-open one; it only frees the probe, for
         the next load or store to take."""
         with self._lock:
+            if not self._counts(leave):
+                return
             if not light:
                 self._success()
             elif self.state == self.HALF_OPEN:
@@ -107,14 +131,14 @@ class CircuitBreaker:
     def _success(self) -> None:
         if self.state != self.CLOSED:
             log.info("redis tier: breaker closed")
-        self.state = self.CLOSED
+            self._enter(self.CLOSED)
         self._failures = 0
         self._open_s = self.base_open_s
-        self._probing = False
 
-    def failure(self) -> None:
+    def failure(self, leave: BreakerPass | None = None) -> None:
         with self._lock:
-            self._failure()
+            if self._counts(leave):
+                self._failure()
 
     def _failure(self) -> None:
         self._failures += 1
@@ -124,9 +148,9 @@ class CircuitBreaker:
             elif self.state == self.CLOSED:
                 self.num_opens += 1
                 log.warning("redis tier: breaker open for %.1fs", self._open_s)
-            self.state = self.OPEN
+            if self.state != self.OPEN:
+                self._enter(self.OPEN)
             self._reopen_at = self.clock() + self._open_s
-            self._probing = False
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -201,22 +225,23 @@ class RedisTier:
 
     async def _guarded(self, call: Callable[[], Awaitable[T]]) -> T | None:
         """``await call()`` through the breaker; None when refused or failed."""
-        if not self.breaker.allow():
+        leave = self.breaker.allow()
+        if leave is None:
             self.num_rejected += 1
             return None
         try:
             result = await call()
         except _FAILURES as exc:
             self.num_failures += 1
-            self.breaker.failure()
+            self.breaker.failure(leave)
             log.debug("redis tier: %s: %s", type(exc).__name__, exc)
             return None
         except BaseException:
             # Cancelled, or a bug: still an answer to the breaker, whose half-open probe
             # would otherwise stay taken and refuse every call for good.
-            self.breaker.failure()
+            self.breaker.failure(leave)
             raise
-        self.breaker.success()
+        self.breaker.success(leave)
         return result
 
     async def prefix(self, hashes: Sequence[bytes]) -> int:

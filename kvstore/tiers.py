@@ -194,7 +194,8 @@ class KVTiers:
         being hit outlive ones that are only ever written.
         """
         assert self.identity is not None and self.redis_config is not None
-        if not self.breaker.allow():
+        leave = self.breaker.allow()
+        if leave is None:
             return 0
         ttl = self.redis_config.ttl_s
         try:
@@ -203,11 +204,11 @@ class KVTiers:
         except Exception as exc:  # Redis, or a bug: a miss either way, never the batch's error
             with self._lock:  # the writer threads count errors too
                 self.redis_counters.errors += 1
-            self.breaker.failure()  # and a probe that ends here ends as a failure
+            self.breaker.failure(leave)  # and a probe that ends here ends as a failure
             level = logging.DEBUG if isinstance(exc, _FAILURES) else logging.WARNING
             log.log(level, "kv tiers: lookup failed: %r", exc)
             return 0
-        self.breaker.success(light=True)
+        self.breaker.success(leave, light=True)
         n = 0
         for hit in found:
             if not hit:
@@ -236,7 +237,8 @@ class KVTiers:
     def _load_redis(self, hashes: Sequence[bytes]) -> list[memoryview]:
         c = self.redis_counters
         t0 = time.perf_counter()
-        if not self.breaker.allow():
+        leave = self.breaker.allow()
+        if leave is None:
             return []
         step = self.batch_blocks
         try:
@@ -245,6 +247,7 @@ class KVTiers:
                 for i in range(0, len(hashes), step)
             ]
         except RuntimeError:  # closed meanwhile: a miss, as the methods promise
+            self.breaker.failure(leave)  # a probe must not stay taken
             return []
         out: list[memoryview] = []
         failed = False
@@ -264,9 +267,9 @@ class KVTiers:
         if failed:
             with self._lock:  # the writer threads count errors too
                 c.errors += 1
-            self.breaker.failure()
+            self.breaker.failure(leave)
         else:
-            self.breaker.success()
+            self.breaker.success(leave)
         if out:
             c.loads += 1
             c.hit_tokens += len(out) * self._block_tokens
@@ -350,8 +353,10 @@ class KVTiers:
         t0 = time.perf_counter()
         stored = 0
         failed = False
+        leave = None
         try:
-            if self.breaker.allow():
+            leave = self.breaker.allow()
+            if leave is not None:
                 ident, ttl = self.identity, self.redis_config.ttl_s
                 keys = [ident.key(h) for h in hashes]
                 values = [
@@ -362,13 +367,14 @@ class KVTiers:
                     stored = self._with_connection(lambda conn: conn.set_many(keys, values, ttl))
                 except _FAILURES as exc:
                     failed = True
-                    self.breaker.failure()
+                    self.breaker.failure(leave)
                     log.debug("kv tiers: store failed: %r", exc)
                 else:
-                    self.breaker.success()
+                    self.breaker.success(leave)
         except Exception as exc:  # encoding bugs must not kill the writer either
             failed = True
-            self.breaker.failure()  # a probe that ended here must not hold the breaker
+            if leave is not None:  # a probe that ended here must not hold the breaker
+                self.breaker.failure(leave)
             log.warning("kv tiers: store failed: %r", exc)
         with self._lock:
             self._queued_bytes -= nbytes

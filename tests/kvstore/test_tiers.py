@@ -224,6 +224,32 @@ def test_small_lookups_that_pass_do_not_hide_loads_that_fail() -> None:
     assert b.state == "closed"
 
 
+def test_only_answers_of_calls_let_through_in_the_current_state_move_the_breaker() -> None:
+    """A slow store let through before the breaker opened, answering after: its success
+    closed the breaker with Redis still down (and its failure re-opened a half-open one
+    whose probe was still out, doubling the wait). Only the probe decides now."""
+    now = [0.0]
+    b = CircuitBreaker(failures_to_open=1, open_s=1.0, clock=lambda: now[0])
+    slow_ok, slow_bad, failing = b.allow(), b.allow(), b.allow()
+    assert slow_ok and slow_bad and failing
+    b.failure(failing)
+    assert b.state == "open"
+    b.success(slow_ok)  # from before the outage: says nothing about now
+    assert b.state == "open" and not b.allow()
+    now[0] = 1.0
+    probe = b.allow()
+    assert probe and b.state == "half_open"
+    b.failure(slow_bad)  # nor does this one
+    assert b.state == "half_open" and not b.allow()  # the probe is still out
+    b.success(probe)
+    assert b.state == "closed"
+    fresh = b.allow()
+    b.failure(probe)  # answered twice, or late: ignored
+    assert b.state == "closed"
+    b.failure(fresh)
+    assert b.state == "open"
+
+
 def test_a_value_longer_than_a_block_is_a_counted_miss_and_loads_go_on(
     tiers: KVTiers, redis_config: RedisConfig
 ) -> None:
