@@ -617,12 +617,15 @@ class Control(Message):
     """A command on ``qos.ctl.<worker>`` or ``qos.ctl.group.<group>``."""
 
     KIND: ClassVar[str] = "control"
-    action: Literal["assign_group", "drain", "set_batch_cap", "abort", "resume"]
+    action: Literal["assign_group", "drain", "set_batch_cap", "abort", "resume", "supersede"]
     issued_ms: int = 0
     group: str | None = None
     batch_cap: int | None = None
     request_id: str | None = None
     reason: str = ""
+    # supersede: a later delivery of the request resumed it (this attempt asked its caller
+    # where to go on); a replica still serving an earlier delivery stops, unanswered.
+    attempt: int | None = None
 
 
 @dataclass

@@ -395,6 +395,15 @@ class Dispatcher:
             return
         reply = ResumeReply(id=request_id, closed=True) if stream is None else stream.resume(query)
         await self._nc.publish(msg.reply, reply.to_bytes())
+        if stream is not None and not reply.closed:
+            # The stream follows this attempt now: a replica still serving an earlier
+            # delivery (its in_progress came late) stops, rather than spend a batch slot
+            # and ack the message under the replica that serves it.
+            supersede = Control(
+                action="supersede", issued_ms=int(time.time() * 1000), group=stream.group,
+                request_id=request_id, attempt=query.attempt, reason="resumed elsewhere",
+            )  # fmt: skip
+            await self._nc.publish(self._subjects.abort(stream.group), supersede.to_bytes())
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
         try:

@@ -114,7 +114,7 @@ CONSUMER_CHECK_S = 30.0
 # What a group's control subject may ask of its replicas (see _on_group_control): the
 # scheduler's caps, and aborts from gateways of the release before qos.abort.<group>.
 GROUP_ACTIONS = frozenset({"abort", "set_batch_cap"})
-ABORT_ONLY = frozenset({"abort"})
+ABORT_ONLY = frozenset({"abort", "supersede"})
 
 
 @dataclass
@@ -912,6 +912,8 @@ class WorkerService:
                         "the request's deadline passed while generating"
                     )
                 self.bridge.abort(control.request_id)
+        elif action == "supersede" and control.request_id and control.attempt:
+            self._supersede(control.request_id, control.attempt)
         elif action == "set_batch_cap" and self.bridge is not None:
             if control.group is not None and control.group != self.group:
                 # For the group this replica just left (a reconcile sent before its move):
@@ -945,6 +947,24 @@ class WorkerService:
             # Finished moves leave the list (any publisher on our control subject adds one).
             self._tasks = [t for t in self._tasks if not t.done()]
             self._tasks.append(task)
+
+    def _supersede(self, request_id: str, attempt: int) -> None:
+        """Delivery ``attempt`` of the request resumed it on another replica, and its caller
+        follows that one now: a copy here from an earlier delivery only took a batch slot
+        and, finishing first, would ack the message under the replica that serves it (which
+        dying then would lose the request). Stop it without a word: no ack, no nak, no
+        chunk (the caller ignores this attempt's), no abort mark (the request lives on)."""
+        st = self._inflight.get(request_id)
+        if st is None or max(st.attempt, st.delivered) >= attempt:
+            return  # not here, or this replica holds that delivery (or a later one)
+        log.info("request %s: delivery %d resumed it elsewhere; stopping ours (delivery %d)",
+                 request_id, attempt, max(st.attempt, st.delivered))  # fmt: skip
+        del self._inflight[request_id]
+        self._coalescing.pop(request_id, None)
+        if self.bridge is not None:
+            self.bridge.abort(request_id)
+        self.observer.abandoned(st, "superseded")
+        self._poke()
 
     async def assign_group(self, group: str, batch_cap: int | None = None) -> None:
         """Drain, then move this replica to ``group``'s consumer (its batch limit too, or

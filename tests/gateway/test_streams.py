@@ -124,17 +124,22 @@ async def test_redelivered_request_resumes_and_the_client_sees_every_token_once(
 ):
     subjects = Subjects(nats_config.subject_prefix)
     replies: list[ResumeReply] = []
+    supersedes: list[Control] = []
     ids = alphabet_tokens(10)
 
     async def crash_and_resume(job: Job) -> None:
         request_id = job.request.id
         await job.send(0, ids[0:5])  # attempt 1 delivers tokens 0..4, then "dies"
+        aborts = await job.worker.nc.subscribe(subjects.abort("short"))
         # The replica that gets the redelivery asks what the client already has.
         query = ResumeQuery(id=request_id, attempt=2, worker="w2")
         answer = await job.worker.nc.request(
             subjects.resume(request_id), query.to_bytes(), timeout=2
         )
         replies.append(ResumeReply.from_bytes(answer.data))
+        # ... and a replica still serving attempt 1 (not dead, only late) is told to stop.
+        supersedes.append(Control.from_bytes((await aborts.next_msg(timeout=2)).data))
+        await aborts.unsubscribe()
         await job.send(5, ids[5:7], attempt=2)
         await job.send(3, ids[3:8], attempt=2)  # overlaps 3..6, adds 7
         await job.send(1, ids[1:3])  # the first attempt, late: ignored
@@ -163,6 +168,9 @@ async def test_redelivered_request_resumes_and_the_client_sees_every_token_once(
     assert text == "abcdefghij"
     assert events[-1]["usage"]["completion_tokens"] == 10
     assert replies and replies[0].token_ids == ids[0:5] and replies[0].text_len == 5
+    (supersede,) = supersedes
+    assert (supersede.action, supersede.attempt) == ("supersede", 2)
+    assert supersede.request_id == replies[0].id
 
 
 async def test_worker_error_before_output_is_an_http_status(nats_config: NatsConfig):

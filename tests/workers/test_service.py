@@ -957,3 +957,43 @@ async def test_a_resumed_request_with_nothing_left_to_generate_still_sends_the_h
     assert (final.text, final.finish_reason, final.seq) == (ending, reason, len(tokens))
     assert final.token_ids == [] and final.usage is not None
     assert final.usage.completion_tokens == len(tokens)
+
+
+async def test_a_copy_superseded_by_a_later_delivery_stops_without_acking_the_message(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    """Its in_progress came late, JetStream redelivered the request to another replica,
+    which resumed it. Ours went on generating for nobody, and finishing first it acked the
+    message under the replica serving it (whose death then lost the request). Told by the
+    gateway, it now stops, and leaves the message to the delivery the caller follows."""
+    service = await start_worker(
+        engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.02))
+    )
+    rid = new_id()
+    req = GenerateRequest(
+        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
+        params=RequestParams(max_tokens=200),
+    )  # fmt: skip
+    chunks = await nc.subscribe(subjects.out(rid))
+    await nc.jetstream().publish(
+        subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid}
+    )
+    await chunks.next_msg(timeout=5)  # serving delivery 1
+    own = Control(action="supersede", request_id=rid, attempt=1)  # its own delivery: kept
+    await nc.publish(subjects.abort("short"), own.to_bytes())
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    assert rid in service._inflight
+    later = Control(action="supersede", request_id=rid, attempt=2, group="short")
+    await nc.publish(subjects.abort("short"), later.to_bytes())
+    await eventually(lambda: rid not in service._inflight)
+    await asyncio.sleep(0.3)
+    while True:  # what was on its way; then nothing, and no final chunk
+        try:
+            chunk = Chunk.from_bytes((await chunks.next_msg(timeout=0.3)).data)
+        except nats.errors.TimeoutError:
+            break
+        assert chunk.finish_reason is None
+    info = await nc.jetstream().consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
+    assert info.num_ack_pending == 1  # not acked: the message is the later delivery's
+    assert rid not in service._aborted  # not cancelled either: the request lives on
