@@ -226,6 +226,10 @@ class GatewayConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     default_deadline_ms: int = Field(120_000, ge=100)
     default_max_tokens: int = Field(256, ge=1)
+    # Sampling fields a request leaves out: "model" takes the model folder's
+    # generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty),
+    # as transformers and vLLM do; "openai": OpenAI's neutral ones (1.0, 1.0, off...).
+    sampling_defaults: Literal["model", "openai"] = "model"
     # Refuse (400) chat messages whose text holds a special token's text (<|eot_id|>...):
     # tokenized as the token, as transformers does, it lets a user close their turn and
     # write a system one. Off by default, as in transformers and vLLM.

@@ -45,6 +45,7 @@ from common.errors import (
 )
 from common.logging import prompts_loggable
 from common.nats import connect, ensure_jetstream
+from common.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer
 from common.trace_metrics import register_trace_metrics
@@ -124,6 +125,12 @@ def create_app(
         # each 5 in a fixed 3 s window (503 "no worker" to requests meanwhile).
         live_window_s = max(LIVE_WINDOW_S, 3 * config.worker.telemetry_interval_s)
     view = WorkersView(config.groups, live_window_s=live_window_s)
+    sampling = SamplingDefaults()
+    if config.gateway.sampling_defaults == "model":  # a dummy: spec has no folder: none
+        sampling = load_sampling_defaults(model)
+        if sampling.given():
+            log.info("sampling defaults from the model's generation_config.json (fields a "
+                     "request leaves out): %s", sampling.given())  # fmt: skip
     state = GatewayState(
         config=config,
         keys=ApiKeys(
@@ -169,6 +176,7 @@ def create_app(
             tracer=tracer,
             log_prompts=prompts_loggable(config.log),
             origin=gateway_id,
+            sampling_defaults=sampling,
         )
         log.info(
             "gateway %s serving %r for groups %s", gateway_id, served, ", ".join(config.groups)

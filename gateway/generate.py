@@ -40,6 +40,7 @@ from common.errors import (
 )
 from common.logging import bind_request
 from common.protocol import GenerateRequest
+from common.sampling_defaults import SamplingDefaults
 from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
 from gateway import tracing as traced
@@ -112,8 +113,10 @@ class Generator:
         tracer: Tracer | None = None,
         log_prompts: bool = False,
         origin: str = "",
+        sampling_defaults: SamplingDefaults | None = None,
     ) -> None:
         self._config = config
+        self._sampling_defaults = sampling_defaults
         self._origin = origin  # this gateway's heartbeat id, stamped on every request
         self._tok = tokenizer
         self._model = served_model
@@ -380,7 +383,7 @@ class Generator:
         now_ms = int(time.time() * 1000)
         # The worker's deadline is the gateway's, not a fresh one from now.
         deadline_at_ms = now_ms + max(1, int((flight.deadline - time.monotonic()) * 1000))
-        params = body.wire_params(max_tokens, flight.shaper.logprobs)
+        params = body.wire_params(max_tokens, flight.shaper.logprobs, self._sampling_defaults)
         request_id = flight.stream.request_id
         message = GenerateRequest(
             id=request_id,

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from common.errors import InvalidRequestError
 from common.protocol import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, RequestParams
+from common.sampling_defaults import SamplingDefaults
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
@@ -193,20 +194,32 @@ class _SamplingBody(_Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def wire_params(self, max_tokens: int, logprobs: int | None) -> RequestParams:
-        """The sampling parameters as they travel to the worker, OpenAI's defaults filled in."""
-        temperature = 1.0 if self.temperature is None else self.temperature
-        if self.top_p == 0:
+    def wire_params(
+        self, max_tokens: int, logprobs: int | None, defaults: SamplingDefaults | None = None
+    ) -> RequestParams:
+        """The sampling parameters as they travel to the worker: fields left out take the
+        model's ``defaults`` (its generation_config.json), else OpenAI's."""
+        d = defaults or SamplingDefaults()
+
+        def given(value: Any, default: Any, neutral: Any) -> Any:
+            if value is not None:
+                return value
+            return default if default is not None else neutral
+
+        temperature = given(self.temperature, d.temperature, 1.0)
+        top_p = given(self.top_p, d.top_p, 1.0)
+        if top_p == 0:
             # Only the likeliest token (OpenAI allows top_p 0; clients send "temperature 0,
             # top_p 0" for determinism): greedy, as temperature 0 is.
-            temperature = 0.0
+            temperature, top_p = 0.0, 1.0
+        top_k = given(self.top_k, d.top_k, 0)
         return RequestParams(
             max_tokens=max_tokens,
             temperature=temperature,
-            top_p=1.0 if self.top_p in (None, 0) else self.top_p,
-            top_k=0 if self.top_k in (None, -1) else self.top_k,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            top_p=top_p,
+            top_k=0 if top_k == -1 else top_k,
+            min_p=given(self.min_p, d.min_p, 0.0),
+            repetition_penalty=given(self.repetition_penalty, d.repetition_penalty, 1.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             # A seed for every request: its sampling is reproducible and traceable.
