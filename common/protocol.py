@@ -511,6 +511,9 @@ class Chunk(Message):
     logprobs: list[float] = packed_f32()
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     worker: str = ""
+    # vLLM's: on a final chunk ended by "stop", the stop string or stop token id that ended
+    # it (None: EOS). Left out on the wire when None.
+    stop_reason: int | str | None = None
 
     @property
     def final(self) -> bool:

@@ -523,7 +523,9 @@ class Generator:
             deliveries.append(delivery)
         whole = merge(deliveries)
         usage = usage_dict(flight.prompt_tokens, flight.completion_tokens, flight.worker_usage)
-        body = flight.shaper.body(whole.text, whole.finish_reason, usage, whole)
+        body = flight.shaper.body(
+            whole.text, whole.finish_reason, usage, whole, stop_reason=whole.stop_reason
+        )
         self._land(flight, status=200)
         content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         return Response(content, media_type="application/json", headers=flight.headers)

@@ -124,6 +124,8 @@ class Shaper:
             choice = {"index": 0, "delta": {"content": delivery.text} if delivery.text else {}}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = delivery.finish_reason
+        if delivery.finish_reason is not None:
+            choice["stop_reason"] = delivery.stop_reason
         return sse_event(self._chunk(choice))
 
     def usage_event(self, usage: dict[str, Any]) -> bytes:
@@ -164,6 +166,7 @@ class Shaper:
         finish_reason: str | None,
         usage: dict[str, Any],
         logprobs: Delivery | None = None,
+        stop_reason: int | str | None = None,
     ) -> dict[str, Any]:
         """The non-streaming response; ``logprobs`` is every token merged into one delivery."""
         lp = (
@@ -175,6 +178,7 @@ class Shaper:
                 "text": text,
                 "logprobs": lp,
                 "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
             }
             obj = "text_completion"
         else:
@@ -184,6 +188,7 @@ class Shaper:
                 "message": message,
                 "logprobs": lp,
                 "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
             }
             obj = "chat.completion"
         return {
@@ -267,6 +272,7 @@ def merge(deliveries: Sequence[Delivery]) -> Delivery:
         merged.logprobs.extend(d.logprobs)
         merged.top_logprobs.extend(d.top_logprobs)
         merged.finish_reason = d.finish_reason or merged.finish_reason
+        merged.stop_reason = d.stop_reason if d.stop_reason is not None else merged.stop_reason
         merged.usage = d.usage or merged.usage
     merged.text = "".join(d.text for d in deliveries)
     return merged

@@ -93,6 +93,7 @@ class Delivery:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: QosError | None = None
+    stop_reason: int | str | None = None  # what ended a "stop" (None: EOS), as vLLM says
 
 
 class ResponseStream:
@@ -152,9 +153,9 @@ class ResponseStream:
                 return
             if c.finish_reason is not None:
                 self.finished = self.worker_done = True
-            self._push(
-                Delivery(c.token_ids, c.text, c.logprobs, c.top_logprobs, c.finish_reason, c.usage)
-            )
+            delivery = Delivery(c.token_ids, c.text, c.logprobs, c.top_logprobs, c.finish_reason)
+            delivery.usage, delivery.stop_reason = c.usage, c.stop_reason
+            self._push(delivery)
 
     def fail(self, error: QosError) -> None:
         """End the stream with ``error`` (the reader raises or sends it as an SSE event)."""

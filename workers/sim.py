@@ -37,6 +37,7 @@ from typing import Any
 from workers.engine.admission_checks import checked_prompt_ids
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.stopping import settle_token
 
 _MASK64 = (1 << 64) - 1
 
@@ -89,6 +90,10 @@ class _SimRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     def output(self) -> RequestOutput:
         return RequestOutput(
@@ -286,30 +291,10 @@ class SimEngine:
         if first:
             req.first_token_time = now
         params = req.params
-        reason: str | None = None
-        armed = len(req.output_token_ids) > params.min_tokens  # the first min_tokens stop nothing
-        if armed and token in params.stop_token_ids:
-            reason, req.stop_reason = "stop", token
-        elif armed and not params.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        text = ""
-        if req.detokenizer is not None:
-            piece = "" if reason is not None else req.detokenizer.add(token)
-            if req.stop_matcher is not None:
-                check = req.stop_matcher.feed(piece, match=armed)
-                piece = check.text
-                if check.stopped and reason is None:
-                    reason, req.stop_reason = "stop", req.stop_matcher.matched
-            text = piece
-        if reason is None and (
+        at_limit = (
             len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= req.max_total_tokens
-        ):
-            reason = "length"
-        if reason is not None and req.detokenizer is not None and req.stop_reason is None:
-            tail = req.detokenizer.flush()
-            if req.stop_matcher is not None:
-                tail = req.stop_matcher.feed(tail).text + req.stop_matcher.flush()
-            text += tail
+        )
+        text, reason = settle_token(req, token, self.eos_token_ids, at_limit)
         req.output_text += text
         if reason is not None:
             self._finish(req, reason, now)

@@ -477,3 +477,30 @@ def test_an_overlapping_chunk_keeps_special_tokens_when_the_request_asked_to():
     assert Generator._decode_tail(this, delivered, new) == "c"  # type: ignore[arg-type]
     kept = Generator._decode_tail(this, delivered, new, skip_special_tokens=False)  # type: ignore[arg-type]
     assert kept == "c<|eos|>"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_stop_string_or_id_that_ended_the_output_reaches_the_client(
+    nats_config: NatsConfig, stream: bool
+):
+    """vLLM's ``stop_reason``: which stop string (or stop token id) ended the output, so a
+    client with several can tell; None when EOS did. It was dropped on the way."""
+
+    async def stops_at_end(job: Job) -> None:
+        await job.send(0, alphabet_tokens(3), finish_reason="stop", usage=job.usage(4),
+                       stop_reason="END")  # fmt: skip
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=stops_at_end),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 9, "stop": ["END", "\n\n"]}
+        response = await http.post("/v1/completions", json={**body, "stream": stream})
+    if stream:
+        events = [json.loads(p) for p in _sse_payloads(response.text)[:-1]]
+        final = events[-1]["choices"][0]
+        assert all("stop_reason" not in e["choices"][0] for e in events[:-1])
+    else:
+        final = response.json()["choices"][0]
+    assert (final["finish_reason"], final["stop_reason"]) == ("stop", "END")

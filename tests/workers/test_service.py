@@ -997,3 +997,16 @@ async def test_a_copy_superseded_by_a_later_delivery_stops_without_acking_the_me
     info = await nc.jetstream().consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
     assert info.num_ack_pending == 1  # not acked: the message is the later delivery's
     assert rid not in service._aborted  # not cancelled either: the request lives on
+
+
+async def test_the_final_chunk_names_the_stop_token_id_that_ended_the_output(
+    start_worker: Any, client: QosClient
+) -> None:
+    await start_worker()
+    third = expected_tokens(2, 3, seed=9)[2]
+    ids, _, final = await client.collect(
+        group="short", prompt_token_ids=[1, 2],
+        params=RequestParams(max_tokens=20, seed=9, stop_token_ids=[third]),
+    )  # fmt: skip
+    assert ids == expected_tokens(2, 3, seed=9)
+    assert (final.finish_reason, final.stop_reason) == ("stop", third)

@@ -141,3 +141,39 @@ def test_a_resumed_request_sends_the_text_its_first_attempt_held_for_a_stop_stri
         delivered_text_len=len(delivered),
     )
     assert delivered + "".join(d.text for d in resumed) == whole
+
+
+EOS = ByteTokenizer.EOS
+
+
+@pytest.mark.parametrize(
+    ("script", "params", "text", "stop_reason"),
+    [
+        # A stop id ends it while a partial stop string is held: the held text is sent.
+        ([*b"abxy!"], {"stop": ["xyz"], "stop_token_ids": [ord("!")]}, "abxy", ord("!")),
+        # include_stop_str_in_output sends a stop id's own text.
+        ([*b"ab!"], {"stop_token_ids": [33], "include_stop_str_in_output": True}, "ab!", 33),
+        # EOS after half a character: the hidden EOS takes the unfinished bytes with it.
+        ([*b"ab\xc3", EOS], {}, "ab", None),
+        # A token that is both EOS and a stop id ends as EOS (stop_reason None), as in vLLM.
+        ([*b"a", EOS], {"stop_token_ids": [EOS]}, "a", None),
+    ],
+)
+def test_the_sim_ends_requests_and_releases_text_as_the_engine_does(
+    monkeypatch: pytest.MonkeyPatch,
+    script: list[int],
+    params: dict,
+    text: str,
+    stop_reason: int | None,
+) -> None:
+    """The sim had its own copy of the stop rules, and it differed from the engine's in
+    these cases (the worker's tests, run on the sim, checked other semantics)."""
+    import workers.sim as sim
+
+    monkeypatch.setattr(sim, "sim_token", lambda seed, position, vocab: script[position - 3])
+    engine = SimEngine(cost=SimCost(0, 0, 0), tokenizer=ByteTokenizer())
+    engine.add_request("r", "Hi", SamplingParams(max_tokens=10, **params))  # BOS + 2 bytes
+    deltas = run(engine)["r"]
+    assert "".join(d.text for d in deltas) == text
+    out = deltas[-1].output
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_reason)

@@ -32,6 +32,7 @@ from workers.engine.model_runner import GiB, ModelRunner, TokenFeed
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.request import PLACEHOLDER, Request
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.stopping import settle_token
 from workers.engine.transfer import to_device, to_host
 
 log = logging.getLogger(__name__)
@@ -593,34 +594,12 @@ class LLMEngine:
             req.logprobs.append(lp)
             req.cumulative_logprob += lp
             req.top_logprobs.append(list(top or []))
-        reason: str | None = None
-        # The first min_tokens tokens stop nothing but the length (the sampler kept EOS and
+        # The first min_tokens tokens end nothing but the length (the sampler kept EOS and
         # stop ids out of them; no stop string ends in their text), as in vLLM.
-        armed = req.num_output_tokens > params.min_tokens
-        if armed and token in params.stop_token_ids:
-            reason, req.stop_reason = "stop", token
-        elif armed and not params.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        # A stop token's own text stays out unless asked for, as in vLLM.
-        hidden = reason is not None and not params.include_stop_str_in_output
-        text = ""
-        if req.detokenizer is not None:
-            piece = req.detokenizer.add(token)
-            text = self._match_stop(req, "" if hidden else piece, armed)
-            if reason is None and req.stop_matcher is not None and req.stop_matcher.stopped:
-                reason = "stop"
-        if reason is None and (
+        at_limit = (
             req.num_output_tokens >= params.max_tokens or req.num_tokens >= req.max_total_tokens
-        ):
-            reason = "length"
-        stopped_by_string = req.stop_matcher is not None and req.stop_matcher.stopped
-        if reason is not None and req.detokenizer is not None and not stopped_by_string:
-            # Release what was held back: an unfinished character, a partial stop string.
-            text += self._match_stop(req, "" if hidden else req.detokenizer.flush(), armed)
-            if req.stop_matcher is not None:
-                text += req.stop_matcher.flush()
-                if req.stop_matcher.stopped and reason == "length":
-                    reason = "stop"  # the released text completed a stop string
+        )
+        text, reason = settle_token(req, token, self.eos_token_ids, at_limit)
         req.output_text += text
         if reason is not None:
             self._finish(req, reason, now)
@@ -636,19 +615,6 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             first_token_metrics=RequestMetrics.of(req) if first else None,
         )
-
-    @staticmethod
-    def _match_stop(req: Request, piece: str, armed: bool = True) -> str:
-        """Pass new text through the request's stop strings; remember which one matched
-        (the one the text was cut at: the earliest to end, the longer on a tie). Not
-        ``armed`` (before min_tokens): the text passes unmatched."""
-        matcher = req.stop_matcher
-        if matcher is None or not piece:
-            return piece
-        check = matcher.feed(piece, match=armed)
-        if check.stopped and req.stop_reason is None:
-            req.stop_reason = matcher.matched
-        return str(check.text)
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         self.batcher.finish(req, reason)

@@ -1,0 +1,62 @@
+"""How one sampled token ends a request, and the text it releases: one rule for the engine
+and the simulated engine (``workers.sim``), so what the worker's tests see is what the
+engine does.
+
+As in vLLM: the first ``min_tokens`` tokens end nothing but the length; EOS (unless
+``ignore_eos``) comes before a stop token id, whose id is the ``stop_reason``; a stop
+token's own text stays out unless ``include_stop_str_in_output``; a stop string cuts the
+text where it matched (``stop_reason`` = the string); an output ending any other way
+releases what was held back (an unfinished character, a partial stop string), which can
+still complete a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from typing import Any
+
+
+def settle_token(
+    req: Any, token: int, eos_token_ids: Container[int], at_limit: bool
+) -> tuple[str, str | None]:
+    """(text to send, finish reason or None) for ``token``, just appended to ``req``'s
+    output. ``req`` has ``params``, ``detokenizer``, ``stop_matcher`` (either may be None),
+    ``stop_reason`` (set here) and ``num_output_tokens``; ``at_limit``: its max_tokens or
+    max sequence length is reached."""
+    params = req.params
+    reason: str | None = None
+    armed = req.num_output_tokens > params.min_tokens
+    if armed and not params.ignore_eos and token in eos_token_ids:
+        reason = "stop"
+    elif armed and token in params.stop_token_ids:
+        reason, req.stop_reason = "stop", token
+    hidden = reason is not None and not params.include_stop_str_in_output
+    text = ""
+    if req.detokenizer is not None:
+        piece = req.detokenizer.add(token)
+        text = _match_stop(req, "" if hidden else piece, armed)
+        if reason is None and req.stop_matcher is not None and req.stop_matcher.stopped:
+            reason = "stop"
+    if reason is None and at_limit:
+        reason = "length"
+    stopped_by_string = req.stop_matcher is not None and req.stop_matcher.stopped
+    if reason is not None and req.detokenizer is not None and not stopped_by_string:
+        text += _match_stop(req, "" if hidden else req.detokenizer.flush(), armed)
+        if req.stop_matcher is not None:
+            text += req.stop_matcher.flush()
+            if req.stop_matcher.stopped and reason == "length":
+                reason = "stop"  # the released text completed a stop string
+    return text, reason
+
+
+def _match_stop(req: Any, piece: str, armed: bool) -> str:
+    """Pass new text through the request's stop strings; remember which one matched (the
+    one the text was cut at: the earliest to end, the longer on a tie). Not ``armed``
+    (before min_tokens): the text passes unmatched."""
+    matcher = req.stop_matcher
+    if matcher is None or not piece:
+        return piece
+    check = matcher.feed(piece, match=armed)
+    if check.stopped and req.stop_reason is None:
+        req.stop_reason = matcher.matched
+    return str(check.text)
