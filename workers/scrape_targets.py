@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -98,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-age-s", type=float, default=30.0, help="heartbeats older are left out")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # A container's stop is SIGTERM, to PID 1, which has no default action there: as Ctrl-C,
+    # it ends the loop at once (else docker waits its 10 s and kills it).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         asyncio.run(run(args.config, args.out, args.interval_s, args.max_age_s))
     except ConfigError as exc:

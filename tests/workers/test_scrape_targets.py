@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from nats.js import JetStreamContext
 
@@ -36,3 +42,27 @@ async def test_live_workers_with_a_port_are_targets_and_the_rest_are_not(
         {"targets": ["h:9400"], "labels": {"group": "short", "worker": "a"}},
         {"targets": ["h:9401"], "labels": {"group": "long", "worker": "e"}},
     ]
+
+
+async def test_a_container_stop_sigterm_ends_the_loop_at_once(
+    nats_config: NatsConfig, tmp_path: Path
+) -> None:
+    """It runs as PID 1 in the compose stack, where SIGTERM has no default action: docker
+    waited its 10 s, then killed it. SIGTERM now ends it like Ctrl-C, with status 0."""
+    out = tmp_path / "targets.json"
+    env = {**os.environ, "QOS_NATS__URL": nats_config.url,
+           "QOS_NATS__KV_BUCKET": nats_config.kv_bucket}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.scrape_targets", "--out", str(out), "--interval-s", "0.2"],
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not out.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == 0
+    finally:
+        proc.kill()
+        proc.wait()
