@@ -172,6 +172,11 @@ class ResponseStream:
         """Answer a redelivered attempt: what the client has; older attempts go quiet."""
         return self._seq.resume(query)
 
+    @property
+    def attempt(self) -> int:
+        """The delivery whose chunks the stream takes (later resumes raise it)."""
+        return self._seq.min_attempt
+
     def _push(self, delivery: Delivery) -> None:
         self._ready.append(delivery)
         waiter = self._waiter
@@ -400,9 +405,11 @@ class Dispatcher:
             # The stream follows this attempt now: a replica still serving an earlier
             # delivery (its in_progress came late) stops, rather than spend a batch slot
             # and ack the message under the replica that serves it.
+            # The attempt it follows, not the query's: a replica cut off since an earlier one
+            # asks with that one (a resync), and is the one to stop.
             supersede = Control(
                 action="supersede", issued_ms=int(time.time() * 1000), group=stream.group,
-                request_id=request_id, attempt=query.attempt, reason="resumed elsewhere",
+                request_id=request_id, attempt=stream.attempt, reason="resumed elsewhere",
             )  # fmt: skip
             await self._nc.publish(self._subjects.abort(stream.group), supersede.to_bytes())
 

@@ -58,6 +58,7 @@ class Resync:
         window_s: float = WINDOW_S,
         origin_silent_s: Callable[[str], float] | None = None,
         origin_quiet_after_s: float = 2.0,
+        on_closed: Callable[[Flight], None] | None = None,
     ) -> None:
         self._subjects = subjects
         self._worker_id = worker_id
@@ -69,6 +70,9 @@ class Resync:
         # gateway is quiet (maybe cut off, to be resynced when it is back).
         self._origin_silent_s = origin_silent_s
         self._origin_quiet_after_s = origin_quiet_after_s
+        # Told of a flight whose caller answered "closed": an abort it sent while this
+        # worker was cut off never came, and the request must not run on for nobody.
+        self._on_closed = on_closed
         self._recent: dict[str, tuple[float, Flight]] = {}
         self._quiet: set[str] = set()  # finished flights whose gateway went quiet since
         self._reconnects = 0
@@ -142,6 +146,8 @@ class Resync:
 
     async def _resync(self, nc: Client, st: Flight) -> None:
         reply = await self._ask(nc, st)
+        if reply is not None and reply.closed and self._on_closed is not None:
+            self._on_closed(st)
         if reply is None or reply.closed:  # gone, or finished with it: nothing to re-send
             return
         delivered = len(reply.token_ids)

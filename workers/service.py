@@ -229,6 +229,7 @@ class WorkerService:
             timeout_s=options.resume_timeout_s,
             origin_silent_s=self._gateways.silent_s,
             origin_quiet_after_s=2 * config.gateway.heartbeat_interval_s,
+            on_closed=self._caller_closed,
         )
 
     # --- life cycle ----------------------------------------------------------------------
@@ -947,6 +948,16 @@ class WorkerService:
             # Finished moves leave the list (any publisher on our control subject adds one).
             self._tasks = [t for t in self._tasks if not t.done()]
             self._tasks.append(task)
+
+    def _caller_closed(self, st: Flight) -> None:
+        """A resync found the caller finished with a request still running here (it was
+        cancelled while this replica was cut off, and the abort never came): abort it."""
+        if self._inflight.get(st.request.id) is not st:
+            return  # finished here meanwhile, or another delivery's
+        log.info("request %s: its caller closed it while we were cut off; aborting", st.request.id)
+        self._aborted.add(st.request.id)
+        if self.bridge is not None:
+            self.bridge.abort(st.request.id)
 
     def _supersede(self, request_id: str, attempt: int) -> None:
         """Delivery ``attempt`` of the request resumed it on another replica, and its caller

@@ -139,6 +139,10 @@ async def test_redelivered_request_resumes_and_the_client_sees_every_token_once(
         replies.append(ResumeReply.from_bytes(answer.data))
         # ... and a replica still serving attempt 1 (not dead, only late) is told to stop.
         supersedes.append(Control.from_bytes((await aborts.next_msg(timeout=2)).data))
+        # That replica, cut off meanwhile, resyncs with its own attempt: told to stop too.
+        stale = ResumeQuery(id=request_id, attempt=1, worker="w1")
+        await job.worker.nc.request(subjects.resume(request_id), stale.to_bytes(), timeout=2)
+        supersedes.append(Control.from_bytes((await aborts.next_msg(timeout=2)).data))
         await aborts.unsubscribe()
         await job.send(5, ids[5:7], attempt=2)
         await job.send(3, ids[3:8], attempt=2)  # overlaps 3..6, adds 7
@@ -168,9 +172,10 @@ async def test_redelivered_request_resumes_and_the_client_sees_every_token_once(
     assert text == "abcdefghij"
     assert events[-1]["usage"]["completion_tokens"] == 10
     assert replies and replies[0].token_ids == ids[0:5] and replies[0].text_len == 5
-    (supersede,) = supersedes
-    assert (supersede.action, supersede.attempt) == ("supersede", 2)
-    assert supersede.request_id == replies[0].id
+    for supersede in supersedes:
+        assert (supersede.action, supersede.attempt) == ("supersede", 2)
+        assert supersede.request_id == replies[0].id
+    assert len(supersedes) == 2
 
 
 async def test_worker_error_before_output_is_an_http_status(nats_config: NatsConfig):

@@ -114,3 +114,24 @@ async def test_a_caller_whose_gateway_beats_is_asked_again_after_a_silent_query(
     beats["gw-a"] = 60.0  # a gateway gone quiet: its silence is an answer
     asked.clear()
     assert await resync._ask(nc, st) is None and len(asked) == 1
+
+
+async def test_a_flight_whose_caller_answers_closed_is_reported_to_be_aborted(
+    nc: Any, subjects: Subjects
+) -> None:
+    """Cut off, the worker missed the abort its gateway sent (core NATS); the resync after
+    the reconnect heard "closed" and only stopped re-sending, while the request went on
+    generating for nobody until max_tokens or its deadline. The worker is told now."""
+    closed: list[Flight] = []
+    resync = Resync(subjects, "w0", 1 << 20, timeout_s=0.5, window_s=2.0, on_closed=closed.append)
+    st, other = _flight(new_id()), _flight(new_id())
+
+    async def answer(msg: Any) -> None:
+        rid = msg.subject.rsplit(".", 1)[-1]
+        await msg.respond(ResumeReply(id=rid, closed=rid == st.request.id).to_bytes())
+
+    for flight in (st, other):
+        await nc.subscribe(subjects.resume(flight.request.id), cb=answer)
+    await resync._resync(nc, st)
+    await resync._resync(nc, other)
+    assert closed == [st]

@@ -1010,3 +1010,31 @@ async def test_the_final_chunk_names_the_stop_token_id_that_ended_the_output(
     )  # fmt: skip
     assert ids == expected_tokens(2, 3, seed=9)
     assert (final.finish_reason, final.stop_reason) == ("stop", third)
+
+
+async def test_a_request_its_caller_closed_while_we_were_cut_off_is_aborted(
+    start_worker: Any, nc: Client, subjects: Subjects
+) -> None:
+    """The resync after a reconnect hears "closed" for a request still running here (its
+    abort was sent while this replica was cut off): the engine stops it and frees its slot."""
+    service = await start_worker(
+        engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.02))
+    )
+    rid = new_id()
+    req = GenerateRequest(
+        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
+        params=RequestParams(max_tokens=200),
+    )  # fmt: skip
+    chunks = await nc.subscribe(subjects.out(rid))
+    await nc.jetstream().publish(
+        subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid}
+    )
+    await chunks.next_msg(timeout=5)
+    st = service._inflight[rid]
+    service._caller_closed(st)
+    while True:
+        chunk = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
+        if chunk.finish_reason is not None:
+            break
+    assert chunk.finish_reason == "abort" and chunk.seq < 200
+    await eventually(lambda: rid not in service._inflight)
