@@ -54,6 +54,11 @@ class GatewayWatch:
         """True when ``origin`` (a request's gateway) has been silent past the threshold."""
         return self.enabled and bool(origin) and self.silent_s(origin) > self._after
 
+    def gone(self, origin: str) -> bool:
+        """Orphaned, and heard before: a gateway that beat and stopped. (One never heard
+        may be new, its first beat still on the way: only the reaper judges it, later.)"""
+        return origin in self._seen and self.orphaned(origin)
+
     def silent_s(self, origin: str) -> float:
         """Seconds since ``origin`` was last heard (or since this worker started listening)."""
         last = max(self._seen.get(origin, float("-inf")), self._listening_since)
@@ -63,8 +68,13 @@ class GatewayWatch:
         """Gateways heard from and not forgotten yet."""
         return sorted(self._seen)
 
+    @property
+    def forget_after_s(self) -> float:
+        """Silence after which a gateway is forgotten."""
+        return _FORGET_AFTER * max(self._after, 1.0)
+
     def forget_stale(self) -> None:
-        limit = self._clock() - _FORGET_AFTER * max(self._after, 1.0)
+        limit = self._clock() - self.forget_after_s
         for gateway_id in [g for g, t in self._seen.items() if t < limit]:
             del self._seen[gateway_id]
             self._reconnects.pop(gateway_id, None)

@@ -59,6 +59,7 @@ class Resync:
         origin_silent_s: Callable[[str], float] | None = None,
         origin_quiet_after_s: float = 2.0,
         on_closed: Callable[[Flight], None] | None = None,
+        quiet_keep_s: float = WINDOW_S,
     ) -> None:
         self._subjects = subjects
         self._worker_id = worker_id
@@ -70,11 +71,17 @@ class Resync:
         # gateway is quiet (maybe cut off, to be resynced when it is back).
         self._origin_silent_s = origin_silent_s
         self._origin_quiet_after_s = origin_quiet_after_s
+        # A finished flight whose gateway is still quiet is kept up to this long: cut off
+        # past the orphan threshold, the gateway finds its requests ended here (aborted as
+        # orphans), and only a resync when it is back tells its clients (else they wait for
+        # their deadlines).
+        self._quiet_keep_s = max(quiet_keep_s, window_s)
         # Told of a flight whose caller answered "closed": an abort it sent while this
         # worker was cut off never came, and the request must not run on for nobody.
         self._on_closed = on_closed
         self._recent: dict[str, tuple[float, Flight]] = {}
-        self._quiet: set[str] = set()  # finished flights whose gateway went quiet since
+        # Finished flights whose gateway went quiet since -> when it was last seen quiet.
+        self._quiet: dict[str, float] = {}
         self._reconnects = 0
         self._last_down = -float("inf")
         self._tasks: set[asyncio.Task[None]] = set()
@@ -96,23 +103,28 @@ class Resync:
         if not nc.is_connected:
             self._last_down = now
         # Whatever finished during an outage is kept until the resync window has passed;
-        # so is what finished while its gateway went quiet, for as long as the window, even
-        # once the gateway is heard again: only its reconnect-count beat says whether it
-        # missed chunks, and a beat it queued while cut off can arrive first.
+        # so is what finished while its gateway went quiet, for as long as the window after
+        # it was last seen quiet (up to quiet_keep_s), even once the gateway is heard again:
+        # only its reconnect-count beat says whether it missed chunks, and a beat it queued
+        # while cut off can arrive first.
         calm = now - self._last_down > self._window_s
         quiet: dict[str, bool] = {}  # per origin, this tick
         for rid, (at, st) in list(self._recent.items()):
-            if rid not in self._quiet:
-                origin = st.request.origin
-                if origin not in quiet:
-                    quiet[origin] = self._origin_quiet(st)
-                if quiet[origin]:
-                    self._quiet.add(rid)
+            origin = st.request.origin
+            if origin not in quiet:
+                quiet[origin] = self._origin_quiet(st)
+            if quiet[origin]:
+                self._quiet[rid] = now
             if now - at > self._keep_s and (calm or at < self._last_down - self._keep_s):
-                if now - at < self._window_s and rid in self._quiet:
+                last_quiet = self._quiet.get(rid)
+                if (
+                    last_quiet is not None
+                    and now - last_quiet < self._window_s
+                    and now - at < self._quiet_keep_s
+                ):
                     continue
                 del self._recent[rid]
-                self._quiet.discard(rid)
+                self._quiet.pop(rid, None)
 
     def caller_reconnected(self, nc: Client, origin: str, inflight: Iterable[Flight]) -> None:
         """Gateway ``origin`` reports a reconnect of its own: resync its streams."""

@@ -230,6 +230,7 @@ class WorkerService:
             origin_silent_s=self._gateways.silent_s,
             origin_quiet_after_s=2 * config.gateway.heartbeat_interval_s,
             on_closed=self._caller_closed,
+            quiet_keep_s=self._gateways.forget_after_s,
         )
 
     # --- life cycle ----------------------------------------------------------------------
@@ -482,6 +483,15 @@ class WorkerService:
                 st, DeadlineExceededError("the request's deadline passed before it started")
             )
             return
+        if self._gateways.gone(req.origin):
+            # Its gateway died with the request still queued (it could not delete it): a
+            # prefill for nobody, which live requests would wait behind. Ended as the
+            # reaper ends one in flight, so a gateway that was only cut off and comes back
+            # hears why (the resync re-sends the abort: a retryable 503 for its client).
+            log.info("request %s: its gateway %s is silent; not served", req.id, req.origin)
+            self.observer.orphaned(st)
+            await self._complete(st, st.final_chunk(self.worker_id, "abort"), error=False)
+            return
         resume: list[int] = []
         resume_text_len = 0
         if attempt > 1:
@@ -521,6 +531,10 @@ class WorkerService:
                     self.observer.abandoned(st, "handed_back")
                     return
                 log.info("request %s: no caller answers the resume query; dropping it", req.id)
+                if req.origin:  # its gateway went silent meanwhile: as above, it may be back
+                    self.observer.orphaned(st)
+                    await self._complete(st, st.final_chunk(self.worker_id, "abort"), error=False)
+                    return
                 await settle(msg.ack)
                 self.observer.abandoned(st, "no_caller")
                 return

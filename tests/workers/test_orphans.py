@@ -106,3 +106,37 @@ async def test_gateways_long_gone_are_forgotten_with_orphan_detection_off_too(
     service._gateways._seen["gw-gone"] = -1e9  # heard long ago
     service._reap_orphans()
     assert "gw-gone" not in service._gateways.known()
+
+
+async def test_a_queued_request_of_a_dead_gateway_is_ended_unserved_with_an_abort(
+    start_worker: Any, worker_config: Config, nc: Any, subjects: Any
+) -> None:
+    """A gateway that died could not delete its queued requests: each was loaded into the
+    engine and prefilled, for nobody, until the reaper's next tick. It is now ended at
+    once, as the reaper ends one (an abort chunk a gateway that only was cut off hears when
+    it is back), and never reaches the engine."""
+    import asyncio
+
+    from common.protocol import Chunk, GenerateRequest, RequestParams
+    from tests.workers.conftest import new_id
+
+    worker = worker_config.worker.model_copy(update={"orphan_after_s": 0.3})
+    service = await start_worker(config=worker_config.model_copy(update={"worker": worker}))
+    service._gateways.heard("gw-dead")  # beat, and died...
+    await asyncio.sleep(0.5)  # ... silent past the threshold by now
+    added: list[str] = []
+    real_add = service.bridge.add
+    service.bridge.add = lambda cmd: (added.append(cmd.request_id), real_add(cmd))[1]
+    rid = new_id()
+    req = GenerateRequest(
+        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
+        params=RequestParams(max_tokens=50), origin="gw-dead",
+    )  # fmt: skip
+    chunks = await nc.subscribe(subjects.out(rid))
+    await nc.jetstream().publish(
+        subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid}
+    )
+    final = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
+    assert (final.finish_reason, final.token_ids) == ("abort", [])
+    assert added == []
+    assert not service._gateways.gone("gw-unheard")  # maybe new: its first beat not here yet

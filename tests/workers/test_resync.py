@@ -135,3 +135,34 @@ async def test_a_flight_whose_caller_answers_closed_is_reported_to_be_aborted(
     await resync._resync(nc, st)
     await resync._resync(nc, other)
     assert closed == [st]
+
+
+def test_streams_of_a_gateway_cut_off_past_the_orphan_threshold_wait_for_its_return(
+    clock: Clock,
+) -> None:
+    """Cut off for 50 s, the gateway's requests were aborted here as orphans (their abort
+    chunks lost). Forgotten after the 10 s window, they could not be resynced when it came
+    back, and its clients waited for their deadlines; now they are kept while it stays
+    quiet (up to quiet_keep_s), and a window past its return."""
+    watch = GatewayWatch(orphan_after_s=10.0, clock=clock)
+    resync = Resync(Subjects(), "w0", 1 << 20, origin_silent_s=watch.silent_s,
+                    quiet_keep_s=watch.forget_after_s)  # fmt: skip
+    nc = types.SimpleNamespace(stats={"reconnects": 0}, is_connected=True)
+    t0 = clock.now
+    watch.heard("gw-a", 0)
+    clock.now = t0 + 10.5
+    resync.finished(_flight("r0"))  # the reaper's abort chunk, published into the void
+    _tick_until(resync, nc, clock, t0 + 50.0)
+    assert [st.request.id for st in resync._flights([])] == ["r0"]
+    assert watch.heard("gw-a", 0) is False  # a beat it queued while cut off
+    _tick_until(resync, nc, clock, t0 + 51.0)
+    assert watch.heard("gw-a", 1) is True  # back: the worker resyncs what it kept
+    assert [st.request.id for st in resync._flights([])] == ["r0"]
+    while clock.now < t0 + 62.0:
+        watch.heard("gw-a", 1)
+        _tick_until(resync, nc, clock, clock.now + 0.5)
+    assert resync._flights([]) == []  # and forgets it once the gateway stays heard
+    resync.finished(_flight("r1"))
+    watch_silent_until = clock.now + watch.forget_after_s + 5
+    _tick_until(resync, nc, clock, watch_silent_until)
+    assert resync._flights([]) == []  # a gateway that never returns: bounded
