@@ -491,8 +491,11 @@ class Generator:
         while True:
             now = time.monotonic()
             left = flight.deadline - now
-            if left <= 0:
+            if left <= 0 and not flight.stream.has_ready:
+                # What came in time goes out first: a reader slower than its worker lost the
+                # end of an answer made before the deadline.
                 raise DeadlineExceededError("the request's deadline passed before it finished")
+            left = max(left, 0.0)
             # Also while deliveries keep coming (a worker flushes every few ms, so a wait
             # for silence would never end): a client that hung up frees its worker's slot.
             if request is not None and now >= flight.disconnect_check_at:

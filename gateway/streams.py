@@ -66,6 +66,9 @@ CLOSED_TTL_S = 600.0
 CLOSED_MAX = 100_000
 MAX_QUEUED_DELETES = 10_000  # aborted requests' stream messages waiting to be deleted
 ABORT_FLUSH_S = 2.0  # how long a stopping gateway waits for its queued aborts to go out
+# A streaming client whose socket takes nothing for this long is cut off, whatever its
+# deadline (a day at most, its own to choose): it held an admission slot all that time.
+WRITE_STALL_S = 30.0
 
 
 def sse_event(obj: Any) -> bytes:
@@ -173,6 +176,11 @@ class ResponseStream:
         return self._seq.resume(query)
 
     @property
+    def has_ready(self) -> bool:
+        """Deliveries wait for the reader."""
+        return bool(self._ready)
+
+    @property
     def attempt(self) -> int:
         """The delivery whose chunks the stream takes (later resumes raise it)."""
         return self._seq.min_attempt
@@ -229,12 +237,17 @@ class SseResponse(StreamingResponse):
         on_disconnect: Callable[[], None],
         on_close: Callable[[int], None],
         deadline: float | None = None,
+        write_stall_s: float = WRITE_STALL_S,
     ) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events  # Starlette types its body_iterator wider than our bytes
         self._on_disconnect = on_disconnect
         self._on_close = on_close  # with the status to record if the events did not land
         self._deadline = deadline  # time.monotonic(): the request's, plus a margin
+        self._write_stall_s = write_stall_s
+        self._sending_since: float | None = None  # loop time of the send() in progress
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._stalled = False
         self._done = False
         self._receive: Receive
         self._watcher: asyncio.Future[Message]  # the pending receive(), for http.disconnect
@@ -247,25 +260,48 @@ class SseResponse(StreamingResponse):
             # A client that keeps its connection open and stops reading blocks send() once
             # the socket's buffers fill: the events' own deadline check never runs again,
             # and the stream held its admission slot for as long as the client liked.
+            # The deadline is the client's to choose (up to a day): one that reads nothing for
+            # write_stall_s is cut off sooner, by a check every half of that.
             left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-            async with asyncio.timeout(left):
-                await self._body(send)
+            async with asyncio.timeout(left) as limit:
+                self._stall_timer = asyncio.get_running_loop().call_later(
+                    self._write_stall_s / 2, self._check_stall, limit
+                )
+                try:
+                    await self._body(send)
+                finally:
+                    self._stall_timer.cancel()
         except TimeoutError:
             status = 504
-            log.warning("a streaming client read nothing until past its deadline: dropped")
+            log.warning("a streaming client read nothing for %s: dropped",
+                        "too long" if self._stalled else "until past its deadline")  # fmt: skip
         finally:
             self._done = True
             self._watcher.cancel()
             self._on_close(status)
 
+    def _check_stall(self, limit: asyncio.Timeout) -> None:
+        """Cut a stream whose send() has waited ``write_stall_s`` (the client's socket is
+        full: it reads nothing); else look again in half that time."""
+        loop = asyncio.get_running_loop()
+        since = self._sending_since
+        if since is not None and loop.time() - since >= self._write_stall_s:
+            self._stalled = True
+            limit.reschedule(loop.time())
+            return
+        self._stall_timer = loop.call_later(self._write_stall_s / 2, self._check_stall, limit)
+
     async def _body(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code}
         await send({**start, "headers": self.raw_headers})
         ended = False
+        loop = asyncio.get_running_loop()
         async for event in self._events:
             # ``[DONE]`` is the stream's last event: it ends the body in the same write.
             ended = event.endswith(SSE_DONE)
+            self._sending_since = loop.time()
             await send({"type": "http.response.body", "body": event, "more_body": not ended})
+            self._sending_since = None
         if not ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
