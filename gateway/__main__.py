@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,  # ours (gateway.observe) has the group and request id
         timeout_graceful_shutdown=max(1, round(config.gateway.shutdown_grace_s)),
     )
-    GatewayServer(server_config, app.state.gateway.dispatch).run()
-    return 0
+    server = GatewayServer(server_config, app.state.gateway.dispatch)
+    server.run()
+    return server.exit_code
 
 
 async def _reach_nats(config: Config) -> None:

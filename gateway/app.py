@@ -95,6 +95,13 @@ class GatewayState:
     # answers 503 naming them, for the orchestrator to replace this process.
     failed: list[str] = field(default_factory=list)
 
+    def loop_died(self, what: str) -> None:
+        """A loop the gateway needs died (a bug): ``/health`` says "broken", and the server
+        (when one runs the app) exits 1, as a worker does, for its supervisor to restart."""
+        self.failed.append(what)
+        if self.dispatch.on_broken is not None:
+            self.dispatch.on_broken(what)
+
 
 def error_response(exc: QosError) -> JSONResponse:
     return JSONResponse(exc.to_openai(), status_code=exc.http_status, headers=exc.headers())
@@ -157,12 +164,12 @@ def create_app(
         js = nc.jetstream()
         _, _, kv = await ensure_jetstream(js, config.nats, config.groups)
         dispatcher = Dispatcher(nc, subjects, config.nats.max_payload_bytes, config.nats.stream)
-        await dispatcher.start(on_failure=state.failed.append)
+        await dispatcher.start(on_failure=state.loop_died)
         state.dispatch.dispatcher, state.dispatch.loop = dispatcher, asyncio.get_running_loop()
-        await view.start(nc, subjects, kv, on_failure=state.failed.append)
+        await view.start(nc, subjects, kv, on_failure=state.loop_died)
         gateway_id = new_gateway_id()
         heartbeat = Heartbeat(nc, subjects, gateway_id, config.gateway.heartbeat_interval_s)
-        await heartbeat.start(on_failure=state.failed.append)
+        await heartbeat.start(on_failure=state.loop_died)
         state.nc = nc
         state.generator = Generator(
             config=config,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -32,6 +33,18 @@ class GatewayServer(uvicorn.Server):
         super().__init__(config)
         self._dispatcher = dispatcher
         self._cut: asyncio.Task[None] | None = None
+        self.exit_code = 0
+        dispatcher.on_broken = self._broken
+
+    def _broken(self, what: str) -> None:
+        """A loop the gateway needs died: stop (gracefully) and exit 1. Alive but broken,
+        it answered 503 to every health check for good: Kubernetes' TCP liveness probe and
+        docker's restart policy both saw a live process."""
+        log.error("%s: stopping the gateway (exit 1) to be restarted", what)
+        self.exit_code = 1
+        if not self.should_exit:
+            self.begin_shutdown()
+            self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn's signal handler: in the main thread, between the loop's callbacks.
@@ -63,3 +76,4 @@ class DispatcherRef:
 
     dispatcher: Dispatcher | None = None
     loop: asyncio.AbstractEventLoop | None = None
+    on_broken: Callable[[str], None] | None = None  # the server's: a needed loop died

@@ -108,6 +108,8 @@ async def test_health_is_503_naming_a_loop_the_gateway_needs_that_died(
         httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
     ):
         assert (await http.get("/health")).status_code == 200
+        broken: list[str] = []  # what the server (GatewayServer) is told: it exits 1
+        gw.app.state.gateway.dispatch.on_broken = broken.append
         dispatcher = gw.app.state.gateway.dispatch.dispatcher
         dispatcher._aborts.put_nowait(None)  # not a (group, id, reason, seq): the loop raises
         for _ in range(100):
@@ -119,6 +121,20 @@ async def test_health_is_503_naming_a_loop_the_gateway_needs_that_died(
     assert health.json()["failed"] == [
         "task gateway-aborts died: TypeError('cannot unpack non-iterable NoneType object')"
     ]
+    assert broken == health.json()["failed"]
+
+
+def test_a_gateway_server_told_a_loop_died_stops_and_exits_1() -> None:
+    import uvicorn
+
+    from gateway.server import DispatcherRef, GatewayServer
+
+    ref = DispatcherRef()
+    server = GatewayServer(uvicorn.Config(app=lambda *a: None), ref)
+    assert server.exit_code == 0 and not server.should_exit
+    assert ref.on_broken is not None
+    ref.on_broken("task gateway-heartbeat died: RuntimeError()")
+    assert server.should_exit and server.exit_code == 1
 
 
 async def test_a_stop_waits_for_queued_aborts_a_bounded_time(
