@@ -186,3 +186,40 @@ def test_quantized_and_half_specified_configs_are_refused_by_name(tmp_path: Path
         (path / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ModelLoadError, match=message):
             load_model_config(str(path))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_keys_a_config_leaves_out_take_transformers_defaults_for_that_architecture(
+    model_type: str,
+) -> None:
+    """A Qwen3 config.json without head_dim has 128-wide heads in transformers (ours were
+    hidden_size / heads: a shape error at load), a Mistral one 128k positions (ours 2048)."""
+    import transformers as tf
+
+    given = dict(vocab_size=64, hidden_size=256, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=32)  # fmt: skip
+    theirs = tf.AutoConfig.for_model(model_type, **given)
+    ours = ModelConfig.from_hf({"model_type": model_type, **given})
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or 256 // 32)
+    assert ours.num_kv_heads == theirs.num_key_value_heads
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+
+
+def test_swish_is_silu_as_in_transformers() -> None:
+    assert ModelConfig.from_hf(_hf(hidden_act="swish")).model_type == "llama"
+    with pytest.raises(ValueError, match="gelu"):
+        ModelConfig.from_hf(_hf(hidden_act="gelu"))
+
+
+def test_weights_that_are_not_the_models_own_are_not_loaded(tmp_path: Path) -> None:
+    """Mistral repositories ship consolidated.safetensors (the same tensors, Mistral's
+    names) beside model.safetensors; a PEFT adapter may sit there too. Without an index
+    every *.safetensors was read, and the first unknown name failed the load."""
+    from workers.engine.loader import safetensors_files
+
+    for name in ("model.safetensors", "consolidated.safetensors", "adapter_model.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    assert safetensors_files(tmp_path) == [tmp_path / "model.safetensors"]
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert safetensors_files(tmp_path) == [tmp_path / "model-00001-of-00002.safetensors"]

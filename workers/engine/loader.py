@@ -166,8 +166,14 @@ def generation_config_eos(model: str) -> set[int]:
     return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
+# Weights a Hugging Face folder may hold beside the model's own, not part of it: Mistral's
+# native format (the same tensors under other names) and a PEFT adapter.
+_NOT_THE_MODEL = ("consolidated", "adapter_model")
+
+
 def safetensors_files(folder: Path) -> list[Path]:
-    """The checkpoint's shards: those the index names, else every ``*.safetensors``."""
+    """The checkpoint's shards: those the index names, else ``model.safetensors``, else
+    every ``*.safetensors`` but Mistral's ``consolidated*`` and a PEFT ``adapter_model``."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -176,7 +182,10 @@ def safetensors_files(folder: Path) -> list[Path]:
             if not f.is_file():
                 raise ModelLoadError(f"{f}: missing (named by {index.name})")
         return files
-    files = sorted(folder.glob("*.safetensors"))
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith(_NOT_THE_MODEL))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors weights found")
     return files

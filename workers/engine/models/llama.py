@@ -32,6 +32,16 @@ log = logging.getLogger(__name__)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+# transformers' per-architecture defaults for keys a config.json leaves out (the generic
+# fallbacks below are Llama's): a Qwen3 config without head_dim has 128-wide heads, not
+# hidden_size / heads, and a Mistral one serves 128k positions, not 2048.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"max_position_embeddings": 131072, "num_key_value_heads": 8},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder, read from a Hugging Face ``config.json``."""
@@ -69,7 +79,8 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read a ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
         model_type = cfg["model_type"]
-        if cfg.get("hidden_act", "silu") != "silu":
+        cfg = {**_ARCH_DEFAULTS.get(model_type, {}), **cfg}
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: the same
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
