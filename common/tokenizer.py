@@ -205,6 +205,12 @@ class Tokenizer(BaseTokenizer):
     BOS/EOS come from tokenizer.json's post-processor alone: transformers 5 drops
     tokenizer_config's ``add_bos_token``/``add_eos_token`` whenever tokenizer.json exists,
     and ids must match what the model was evaluated with there.
+
+    One known difference: for a folder whose ``tokenizer_class`` is ``LlamaTokenizer``
+    (Llama 2's SentencePiece layout), transformers 5 rebuilds tokenizer.json's
+    pre-tokenizer (Metaspace, prepend "first") and adds no "▁" after a special token
+    (``<s>[INST]``); ids here follow tokenizer.json as written, which is what SentencePiece
+    and Meta's reference code produce.
     """
 
     def __init__(
@@ -257,7 +263,10 @@ class Tokenizer(BaseTokenizer):
             raise TokenizerFileNotFoundError(
                 tok_file, "missing; only fast (tokenizer.json) tokenizers are supported"
             )
-        config = _read_json(folder / "tokenizer_config.json", required=True)
+        config = _with_legacy_special_tokens(
+            _read_json(folder / "tokenizer_config.json", required=True),
+            _read_json(folder / "special_tokens_map.json", required=False),
+        )
         generation = _read_json(folder / "generation_config.json", required=False)
         model = _read_json(folder / "config.json", required=False)
 
@@ -400,6 +409,26 @@ class ByteTokenizer(BaseTokenizer):
             return bytes((token_id,))
         special = self._SPECIALS.get(token_id)
         return b"" if special is None else special.encode()
+
+
+def _with_legacy_special_tokens(
+    config: dict[str, Any], legacy: Mapping[str, Any]
+) -> dict[str, Any]:
+    """tokenizer_config with ``special_tokens_map.json`` merged in, as transformers does
+    for a folder whose config has no ``added_tokens_decoder`` (one saved before it
+    existed): the map's tokens win, its ``extra_special_tokens`` list adds to the config's.
+    An older repository's config may name no ``bos_token`` at all: its chat template then
+    rendered without one."""
+    if "added_tokens_decoder" in config or not legacy:
+        return config
+    merged = dict(config)
+    for key, value in legacy.items():
+        if key == "extra_special_tokens" and isinstance(value, list):
+            existing = merged.get(key)
+            merged[key] = [*(existing if isinstance(existing, list) else []), *value]
+        else:
+            merged[key] = value
+    return merged
 
 
 def _listed_special_tokens(config: Mapping[str, Any]) -> list[str]:

@@ -523,3 +523,26 @@ def test_special_tokens_listed_in_the_config_but_not_in_tokenizer_json_are_added
     ids = ref.encode(text)
     assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids)
     assert ours.vocab_size == len(ref)
+
+
+def test_special_tokens_map_fills_in_for_a_config_saved_before_added_tokens_decoder(
+    tmp_path: Path,
+) -> None:
+    """An older repository names its BOS only in special_tokens_map.json: transformers
+    reads it there (for a config without added_tokens_decoder), and the chat template
+    renders it; ours rendered no BOS."""
+    folder = write_hf_folder(tmp_path / "tok", config={"bos_token": None})
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": BOS, "lstrip": False, "rstrip": False, "special": True}}
+    ))  # fmt: skip
+    ours, theirs = load_tokenizer(str(folder)), hf_auto_tokenizer(folder)
+    assert ours.special_tokens["bos_token"] == theirs.bos_token == BOS
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == (
+        theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    )
+    # A config with added_tokens_decoder is complete: the map is not read (as transformers).
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"] = {}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert "bos_token" not in load_tokenizer(str(folder)).special_tokens
