@@ -132,6 +132,7 @@ class Generator:
         self._check_vocab = not isinstance(tokenizer, ByteTokenizer)
         # Logprobs show each token's own bytes: decoding one piece of a character gives U+FFFD.
         self.token_bytes: Callable[[int], bytes] = lru_cache(maxsize=65536)(tokenizer.token_bytes)
+        self._special_ids = frozenset(tokenizer.all_special_ids)
 
     def check_model(self, model: str | None) -> None:
         """404 for a model name this gateway does not serve (None: the served one)."""
@@ -354,6 +355,7 @@ class Generator:
             self.token_bytes,
             logprobs=logprobs,
             include_usage=body.include_usage(),
+            silent_ids=frozenset() if body.skip_special_tokens is False else self._special_ids,
         )
         headers = {"X-Request-Id": request_id, GROUP_HEADER: route.group}
         if route.is_fallback:

@@ -70,8 +70,12 @@ class Shaper:
         *,
         logprobs: int | None = None,
         include_usage: bool = False,
+        silent_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.kind = kind
+        # Tokens whose text the output leaves out (special tokens under skip_special_tokens):
+        # they take no room in text_offset, which indexes the returned text.
+        self._silent_ids = silent_ids
         self.request_id = request_id
         self.model = model
         self.created = created
@@ -239,7 +243,8 @@ class Shaper:
             data = self.token_bytes(token_id)
             tokens.append(_completion_token(data))
             offsets.append(self._text_offset)
-            self._text_offset += len(self._offset_text.decode(data))
+            if token_id not in self._silent_ids:
+                self._text_offset += len(self._offset_text.decode(data))
         token_logprobs = [_clamp(lp) for lp in delivery.logprobs]
         # The chosen token's entry too, whether or not it is among the best (OpenAI: "up to
         # logprobs+1 elements"; with logprobs 0, that entry alone).

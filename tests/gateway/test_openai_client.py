@@ -366,3 +366,24 @@ async def test_a_fallback_group_settles_max_tokens_again_for_a_request_without_i
     assert answer.status_code == 200 and answer.headers["x-qos-fallback-from"] == "realtime"
     default = gateway.config.gateway.default_max_tokens
     assert worker.jobs[0].request.params.max_tokens == default  # not 64 - 60
+
+
+async def test_text_offset_indexes_the_returned_text_past_a_skipped_special_token(
+    gateway: Served, nats_config: NatsConfig
+):
+    """A special token mid-output (skip_special_tokens, the default) adds no text, but it
+    moved text_offset by its own text's length: "ab" answered [0, 1, 8]."""
+    pad = ByteTokenizer.PAD
+
+    async def pad_between(job: Job) -> None:
+        await job.send(0, [97, pad, 98], logprobs=[-0.5] * 3, finish_reason="length",
+                       usage=job.usage(3))  # fmt: skip
+
+    async with running_worker(nats_config, "short", behaviour=pad_between):
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        completion = await client.completions.create(
+            model=MODEL, prompt=[104, 105], max_tokens=3, logprobs=0
+        )
+    choice = completion.choices[0]
+    assert choice.text == "ab" and choice.logprobs is not None
+    assert choice.logprobs.text_offset == [0, 1, 1]
