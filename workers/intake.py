@@ -20,14 +20,14 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from common.errors import ProtocolError, RequestGivenUpError
+from common.errors import ProtocolError, RequestGivenUpError, ServiceUnavailableError
 from common.protocol import Chunk, ErrorInfo, ResumeQuery, ResumeReply
 from common.subjects import Subjects
 from common.tasks import watch
@@ -50,8 +50,11 @@ class Intake:
         fetch_timeout_s: float = 0.5,
         connected: Callable[[], bool] = lambda: True,
         on_failure: Callable[[str], None] | None = None,
+        hand_back: Callable[[Msg], Awaitable[None]] | None = None,
     ) -> None:
         self.psub = psub
+        # How a fetched message this replica will not serve goes back (default: nak).
+        self._hand_back = hand_back or (lambda msg: settle(msg.nak))
         self._ready = ready
         self._connected = connected
         self._on_failure = on_failure
@@ -87,7 +90,7 @@ class Intake:
             except Exception:
                 break
             if msg.data or not (msg.headers or {}).get("Status"):  # not a 408/404 status
-                await settle(msg.nak)
+                await self._hand_back(msg)
 
     async def close(self) -> None:
         """Halt, then leave the consumer (it stays on the server for the other replicas)."""
@@ -121,7 +124,7 @@ class Intake:
             for msg in msgs:
                 # Drained (or capped) during the long-poll: another replica takes it now.
                 if self._stop or not self._ready():
-                    await settle(msg.nak)
+                    await self._hand_back(msg)
                 else:
                     self._accept(msg)
 
@@ -194,6 +197,38 @@ async def retry_or_fail(
             id=rid, attempt=attempt, finish_reason="error", worker=worker_id,
             error=ErrorInfo(RequestGivenUpError.default_code, f"the worker failed this request on every one of its {attempt} deliveries"),
         )  # fmt: skip
+        with contextlib.suppress(Exception):
+            await nc.publish(reply, chunk.to_bytes())
+    await settle(msg.term)
+
+
+async def hand_back(
+    nc: Client,
+    msg: Msg,
+    worker_id: str,
+    max_deliver: int,
+    subjects: Subjects,
+    delay: float | None = None,
+) -> None:
+    """Return a message this replica will not serve (draining, stopping, superseded) to
+    the queue with ``nak``, for another replica -- but on its last delivery a nak made
+    JetStream give it up, and its caller heard "failed on every delivery" (not retryable)
+    though nothing failed: it gets a retryable 503 instead, and the message is ended."""
+    try:
+        attempt = int(msg.metadata.num_delivered)
+    except Exception:
+        attempt = 1
+    if attempt < max_deliver:
+        await settle(lambda: msg.nak(delay=delay))
+        return
+    reply, rid = raw_reply(msg.data, subjects.out)
+    log.warning("request %s handed back on its last delivery (%d): answered 503, ended",
+                rid or "?", attempt)  # fmt: skip
+    if reply is not None:
+        error = ServiceUnavailableError("the request was handed back on its last delivery; "
+                                        "send it again")  # fmt: skip
+        chunk = Chunk(id=rid, attempt=attempt, finish_reason="error", worker=worker_id,
+                      error=ErrorInfo(error.code, error.message))  # fmt: skip
         with contextlib.suppress(Exception):
             await nc.publish(reply, chunk.to_bytes())
     await settle(msg.term)

@@ -82,6 +82,7 @@ from workers.intake import (
     Intake,
     NoAnswer,
     ask_resume,
+    hand_back,
     reject_undecodable,
     retry_or_fail,
     settle,
@@ -329,6 +330,7 @@ class WorkerService:
             fetch_timeout_s=self.options.fetch_timeout_s,
             connected=lambda: self.nc is not None and self.nc.is_connected,
             on_failure=self._cannot_serve,
+            hand_back=self._hand_back,
         )
         self._intake.start()
         await qnats.barrier(self.nc)  # the server has our subscriptions before we say we serve
@@ -372,19 +374,26 @@ class WorkerService:
         )
         for task, msg in list(self._starting.items()):
             task.cancel()
-            await settle(msg.nak)
+            await self._hand_back(msg)
         for st in list(self._inflight.values()):
             await self._flush(st)  # what was generated reaches the caller; the next replica resumes
             self._inflight.pop(st.request.id, None)
             if self.bridge is not None:
                 self.bridge.abort(st.request.id)
-            await settle(st.msg.nak)
+            await self._hand_back(st.msg)
             self.observer.abandoned(st, "handed_back")
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await self.nc.flush(timeout=2)
 
     # --- one request ---------------------------------------------------------------------
+
+    async def _hand_back(self, msg: Msg, delay: float | None = None) -> None:
+        """A message not served here goes back to the queue (see :func:`hand_back`)."""
+        if self.nc is None:  # no link to answer on: JetStream redelivers it after ack_wait
+            return
+        await hand_back(self.nc, msg, self.worker_id, self.config.nats.max_deliver,
+                        self.subjects, delay)  # fmt: skip
 
     def _has_room(self) -> bool:
         """Fetch only what the engine can batch now: the cap less what is held here."""
@@ -453,7 +462,7 @@ class WorkerService:
                     if self.bridge is not None:
                         self.bridge.abort(req.id)
                     self.observer.abandoned(existing, "handed_back")
-                    await settle(lambda: msg.nak(delay=RESUME_RETRY_S))
+                    await self._hand_back(msg, delay=RESUME_RETRY_S)
                     return
                 existing.msg = msg  # our own request, redelivered after a late in_progress
                 existing.delivered = attempt

@@ -1038,3 +1038,34 @@ async def test_a_request_its_caller_closed_while_we_were_cut_off_is_aborted(
             break
     assert chunk.finish_reason == "abort" and chunk.seq < 200
     await eventually(lambda: rid not in service._inflight)
+
+
+async def test_a_request_handed_back_on_its_last_delivery_gets_a_retryable_503_not_given_up(
+    nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    """Hand-backs that are no failure (a drain mid-poll, a stop's grace over, a stale
+    delivery) used deliveries too: naked on the last, JetStream gave the request up, and its
+    caller heard "failed on every delivery", not retryable. It now hears a 503."""
+    from workers.intake import hand_back
+
+    rid = new_id()
+    req = GenerateRequest(
+        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
+        params=RequestParams(max_tokens=3),
+    )  # fmt: skip
+    chunks = await nc.subscribe(subjects.out(rid))
+    js = nc.jetstream()
+    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
+    await js.publish(subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid})
+    psub = await qnats.group_pull_subscription(js, worker_config.nats, "short")
+    max_deliver = worker_config.nats.max_deliver
+    for attempt in range(1, max_deliver + 1):
+        (msg,) = await psub.fetch(1, timeout=5)
+        assert msg.metadata.num_delivered == attempt
+        await hand_back(nc, msg, "w0", max_deliver, subjects)  # a nak, until the last
+    chunk = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
+    assert chunk.error is not None and chunk.error.code == "service_unavailable"
+    assert (chunk.finish_reason, chunk.attempt) == ("error", max_deliver)
+    info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
+    assert info.num_pending == 0 and info.num_ack_pending == 0  # ended, not kept for good
+    await psub.unsubscribe()
