@@ -184,7 +184,9 @@ class Condition:
     ) -> tuple[list[Any], float]:
         s = self.stack
         path = f"/v1/{s.group}/completions"
-        outcome = await run_load(s.url, path, s.model_name, work, offsets, concurrency)
+        outcome = await run_load(
+            s.url, path, s.model_name, work, offsets, concurrency, self.args.client
+        )
         self.sent += len(work)
         return outcome
 
@@ -390,6 +392,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the services' OTLP exporter: common.otlp_export's, the same in a "
                         "process of its own (common.span_process), or the SDK's "
                         "(OTEL_TRACES_EXPORTER=otlp_proto_grpc/http: the cost before)")  # fmt: skip
+    # raw: a tenth of httpx's CPU per request. The load generator shares the two cores with
+    # the stacks it measures: with httpx it took ~0.9 of a core, diluting tracing's share.
+    p.add_argument(
+        "--client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="HTTP client of the load (raw; httpx before 2026-12-01)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="one stack each, small phases")
     p.add_argument("--out", help="write the JSON here too")

@@ -284,21 +284,22 @@ def resumed_ending(
     output_ids: Sequence[int],
     delivered_text_len: int,
     params: Any,
-) -> StopCheck:
+) -> tuple[str, str | None]:
     """The last text a resumed request owes its caller when it has nothing left to
     generate (its ``max_tokens`` or the context limit reached with the tokens the caller
     has): what its first attempt would have released had it ended there -- the tail held
-    back as a possible stop-string start, and an unfinished character -- and whether that
-    completes a stop string (``params``: ``stop``, ``include_stop_str_in_output``,
-    ``skip_special_tokens``, ``min_tokens``, as on :class:`SamplingParams`)."""
+    back as a possible stop-string start, and an unfinished character -- and the stop
+    string that text completes, if any (``params``: ``stop``,
+    ``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``, as on
+    :class:`SamplingParams`)."""
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
     held = "".join(detok.add(token) for token in output_ids)[delivered_text_len:]
     last = detok.flush()
     if not params.stop:
-        return StopCheck(held + last, False)
+        return held + last, None
     matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
     matcher.hold(held)
     check = matcher.feed(last, match=len(output_ids) > params.min_tokens)
     if check.stopped:
-        return check
-    return StopCheck(check.text + matcher.flush(), False)
+        return check.text, matcher.matched
+    return check.text + matcher.flush(), None

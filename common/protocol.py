@@ -422,6 +422,9 @@ class RequestParams:
     min_tokens: int | None = None  # EOS, stop ids and stop strings wait for this many tokens
     skip_special_tokens: bool | None = None  # None: True
     include_stop_str_in_output: bool | None = None  # None: False
+    # The caller reads Chunk.stop_reason: a worker sends it only then, so a gateway of an
+    # earlier release (which refuses unknown chunk fields) never gets one.
+    want_stop_reason: bool | None = None
 
 
 @dataclass
@@ -512,7 +515,7 @@ class Chunk(Message):
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     worker: str = ""
     # vLLM's: on a final chunk ended by "stop", the stop string or stop token id that ended
-    # it (None: EOS). Left out on the wire when None.
+    # it (None: EOS). Only for a request with params.want_stop_reason; absent when None.
     stop_reason: int | str | None = None
 
     @property

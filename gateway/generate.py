@@ -52,6 +52,7 @@ from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_b
 from gateway.responses import Kind, Shaper, merge, usage_dict
 from gateway.streams import (
     SSE_DONE,
+    WRITE_STALL_S,
     ClientClosedRequest,
     Delivery,
     Dispatcher,
@@ -243,9 +244,10 @@ class Generator:
                 headers={**flight.headers, **_SSE_HEADERS},
                 on_disconnect=flight.stream.hang_up,
                 on_close=lambda status: self._land(flight, status=status),
-                # The events end the stream at its deadline themselves (an error event);
-                # this bounds a client that stopped reading, a second later.
-                deadline=flight.deadline + 1.0,
+                # The events end the stream at its deadline themselves (an error event), after
+                # sending what came in time: a slow reader gets it within the stall bound
+                # (a reader that takes nothing is cut by the write-stall check).
+                deadline=flight.deadline + WRITE_STALL_S,
             )
             streaming = True  # the response lands the flight from here on
             return response

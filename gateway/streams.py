@@ -284,6 +284,8 @@ class SseResponse(StreamingResponse):
         """Cut a stream whose send() has waited ``write_stall_s`` (the client's socket is
         full: it reads nothing); else look again in half that time."""
         loop = asyncio.get_running_loop()
+        if limit.expired():
+            return  # the deadline fired in this same loop turn: the response is ending
         since = self._sending_since
         if since is not None and loop.time() - since >= self._write_stall_s:
             self._stalled = True

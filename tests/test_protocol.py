@@ -284,3 +284,10 @@ def test_fields_added_since_the_last_release_are_not_sent_unless_set() -> None:
     )
     assert "closed" not in msgpack.unpackb(ResumeReply(id="r").to_bytes())
     assert msgpack.unpackb(ResumeReply(id="r", closed=True).to_bytes())["closed"] is True
+    # A chunk's stop_reason, which a gateway of the release before cannot decode, goes only
+    # to a caller that asked for it (a gateway of this release, for a request with stops).
+    assert "stop_reason" not in msgpack.unpackb(Chunk(id="r", finish_reason="stop").to_bytes())
+    params = msgpack.unpackb(GenerateRequest(id="r", group="g", reply="o.r").to_bytes())["params"]
+    assert "want_stop_reason" not in params and "attempt" not in msgpack.unpackb(
+        Control(action="abort", request_id="r").to_bytes()
+    )

@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from common.recent_ids import RecentIds
+
 # Gateways silent this many thresholds are forgotten (bounded memory with gateway churn).
 _FORGET_AFTER = 10
 
@@ -29,6 +31,9 @@ class GatewayWatch:
         self._seen: dict[str, float] = {}
         self._reconnects: dict[str, int] = {}
         self._listening_since = clock()
+        # Gateways forgotten for their silence: a day's worth (the longest deadline), so
+        # their requests still queued are still known to be nobody's.
+        self._forgotten = RecentIds(ttl_s=86_400.0, max_size=10_000, clock=clock)
 
     @property
     def enabled(self) -> bool:
@@ -55,8 +60,11 @@ class GatewayWatch:
         return self.enabled and bool(origin) and self.silent_s(origin) > self._after
 
     def gone(self, origin: str) -> bool:
-        """Orphaned, and heard before: a gateway that beat and stopped. (One never heard
-        may be new, its first beat still on the way: only the reaper judges it, later.)"""
+        """Orphaned, and heard before: a gateway that beat and stopped (or was forgotten
+        for it). One never heard may be new, its first beat still on the way: only the
+        reaper judges it, later."""
+        if origin in self._forgotten and origin not in self._seen:
+            return self.enabled
         return origin in self._seen and self.orphaned(origin)
 
     def silent_s(self, origin: str) -> float:
@@ -78,3 +86,4 @@ class GatewayWatch:
         for gateway_id in [g for g, t in self._seen.items() if t < limit]:
             del self._seen[gateway_id]
             self._reconnects.pop(gateway_id, None)
+            self._forgotten.add(gateway_id)

@@ -98,7 +98,7 @@ class Flight:
         cached = min(output.num_cached_tokens, prompt) if output is not None else 0
         chunk = self.take_chunk(worker)
         chunk.finish_reason = cast(FinishReason, reason)
-        if output is not None and reason == "stop":
+        if output is not None and reason == "stop" and self.request.params.want_stop_reason:
             chunk.stop_reason = output.stop_reason
         chunk.usage = Usage(prompt_tokens=prompt, completion_tokens=self.sent, cached_tokens=cached)
         return chunk

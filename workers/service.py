@@ -46,7 +46,7 @@ from opentelemetry.trace import TracerProvider
 
 import common.nats as qnats
 from common.config import Config
-from common.detokenizer import StopCheck, resumed_ending
+from common.detokenizer import resumed_ending
 from common.errors import (
     ContextLengthExceededError,
     DeadlineExceededError,
@@ -646,7 +646,12 @@ class WorkerService:
             error = event.error
             if st.base > 0 and isinstance(error, ContextLengthExceededError):
                 # Resumed right at the context limit: the first attempt would have ended here.
-                await self._end_resumed(st)
+                # Its own task: rebuilding the held text detokenizes the whole output, and
+                # every other stream's chunks wait behind the pump meanwhile.
+                task = asyncio.create_task(self._end_resumed(st), name="end-resumed")
+                task.add_done_callback(_log_failure)
+                self._tasks = [t for t in self._tasks if not t.done()]
+                self._tasks.append(task)
             else:
                 await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
             return
@@ -668,18 +673,23 @@ class WorkerService:
         """End a resumed request with nothing left to generate as its first attempt would
         have ended there: with the text that attempt held back (a possible stop-string
         start, an unfinished character), which the caller does not have yet."""
-        ending = StopCheck("", False)
+        held = self._inflight.get(st.request.id) is st  # the engine refused it: still ours
+        text, matched = "", None
         tokenizer = getattr(self.engine, "tokenizer", None)
         if tokenizer is not None:
             try:
-                ending = await asyncio.to_thread(self._resumed_ending, st, tokenizer)
+                text, matched = await asyncio.to_thread(self._resumed_ending, st, tokenizer)
             except Exception:  # the tail costs its text, never the answer
                 log.exception("request %s: could not rebuild the held-back text", st.request.id)
-        st.text += ending.text
-        reason = "stop" if ending.stopped else "length"
-        await self._complete(st, st.final_chunk(self.worker_id, reason), error=False)
+        if held and self._inflight.get(st.request.id) is not st:
+            return  # superseded or handed back meanwhile: its message is not ours to ack
+        st.text += text
+        chunk = st.final_chunk(self.worker_id, "length" if matched is None else "stop")
+        if matched is not None and st.request.params.want_stop_reason:
+            chunk.stop_reason = matched
+        await self._complete(st, chunk, error=False)
 
-    def _resumed_ending(self, st: Flight, tokenizer: Any) -> StopCheck:
+    def _resumed_ending(self, st: Flight, tokenizer: Any) -> tuple[str, str | None]:
         req = st.request
         prompt_ids = (
             list(req.prompt_token_ids)

@@ -140,3 +140,16 @@ async def test_a_queued_request_of_a_dead_gateway_is_ended_unserved_with_an_abor
     assert (final.finish_reason, final.token_ids) == ("abort", [])
     assert added == []
     assert not service._gateways.gone("gw-unheard")  # maybe new: its first beat not here yet
+
+
+def test_a_gateway_forgotten_for_its_silence_is_still_known_to_be_gone() -> None:
+    """Forgotten after ten thresholds (bounded memory), a dead gateway's still-queued
+    requests (deadlines may be a day off) were prefilled for nobody again."""
+    clock = Clock()
+    watch = GatewayWatch(1.0, clock)
+    watch.heard("gw-dead")
+    clock.now += 11
+    watch.forget_stale()
+    assert watch.known() == [] and watch.gone("gw-dead")
+    watch.heard("gw-dead")  # it was only cut off, and is back: not gone
+    assert not watch.gone("gw-dead")

@@ -936,7 +936,7 @@ async def test_a_resumed_request_with_nothing_left_to_generate_still_sends_the_h
     rid = new_id()
     req = GenerateRequest(
         id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=prompt, origin="gw",
-        params=RequestParams(max_tokens=max_tokens, stop=stop),
+        params=RequestParams(max_tokens=max_tokens, stop=stop, want_stop_reason=True),
     )  # fmt: skip
     chunks = await nc.subscribe(subjects.out(rid))
     js = nc.jetstream()
@@ -955,6 +955,7 @@ async def test_a_resumed_request_with_nothing_left_to_generate_still_sends_the_h
     await start_worker(engine=engine)
     final = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
     assert (final.text, final.finish_reason, final.seq) == (ending, reason, len(tokens))
+    assert final.stop_reason == (stop[0] if reason == "stop" else None)
     assert final.token_ids == [] and final.usage is not None
     assert final.usage.completion_tokens == len(tokens)
 
@@ -1004,12 +1005,15 @@ async def test_the_final_chunk_names_the_stop_token_id_that_ended_the_output(
 ) -> None:
     await start_worker()
     third = expected_tokens(2, 3, seed=9)[2]
-    ids, _, final = await client.collect(
-        group="short", prompt_token_ids=[1, 2],
-        params=RequestParams(max_tokens=20, seed=9, stop_token_ids=[third]),
-    )  # fmt: skip
-    assert ids == expected_tokens(2, 3, seed=9)
-    assert (final.finish_reason, final.stop_reason) == ("stop", third)
+    for asked in (True, None):
+        ids, _, final = await client.collect(
+            group="short", prompt_token_ids=[1, 2],
+            params=RequestParams(max_tokens=20, seed=9, stop_token_ids=[third],
+                                 want_stop_reason=asked),
+        )  # fmt: skip
+        assert ids == expected_tokens(2, 3, seed=9)
+        # Only to a caller that asked: one of an earlier release cannot decode the field.
+        assert (final.finish_reason, final.stop_reason) == ("stop", third if asked else None)
 
 
 async def test_a_request_its_caller_closed_while_we_were_cut_off_is_aborted(
