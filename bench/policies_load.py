@@ -20,7 +20,7 @@ from typing import Any
 
 import nats
 
-from bench.field_mix import MIX
+from bench.field_mix import MIX, task_weights
 from bench.serve_http import Result, open_sender, token_events
 from bench.serve_load import Req, paced
 from common.protocol import Telemetry
@@ -56,9 +56,12 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def make_sessions(n: int, seed: int, long_tokens: int, turns: int = 3) -> list[Session]:
-    """``n`` sessions in the field's proportions (invalid requests are locust's business)."""
+    """``n`` sessions giving the field's proportions by request, as locust's tasks do (a
+    conversation sends ``turns`` requests; invalid requests are locust's business). By
+    session, as before 2026-12-01, the mix came out 13 % long / 56 % turns / 31 % short."""
     rng = random.Random(seed)
-    kinds = [k for k in ("long_doc", "conversation", "short") for _ in range(MIX[k])]
+    weights = task_weights({k: MIX[k] for k in ("long_doc", "conversation", "short")}, turns)
+    kinds = [k for k, w in weights.items() for _ in range(w)]
     docs = [_ids(random.Random(seed * 31 + d), long_tokens) for d in range(DOCUMENTS)]
     sessions = []
     for _ in range(n):

@@ -91,3 +91,19 @@ def test_ratio_is_open_where_a_bracket_is() -> None:
     assert ratio_at_slo(never_misses, met_at_1) == {"ratio": 2.0, "low": 1.0, "high": None}
     # The policy misses at the lowest rate: anything from 0 up to 1 / 1.
     assert ratio_at_slo(misses_first, met_at_1) == {"ratio": None, "low": 0.0, "high": 1.0}
+
+
+def test_the_long_groups_wait_bounds_the_rate_its_queue_keeps_up_with() -> None:
+    """A step drains before it is judged: a rate whose long documents queue without end
+    passed, since long's E2E is not judged. Its TTFT p99 against its 5 s SLO now is."""
+    slow = StepFigures(16, req_s=25.6, sent=100, completed=100,
+                       e2e_p99_ms={"short": 300, "long": 9000},
+                       ttft_p99_ms={"short": 40, "long": 6500})  # fmt: skip
+    ttft = {"realtime": 100.0, "short": 200.0, "long": 5000.0}
+    assert check_step(slow, SLOS).met  # without the rule (the figures before 2026-12-01)
+    miss = check_step(slow, SLOS, slo_ttft_ms=ttft)
+    assert not miss.met and miss.why == "long TTFT p99 6500 > 5000 ms"
+    kept_up = StepFigures(8, req_s=12.8, sent=50, completed=50, e2e_p99_ms={"short": 300},
+                          ttft_p99_ms={"short": 40, "long": 4400})  # fmt: skip
+    assert check_step(kept_up, SLOS, slo_ttft_ms=ttft).met
+    assert rate_at_slo([kept_up, slow], SLOS, slo_ttft_ms=ttft).rate == 8
