@@ -350,12 +350,13 @@ def schedule_bound(
     return counts
 
 
-def hf_baseline(ns: argparse.Namespace, work: Workload) -> dict[str, Any]:
-    """``transformers.generate`` in static batches of ``--max-batch-size`` (left padded)."""
+def hf_model(ns: argparse.Namespace) -> tuple[Any, torch.device] | None:
+    """``transformers``' model of ``--model`` on the engine's device and dtype, warmed up
+    and set to ignore EOS as the engine runs do; None without transformers."""
     try:
         import transformers as tf
     except ImportError:
-        return {"skipped": "transformers is not installed"}
+        return None
     from workers.engine.args import resolve_device, resolve_dtype
     from workers.engine.loader import DUMMY_SHAPES, is_dummy, load_model_config
 
@@ -373,8 +374,17 @@ def hf_baseline(ns: argparse.Namespace, work: Workload) -> dict[str, Any]:
     model.eval()
     model.generation_config.eos_token_id = None  # ignore_eos, as in the engine runs
     with torch.no_grad():  # warm-up, as the engine runs have (CUDA context, kernels)
-        warm = torch.tensor([work.prompts[0][:8]], device=device)
+        warm = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device=device)
         model.generate(warm, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+    return model, device
+
+
+def hf_baseline(ns: argparse.Namespace, work: Workload) -> dict[str, Any]:
+    """``transformers.generate`` in static batches of ``--max-batch-size`` (left padded)."""
+    built = hf_model(ns)
+    if built is None:
+        return {"skipped": "transformers is not installed"}
+    model, device = built
     bs = ns.max_batch_size
     n_out = 0
     start = time.perf_counter()
@@ -406,6 +416,38 @@ def hf_baseline(ns: argparse.Namespace, work: Workload) -> dict[str, Any]:
     }
 
 
+def hf_decode_step(ns: argparse.Namespace, prompts: list[list[int]], o_len: int) -> dict[str, Any]:
+    """``transformers.generate``'s decode step on the fixed shape, measured as the engine's
+    is: the batch generating ``o_len`` tokens less the batch generating 1 (its prefill and
+    first token), over the ``o_len - 1`` decode steps between. Its rate is B / that step,
+    the same definition as the engine's ``decode_tok_s``."""
+    built = hf_model(ns)
+    if built is None:
+        return {"skipped": "transformers is not installed"}
+    model, device = built
+    ids = torch.tensor(prompts, device=device)
+
+    def timed(new: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=0)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    first, whole = timed(1), timed(o_len)
+    step = (whole - first) / max(1, o_len - 1)
+    return {
+        "decode_step_ms": round(step * 1e3, 3),
+        "decode_tok_s": round(len(prompts) / step, 1) if step > 0 else None,
+        "prefill_and_first_token_s": round(first, 3),
+        "whole_s": round(whole, 3),
+    }
+
+
 def run_fixed(ns: argparse.Namespace) -> dict[str, Any]:
     """B requests of I prompt tokens, O output tokens each, decoded as one batch."""
     b, i_len, o_len = ns.fixed_batch, ns.input_len, ns.output_len
@@ -431,16 +473,29 @@ def run_fixed(ns: argparse.Namespace) -> dict[str, Any]:
     step_s = statistics.median(log.seconds[k] for k in decode) if decode else float("nan")
     mid_ctx = b * (i_len + o_len // 2)
     predicted = roof.step_seconds(mid_ctx)
+    engine_info = {
+        "model": ns.model,
+        "dtype": str(engine.dtype),
+        "device": str(engine.device),
+        "backend": engine.backend,
+        "cuda_graphs": bool(engine.runner._graphs),
+    }
+    phases = {"phases_ms": timer.summary(b)} if timer is not None else {}
+    kernel_figures = {"kernels": kernels.result} if kernels is not None else {}
+    baseline: dict[str, Any] = {}
+    if ns.hf_baseline:  # the same prompts, once the engine and its KV cache are gone
+        del engine, timer, kernels
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        hf = hf_decode_step(ns, work.prompts, o_len)
+        if hf.get("decode_tok_s"):
+            hf["engine_speedup"] = round((b / step_s) / hf["decode_tok_s"], 2)
+        baseline = {"transformers": hf}
     return {
         "mode": "fixed",
         "shape": {"batch": b, "input_len": i_len, "output_len": o_len},
-        "engine": {
-            "model": ns.model,
-            "dtype": str(engine.dtype),
-            "device": str(engine.device),
-            "backend": engine.backend,
-            "cuda_graphs": bool(engine.runner._graphs),
-        },
+        "engine": engine_info,
         "decode_step_ms_median": round(step_s * 1e3, 3),
         "roofline_step_ms": round(predicted * 1e3, 3),
         "decode_vs_roofline": round(step_s / predicted, 2),
@@ -448,8 +503,9 @@ def run_fixed(ns: argparse.Namespace) -> dict[str, Any]:
         "roofline_tok_s": round(b / predicted, 1),
         "run": summary,
         "roofline": roof.summary(b, i_len + o_len // 2),
-        **({"phases_ms": timer.summary(b)} if timer is not None else {}),
-        **({"kernels": kernels.result} if kernels is not None else {}),
+        **phases,
+        **kernel_figures,
+        **baseline,
     }
 
 

@@ -47,3 +47,22 @@ def test_fixed_shape_bench_compares_decode_with_its_roofline(tmp_path: Path) -> 
     assert result["shape"] == {"batch": 4, "input_len": 16, "output_len": 6}
     assert result["run"]["output_tokens"] == 24
     assert result["decode_step_ms_median"] > 0 and result["decode_vs_roofline"] > 0
+
+
+def test_fixed_shape_bench_measures_transformers_decode_step_on_the_same_prompts(
+    tmp_path: Path,
+) -> None:
+    """--hf-baseline was silently ignored in the fixed-shape mode, which is where the
+    headline speed-up over transformers is read: it now times transformers' decode step
+    on the same batch, the same definition as the engine's (B / median step)."""
+    out = tmp_path / "fixed.json"
+    main(["--fixed-batch", "2", "--input-len", "8", "--output-len", "5", "--num-kv-blocks",
+          "32", "--hf-baseline", "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    hf = result["transformers"]
+    assert hf["decode_step_ms"] > 0 and hf["decode_tok_s"] == pytest.approx(
+        2 / (hf["decode_step_ms"] / 1e3), rel=0.01
+    )
+    assert hf["engine_speedup"] == pytest.approx(
+        result["decode_tok_s"] / hf["decode_tok_s"], rel=0.02
+    )
