@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = report["result"]
     report["summary"] = (
-        f"{result['requests']} requests in {args.run_time} at {result['req_s']} req/s "
-        f"({result['valid_req_s']} valid), shares {result['request_share_pct']}, "
+        f"{result['requests']} requests in {args.run_time}: {result['valid_req_s']} valid "
+        f"req/s ({result['req_s']} with the invalid ones, answered 4xx), "
+        f"shares {result['request_share_pct']}, "
         f"{result['retried_after_429']} retried after a 429, "
         f"{result['failures']} failures; {result['invalid_requests']} invalid requests, all 4xx: "
         f"{result['invalid_answered_4xx']}. Locust: `{shown}`."

@@ -223,8 +223,10 @@ def section_engine(doc: Doc, png: Path) -> list[str]:
 
 def section_locust(doc: Doc, png: Path) -> list[str]:
     head = [doc["summary"]] if doc.get("summary") else []
+    # Locust's "Aggregated" row pools requests with the TTFT/ITL timing events and the
+    # invalid requests' 4xx answers: its percentiles describe nothing, so it is left out.
     rows = [[r["Type"], r["Name"], r["Request Count"], r["Failure Count"], r["Median Response Time"],
-             r.get("95%"), r.get("99%")] for r in doc["rows"]]  # fmt: skip
+             r.get("95%"), r.get("99%")] for r in doc["rows"] if r["Name"] != "Aggregated"]  # fmt: skip
     return [
         *head,
         table(["type", "name", "requests", "failures", "median ms", "p95 ms", "p99 ms"], rows),

@@ -61,6 +61,7 @@ def test_report_has_every_benchmark_a_line_for_missing_ones_and_the_plots(tmp_pa
     (cpu / "locust_stats.csv").write_text(
         "Type,Name,Request Count,Failure Count,Median Response Time,95%,99%\n"
         "TTFT,short,10,0,20,40,50\n"
+        ",Aggregated,99,0,11,140,360\n"
     )
     (cpu / "broken.json").write_text("{not json")
     report = build(tmp_path).read_text()
@@ -86,6 +87,7 @@ def test_report_has_every_benchmark_a_line_for_missing_ones_and_the_plots(tmp_pa
     ):
         assert f"### {missing}\n\nNo result in `cpu/`" in report, missing
     assert "| TTFT | short | 10 | 0 |" in report
+    assert "Aggregated" not in report  # requests, timing events and 4xx pooled: meaningless
     assert "`figure` = 3.5" in report and "`nested.ratio` = 0.25" in report
     assert "CPUs" in report  # the machine that built it
 
