@@ -32,7 +32,7 @@ from common.errors import ConfigError
 ENV_PREFIX = "QOS_"
 _SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 # Keys whose variables are taken as raw strings, never parsed (nor quoted in errors).
-SECRET_KEYS = frozenset({"password", "token", "alert_webhook_url"})
+SECRET_KEYS = frozenset({"password", "token", "alert_webhook_url", "kv_mac_secret"})
 Policy = Literal["static", "dynamic", "continuous", "hybrid"]
 
 
@@ -193,6 +193,10 @@ class RedisConfig(_Strict):
     max_connections: int = Field(16, ge=1)
     ttl_s: int = Field(3600, ge=1)
     socket_timeout_s: float = Field(0.5, gt=0)
+    # A secret every worker shares: KV values in Redis are then authenticated (a keyed
+    # blake2b), so one who can write to Redis but lacks it cannot plant KV under a prompt's
+    # key. Set it wherever Redis is not private to the workers.
+    kv_mac_secret: str | None = None
 
     @field_validator("url")
     @classmethod

@@ -69,6 +69,7 @@ class BulkConnection:
         self.sock = sock
         self._pending = bytearray()  # received, not yet parsed
         self._scratch = bytearray(_CHUNK)
+        self._spoiled = False  # a reply left half read: never reused
         try:
             # The URL's credentials win over the settings', as redis-py's from_url has it:
             # both clients must log in as the same user.
@@ -87,9 +88,16 @@ class BulkConnection:
         with contextlib.suppress(OSError):
             self.sock.close()
 
+    @property
+    def spoiled(self) -> bool:
+        """A reply was left half read (a value too long to take): close, never reuse."""
+        return self._spoiled
+
     def idle_and_open(self) -> bool:
         """Nothing to read on an idle connection: anything there (EOF after a server
         restart, an error) means it is no longer usable."""
+        if self._spoiled:
+            return False
         poll = select.poll()
         poll.register(self.sock, select.POLLIN)
         return not self._pending and not poll.poll(0)
@@ -159,9 +167,13 @@ class BulkConnection:
                 lengths.append(MISSING)
                 continue
             if n > out.shape[1]:
-                self._skip(n + 2)
+                # Not read off the wire: a value may be 512 MB (anyone who can write to
+                # Redis), and the engine waits for this load. The rest of the reply stays
+                # unread, so the connection is dropped instead of reused.
+                self._spoiled = True
                 lengths.append(TOO_LONG)
-                continue
+                lengths += [MISSING] * (len(keys) - i - 1)
+                break
             self._into(out[i, :n].data)
             self._skip(2)
             lengths.append(n)

@@ -1,6 +1,6 @@
 """G2: a host-memory pool of KV blocks with an LRU, sized in bytes.
 
-One slab of fixed-size slots, allocated once (page-locked when CUDA is there, so copies
+Fixed-size slots allocated once, in a few slabs (page-locked when CUDA is there, so copies
 to and from the GPU run at full PCIe speed without a staging copy; plain memory on CPU).
 Blocks evicted from the device cache land here; a request that finds its prefix here
 copies it back instead of recomputing or fetching it from Redis. Used by the engine
@@ -9,20 +9,52 @@ thread only, so nothing here locks.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
 
-def _slab(num_slots: int, slot_bytes: int, pin: bool) -> np.ndarray:
-    if pin:
-        import torch  # local: only a CUDA worker pins, and kvstore stays importable without it
+class _Slabs:
+    """``num_slots`` rows of ``slot_bytes``, in slabs of at most a power of two bytes each.
 
-        if torch.cuda.is_available():
-            pinned = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=True)
-            return pinned.numpy()
-    return np.empty((num_slots, slot_bytes), dtype=np.uint8)
+    Pinned memory comes from torch's caching host allocator, which rounds every request up
+    to a power of two: one 40 GiB slab locked 64 GiB (65 GiB asked for 128, and failed or
+    starved the host). Slabs whose sizes are powers of two lock what they hold.
+    """
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin: bool) -> None:
+        self.rows: list[np.ndarray] = []
+        self._starts: list[int] = []
+        pinned = False
+        if pin:
+            import torch  # local: only a CUDA worker pins; kvstore imports without torch
+
+            pinned = torch.cuda.is_available()
+        left = num_slots
+        while left > 0:
+            size = 1 << ((left * slot_bytes).bit_length() - 1)  # the largest power <= left
+            rows = min(left, max(1, size // slot_bytes))
+            self._starts.append(num_slots - left)
+            self.rows.append(_allocate(rows, slot_bytes, pinned))
+            left -= rows
+
+    def __getitem__(self, slot: int) -> np.ndarray:
+        i = bisect.bisect_right(self._starts, slot) - 1
+        return self.rows[i][slot - self._starts[i]]
+
+    def __setitem__(self, slot: int, row: np.ndarray) -> None:
+        i = bisect.bisect_right(self._starts, slot) - 1
+        self.rows[i][slot - self._starts[i]] = row
+
+
+def _allocate(rows: int, slot_bytes: int, pinned: bool) -> np.ndarray:
+    if pinned:
+        import torch
+
+        return torch.empty((rows, slot_bytes), dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty((rows, slot_bytes), dtype=np.uint8)
 
 
 class HostTier:
@@ -38,7 +70,7 @@ class HostTier:
         self.block_bytes = block_bytes
         self.num_slots = max(0, capacity_bytes // block_bytes)
         self.capacity_bytes = self.num_slots * block_bytes
-        self._slab = _slab(self.num_slots, block_bytes, pin) if self.num_slots else None
+        self._slab = _Slabs(self.num_slots, block_bytes, pin) if self.num_slots else None
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, LRU first
         self._free = list(range(self.num_slots - 1, -1, -1))
         self.num_evictions = 0
@@ -56,12 +88,17 @@ class HostTier:
         return block_hash in self._slots
 
     def prefix(self, hashes: Sequence[bytes]) -> int:
-        """How many of ``hashes``, from the first, are here."""
+        """How many of ``hashes``, from the first, are here; those are made the most
+        recently used, head last (as :meth:`get_prefix`): a request that found them waits
+        for device blocks before it loads, and other requests' offloads evicted them
+        meanwhile, to be recomputed."""
         n = 0
         for h in hashes:
             if h not in self._slots:
                 break
             n += 1
+        for h in reversed(hashes[:n]):
+            self._slots.move_to_end(h)
         return n
 
     def get(self, block_hash: bytes) -> memoryview | None:
@@ -70,7 +107,7 @@ class HostTier:
         if slot is None or self._slab is None:
             return None
         self._slots.move_to_end(block_hash)
-        return memoryview(self._slab[slot])
+        return self._slab[slot].data
 
     def get_prefix(self, hashes: Sequence[bytes]) -> list[memoryview]:
         """The bytes of the longest prefix of ``hashes`` held here, its head made the most
@@ -80,9 +117,7 @@ class HostTier:
         n = self.prefix(hashes)
         if n == 0 or self._slab is None:
             return []
-        for h in reversed(hashes[:n]):
-            self._slots.move_to_end(h)
-        return [memoryview(self._slab[self._slots[h]]) for h in hashes[:n]]
+        return [self._slab[self._slots[h]].data for h in hashes[:n]]
 
     def put(self, block_hash: bytes, data: np.ndarray | bytes | memoryview) -> bool:
         """Copy one block in (evicting the least recently used one if full); False when the

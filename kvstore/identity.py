@@ -184,6 +184,12 @@ class KVIdentity:
         return self.layout.fingerprint()
 
     @cached_property
+    def value_fp(self) -> bytes:
+        """What a value's header carries (8 bytes): the model and the layout together, so a
+        value copied under another model's key (two fine-tunes of one shape) is no hit."""
+        return hashlib.blake2b(self.model_fp + self.layout_fp, digest_size=8).digest()
+
+    @cached_property
     def key_prefix(self) -> bytes:
         """``qos:kv:<model_fp>:<layout_fp>:`` (hex fingerprints)."""
         return f"{KEY_NAMESPACE}:{self.model_fp.hex()}:{self.layout_fp.hex()}:".encode()

@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 from common.config import RedisConfig
 from common.logging import redact_url
 from kvstore.bulk_io import MISSING, BulkConnection, BulkPool
-from kvstore.codec import HEADER_BYTES, CorruptBlock, block_header, decode_block
+from kvstore.codec import HEADER_BYTES, CorruptBlock, block_header, decode_block, mac_key
 from kvstore.host_tier import HostTier
 from kvstore.identity import CacheLayout, KVIdentity, KVLayout, model_fingerprint
 from kvstore.metrics import TierCounters, TierStats, snapshot
@@ -75,6 +75,8 @@ class KVTiers:
         self.batch_bytes = batch_bytes
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.checksum = checksum  # what stores write; loads accept either kind
+        secret = redis.kv_mac_secret if redis is not None else None
+        self._mac_key = mac_key(secret) if secret else b""  # set: stores and loads authenticate
         self.identity: KVIdentity | None = None
         self.host: HostTier | None = None
         self.host_counters = TierCounters()
@@ -162,7 +164,10 @@ class KVTiers:
         except BaseException:
             conn.close()
             raise
-        self._bulk.give(conn)
+        if conn.spoiled:
+            conn.close()
+        else:
+            self._bulk.give(conn)
         return result
 
     # --- the engine's calls --------------------------------------------------------------
@@ -293,7 +298,9 @@ class KVTiers:
             try:
                 if n < 0:  # TOO_LONG: not read off the wire
                     raise CorruptBlock("value longer than a block")
-                views.append(decode_block(row[:n].data, ident.layout, ident.layout_fp, name))
+                views.append(
+                    decode_block(row[:n].data, ident.layout, ident.value_fp, name, self._mac_key)
+                )
             except CorruptBlock as exc:
                 log.warning("kv tiers: corrupt block %s: %s", name.hex(), exc)
                 return views, False, 1
@@ -360,7 +367,12 @@ class KVTiers:
                 ident, ttl = self.identity, self.redis_config.ttl_s
                 keys = [ident.key(h) for h in hashes]
                 values = [
-                    (block_header(ident.layout, ident.layout_fp, h, row, self.checksum), row)
+                    (
+                        block_header(
+                            ident.layout, ident.value_fp, h, row, self.checksum, self._mac_key
+                        ),
+                        row,
+                    )
                     for h, row in zip(hashes, data, strict=True)
                 ]
                 try:

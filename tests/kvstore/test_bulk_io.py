@@ -24,26 +24,29 @@ from kvstore.tiers import KVTiers
 LAYOUT = KVLayout(block_size=4, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
 
 
-def test_mget_lands_values_in_the_callers_rows_and_an_oversized_one_is_skipped(
+def test_mget_lands_values_in_the_callers_rows_and_an_oversized_one_ends_the_reply(
     redis_config: RedisConfig,
 ) -> None:
+    """An oversized value (anyone with Redis access may write 512 MB) was read off the wire
+    in full while the engine waited for the load; now the reply stops there, the keys after
+    it count as misses, and the connection, left mid-reply, is never reused."""
     raw = redis.Redis.from_url(redis_config.url)
     big = bytes(range(256)) * 1024  # 256 KiB: spans many reads
     raw.set(b"b:small", b"x" * 100)
     raw.set(b"b:big", big)
     raw.set(b"b:huge", b"h" * (len(big) + 1))
     raw.close()
+    rows = np.zeros((4, len(big)), dtype=np.uint8)
     conn = BulkConnection(redis_config)
     try:
-        rows = np.zeros((4, len(big)), dtype=np.uint8)
-        keys = [b"b:small", b"b:none", b"b:huge", b"b:big"]
-        assert conn.mget_into(keys, rows) == [100, MISSING, TOO_LONG, len(big)]
-        assert rows[0, :100].tobytes() == b"x" * 100 and rows[3].tobytes() == big
-        assert not rows[2].any()  # the oversized value was read past, not into the row
-        # Still in step: the next reply is parsed from its start.
-        again = np.zeros((1, 100), dtype=np.uint8)
-        assert conn.mget_into([b"b:small"], again) == [100]
-        assert conn.idle_and_open()
+        assert conn.mget_into([b"b:small", b"b:none", b"b:big"], rows) == [100, MISSING, len(big)]
+        assert rows[0, :100].tobytes() == b"x" * 100 and rows[2].tobytes() == big
+        assert conn.mget_into([b"b:small"], rows) == [100]  # in step after a full reply
+        assert not conn.spoiled and conn.idle_and_open()
+        rows[:] = 0
+        assert conn.mget_into([b"b:huge", b"b:small"], rows) == [TOO_LONG, MISSING]
+        assert not rows.any()  # not read into the row
+        assert conn.spoiled and not conn.idle_and_open()  # mid-reply: closed, never reused
     finally:
         conn.close()
 

@@ -108,3 +108,30 @@ def test_a_header_sent_before_the_row_makes_the_same_value_as_encoding() -> None
         value = block_header(LAYOUT, FP, HASH, row, kind) + row.tobytes()
         assert value == encode_block(LAYOUT, FP, HASH, row.tobytes(), checksum=kind)
         assert bytes(decode_block(value, LAYOUT, FP, HASH)) == payload(5)
+
+
+def test_with_a_secret_only_values_authenticated_with_it_decode() -> None:
+    """Anyone who can write to Redis could write a value with a valid checksum, planting
+    the KV of another text under a common prompt's key. A deployment's secret keys the
+    checksum: a forged value, an unkeyed one or one keyed otherwise is a miss."""
+    from kvstore.codec import mac_key
+
+    key, other = mac_key("s3cret"), mac_key("another")
+    data = payload(3)
+    good = encode_block(LAYOUT, FP, HASH, data, key=key)
+    assert bytes(decode_block(good, LAYOUT, FP, HASH, key)) == data
+    forged = {
+        "unkeyed crc32": encode_block(LAYOUT, FP, HASH, payload(4), checksum="crc32"),
+        "unkeyed blake2b": encode_block(LAYOUT, FP, HASH, payload(4), checksum="blake2b"),
+        "another key": encode_block(LAYOUT, FP, HASH, payload(4), key=other),
+    }
+    for what, value in forged.items():
+        with pytest.raises(CorruptBlock):
+            decode_block(value, LAYOUT, FP, HASH, key)
+        assert what
+    flipped = bytearray(good)
+    flipped[-1] ^= 1
+    with pytest.raises(CorruptBlock, match="checksum"):
+        decode_block(bytes(flipped), LAYOUT, FP, HASH, key)
+    with pytest.raises(CorruptBlock, match="no key"):  # a reader without it cannot check
+        decode_block(good, LAYOUT, FP, HASH)

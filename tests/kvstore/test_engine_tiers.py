@@ -55,8 +55,15 @@ def reference(tiny_llama: Path) -> Callable[[list[list[int]]], list[list[int]]]:
     return lambda prompts: serve(eng, prompts)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_exported_blocks_are_whole_blocks_and_import_back_bit_exact(dtype: str) -> None:
+def test_exported_blocks_are_whole_blocks_and_import_back_bit_exact(
+    dtype: str, chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if chunked:  # one block per staged copy: a load of many blocks goes in pieces
+        from workers.engine import model_runner
+
+        monkeypatch.setattr(model_runner, "COPY_CHUNK_BYTES", 1)
     eng = engine(Path("dummy:tiny"), dtype=dtype, num_kv_blocks=8)
     runner = eng.runner
     for k, v, *_ in runner.kv_caches:

@@ -54,3 +54,33 @@ def test_a_prefix_read_keeps_its_head_the_most_recent() -> None:
     tier.put(name(9), block(9))
     assert tier.prefix([name(i) for i in range(4)]) == 3  # the tail went, not the head
     assert tier.get_prefix([name(5)]) == []
+
+
+def test_a_prefix_found_by_a_lookup_outlives_offloads_until_it_is_loaded() -> None:
+    """A request that found its prefix here waits for device blocks before it loads; the
+    lookup did not touch it, so other requests' offloads evicted it in the meantime."""
+    tier = HostTier(4 * BLOCK, BLOCK, pin=False)
+    for i in range(4):
+        tier.put(name(i), block(i))  # 0 is the oldest
+    assert tier.prefix([name(0), name(1)]) == 2  # the lookup
+    tier.put(name(7), block(7))
+    tier.put(name(8), block(8))  # two offloads: 2 and 3 go, not the prefix found
+    assert tier.prefix([name(0), name(1)]) == 2 and name(2) not in tier
+
+
+def test_the_pool_is_slabs_whose_sizes_pinned_memory_does_not_round_up() -> None:
+    """torch's pinned allocator rounds a request up to a power of two: one 40 GiB slab
+    locked 64 GiB. Slabs of at most a power of two each lock what they hold."""
+    from kvstore.host_tier import _Slabs
+
+    slabs = _Slabs(num_slots=11, slot_bytes=48, pin=False)
+    sizes = [s.nbytes for s in slabs.rows]
+    assert sum(s.shape[0] for s in slabs.rows) == 11
+    locked = sum(1 << (size - 1).bit_length() for size in sizes)  # rounded up as torch does
+    assert locked <= 11 * 48 + len(sizes) * 48  # one slab of 11 * 48 bytes would lock 1024
+    tier = HostTier(11 * 48, 48, pin=False)
+    for i in range(11):
+        assert tier.put(name(i), np.full(48, i, np.uint8))
+    assert [bytes(tier.get(name(i)) or b"") for i in range(11)] == [
+        bytes([i]) * 48 for i in range(11)
+    ]

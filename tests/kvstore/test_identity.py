@@ -73,3 +73,35 @@ def test_dummy_weights_drawn_on_other_devices_have_other_fingerprints() -> None:
     assert model_fingerprint("dummy:tiny", 0, "cuda:NVIDIA A100:108") != model_fingerprint(
         "dummy:tiny", 0, "cuda:NVIDIA H200:132"
     )
+
+
+def test_a_value_copied_under_another_models_key_is_no_hit() -> None:
+    """Block names do not depend on the model, and the header carried the layout alone: a
+    value copied from one fine-tune's key to another's (same shape) loaded there."""
+    import pytest
+
+    from kvstore.codec import CorruptBlock, decode_block, encode_block
+    from kvstore.identity import KVIdentity, KVLayout
+
+    layout = KVLayout(block_size=4, dtype="float16", num_layers=2, num_kv_heads=2, head_dim=8)
+    a, b = KVIdentity(b"a" * 16, layout), KVIdentity(b"b" * 16, layout)
+    assert a.layout_fp == b.layout_fp and a.value_fp != b.value_fp
+    block_hash, data = bytes(16), bytes(layout.block_bytes)
+    value = encode_block(layout, a.value_fp, block_hash, data)
+    assert bytes(decode_block(value, layout, a.value_fp, block_hash)) == data
+    with pytest.raises(CorruptBlock, match="another layout"):
+        decode_block(value, layout, b.value_fp, block_hash)
+
+
+def test_a_dummy_models_fingerprint_covers_what_draws_its_weights() -> None:
+    """Only the spec, the seed and the device were hashed: two releases whose shapes or
+    init (or torch, whose generators) differ shared KV of differently drawn weights."""
+    import torch
+
+    from workers.engine.engine import weights_device
+
+    cpu = torch.device("cpu")
+    tiny = weights_device(cpu, "dummy:tiny")
+    assert torch.__version__ in tiny and "init" in tiny
+    assert tiny != weights_device(cpu, "dummy:llama-1b")
+    assert weights_device(cpu, "/models/llama") == "cpu"  # a folder: its files say it all

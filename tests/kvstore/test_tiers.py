@@ -352,3 +352,29 @@ def test_a_closed_tier_answers_misses_and_counts_drops_without_raising(
     tiers.store_async(HASHES[:2], blocks(2))
     assert tiers.load(HASHES[:2]) == []
     assert tiers.stats().redis.drops == 2
+
+
+def test_with_a_shared_secret_a_value_planted_without_it_is_a_counted_miss(
+    redis_config: RedisConfig,
+) -> None:
+    """One who can write to Redis, but lacks the workers' secret, writes a well-formed
+    value (valid crc32) under a prompt's key: without a secret it loaded as that prompt's
+    KV; with one it is a corrupt block, a miss, and the workers' own values still load."""
+    from kvstore.codec import encode_block
+
+    secured = redis_config.model_copy(update={"kv_mac_secret": "shared by the workers"})
+    with make(secured) as writer, make(secured) as reader:
+        data = blocks(2, seed=5)
+        writer.store_async(HASHES[:2], data)
+        assert writer.flush()
+        assert [bytes(v) for v in reader.load(HASHES[:2])] == [bytes(r) for r in data]
+        ident = reader.identity
+        assert ident is not None
+        planted = encode_block(ident.layout, ident.value_fp, HASHES[2], blocks(1, seed=9)[0].data)
+        raw = redis.Redis.from_url(redis_config.url)
+        raw.set(ident.key(HASHES[2]), planted)
+        raw.close()
+        assert reader.load(HASHES[2:3]) == []
+        assert reader.stats().redis.corrupt == 1
+    with make(redis_config) as open_reader:  # without the secret: the same bytes load
+        assert len(open_reader.load(HASHES[2:3])) == 1

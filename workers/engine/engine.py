@@ -6,6 +6,7 @@ request, ``abort`` frees a request's blocks at once. Not thread-safe: one thread
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -27,7 +28,13 @@ from workers.engine.args import (
 )
 from workers.engine.batcher import Batcher, BatchPlan
 from workers.engine.block_pool import BlockPool, KVTier
-from workers.engine.loader import generation_config_eos, load_model_config
+from workers.engine.loader import (
+    DUMMY_INIT_VERSION,
+    DUMMY_SHAPES,
+    generation_config_eos,
+    is_dummy,
+    load_model_config,
+)
 from workers.engine.model_runner import GiB, ModelRunner, TokenFeed
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.request import PLACEHOLDER, Request
@@ -41,12 +48,20 @@ log = logging.getLogger(__name__)
 _MAX_PROFILE_TOKENS = 32768
 
 
-def weights_device(device: torch.device) -> str:
-    """What a dummy model's random weights were drawn on, as far as it changes them."""
-    if device.type != "cuda":
-        return device.type
-    props = torch.cuda.get_device_properties(device)
-    return f"cuda:{props.name}:{props.multi_processor_count}"
+def weights_device(device: torch.device, model: str = "") -> str:
+    """What draws a dummy model's random weights, as far as it changes them: the device
+    (CPU and CUDA generators, and GPUs of different SM counts, give other numbers for one
+    seed), torch and CUDA versions, the shape as resolved and the init scheme. Workers of
+    two releases in a rolling upgrade must not share KV of differently drawn weights."""
+    where = device.type
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        where = f"cuda:{props.name}:{props.multi_processor_count}"
+    if not is_dummy(model):
+        return where
+    shape = json.dumps(DUMMY_SHAPES.get(model.split(":", 1)[1], {}), sort_keys=True, default=str)
+    return (f"{where}|torch {torch.__version__}|cuda {torch.version.cuda}|{shape}"
+            f"|init {DUMMY_INIT_VERSION}")  # fmt: skip
 
 
 class LLMEngine:
@@ -94,7 +109,10 @@ class LLMEngine:
         self.kv_tier = kv_tier
         if kv_tier is not None:
             kv_tier.bind(
-                args.model, args.seed, self.runner.kv_layout(), weights_device(self.device)
+                args.model,
+                args.seed,
+                self.runner.kv_layout(),
+                weights_device(self.device, args.model),
             )
             if kv_tier.accepts_offloads:
                 self.pool.evictions = []

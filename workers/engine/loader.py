@@ -226,6 +226,10 @@ def load_model(
     return net.eval()
 
 
+# Bump when init_dummy_weights draws differently: dummy models' KV fingerprints change.
+DUMMY_INIT_VERSION = 1
+
+
 @torch.no_grad()
 def init_dummy_weights(net: LlamaForCausalLM, seed: int = 0) -> None:
     """Random weights in place: N(0, 0.02) matrices (activations stay O(1) through RMSNorm

@@ -24,11 +24,13 @@ from workers.engine.block_pool import KVCacheLayout
 from workers.engine.kernels.kv_quant import SCALE_DTYPE, is_quantized
 from workers.engine.loader import load_model
 from workers.engine.models.llama import KVCache, ModelConfig
-from workers.engine.transfer import host_to_device, to_device, to_host
+from workers.engine.transfer import host_to_device, to_device
 
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
+# Bytes staged per copy of KV blocks between host and device (tier loads, evictions).
+COPY_CHUNK_BYTES = 128 << 20
 
 
 def graph_buckets(max_batch_size: int) -> list[int]:
@@ -205,19 +207,30 @@ class ModelRunner:
         copy on CUDA, None elsewhere). The copy is queued behind the work already launched,
         so the rows hold the blocks as that work leaves them."""
         ids = to_device(list(block_ids), self.device, torch.long)
-        rows = torch.cat(
-            [
-                p.index_select(2, ids).permute(2, 0, 1, 3).reshape(len(ids), -1)
-                for p in self._kv_bytes()
-            ],
-            dim=1,
-        )
         if not self.is_cuda:
-            return rows, None
-        host = to_host(rows)  # pinned, from torch's caching host allocator: no wait
+            return self._gather_rows(ids), None
+        # In chunks: gathered at once, a thousand evicted 2 MiB blocks took 2 GiB of device
+        # memory the profile never counted, and the step's OOM failed the whole batch.
+        n, per = len(ids), self._blocks_per_copy()
+        host = torch.empty((n, self.bytes_per_block()), dtype=torch.uint8, pin_memory=True)
+        for start in range(0, n, per):
+            rows = self._gather_rows(ids[start : start + per])
+            host[start : start + len(rows)].copy_(rows, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(self.device))  # cuda:N's stream, not cuda:0's
         return host, copied
+
+    def _gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The blocks ``ids`` as rows of bytes in the export format, on the cache's device."""
+        return torch.cat(
+            [p.index_select(2, ids).permute(2, 0, 1, 3).reshape(len(ids), -1)
+             for p in self._kv_bytes()],
+            dim=1,
+        )  # fmt: skip
+
+    def _blocks_per_copy(self) -> int:
+        """Blocks per staged copy in and out of the cache: about COPY_CHUNK_BYTES."""
+        return max(1, COPY_CHUNK_BYTES // self.bytes_per_block())
 
     def kv_layout(self) -> KVCacheLayout:
         """What a KV tier needs to tell this cache's blocks from other layouts'."""
@@ -246,7 +259,13 @@ class ModelRunner:
         return saved
 
     def import_blocks(self, block_ids: Sequence[int], data: Sequence[memoryview]) -> None:
-        """Copy blocks in the :meth:`export_blocks` format into the cache."""
+        """Copy blocks in the :meth:`export_blocks` format into the cache, a bounded chunk
+        at a time (a whole load staged at once on the device could be gigabytes)."""
+        per = self._blocks_per_copy()
+        for start in range(0, len(block_ids), per):
+            self._import_chunk(block_ids[start : start + per], data[start : start + per])
+
+    def _import_chunk(self, block_ids: Sequence[int], data: Sequence[memoryview]) -> None:
         n = len(block_ids)
         host = np.empty((n, self.bytes_per_block()), dtype=np.uint8)
         for i, buf in enumerate(data):
