@@ -426,14 +426,18 @@ def hf_decode_step(ns: argparse.Namespace, prompts: list[list[int]], o_len: int)
         return {"skipped": "transformers is not installed"}
     model, device = built
     ids = torch.tensor(prompts, device=device)
+    # Every position real: without a mask, transformers infers one from pad_token_id, and
+    # a prompt token 0 (random prompts hold some) would be masked, the batch then sent
+    # down SDPA's masked path: other prompts, and a slower baseline, than the engine's.
+    mask = torch.ones_like(ids)
 
     def timed(new: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=0)  # fmt: skip
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
@@ -484,7 +488,7 @@ def run_fixed(ns: argparse.Namespace) -> dict[str, Any]:
     kernel_figures = {"kernels": kernels.result} if kernels is not None else {}
     baseline: dict[str, Any] = {}
     if ns.hf_baseline:  # the same prompts, once the engine and its KV cache are gone
-        del engine, timer, kernels
+        del engine, timer, kernels, step  # step is timer's or kernels' bound method
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -11,12 +11,15 @@ batch mid-run), then runs, with the same seeds for every policy:
 2. a sweep: the rate times each ``--sweep`` factor (geometric by default, each step
    ``--step-s`` long but at least ``--min-sessions`` sessions), lowest first. From it come
    the **rate at SLO** (``bench/slo_rate.py``: the highest offered rate below the first step
-   where realtime's or short's E2E p99 exceeds its group SLO or under 99 % of requests
-   complete) and the saturation throughput (the most req/s any step sustained).
+   where realtime's or short's E2E p99 exceeds its group SLO, long's TTFT p99 its
+   ``slo_ttft_ms``, or under 99 % of requests complete) and the saturation throughput (the
+   most req/s any step sustained).
 
-Sessions are the field mix (``bench/policies_load.py``): 19 % long-document questions on the
-``long`` group, 28 % three-turn conversations resending their history, 48 % short
-generations (the locust file's 5 % invalid requests are left out: they measure robustness).
+Sessions are the field mix by request (``bench/policies_load.py``): of the valid 95 in 100,
+19 long-document questions on the ``long`` group, 28 turns of three-turn conversations
+resending their history, 48 short generations (the locust file's 5 % invalid requests are
+left out: they measure robustness). Runs before 2026-12-01 drew sessions in those
+proportions instead: 13 / 56 / 31 % by request.
 Ratios are against two baselines. The field study reports 2.9x req/s at the same SLO from
 leaving traditional dynamic batching *for continuous batching with instance groups*: its
 baseline is ``dynamic/pool``, dynamic batching on one undivided pool of the same workers
@@ -344,7 +347,8 @@ def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str,
         "model": args.model,
         "device": args.device,
         "workload": {
-            "mix": "19% long-document QA (long group), 28% 3-turn conversations, 48% short",
+            "mix": "by request, of 95: 19 long-document QA (long group), 28 turns of 3-turn "
+            "conversations, 48 short (before 2026-12-01: sessions in those proportions)",
             "rate_sessions_s": args.rate,
             "duration_s": args.duration_s,
             "sweep_factors": args.sweep,
@@ -357,7 +361,8 @@ def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str,
         },
         "slo_definition": {
             "judged_groups": list(JUDGED_GROUPS),
-            "metric": "E2E p99 within the group's slo_e2e_p99_ms",
+            "metric": "E2E p99 within the group's slo_e2e_p99_ms; long's TTFT p99 within its "
+            "slo_ttft_ms",
             "min_completed": MIN_COMPLETED,
             "rate": "highest offered sessions/s below the first sweep step that misses",
         },

@@ -130,7 +130,8 @@ def section_policies(doc: Doc, png: Path) -> list[str]:
                       "saturation req/s", "x dynamic (saturation)",
                       "x dynamic (fixed-rate goodput)"], sat))  # fmt: skip
     out.append("Rate at SLO: the highest offered rate below the first sweep step where realtime's "
-               "or short's E2E p99 exceeds its group SLO or under 99 % of requests complete "
+               "or short's E2E p99 exceeds its group SLO, long's TTFT p99 its slo_ttft_ms, or "
+               "under 99 % of requests complete "
                "(`bench/slo_rate.py`); the bounds are what the steps either side allow. "
                f"The field study reports {doc.get('field_study_ratio', 2.9)}x req/s at the same "
                "SLO for continuous batching with instance groups over dynamic batching; "

@@ -196,7 +196,7 @@ class RedisConfig(_Strict):
     # A secret every worker shares: KV values in Redis are then authenticated (a keyed
     # blake2b), so one who can write to Redis but lacks it cannot plant KV under a prompt's
     # key. Set it wherever Redis is not private to the workers.
-    kv_mac_secret: str | None = None
+    kv_mac_secret: str | None = Field(None, min_length=16)  # empty: a mistake, not "off"
 
     @field_validator("url")
     @classmethod

@@ -107,6 +107,31 @@ PREFIX_QUERIES = Spec(
 PREFIX_HITS = Spec(
     "qos_prefix_cache_hits", "Prompt tokens found (not computed) per KV tier", (*REQUEST, "tier")
 )
+KV_TIER_BYTES = Spec(
+    "qos_kv_tier_bytes", "KV bytes moved per tier and direction (op: load | store)",
+    (*REQUEST, "tier", "op"),
+)  # fmt: skip
+KV_TIER_SECONDS = Spec(
+    "qos_kv_tier_seconds",
+    "Wall time of those loads and stores (per call: divide by qos_kv_tier_operations)",
+    (*REQUEST, "tier", "op"),
+)
+KV_TIER_OPS = Spec(
+    "qos_kv_tier_operations", "Load calls and store batches per tier", (*REQUEST, "tier", "op")
+)
+KV_TIER_DROPS = Spec(
+    "qos_kv_tier_dropped_blocks",
+    "Blocks not written through (queue full, breaker open, no room): recomputed later",
+    (*REQUEST, "tier"),
+)
+KV_TIER_CORRUPT = Spec(
+    "qos_kv_tier_corrupt_values",
+    "Values that failed to decode (checksum, layout, an unauthenticated value): misses",
+    (*REQUEST, "tier"),
+)
+KV_TIER_ERRORS = Spec(
+    "qos_kv_tier_errors", "Tier calls that failed or timed out (misses)", (*REQUEST, "tier")
+)
 PREEMPTIONS = Spec("qos_num_preemptions", "Requests preempted by the engine", REQUEST)
 ENGINE_BUSY = Spec(
     "qos_engine_busy_seconds", "Wall time the engine spent in steps that did work", REQUEST

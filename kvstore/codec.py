@@ -55,6 +55,11 @@ def mac_key(secret: str) -> bytes:
     return hashlib.blake2b(secret.encode(), digest_size=32, person=b"qos-kv-mac").digest()
 
 
+def mac_id(key: bytes) -> str:
+    """A public name of a :func:`mac_key` (for key namespaces): says nothing of the key."""
+    return hashlib.blake2b(key, digest_size=4, person=b"qos-kv-mac-id").hexdigest()
+
+
 class CorruptBlock(ValueError):
     """A stored value that is not a valid block of this layout: treat it as a miss."""
 

@@ -18,7 +18,9 @@ from typing import Protocol
 
 SCALE_BYTES = 4  # fp32 scales of quantised layouts
 FP_BYTES = 8  # 64-bit fingerprints: collisions between deployed models are not a concern
-KEY_NAMESPACE = "qos:kv"
+# "2": the value format's version (kvstore.codec.VERSION), so values of another format,
+# which a reader would count as corrupt and the next write-through overwrite, live apart.
+KEY_NAMESPACE = "qos:kv2"
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -178,6 +180,10 @@ class KVIdentity:
 
     model_fp: bytes
     layout: KVLayout
+    # With values authenticated (redis.kv_mac_secret): an id of the key, so workers with
+    # another secret (or none) keep their own keys instead of rejecting, recomputing and
+    # overwriting each other's values block for block.
+    mac_id: str = ""
 
     @cached_property
     def layout_fp(self) -> bytes:
@@ -191,8 +197,10 @@ class KVIdentity:
 
     @cached_property
     def key_prefix(self) -> bytes:
-        """``qos:kv:<model_fp>:<layout_fp>:`` (hex fingerprints)."""
-        return f"{KEY_NAMESPACE}:{self.model_fp.hex()}:{self.layout_fp.hex()}:".encode()
+        """``qos:kv2:<model_fp>:<layout_fp>:`` (hex fingerprints), then ``m<mac id>:`` when
+        values are authenticated."""
+        mac = f"m{self.mac_id}:" if self.mac_id else ""
+        return f"{KEY_NAMESPACE}:{self.model_fp.hex()}:{self.layout_fp.hex()}:{mac}".encode()
 
     def key(self, block_hash: bytes) -> bytes:
         """The Redis key of one block: the prefix and the block hash in hex."""

@@ -34,7 +34,14 @@ from redis.exceptions import RedisError
 from common.config import RedisConfig
 from common.logging import redact_url
 from kvstore.bulk_io import MISSING, BulkConnection, BulkPool
-from kvstore.codec import HEADER_BYTES, CorruptBlock, block_header, decode_block, mac_key
+from kvstore.codec import (
+    HEADER_BYTES,
+    CorruptBlock,
+    block_header,
+    decode_block,
+    mac_id,
+    mac_key,
+)
 from kvstore.host_tier import HostTier
 from kvstore.identity import CacheLayout, KVIdentity, KVLayout, model_fingerprint
 from kvstore.metrics import TierCounters, TierStats, snapshot
@@ -74,9 +81,10 @@ class KVTiers:
         self.store_queue_bytes = store_queue_bytes
         self.batch_bytes = batch_bytes
         self.breaker = breaker if breaker is not None else CircuitBreaker()
-        self.checksum = checksum  # what stores write; loads accept either kind
+        self.checksum = checksum  # what stores write; loads take crc32 or blake2b alike
         secret = redis.kv_mac_secret if redis is not None else None
-        self._mac_key = mac_key(secret) if secret else b""  # set: stores and loads authenticate
+        # Set: stores write authenticated values, loads take nothing else.
+        self._mac_key = mac_key(secret) if secret else b""
         self.identity: KVIdentity | None = None
         self.host: HostTier | None = None
         self.host_counters = TierCounters()
@@ -115,7 +123,10 @@ class KVTiers:
             tp_size=getattr(layout, "tp_size", 1),
             compute_dtype=getattr(layout, "compute_dtype", ""),
         )
-        self.identity = KVIdentity(model_fingerprint(model, seed, weights_device), kv_layout)
+        self.identity = KVIdentity(
+            model_fingerprint(model, seed, weights_device), kv_layout,
+            mac_id(self._mac_key) if self._mac_key else "",
+        )  # fmt: skip
         self._block_tokens = layout.block_size
         if self.host_capacity_bytes > 0:
             self.host = HostTier(self.host_capacity_bytes, kv_layout.block_bytes, self.pin_host)

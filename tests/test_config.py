@@ -105,6 +105,17 @@ def test_secrets_in_variables_are_taken_as_given_and_never_quoted_in_errors() ->
     assert "hunter2" not in str(bad.value) and "redis.url" in str(bad.value)
 
 
+def test_an_empty_or_short_kv_secret_is_refused_not_taken_as_off() -> None:
+    """A secret reference that resolved to "" turned authentication off on that worker
+    alone, which then rejected (and overwrote) every value the others wrote."""
+    for bad in ("", "short"):
+        with pytest.raises(ConfigError) as error:
+            load_config(None, env={"QOS_REDIS__KV_MAC_SECRET": bad})
+        assert "kv_mac_secret" in str(error.value) and (not bad or bad not in str(error.value))
+    secret = "x" * 16
+    assert load_config(None, env={"QOS_REDIS__KV_MAC_SECRET": secret}).redis.kv_mac_secret == secret
+
+
 def test_a_redis_ca_file_needs_a_tls_url() -> None:
     with pytest.raises(ConfigError, match="rediss://"):
         load_config(None, env={"QOS_REDIS__TLS_CA_FILE": "/ca.pem"})

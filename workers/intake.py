@@ -174,7 +174,7 @@ async def retry_or_fail(
 ) -> None:
     """A message whose handling raised: hand it back (another replica, or this one after a
     pause, may not hit the same fault) until its last delivery; then answer its caller
-    with ``internal_error`` and ``term()`` it. A poison message costs ``max_deliver``
+    with ``request_given_up`` (a 500 its client must not retry) and ``term()`` it. A poison message costs ``max_deliver``
     attempts and one error answer, never a loop."""
     try:
         attempt = int(msg.metadata.num_delivered)

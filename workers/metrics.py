@@ -145,13 +145,24 @@ _ENGINE_FAMILIES: tuple[tuple[m.Spec, type[Any]], ...] = (
     (m.ENGINE_BUSY, CounterMetricFamily),
     (m.PREFIX_QUERIES, CounterMetricFamily),
     (m.PREFIX_HITS, CounterMetricFamily),
+    (m.KV_TIER_BYTES, CounterMetricFamily),
+    (m.KV_TIER_SECONDS, CounterMetricFamily),
+    (m.KV_TIER_OPS, CounterMetricFamily),
+    (m.KV_TIER_DROPS, CounterMetricFamily),
+    (m.KV_TIER_CORRUPT, CounterMetricFamily),
+    (m.KV_TIER_ERRORS, CounterMetricFamily),
 )
 
 
 def _samples(view: EngineView, model: str) -> dict[str, list[tuple[list[str], float]]]:
     """Family name → (label values, value) of one scrape."""
     s, base = view.stats, [view.group, model]
-    queries, hits = _tier_tokens(view)
+    tiers = _tiers(view)
+
+    def per_op(load: str, store: str) -> list[tuple[list[str], float]]:
+        return [([*base, t, op], getattr(c, field)) for t, c in tiers
+                for op, field in (("load", load), ("store", store))]  # fmt: skip
+
     return {
         m.RUNNING.name: [(base, s.num_running)],
         m.WAITING.name: [(base, s.num_waiting)],
@@ -159,25 +170,26 @@ def _samples(view: EngineView, model: str) -> dict[str, list[tuple[list[str], fl
         m.BATCH_CAP.name: [(base, view.batch_cap)],
         m.PREEMPTIONS.name: [(base, s.num_preemptions)],
         m.ENGINE_BUSY.name: [(base, view.busy_s)],
-        m.PREFIX_QUERIES.name: [([*base, tier], v) for tier, v in queries],
-        m.PREFIX_HITS.name: [([*base, tier], v) for tier, v in hits],
+        # G1 (the device cache), then the KV tiers present.
+        m.PREFIX_QUERIES.name: [([*base, "device"], s.prefix_cache_queries)]
+        + [([*base, t], c.query_tokens) for t, c in tiers],
+        m.PREFIX_HITS.name: [([*base, "device"], s.prefix_cache_hits)]
+        + [([*base, t], c.hit_tokens) for t, c in tiers],
+        m.KV_TIER_BYTES.name: per_op("load_bytes", "store_bytes"),
+        m.KV_TIER_SECONDS.name: per_op("load_s", "store_s"),
+        m.KV_TIER_OPS.name: per_op("loads", "stores"),
+        m.KV_TIER_DROPS.name: [([*base, t], c.drops) for t, c in tiers],
+        m.KV_TIER_CORRUPT.name: [([*base, t], c.corrupt) for t, c in tiers],
+        m.KV_TIER_ERRORS.name: [([*base, t], c.errors) for t, c in tiers],
     }
 
 
-def _tier_tokens(view: EngineView) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """(queries, hits) as (tier, tokens): the device cache (G1), then the KV tiers present."""
-    s = view.stats
-    queries = [("device", s.prefix_cache_queries)]
-    hits = [("device", s.prefix_cache_hits)]
+def _tiers(view: EngineView) -> list[tuple[str, Any]]:
+    """(tier, its counters) of the KV tiers present below the device cache."""
     tier = view.kv_tier
-    if tier is not None:
-        stats = tier.stats()
-        present = {
-            "host": stats.host_capacity_blocks > 0,
-            "redis": getattr(tier, "redis_config", None) is not None,
-        }
-        for name, counters in (("host", stats.host), ("redis", stats.redis)):
-            if present[name]:
-                queries.append((name, counters.query_tokens))
-                hits.append((name, counters.hit_tokens))
-    return queries, hits
+    if tier is None:
+        return []
+    stats = tier.stats()
+    present = [("host", stats.host_capacity_blocks > 0, stats.host),
+               ("redis", getattr(tier, "redis_config", None) is not None, stats.redis)]  # fmt: skip
+    return [(name, counters) for name, here, counters in present if here]

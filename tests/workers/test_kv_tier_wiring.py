@@ -34,6 +34,18 @@ def test_worker_engine_with_the_redis_tier_serves_a_prefix_a_twin_engine_stored(
         out_b = _run(second)
         assert out_b == out_a
         assert second.stats().kv_tier_hits >= 64  # the four full blocks came from Redis
+        # What an operator sees of it (issue 5: bytes and latency per load/store, drops).
+        families = _scrape(first, "store"), _scrape(second, "load")
+        for samples, op in zip(families, ("store", "load"), strict=True):
+            labels = {"group": "short", "model": "dummy:tiny", "tier": "redis", "op": op}
+            assert (
+                _value(samples, "qos_kv_tier_bytes_total", labels) >= 4 * first.kv_tier.block_bytes
+            )
+            assert _value(samples, "qos_kv_tier_operations_total", labels) >= 1
+            assert _value(samples, "qos_kv_tier_seconds_total", labels) > 0
+            tier = {"group": "short", "model": "dummy:tiny", "tier": "redis"}
+            for name in ("dropped_blocks", "corrupt_values", "errors"):
+                assert _value(samples, f"qos_kv_tier_{name}_total", tier) == 0
     finally:
         for engine in (first, second):
             engine.kv_tier.close()
@@ -45,3 +57,23 @@ def _run(engine) -> list[int]:
         for delta in engine.step():
             tokens.extend(delta.token_ids)
     return tokens
+
+
+def _scrape(engine, op: str) -> list:  # type: ignore[no-untyped-def]
+    """The engine's metric samples as a worker's /metrics gives them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from workers.metrics import EngineCollector, EngineView
+
+    registry = CollectorRegistry()
+    view = EngineView("short", engine.stats(), 4, 0.0, engine.kv_tier)
+    registry.register(EngineCollector("dummy:tiny", lambda: view))
+    text = generate_latest(registry).decode()
+    return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def _value(samples: list, name: str, labels: dict[str, str]) -> float:  # type: ignore[type-arg]
+    found = [s.value for s in samples if s.name == name and s.labels == labels]
+    assert len(found) == 1, (name, labels, [s for s in samples if s.name == name])
+    return float(found[0])
