@@ -16,7 +16,7 @@ import logging
 import math
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
@@ -123,8 +123,14 @@ async def connect(
     *,
     initial_timeout_s: float | None = None,
     service: str | None = None,
+    on_closed: Callable[[], None] | None = None,
 ) -> Client:
     """Connect with reconnect/backoff, credentials and TLS from ``cfg``; callbacks log.
+
+    ``on_closed`` is told whenever the connection has ended for good -- by ``close()``, or
+    because nats-py gave up (an authorization error, say after a credentials rotation, or
+    ``max_reconnect_attempts`` spent): a service not stopping then acts on nothing while
+    its HTTP endpoints still answer, so it exits, for its supervisor to restart it.
 
     ``service`` (gateway, worker, scheduler) names the reply inbox, ``_INBOX_<service>``,
     unless ``nats.inbox_prefix`` sets one: NATS delivers a reply to every subscriber whose
@@ -156,8 +162,10 @@ async def connect(
         where = redact_url(nc.connected_url.geturl()) if nc.connected_url else None
         log.info("nats %s: reconnected to %s", name, where)
 
-    async def on_closed() -> None:
+    async def closed() -> None:
         log.info("nats %s: connection closed", name)
+        if on_closed is not None:
+            on_closed()
 
     connecting = asyncio.ensure_future(
         nc.connect(
@@ -166,7 +174,7 @@ async def connect(
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
-            closed_cb=on_closed,
+            closed_cb=closed,
             connect_timeout=math.ceil(cfg.connect_timeout_s),
             reconnect_time_wait=cfg.reconnect_wait_s,  # type: ignore[arg-type]  # a float works
             max_reconnect_attempts=cfg.max_reconnect_attempts,

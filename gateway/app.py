@@ -160,7 +160,15 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.keys.warn_if_open()
-        nc = await connect(config.nats, "qosserve-gateway", service="gateway")
+        stopping = asyncio.Event()
+
+        def nats_closed() -> None:  # NATS gave up on us: no request can go out any more
+            if not stopping.is_set():
+                state.loop_died("NATS closed the connection for good")
+
+        nc = await connect(
+            config.nats, "qosserve-gateway", service="gateway", on_closed=nats_closed
+        )
         js = nc.jetstream()
         _, _, kv = await ensure_jetstream(js, config.nats, config.groups)
         dispatcher = Dispatcher(nc, subjects, config.nats.max_payload_bytes, config.nats.stream)
@@ -191,6 +199,7 @@ def create_app(
         try:
             yield
         finally:
+            stopping.set()
             await heartbeat.stop()
             await view.stop()
             state.dispatch.dispatcher = None

@@ -47,5 +47,7 @@ def _post(url: str, data: bytes) -> None:
         with urllib.request.urlopen(request, timeout=WEBHOOK_TIMEOUT_S) as response:
             response.read()
     except Exception as exc:
-        # The host only: a webhook's path is often its secret (Slack-style URLs).
-        log.warning("alert webhook on %s failed: %s", urlsplit(url).hostname, exc)
+        # The host and the error's kind only: a webhook's path is often its secret
+        # (Slack-style URLs), and urllib's messages quote the URL's parts (a password in
+        # "user:pw@host" read as a non-numeric port).
+        log.warning("alert webhook on %s failed: %s", urlsplit(url).hostname, type(exc).__name__)

@@ -19,6 +19,7 @@ The value is JSON, readable with ``nats kv get``::
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -88,12 +89,20 @@ class DemandHistory:
             slots = [None if v is None else float(v) for v in obj["slots"]]
             if len(slots) != HOURS_PER_WEEK:
                 raise ValueError("wrong number of slots")
+            # A value no run of ours writes (an hour off the week, NaN, a negative demand)
+            # made every later rebalance raise: the rebalancer stopped for good.
+            if any(v is not None and not (math.isfinite(v) and v >= 0) for v in slots):
+                raise ValueError("a slot is not a finite demand")
+            hour = int(obj.get("hour", -1))
+            if not -1 <= hour < HOURS_PER_WEEK:
+                raise ValueError("hour out of the week")
+            total = float(obj.get("sum", 0.0))
+            count = int(obj.get("n", 0))
+            if not (math.isfinite(total) and total >= 0 and count >= 0):
+                raise ValueError("bad running sum")
             return cls(
-                slots=slots,
-                hour=int(obj.get("hour", -1)),
-                total=float(obj.get("sum", 0.0)),
-                count=int(obj.get("n", 0)),
+                slots=slots, hour=hour, total=total, count=count,
                 updated_ms=int(obj.get("updated_ms", 0)),
-            )
+            )  # fmt: skip
         except (ValueError, TypeError, KeyError, AttributeError):
             return cls()

@@ -157,6 +157,7 @@ class SchedulerService:
         self._history_saved = 0.0
         self._stop_requested = asyncio.Event()
         self._stopped = False
+        self.exit_code = 0  # 1 when NATS closed the connection for good
 
     @property
     def is_leader(self) -> bool:
@@ -172,7 +173,10 @@ class SchedulerService:
 
     async def start(self) -> None:
         """Connect, make sure the stream/consumers/bucket exist, load state, start the loops."""
-        self.nc = await qnats.connect(self.config.nats, f"scheduler-{self.id}", service="scheduler")
+        self.nc = await qnats.connect(
+            self.config.nats, f"scheduler-{self.id}", service="scheduler",
+            on_closed=self._nats_closed,
+        )  # fmt: skip
         self.js = self.nc.jetstream()
         _, _, self.kv = await qnats.ensure_jetstream(self.js, self.config.nats, self.groups)
         self._sub = await self.nc.subscribe(self.subjects.telemetry_wildcard, cb=self._on_telemetry)
@@ -204,6 +208,15 @@ class SchedulerService:
 
     def request_stop(self) -> None:
         self._stop_requested.set()
+
+    def _nats_closed(self) -> None:
+        """NATS gave up on us (not our own close): nothing acts any more while /metrics
+        still answers the probes; exit 1 for a restart."""
+        if self._stopped or self._stop_requested.is_set():
+            return
+        log.error("scheduler %s: NATS closed the connection for good; exiting", self.id)
+        self.exit_code = 1
+        self.request_stop()
 
     async def stop(self) -> None:
         """Stop acting, save the history, hand the lease over; the bucket's state stays."""
@@ -510,6 +523,9 @@ class SchedulerService:
         assert self.lease is not None
         was = self.lease.held
         held = await self.lease.refresh()
+        # First: the loads below fail while the bucket is unreachable, and a gauge left at 1
+        # showed two leaders (autoscalers and operators read it).
+        self.metrics.leader.set(1 if held else 0)
         if held and not was:
             # A new term: nothing from an earlier one counts, and the breakers continue from
             # where the previous leader left them. Its cooldowns lived in its memory: those
@@ -536,7 +552,6 @@ class SchedulerService:
             # Only the leader's figure may reach autoscalers (they take the max over replicas).
             self.metrics.desired_replicas.clear()
             await self._load_breakers()  # a standby follows the leader's decisions
-        self.metrics.leader.set(1 if held else 0)
 
     async def _load_breakers(self) -> None:
         """Each breaker continues from ``breaker.<group>`` (missing = closed)."""

@@ -115,6 +115,10 @@ CONSUMER_CHECK_S = 30.0
 # What a group's control subject may ask of its replicas (see _on_group_control): the
 # scheduler's caps, and aborts from gateways of the release before qos.abort.<group>.
 GROUP_ACTIONS = frozenset({"abort", "set_batch_cap"})
+# What the scheduler decides, each stamped when issued: older than this (clocks of two hosts
+# agree to well under it), it is a replay, not a decision.
+SCHEDULER_ACTIONS = frozenset({"assign_group", "drain", "resume", "set_batch_cap"})
+CONTROL_STALE_S = 30.0
 ABORT_ONLY = frozenset({"abort", "supersede"})
 
 
@@ -246,7 +250,9 @@ class WorkerService:
         )
         self._apply_group_limits(self.group)
         self.bridge.start()
-        self.nc = await qnats.connect(cfg, f"worker-{self.worker_id}", service="worker")
+        self.nc = await qnats.connect(
+            cfg, f"worker-{self.worker_id}", service="worker", on_closed=self._nats_closed
+        )
         self.js = self.nc.jetstream()
         await qnats.ensure_stream(self.js, cfg, [self.group])
         self.kv = await qnats.ensure_kv(self.js, cfg)
@@ -827,6 +833,12 @@ class WorkerService:
         one's deadline, taking new ones as slots freed."""
         self._cannot_serve(f"the engine failed: {why}")
 
+    def _nats_closed(self) -> None:
+        """NATS gave up on this connection (not our own close): nothing can be fetched,
+        answered or acked any more, while /metrics still answers the liveness probe."""
+        if not self._stopped:
+            self._cannot_serve("NATS closed the connection for good")
+
     def _cannot_serve(self, why: str) -> None:
         """Serving is over for this process (the engine, or a loop it needs, failed): hand
         the requests back and exit 1, for the orchestrator to start a fresh one."""
@@ -934,6 +946,14 @@ class WorkerService:
             log.warning("control %r refused on %s: it is sent to one replica's own subject",
                         action, msg.subject)  # fmt: skip
             return
+        age_s = time.time() - control.issued_ms / 1000
+        if action in SCHEDULER_ACTIONS and control.issued_ms and age_s > CONTROL_STALE_S:
+            # A deposed leader's publishes, queued while it was cut off and sent when it got
+            # back: a move or a cap the leader of today never decided. (Its caps are renewed
+            # every few seconds, its moves re-planned: nothing current is lost.)
+            log.warning("control %r issued %.0f s ago ignored (%s)", action, age_s,
+                        control.reason or "no reason")  # fmt: skip
+            return
         if action == "abort" and control.request_id:
             self._aborted.add(control.request_id)
             st = self._inflight.get(control.request_id)
@@ -1027,6 +1047,10 @@ class WorkerService:
                 await self._wait_idle(self.options.grace_s)
                 if self._stopped:  # stopped while the old group's requests finished
                     return
+                # Before the first report under the new name, which the telemetry loop may
+                # send while binding (retries back off for seconds): a long document's 20 s
+                # p99 arriving as short's opened short's breaker, the group sent help.
+                self.telemetry.reset_latency()
                 await self._unbind()
                 old = self.group
                 if not await self._bind_retrying(group):
@@ -1038,7 +1062,6 @@ class WorkerService:
                 self._apply_group_limits(group)
                 self._cap_set_at = None
                 if group != old:
-                    self.telemetry.reset_latency()
                     limit = self.config.groups[group].max_batch
                     if batch_cap is not None and batch_cap < limit and self.bridge is not None:
                         self.bridge.set_batch_cap(batch_cap)  # lapses unless renewed, as any

@@ -136,3 +136,21 @@ def test_moves_and_stopped_workers_are_forgotten():
     assert set(w.moves_seen) == {"a"}  # within what a new leader may still need
     w.expire(102.0)
     assert w.moves_seen == {}
+
+
+def test_a_stored_history_no_run_writes_starts_empty_rather_than_stop_the_rebalancer() -> None:
+    """An hour off the week or a NaN slot decoded fine, then made every rebalance raise
+    (an index error, ceil(NaN)): the rebalancer stopped for good."""
+    import json
+    import math
+
+    good = DemandHistory()
+    good.observe(3.0, MONDAY_0900_UTC, alpha=0.5)
+    stored = json.loads(good.to_bytes())
+    for bad in ({"hour": 500}, {"hour": -7}, {"slots": [math.nan] * HOURS_PER_WEEK},
+                {"slots": [-1.0] * HOURS_PER_WEEK}, {"sum": math.inf}, {"n": -2}):  # fmt: skip
+        value = json.dumps({**stored, **bad}).encode()
+        back = DemandHistory.from_bytes(value)
+        assert back.slots == [None] * HOURS_PER_WEEK and back.hour == -1, bad
+        back.observe(1.0, MONDAY_0900_UTC, alpha=0.5)  # and it works on
+    assert DemandHistory.from_bytes(good.to_bytes()).slots == good.slots

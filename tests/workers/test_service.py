@@ -415,9 +415,20 @@ async def test_a_moved_replica_reports_no_old_latency_and_takes_its_new_groups_c
     service = await start_worker()
     await client.collect(group="short", prompt_token_ids=[3], params=RequestParams(max_tokens=2))
     assert service.telemetry.e2e.percentiles_ms()[2] == 1
+    # A report sent while it binds (the telemetry loop runs on its own) already carries the
+    # new group's name: the old latencies must be gone by then, not only once bound.
+    during_bind: list[tuple[str, int]] = []
+    real_bind = service._bind
+
+    async def watched_bind(group: str) -> None:
+        during_bind.append((service.group, service.telemetry.e2e.percentiles_ms()[2]))
+        await real_bind(group)
+
+    service._bind = watched_bind
     move = Control(action="assign_group", group="long", batch_cap=1)
     await nc.publish(subjects.control("w0"), move.to_bytes())
     await eventually(lambda: service.group == "long" and service.state == "serving")
+    assert during_bind == [("long", 0)]
     assert service.telemetry.e2e.percentiles_ms() == (0.0, 0.0, 0)
     assert service.telemetry.ttft.percentiles_ms() == (0.0, 0.0, 0)
     assert service.bridge.batch_cap == 1  # long's breaker is open: not its max batch of 2
@@ -1073,3 +1084,26 @@ async def test_a_request_handed_back_on_its_last_delivery_gets_a_retryable_503_n
     info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
     assert info.num_pending == 0 and info.num_ack_pending == 0  # ended, not kept for good
     await psub.unsubscribe()
+
+
+async def test_a_scheduler_control_issued_long_ago_is_a_replay_and_ignored(
+    start_worker: Any, nc: Client, subjects: Subjects
+) -> None:
+    """A deposed scheduler's publishes, queued by nats-py while it was cut off, go out when
+    it reconnects: a move the leader of today never decided. Stamped, they are told apart."""
+    service = await start_worker()
+    old = int((time.time() - 120) * 1000)
+    replay = Control(action="assign_group", group="long", issued_ms=old, reason="replayed")
+    await nc.publish(subjects.control("w0"), replay.to_bytes())
+    cap = Control(action="set_batch_cap", group="short", batch_cap=1, issued_ms=old)
+    await nc.publish(subjects.control_group("short"), cap.to_bytes())
+    abort_ok = Control(action="abort", request_id="r-old", issued_ms=old)  # not a decision
+    await nc.publish(subjects.abort("short"), abort_ok.to_bytes())
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    assert service.group == "short" and service.bridge.batch_cap > 1
+    assert "r-old" in service._aborted
+    fresh = Control(action="set_batch_cap", group="short", batch_cap=1,
+                    issued_ms=int(time.time() * 1000))  # fmt: skip
+    await nc.publish(subjects.control_group("short"), fresh.to_bytes())
+    await eventually(lambda: service.bridge.batch_cap == 1)
