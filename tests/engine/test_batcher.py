@@ -336,3 +336,36 @@ def test_hybrid_takes_blocks_from_a_less_urgent_decode_already_scheduled_this_st
             break
     assert finished[0] == "high", finished
     assert b.pool.num_free_blocks == 12  # the un-scheduled victims left nothing behind
+
+
+def test_a_wall_clock_stepped_back_does_not_hold_a_dynamic_batch() -> None:
+    """Intervals were measured on the wall clock: stepped back 30 s (NTP, a VM resumed)
+    after a request queued, a dynamic batch short of its size waited those 30 s instead
+    of max_wait. They are measured on a monotonic timer now."""
+    wall, mono = [1000.0], [50.0]
+    pool = BlockPool(64, 4)
+    b = Batcher(pool, "dynamic", 4, 64, 20, clock=lambda: wall[0], timer=lambda: mono[0])
+    b.add(req("a", 5, arrival=wall[0]))
+    assert b.schedule().is_empty  # one of four, 0 ms waited
+    wall[0] -= 30.0  # the wall clock steps back; 25 ms pass
+    mono[0] += 0.025
+    assert [r.request_id for r in b.schedule().requests] == ["a"]
+
+
+def test_a_prefill_short_of_blocks_takes_a_smaller_chunk_before_preempting_itself() -> None:
+    """Hybrid: a less urgent prompt whose next chunk did not fit preempted itself, all its
+    chunks thrown away, though the free blocks held part of that chunk."""
+    pool = BlockPool(12, 4, enable_prefix_caching=False, watermark=0.0)
+    b = Batcher(pool, "hybrid", 4, 8, clock=Clock())
+    decode = req("D", 30, max_tokens=200, priority=0)
+    b.add(decode)
+    for _ in range(6):
+        run(b)
+    prompt = req("R", 40, max_tokens=5, priority=1)
+    b.add(prompt)
+    first = run(b)  # R admitted with the room one chunk needs
+    assert "R" in ids(first) and prompt.num_computed_tokens == 7
+    second = run(b)  # 8 more do not fit; the 5 the free block holds do
+    chunk = [len(s.token_ids) for s, r in zip(second.seqs, second.requests, strict=True)
+             if r is prompt]  # fmt: skip
+    assert chunk == [5] and not second.preempted and prompt.num_computed_tokens == 12

@@ -199,7 +199,7 @@ def test_a_waiting_heads_tier_answer_is_asked_again_after_a_while(tiny_llama: Pa
     tier = VanishingTier(claims=False)
     eng = engine(tiny_llama, tier, num_kv_blocks=16, policy="continuous")  # type: ignore[arg-type]
     now = [100.0]
-    eng.batcher.clock = lambda: now[0]
+    eng.batcher.clock = eng.batcher.timer = lambda: now[0]
     eng.add_request("0", prompt_token_ids=prompt(30, 7 * BS), params=GREEDY)
     eng.add_request("1", prompt_token_ids=prompt(31, 10 * BS), params=GREEDY)
     eng.step()

@@ -99,6 +99,7 @@ class Batcher:
         clock: Callable[[], float] = time.time,
         kv_tier: KVTier | None = None,
         prefill_delay_factor: float = 0.0,
+        timer: Callable[[], float] | None = None,
     ) -> None:
         self.pool = pool
         self.kv_tier = kv_tier
@@ -106,7 +107,11 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_wait_s = max_wait_ms / 1000.0
+        # Wall time for what requests report (their scheduling and load times); intervals on
+        # ``timer``, monotonic: a wall clock stepped back (NTP, a VM resumed) held dynamic
+        # batches and delayed prefills for as long as the step. A test's clock drives both.
         self.clock = clock
+        self.timer = timer or (time.monotonic if clock is time.time else clock)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -129,7 +134,7 @@ class Batcher:
     def add(self, req: Request) -> None:
         """Queue a new request."""
         req.status = RequestStatus.WAITING
-        req.queued_since = min(req.arrival_time, self.clock())
+        req.queued_since = self.timer() - max(0.0, self.clock() - req.arrival_time)
         if self.policy == "hybrid":
             bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
         else:
@@ -204,13 +209,13 @@ class Batcher:
     def _formed(self, plan: BatchPlan) -> BatchPlan:
         if self._admitted:
             self._admitted = False
-            self._admitted_at = self.clock()
+            self._admitted_at = self.timer()
         return plan
 
     def _time_admitting_step(self) -> None:
         """The last plan admitted: how long until this decision is what its step took."""
         if self._admitted_at is not None:
-            self._admit_step_s = self.clock() - self._admitted_at
+            self._admit_step_s = self.timer() - self._admitted_at
             self._admitted_at = None
 
     def _delaying_prefills(self) -> bool:
@@ -225,7 +230,7 @@ class Batcher:
                 return False  # a full prefill step, or one that was running: admit now
             oldest = min(oldest, r.queued_since)
         hold = min(self.prefill_delay_factor * self._admit_step_s, self.max_wait_s)
-        return self.clock() - oldest < hold
+        return self.timer() - oldest < hold
 
     def _admission_candidates(self) -> list[Request]:
         """Who may join now, in order, under the whole-prompt policies."""
@@ -239,7 +244,7 @@ class Batcher:
             return []
         if self.policy == "dynamic" and not (
             len(self.waiting) >= self.max_batch_size
-            or self.clock() - self.waiting[0].queued_since >= self.max_wait_s
+            or self.timer() - self.waiting[0].queued_since >= self.max_wait_s
         ):
             return []
         # Form the batch: the oldest requests whose whole runs (prompt + max_tokens) fit in
@@ -305,7 +310,7 @@ class Batcher:
         if (
             seen is not None
             and seen[:2] == (req.num_tokens, first)
-            and self.clock() - seen[3] < TIER_LOOKUP_REUSE_S
+            and self.timer() - seen[3] < TIER_LOOKUP_REUSE_S
         ):
             return seen[2]
         fresh = seen is None or seen[:2] != (req.num_tokens, first)  # else asked again
@@ -313,7 +318,7 @@ class Batcher:
             self.tier_query_tokens += (limit - first) * bs
         hashes = self.pool.update_hashes(req)[first:limit]
         tokens = self.kv_tier.lookup(hashes, count=fresh) * bs
-        self._tier_seen[req.request_id] = (req.num_tokens, first, tokens, self.clock())
+        self._tier_seen[req.request_id] = (req.num_tokens, first, tokens, self.timer())
         return tokens
 
     def _tier_load(self, req: Request, plan: BatchPlan, first: int, tokens: int) -> int:
@@ -321,12 +326,12 @@ class Batcher:
         the device cache. Returns the tokens that arrived (a value may have vanished)."""
         assert self.kv_tier is not None
         bs = self.pool.block_size
-        started = self.clock()
+        started, t0 = self.clock(), self.timer()
         data = self.kv_tier.load(req.block_hashes[first : first + tokens // bs])
         # The request's "kv load" phase in its trace (a preempted request may load again).
         if req.kv_load_start is None:
             req.kv_load_start = started
-        req.kv_load_s += self.clock() - started
+        req.kv_load_s += self.timer() - t0
         block_ids = req.block_table[first : first + len(data)]
         plan.kv_loads.extend(zip(block_ids, data, strict=True))
         loaded = len(data) * bs
@@ -357,6 +362,15 @@ class Batcher:
                 break
             while not self.pool.allocate_slots(req, num_new):
                 victim = max([*queue, req, *plan.requests], key=lambda r: r.sort_key)
+                if victim is req and budget is not None and req.is_prefilling:
+                    # A smaller chunk first: preempting itself threw its prompt's progress
+                    # away, to be admitted again next step (one chunk fits) and again
+                    # preempt itself, step after step, while a more urgent decode shared
+                    # each of those steps with it.
+                    room = self._room(req)
+                    if 0 < room < num_new:
+                        num_new = room
+                        continue
                 if victim in queue:
                     queue.remove(victim)
                 elif victim is not req:
@@ -370,6 +384,11 @@ class Batcher:
                 self._add_seq(plan, req, num_new)
                 if budget is not None:
                     budget -= num_new
+
+    def _room(self, req: Request) -> int:
+        """Tokens ``req`` could compute now in its blocks and the free ones."""
+        blocks = len(req.block_table) + self.pool.num_free_blocks
+        return blocks * self.pool.block_size - req.num_computed_tokens
 
     @staticmethod
     def _unschedule(plan: BatchPlan, req: Request) -> int:
