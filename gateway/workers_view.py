@@ -53,6 +53,15 @@ FORGET_AFTER_WINDOWS = 20
 BREAKER_STALE_S = 30.0
 
 
+def decided_at_ms(value: bytes | None) -> int:
+    """When the scheduler decided a ``breaker.<group>`` record (wall ms); 0 if unsaid."""
+    try:
+        obj: Any = json.loads(value or b"")
+        return int(obj.get("written_ms", 0)) if isinstance(obj, dict) else 0
+    except (ValueError, TypeError):
+        return 0
+
+
 def decode_breaker(value: bytes | None) -> BreakerState:
     """A ``breaker.<group>`` value → its state; anything unreadable is ``closed``."""
     if not value:
@@ -218,9 +227,11 @@ class WorkersView:
             return
         group = key[len(BREAKER_KEY_PREFIX) :]
         age_s = 0.0 if written is None else self._wall() - written.timestamp()
-        self.set_breaker(
-            group, "closed" if operation in ("DEL", "PURGE") else decode_breaker(value), age_s
-        )
+        deleted = operation in ("DEL", "PURGE")
+        decided_ms = 0 if deleted else decided_at_ms(value)
+        if decided_ms:  # a replayed write is as old as its decision, whenever stored
+            age_s = max(age_s, self._wall() - decided_ms / 1000)
+        self.set_breaker(group, "closed" if deleted else decode_breaker(value), age_s)
 
     # -- NATS ------------------------------------------------------------------------------
 

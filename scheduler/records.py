@@ -57,6 +57,9 @@ class BreakerRecord:
     fallback: str | None = None
     batch_cap: int = 0
     scheduler: str = ""
+    # When the leader decided this record (wall ms): a deposed leader's write, queued while
+    # it was cut off and stored when it got back, reads as old, not as fresh from the server.
+    written_ms: int = 0
 
     def to_bytes(self) -> bytes:
         return _dump(asdict(self))
@@ -76,6 +79,7 @@ class BreakerRecord:
                 fallback=obj.get("fallback"),
                 batch_cap=int(obj.get("batch_cap", 0)),
                 scheduler=str(obj.get("scheduler", "")),
+                written_ms=int(obj.get("written_ms", 0)),
             )
         except (ValueError, TypeError, KeyError, AttributeError):
             return None

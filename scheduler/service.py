@@ -385,8 +385,9 @@ class SchedulerService:
         since_ms = int((self._wall() - (self._clock() - since)) * 1000)
         fallback = self.config.groups[group].fallback
         return BreakerRecord(
-            state, since_ms, reason, fallback, self._cap_for(group, state), self.id
-        )
+            state, since_ms, reason, fallback, self._cap_for(group, state), self.id,
+            written_ms=int(self._wall() * 1000),
+        )  # fmt: skip
 
     async def _save_breakers(self) -> None:
         """Write the breaker states not yet in the bucket (a failed write is retried)."""

@@ -317,6 +317,23 @@ def test_a_replayed_open_record_ages_from_when_the_server_stored_it() -> None:
     assert view.breaker("long") == "open"
 
 
+def test_a_deposed_leaders_write_stored_late_is_as_old_as_its_decision() -> None:
+    """A scheduler cut off queued its breaker write (nats-py buffers while reconnecting);
+    stored when it got back, long after a new leader had closed the breaker, the record
+    read as fresh from the server's timestamp and diverted traffic for 30 s."""
+    import datetime
+
+    now = 1_000_000.0
+    view = WorkersView(["long"], breaker_stale_s=30.0, clock=lambda: 50.0, wall=lambda: now)
+    stored_now = datetime.datetime.fromtimestamp(now - 1, datetime.UTC)
+    replayed = json.dumps({"state": "open", "written_ms": int((now - 90) * 1000)}).encode()
+    view.on_breaker_entry("breaker.long", replayed, None, stored_now)
+    assert view.breaker("long") == "closed"
+    current = json.dumps({"state": "open", "written_ms": int((now - 2) * 1000)}).encode()
+    view.on_breaker_entry("breaker.long", current, None, stored_now)
+    assert view.breaker("long") == "open"
+
+
 async def test_a_groups_limit_is_what_its_live_workers_serve_when_that_is_less():
     """The demo model's context is 2,048 tokens while short's config says 4,096 and long's
     128k: the gateway queued requests its workers then refused (each a group error for the
