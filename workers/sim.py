@@ -37,7 +37,7 @@ from typing import Any
 from workers.engine.admission_checks import checked_prompt_ids
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.stopping import settle_token
+from workers.engine.stopping import primary_eos, settle_token
 
 _MASK64 = (1 << 64) - 1
 
@@ -151,6 +151,7 @@ class SimEngine:
             eos = tokenizer.eos_token_id if tokenizer is not None else None
             eos_token_ids = frozenset() if eos is None else frozenset({eos})
         self.eos_token_ids = eos_token_ids
+        self.primary_eos = primary_eos(tokenizer)
         self.num_blocks = num_kv_blocks
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -294,7 +295,9 @@ class SimEngine:
         at_limit = (
             len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= req.max_total_tokens
         )
-        text, reason = settle_token(req, token, self.eos_token_ids, at_limit)
+        text, reason = settle_token(
+            req, token, self.eos_token_ids, at_limit, primary_eos=self.primary_eos
+        )
         req.output_text += text
         if reason is not None:
             self._finish(req, reason, now)

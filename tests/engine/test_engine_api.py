@@ -295,3 +295,26 @@ def test_min_tokens_holds_eos_stop_ids_and_stop_strings_back(
         # that began before them included.
         ends = [j for j in range(len(text)) if text.startswith(stop, j) and j + len(stop) > m]
         assert cut.text == (text[: ends[0]] if ends else text), m
+
+
+def test_an_extra_eos_id_of_the_generation_config_reports_its_id(
+    llm: LLM, path: Path, tmp_path: Path
+) -> None:
+    """vLLM makes the generation config's EOS ids beyond the tokenizer's stop token ids:
+    an output ending on one reports that id as its stop_reason (the tokenizer's: None)."""
+    import json
+    import shutil
+
+    base = llm.generate(["hello"], greedy(12))[0].token_ids
+    extra = base[4]
+    folder = tmp_path / "ckpt"
+    shutil.copytree(path, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, extra]}))
+    other = LLM(
+        str(folder), tokenizer=LetterTokenizer(), block_size=4, num_kv_blocks=64, dtype="float32"
+    )
+    out = other.generate(["hello"], greedy(12))[0]
+    assert out.token_ids == base[: base.index(extra) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", extra)
+    eos = other.generate(["abcd"], greedy(12))[0]
+    assert (eos.token_ids, eos.finish_reason, eos.stop_reason) == ([EOS], "stop", None)

@@ -177,3 +177,35 @@ def test_the_sim_ends_requests_and_releases_text_as_the_engine_does(
     assert "".join(d.text for d in deltas) == text
     out = deltas[-1].output
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_reason)
+
+
+def test_a_secondary_eos_id_reports_its_id_as_a_stop_token_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM turns the generation config's extra EOS ids (Llama 3's <|eot_id|> beside
+    <|end_of_text|>) into stop token ids: ending on one reports its id, its text hidden;
+    the tokenizer's own EOS reports none. Both read None here before."""
+    import workers.sim as sim
+
+    extra = ord("#")
+    for script, reason in (([*b"ab#"], extra), ([*b"ab", EOS], None)):
+        monkeypatch.setattr(
+            sim, "sim_token", lambda seed, position, vocab, s=script: s[position - 3]
+        )
+        engine = SimEngine(
+            cost=SimCost(0, 0, 0), tokenizer=ByteTokenizer(), eos_token_ids=frozenset({EOS, extra})
+        )
+        engine.add_request("r", "Hi", SamplingParams(max_tokens=10))
+        deltas = run(engine)["r"]
+        out = deltas[-1].output
+        assert "".join(d.text for d in deltas) == "ab"
+        assert (out.finish_reason, out.stop_reason) == ("stop", reason)
+    # ignore_eos ignores every EOS id, the secondary ones too (vLLM adds them as stop ids
+    # only without ignore_eos).
+    monkeypatch.setattr(sim, "sim_token", lambda seed, position, vocab: [*b"ab#cd"][position - 3])
+    engine = SimEngine(
+        cost=SimCost(0, 0, 0), tokenizer=ByteTokenizer(), eos_token_ids=frozenset({EOS, extra})
+    )
+    engine.add_request("r", "Hi", SamplingParams(max_tokens=5, ignore_eos=True))
+    out = run(engine)["r"][-1].output
+    assert (out.finish_reason, out.stop_reason, out.text) == ("length", None, "ab#cd")

@@ -39,7 +39,7 @@ from workers.engine.model_runner import GiB, ModelRunner, TokenFeed
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.request import PLACEHOLDER, Request
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.stopping import settle_token
+from workers.engine.stopping import primary_eos, settle_token
 from workers.engine.transfer import to_device, to_host
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,11 @@ class LLMEngine:
             | (set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set())
             | generation_config_eos(args.model)
         )
+        # vLLM's EOS (without a tokenizer, config.json's first): the others stop as stop
+        # token ids do, reporting their id.
+        self.primary_eos = primary_eos(self.tokenizer)
+        if self.tokenizer is None and self.model_config.eos_token_ids:
+            self.primary_eos = self.model_config.eos_token_ids[0]
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestDelta] = []
         self.async_output = (
@@ -617,7 +622,9 @@ class LLMEngine:
         at_limit = (
             req.num_output_tokens >= params.max_tokens or req.num_tokens >= req.max_total_tokens
         )
-        text, reason = settle_token(req, token, self.eos_token_ids, at_limit)
+        text, reason = settle_token(
+            req, token, self.eos_token_ids, at_limit, primary_eos=self.primary_eos
+        )
         req.output_text += text
         if reason is not None:
             self._finish(req, reason, now)

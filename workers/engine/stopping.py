@@ -3,7 +3,9 @@ and the simulated engine (``workers.sim``), so what the worker's tests see is wh
 engine does.
 
 As in vLLM: the first ``min_tokens`` tokens end nothing but the length; EOS (unless
-``ignore_eos``) comes before a stop token id, whose id is the ``stop_reason``; a stop
+``ignore_eos``) comes before a stop token id, whose id is the ``stop_reason`` (so is a
+secondary EOS id's: one the generation config adds to the tokenizer's own, which vLLM
+turns into a stop token id; the tokenizer's EOS reports none); a stop
 token's own text stays out unless ``include_stop_str_in_output``; a stop string cuts the
 text where it matched (``stop_reason`` = the string); an output ending any other way
 releases what was held back (an unfinished character, a partial stop string), which can
@@ -17,17 +19,25 @@ from typing import Any
 
 
 def settle_token(
-    req: Any, token: int, eos_token_ids: Container[int], at_limit: bool
+    req: Any,
+    token: int,
+    eos_token_ids: Container[int],
+    at_limit: bool,
+    *,
+    primary_eos: int | None,
 ) -> tuple[str, str | None]:
     """(text to send, finish reason or None) for ``token``, just appended to ``req``'s
     output. ``req`` has ``params``, ``detokenizer``, ``stop_matcher`` (either may be None),
     ``stop_reason`` (set here) and ``num_output_tokens``; ``at_limit``: its max_tokens or
-    max sequence length is reached."""
+    max sequence length is reached; ``primary_eos``: the tokenizer's own EOS id (None
+    without a tokenizer: every EOS id is then a secondary one, as in vLLM)."""
     params = req.params
     reason: str | None = None
     armed = req.num_output_tokens > params.min_tokens
     if armed and not params.ignore_eos and token in eos_token_ids:
         reason = "stop"
+        if token != primary_eos:
+            req.stop_reason = token
     elif armed and token in params.stop_token_ids:
         reason, req.stop_reason = "stop", token
     hidden = reason is not None and not params.include_stop_str_in_output
@@ -47,6 +57,15 @@ def settle_token(
             if req.stop_matcher.stopped and reason == "length":
                 reason = "stop"  # the released text completed a stop string
     return text, reason
+
+
+def primary_eos(tokenizer: Any | None) -> int | None:
+    """The tokenizer's own EOS id (its ``eos_token_id``, else the least of its
+    ``eos_token_ids``); None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return eos if eos is not None else min(getattr(tokenizer, "eos_token_ids", ()), default=None)
 
 
 def _match_stop(req: Any, piece: str, armed: bool) -> str:
