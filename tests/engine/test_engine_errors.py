@@ -83,6 +83,7 @@ def test_unknown_dummy_spec_lists_the_known_ones() -> None:
         ("policy", "fifo"),
         ("block_size", 0),
         ("max_batch_size", 0),
+        ("max_batch_size", 65536),  # past the prefill kernel's grid axis
         ("num_kv_blocks", 0),
         ("kv_cache_gib", -1.0),
         ("gpu_memory_utilization", 1.5),

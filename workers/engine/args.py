@@ -15,6 +15,7 @@ BACKEND_CHOICES = ("auto", "torch", "triton")
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
 # "auto": the KV cache holds the model dtype; the others quantise (workers/engine/kernels/kv_quant.py).
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3", "int8")
+MAX_BATCH_SIZE = 65535  # CUDA grid axis z, where the prefill kernel puts the sequences
 
 # Default KV budget on CPU, where there is no free-memory figure worth profiling.
 DEFAULT_CPU_KV_CACHE_GIB = 0.5
@@ -90,8 +91,12 @@ class EngineArgs:
             raise bad("num_kv_blocks", f"must be an integer >= 1, got {self.num_kv_blocks!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
-        if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
-            raise bad("max_batch_size", f"must be an integer >= 1, got {self.max_batch_size!r}")
+        # The prefill kernel's grid has a step's sequences on CUDA's axis z (at most 65535).
+        if not _is_int(self.max_batch_size) or not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:
+            raise bad(
+                "max_batch_size",
+                f"must be an integer in [1, {MAX_BATCH_SIZE}], got {self.max_batch_size!r}",
+            )
         if self.max_seq_len is not None and (not _is_int(self.max_seq_len) or self.max_seq_len < 2):
             raise bad("max_seq_len", f"must be an integer >= 2, got {self.max_seq_len!r}")
         if not _is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:

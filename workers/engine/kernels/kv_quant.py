@@ -2,7 +2,7 @@
 
 Scheme (the same for both dtypes): for each written token and KV head, ``amax`` over the head
 dimension gives ``scale = amax / QMAX`` and the stored value is ``x / scale`` rounded (int8:
-half away from zero, saturated to +-127; fp8: clamped to +-448 then cast, round to nearest
+halves rounded up, as ``floor(y + 0.5)``, saturated to +-127; fp8: clamped to +-448 then cast, round to nearest
 even). Dequantising is ``value * scale``. ``amax`` is floored at ``AMAX_FLOOR`` so that
 ``1 / scale`` stays finite: an all-zero row (or one of near-fp32-min values) gets a tiny
 scale and comes back as zeros.
