@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import logging
 import platform
+import threading
 from dataclasses import dataclass
 from importlib import metadata
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
+from common.liveness import LoopBeat, with_liveness
 from common.loop_histogram import LoopHistogram
 
 log = logging.getLogger(__name__)
@@ -243,12 +247,29 @@ def register_build_info(registry: CollectorRegistry, service: str) -> None:
     info.labels(service, _version("qosserve"), platform.python_version(), _version("torch")).set(1)
 
 
-class MetricsServer:
-    """``/metrics`` of one registry over HTTP, in a daemon thread (prometheus_client's)."""
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No line per scrape or probe on stderr."""
 
-    def __init__(self, registry: CollectorRegistry, port: int = 0, host: str = "0.0.0.0") -> None:
-        self._server: WSGIServer | None
-        self._server, _ = start_http_server(port, addr=host, registry=registry)
+
+class MetricsServer:
+    """``/metrics`` of one registry, and ``/livez`` from ``beat`` (:mod:`common.liveness`),
+    over HTTP in a daemon thread. Raises OSError when the port cannot be bound."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        port: int = 0,
+        host: str = "0.0.0.0",
+        beat: LoopBeat | None = None,
+    ) -> None:
+        app = with_liveness(make_wsgi_app(registry), beat)
+        self._server: ThreadingWSGIServer | None = make_server(
+            host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler
+        )
+        threading.Thread(
+            target=self._server.serve_forever, name="metrics-http", daemon=True
+        ).start()
         self.host = host
         self.port: int = self._server.server_port
 

@@ -232,8 +232,10 @@ class _SamplingBody(_Strict):
             min_tokens=min(self.min_tokens, max_tokens) if self.min_tokens else None,
             skip_special_tokens=False if self.skip_special_tokens is False else None,
             include_stop_str_in_output=True if self.include_stop_str_in_output else None,
-            # Only where it can name something (EOS gives None): sent, it stops a worker of
-            # an earlier release, so the rollout order (workers first) matters only then.
+            # Only where the request named something that can end it (the tokenizer's EOS
+            # gives None; a generation config's extra EOS id would give its id, as in vLLM,
+            # but asking in every request would stop any worker of an earlier release, so
+            # the rollout order, workers first, matters only for these requests).
             want_stop_reason=True if self.stop or self.stop_token_ids else None,
         )
 

@@ -1,18 +1,18 @@
 """The scheduler's Prometheus metrics (DESIGN §7), on a registry of its own.
 
 A registry per service (rather than the global one) lets tests run several schedulers in
-one process; ``serve(port)`` exposes it on ``/metrics`` (port 0 = not served). The names
+one process; ``serve(port)`` exposes it on ``/metrics``, with ``/livez``
+(:mod:`common.liveness`) beside it (port 0 = not served). The names
 the dashboard reads (breaker state, desired replicas) are defined in :mod:`common.metrics`.
 """
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIServer
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common import metrics as m
 from common.errors import ConfigError
+from common.liveness import LoopBeat
 from scheduler.breaker import STATE_GAUGE, State
 
 
@@ -21,7 +21,7 @@ class SchedulerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._server: WSGIServer | None = None
+        self._server: m.MetricsServer | None = None
         r = self.registry
         self.breaker_state = m.gauge(m.BREAKER_STATE, r)
         self.breaker_transitions = m.counter(m.BREAKER_TRANSITIONS, r)
@@ -55,11 +55,11 @@ class SchedulerMetrics:
     def transition(self, group: str, source: State, target: State) -> None:
         self.breaker_transitions.labels(group, source, target).inc()
 
-    def serve(self, port: int) -> None:
-        """Expose ``/metrics`` on ``port``; 0 serves nothing."""
+    def serve(self, port: int, beat: LoopBeat | None = None) -> None:
+        """Expose ``/metrics`` and ``/livez`` (from ``beat``) on ``port``; 0 serves nothing."""
         if port:
             try:
-                self._server, _ = start_http_server(port, registry=self.registry)
+                self._server = m.MetricsServer(self.registry, port, beat=beat)
             except OSError as exc:
                 raise ConfigError(
                     f"scheduler.metrics_port {port}: cannot serve /metrics there ({exc.strerror})"
@@ -67,6 +67,5 @@ class SchedulerMetrics:
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None

@@ -45,6 +45,7 @@ from nats.js.kv import KeyValue
 import common.nats as qnats
 from common.config import Config
 from common.errors import ProtocolError
+from common.liveness import LoopBeat
 from common.protocol import Control, Telemetry
 from common.subjects import Subjects
 from common.tasks import cancel_and_wait
@@ -151,6 +152,7 @@ class SchedulerService:
         self.lease: Lease | None = None
         self._sub: Subscription | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.beat = LoopBeat()  # /livez: this loop still runs
         self._cap_sent: dict[str, float] = {}  # worker -> when it was last told its cap
         self._unsaved: dict[str, BreakerRecord] = {}  # breaker states the bucket lacks
         self._breaker_written: dict[str, float] = {}  # group -> when this replica last wrote it
@@ -184,8 +186,9 @@ class SchedulerService:
         await self._load_histories()
         self.lease = Lease(self.kv, self.id, self.cfg.lease_ttl_s)
         await self._refresh_lease()
-        self.metrics.serve(self.cfg.metrics_port)
+        self.metrics.serve(self.cfg.metrics_port, self.beat)
         self._tasks = [
+            asyncio.create_task(self.beat.run(), name="sched-beat"),
             asyncio.create_task(
                 self._every(self.cfg.tick_interval_s, self.tick), name="sched-tick"
             ),

@@ -29,6 +29,7 @@ from opentelemetry import context, trace
 from opentelemetry.trace import Span, Tracer
 from prometheus_client import CollectorRegistry
 
+from common.liveness import LoopBeat
 from common.logging import bind_request, bind_trace
 from common.metrics import MetricsServer
 from common.protocol import Chunk
@@ -83,11 +84,11 @@ class WorkerObserver:
         """The port ``/metrics`` is served on (0 while not serving)."""
         return self._server.port if self._server is not None else 0
 
-    def start(self, port: int) -> None:
-        """Serve ``/metrics`` on ``port`` (0 = a free one); a taken port is logged, not fatal:
-        a replica that cannot be scraped still serves requests."""
+    def start(self, port: int, beat: LoopBeat | None = None) -> None:
+        """Serve ``/metrics`` and ``/livez`` (from ``beat``) on ``port`` (0 = a free one); a
+        taken port is logged, not fatal: a replica that cannot be scraped still serves."""
         try:
-            self._server = MetricsServer(self.registry, port)
+            self._server = MetricsServer(self.registry, port, beat=beat)
         except OSError as exc:
             log.error("worker %s: /metrics not served on port %d: %s", self.worker_id, port, exc)
             return

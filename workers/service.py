@@ -56,6 +56,7 @@ from common.errors import (
     RequestGivenUpError,
     error_from_code,
 )
+from common.liveness import LoopBeat
 from common.protocol import (
     Chunk,
     Control,
@@ -195,6 +196,7 @@ class WorkerService:
             view=self._engine_view,
             tracer=tracer_for(tracer_provider, "qosserve.worker"),
         )
+        self.beat = LoopBeat()  # /livez: this loop still runs (its engine watchdog too)
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.kv: KeyValue | None = None
@@ -244,7 +246,7 @@ class WorkerService:
         """Connect, make sure the stream/consumer/bucket exist, start serving."""
         cfg = self.config.nats
         loop = asyncio.get_running_loop()
-        self.observer.start(self.config.worker.metrics_port)
+        self.observer.start(self.config.worker.metrics_port, self.beat)
         self.bridge = EngineBridge(
             self.engine, self._on_engine_events, loop, name=f"engine-{self.worker_id}"
         )
@@ -267,7 +269,8 @@ class WorkerService:
         self._tasks = [
             watch(asyncio.create_task(coro, name=name), self._cannot_serve)
             for coro, name in ((self._pump(), "worker-pump"), (self._ticker(), "worker-ticker"),
-                               (self._telemetry_loop(), "worker-telemetry"))
+                               (self._telemetry_loop(), "worker-telemetry"),
+                               (self.beat.run(), "worker-beat"))
         ]  # fmt: skip
         self._set_serving(True)
         log.info("worker %s serving group %s (batch cap %d, up to %d tokens)", self.worker_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+import urllib.request
 from typing import Any
 
 import pytest
@@ -87,6 +88,9 @@ async def test_workers_on_one_host_get_their_own_port_and_publish_it_in_the_hear
     for worker_id, port in ports.items():
         assert run.heartbeats[worker_id]["metrics_port"] == port
         assert run.heartbeats[worker_id]["host"]
+        # The liveness probe's path, on the same port: the worker's loop beats.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=5) as response:
+            assert (response.status, response.read()) == (200, b"ok\n")
     # ... which is what Prometheus's file-SD gets (python -m workers.scrape_targets).
     found = {t["labels"]["worker"]: (t["targets"], t["labels"]["group"]) for t in run.targets}
     assert found == {
