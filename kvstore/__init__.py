@@ -1,7 +1,7 @@
 """KV tiers below the engine's device cache: host memory (G2) and a shared Redis (G3).
 
 A block is named by the engine's hash chain and stored under
-``qos:kv:<model_fp>:<layout_fp>:<block_hash>``; :class:`~kvstore.tiers.KVTiers` is what an
+``qos:kv2:<model_fp>:<layout_fp>:[m<mac id>:]<block_hash>``; :class:`~kvstore.tiers.KVTiers` is what an
 engine is given (``LLMEngine(args, kv_tier=KVTiers(redis_config, host_capacity_bytes))``).
 """
 

@@ -2,7 +2,7 @@
 
 A block's K/V depend on the weights (model fingerprint) and on how they are laid out in
 memory (layout fingerprint: block size, KV dtype and quantisation, layers, KV heads, head
-dim, tensor-parallel rank). Both go into the key prefix ``qos:kv:<model_fp>:<layout_fp>:``,
+dim, tensor-parallel rank). Both go into the key prefix ``qos:kv2:<model_fp>:<layout_fp>:``,
 so two workers that could not use each other's bytes never even see each other's keys.
 The block hash itself (see ``workers.engine.block_pool.hash_block``) names the tokens.
 """

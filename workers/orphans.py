@@ -82,8 +82,12 @@ class GatewayWatch:
         return _FORGET_AFTER * max(self._after, 1.0)
 
     def forget_stale(self) -> None:
-        limit = self._clock() - self.forget_after_s
-        for gateway_id in [g for g, t in self._seen.items() if t < limit]:
+        """Forget gateways silent past :attr:`forget_after_s`, counting as :meth:`silent_s`
+        does: not while this worker was cut off. A worker back from a long outage forgot
+        every gateway, and a live one's requests fetched before its next beat read as a
+        forgotten gateway's: aborted."""
+        limit = self.forget_after_s
+        for gateway_id in [g for g in self._seen if self.silent_s(g) > limit]:
             del self._seen[gateway_id]
             self._reconnects.pop(gateway_id, None)
             self._forgotten.add(gateway_id)

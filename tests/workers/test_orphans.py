@@ -103,7 +103,8 @@ async def test_gateways_long_gone_are_forgotten_with_orphan_detection_off_too(
     off = worker_config.worker.model_copy(update={"orphan_after_s": 0.0})
     service = await start_worker(config=worker_config.model_copy(update={"worker": off}))
     assert not service._gateways.enabled
-    service._gateways._seen["gw-gone"] = -1e9  # heard long ago
+    service._gateways._seen["gw-gone"] = -1e9  # heard long ago, listening since
+    service._gateways._listening_since = -1e9
     service._reap_orphans()
     assert "gw-gone" not in service._gateways.known()
 
@@ -153,3 +154,20 @@ def test_a_gateway_forgotten_for_its_silence_is_still_known_to_be_gone() -> None
     assert watch.known() == [] and watch.gone("gw-dead")
     watch.heard("gw-dead")  # it was only cut off, and is back: not gone
     assert not watch.gone("gw-dead")
+
+
+def test_a_worker_back_from_a_long_outage_forgets_no_gateway_for_it() -> None:
+    """Silence while the worker was cut off does not count towards forgetting either: a
+    live gateway forgotten at the reconnect had its requests, fetched before its next beat,
+    aborted as a dead gateway's."""
+    clock = Clock()
+    watch = GatewayWatch(1.0, clock)
+    watch.heard("gw-live")
+    for _ in range(300):  # 150 s cut off, the reaper ticking
+        clock.now += 0.5
+        watch.cut_off()
+    clock.now += 0.5  # the first connected tick
+    watch.forget_stale()
+    assert watch.known() == ["gw-live"] and not watch.gone("gw-live")
+    clock.now += 1.5  # still silent, now past the threshold since the reconnect: gone
+    assert watch.gone("gw-live")
