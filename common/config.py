@@ -193,6 +193,9 @@ class RedisConfig(_Strict):
     max_connections: int = Field(16, ge=1)
     ttl_s: int = Field(3600, ge=1)
     socket_timeout_s: float = Field(0.5, gt=0)
+    # A prefix load from Redis slower than this (GB/s, plus one socket timeout) is given up:
+    # the engine's batch waits for it, and recomputing is faster (loopback: ~2 GB/s).
+    load_min_gbps: float = Field(0.25, gt=0)
     # A secret every worker shares: KV values in Redis are then authenticated (a keyed
     # blake2b), so one who can write to Redis but lacks it cannot plant KV under a prompt's
     # key. Set it wherever Redis is not private to the workers.

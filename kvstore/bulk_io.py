@@ -20,6 +20,7 @@ import queue
 import select
 import socket
 import ssl
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -87,6 +88,12 @@ class BulkConnection:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    def abort(self) -> None:
+        """From another thread: the command in progress fails at once (its blocked read
+        sees the end of the stream, its write an error); its borrower closes it after."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     @property
     def spoiled(self) -> bool:
@@ -193,23 +200,26 @@ class BulkConnection:
 
     def set_many(
         self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview | bytes]], ttl_s: int
-    ) -> int:
+    ) -> tuple[int, str]:
         """SET each key to the concatenation of its ``parts`` with a TTL, pipelined; the
         values are gathered by the kernel (``sendmsg``), never joined here. How many the
-        server took (it refuses writes when out of memory)."""
+        server took, and its first refusal's text ("" for none: it refuses writes when out
+        of memory, read-only or unable to persist)."""
         ex = b"\r\n" + _bulk(b"EX") + _bulk(str(ttl_s).encode())
         for key, value in zip(keys, parts, strict=True):
             size = sum(len(memoryview(p)) for p in value)
             head = b"*5\r\n" + _bulk(b"SET") + _bulk(key) + b"$%d\r\n" % size
             self._send([head, *value, ex])
-        stored = 0
+        stored, refusal = 0, ""
         for _ in keys:
             line = self._line()
             if line[:1] == b"+":
                 stored += 1
             elif line[:1] != b"-":
                 raise ResponseError(f"unexpected SET reply {line[:40]!r}")
-        return stored
+            elif not refusal:
+                refusal = line[1:200].decode(errors="replace")
+        return stored, refusal
 
     def _send(self, buffers: list[memoryview | bytes]) -> None:
         if isinstance(self.sock, ssl.SSLSocket):  # no sendmsg on TLS sockets
@@ -224,6 +234,35 @@ class BulkConnection:
                 views.pop(0)
             if views and sent:
                 views[0] = views[0][sent:]
+
+
+class Borrowers:
+    """The connections a group of I/O jobs holds. :meth:`abandon` aborts them (their blocked
+    reads and writes fail at once) and keeps the group's later jobs from taking one: a load
+    given up by its deadline, or a tier closing, must not leave reader threads held by a
+    server that trickles bytes just fast enough for no socket timeout to fire."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: set[BulkConnection] = set()
+        self.abandoned = False
+
+    def enter(self, conn: BulkConnection) -> None:
+        with self._lock:
+            if self.abandoned:
+                raise ConnectionError("kv tier I/O abandoned")
+            self._held.add(conn)
+
+    def leave(self, conn: BulkConnection) -> None:
+        with self._lock:
+            self._held.discard(conn)
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+            held = list(self._held)
+        for conn in held:
+            conn.abort()
 
 
 class BulkPool:

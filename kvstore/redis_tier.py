@@ -135,19 +135,22 @@ class CircuitBreaker:
         self._failures = 0
         self._open_s = self.base_open_s
 
-    def failure(self, leave: BreakerPass | None = None) -> None:
+    def failure(self, leave: BreakerPass | None = None, cause: object = None) -> None:
+        """A call failed; ``cause`` (an exception or text) goes into the warning when the
+        breaker opens: the failures themselves are logged quietly, one per call."""
         with self._lock:
             if self._counts(leave):
-                self._failure()
+                self._failure(cause)
 
-    def _failure(self) -> None:
+    def _failure(self, cause: object = None) -> None:
         self._failures += 1
         if self.state == self.HALF_OPEN or self._failures >= self.failures_to_open:
             if self.state == self.HALF_OPEN:
                 self._open_s = min(self._open_s * 2, self.max_open_s)
             elif self.state == self.CLOSED:
                 self.num_opens += 1
-                log.warning("redis tier: breaker open for %.1fs", self._open_s)
+                why = f": {cause!r}" if cause is not None else ""
+                log.warning("redis tier: breaker open for %.1fs%s", self._open_s, why)
             if self.state != self.OPEN:
                 self._enter(self.OPEN)
             self._reopen_at = self.clock() + self._open_s

@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 
 from common.config import RedisConfig
 from common.logging import redact_url
-from kvstore.bulk_io import MISSING, BulkConnection, BulkPool
+from kvstore.bulk_io import MISSING, Borrowers, BulkConnection, BulkPool
 from kvstore.codec import (
     HEADER_BYTES,
     CorruptBlock,
@@ -101,8 +101,7 @@ class KVTiers:
         self._lock = threading.Lock()  # the queue figure changes on both threads
         self._queued_bytes = 0
         self._block_tokens = 0
-        # A wait for an I/O thread that outlives every socket timeout: something is stuck.
-        self._wait_s = 30.0 if redis is None else max(5.0, 20 * redis.socket_timeout_s)
+        self._io = Borrowers()  # every connection in use: aborted at close
 
     # --- set-up --------------------------------------------------------------------------
 
@@ -165,16 +164,25 @@ class KVTiers:
         """Worth handing evicted device blocks to :meth:`offload`."""
         return self.host is not None and self.host.num_slots > 0
 
-    def _with_connection(self, call: Callable[[BulkConnection], T]) -> T:
-        """``call`` on a pooled connection; one that failed mid-command is closed, never
-        reused (its next reply would be this one's rest)."""
+    def _with_connection(
+        self, call: Callable[[BulkConnection], T], group: Borrowers | None = None
+    ) -> T:
+        """``call`` on a pooled connection, held in ``group`` (a load's: abandoned at its
+        deadline) and the tiers' own; one that failed mid-command is closed, never reused
+        (its next reply would be this one's rest)."""
         assert self._bulk is not None
         conn = self._bulk.take()
+        groups = (self._io,) if group is None else (self._io, group)
         try:
+            for g in groups:
+                g.enter(conn)
             result = call(conn)
         except BaseException:
             conn.close()
             raise
+        finally:
+            for g in groups:
+                g.leave(conn)
         if conn.spoiled:
             conn.close()
         else:
@@ -220,7 +228,7 @@ class KVTiers:
         except Exception as exc:  # Redis, or a bug: a miss either way, never the batch's error
             with self._lock:  # the writer threads count errors too
                 self.redis_counters.errors += 1
-            self.breaker.failure(leave)  # and a probe that ends here ends as a failure
+            self.breaker.failure(leave, exc)  # and a probe that ends here ends as a failure
             level = logging.DEBUG if isinstance(exc, _FAILURES) else logging.WARNING
             log.log(level, "kv tiers: lookup failed: %r", exc)
             return 0
@@ -250,28 +258,49 @@ class KVTiers:
             out.extend(self._load_redis(rest))
         return out
 
+    def load_budget_s(self, blocks: int) -> float:
+        """How long a Redis load of ``blocks`` may take: one socket timeout plus the bytes
+        at ``redis.load_min_gbps``. The engine waits for a load with every decode of its
+        batch, and a Redis slow enough to need longer (throttled, congested, far away)
+        costs more than recomputing: the load then keeps what arrived and gives up."""
+        assert self.redis_config is not None
+        rate = self.redis_config.load_min_gbps * 1e9
+        return self.redis_config.socket_timeout_s + blocks * self.value_bytes / rate
+
     def _load_redis(self, hashes: Sequence[bytes]) -> list[memoryview]:
         c = self.redis_counters
         t0 = time.perf_counter()
         leave = self.breaker.allow()
         if leave is None:
             return []
+        deadline = time.monotonic() + self.load_budget_s(len(hashes))
         step = self.batch_blocks
+        group = Borrowers()
         try:
             jobs = [
-                self._readers.submit(self._fetch, hashes[i : i + step])
+                self._readers.submit(self._fetch, hashes[i : i + step], group)
                 for i in range(0, len(hashes), step)
             ]
         except RuntimeError:  # closed meanwhile: a miss, as the methods promise
             self.breaker.failure(leave)  # a probe must not stay taken
             return []
         out: list[memoryview] = []
-        failed = False
+        failed: object = None  # why the load ended early
         for job in jobs:
             try:
-                views, complete, corrupt = job.result(self._wait_s)
-            except Exception as exc:  # a failed or stuck read: what came before still counts
-                failed = True
+                views, complete, corrupt = job.result(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:  # slower than recomputing: what came before still counts
+                failed = "slower than redis.load_min_gbps"
+                log.warning(
+                    "kv tiers: a Redis load of %d blocks (%.1f MiB) was slower than "
+                    "redis.load_min_gbps (%g GB/s): given up after %.2fs, the rest recomputed",
+                    len(hashes), len(hashes) * self.value_bytes / 2**20,
+                    self.redis_config.load_min_gbps if self.redis_config else 0.0,
+                    time.perf_counter() - t0,
+                )  # fmt: skip
+                break
+            except Exception as exc:  # a failed read: what came before still counts
+                failed = exc
                 log.warning("kv tiers: load failed: %r", exc)
                 break
             out.extend(views)
@@ -280,10 +309,11 @@ class KVTiers:
                 break  # a miss or a bad block ends the usable prefix
         for job in jobs:
             job.cancel()
-        if failed:
+        if failed is not None:
+            group.abandon()  # free the reader threads the rest still holds
             with self._lock:  # the writer threads count errors too
                 c.errors += 1
-            self.breaker.failure(leave)
+            self.breaker.failure(leave, failed)
         else:
             self.breaker.success(leave)
         if out:
@@ -293,7 +323,7 @@ class KVTiers:
             c.load_s += time.perf_counter() - t0
         return out
 
-    def _fetch(self, hashes: Sequence[bytes]) -> _Fetched:
+    def _fetch(self, hashes: Sequence[bytes], group: Borrowers) -> _Fetched:
         """One sub-batch on a reader thread: MGET into fresh rows, then verify each value.
         The views up to the first miss or corrupt value, whether it got them all, and the
         corrupt count."""
@@ -301,7 +331,7 @@ class KVTiers:
         ident = self.identity
         rows = np.empty((len(hashes), self.value_bytes), dtype=np.uint8)
         keys = [ident.key(h) for h in hashes]
-        lengths = self._with_connection(lambda conn: conn.mget_into(keys, rows))
+        lengths = self._with_connection(lambda conn: conn.mget_into(keys, rows), group)
         views: list[memoryview] = []
         for row, n, name in zip(rows, lengths, hashes, strict=True):
             if n == MISSING:
@@ -387,13 +417,23 @@ class KVTiers:
                     for h, row in zip(hashes, data, strict=True)
                 ]
                 try:
-                    stored = self._with_connection(lambda conn: conn.set_many(keys, values, ttl))
+                    stored, refusal = self._with_connection(
+                        lambda conn: conn.set_many(keys, values, ttl)
+                    )
                 except _FAILURES as exc:
                     failed = True
-                    self.breaker.failure(leave)
+                    self.breaker.failure(leave, exc)
                     log.debug("kv tiers: store failed: %r", exc)
                 else:
-                    self.breaker.success(leave)
+                    if stored or not refusal:
+                        self.breaker.success(leave)
+                    else:
+                        # Every SET refused (OOM under noeviction, READONLY, MISCONF): a
+                        # failure, or stores kept copying blocks off the device and sending
+                        # them for nothing, and their "success" kept the breaker closed.
+                        failed = True
+                        self.breaker.failure(leave, refusal)
+                        log.warning("kv tiers: Redis refused %d stores: %s", len(keys), refusal)
         except Exception as exc:  # encoding bugs must not kill the writer either
             failed = True
             if leave is not None:  # a probe that ended here must not hold the breaker
@@ -454,6 +494,7 @@ class KVTiers:
         """Finish queued stores (briefly), then stop the I/O threads and close connections."""
         if self._bulk is not None:
             self.flush(timeout_s=5.0)
+        self._io.abandon()  # what is still in flight ends now, not at a trickling server's pace
         self._readers.shutdown(wait=True, cancel_futures=True)
         self._writers.shutdown(wait=True, cancel_futures=True)
         if self._bulk is not None:

@@ -58,7 +58,7 @@ def test_set_many_sends_each_value_from_its_parts_with_the_ttl(
     payload = np.arange(1 << 18, dtype=np.uint32).view(np.uint8)  # 1 MiB
     try:
         parts = [(b"head-a", payload), (b"head-b", memoryview(b"tail"))]
-        assert conn.set_many([b"s:a", b"s:b"], parts, ttl_s=50) == 2
+        assert conn.set_many([b"s:a", b"s:b"], parts, ttl_s=50) == (2, "")
         assert conn.expire_many([b"s:a", b"s:none", b"s:b"], 60) == [True, False, True]
     finally:
         conn.close()

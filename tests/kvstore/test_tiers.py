@@ -378,3 +378,63 @@ def test_with_a_shared_secret_a_value_planted_without_it_is_a_counted_miss(
         assert reader.stats().redis.corrupt == 1
     with make(redis_config) as open_reader:  # without the secret: keys of its own, so the
         assert open_reader.lookup(HASHES[:2]) == 0  # two never reject and overwrite each other
+
+
+def test_a_load_slower_than_its_budget_is_given_up_and_frees_its_reader(
+    redis_config: RedisConfig,
+) -> None:
+    """A Redis slow but never silent (a throttled link: every read gets a few bytes within
+    the socket timeout) held the engine, and every decode in its batch, for the whole load:
+    no timeout fired and the breaker stayed closed. Now a load keeps to its budget (the
+    bytes at redis.load_min_gbps), keeps what arrived, and aborts the rest's reads."""
+    from tests.reliability.tcp_proxy import TcpProxy
+
+    host, port = redis_config.url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = TcpProxy(host, int(port)).start()
+    slow = redis_config.model_copy(
+        update={"url": f"redis://127.0.0.1:{proxy.port}/0", "load_min_gbps": 1e-4}
+    )
+    hashes = [bytes([7, i]) * 8 for i in range(32)]
+    try:
+        with make(redis_config) as writer:
+            writer.store_async(hashes, blocks(32, seed=3))
+            assert writer.flush()
+        tiers = make(slow)
+        assert tiers.lookup(hashes) == 32
+        proxy.throttle(16 * 1024)  # 32 KiB of values would take 2 s
+        budget = tiers.load_budget_s(32)
+        assert 0.8 < budget < 1.0
+        t0 = time.monotonic()
+        loaded = tiers.load(hashes)
+        took = time.monotonic() - t0
+        assert took < budget + 0.3 and len(loaded) < 32
+        assert tiers.stats().redis.errors == 1
+        t0 = time.monotonic()
+        tiers.close()  # its reader was freed: no wait for the trickle to end
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        proxy.close()
+
+
+def test_stores_the_server_refuses_open_the_breaker_and_say_why(
+    fresh_redis_server: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full Redis (noeviction) refuses every SET with -OOM: those batches counted as a
+    success, so the breaker stayed closed and every computed block was still copied off the
+    device and sent, for nothing, for as long as the TTL kept Redis full."""
+    server = fresh_redis_server(extra_config="maxmemory 2mb\nmaxmemory-policy noeviction")
+    client = redis.Redis.from_url(server.url)
+    with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+        for i in range(100_000):  # small values: full to the last kilobyte
+            client.set(f"filler:{i}", b"x" * 1024)
+    client.close()
+    breaker = CircuitBreaker(failures_to_open=2, open_s=30.0)
+    with caplog.at_level("WARNING"), make(RedisConfig(url=server.url), breaker=breaker) as tiers:
+        for i in range(2):
+            tiers.store_async(HASHES[2 * i : 2 * i + 2], blocks(2))
+            assert tiers.flush()
+        s = tiers.stats()
+        assert s.redis.errors == 2 and s.redis.store_blocks == 0 and s.breaker_state == "open"
+        assert not tiers.accepts_stores  # the engine stops copying blocks off for them
+    opened = [r.getMessage() for r in caplog.records if "breaker open" in r.getMessage()]
+    assert len(opened) == 1 and "OOM" in opened[0]  # the cause, not only the state

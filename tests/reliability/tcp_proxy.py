@@ -3,7 +3,8 @@
 ``cut()`` drops every forwarded connection and turns new ones away until ``restore()``;
 the server itself stays up, so only what connects through the proxy notices. ``stall()``
 keeps the connections open but forwards nothing (a node gone dark, no close), until
-``restore()``.
+``restore()``. ``throttle(bytes_per_s)`` forwards server-to-client bytes in small pieces at
+that rate (a congested or throttled link: slow, yet never silent long enough to time out).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class TcpProxy:
         self.port = free_port()
         self._open = True
         self._stalled = False
+        self._rate = 0.0  # server-to-client bytes/s; 0 = unthrottled
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
@@ -41,8 +43,12 @@ class TcpProxy:
         """Forward nothing more, in either direction, and close nothing."""
         self._stalled = True
 
+    def throttle(self, bytes_per_s: float) -> None:
+        self._rate = bytes_per_s
+
     def restore(self) -> None:
         self._stalled = False
+        self._rate = 0.0
         self._call(self._set_open(True))
 
     def close(self) -> None:
@@ -81,15 +87,25 @@ class TcpProxy:
             return
         self._writers |= {writer, up_writer}
         await asyncio.gather(
-            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+            self._pipe(reader, up_writer),
+            self._pipe(up_reader, writer, downstream=True),
+            return_exceptions=True,
         )
         self._writers -= {writer, up_writer}
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, downstream: bool = False
+    ) -> None:
         try:
             while data := await reader.read(65536):
                 if self._stalled:
                     continue  # lost on the way
+                if downstream and self._rate:
+                    for i in range(0, len(data), 1024):
+                        writer.write(data[i : i + 1024])
+                        await writer.drain()
+                        await asyncio.sleep(1024 / self._rate)
+                    continue
                 writer.write(data)
                 await writer.drain()
         finally:
