@@ -510,12 +510,21 @@ def _text_field(path: list[str], model: Any = None) -> str | None:
     return _text_field(path[1:], annotation)
 
 
-def _format_validation(exc: ValidationError, source: str) -> str:
+def _format_validation(
+    exc: ValidationError, source: str, env: Mapping[str, str] | None = None
+) -> str:
+    """One line: each key, the variable that set it (when one did), what is wrong."""
+    set_by = {name.upper(): name for name in env or {}}
     problems = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
         # Our own checks say what they mean; pydantic prefixes them "Value error, ".
         msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        var = set_by.get(ENV_PREFIX + "__".join(str(p).upper() for p in err["loc"]))
+        if var is not None:
+            where += f" (set by {var})"
         problems.append(f"{where}: {msg}" if where else msg)
     return f"invalid configuration ({source}): " + "; ".join(problems)
 
@@ -565,7 +574,7 @@ def load_config(
     try:
         config = Config.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(_format_validation(exc, source)) from None
+        raise ConfigError(_format_validation(exc, source, env)) from None
     config._replaces_default_groups = replaces
     return config
 

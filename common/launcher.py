@@ -32,6 +32,7 @@ from common.services import (
     ServerStartError,
     die_with_parent,
     free_port,
+    log_tail,
 )
 
 log = logging.getLogger("qosserve.up")
@@ -46,10 +47,12 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    log_start: int = 0  # where this run's lines begin in the (appended) log
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as out:
+            self.log_start = out.tell()
             self.proc = subprocess.Popen(
                 self.argv,
                 env={**env, **self.extra_env},
@@ -107,14 +110,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--device", help="cpu, cuda or auto (default: worker.device if configured, else cpu)"
     )
-    p.add_argument("--engine", default="real", choices=["real", "sim"], help="worker engine")
-    p.add_argument("--replicas", default="", help="per-group replicas, e.g. short=2,long=1")
+    p.add_argument(
+        "--engine", default="real", choices=["real", "sim"],
+        help="worker engine: the project's engine, or a simulated one (default: real)",
+    )  # fmt: skip
+    p.add_argument(
+        "--replicas", default="", help="per-group replicas, e.g. short=2,long=1 (default: 1 each)"
+    )
     p.add_argument("--host", help="gateway address (default: gateway.host, 127.0.0.1)")
     p.add_argument("--port", type=_tcp_port, help="gateway port (default: gateway.port, 8000)")
     p.add_argument("--state-dir", default=".qosserve", help="NATS store, logs (default .qosserve)")
     p.add_argument("--no-scheduler", action="store_true", help="do not start the scheduler")
     p.add_argument(
-        "--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness"
+        "--ready-timeout",
+        type=float,
+        default=180.0,
+        help="seconds to wait for readiness (default: 180)",
     )
     return p.parse_args(argv)
 
@@ -381,7 +392,7 @@ def _run(args: argparse.Namespace) -> int:
                     print(
                         f"{c.name} exited ({c.proc.returncode if c.proc else '?'}); last log lines:"
                     )
-                    print(_tail(c.log_path))
+                    print(log_tail(c.log_path, c.log_start, 15))
                 return 1
             if not ready:
                 live = _live_workers(_health(f"{base}/health"))
@@ -398,8 +409,10 @@ def _run(args: argparse.Namespace) -> int:
             stop.wait(0.5)
         return 0
     finally:
-        print("stopping …", flush=True)
-        _shutdown(children, config.gateway.shutdown_grace_s)
+        grace = config.gateway.shutdown_grace_s
+        print(f"stopping … (open requests get up to {grace:.0f}s to finish; Ctrl-C again to "
+              "stop at once)", flush=True)  # fmt: skip
+        _shutdown(children, grace)
         nats.stop()
         redis.stop()
         print("stopped.", flush=True)
@@ -423,13 +436,6 @@ def _shutdown(children: list[Child], gateway_grace_s: float) -> None:
     deadline = time.monotonic() + WORKER_GRACE_S + STOP_MARGIN_S
     for child in order:
         child.wait_or_kill(deadline)
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def _print_ready(base: str, model: str, took: float) -> None:

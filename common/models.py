@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.errors import ConfigError
+
 DEMO_MODEL_NAME = "pystd-tiny"
 
 
@@ -13,7 +15,9 @@ def demo_model_path() -> Path:
 
 
 def resolve_model(spec: str) -> str:
-    """``demo`` → the shipped checkpoint's folder; anything else is returned unchanged."""
+    """``demo`` → the shipped checkpoint's folder; anything else is returned unchanged.
+    A folder that is not a model (no such folder, no ``config.json``) is a ConfigError at
+    once: the launcher used to start the whole stack before a worker said so."""
     if spec == "demo":
         path = demo_model_path()
         if not (path / "config.json").is_file():
@@ -21,6 +25,13 @@ def resolve_model(spec: str) -> str:
                 f"the demo model is missing at {path}; run `python -m bench.train_tiny` to build it"
             )
         return str(path)
+    if not spec.startswith("dummy:"):
+        folder = Path(spec)
+        if not folder.is_dir():
+            raise ConfigError(f"model {spec!r}: no such folder (a Hugging Face model folder, "
+                              "dummy:<shape>, or 'demo')")  # fmt: skip
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"model {spec!r}: no config.json in that folder")
     return spec
 
 

@@ -150,6 +150,18 @@ def find_binary(name: BinaryName, candidates: Iterable[Path] | None = None) -> P
 # --------------------------------------------------------------------------- processes
 
 
+def log_tail(path: Path, start: int = 0, lines: int = 30) -> str:
+    """The last ``lines`` of ``path`` from byte ``start`` on (this run's part of a log that
+    earlier runs appended to: their errors are not this one's)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(nothing logged)"
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that was free a moment ago (the kernel picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -198,6 +210,7 @@ class ManagedServer:
         self.state_dir = Path(state_dir or tempfile.mkdtemp(prefix=f"qos-{self.binary_name}-"))
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.state_dir / f"{self.binary_name}.log"
+        self._log_start = 0  # where this run's lines begin in the log
         self._binary = binary
         self.ready_timeout_s = ready_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
@@ -232,11 +245,8 @@ class ManagedServer:
         return self._proc is not None and self._proc.poll() is None
 
     def log_tail(self, lines: int = 30) -> str:
-        """The end of the server's log, for error messages and debugging."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        """The end of the server's log since its last start, for error messages."""
+        return log_tail(self.log_path, self._log_start, lines)
 
     def start(self) -> Self:
         """Start the process and wait until it serves; a no-op when it already runs."""
@@ -259,6 +269,7 @@ class ManagedServer:
 
     def _spawn(self, binary: Path) -> None:
         with self.log_path.open("ab") as log:
+            self._log_start = log.tell()  # the file is appended to: earlier runs come before
             log.write(f"--- start {' '.join(self._command(binary))}\n".encode())
             log.flush()
             # PDEATHSIG fires when the forking *thread* exits, so only arm it from the

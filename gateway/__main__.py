@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = resolve_model(spec)
         tokenizer = load_tokenizer(model)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ConfigError) as exc:
         print(f"qosserve-gateway: cannot load the tokenizer of {spec!r}: {exc}", file=sys.stderr)
         return 2
 

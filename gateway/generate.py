@@ -265,15 +265,16 @@ class Generator:
 
     async def read_body(self, request: Request) -> bytes:
         limit = self._config.gateway.max_body_bytes
+        too_large = f"request body over the {limit}-byte limit (gateway.max_body_bytes)"
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLargeError(f"request body over the {limit}-byte limit")
+            raise PayloadTooLargeError(too_large)
         parts, size = [], 0
         try:
             async for part in request.stream():
                 size += len(part)
                 if size > limit:
-                    raise PayloadTooLargeError(f"request body over the {limit}-byte limit")
+                    raise PayloadTooLargeError(too_large)
                 parts.append(part)
         except ClientDisconnect:
             raise ClientGone from None

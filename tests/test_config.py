@@ -204,3 +204,14 @@ def test_a_bad_flag_value_is_a_config_error_naming_it() -> None:
 
     with pytest.raises(ConfigError, match=r"\(flags\): scheduler.metrics_port"):
         with_settings(load_config(env={}), "flags", scheduler={"metrics_port": 70000})
+
+
+def test_a_bad_key_from_the_environment_names_its_variable() -> None:
+    """Said as pydantic's "gateway.nope: Extra inputs are not permitted", the user had to
+    work out which of their variables that was."""
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"QOS_GATEWAY__NOPE": "1", "QOS_GROUPS__SHORT__MAX_BATCH": "many"})
+    message = str(info.value)
+    assert "gateway.nope (set by QOS_GATEWAY__NOPE): unknown key" in message
+    assert "groups.short.max_batch (set by QOS_GROUPS__SHORT__MAX_BATCH)" in message
+    assert "many" not in message  # values stay out: one may be a secret

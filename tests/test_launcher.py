@@ -239,3 +239,39 @@ def test_a_deployment_config_s_tls_and_credentials_do_not_reach_the_local_server
     )
     assert not cfg.nats.password and not cfg.nats.token
     assert (cfg.redis.username, cfg.redis.tls_ca_file, cfg.redis.password) == (None, None, "")
+
+
+def test_a_dead_childs_log_tail_is_this_runs_not_an_earlier_ones(tmp_path: Path) -> None:
+    """Logs are appended to across runs: a failed start printed the previous run's errors
+    (already fixed) before its own."""
+    import os
+    import sys
+    import time
+
+    from common.services import log_tail
+
+    log_path = tmp_path / "worker.log"
+    log_path.write_text("an earlier run's error\n" * 20)
+    child = launcher.Child(
+        "worker", [sys.executable, "-c", "print('this run: bad model')"], log_path
+    )
+    child.start(dict(os.environ))
+    assert child.proc is not None and child.proc.wait(10) == 0
+    time.sleep(0.05)
+    assert log_tail(child.log_path, child.log_start, 15) == "this run: bad model"
+    assert log_tail(tmp_path / "none.log") == "(no log)"
+
+
+@pytest.mark.parametrize("folder", ["nowhere", "empty"])
+def test_a_model_folder_that_is_not_one_is_one_line_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], folder: str
+) -> None:
+    """The whole stack used to start, NATS, Redis, scheduler and three workers, before a
+    worker's log said the folder was missing."""
+    (tmp_path / "empty").mkdir()
+    code = launcher.main(["--model", str(tmp_path / folder), "--port", "0",
+                          "--state-dir", str(tmp_path / "state")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert ("no such folder" if folder == "nowhere" else "no config.json") in err
+    assert not (tmp_path / "state" / "nats").exists()

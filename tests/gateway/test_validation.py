@@ -199,7 +199,9 @@ async def test_malformed_body_is_400(client: httpx.AsyncClient, raw: bytes, code
 async def test_oversized_body_is_413(client: httpx.AsyncClient):
     body = json.dumps({**OK_COMPLETION, "prompt": "x" * 70_000}).encode()
     response = await client.post("/v1/completions", content=body)
-    assert _assert_openai_error(response, 413, None)["code"] == "payload_too_large"
+    error = _assert_openai_error(response, 413, None)
+    assert error["code"] == "payload_too_large"
+    assert "gateway.max_body_bytes" in error["message"]  # the setting to raise, named
 
 
 async def test_oversized_chunked_body_without_length_is_413(client: httpx.AsyncClient):
@@ -208,7 +210,7 @@ async def test_oversized_chunked_body_without_length_is_413(client: httpx.AsyncC
             yield b" " * 4096
 
     response = await client.post("/v1/completions", content=chunks())
-    _assert_openai_error(response, 413, None)
+    assert "gateway.max_body_bytes" in _assert_openai_error(response, 413, None)["message"]
 
 
 async def test_unknown_model_is_404_model_not_found(client: httpx.AsyncClient):

@@ -156,7 +156,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in fp32, with ``linear`` or ``llama3`` scaling."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (
-        cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
+        cfg.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / dim)
     )
     scaling = cfg.rope_scaling
     if scaling is None:
