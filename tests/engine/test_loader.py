@@ -223,3 +223,23 @@ def test_weights_that_are_not_the_models_own_are_not_loaded(tmp_path: Path) -> N
     (tmp_path / "model.safetensors").unlink()
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
     assert safetensors_files(tmp_path) == [tmp_path / "model-00001-of-00002.safetensors"]
+
+
+def test_a_cpu_engine_never_imports_triton() -> None:
+    """Built on the meta device, the rope frequencies ran torch's reference ops, which
+    import torch._dynamo and with it Triton: every CPU worker then printed 54 nanobind
+    "leaked function" lines at exit, which were all a failed start's log tail showed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from workers.engine import LLMEngine, EngineArgs, SamplingParams\n"
+        "e = LLMEngine(EngineArgs('dummy:tiny', device='cpu'))\n"
+        "e.add_request('a', prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=2))\n"
+        "while e.has_unfinished(): e.step()\n"
+        "print('triton' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

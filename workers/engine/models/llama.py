@@ -153,7 +153,8 @@ class ModelConfig:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in fp32, with ``linear`` or ``llama3`` scaling."""
+    """Inverse frequencies [head_dim/2] in fp32 on the CPU, with ``linear`` or ``llama3``
+    scaling."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (
         cfg.rope_theta
@@ -346,7 +347,10 @@ class LlamaForCausalLM(nn.Module):
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         )
         self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # Computed on the CPU (on the meta device, torch's reference ops import Triton),
+        # then placed where the module is being built.
+        inv_freq = rope_inv_freq(cfg).to(torch.get_default_device())
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(
         self,
