@@ -256,6 +256,9 @@ class GatewayConfig(_Strict):
     # Published on qos.gw.<gateway id> so workers can tell a dead gateway's requests
     # (nobody will read their answers) from live ones; see worker.orphan_after_s.
     heartbeat_interval_s: float = Field(1.0, gt=0)
+    # How often the gateway checks that the request stream and the group consumers still
+    # exist, and recreates them if not (gateway/stream_keeper.py).
+    jetstream_check_s: float = Field(10.0, gt=0)
 
     @field_validator("api_key_sha256")
     @classmethod

@@ -60,6 +60,7 @@ from gateway.observe import ObserveMiddleware
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from gateway.responses import Kind
 from gateway.server import DispatcherRef
+from gateway.stream_keeper import StreamKeeper
 from gateway.streams import Dispatcher
 from gateway.tokenize_api import detokenize, tokenize
 from gateway.workers_view import LIVE_WINDOW_S, WorkersView
@@ -91,6 +92,7 @@ class GatewayState:
     dispatch: DispatcherRef = field(default_factory=DispatcherRef)  # for GatewayServer
     nc: Client | None = None
     generator: Generator | None = None
+    stream_keeper: StreamKeeper | None = None
     # Loops the gateway needs that died (aborts, deletes, heartbeat, breaker watch): /health
     # answers 503 naming them, for the orchestrator to replace this process.
     failed: list[str] = field(default_factory=list)
@@ -178,6 +180,11 @@ def create_app(
         gateway_id = new_gateway_id()
         heartbeat = Heartbeat(nc, subjects, gateway_id, config.gateway.heartbeat_interval_s)
         await heartbeat.start(on_failure=state.loop_died)
+        keeper = StreamKeeper(
+            nc, js, config.nats, list(config.groups), config.gateway.jetstream_check_s
+        )
+        await keeper.start(on_failure=state.loop_died)
+        state.stream_keeper = keeper
         state.nc = nc
         state.generator = Generator(
             config=config,
@@ -200,12 +207,13 @@ def create_app(
             yield
         finally:
             stopping.set()
+            await keeper.stop()
             await heartbeat.stop()
             await view.stop()
             state.dispatch.dispatcher = None
             await dispatcher.stop()
             await nc.close()
-            state.nc = state.generator = None
+            state.nc = state.generator = state.stream_keeper = None
 
     app = FastAPI(title="qosserve gateway", version="0.1.0", lifespan=lifespan, **_no_native_otel())
     app.state.gateway = state

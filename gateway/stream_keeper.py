@@ -1,0 +1,87 @@
+"""The gateway puts the request stream and the group consumers back when they go missing.
+
+Every service makes sure they exist when it starts, but they can go while the deployment
+runs: an operator's ``nats consumer rm`` or ``nats stream rm``, a NATS server that lost
+its store. Workers then fetch from nothing, and every request waits out its deadline
+until some service restarts. The gateway (the one service that may create them under
+``deploy/nats/permissions.conf``) looks every ``gateway.jetstream_check_s`` and recreates
+what is gone. Workers need no help: a pull names its consumer, so their next fetch reaches
+the new one. What the stream held when it was deleted is lost with it; the gateway fails
+those requests as their deadlines pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from common.config import NatsConfig
+from common.nats import ensure_group_consumer, ensure_stream
+from common.subjects import Subjects
+from common.tasks import cancel_and_wait, watch
+
+log = logging.getLogger(__name__)
+
+
+class StreamKeeper:
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        cfg: NatsConfig,
+        groups: Sequence[str],
+        interval_s: float,
+    ) -> None:
+        self._nc, self._js, self._cfg = nc, js, cfg
+        self._groups = list(groups)
+        self._interval = interval_s
+        self._task: asyncio.Task[None] | None = None
+        self.recreated = 0  # streams and consumers put back, for tests and logs
+
+    async def start(self, on_failure: Callable[[str], None] | None = None) -> None:
+        self._task = asyncio.create_task(self._run(), name="gateway-stream-keeper")
+        if on_failure is not None:
+            watch(self._task, on_failure)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait([self._task], what="gateway stream keeper")
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            if not self._nc.is_connected:
+                continue  # a NATS outage is not a deletion: ask again once back
+            try:
+                await self.check()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a slow server, a refusal: the next look may pass
+                log.warning("checking the request stream and consumers failed: %r", exc)
+
+    async def check(self) -> list[str]:
+        """Recreate the stream and the consumers that are missing; returns what was."""
+        cfg, put_back = self._cfg, []
+        try:
+            await self._js.stream_info(cfg.stream)
+        except nats.js.errors.NotFoundError:
+            await ensure_stream(self._js, cfg, self._groups)
+            put_back.append(f"stream {cfg.stream}")
+        for group in self._groups:
+            name = Subjects.consumer(group)
+            try:
+                await self._js.consumer_info(cfg.stream, name)
+            except nats.js.errors.NotFoundError:
+                await ensure_group_consumer(self._js, cfg, group)
+                put_back.append(f"consumer {name}")
+        if put_back:
+            self.recreated += len(put_back)
+            log.warning("recreated %s: deleted while the deployment ran (requests queued "
+                        "in a deleted stream are lost with it)", ", ".join(put_back))  # fmt: skip
+        return put_back

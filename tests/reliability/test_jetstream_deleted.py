@@ -1,0 +1,45 @@
+"""The request stream or a group consumer deleted under a running deployment (an operator's
+``nats consumer rm`` / ``nats stream rm``): the gateway puts them back and requests are
+served again, with no service restarted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import nats
+
+from common.services import NatsServer
+from common.subjects import Subjects
+from tests.reliability.conftest import StackFactory
+from tests.reliability.harness import body, completion, group
+
+DEADLINE = {"X-QoS-Deadline-Ms": "5000"}  # without the keeper: an error after 5 s
+
+
+async def test_a_deleted_consumer_or_stream_is_recreated_and_serving_resumes(
+    nats_server: NatsServer, make_stack: StackFactory
+) -> None:
+    stack = make_stack(nats_server.url, {"short": group(4)}, {"short": 1}, jetstream_check_s=0.2)
+    cfg = stack.config.nats
+    url = f"{stack.base_url}/completions"
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    try:
+        async with httpx.AsyncClient(timeout=30) as http:
+            first = await completion(http, url, body(stack.model, 1, max_tokens=8), DEADLINE)
+            assert first.kind == "complete", first.detail
+
+            await js.delete_consumer(cfg.stream, Subjects.consumer("short"))
+            await asyncio.sleep(0.6)  # the keeper looks every 0.2 s
+            again = await completion(http, url, body(stack.model, 2, max_tokens=8), DEADLINE)
+            assert again.kind == "complete", again.detail
+
+            await js.delete_stream(cfg.stream)  # its consumers go with it
+            await asyncio.sleep(0.6)
+            last = await completion(http, url, body(stack.model, 3, max_tokens=8), DEADLINE)
+            assert last.kind == "complete", last.detail
+        await js.stream_info(cfg.stream)
+        await js.consumer_info(cfg.stream, Subjects.consumer("short"))
+    finally:
+        await nc.close()
