@@ -3,106 +3,20 @@
 Python: ``async with await QosClient.connect(config) as client`` (or ``QosClient(nc)``), then
 ``async for chunk in client.generate(prompt=..., group="short", params=RequestParams(...))``.
 Each yielded :class:`~common.protocol.Chunk` holds only tokens not yielded before; the last
-one has ``finish_reason`` and ``usage``; a worker error raises the matching
-:class:`~common.errors.QosError`; the deadline raises ``DeadlineExceededError``.
-:class:`~common.sequencer.ChunkSequencer` is the transport-free core (dedupe, reorder, resume).
+one has ``finish_reason``, ``usage`` and ``stop_reason``; a worker error raises the matching
+:class:`~common.errors.QosError` (its ``code`` as the README lists them); the deadline
+raises ``DeadlineExceededError``. :class:`~common.sequencer.ChunkSequencer` is the
+transport-free core (dedupe, reorder, resume), shared with the gateway.
 
-Contract (wire version 1)
-=========================
+The wire contract any NATS client can implement (subjects, the request and chunk maps,
+resume queries, aborts, supersede, deadlines) is in the README, "Calling qosserve over NATS
+(no HTTP)"; this client follows it as the gateway does. It also heartbeats as a gateway
+does (``origin``): workers abort the requests of a client that died, and re-send what a
+reconnect of the client's own link swallowed.
 
-Names. ``P`` is the subject prefix (default ``qos``); ``<id>`` a request id and ``<group>``
-an instance group (``realtime``, ``short``, ``long`` by default), both matching
-``[A-Za-z0-9_-]{1,128}``. Requests go to the JetStream stream ``QOS_REQ`` (subjects
-``P.req.*``, work-queue retention, 2-minute duplicate window on ``Nats-Msg-Id``).
-
-Encoding. Every payload is one msgpack map (str keys, msgpack "bin" for bytes). Top-level
-maps carry ``"v": 1``; nested maps do not. Decoding is strict: an unknown key, a wrong
-type (an int where a float is expected is accepted; a float for an int is not), or an
-unknown ``v`` is rejected. Optional keys may be omitted or nil. ``token_ids`` fields are
-*bin*: token ids as little-endian int32, 4 bytes each; ``logprobs`` fields are bin of
-little-endian float32.
-
-1. Subscribe (core NATS) to ``P.out.<id>`` (chunks) and ``P.resume.<id>`` (resume
-   queries) *before* publishing, so no chunk is missed.
-2. Publish the request with JetStream to ``P.req.<group>`` with header
-   ``Nats-Msg-Id: <id>`` (a retry within the window is deduplicated) and wait for the
-   stream's ack. The request map:
-
-   ====================  ========  =========================================================
-   key                   type      meaning
-   ====================  ========  =========================================================
-   ``v``                 int       1
-   ``id``                str       request id (unique; also the dedupe id)
-   ``group``             str       the group of the subject (another: refused)
-   ``reply``             str       where chunks go: exactly ``P.out.<id>`` (else refused)
-   ``prompt``            str       text prompt (the worker tokenizes it) — or:
-   ``prompt_token_ids``  bin i32   token ids; exactly one of the two
-   ``model``             str       optional, informational
-   ``params``            map       optional, see below
-   ``priority``          int       optional, lower is served first (default 0)
-   ``deadline_ms``       int       optional, absolute unix epoch milliseconds
-   ``created_ms``        int       optional, epoch ms the caller made it (within 1 s of
-                                   JetStream's storing time, else that time counts)
-   ``origin``            str       optional, the gateway id whose heartbeat workers watch
-   ``cache_salt``        str       optional (<= 512 chars): only requests with the same
-                                   salt share cached prompt prefixes (default "": shared)
-   ====================  ========  =========================================================
-
-   ``params`` (every key optional): ``max_tokens`` int (256, >= 1), ``temperature`` float
-   (1.0; 0 = greedy), ``top_p`` float (1.0), ``top_k`` int (0 = off), ``min_p`` float,
-   ``repetition_penalty`` float (1.0), ``presence_penalty`` / ``frequency_penalty`` float
-   (0.0), ``seed`` int, ``stop`` [str], ``stop_token_ids`` [int], ``ignore_eos`` bool,
-   ``logprobs`` int (top-k alternatives to return, 0..20).
-3. Read chunks on ``P.out.<id>``:
-
-   =================  ========  ==========================================================
-   key                type      meaning
-   =================  ========  ==========================================================
-   ``v``              int       1
-   ``id``             str       request id
-   ``seq``            int       index (in the output) of this chunk's first token
-   ``attempt``        int       JetStream delivery count of the request that produced it
-   ``token_ids``      bin i32   new tokens (may be empty, e.g. in a final chunk)
-   ``text``           str       their text ("" when the model has no tokenizer)
-   ``finish_reason``  str       only on the last chunk: stop | length | abort | error
-   ``usage``          map       last chunk: prompt_tokens, completion_tokens, cached_tokens
-   ``error``          map       {code, message} on a failed request (finish_reason error)
-   ``logprobs``       bin f32   one per token, when asked
-   ``top_logprobs``   [map]     one {token_ids: bin i32, logprobs: bin f32} per token
-   ``worker``         str       the worker that sent it
-   =================  ========  ==========================================================
-
-   Keep ``delivered`` = tokens delivered so far and ``min_attempt`` = 1. Drop a chunk whose
-   ``attempt < min_attempt`` (a worker that lost the request still talking). If
-   ``seq > delivered``, hold it until the gap fills. Otherwise deliver
-   ``token_ids[delivered - seq:]`` (nothing if already delivered) and advance. The chunk
-   with ``finish_reason`` ends the stream; ``completion_tokens`` counts every output token,
-   resumed ones too. ``error.code`` is one of ``invalid_request``,
-   ``context_length_exceeded``, ``protocol_error``, ``deadline_exceeded``,
-   ``rate_limit_exceeded``, ``service_unavailable``, ``internal_error`` (OpenAI-style).
-4. Answer resume queries. When a worker dies, JetStream redelivers the request (after the
-   consumer's ``ack_wait``) and the new worker sends a request/reply on
-   ``P.resume.<id>`` with ``{v, id, attempt: int, worker: str}``. Reply to the message's
-   reply subject with ``{v: 1, id, token_ids: bin i32 (every token delivered so far, in
-   order), text_len: int (characters of text delivered)}`` and set ``min_attempt =
-   max(min_attempt, attempt)``; drop any held chunk of an older attempt. The worker continues from prompt + those tokens, sending ``seq`` from
-   ``len(token_ids)``. Once finished with a request, a caller may answer
-   ``{v: 1, id, closed: true}`` (the copy is acked and dropped); not answering makes the
-   worker drop the request (this client sends no ``origin``, so at once). After a NATS
-   reconnect a worker asks the same
-   question with its *current* attempt (nothing changes on your side) and re-sends every
-   chunk past your answer, so chunks lost in the outage arrive again (drop them by ``seq``).
-5. To cancel, publish (core NATS) on ``P.abort.<group>`` the map
-   ``{v: 1, action: "abort", request_id: <id>, group: <group>, issued_ms: int, reason:
-   str}`` and unsubscribe; the worker frees the request's KV cache at once.
-6. Deadlines. The worker answers a request whose ``deadline_ms`` passed (before or while
-   generating) with a ``deadline_exceeded`` error chunk. Chunks travel on core NATS (at
-   most once), so the caller also enforces the deadline itself rather than wait for a gap
-   that may never fill.
-
-A final ``finish_reason`` of ``abort`` means the request was cancelled (by the caller or
-an operator); ``error`` always comes with ``error``. Optional request headers:
-``traceparent`` / ``tracestate`` (W3C trace context).
+Leave a stream early with ``break`` inside ``async with contextlib.aclosing(gen)`` (or
+call ``await gen.aclose()``) where ``gen = client.generate(...)`` is kept in a variable:
+the abort goes out when the generator closes, which a kept reference delays.
 """
 
 from __future__ import annotations
@@ -128,8 +42,10 @@ from common.errors import (
     InvalidRequestError,
     ProtocolError,
     QosError,
+    RequestGivenUpError,
     ServiceUnavailableError,
 )
+from common.heartbeat import Heartbeat
 from common.protocol import (
     DEFAULT_MAX_PAYLOAD,
     Chunk,
@@ -137,11 +53,14 @@ from common.protocol import (
     GenerateRequest,
     RequestParams,
     ResumeQuery,
+    ResumeReply,
 )
+from common.request_publish import publish_error, publish_request
 from common.sequencer import ChunkSequencer, DecodeTail
 from common.subjects import Subjects
 
 DEFAULT_TIMEOUT_S = 120.0
+HEARTBEAT_INTERVAL_S = 1.0  # gateway.heartbeat_interval_s's default: workers judge by it
 
 
 class QosClient:
@@ -154,12 +73,19 @@ class QosClient:
         *,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
         owns_connection: bool = False,
+        stream: str | None = None,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.subjects = subjects or Subjects()
         self._max_payload = max_payload_bytes
         self._owns = owns_connection
+        self._stream = stream  # the request stream's name, when known: JetStream checks it
+        # Requests carry it as their origin: workers watch its heartbeat, as a gateway's.
+        self.client_id = f"cl-{uuid.uuid4().hex[:16]}"
+        self._heartbeat = Heartbeat(nc, self.subjects, self.client_id, heartbeat_interval_s)
+        self._beating = False
 
     @classmethod
     async def connect(
@@ -175,15 +101,26 @@ class QosClient:
         from common.nats import connect
 
         cfg = config.nats if isinstance(config, Config) else config
+        interval = (
+            config.gateway.heartbeat_interval_s
+            if isinstance(config, Config)
+            else HEARTBEAT_INTERVAL_S
+        )
         nc = await connect(cfg, name, service=service)
         return cls(
             nc,
             Subjects(cfg.subject_prefix),
             max_payload_bytes=cfg.max_payload_bytes,
             owns_connection=True,
+            stream=cfg.stream,
+            heartbeat_interval_s=interval,
         )
 
     async def close(self) -> None:
+        """Stop heartbeating (workers then abort what is still running for this client),
+        and close the connection if :meth:`connect` opened it."""
+        await self._heartbeat.stop()
+        self._beating = False
         if self._owns:
             await self.nc.close()
 
@@ -197,6 +134,12 @@ class QosClient:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+    async def _beat(self) -> None:
+        """Start the heartbeat before the first request: its first beat goes out first."""
+        if not self._beating:
+            self._beating = True
+            await self._heartbeat.start()
 
     async def generate(
         self,
@@ -212,12 +155,15 @@ class QosClient:
         model: str = "",
         decode_tail: DecodeTail | None = None,
         cache_salt: str = "",
+        headers: dict[str, str] | None = None,
     ) -> AsyncIterator[Chunk]:
         """Yield the answer's chunks, each with only new tokens; the last one is final.
 
         ``deadline_ms`` is absolute (epoch ms) and travels with the request; ``timeout_s``
         is relative; the earlier wins (default: :data:`DEFAULT_TIMEOUT_S`). Leaving the
         loop early, a timeout or cancellation aborts the request on the worker.
+        ``headers`` go with the request message (``traceparent``/``tracestate``: the
+        worker's spans join that trace).
         """
         now_ms = int(time.time() * 1000)
         if timeout_s is not None or deadline_ms is None:
@@ -235,35 +181,61 @@ class QosClient:
             priority=priority,
             deadline_ms=deadline_ms,
             created_ms=now_ms,
+            origin=self.client_id,
             cache_salt=cache_salt,
         )
         request.validate()
+        await self._beat()
         stream = ChunkSequencer(rid, decode_tail)
         ready: asyncio.Queue[Chunk | QosError] = asyncio.Queue()
-        worker_may_run = [False]  # an undecodable chunk ends our stream, not the worker's
+        # The worker is done with the request (its final or error chunk): nothing to abort.
+        worker_done = [False]
+
+        def fail(error: QosError, worker_finished: bool) -> None:
+            stream.finished = True
+            worker_done[0] = worker_done[0] or worker_finished
+            ready.put_nowait(error)
 
         async def on_chunk(msg: Msg) -> None:
+            if stream.finished:
+                return
             try:
-                chunks: list[Chunk | QosError] = list(
-                    stream.feed(Chunk.from_bytes(msg.data, self._max_payload))
-                )
-            except ProtocolError as exc:
-                chunks = [InternalError(f"undecodable chunk from the worker: {exc.message}")]
-                stream.finished = True
-                worker_may_run[0] = True
+                chunk = Chunk.from_bytes(msg.data, self._max_payload)
+            except ProtocolError as exc:  # the worker may run on: it is aborted
+                fail(InternalError(f"undecodable chunk from the worker: {exc.message}"), False)
+                return
+            try:
+                chunks = stream.feed(chunk)
             except QosError as exc:
-                chunks = [exc]
+                # The worker's own error ends its work; a gap given up on does not.
+                fail(exc, chunk.error is not None or chunk.finish_reason == "error")
+                return
             for item in chunks:
+                if item.finish_reason is not None:
+                    worker_done[0] = True
                 ready.put_nowait(item)
 
         async def on_resume(msg: Msg) -> None:
-            if stream.finished or not msg.reply:
-                return  # silence: the worker drops the request
+            if not msg.reply:
+                return
             try:
                 query = ResumeQuery.from_bytes(msg.data, self._max_payload)
             except ProtocolError:
                 return
-            await self.nc.publish(msg.reply, stream.resume(query).to_bytes())
+            if query.id != rid:  # a query about one request cannot steer another
+                return
+            reply = ResumeReply(id=rid, closed=True) if stream.finished else stream.resume(query)
+            await self.nc.publish(msg.reply, reply.to_bytes())
+            if not reply.closed:
+                # As the gateway does: a replica still on an earlier delivery (its
+                # in_progress came late) stops, rather than spend a batch slot and ack the
+                # message under the replica this stream follows now.
+                supersede = Control(
+                    action="supersede", issued_ms=int(time.time() * 1000), group=group,
+                    request_id=rid, attempt=stream.min_attempt, reason="resumed elsewhere",
+                )  # fmt: skip
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(self.subjects.abort(group), supersede.to_bytes())
 
         subs = [
             await self.nc.subscribe(self.subjects.out(rid), cb=on_chunk),
@@ -272,18 +244,26 @@ class QosClient:
         done = False
         queued: tuple[str, int] | None = None  # (stream, sequence) of the request message
         try:
+            payload = request.to_bytes()
             try:
-                ack = await self.js.publish(
-                    self.subjects.request(group), request.to_bytes(), headers={"Nats-Msg-Id": rid}
-                )
-            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError) as exc:
-                done = True  # nothing was queued: nothing to abort
+                ack, attempt = await publish_request(
+                    self.js, self.subjects.request(group), payload,
+                    {**(headers or {}), "Nats-Msg-Id": rid},
+                    time.monotonic() + max(0.0, deadline_ms / 1000 - time.time()),
+                    stream=self._stream,
+                )  # fmt: skip
+            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
                 raise ServiceUnavailableError(
                     f"no JetStream stream takes {self.subjects.request(group)}: is a worker "
                     "or gateway running against this NATS?",
                     retry_after_s=1,
-                ) from exc
-            if ack.duplicate:
+                ) from None
+            except Exception as exc:
+                error = publish_error(exc, len(payload), "this client")
+                if error is None:
+                    raise
+                raise error from None
+            if ack.duplicate and attempt == 0:
                 # JetStream kept the earlier message with this id: nothing new is queued, and
                 # its answer (running, or long finished) is not this caller's to wait for.
                 done = True
@@ -303,11 +283,13 @@ class QosClient:
                 except (ValueError, KeyError, TypeError):
                     return
                 if seq == ack.seq and not stream.finished:
-                    stream.finished = True
-                    ready.put_nowait(InternalError(
+                    fail(RequestGivenUpError(
                         f"request {rid} failed on every one of its {deliveries} deliveries "
                         "to workers and was given up"
-                    ))  # fmt: skip
+                    ), True)  # fmt: skip
+                    # A work queue keeps a message past max_deliver for good.
+                    with contextlib.suppress(Exception):
+                        await self.js.delete_msg(ack.stream, ack.seq)
 
             with contextlib.suppress(Exception):  # not permitted: the deadline still ends it
                 subs.append(
@@ -320,10 +302,11 @@ class QosClient:
             while not done:
                 left = deadline_ms / 1000 - time.time()
                 try:
-                    # wait_for costs a task per call: only when nothing is waiting already.
+                    # What came in time goes out first, however slowly the caller reads; a
+                    # wait (a task per call) only when nothing is waiting already.
                     item = (
                         ready.get_nowait()
-                        if not ready.empty() and left > 0
+                        if not ready.empty()
                         else await asyncio.wait_for(ready.get(), max(left, 0.0))
                     )
                 except TimeoutError:
@@ -340,7 +323,7 @@ class QosClient:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            if not done or worker_may_run[0]:
+            if not worker_done[0] and queued is not None:  # queued None: nothing to abort
                 await self._abort(group, rid, "client stopped reading", queued)
 
     async def _abort(

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common.config import Config, load_config
 from common.errors import ConfigError
-from common.models import resolve_model, served_name
+from common.models import check_model_folder, resolve_model, served_name
 from common.services import (
     NatsServer,
     RedisServer,
@@ -271,6 +271,8 @@ def _run(args: argparse.Namespace) -> int:
             "stop it or pass --port"
         )
     model = model_name if args.engine == "sim" else resolve_model(model_name)
+    if args.engine != "sim":
+        check_model_folder(model)
     state = Path(args.state_dir).resolve()
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,9 @@ def demo_model_path() -> Path:
 
 
 def resolve_model(spec: str) -> str:
-    """``demo`` → the shipped checkpoint's folder; anything else is returned unchanged.
-    A folder that is not a model (no such folder, no ``config.json``) is a ConfigError at
-    once: the launcher used to start the whole stack before a worker said so."""
+    """``demo`` → the shipped checkpoint's folder; anything else is returned unchanged. A
+    folder that does not exist is a ConfigError at once: the launcher used to start the
+    whole stack before a worker said so."""
     if spec == "demo":
         path = demo_model_path()
         if not (path / "config.json").is_file():
@@ -25,14 +25,18 @@ def resolve_model(spec: str) -> str:
                 f"the demo model is missing at {path}; run `python -m bench.train_tiny` to build it"
             )
         return str(path)
-    if not spec.startswith("dummy:"):
-        folder = Path(spec)
-        if not folder.is_dir():
-            raise ConfigError(f"model {spec!r}: no such folder (a Hugging Face model folder, "
-                              "dummy:<shape>, or 'demo')")  # fmt: skip
-        if not (folder / "config.json").is_file():
-            raise ConfigError(f"model {spec!r}: no config.json in that folder")
+    if not spec.startswith("dummy:") and not Path(spec).is_dir():
+        raise ConfigError(f"model {spec!r}: no such folder (a Hugging Face model folder, "
+                          "dummy:<shape>, or 'demo')")  # fmt: skip
     return spec
+
+
+def check_model_folder(spec: str) -> None:
+    """A worker's model: a dummy spec, or a folder with ``config.json`` (a gateway needs only
+    the tokenizer's files); ConfigError otherwise, before anything starts."""
+    resolve_model(spec)
+    if not spec.startswith("dummy:") and not (Path(spec) / "config.json").is_file():
+        raise ConfigError(f"model {spec!r}: no config.json in that folder")
 
 
 def served_name(spec: str) -> str:

@@ -43,6 +43,7 @@ from common.errors import (
     ServiceUnavailableError,
     error_from_code,
 )
+from common.heartbeat import Heartbeat, new_gateway_id
 from common.logging import prompts_loggable
 from common.nats import connect, ensure_jetstream
 from common.sampling_defaults import SamplingDefaults, load_sampling_defaults
@@ -54,7 +55,6 @@ from gateway.admission import ADMISSION_WAIT_S, Admission
 from gateway.auth import ApiKeys, KeyGrant
 from gateway.classifier import GROUP_HEADER, explicit_group
 from gateway.generate import Generator
-from gateway.heartbeat import Heartbeat, new_gateway_id
 from gateway.metrics import GatewayMetrics
 from gateway.observe import ObserveMiddleware
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest

@@ -21,8 +21,6 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from typing import Any
 
-import nats.errors
-import nats.js.errors
 from nats.js import JetStreamContext
 from opentelemetry.trace import Tracer
 from starlette.requests import ClientDisconnect, Request
@@ -36,10 +34,10 @@ from common.errors import (
     ModelNotFoundError,
     PayloadTooLargeError,
     QosError,
-    ServiceUnavailableError,
 )
 from common.logging import bind_request
 from common.protocol import GenerateRequest
+from common.request_publish import publish_error, publish_request
 from common.sampling_defaults import SamplingDefaults
 from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
@@ -66,9 +64,6 @@ MAX_DEADLINE_MS = 24 * 3600 * 1000
 INLINE_TOKENIZE_CHARS = 16_384
 # How often a request in flight checks whether its client left.
 DISCONNECT_POLL_S = 1.0
-PUBLISH_TIMEOUT_S = 5.0
-# Publishes of one request (same Nats-Msg-Id) before a timeout is a 503.
-PUBLISH_ATTEMPTS = 3
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 log = logging.getLogger(__name__)
 
@@ -415,34 +410,16 @@ class Generator:
         payload = message.to_bytes()
         try:
             with publish_span:
-                ack = await self._publish_once(subject, payload, headers, flight.deadline)
+                ack, _ = await publish_request(
+                    self._js, subject, payload, headers, flight.deadline,
+                    stream=self._config.nats.stream,
+                )  # fmt: skip
             flight.stream.stream_seq = ack.seq
-        except (
-            nats.errors.NoRespondersError,
-            nats.js.errors.NoStreamResponseError,  # no stream (yet): JetStream restarting
-            nats.errors.TimeoutError,
-        ) as exc:
-            raise ServiceUnavailableError(
-                f"the request queue did not accept the request ({type(exc).__name__})",
-                retry_after_s=1,
-            ) from None
-        except nats.js.errors.APIError as exc:
-            log.warning("JetStream refused request %s: %s", request_id, exc.description)
-            raise ServiceUnavailableError(
-                "the request queue refused the request", retry_after_s=1
-            ) from None
-        except nats.errors.ConnectionClosedError:
-            raise ServiceUnavailableError(
-                "the gateway lost its NATS connection", retry_after_s=2
-            ) from None
-        except nats.errors.MaxPayloadError:
-            # The server's max_payload is below nats.max_payload_bytes (its default is 1 MiB):
-            # the request itself is fine, the message plane cannot carry it.
-            raise PayloadTooLargeError(
-                f"the request takes {len(payload)} bytes on the message plane, over the NATS "
-                "server's max_payload; shorten the prompt, or raise the server's max_payload",
-                param="prompt",
-            ) from None
+        except Exception as exc:
+            error = publish_error(exc, len(payload), "the gateway")
+            if error is None:
+                raise
+            raise error from None
 
     def _refuse_control_tokens(self, body: ChatCompletionRequest) -> None:
         """400 for a message whose text holds a special token's text (gateway config
@@ -466,28 +443,6 @@ class Generator:
                         param=param,
                         code="control_token",
                     )
-
-    async def _publish_once(
-        self, subject: str, payload: bytes, headers: dict[str, str], deadline: float
-    ) -> Any:
-        """Publish to the request stream, asking again under the same ``Nats-Msg-Id`` after
-        a timeout while the deadline allows: a timeout may hide a message JetStream stored
-        (its ack was late). Answered 503 then, it would run for nobody on a replica that never
-        heard the abort; asked again, JetStream acks the stored copy (``duplicate``) with its
-        sequence, and the request is served or cleaned up as any other."""
-        for attempt in range(PUBLISH_ATTEMPTS):
-            timeout = max(0.1, min(PUBLISH_TIMEOUT_S, deadline - time.monotonic()))
-            try:
-                return await self._js.publish(
-                    subject, payload, timeout=timeout, stream=self._config.nats.stream,
-                    headers=headers,
-                )  # fmt: skip
-            except nats.errors.TimeoutError:
-                if attempt + 1 == PUBLISH_ATTEMPTS or deadline - time.monotonic() < 0.2:
-                    raise
-                log.info("publishing request %s timed out; asking again (same id)",
-                         headers.get("Nats-Msg-Id"))  # fmt: skip
-        raise AssertionError("unreachable")
 
     # -- back to the client ----------------------------------------------------------------
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from common.heartbeat import Heartbeat
 from common.subjects import Subjects
-from gateway.heartbeat import Heartbeat
 
 
 class FakeLink:

@@ -41,7 +41,7 @@ def proxy(private_nats: NatsServer) -> Iterator[TcpProxy]:
 # must be kept because its gateway went quiet. (This once failed under CI load: beats the
 # gateway queued while cut off reached the worker first, "alive, no reconnect", and the
 # streams were dropped just before the reconnect news; both sides are fixed, see
-# gateway/heartbeat.py and workers/resync.py, and tests/workers/test_resync.py.)
+# common/heartbeat.py and workers/resync.py, and tests/workers/test_resync.py.)
 @pytest.mark.parametrize("cut_s", [0.6, 2.6])
 async def test_streams_finish_exactly_after_the_gateways_link_to_nats_flaps(
     cut_s: float,
@@ -124,3 +124,47 @@ async def test_a_link_gone_dark_without_a_close_is_declared_dead_and_comes_back(
         await qnats.barrier(nc)  # round trips again
     finally:
         await nc.close()
+
+
+async def test_a_nats_native_clients_streams_finish_exactly_after_its_link_flaps(
+    private_nats: NatsServer, proxy: TcpProxy, make_stack: StackFactory, tokenizer: BaseTokenizer
+) -> None:
+    """The same for ``common/client.py``: it sent no origin and no heartbeat, so a worker
+    never heard of its reconnect, and each stream cut mid-way waited for its deadline."""
+    from common.client import QosClient
+    from common.protocol import RequestParams
+    from tests.reliability.harness import PROMPT
+
+    stack = make_stack(private_nats.url, {"short": group(8)}, {"short": 1},
+                       heartbeat_interval_s=0.2)  # fmt: skip
+    via_proxy = stack.config.model_copy(
+        update={
+            "nats": stack.config.nats.model_copy(update={"url": f"nats://127.0.0.1:{proxy.port}"})
+        }
+    )
+    started = [0] * 4
+
+    async def one(client: QosClient, seed: int) -> str:
+        params = RequestParams(max_tokens=MAX_TOKENS, seed=seed, ignore_eos=True)
+        text = ""
+        async for chunk in client.generate(group="short", prompt=PROMPT, params=params,
+                                           timeout_s=30):  # fmt: skip
+            started[seed] = 1
+            text += chunk.text
+        return text
+
+    async with await QosClient.connect(via_proxy, "flapping-client", service="gateway") as client:
+        streams = [asyncio.create_task(one(client, seed)) for seed in range(4)]
+        waited = time.monotonic()
+        while sum(started) < 4 and time.monotonic() - waited < 20:
+            await asyncio.sleep(0.01)
+        assert sum(started) == 4, "not every stream started"
+        proxy.cut()
+        cut_at = time.monotonic()
+        await asyncio.sleep(0.6)
+        proxy.restore()
+        texts = await asyncio.gather(*streams)
+        took_s = time.monotonic() - cut_at
+    for seed, text in enumerate(texts):
+        assert text == expected_text(tokenizer, MAX_TOKENS, seed), f"seed {seed}"
+    assert took_s < 6, f"streams took {took_s:.1f}s after the cut: they waited, not resynced"

@@ -784,8 +784,15 @@ async def test_a_direct_client_hears_when_jetstream_gives_its_request_up(
         await asyncio.wait([pending], timeout=0.1)
         if pending.done():
             break
-    with pytest.raises(InternalError, match="given up"):
+    with pytest.raises(InternalError, match="given up") as info:
         await asyncio.wait_for(pending, 5)
+    assert info.value.code == "request_given_up"  # the README's "do not retry"
+    # A work queue keeps a message past max_deliver for good: the client deletes it.
+    for _ in range(50):
+        if not (await js.stream_info(stream)).state.messages:
+            break
+        await asyncio.sleep(0.02)
+    assert (await js.stream_info(stream)).state.messages == 0
 
 
 async def _moving_to_long(

@@ -1,8 +1,9 @@
-"""The gateway's heartbeat: a message on ``qos.gw.<gateway id>`` every interval.
+"""A caller's heartbeat: a message on ``qos.gw.<caller id>`` every interval, from every
+gateway and every NATS-native client (``common/client.py``).
 
-Requests carry the gateway's id (``GenerateRequest.origin``); a worker that stops hearing
-from a request's gateway aborts it, since the caller's connection went down with the
-gateway and nobody will read the rest (``WorkerConfig.orphan_after_s``).
+Requests carry the caller's id (``GenerateRequest.origin``); a worker that stops hearing
+from a request's caller aborts it, since the caller went down and nobody will read the
+rest (``WorkerConfig.orphan_after_s``).
 
 The payload is the gateway's NATS reconnect count in ASCII digits (empty from gateways
 older than this field: read as no news). Chunks are core NATS: those a worker published

@@ -1,0 +1,81 @@
+"""Putting one request on the JetStream request stream: the gateway's and the NATS-native
+client's publish, with the same retry and the same errors.
+
+A publish that times out may hide a message JetStream stored (its ack was late). Answered
+with an error then, it would run for nobody on a replica that never heard an abort; asked
+again under the same ``Nats-Msg-Id``, JetStream acks the stored copy (``duplicate``) with
+its sequence, and the request is served or cleaned up as any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+from common.errors import PayloadTooLargeError, QosError, ServiceUnavailableError
+
+PUBLISH_TIMEOUT_S = 5.0
+# Publishes of one request (same Nats-Msg-Id) before a timeout is a 503.
+PUBLISH_ATTEMPTS = 3
+
+log = logging.getLogger(__name__)
+
+
+async def publish_request(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    headers: dict[str, str],
+    deadline: float,
+    stream: str | None = None,
+) -> tuple[PubAck, int]:
+    """JetStream's ack and the attempt it came on (0: the first; on a later one a
+    ``duplicate`` ack is this request's own copy). ``deadline`` is on ``time.monotonic``.
+    Raises nats-py's errors: :func:`publish_error` says what each means to a caller."""
+    for attempt in range(PUBLISH_ATTEMPTS):
+        timeout = max(0.1, min(PUBLISH_TIMEOUT_S, deadline - time.monotonic()))
+        try:
+            ack = await js.publish(
+                subject, payload, timeout=timeout, stream=stream, headers=headers
+            )
+            return ack, attempt
+        except nats.errors.TimeoutError:
+            if attempt + 1 == PUBLISH_ATTEMPTS or deadline - time.monotonic() < 0.2:
+                raise
+            log.info("publishing request %s timed out; asking again (same id)",
+                     headers.get("Nats-Msg-Id"))  # fmt: skip
+    raise AssertionError("unreachable")
+
+
+def publish_error(exc: Exception, payload_bytes: int, who: str) -> QosError | None:
+    """The caller's error for a failed :func:`publish_request` (None: not a publish
+    failure); ``who`` names the NATS connection's owner ("the gateway", "this client")."""
+    if isinstance(
+        exc,
+        nats.errors.NoRespondersError
+        | nats.js.errors.NoStreamResponseError  # no stream (yet): JetStream restarting
+        | nats.errors.TimeoutError,
+    ):
+        return ServiceUnavailableError(
+            f"the request queue did not accept the request ({type(exc).__name__})",
+            retry_after_s=1,
+        )
+    if isinstance(exc, nats.js.errors.APIError):
+        log.warning("JetStream refused a request: %s", exc.description)
+        return ServiceUnavailableError("the request queue refused the request", retry_after_s=1)
+    if isinstance(exc, nats.errors.ConnectionClosedError):
+        return ServiceUnavailableError(f"{who} lost its NATS connection", retry_after_s=2)
+    if isinstance(exc, nats.errors.MaxPayloadError):
+        # The server's max_payload is below nats.max_payload_bytes (its default is 1 MiB):
+        # the request itself is fine, the message plane cannot carry it.
+        return PayloadTooLargeError(
+            f"the request takes {payload_bytes} bytes on the message plane, over the NATS "
+            "server's max_payload; shorten the prompt, or raise the server's max_payload",
+            param="prompt",
+        )
+    return None

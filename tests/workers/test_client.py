@@ -1,0 +1,211 @@
+"""The NATS-native client (``common/client.py``) against a real nats-server, its worker
+played by the test on the ``long`` group (no service serves it here): what the client
+does with each kind of chunk, resume query and publish failure, as the gateway does."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats.errors
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+import common.nats as qnats
+from common.client import QosClient
+from common.config import Config
+from common.errors import InternalError, ProtocolError
+from common.protocol import (
+    Chunk,
+    Control,
+    ErrorInfo,
+    GenerateRequest,
+    RequestParams,
+    ResumeQuery,
+    ResumeReply,
+    Usage,
+)
+from common.subjects import Subjects
+
+
+@pytest.fixture
+async def played(nc: Client, worker_config: Config, subjects: Subjects) -> dict[str, Any]:
+    """What reaches the ``long`` group: requests (with their headers) and controls."""
+    await qnats.ensure_jetstream(nc.jetstream(), worker_config.nats, worker_config.groups)
+    seen: dict[str, Any] = {"requests": asyncio.Queue(), "controls": []}
+
+    async def on_request(msg: Msg) -> None:
+        seen["requests"].put_nowait(msg)
+
+    async def on_control(msg: Msg) -> None:
+        seen["controls"].append(Control.from_bytes(msg.data))
+
+    await nc.subscribe(subjects.request("long"), cb=on_request)  # a copy of each publish
+    await nc.subscribe(subjects.abort("long"), cb=on_control)
+    await qnats.barrier(nc)
+    return seen
+
+
+async def _run(
+    client: QosClient, played: dict[str, Any], worker: Callable[[str], Awaitable[None]], **kw: Any
+) -> tuple[list[Chunk], BaseException | None]:
+    """Run one request; ``worker(request id)`` plays the worker once it is published."""
+    got: list[Chunk] = []
+    slow_s = kw.pop("slow_s", 0.0)  # the reader's time per chunk
+
+    async def read() -> None:
+        async for chunk in client.generate(group="long", prompt_token_ids=[1, 2], **kw):
+            got.append(chunk)
+            await asyncio.sleep(slow_s)
+
+    reader = asyncio.ensure_future(read())
+    msg = await asyncio.wait_for(played["requests"].get(), 5)
+    await worker(GenerateRequest.from_bytes(msg.data).id)
+    try:
+        await asyncio.wait_for(reader, 10)
+    except Exception as exc:
+        return got, exc
+    return got, None
+
+
+async def _wait_for(predicate: Callable[[], bool]) -> None:
+    for _ in range(100):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_a_workers_protocol_error_reaches_the_caller_as_its_own(
+    client: QosClient, nc: Client, played: dict[str, Any], subjects: Subjects
+) -> None:
+    """An older worker refusing a field during a rolling upgrade answers protocol_error:
+    the client's own catch for undecodable chunks took it for an internal error (a server
+    fault, retryable) and aborted a worker that had already finished."""
+
+    async def refuse(rid: str) -> None:
+        error = ErrorInfo("protocol_error", "request: unknown key 'want_stop_reason'")
+        chunk = Chunk(id=rid, finish_reason="error", error=error)
+        await nc.publish(subjects.out(rid), chunk.to_bytes())
+
+    _, exc = await _run(client, played, refuse)
+    assert isinstance(exc, ProtocolError) and exc.code == "protocol_error"
+    await asyncio.sleep(0.1)
+    assert not [c for c in played["controls"] if c.action == "abort"]
+
+
+async def test_a_gap_that_never_fills_aborts_the_worker(
+    client: QosClient, nc: Client, played: dict[str, Any], subjects: Subjects
+) -> None:
+    """The client gave up on the stream but left its worker generating for nobody."""
+
+    async def gap(rid: str) -> None:
+        for seq in range(1, 300):  # seq 0 never comes
+            await nc.publish(subjects.out(rid), Chunk(id=rid, seq=seq, token_ids=[5]).to_bytes())
+
+    _, exc = await _run(client, played, gap)
+    assert isinstance(exc, InternalError) and "gap" in exc.message
+    await _wait_for(lambda: any(c.action == "abort" for c in played["controls"]))
+    assert any(c.action == "abort" for c in played["controls"])
+
+
+async def test_what_arrived_before_the_deadline_is_delivered_to_a_slow_reader(
+    client: QosClient, nc: Client, played: dict[str, Any], subjects: Subjects
+) -> None:
+    """Past the deadline the client raised at once, though the final chunk (usage and all)
+    was waiting in its queue: a reader slower than its worker lost a finished answer."""
+
+    async def answer(rid: str) -> None:
+        out = subjects.out(rid)
+        await nc.publish(out, Chunk(id=rid, seq=0, token_ids=[7], text="a").to_bytes())
+        final = Chunk(id=rid, seq=1, token_ids=[8], text="b", finish_reason="length",
+                      usage=Usage(2, 2, 0))  # fmt: skip
+        await nc.publish(out, final.to_bytes())
+
+    got, exc = await _run(client, played, answer, timeout_s=0.5, slow_s=0.8)
+    assert exc is None and [c.token_ids for c in got] == [[7], [8]]
+    assert got[-1].usage == Usage(2, 2, 0)
+
+
+async def test_an_answered_resume_query_supersedes_the_earlier_attempt(
+    client: QosClient, nc: Client, played: dict[str, Any], subjects: Subjects
+) -> None:
+    """The gateway tells a replica still on an earlier delivery to stop; the client did
+    not, and that replica could ack the message under the one the stream follows."""
+
+    async def resumed(rid: str) -> None:
+        out = subjects.out(rid)
+        await nc.publish(out, Chunk(id=rid, seq=0, token_ids=[7]).to_bytes())
+        await asyncio.sleep(0.1)
+        query = ResumeQuery(id=rid, attempt=2, worker="w2")
+        answer = await nc.request(subjects.resume(rid), query.to_bytes(), timeout=2)
+        assert ResumeReply.from_bytes(answer.data).token_ids == [7]
+        # A query naming another request on this one's subject steers nothing.
+        other = ResumeQuery(id="someone-else", attempt=5, worker="w3")
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.request(subjects.resume(rid), other.to_bytes(), timeout=0.3)
+        final = Chunk(id=rid, seq=1, attempt=2, token_ids=[8], finish_reason="length")
+        await nc.publish(out, final.to_bytes())
+
+    got, exc = await _run(client, played, resumed)
+    assert exc is None and [t for c in got for t in c.token_ids] == [7, 8]
+    supersedes = [c for c in played["controls"] if c.action == "supersede"]
+    assert len(supersedes) == 1 and supersedes[0].attempt == 2
+
+
+async def test_requests_carry_the_clients_heartbeat_id_and_the_callers_headers(
+    client: QosClient, nc: Client, played: dict[str, Any], subjects: Subjects
+) -> None:
+    """Without an origin, workers neither aborted a dead client's requests nor re-sent
+    what a reconnect of the client's own link swallowed (it hung to its deadline); and a
+    caller could not pass its trace context."""
+    beats: list[bytes] = []
+
+    async def on_beat(msg: Msg) -> None:
+        beats.append(msg.data)
+
+    await nc.subscribe(subjects.gateway_heartbeat(client.client_id), cb=on_beat)
+    await qnats.barrier(nc)
+    traceparent = f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"
+    reader = asyncio.ensure_future(
+        client.collect(group="long", prompt_token_ids=[1], headers={"traceparent": traceparent})
+    )
+    msg = await asyncio.wait_for(played["requests"].get(), 5)
+    request = GenerateRequest.from_bytes(msg.data)
+    assert request.origin == client.client_id
+    assert msg.headers is not None and msg.headers["traceparent"] == traceparent
+    await _wait_for(lambda: bool(beats))
+    assert beats  # workers hear the client as they hear a gateway
+    final = Chunk(id=request.id, seq=0, token_ids=[3], finish_reason="length")
+    await nc.publish(subjects.out(request.id), final.to_bytes())
+    ids, _, _ = await asyncio.wait_for(reader, 5)
+    assert ids == [3]
+
+
+async def test_a_publish_whose_ack_timed_out_is_asked_again_under_the_same_id(
+    client: QosClient, start_worker: Any, worker_config: Config, nc: Client
+) -> None:
+    """A timed-out publish raised at once: the stored message ran for nobody, and a retry
+    with the same request id was refused as "in use"."""
+    await start_worker()
+    publish = client.js.publish
+    calls = []
+
+    async def late_ack(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("headers"))
+        ack = await publish(*args, **kwargs)
+        if len(calls) == 1:
+            raise nats.errors.TimeoutError  # stored, but the ack came too late
+        return ack
+
+    client.js.publish = late_ack  # type: ignore[method-assign]
+    ids, _, final = await client.collect(
+        group="short", prompt_token_ids=[1, 2], params=RequestParams(max_tokens=3)
+    )
+    assert len(calls) == 2 and calls[0]["Nats-Msg-Id"] == calls[1]["Nats-Msg-Id"]
+    assert final.finish_reason is not None and len(ids) == 3
+    stream = worker_config.nats.stream
+    await _wait_for(lambda: True)
+    assert (await nc.jetstream().stream_info(stream)).state.messages == 0  # served, acked
