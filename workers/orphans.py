@@ -8,7 +8,7 @@ until their deadlines (two minutes by default). The worker aborts a request once
 gateway has been silent for ``worker.orphan_after_s``. Silence while this worker is itself
 cut off from NATS does not count: it could not have heard anyone.
 
-A heartbeat also carries the gateway's NATS reconnect count (``gateway.heartbeat``): when
+A heartbeat also carries the gateway's NATS reconnect count (``common.heartbeat``): when
 it changes, the gateway was cut off while this worker was not, and the chunks published
 meanwhile are gone; :meth:`GatewayWatch.heard` says so, and the worker resyncs.
 """
