@@ -190,6 +190,10 @@ class RedisConfig(_Strict):
     username: str | None = None
     password: str | None = None
     tls_ca_file: str | None = None
+    # A client certificate, for a server that asks for one (redis-server's TLS default,
+    # tls-auth-clients yes, refuses every client without); both or neither.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     max_connections: int = Field(16, ge=1)
     ttl_s: int = Field(3600, ge=1)
     socket_timeout_s: float = Field(0.5, gt=0)
@@ -212,8 +216,11 @@ class RedisConfig(_Strict):
     @model_validator(mode="after")
     def _tls_needs_rediss(self) -> RedisConfig:
         # A CA file with a redis:// URL would connect in plaintext and send AUTH in clear.
-        if self.tls_ca_file and not self.url.startswith("rediss://"):
-            raise ValueError("redis.tls_ca_file is set: the URL must be rediss:// (TLS)")
+        for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            if getattr(self, key) and not self.url.startswith("rediss://"):
+                raise ValueError(f"redis.{key} is set: the URL must be rediss:// (TLS)")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("redis.tls_cert_file and redis.tls_key_file must be set together")
         return self
 
 

@@ -141,6 +141,8 @@ LOCAL_SERVERS_OPEN = {
     "QOS_REDIS__USERNAME": "null",
     "QOS_REDIS__PASSWORD": "",
     "QOS_REDIS__TLS_CA_FILE": "null",
+    "QOS_REDIS__TLS_CERT_FILE": "null",
+    "QOS_REDIS__TLS_KEY_FILE": "null",
 }  # fmt: skip
 
 

@@ -65,6 +65,8 @@ class BulkConnection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if config.url.startswith("rediss://"):
             context = ssl.create_default_context(cafile=config.tls_ca_file)
+            if config.tls_cert_file and config.tls_key_file:
+                context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
             sock = context.wrap_socket(sock, server_hostname=url.get("host"))
         sock.settimeout(timeout)
         self.sock = sock

@@ -186,6 +186,8 @@ def connection_pool(config: RedisConfig, read_size: int) -> aredis.BlockingConne
     )
     if config.tls_ca_file:
         kwargs["ssl_ca_certs"] = config.tls_ca_file
+    if config.tls_cert_file and config.tls_key_file:
+        kwargs["ssl_certfile"], kwargs["ssl_keyfile"] = config.tls_cert_file, config.tls_key_file
     return aredis.BlockingConnectionPool.from_url(config.url, **kwargs)
 
 

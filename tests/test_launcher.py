@@ -226,7 +226,8 @@ def test_a_deployment_config_s_tls_and_credentials_do_not_reach_the_local_server
     prod.write_text(
         "nats: {url: tls://nats:4222, user: qos-gateway, password: pw, tls_ca_file: /ca.pem,"
         " tls_handshake_first: true, token: t}\n"
-        "redis: {url: 'rediss://r:6380/0', username: u, password: pw, tls_ca_file: /ca.pem}\n"
+        "redis: {url: 'rediss://r:6380/0', username: u, password: pw, tls_ca_file: /ca.pem,"
+        " tls_cert_file: /c.pem, tls_key_file: /k.pem}\n"
     )
     local = {"QOS_NATS__URL": "nats://127.0.0.1:4222", "QOS_REDIS__URL": "redis://127.0.0.1:6379/0"}
     with pytest.raises(ConfigError, match="rediss://"):
@@ -239,6 +240,7 @@ def test_a_deployment_config_s_tls_and_credentials_do_not_reach_the_local_server
     )
     assert not cfg.nats.password and not cfg.nats.token
     assert (cfg.redis.username, cfg.redis.tls_ca_file, cfg.redis.password) == (None, None, "")
+    assert (cfg.redis.tls_cert_file, cfg.redis.tls_key_file) == (None, None)
 
 
 def test_a_dead_childs_log_tail_is_this_runs_not_an_earlier_ones(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ request size limits (413) in ``tests/gateway/test_validation.py`` and
 from __future__ import annotations
 
 import ast
+import contextlib
 import datetime
 import hmac
 import ipaddress
@@ -18,6 +19,7 @@ import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -299,6 +301,96 @@ def test_the_kv_tier_authenticates_to_redis_and_a_wrong_password_only_costs_hits
             t.bind("dummy:tiny", 0, LAYOUT)
             assert t.lookup(HASHES) == 0  # refused by the server: a miss, never an exception
             assert t.stats().redis.errors >= 1
+
+
+class _TlsTerminator:
+    """TLS in front of a plain redis-server (the bundled one is built without TLS), asking
+    each client for a certificate its CA signed, as redis-server's own TLS does by default
+    (tls-auth-clients yes)."""
+
+    def __init__(self, target_port: int, cert: Path, key: Path, client_ca: Path) -> None:
+        import socket
+        import threading
+
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(client_ca))
+        self.context.load_cert_chain(cert, key)
+        self.context.verify_mode = ssl.CERT_REQUIRED
+        self.target = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.refused = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                conn = self.context.wrap_socket(raw, server_side=True)
+            except (ssl.SSLError, OSError):
+                self.refused += 1
+                raw.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_the_kv_tier_presents_a_client_certificate_to_a_redis_that_asks_for_one(
+    tmp_path: Path, fresh_redis_server: Callable[..., RedisServer]
+) -> None:
+    """redis-server's TLS refuses clients without a certificate by default; the tier had no
+    setting for one, so against such a Redis it was off for good (misses, quietly)."""
+    ca, ca_key, ca_path = make_ca(tmp_path, "qos-ca")
+    cert, key = make_server_cert(tmp_path, ca, ca_key)
+    client_dir = tmp_path / "client"
+    client_dir.mkdir()
+    client_cert, client_key = make_server_cert(client_dir, ca, ca_key)
+    server = fresh_redis_server()
+    port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+    front = _TlsTerminator(port, cert, key, ca_path)
+    url = f"rediss://127.0.0.1:{front.port}/0"
+    data = np.random.default_rng(1).integers(0, 256, (3, LAYOUT.block_bytes), dtype=np.uint8)
+    try:
+        config = RedisConfig(url=url, tls_ca_file=str(ca_path), tls_cert_file=str(client_cert),
+                             tls_key_file=str(client_key))  # fmt: skip
+        with KVTiers(config) as tiers:
+            tiers.bind("dummy:tiny", 0, LAYOUT)
+            tiers.store_async(HASHES, data)
+            assert tiers.flush()
+            assert tiers.lookup(HASHES) == 3
+            assert [bytes(v) for v in tiers.load(HASHES)] == [bytes(r) for r in data]
+        anonymous = RedisConfig(url=url, tls_ca_file=str(ca_path), socket_timeout_s=0.5)
+        with KVTiers(anonymous) as tiers:
+            tiers.bind("dummy:tiny", 0, LAYOUT)
+            assert tiers.lookup(HASHES) == 0  # refused at the handshake: a miss
+            assert tiers.stats().redis.errors >= 1 and front.refused >= 1
+    finally:
+        front.close()
+    with pytest.raises(ValueError, match="set together"):
+        RedisConfig(url=url, tls_cert_file=str(client_cert))
+    with pytest.raises(ValueError, match="rediss://"):
+        RedisConfig(tls_cert_file=str(client_cert), tls_key_file=str(client_key))
 
 
 # --- the product tree ----------------------------------------------------------------
