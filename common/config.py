@@ -183,6 +183,10 @@ def _split_urls(value: str) -> list[str]:
     return [url.strip() for url in value.split(",") if url.strip()]
 
 
+# What a Redis URL may hold: both the tier's clients read these and nothing else.
+_REDIS_URL_PARTS = {"host", "port", "db", "username", "password", "path", "connection_class"}
+
+
 class RedisConfig(_Strict):
     """The shared cold KV tier."""
 
@@ -211,6 +215,19 @@ class RedisConfig(_Strict):
         # The message leaves the value out: a URL may carry a password.
         if not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        from redis.connection import parse_url
+
+        # Query options (?ssl_cert_reqs=none, ?socket_timeout=3) would hold for redis-py's
+        # connections and not for the tier's own (kvstore/bulk_io.py): refused, not split.
+        try:
+            extra = set(parse_url(value)) - _REDIS_URL_PARTS
+        except ValueError:
+            raise ValueError("not a valid Redis URL") from None
+        if extra:
+            raise ValueError(
+                f"URL options {', '.join(sorted(extra))} are not supported: use the redis.* "
+                "settings (socket_timeout_s, tls_ca_file, tls_cert_file, tls_key_file)"
+            )
         return value
 
     @model_validator(mode="after")

@@ -215,3 +215,12 @@ def test_a_bad_key_from_the_environment_names_its_variable() -> None:
     assert "gateway.nope (set by QOS_GATEWAY__NOPE): unknown key" in message
     assert "groups.short.max_batch (set by QOS_GROUPS__SHORT__MAX_BATCH)" in message
     assert "many" not in message  # values stay out: one may be a secret
+
+
+def test_redis_url_options_the_tiers_own_client_would_ignore_are_refused() -> None:
+    """redis-py honours ?ssl_cert_reqs=none or ?socket_timeout=3, the tier's bulk client
+    (kvstore/bulk_io.py) did not: one URL, two behaviours. Refused, naming the settings."""
+    with pytest.raises(ConfigError, match="ssl_cert_reqs") as info:
+        load_config(env={"QOS_REDIS__URL": "rediss://u:s3cret@h:6380/0?ssl_cert_reqs=none"})
+    assert "redis.url" in str(info.value) and "s3cret" not in str(info.value)
+    assert load_config(env={"QOS_REDIS__URL": "unix:///tmp/r.sock?db=2"}).redis.url

@@ -75,6 +75,12 @@ class TcpProxy:
         await self._cut()
         if self._server is not None:
             self._server.close()
+        # The connections' pipes end with their transports; wait for them, so the loop
+        # stops with no task pending (asyncio warns of each one destroyed).
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self._open:
