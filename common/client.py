@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -46,6 +47,7 @@ from common.errors import (
     ServiceUnavailableError,
 )
 from common.heartbeat import Heartbeat
+from common.nats import barrier
 from common.protocol import (
     DEFAULT_MAX_PAYLOAD,
     Chunk,
@@ -55,9 +57,12 @@ from common.protocol import (
     ResumeQuery,
     ResumeReply,
 )
+from common.recent_ids import RecentIds
 from common.request_publish import publish_error, publish_request
 from common.sequencer import ChunkSequencer, DecodeTail
 from common.subjects import Subjects
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
 HEARTBEAT_INTERVAL_S = 1.0  # gateway.heartbeat_interval_s's default: workers judge by it
@@ -75,6 +80,7 @@ class QosClient:
         owns_connection: bool = False,
         stream: str | None = None,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        heartbeat: bool = True,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -83,13 +89,25 @@ class QosClient:
         self._owns = owns_connection
         self._stream = stream  # the request stream's name, when known: JetStream checks it
         # Requests carry it as their origin: workers watch its heartbeat, as a gateway's.
+        # heartbeat=False (or a NATS user that may not publish P.gw.*): no origin is sent,
+        # and workers neither reap nor resync this client's requests.
         self.client_id = f"cl-{uuid.uuid4().hex[:16]}"
         self._heartbeat = Heartbeat(nc, self.subjects, self.client_id, heartbeat_interval_s)
-        self._beating = False
+        self._heartbeat_wanted = heartbeat
+        self.origin = ""  # set once the first beat is known to have gone out
+        self._started: asyncio.Task[None] | None = None  # what every first request waits for
+        # Requests this client finished: a redelivered copy's resume query gets "closed"
+        # (acked and dropped at once) rather than silence (handed back, delivery after
+        # delivery, while the origin still beats).
+        self._closed = RecentIds(ttl_s=600.0, max_size=10_000)
 
     @classmethod
     async def connect(
-        cls, config: Config | NatsConfig, name: str = "qos-client", service: str | None = None
+        cls,
+        config: Config | NatsConfig,
+        name: str = "qos-client",
+        service: str | None = None,
+        heartbeat: bool = True,
     ) -> Self:
         """Connect with :func:`common.nats.connect`; :meth:`close` closes the connection.
 
@@ -114,13 +132,15 @@ class QosClient:
             owns_connection=True,
             stream=cfg.stream,
             heartbeat_interval_s=interval,
+            heartbeat=heartbeat,
         )
 
     async def close(self) -> None:
         """Stop heartbeating (workers then abort what is still running for this client),
         and close the connection if :meth:`connect` opened it."""
         await self._heartbeat.stop()
-        self._beating = False
+        self._started = None
+        self.origin = ""
         if self._owns:
             await self.nc.close()
 
@@ -135,11 +155,39 @@ class QosClient:
     ) -> None:
         await self.close()
 
-    async def _beat(self) -> None:
-        """Start the heartbeat before the first request: its first beat goes out first."""
-        if not self._beating:
-            self._beating = True
-            await self._heartbeat.start()
+    async def _start(self) -> None:
+        """Before the first request: the heartbeat (its first beat goes out first) and the
+        answers for finished requests' resume queries. Requests made meanwhile wait for it:
+        sent before their origin was known, they went without one."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start_once())
+        await asyncio.shield(self._started)
+
+    async def _start_once(self) -> None:
+        with contextlib.suppress(Exception):  # a user that may not read them: silence then
+            await self.nc.subscribe(self.subjects.resume_wildcard, cb=self._answer_closed)
+        if not self._heartbeat_wanted:
+            return
+        await self._heartbeat.start()
+        # A user that may not publish P.gw.* has its beats refused (asynchronously): its
+        # requests would carry an origin workers never hear, and be reaped as orphans.
+        with contextlib.suppress(Exception):
+            await barrier(self.nc)
+        beat = self.subjects.gateway_heartbeat(self.client_id)
+        if beat in str(self.nc.last_error or ""):
+            log.warning("NATS refused this client's heartbeat on %s: requests go without an "
+                        "origin (workers neither reap nor resync them); allow publishing "
+                        "%s to its user", beat, self.subjects.gateway_heartbeat_wildcard)  # fmt: skip
+            await self._heartbeat.stop()
+            return
+        self.origin = self.client_id
+
+    async def _answer_closed(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        request_id = msg.subject.rsplit(".", 1)[-1]
+        if request_id in self._closed:
+            await self.nc.publish(msg.reply, ResumeReply(id=request_id, closed=True).to_bytes())
 
     async def generate(
         self,
@@ -181,11 +229,11 @@ class QosClient:
             priority=priority,
             deadline_ms=deadline_ms,
             created_ms=now_ms,
-            origin=self.client_id,
             cache_salt=cache_salt,
         )
         request.validate()
-        await self._beat()
+        await self._start()
+        request.origin = self.origin
         stream = ChunkSequencer(rid, decode_tail)
         ready: asyncio.Queue[Chunk | QosError] = asyncio.Queue()
         # The worker is done with the request (its final or error chunk): nothing to abort.
@@ -243,8 +291,12 @@ class QosClient:
         ]
         done = False
         queued: tuple[str, int] | None = None  # (stream, sequence) of the request message
+        # Until the publish says otherwise, the request may be in the stream (a timed-out
+        # publish, a cancellation mid-publish): ending, it is aborted even without a sequence.
+        maybe_queued = False
         try:
             payload = request.to_bytes()
+            maybe_queued = True
             try:
                 ack, attempt = await publish_request(
                     self.js, self.subjects.request(group), payload,
@@ -253,17 +305,20 @@ class QosClient:
                     stream=self._stream,
                 )  # fmt: skip
             except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+                maybe_queued = False
                 raise ServiceUnavailableError(
                     f"no JetStream stream takes {self.subjects.request(group)}: is a worker "
                     "or gateway running against this NATS?",
                     retry_after_s=1,
                 ) from None
             except Exception as exc:
+                maybe_queued = not isinstance(exc, nats.errors.MaxPayloadError)
                 error = publish_error(exc, len(payload), "this client")
                 if error is None:
                     raise
                 raise error from None
             if ack.duplicate and attempt == 0:
+                maybe_queued = False
                 # JetStream kept the earlier message with this id: nothing new is queued, and
                 # its answer (running, or long finished) is not this caller's to wait for.
                 done = True
@@ -323,7 +378,8 @@ class QosClient:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            if not worker_done[0] and queued is not None:  # queued None: nothing to abort
+            self._closed.add(rid)
+            if not worker_done[0] and (queued is not None or maybe_queued):
                 await self._abort(group, rid, "client stopped reading", queued)
 
     async def _abort(

@@ -257,8 +257,9 @@ async def _created_meanwhile(
 REQUEST_MAX_AGE_S = 25 * 3600.0
 
 
-def _stream_config(cfg: NatsConfig) -> api.StreamConfig:
+def _stream_config(cfg: NatsConfig, first_seq: int | None = None) -> api.StreamConfig:
     return api.StreamConfig(
+        first_seq=first_seq,
         name=cfg.stream,
         description="qosserve requests, one subject per instance group",
         subjects=[Subjects(cfg.subject_prefix).request_wildcard],
@@ -274,9 +275,11 @@ def _stream_config(cfg: NatsConfig) -> api.StreamConfig:
 
 
 async def ensure_stream(
-    js: JetStreamContext, cfg: NatsConfig, groups: Iterable[str] = ()
+    js: JetStreamContext, cfg: NatsConfig, groups: Iterable[str] = (), first_seq: int | None = None
 ) -> api.StreamInfo:
     """Create or verify the request stream (``QOS_REQ``: ``<prefix>.req.*``, WorkQueue, file).
+    ``first_seq``: where a stream created here starts numbering (one recreated after a
+    deletion continues past its predecessor's: see ``gateway/stream_keeper.py``).
 
     ``groups`` are checked to be valid subject tokens. Subjects, the dedupe window and
     the message size limit are updated in place when they differ; a different retention
@@ -290,7 +293,7 @@ async def ensure_stream(
         info = await js.stream_info(cfg.stream)
     except nats.js.errors.NotFoundError:
         try:
-            return await js.add_stream(want)
+            return await js.add_stream(_stream_config(cfg, first_seq))
         except nats.js.errors.BadRequestError as exc:
             info = await _created_meanwhile(js, cfg.stream, exc)
     have = info.config

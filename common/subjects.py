@@ -40,6 +40,10 @@ class Subjects:
     def resume(self, request_id: str) -> str:
         return f"{self.prefix}.resume.{self._token(request_id, 'request id')}"
 
+    @property
+    def resume_wildcard(self) -> str:
+        return f"{self.prefix}.resume.*"
+
     def telemetry(self, group: str, worker_id: str) -> str:
         return (
             f"{self.prefix}.tel.{self._token(group, 'group')}.{self._token(worker_id, 'worker id')}"

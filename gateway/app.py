@@ -181,8 +181,9 @@ def create_app(
         heartbeat = Heartbeat(nc, subjects, gateway_id, config.gateway.heartbeat_interval_s)
         await heartbeat.start(on_failure=state.loop_died)
         keeper = StreamKeeper(
-            nc, js, config.nats, list(config.groups), config.gateway.jetstream_check_s
-        )
+            nc, js, config.nats, list(config.groups), config.gateway.jetstream_check_s,
+            held_seq=dispatcher.highest_seq,
+        )  # fmt: skip
         await keeper.start(on_failure=state.loop_died)
         state.stream_keeper = keeper
         state.nc = nc

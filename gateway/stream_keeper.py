@@ -36,12 +36,19 @@ class StreamKeeper:
         cfg: NatsConfig,
         groups: Sequence[str],
         interval_s: float,
+        held_seq: Callable[[], int] = lambda: 0,
     ) -> None:
+        """``held_seq``: the highest sequence this gateway's open requests hold."""
         self._nc, self._js, self._cfg = nc, js, cfg
+        self._held_seq = held_seq
         self._groups = list(groups)
         self._interval = interval_s
         self._task: asyncio.Task[None] | None = None
         self.recreated = 0  # streams and consumers put back, for tests and logs
+        # The stream's last sequence when last seen: a recreated stream numbers on from it.
+        # Callers hold requests by their sequence (to delete one they abort, to match a
+        # MAX_DELIVERIES advisory); from 1 again, an old request's number would name a new one.
+        self._last_seq = 0
 
     async def start(self, on_failure: Callable[[str], None] | None = None) -> None:
         self._task = asyncio.create_task(self._run(), name="gateway-stream-keeper")
@@ -69,9 +76,12 @@ class StreamKeeper:
         """Recreate the stream and the consumers that are missing; returns what was."""
         cfg, put_back = self._cfg, []
         try:
-            await self._js.stream_info(cfg.stream)
+            self._last_seq = max(
+                self._last_seq, (await self._js.stream_info(cfg.stream)).state.last_seq
+            )
         except nats.js.errors.NotFoundError:
-            await ensure_stream(self._js, cfg, self._groups)
+            first = max(self._last_seq, self._held_seq()) + 1
+            await ensure_stream(self._js, cfg, self._groups, first_seq=first)
             put_back.append(f"stream {cfg.stream}")
         for group in self._groups:
             name = Subjects.consumer(group)

@@ -401,6 +401,10 @@ class Dispatcher:
         self._streams[request_id] = stream
         return stream
 
+    def highest_seq(self) -> int:
+        """The highest stream sequence an open request holds (0: none)."""
+        return max((s.stream_seq or 0 for s in self._streams.values()), default=0)
+
     def is_open(self, stream: ResponseStream) -> bool:
         return self._streams.get(stream.request_id) is stream
 

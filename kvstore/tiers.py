@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import numpy as np
@@ -53,6 +53,10 @@ T = TypeVar("T")
 _Fetched = tuple[list[memoryview], bool, int]  # views, all of them, corrupt values
 # Failures the breaker counts: the server or the network, not a bad value.
 _FAILURES = (RedisError, OSError)
+
+
+class _OverBudget(Exception):
+    """A load that outlasted :meth:`KVTiers.load_budget_s`."""
 
 
 class KVTiers:
@@ -171,6 +175,8 @@ class KVTiers:
         deadline) and the tiers' own; one that failed mid-command is closed, never reused
         (its next reply would be this one's rest)."""
         assert self._bulk is not None
+        if group is not None and group.abandoned:  # not worth a pooled connection
+            raise ConnectionError("kv tier I/O abandoned")
         conn = self._bulk.take()
         groups = (self._io,) if group is None else (self._io, group)
         try:
@@ -287,9 +293,14 @@ class KVTiers:
         out: list[memoryview] = []
         failed: object = None  # why the load ended early
         for job in jobs:
+            # Waited on apart from its result: a socket timeout inside the job is a
+            # TimeoutError too, and is Redis gone silent, not slow.
+            wait([job], timeout=max(0.0, deadline - time.monotonic()))
             try:
-                views, complete, corrupt = job.result(max(0.0, deadline - time.monotonic()))
-            except TimeoutError:  # slower than recomputing: what came before still counts
+                if not job.done():  # slower than recomputing: what came before still counts
+                    raise _OverBudget
+                views, complete, corrupt = job.result()
+            except _OverBudget:
                 failed = "slower than redis.load_min_gbps"
                 log.warning(
                     "kv tiers: a Redis load of %d blocks (%.1f MiB) was slower than "

@@ -73,6 +73,11 @@ class Lease:
         self._clock = clock
         self.held = False
         self.current: LeaseRecord | None = None  # the last value seen
+        # Terms this replica began: a renewal over any write but our own last one (another
+        # replica held it meanwhile, unseen by a holder whose calls were slow, not failing)
+        # begins a new one, and the service then starts afresh as on any takeover.
+        self.term = 0
+        self._revision: int | None = None  # of our last write
 
     def valid(self) -> bool:
         """Held, and the expiry last written is more than a margin away (a quarter of the
@@ -109,16 +114,19 @@ class Lease:
         mine = self._record(self.ttl_s)
         try:
             if entry is None:
-                await self.kv.create(self.key, mine.to_bytes())
+                revision = await self.kv.create(self.key, mine.to_bytes())
             else:
                 seen = LeaseRecord.from_bytes(entry.value)
                 self.current = seen
                 taken = seen is not None and seen.expires_ms > mine.renewed_ms
                 if seen is not None and taken and seen.holder != self.holder:
                     return self._set(False, seen)
-                await self.kv.update(self.key, mine.to_bytes(), last=entry.revision)
+                revision = await self.kv.update(self.key, mine.to_bytes(), last=entry.revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             return self._set(False, self.current)  # another replica wrote first
+        if entry is None or entry.revision != self._revision or not self.held:
+            self.term += 1
+        self._revision = revision
         return self._set(True, mine)
 
     async def release(self) -> None:
@@ -131,6 +139,7 @@ class Lease:
             seen = LeaseRecord.from_bytes(entry.value)
             if seen is not None and seen.holder == self.holder:
                 await self.kv.update(self.key, self._record(0).to_bytes(), last=entry.revision)
+                self._revision = None
         except Exception as exc:  # a standby takes over after the TTL anyway
             log.info("lease release failed: %s", exc)
 

@@ -525,13 +525,14 @@ class SchedulerService:
 
     async def _refresh_lease(self) -> None:
         assert self.lease is not None
-        was = self.lease.held
+        was, term = self.lease.held, self.lease.term
         held = await self.lease.refresh()
         # First: the loads below fail while the bucket is unreachable, and a gauge left at 1
         # showed two leaders (autoscalers and operators read it).
         self.metrics.leader.set(1 if held else 0)
-        if held and not was:
-            # A new term: nothing from an earlier one counts, and the breakers continue from
+        if held and (not was or self.lease.term != term):
+            # A new term (taken, or renewed over another replica's term that this one's slow
+            # calls never saw): nothing from an earlier one counts, and the breakers continue from
             # where the previous leader left them. Its cooldowns lived in its memory: those
             # of the moves this standby saw in the workers' reports are taken up again, so a
             # failover cannot bounce a moved replica straight back.

@@ -438,3 +438,23 @@ def test_stores_the_server_refuses_open_the_breaker_and_say_why(
         assert not tiers.accepts_stores  # the engine stops copying blocks off for them
     opened = [r.getMessage() for r in caplog.records if "breaker open" in r.getMessage()]
     assert len(opened) == 1 and "OOM" in opened[0]  # the cause, not only the state
+
+
+def test_a_silent_redis_is_reported_as_such_not_as_a_slow_one(
+    fresh_redis_server: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A socket timeout inside a load is a TimeoutError too: it read as "slower than
+    redis.load_min_gbps", sending operators after bandwidth when Redis had gone silent."""
+    server = fresh_redis_server()
+    assert server.pid is not None
+    config = RedisConfig(url=server.url, socket_timeout_s=0.2, load_min_gbps=1e-3)
+    with make(config) as tiers:
+        tiers.store_async(HASHES[:2], blocks(2))
+        assert tiers.flush() and tiers.lookup(HASHES[:2]) == 2
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with caplog.at_level("WARNING"):
+                assert tiers.load(HASHES[:2]) == []  # its budget: 0.2 s + 2 s of bytes
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+    assert "load failed" in caplog.text and "slower than" not in caplog.text

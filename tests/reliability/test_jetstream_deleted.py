@@ -35,8 +35,12 @@ async def test_a_deleted_consumer_or_stream_is_recreated_and_serving_resumes(
             again = await completion(http, url, body(stack.model, 2, max_tokens=8), DEADLINE)
             assert again.kind == "complete", again.detail
 
+            old_last = (await js.stream_info(cfg.stream)).state.last_seq
             await js.delete_stream(cfg.stream)  # its consumers go with it
             await asyncio.sleep(0.6)
+            # Numbered on from the old one: requests held by their sequence (to delete one
+            # aborted, to match an advisory) must not name a new request.
+            assert (await js.stream_info(cfg.stream)).state.first_seq > old_last
             last = await completion(http, url, body(stack.model, 3, max_tokens=8), DEADLINE)
             assert last.kind == "complete", last.detail
         await js.stream_info(cfg.stream)

@@ -283,3 +283,43 @@ async def test_what_the_leader_remembers_of_workers_and_actions_is_bounded(nats_
         await service.tick()
         assert "stopped-long-ago" not in service._cap_sent
         assert service.acted.maxlen == service.moves.maxlen == RECENT_ACTIONS
+
+
+async def test_a_renewal_over_another_replicas_term_begins_a_new_one(nats_config, js):
+    """A holder whose calls stalled (slow, not failing) past its expiry never saw itself
+    lose the lease; renewing over the term another replica held meanwhile, it went on as
+    if nothing had happened, with that term's breakers and cooldowns never loaded."""
+    from common.nats import ensure_kv
+
+    kv = await ensure_kv(js, nats_config)
+    now = [1000.0]
+    a = Lease(kv, "a", ttl_s=2.0, clock=lambda: now[0])
+    b = Lease(kv, "b", ttl_s=2.0, clock=lambda: now[0])
+    assert await a.refresh()
+    first = a.term
+    assert await a.refresh() and a.term == first  # a plain renewal: the same term
+    now[0] += 3  # a stalls past its expiry; b takes over, then dies in turn
+    assert await b.refresh() and b.held
+    now[0] += 3
+    assert a.held  # a never saw a failure
+    assert await a.refresh() and a.term == first + 1
+
+
+async def test_the_service_starts_afresh_when_its_lease_begins_a_new_term(
+    nats_config, start_scheduler, monkeypatch
+):
+    service = await start_scheduler("sched-a", make_config(nats_config))
+    assert service.is_leader
+    for task in service._tasks:
+        task.cancel()
+    await asyncio.gather(*service._tasks, return_exceptions=True)
+    lease = service.lease
+
+    async def renewed_over_another_term() -> bool:
+        lease.term += 1
+        return True
+
+    monkeypatch.setattr(lease, "refresh", renewed_over_another_term)
+    service.desired["short"] = 3  # what this replica published in its earlier term
+    await service._refresh_lease()
+    assert service.desired == {} and service._leader_synced  # reset, then loaded again

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 import common.nats as qnats
 from common.client import QosClient
 from common.config import Config
-from common.errors import InternalError, ProtocolError
+from common.errors import InternalError, ProtocolError, ServiceUnavailableError
 from common.protocol import (
     Chunk,
     Control,
@@ -207,5 +207,73 @@ async def test_a_publish_whose_ack_timed_out_is_asked_again_under_the_same_id(
     assert len(calls) == 2 and calls[0]["Nats-Msg-Id"] == calls[1]["Nats-Msg-Id"]
     assert final.finish_reason is not None and len(ids) == 3
     stream = worker_config.nats.stream
-    await _wait_for(lambda: True)
+    for _ in range(100):  # the worker acks after its final chunk
+        if not (await nc.jetstream().stream_info(stream)).state.messages:
+            break
+        await asyncio.sleep(0.02)
     assert (await nc.jetstream().stream_info(stream)).state.messages == 0  # served, acked
+
+
+async def test_a_request_whose_publish_outcome_is_unknown_is_aborted(
+    client: QosClient, played: dict[str, Any]
+) -> None:
+    """Every publish timed out, though JetStream may have stored the message (a late ack):
+    the client answered 503 and sent no abort, so the stored request ran for nobody."""
+    publish = client.js.publish
+
+    async def stored_but_late(*args: Any, **kwargs: Any) -> Any:
+        await publish(*args, **kwargs)
+        raise nats.errors.TimeoutError
+
+    client.js.publish = stored_but_late  # type: ignore[method-assign]
+    with pytest.raises(ServiceUnavailableError):
+        await client.collect(group="long", prompt_token_ids=[1], timeout_s=1.0)
+    await _wait_for(lambda: any(c.action == "abort" for c in played["controls"]))
+    assert any(c.action == "abort" for c in played["controls"])
+
+
+async def test_a_finished_requests_redelivered_copy_is_answered_closed(
+    client: QosClient, nc: Client, played: dict[str, Any], subjects: Subjects
+) -> None:
+    """After the final chunk the client stopped answering: a copy redelivered after a lost
+    ack got silence and, its origin still beating, was handed back delivery after delivery."""
+    ids: list[str] = []
+
+    async def finish(rid: str) -> None:
+        ids.append(rid)
+        final = Chunk(id=rid, seq=0, token_ids=[4], finish_reason="length")
+        await nc.publish(subjects.out(rid), final.to_bytes())
+
+    _, exc = await _run(client, played, finish)
+    assert exc is None and len(ids) == 1
+    query = ResumeQuery(id=ids[0], attempt=2, worker="w2")
+    answer = await nc.request(subjects.resume(ids[0]), query.to_bytes(), timeout=2)
+    assert ResumeReply.from_bytes(answer.data).closed
+    # Another caller's request is not this client's to answer.
+    with pytest.raises(nats.errors.TimeoutError):
+        other = ResumeQuery(id="not-ours", attempt=2, worker="w2")
+        await nc.request(subjects.resume("not-ours"), other.to_bytes(), timeout=0.3)
+
+
+async def test_a_user_that_may_not_heartbeat_sends_no_origin_rather_than_be_reaped(
+    fresh_nats_server: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Beats refused by the server (asynchronously: publish does not raise) left requests
+    with an origin no worker ever heard: reaped as orphans within orphan_after_s."""
+    from common.config import NatsConfig
+
+    server = fresh_nats_server(
+        extra_config="""
+authorization {
+  users = [ { user: "cl", password: "pw-1", permissions: { publish: { deny: ["qos.gw.>"] } } } ]
+}
+"""
+    )
+    cfg = NatsConfig(url=server.url, user="cl", password="pw-1")
+    async with await QosClient.connect(cfg, "no-beats") as client:
+        with caplog.at_level("WARNING"):
+            await client._start()
+        assert client.origin == "" and "refused this client's heartbeat" in caplog.text
+    async with await QosClient.connect(cfg, "no-beats-2", heartbeat=False) as quiet:
+        await quiet._start()  # asked not to: no beat, no origin
+        assert quiet.origin == "" and quiet._heartbeat._task is None
