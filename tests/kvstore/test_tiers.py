@@ -401,17 +401,17 @@ def test_a_load_slower_than_its_budget_is_given_up_and_frees_its_reader(
             assert writer.flush()
         tiers = make(slow)
         assert tiers.lookup(hashes) == 32
-        proxy.throttle(16 * 1024)  # 32 KiB of values would take 2 s
+        proxy.throttle(8 * 1024)  # 32 KiB of values would take 4 s
         budget = tiers.load_budget_s(32)
         assert 0.8 < budget < 1.0
         t0 = time.monotonic()
         loaded = tiers.load(hashes)
         took = time.monotonic() - t0
-        assert took < budget + 0.3 and len(loaded) < 32
+        assert took < budget + 1.0 and len(loaded) < 32  # margins for a loaded CI machine
         assert tiers.stats().redis.errors == 1
         t0 = time.monotonic()
-        tiers.close()  # its reader was freed: no wait for the trickle to end
-        assert time.monotonic() - t0 < 0.5
+        tiers.close()  # its reader was freed: no wait for the trickle to end (~3 s more)
+        assert time.monotonic() - t0 < 1.5
     finally:
         proxy.close()
 
