@@ -143,6 +143,7 @@ async def test_a_nats_native_clients_streams_finish_exactly_after_its_link_flaps
         }
     )
     started = [0] * 4
+    finished = [0.0] * 4
 
     async def one(client: QosClient, seed: int) -> str:
         params = RequestParams(max_tokens=MAX_TOKENS, seed=seed, ignore_eos=True)
@@ -151,6 +152,7 @@ async def test_a_nats_native_clients_streams_finish_exactly_after_its_link_flaps
                                            timeout_s=30):  # fmt: skip
             started[seed] = 1
             text += chunk.text
+        finished[seed] = time.monotonic()
         return text
 
     async with await QosClient.connect(via_proxy, "flapping-client", service="gateway") as client:
@@ -165,6 +167,8 @@ async def test_a_nats_native_clients_streams_finish_exactly_after_its_link_flaps
         proxy.restore()
         texts = await asyncio.gather(*streams)
         took_s = time.monotonic() - cut_at
+    # Cut mid-generation (0.8 s of steps), or there was nothing to resync.
+    assert all(at > cut_at for at in finished), "a stream finished before the cut"
     for seed, text in enumerate(texts):
         assert text == expected_text(tokenizer, MAX_TOKENS, seed), f"seed {seed}"
     assert took_s < 6, f"streams took {took_s:.1f}s after the cut: they waited, not resynced"
