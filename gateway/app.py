@@ -326,13 +326,15 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
-    async def tokenize_route(request: Request) -> dict[str, Any]:
+    @app.post("/v1/{group}/tokenize")  # a client whose base_url names a group: its limit
+    async def tokenize_route(request: Request, group: str | None = None) -> dict[str, Any]:
         generator, grant = generator_for(request)
-        return await tokenize(generator, request, grant.groups)
+        return await tokenize(generator, request, grant.groups, group)
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
-    async def detokenize_route(request: Request) -> dict[str, Any]:
+    @app.post("/v1/{group}/detokenize")
+    async def detokenize_route(request: Request, group: str | None = None) -> dict[str, Any]:
         generator, _ = generator_for(request)
         return await detokenize(generator, request)
 

@@ -33,6 +33,7 @@ from common.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     PayloadTooLargeError,
+    PermissionDeniedError,
     QosError,
 )
 from common.logging import bind_request
@@ -44,7 +45,7 @@ from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
 from gateway import tracing as traced
 from gateway.admission import Admission, Route
 from gateway.auth import OPEN_GRANT, KeyGrant
-from gateway.classifier import GROUP_HEADER, classify, settle_max_tokens
+from gateway.classifier import GROUP_HEADER, classify, explicit_group, settle_max_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.responses import Kind, Shaper, merge, usage_dict
@@ -138,9 +139,21 @@ class Generator:
                 param="model",
             )
 
-    def max_model_len(self, allowed: Collection[str] | None = None) -> int:
-        """The longest sequence a key ``allowed`` these groups may send now."""
-        return self._admission.max_model_len(allowed=allowed)
+    def max_model_len(
+        self, allowed: Collection[str] | None = None, group: str | None = None
+    ) -> int:
+        """The longest sequence a key ``allowed`` these groups may send now (to ``group``
+        alone, when named: 404 for an unknown one, 403 for one the key may not use)."""
+        if group is None:
+            return self._admission.max_model_len(allowed=allowed)
+        explicit_group(self._config, group, None)
+        if allowed is not None and group not in allowed:
+            raise PermissionDeniedError(
+                f"this API key may not use instance group {group!r} "
+                f"(it may use: {', '.join(sorted(allowed))})",
+                code="group_not_allowed",
+            )
+        return self._admission.max_model_len(groups=[group])
 
     # -- the whole request -----------------------------------------------------------------
 

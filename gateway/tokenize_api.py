@@ -49,10 +49,15 @@ class DetokenizeRequest(_Strict):
 
 
 async def tokenize(
-    generator: Generator, request: Request, allowed: Collection[str] | None = None
+    generator: Generator,
+    request: Request,
+    allowed: Collection[str] | None = None,
+    group: str | None = None,
 ) -> dict[str, Any]:
     """``{"count", "max_model_len", "tokens", "token_strs"}`` for the body's input;
-    ``max_model_len`` over the groups ``allowed`` (the caller's key's)."""
+    ``max_model_len`` over the groups ``allowed`` (the caller's key's), or ``group``'s
+    (``/v1/{group}/tokenize``, as a client whose base URL names a group calls it)."""
+    max_model_len = generator.max_model_len(allowed, group)  # a bad group: before the body
     body = parse_body(TokenizeRequest, await generator.read_body(request))
     generator.check_model(body.model)
     if body.messages is not None:
@@ -74,7 +79,7 @@ async def tokenize(
         strs = [generator.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
     return {
         "count": len(ids),
-        "max_model_len": generator.max_model_len(allowed),
+        "max_model_len": max_model_len,
         "tokens": ids,
         "token_strs": strs,
     }

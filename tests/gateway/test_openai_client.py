@@ -387,3 +387,20 @@ async def test_text_offset_indexes_the_returned_text_past_a_skipped_special_toke
     choice = completion.choices[0]
     assert choice.text == "ab" and choice.logprobs is not None
     assert choice.logprobs.text_offset == [0, 1, 1]
+
+
+async def test_tokenize_under_a_group_gives_that_groups_limit(gateway: Served):
+    """A client whose base_url names a group (/v1/realtime) calls /v1/realtime/tokenize: it
+    was a 404, and the plain route answers the largest limit of all groups."""
+    groups = gateway.config.groups
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        own = {g: await http.post(f"/v1/{g}/tokenize", json={"prompt": "hi"}) for g in groups}
+        everyone = await http.post("/v1/tokenize", json={"prompt": "hi"})
+        back = await http.post("/v1/realtime/detokenize", json={"tokens": [104, 105]})
+        unknown = await http.post("/v1/nope/tokenize", json={"prompt": "hi"})
+    assert {g: r.json()["max_model_len"] for g, r in own.items()} == {
+        g: c.max_seq_len for g, c in groups.items()
+    }
+    assert everyone.json()["max_model_len"] == max(c.max_seq_len for c in groups.values())
+    assert back.json() == {"prompt": "hi"}
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "group_not_found"
