@@ -35,6 +35,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from common.config import Config, NatsConfig
 from common.errors import (
@@ -100,6 +101,7 @@ class QosClient:
         # (acked and dropped at once) rather than silence (handed back, delivery after
         # delivery, while the origin still beats).
         self._closed = RecentIds(ttl_s=600.0, max_size=10_000)
+        self._answers: Subscription | None = None  # their subscription (P.resume.*)
 
     @classmethod
     async def connect(
@@ -139,6 +141,10 @@ class QosClient:
         """Stop heartbeating (workers then abort what is still running for this client),
         and close the connection if :meth:`connect` opened it."""
         await self._heartbeat.stop()
+        if self._answers is not None:  # a connection the caller keeps must not keep it
+            with contextlib.suppress(Exception):
+                await self._answers.unsubscribe()
+            self._answers = None
         self._started = None
         self.origin = ""
         if self._owns:
@@ -165,7 +171,9 @@ class QosClient:
 
     async def _start_once(self) -> None:
         with contextlib.suppress(Exception):  # a user that may not read them: silence then
-            await self.nc.subscribe(self.subjects.resume_wildcard, cb=self._answer_closed)
+            self._answers = await self.nc.subscribe(
+                self.subjects.resume_wildcard, cb=self._answer_closed
+            )
         if not self._heartbeat_wanted:
             return
         await self._heartbeat.start()
