@@ -44,7 +44,6 @@ class StreamKeeper:
         self._groups = list(groups)
         self._interval = interval_s
         self._task: asyncio.Task[None] | None = None
-        self.recreated = 0  # streams and consumers put back, for tests and logs
         # The stream's last sequence when last seen: a recreated stream numbers on from it.
         # Callers hold requests by their sequence (to delete one they abort, to match a
         # MAX_DELIVERIES advisory); from 1 again, an old request's number would name a new one.
@@ -91,7 +90,6 @@ class StreamKeeper:
                 await ensure_group_consumer(self._js, cfg, group)
                 put_back.append(f"consumer {name}")
         if put_back:
-            self.recreated += len(put_back)
             log.warning("recreated %s: deleted while the deployment ran (requests queued "
                         "in a deleted stream are lost with it)", ", ".join(put_back))  # fmt: skip
         return put_back
