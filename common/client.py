@@ -22,6 +22,7 @@ the abort goes out when the generator closes, which a kept reference delays.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -48,7 +49,7 @@ from common.errors import (
     ServiceUnavailableError,
 )
 from common.heartbeat import Heartbeat
-from common.nats import barrier
+from common.nats import barrier, refused_publishes
 from common.protocol import (
     DEFAULT_MAX_PAYLOAD,
     Chunk,
@@ -101,6 +102,8 @@ class QosClient:
         # (acked and dropped at once) rather than silence (handed back, delivery after
         # delivery, while the origin still beats).
         self._closed = RecentIds(ttl_s=600.0, max_size=10_000)
+        # Ids in flight here (how many calls hold each): never answered "closed".
+        self._live: collections.Counter[str] = collections.Counter()
         self._answers: Subscription | None = None  # their subscription (P.resume.*)
 
     @classmethod
@@ -140,6 +143,9 @@ class QosClient:
     async def close(self) -> None:
         """Stop heartbeating (workers then abort what is still running for this client),
         and close the connection if :meth:`connect` opened it."""
+        if self._started is not None:  # a start under way would beat on after this
+            with contextlib.suppress(Exception):
+                await self._started
         await self._heartbeat.stop()
         if self._answers is not None:  # a connection the caller keeps must not keep it
             with contextlib.suppress(Exception):
@@ -179,10 +185,13 @@ class QosClient:
         await self._heartbeat.start()
         # A user that may not publish P.gw.* has its beats refused (asynchronously): its
         # requests would carry an origin workers never hear, and be reaped as orphans.
-        with contextlib.suppress(Exception):
-            await barrier(self.nc)
+        with contextlib.suppress(Exception):  # a user that may not ask: the beat's -ERR,
+            await barrier(self.nc, timeout_s=1.0)  # if any, came first anyway
         beat = self.subjects.gateway_heartbeat(self.client_id)
-        if beat in str(self.nc.last_error or ""):
+        # Every refusal recorded (a later -ERR overwrites nats-py's last_error: the
+        # barrier's own, for a user that may not send it).
+        refusals = [*refused_publishes(self.nc), str(self.nc.last_error or "")]
+        if any(beat in refusal for refusal in refusals):
             log.warning("NATS refused this client's heartbeat on %s: requests go without an "
                         "origin (workers neither reap nor resync them); allow publishing "
                         "%s to its user", beat, self.subjects.gateway_heartbeat_wildcard)  # fmt: skip
@@ -194,7 +203,7 @@ class QosClient:
         if not msg.reply:
             return
         request_id = msg.subject.rsplit(".", 1)[-1]
-        if request_id in self._closed:
+        if request_id in self._closed and request_id not in self._live:
             await self.nc.publish(msg.reply, ResumeReply(id=request_id, closed=True).to_bytes())
 
     async def generate(
@@ -293,6 +302,7 @@ class QosClient:
                 with contextlib.suppress(Exception):
                     await self.nc.publish(self.subjects.abort(group), supersede.to_bytes())
 
+        self._live[rid] += 1
         subs = [
             await self.nc.subscribe(self.subjects.out(rid), cb=on_chunk),
             await self.nc.subscribe(self.subjects.resume(rid), cb=on_resume),
@@ -386,7 +396,11 @@ class QosClient:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            self._closed.add(rid)
+            self._live[rid] -= 1
+            if not self._live[rid]:
+                del self._live[rid]
+            if queued is not None or maybe_queued:  # ours in the stream (not a duplicate)
+                self._closed.add(rid)
             if not worker_done[0] and (queued is not None or maybe_queued):
                 await self._abort(group, rid, "client stopped reading", queued)
 

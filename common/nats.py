@@ -16,6 +16,8 @@ import logging
 import math
 import ssl
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
@@ -151,6 +153,8 @@ async def connect(
     async def on_error(exc: Exception) -> None:
         if not nc.is_connected and _is_fatal(exc):
             refused.set()
+        if "permissions violation" in str(exc).lower():
+            _REFUSALS.setdefault(nc, deque(maxlen=32)).append(str(exc))
         log.warning("nats %s (%s): %s", name, url, exc or type(exc).__name__)
 
     async def on_disconnected() -> None:
@@ -227,6 +231,18 @@ def inbox_prefix(cfg: NatsConfig, service: str | None) -> str:
     if cfg.inbox_prefix:
         return cfg.inbox_prefix
     return f"_INBOX_{service}" if service else "_INBOX"
+
+
+# Per connection made by connect(): the server's latest permission refusals ("Permissions
+# Violation for Publish to ..."), which nats-py reports only to the error callback and in
+# last_error, which the next error overwrites.
+_REFUSALS: weakref.WeakKeyDictionary[Client, deque[str]] = weakref.WeakKeyDictionary()
+
+
+def refused_publishes(nc: Client) -> list[str]:
+    """The latest permission refusals the server sent ``nc`` (empty for a connection not
+    made by :func:`connect`)."""
+    return list(_REFUSALS.get(nc, ()))
 
 
 async def barrier(nc: Client, timeout_s: float = 2.0) -> None:

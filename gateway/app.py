@@ -327,15 +327,18 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     @app.post("/v1/{group}/tokenize")  # a client whose base_url names a group: its limit
-    async def tokenize_route(request: Request, group: str | None = None) -> dict[str, Any]:
+    async def tokenize_route(request: Request) -> dict[str, Any]:
         generator, grant = generator_for(request)
+        group = request.path_params.get("group")  # the path's only (not a ?group= query)
         return await tokenize(generator, request, grant.groups, group)
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     @app.post("/v1/{group}/detokenize")
-    async def detokenize_route(request: Request, group: str | None = None) -> dict[str, Any]:
-        generator, _ = generator_for(request)
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        generator, grant = generator_for(request)
+        if (group := request.path_params.get("group")) is not None:
+            generator.max_model_len(grant.groups, group)  # 404 / 403 as for tokenize
         return await detokenize(generator, request)
 
     @app.get("/v1/models")

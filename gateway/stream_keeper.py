@@ -27,6 +27,11 @@ from common.tasks import cancel_and_wait, watch
 
 log = logging.getLogger(__name__)
 
+# How far past the highest sequence seen a recreated stream starts: what this gateway saw
+# may be a check old, and other gateways and NATS clients were handed numbers since.
+# Skipped numbers cost nothing.
+SEQ_GAP = 1_000_000
+
 
 class StreamKeeper:
     def __init__(
@@ -79,7 +84,7 @@ class StreamKeeper:
                 self._last_seq, (await self._js.stream_info(cfg.stream)).state.last_seq
             )
         except nats.js.errors.NotFoundError:
-            first = max(self._last_seq, self._held_seq()) + 1
+            first = max(self._last_seq, self._held_seq()) + SEQ_GAP
             await ensure_stream(self._js, cfg, self._groups, first_seq=first)
             put_back.append(f"stream {cfg.stream}")
         for group in self._groups:

@@ -78,6 +78,7 @@ class Lease:
         # begins a new one, and the service then starts afresh as on any takeover.
         self.term = 0
         self._revision: int | None = None  # of our last write
+        self._written: bytes | None = None  # its value: found stored, a write whose ack was lost
 
     def valid(self) -> bool:
         """Held, and the expiry last written is more than a margin away (a quarter of the
@@ -112,7 +113,12 @@ class Lease:
         except nats.js.errors.KeyNotFoundError:
             entry = None
         mine = self._record(self.ttl_s)
+        ours = entry is not None and (
+            entry.revision == self._revision
+            or (entry.value is not None and entry.value == self._written)
+        )
         try:
+            self._written = mine.to_bytes()
             if entry is None:
                 revision = await self.kv.create(self.key, mine.to_bytes())
             else:
@@ -124,7 +130,7 @@ class Lease:
                 revision = await self.kv.update(self.key, mine.to_bytes(), last=entry.revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             return self._set(False, self.current)  # another replica wrote first
-        if entry is None or entry.revision != self._revision or not self.held:
+        if not ours or not self.held:
             self.term += 1
         self._revision = revision
         return self._set(True, mine)
@@ -139,7 +145,7 @@ class Lease:
             seen = LeaseRecord.from_bytes(entry.value)
             if seen is not None and seen.holder == self.holder:
                 await self.kv.update(self.key, self._record(0).to_bytes(), last=entry.revision)
-                self._revision = None
+                self._revision = self._written = None
         except Exception as exc:  # a standby takes over after the TTL anyway
             log.info("lease release failed: %s", exc)
 

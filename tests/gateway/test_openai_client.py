@@ -398,9 +398,13 @@ async def test_tokenize_under_a_group_gives_that_groups_limit(gateway: Served):
         everyone = await http.post("/v1/tokenize", json={"prompt": "hi"})
         back = await http.post("/v1/realtime/detokenize", json={"tokens": [104, 105]})
         unknown = await http.post("/v1/nope/tokenize", json={"prompt": "hi"})
+        unknown_back = await http.post("/v1/nope/detokenize", json={"tokens": [104]})
+        query = await http.post("/v1/tokenize?group=realtime", json={"prompt": "hi"})
     assert {g: r.json()["max_model_len"] for g, r in own.items()} == {
         g: c.max_seq_len for g, c in groups.items()
     }
     assert everyone.json()["max_model_len"] == max(c.max_seq_len for c in groups.values())
     assert back.json() == {"prompt": "hi"}
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "group_not_found"
+    assert unknown_back.status_code == 404
+    assert query.json()["max_model_len"] == everyone.json()["max_model_len"]  # path only

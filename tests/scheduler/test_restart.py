@@ -323,3 +323,24 @@ async def test_the_service_starts_afresh_when_its_lease_begins_a_new_term(
     service.desired["short"] = 3  # what this replica published in its earlier term
     await service._refresh_lease()
     assert service.desired == {} and service._leader_synced  # reset, then loaded again
+
+
+async def test_a_renewal_whose_ack_was_lost_is_no_new_term(nats_config, js):
+    """The write landed but its reply timed out: the next renewal found its own value under
+    a revision it had not recorded, counted a new term, and the scheduler reset itself."""
+    from common.nats import ensure_kv
+
+    kv = await ensure_kv(js, nats_config)
+    lease = Lease(kv, "a", ttl_s=2.0)
+    assert await lease.refresh()
+    term = lease.term
+    real_update = kv.update
+
+    async def lost_ack(*args, **kwargs):
+        await real_update(*args, **kwargs)
+        raise TimeoutError("reply lost")
+
+    kv.update = lost_ack
+    await lease.refresh()  # stored; the lease still counts as held until its expiry
+    kv.update = real_update
+    assert await lease.refresh() and lease.term == term

@@ -5,6 +5,7 @@ does with each kind of chunk, resume query and publish failure, as the gateway d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -17,7 +18,12 @@ from nats.aio.msg import Msg
 import common.nats as qnats
 from common.client import QosClient
 from common.config import Config
-from common.errors import InternalError, ProtocolError, ServiceUnavailableError
+from common.errors import (
+    InternalError,
+    InvalidRequestError,
+    ProtocolError,
+    ServiceUnavailableError,
+)
 from common.protocol import (
     Chunk,
     Control,
@@ -260,13 +266,15 @@ async def test_a_user_that_may_not_heartbeat_sends_no_origin_rather_than_be_reap
     fresh_nats_server: Callable[..., Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Beats refused by the server (asynchronously: publish does not raise) left requests
-    with an origin no worker ever heard: reaped as orphans within orphan_after_s."""
+    with an origin no worker ever heard: reaped as orphans within orphan_after_s. The
+    check's own barrier refused too (nats-py keeps only the last error) must not hide it."""
     from common.config import NatsConfig
 
     server = fresh_nats_server(
         extra_config="""
 authorization {
-  users = [ { user: "cl", password: "pw-1", permissions: { publish: { deny: ["qos.gw.>"] } } } ]
+  users = [ { user: "cl", password: "pw-1",
+              permissions: { publish: { deny: ["qos.gw.>", "$JS.API.INFO"] } } } ]
 }
 """
     )
@@ -278,3 +286,21 @@ authorization {
     async with await QosClient.connect(cfg, "no-beats-2", heartbeat=False) as quiet:
         await quiet._start()  # asked not to: no beat, no origin
         assert quiet.origin == "" and quiet._heartbeat._task is None
+
+
+async def test_a_duplicate_id_is_not_answered_closed_while_its_request_runs(
+    client: QosClient, played: dict[str, Any]
+) -> None:
+    """A request id refused as a duplicate went into the finished set: the client then
+    answered "closed" for the live request with that id, and its worker dropped it."""
+    running = asyncio.ensure_future(
+        client.collect(group="long", prompt_token_ids=[1], request_id="dup-1", timeout_s=5)
+    )
+    await asyncio.wait_for(played["requests"].get(), 5)
+    with pytest.raises(InvalidRequestError, match="in use"):
+        await client.collect(group="long", prompt_token_ids=[1], request_id="dup-1")
+    assert "dup-1" not in client._closed and "dup-1" in client._live
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    assert "dup-1" in client._closed and "dup-1" not in client._live  # ours, finished
