@@ -505,20 +505,30 @@ async def test_a_redelivery_whose_live_gateway_misses_the_resume_query_is_not_dr
     assert tokens == expected_tokens(2, 3)
 
 
+async def _queued(
+    nc: Client, subjects: Subjects, worker_config: Config, **fields: Any
+) -> tuple[str, Any]:
+    """A ``short`` request (``fields``: the rest of its GenerateRequest) published straight
+    to the stream, no gateway: its id and a subscription to its chunks, made first."""
+    rid = new_id()
+    req = GenerateRequest(id=rid, group="short", reply=subjects.out(rid), **fields)
+    chunks = await nc.subscribe(subjects.out(rid))
+    js = nc.jetstream()
+    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
+    await js.publish(subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid})
+    return rid, chunks
+
+
 async def _redelivered(
     nc: Client, subjects: Subjects, worker_config: Config, origin: str
 ) -> tuple[str, Any]:
     """A request whose first delivery was handed back (as one whose ack was lost): the next
     fetch is attempt 2. Returns its id and a subscription to its chunks."""
-    rid = new_id()
-    req = GenerateRequest(
-        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
+    rid, chunks = await _queued(
+        nc, subjects, worker_config, prompt_token_ids=[1, 2],
         params=RequestParams(max_tokens=3), origin=origin,
     )  # fmt: skip
-    chunks = await nc.subscribe(subjects.out(rid))
     js = nc.jetstream()
-    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
-    await js.publish(subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid})
     first = await qnats.group_pull_subscription(js, worker_config.nats, "short")
     (msg,) = await first.fetch(1, timeout=5)
     await msg.nak()
@@ -951,15 +961,11 @@ async def test_a_resumed_request_with_nothing_left_to_generate_still_sends_the_h
         max_batch_size=4, max_seq_len=len(prompt) + len(tokens), cost=SimCost(0, 0, 0),
         tokenizer=ByteTokenizer(),
     )  # fmt: skip
-    rid = new_id()
-    req = GenerateRequest(
-        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=prompt, origin="gw",
+    rid, chunks = await _queued(
+        nc, subjects, worker_config, prompt_token_ids=prompt, origin="gw",
         params=RequestParams(max_tokens=max_tokens, stop=stop, want_stop_reason=True),
     )  # fmt: skip
-    chunks = await nc.subscribe(subjects.out(rid))
     js = nc.jetstream()
-    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
-    await js.publish(subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid})
     first = await qnats.group_pull_subscription(js, worker_config.nats, "short")
     (msg,) = await first.fetch(1, timeout=5)
     await msg.nak()  # the first attempt's replica is gone
@@ -988,14 +994,8 @@ async def test_a_copy_superseded_by_a_later_delivery_stops_without_acking_the_me
     service = await start_worker(
         engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.02))
     )
-    rid = new_id()
-    req = GenerateRequest(
-        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
-        params=RequestParams(max_tokens=200),
-    )  # fmt: skip
-    chunks = await nc.subscribe(subjects.out(rid))
-    await nc.jetstream().publish(
-        subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid}
+    rid, chunks = await _queued(
+        nc, subjects, worker_config, prompt_token_ids=[1, 2], params=RequestParams(max_tokens=200)
     )
     await chunks.next_msg(timeout=5)  # serving delivery 1
     own = Control(action="supersede", request_id=rid, attempt=1)  # its own delivery: kept
@@ -1035,21 +1035,15 @@ async def test_the_final_chunk_names_the_stop_token_id_that_ended_the_output(
 
 
 async def test_a_request_its_caller_closed_while_we_were_cut_off_is_aborted(
-    start_worker: Any, nc: Client, subjects: Subjects
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
 ) -> None:
     """The resync after a reconnect hears "closed" for a request still running here (its
     abort was sent while this replica was cut off): the engine stops it and frees its slot."""
     service = await start_worker(
         engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.02))
     )
-    rid = new_id()
-    req = GenerateRequest(
-        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
-        params=RequestParams(max_tokens=200),
-    )  # fmt: skip
-    chunks = await nc.subscribe(subjects.out(rid))
-    await nc.jetstream().publish(
-        subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid}
+    rid, chunks = await _queued(
+        nc, subjects, worker_config, prompt_token_ids=[1, 2], params=RequestParams(max_tokens=200)
     )
     await chunks.next_msg(timeout=5)
     st = service._inflight[rid]
@@ -1070,15 +1064,10 @@ async def test_a_request_handed_back_on_its_last_delivery_gets_a_retryable_503_n
     caller heard "failed on every delivery", not retryable. It now hears a 503."""
     from workers.intake import hand_back
 
-    rid = new_id()
-    req = GenerateRequest(
-        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
-        params=RequestParams(max_tokens=3),
-    )  # fmt: skip
-    chunks = await nc.subscribe(subjects.out(rid))
+    _, chunks = await _queued(
+        nc, subjects, worker_config, prompt_token_ids=[1, 2], params=RequestParams(max_tokens=3)
+    )
     js = nc.jetstream()
-    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
-    await js.publish(subjects.request("short"), req.to_bytes(), headers={"Nats-Msg-Id": rid})
     psub = await qnats.group_pull_subscription(js, worker_config.nats, "short")
     max_deliver = worker_config.nats.max_deliver
     for attempt in range(1, max_deliver + 1):
