@@ -72,6 +72,24 @@ def explicit_group(config: Config, path_group: str | None, header_group: str | N
     return path_group or header_group
 
 
+def permitted_group(
+    config: Config,
+    path_group: str | None,
+    header_group: str | None,
+    allowed: Collection[str] | None,
+) -> str | None:
+    """:func:`explicit_group`, which a key ``allowed`` these groups (None: all) must be
+    allowed to use: 403 otherwise."""
+    named = explicit_group(config, path_group, header_group)
+    if named is not None and allowed is not None and named not in allowed:
+        raise PermissionDeniedError(
+            f"this API key may not use instance group {named!r} "
+            f"(it may use: {', '.join(sorted(allowed))})",
+            code="group_not_allowed",
+        )
+    return named
+
+
 def auto_candidates(config: Config) -> list[tuple[str, GroupConfig]]:
     """Groups length routing may choose, first choice first."""
     ranked = config.groups_by_rank()
@@ -98,13 +116,7 @@ def classify(
     ``max_tokens`` is never below it (the default was, and cut the answer silently)."""
     limit_of = seq_limit or (lambda name: config.groups[name].max_seq_len)
     default = max(config.gateway.default_max_tokens, min_tokens)
-    named = explicit_group(config, path_group, header_group)
-    if named is not None and allowed is not None and named not in allowed:
-        raise PermissionDeniedError(
-            f"this API key may not use instance group {named!r} "
-            f"(it may use: {', '.join(sorted(allowed))})",
-            code="group_not_allowed",
-        )
+    named = permitted_group(config, path_group, header_group, allowed)
     if named is not None:
         limit = limit_of(named)
         settled = _settle(prompt_tokens, max_tokens, default, limit)

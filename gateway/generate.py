@@ -33,7 +33,6 @@ from common.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     PayloadTooLargeError,
-    PermissionDeniedError,
     QosError,
 )
 from common.logging import bind_request
@@ -45,7 +44,7 @@ from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
 from gateway import tracing as traced
 from gateway.admission import Admission, Route
 from gateway.auth import OPEN_GRANT, KeyGrant
-from gateway.classifier import GROUP_HEADER, classify, explicit_group, settle_max_tokens
+from gateway.classifier import GROUP_HEADER, classify, permitted_group, settle_max_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.responses import Kind, Shaper, merge, usage_dict
@@ -146,13 +145,7 @@ class Generator:
         alone, when named: 404 for an unknown one, 403 for one the key may not use)."""
         if group is None:
             return self._admission.max_model_len(allowed=allowed)
-        explicit_group(self._config, group, None)
-        if allowed is not None and group not in allowed:
-            raise PermissionDeniedError(
-                f"this API key may not use instance group {group!r} "
-                f"(it may use: {', '.join(sorted(allowed))})",
-                code="group_not_allowed",
-            )
+        permitted_group(self._config, group, None, allowed)
         return self._admission.max_model_len(groups=[group])
 
     # -- the whole request -----------------------------------------------------------------
