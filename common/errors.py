@@ -32,6 +32,9 @@ class QosError(Exception):
         self.param = param
         self.code = code or self.default_code
         self.retry_after_s = retry_after_s
+        # Headers of the request it ended (its X-Request-Id once it had one): a failure is
+        # what a client most wants to quote the id of.
+        self.request_headers: dict[str, str] = {}
 
     def to_openai(self) -> dict[str, Any]:
         """OpenAI's error body."""
@@ -47,9 +50,9 @@ class QosError(Exception):
     def headers(self) -> dict[str, str]:
         """HTTP headers that go with the error (``Retry-After`` for 429/503)."""
         if self.retry_after_s is None:
-            return {}
+            return dict(self.request_headers)
         # Rounded up: a client back a little early would only be refused again.
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        return {**self.request_headers, "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def to_wire(self) -> dict[str, str]:
         """The ``error`` field of a NATS chunk."""

@@ -54,7 +54,7 @@ from common.tracing import tracer_for
 from gateway.admission import ADMISSION_WAIT_S, Admission
 from gateway.auth import ApiKeys, KeyGrant
 from gateway.classifier import GROUP_HEADER, explicit_group
-from gateway.generate import Generator
+from gateway.generate import ClientGone, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.observe import ObserveMiddleware
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest
@@ -327,19 +327,25 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     @app.post("/v1/{group}/tokenize")  # a client whose base_url names a group: its limit
-    async def tokenize_route(request: Request) -> dict[str, Any]:
+    async def tokenize_route(request: Request) -> Any:
         generator, grant = generator_for(request)
         group = request.path_params.get("group")  # the path's only (not a ?group= query)
-        return await tokenize(generator, request, grant.groups, group)
+        try:
+            return await tokenize(generator, request, grant.groups, group)
+        except ClientGone:  # hung up while sending the body: a 499, as for a generation
+            return Response(status_code=499)
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     @app.post("/v1/{group}/detokenize")
-    async def detokenize_route(request: Request) -> dict[str, Any]:
+    async def detokenize_route(request: Request) -> Any:
         generator, grant = generator_for(request)
         if (group := request.path_params.get("group")) is not None:
             generator.max_model_len(grant.groups, group)  # 404 / 403 as for tokenize
-        return await detokenize(generator, request)
+        try:
+            return await detokenize(generator, request)
+        except ClientGone:
+            return Response(status_code=499)
 
     @app.get("/v1/models")
     @app.get("/v1/{group}/models")  # a client whose base_url names a group lists models too
@@ -350,7 +356,8 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         return {"object": "list", "data": [model_card(group, grant.groups)]}
 
     @app.get("/v1/models/{model_id:path}")  # client.models.retrieve; ids may hold a "/"
-    async def model(request: Request, model_id: str) -> dict[str, Any]:
+    @app.get("/v1/{group}/models/{model_id:path}")  # the same, under a group's base_url
+    async def model(request: Request, model_id: str, group: str | None = None) -> dict[str, Any]:
         grant = state.keys.check(request.headers.get("authorization"))
         if model_id not in (state.served_model, *state.aliases):
             raise ModelNotFoundError(
@@ -358,7 +365,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
                 f"'{state.served_model}'",
                 param="model",
             )
-        return model_card(None, grant.groups)
+        return model_card(group, grant.groups)
 
     @app.get("/health")
     async def health() -> JSONResponse:

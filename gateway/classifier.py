@@ -108,12 +108,14 @@ def classify(
     seq_limit: Callable[[str], int] | None = None,
     allowed: Collection[str] | None = None,
     min_tokens: int = 0,
+    max_tokens_param: str = "max_tokens",
 ) -> Classification:
     """Pick the group and settle ``max_tokens``; raise a 4xx :class:`QosError` if none fits.
     ``seq_limit(group)`` is a group's limit now (default: its configured ``max_seq_len``;
     the gateway passes what its live workers serve, when that is less). ``allowed``: the
     groups the caller's API key may use (None: every group). ``min_tokens``: a settled
-    ``max_tokens`` is never below it (the default was, and cut the answer silently)."""
+    ``max_tokens`` is never below it (the default was, and cut the answer silently).
+    ``max_tokens_param``: the parameter that set ``max_tokens``, for an error to name."""
     limit_of = seq_limit or (lambda name: config.groups[name].max_seq_len)
     default = max(config.gateway.default_max_tokens, min_tokens)
     named = permitted_group(config, path_group, header_group, allowed)
@@ -121,7 +123,10 @@ def classify(
         limit = limit_of(named)
         settled = _settle(prompt_tokens, max_tokens, default, limit)
         if settled is None or settled < min_tokens:
-            raise _too_long(prompt_tokens, max_tokens, limit, prompt_param, f"group {named!r}")
+            raise _too_long(
+                prompt_tokens, max_tokens, limit, (prompt_param, max_tokens_param),
+                f"group {named!r}",
+            )  # fmt: skip
         return Classification(named, settled, "path" if path_group else "header")
 
     candidates = auto_candidates(config)
@@ -140,7 +145,7 @@ def classify(
                 return Classification(name, limit - prompt_tokens, "length")
     largest = max(limit for _, limit in limits)
     where = "any instance group" if allowed is None else "any instance group this key may use"
-    raise _too_long(prompt_tokens, max_tokens, largest, prompt_param, where)
+    raise _too_long(prompt_tokens, max_tokens, largest, (prompt_param, max_tokens_param), where)
 
 
 def settle_max_tokens(prompt: int, default: int, limit: int) -> int | None:
@@ -155,8 +160,9 @@ def _settle(prompt: int, max_tokens: int | None, default: int, limit: int) -> in
 
 
 def _too_long(
-    prompt: int, max_tokens: int | None, limit: int, prompt_param: str, where: str
+    prompt: int, max_tokens: int | None, limit: int, params: tuple[str, str], where: str
 ) -> ContextLengthExceededError:
+    prompt_param, max_tokens_param = params
     # OpenAI's and vLLM's first sentence, which LiteLLM matches to raise its
     # ContextWindowExceededError (and take a router's context-window fallback).
     head = f"This model's maximum context length is {limit} tokens"
@@ -171,5 +177,5 @@ def _too_long(
         f"{'messages' if prompt_param == 'messages' else 'prompt'}, {max_tokens} in the "
         f"completion). Please reduce the length of the {prompt_param} or completion "
         f"({where} accepts at most {limit} tokens).",
-        param="max_tokens",
+        param=max_tokens_param,
     )

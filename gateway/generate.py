@@ -188,6 +188,11 @@ class Generator:
                 seq_limit=self._admission.seq_limit,
                 allowed=grant.groups,
                 min_tokens=body.min_tokens or 0,
+                max_tokens_param=(
+                    "max_completion_tokens"
+                    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens
+                    else "max_tokens"
+                ),
             )
             group_label = classified.group
             deadline_ms = _deadline_ms(request, self._config.gateway.default_deadline_ms)
@@ -257,6 +262,7 @@ class Generator:
             return Response(status_code=499)
         except QosError as exc:
             self._land(flight, status=exc.http_status)
+            exc.request_headers = flight.headers
             raise
         finally:
             if not streaming:
@@ -314,11 +320,11 @@ class Generator:
                 raise InvalidRequestError(
                     f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
                 ) from None
-            ids = await self._encode(text, add_special_tokens=False)
+            ids = await self.encode(text, add_special_tokens=False)
             return ids, "messages"
         prompt = body.prompt_input()
         if isinstance(prompt, str):
-            ids = await self._encode(prompt, add_special_tokens=True)
+            ids = await self.encode(prompt, add_special_tokens=True)
         else:
             ids = prompt
             if self._check_vocab and max(ids) >= self._tok.vocab_size:
@@ -331,7 +337,8 @@ class Generator:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids, "prompt"
 
-    async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """``text``'s token ids; a long text on a thread, so the event loop keeps streaming."""
         if len(text) <= INLINE_TOKENIZE_CHARS:
             return self._tok.encode(text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self._tok.encode, text, add_special_tokens)

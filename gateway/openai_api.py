@@ -28,7 +28,8 @@ from common.sampling_defaults import SamplingDefaults
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
 MAX_MESSAGES = 4096  # a conversation's turns: beyond any context window, bounded work
-Role = Literal["system", "developer", "user", "assistant", "tool"]
+# "function": a function call's result in the deprecated functions API's history.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class _Strict(BaseModel):
@@ -89,10 +90,14 @@ class ChatMessage(BaseModel):
         call's ``arguments`` (a JSON string on the wire) as the object templates render with
         ``tojson`` (a string would come out encoded twice), as vLLM passes them. OpenAI's
         ``developer`` role is its system role: a template that does not name it
-        (``developer`` False) gets ``system``, which Qwen's templates silently dropped."""
+        (``developer`` False) gets ``system``, which Qwen's templates silently dropped. A
+        ``function`` message (a function's result, the older API's) is a ``tool`` message:
+        chat templates know that role, and many refuse any other."""
         out = self.model_dump(exclude_none=True)
         if self.role == "developer" and not developer:
             out["role"] = "system"
+        elif self.role == "function":
+            out["role"] = "tool"
         if isinstance(self.content, list) and parts:
             out["content"] = [
                 {"type": "text", "text": p.text if isinstance(p, TextPart) else p.refusal}
@@ -319,6 +324,8 @@ class ChatCompletionRequest(_SamplingBody):
     prediction: Any = None
     web_search_options: Any = None
     verbosity: Any = None
+    moderation: Any = None
+    prompt_cache_options: dict[str, Any] | None = None  # a cache hint: a no-op, as the others
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -358,6 +365,7 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),
     "web_search_options": (lambda v: v is None, "web search is not supported"),
     "verbosity": (lambda v: v is None, "verbosity is not supported"),
+    "moderation": (lambda v: v is None, "moderation is not supported"),
 }
 
 
@@ -423,7 +431,7 @@ def _to_invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestErro
             f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}",
             code="invalid_json",
         )
-    if kind == "model_type":
+    if kind == "model_type" and not first["loc"]:  # the body itself (a nested one names its field)
         return InvalidRequestError("the request body must be a JSON object", code="invalid_json")
     param = _param_of(first["loc"])
     if kind == "extra_forbidden":

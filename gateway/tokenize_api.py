@@ -7,8 +7,9 @@ rendered as ``/v1/chat/completions`` renders it, so the count is the one admissi
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import Any
+import asyncio
+from collections.abc import Callable, Collection
+from typing import Any, TypeVar
 
 from pydantic import Field, model_validator
 from starlette.requests import Request
@@ -22,6 +23,15 @@ from gateway.openai_api import (
     _Strict,
     parse_body,
 )
+
+# Token lists longer than this are decoded (or spelled out) on a thread, as long prompts are
+# encoded there: a million ids would hold every stream on the event loop for a second.
+INLINE_DETOKENIZE_IDS = 4096
+_T = TypeVar("_T")
+
+
+async def _off_loop_if(big: bool, work: Callable[[], _T]) -> _T:
+    return await asyncio.to_thread(work) if big else work()
 
 
 class TokenizeRequest(_Strict):
@@ -68,15 +78,22 @@ async def tokenize(
         )
         ids, _ = await generator.prompt_ids(chat, big=True)
         if body.add_special_tokens:  # the template's text, with the tokenizer's BOS too
-            text = generator.tokenizer.decode(ids, skip_special_tokens=False)
-            ids = generator.tokenizer.encode(text, add_special_tokens=True)
+            tokenizer = generator.tokenizer
+            text = await _off_loop_if(
+                len(ids) > INLINE_DETOKENIZE_IDS,
+                lambda: tokenizer.decode(ids, skip_special_tokens=False),
+            )
+            ids = await generator.encode(text, add_special_tokens=True)
     else:
         assert body.prompt is not None
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = generator.tokenizer.encode(body.prompt, add_special_tokens=special)
+        ids = await generator.encode(body.prompt, add_special_tokens=special)
     strs = None
     if body.return_token_strs:
-        strs = [generator.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+        strs = await _off_loop_if(
+            len(ids) > INLINE_DETOKENIZE_IDS,
+            lambda: [generator.token_bytes(t).decode("utf-8", errors="replace") for t in ids],
+        )
     return {
         "count": len(ids),
         "max_model_len": max_model_len,
@@ -95,4 +112,9 @@ async def detokenize(generator: Generator, request: Request) -> dict[str, Any]:
         raise InvalidRequestError(
             f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens"
         )
-    return {"prompt": generator.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    tokenizer = generator.tokenizer
+    text = await _off_loop_if(
+        len(body.tokens) > INLINE_DETOKENIZE_IDS,
+        lambda: tokenizer.decode(body.tokens, skip_special_tokens=False),
+    )
+    return {"prompt": text}

@@ -277,6 +277,8 @@ async def test_deadline_passing_is_504_or_an_error_event_and_aborts_the_worker(
         assert response.json()["error"]["code"] == "deadline_exceeded"
         # The openai client would run it twice more into the same deadline.
         assert response.headers["x-should-retry"] == "false"
+        # And the failure carries the request's id (the openai client's error.request_id).
+        assert response.headers["x-request-id"] == request_id
     (abort,) = aborts
     assert abort.action == "abort" and abort.request_id == request_id
 

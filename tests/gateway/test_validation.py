@@ -95,6 +95,9 @@ BAD_PARAMETERS = [
     ("completions", {"min_tokens": -1}, "min_tokens"),
     ("chat/completions", {"max_completion_tokens": 3, "min_tokens": 4}, "min_tokens"),
     ("chat/completions", {"messages": []}, "messages"),
+    # A field that should be an object: named, not "the body must be a JSON object".
+    ("chat/completions", {"messages": ["hi"]}, "messages[0]"),
+    ("completions", {"stream": True, "stream_options": "x"}, "stream_options"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     (
         "chat/completions",
@@ -107,6 +110,7 @@ BAD_PARAMETERS = [
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"moderation": {"input": {"policy": "x"}}}, "moderation"),
     ("chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": {"tools": ["xy"]}}, "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": {"tools": "xy"}}, "chat_template_kwargs"),
@@ -147,7 +151,8 @@ async def test_openai_parameters_that_ask_for_nothing_are_accepted(fields: dict[
     assert body.wire_params(4, None).seed == (-7) % 2**63
     chat = {**OK_CHAT, "tools": [], "parallel_tool_calls": True,
             "response_format": {"type": "text", "strict": False}, "logit_bias": {},
-            "modalities": ["text"], "tool_choice": "auto",
+            "modalities": ["text"], "tool_choice": "auto", "moderation": None,
+            "prompt_cache_options": {"ttl": "30m"},
             "messages": [{"role": "user", "content": [{"type": "text", "text": "a",
                                                          "cache_breakpoint": True}]},
                          {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
@@ -159,6 +164,14 @@ async def test_openai_parameters_that_ask_for_nothing_are_accepted(fields: dict[
     for declined in ({"tools": [tool], "tool_choice": "none"},
                      {"functions": [tool["function"]], "function_call": "none"}):  # fmt: skip
         parse_body(ChatCompletionRequest, json.dumps({**OK_CHAT, **declined}).encode())
+    # Such a framework's history holds the functions' results (the older API's "function"
+    # role): a template gets them as tool messages, the role templates know.
+    history = {**OK_CHAT, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "function", "name": "weather", "content": "sunny"},
+    ]}  # fmt: skip
+    result = parse_body(ChatCompletionRequest, json.dumps(history).encode()).messages[1]
+    assert result.for_template() == {"role": "tool", "name": "weather", "content": "sunny"}
 
 
 async def test_tool_call_arguments_reach_the_template_as_objects() -> None:
@@ -226,6 +239,13 @@ async def test_models_are_listed_under_a_group_base_url_too(client: httpx.AsyncC
     assert short_card == {**card, "max_model_len": 256}  # gateway_config: short 256, long 2048
     error = _assert_openai_error(await client.get("/v1/bogus/models"), 404, None)
     assert error["code"] == "group_not_found"
+    # client.models.retrieve under that base URL: the group's card (it was a plain 404).
+    retrieved = await client.get(f"/v1/short/models/{MODEL}")
+    assert retrieved.status_code == 200 and retrieved.json() == short_card
+    missing = await client.get("/v1/short/models/gpt-9")
+    assert _assert_openai_error(missing, 404, "model")["code"] == "model_not_found"
+    bogus = await client.get(f"/v1/bogus/models/{MODEL}")
+    assert _assert_openai_error(bogus, 404, None)["code"] == "group_not_found"
 
 
 async def test_unknown_group_in_path_is_404(client: httpx.AsyncClient):
@@ -271,6 +291,16 @@ async def test_a_big_conversation_is_rendered_off_the_event_loop_and_measured(
     assert _assert_openai_error(response, 400, "messages")["code"] == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
+async def test_a_completion_too_long_for_every_group_names_the_parameter_the_client_sent(
+    client: httpx.AsyncClient, limit: str
+):
+    """It named max_tokens to a client that had sent max_completion_tokens."""
+    response = await client.post("/v1/chat/completions", json={**OK_CHAT, limit: 100_000})
+    error = _assert_openai_error(response, 400, limit)
+    assert error["code"] == "context_length_exceeded"
+
+
 async def test_too_many_messages_is_400_naming_them() -> None:
     # Beyond the test gateway's 64 KiB body limit, so the parser is asked directly.
     body = {**OK_CHAT, "messages": [{"role": "user", "content": "x"}] * 4097}
@@ -301,6 +331,49 @@ async def test_a_big_body_renders_off_the_loop_even_when_its_contents_are_short(
     ]}  # fmt: skip
     await client.post("/v1/chat/completions", json=body)
     assert "render" in threaded
+
+
+async def test_tokenize_and_detokenize_work_on_a_thread_when_their_input_is_long(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+):
+    """/tokenize encoded its prompt and /detokenize decoded its ids on the event loop: a
+    client sending megabytes held every stream of the gateway meanwhile."""
+    threaded: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def recording(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        threaded.append(getattr(fn, "__name__", repr(fn)))
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", recording)
+    prompt = "y" * 20_000
+    counted = await client.post("/v1/tokenize", json={"prompt": prompt})
+    assert counted.status_code == 200, counted.text
+    assert threaded == ["encode"]
+    ids = counted.json()["tokens"][-5000:]  # within the test gateway's 64 KiB body limit
+    back = await client.post("/v1/detokenize", json={"tokens": ids})
+    assert back.status_code == 200 and back.json()["prompt"] == "y" * 5000
+    assert len(threaded) == 2
+    short = await client.post("/v1/tokenize", json={"prompt": "hi", "return_token_strs": True})
+    assert short.status_code == 200 and len(threaded) == 2  # short work stays inline
+
+
+@pytest.mark.parametrize("path", ["/v1/tokenize", "/v1/detokenize"])
+async def test_a_client_hanging_up_mid_body_on_tokenize_is_no_unhandled_error(
+    client: httpx.AsyncClient, path: str, caplog: pytest.LogCaptureFixture
+):
+    """Its ClientGone was no QosError: the catch-all handler logged a traceback as an
+    unhandled error, a 500 (a generation answers the same 499)."""
+    url = httpx.URL(str(client.base_url))
+    _reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Content-Length: 1000\r\n\r\n{\"prompt\": \"".encode())  # fmt: skip
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.sleep(0.3)  # the server notices the hang-up and ends the request
+    assert not [r for r in caplog.records if "unhandled error" in r.getMessage()]
 
 
 async def test_a_request_over_the_servers_max_payload_is_413_not_500(
