@@ -166,6 +166,49 @@ def test_a_token_that_fails_to_land_leaves_no_placeholder_for_the_others(path: P
     assert got["b"][-5:] == want[-5:] and len(want) == 6  # b went on, its tokens intact
 
 
+@pytest.mark.parametrize("policy", ["hybrid", "continuous"])
+@pytest.mark.parametrize("failing", ["accept", "sampler"])
+def test_a_synchronous_step_that_fails_after_its_kv_is_written_stalls_no_request(
+    path: Path, failing: str, policy: str
+) -> None:
+    """The synchronous path settled tokens one by one: an accept that raised left the
+    requests after it without their token, and a sampler that raised left every request
+    without one, while their KV counted the step: hybrid never scheduled them again (no
+    token left to compute), the whole-prompt policies scheduled an empty chunk forever."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = engine(path, False, policy=policy)
+    ref.add_request("b", prompt_token_ids=[5, 6, 7], params=params)
+    want = drain_all(ref)["b"]
+    tok = FailingOnce()
+    eng = LLMEngine(EngineArgs(str(path), block_size=4, num_kv_blocks=64, dtype="float32",
+                               async_output=False, policy=policy), tokenizer=tok)  # fmt: skip
+    eng.add_request("a", prompt_token_ids=[3, 4], params=params)
+    eng.add_request("b", prompt_token_ids=[5, 6, 7], params=params)
+    got: dict[str, list[int]] = {}
+    for d in eng.step():
+        got.setdefault(d.request_id, []).extend(d.token_ids)
+    if failing == "accept":
+        tok.fail_next = True  # a's token is settled first and its decode fails
+    else:
+        sample = eng.sampler.sample
+
+        def fails_once(*args: object, **kwargs: object) -> object:
+            eng.sampler.sample = sample  # type: ignore[method-assign]
+            raise RuntimeError("sampling failed")
+
+        eng.sampler.sample = fails_once  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="failed"):
+        eng.step()
+    eng.abort("a")
+    for _ in range(20):  # bounded: a stalled request would keep the engine unfinished
+        if not eng.has_unfinished():
+            break
+        for d in eng.step():
+            got.setdefault(d.request_id, []).extend(d.token_ids)
+    assert not eng.has_unfinished()
+    assert got["b"] == want and len(want) == 6  # b went on, its tokens intact
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -369,3 +369,29 @@ def test_a_prefill_short_of_blocks_takes_a_smaller_chunk_before_preempting_itsel
     chunk = [len(s.token_ids) for s, r in zip(second.seqs, second.requests, strict=True)
              if r is prompt]  # fmt: skip
     assert chunk == [5] and not second.preempted and prompt.num_computed_tokens == 12
+
+
+def test_a_prefill_out_of_room_waits_in_its_blocks_instead_of_preempting_itself() -> None:
+    """Hybrid, no prefix cache: a less urgent prompt with no room left preempted itself in
+    a step where nobody needed its blocks, came back with one chunk's room, and went again,
+    recomputing from its first token each time. It waits in its blocks now, and goes only
+    when a request that needs them takes them (here: the decode's next block)."""
+    pool = BlockPool(12, 4, enable_prefix_caching=False, watermark=0.0)
+    b = Batcher(pool, "hybrid", 4, 8, clock=Clock())
+    decode = req("D", 30, max_tokens=14, priority=0)  # 11 of the 12 blocks at its end
+    b.add(decode)
+    for _ in range(6):
+        run(b)
+    prompt = req("R", 40, max_tokens=5, priority=1)
+    b.add(prompt)
+    for _ in range(60):
+        if not b.has_unfinished():
+            break
+        before = len(decode.block_table)
+        plan = run(b)
+        if plan.preempted:
+            assert ids(plan) == ["D"] and len(decode.block_table) == before + 1, (
+                "preempted in a step where the decode took no block of its"
+            )
+    assert not b.has_unfinished()  # both finished: waiting never blocks for good
+    assert decode.num_preemptions == 0 and pool.num_free_blocks == 12

@@ -36,12 +36,15 @@ the tier's: those blocks are allocated like computed ones and their bytes ride i
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.engine.block_pool import BlockPool, KVTier
 from workers.engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -300,7 +303,7 @@ class Batcher:
     def _tier_lookup(self, req: Request, first: int) -> int:
         """Tokens of the full blocks after the device-cache hit that the KV tier holds (one
         token is always left to compute, as for the device cache)."""
-        if self.kv_tier is None or not self.pool.enable_prefix_caching:
+        if self.kv_tier is None or not self.pool.enable_prefix_caching or req.skip_kv_tier:
             return 0
         bs = self.pool.block_size
         limit = (req.num_tokens - 1) // bs
@@ -317,7 +320,11 @@ class Batcher:
         if fresh:
             self.tier_query_tokens += (limit - first) * bs
         hashes = self.pool.update_hashes(req)[first:limit]
-        tokens = self.kv_tier.lookup(hashes, count=fresh) * bs
+        try:
+            tokens = self.kv_tier.lookup(hashes, count=fresh) * bs
+        except Exception:  # a tier that breaks its promise not to raise: a miss, not a stall
+            log.warning("KV tier lookup failed; computing the prefix", exc_info=True)
+            return 0
         self._tier_seen[req.request_id] = (req.num_tokens, first, tokens, self.timer())
         return tokens
 
@@ -327,7 +334,14 @@ class Batcher:
         assert self.kv_tier is not None
         bs = self.pool.block_size
         started, t0 = self.clock(), self.timer()
-        data = self.kv_tier.load(req.block_hashes[first : first + tokens // bs])
+        want = tokens // bs
+        try:
+            # The request is out of the waiting queue and holds its blocks by now: a load
+            # that raised here left it in neither queue, its blocks held for good.
+            data = self.kv_tier.load(req.block_hashes[first : first + want])[:want]
+        except Exception:
+            log.warning("KV tier load failed; computing the prefix", exc_info=True)
+            data = []
         # The request's "kv load" phase in its trace (a preempted request may load again).
         if req.kv_load_start is None:
             req.kv_load_start = started
@@ -357,6 +371,11 @@ class Batcher:
             if req.out_of_budget:  # its last token is on the way back: nothing to compute
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
+            if remaining <= 0:
+                # A step that failed after its KV was written (a sampler error) gave it no
+                # token: compute the last position again (same token, same KV) to sample.
+                req.num_computed_tokens = req.num_tokens - 1
+                remaining = 1
             num_new = 1 if budget is None else min(remaining, budget)
             if num_new <= 0:
                 break
@@ -371,6 +390,12 @@ class Batcher:
                     if 0 < room < num_new:
                         num_new = room
                         continue
+                    if room <= 0:
+                        # No room at all: it waits in its blocks, this step. Preempting
+                        # itself freed blocks nobody had asked for; it came back with one
+                        # chunk's room and went again, recomputing from its first token,
+                        # every few steps. One that needs them takes them (it is a victim).
+                        break
                 if victim in queue:
                     queue.remove(victim)
                 elif victim is not req:
@@ -384,6 +409,12 @@ class Batcher:
                 self._add_seq(plan, req, num_new)
                 if budget is not None:
                     budget -= num_new
+
+    def recompute(self, req: Request, plan: BatchPlan) -> None:
+        """Take ``req`` out of this step and queue it to compute from its first token (its
+        tier load never reached the cache): a preemption by recompute."""
+        self._unschedule(plan, req)
+        self._preempt(req, plan)
 
     def _room(self, req: Request) -> int:
         """Tokens ``req`` could compute now in its blocks and the free ones."""

@@ -375,10 +375,21 @@ class LLMEngine:
         out = self.sampler.sample(logits, live)
         now = time.time()
         self.num_generation_tokens += len(live)
+        # Every token in place before any is settled, as _read_back does: an accept that
+        # raises (a tokenizer's decode) must not cost the requests after it their tokens.
+        for req, token in zip(live, out.token_ids, strict=True):
+            req.append_token(token)
+        failed: BaseException | None = None
         for i, req in enumerate(live):
             logprob = out.logprobs[i] if out.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
-            deltas.append(self._accept(req, out.token_ids[i], logprob, top, now))
+            try:
+                token = out.token_ids[i]
+                deltas.append(self._accept(req, token, logprob, top, now, appended=True))
+            except Exception as exc:  # the others' tokens still count; raised once all are in
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _commit(self, plan: BatchPlan) -> None:
         """The step's tokens are in the cache: name full blocks, write them through, count."""
@@ -573,14 +584,35 @@ class LLMEngine:
         evicted = self.pool.evictions or []
         try:
             rows, copied = self.runner.swap_blocks([b for b, _ in evicted], plan.kv_loads)
+        except Exception:
+            # Out of memory for a staging copy, a bad view: the tier is a cache, so the
+            # requests that loaded compute those tokens instead and the step goes on (it
+            # failed every request in the batch). A sticky device error fails the next op.
+            log.warning(
+                "KV tier swap failed (%d blocks out, %d in); the loads are recomputed",
+                len(evicted), len(plan.kv_loads), exc_info=True,
+            )  # fmt: skip
+            evicted.clear()  # their copy may be half done: never offered under their names
+            self._recompute_loads(plan)
+            return
         except BaseException:
             self._undo_loads(plan)
-            evicted.clear()  # their copy may be half done: never offered under their names
+            evicted.clear()
             raise
         if evicted:
             assert rows is not None
             self._exports.append(_Export([h for _, h in evicted], rows, copied, offload=True))
             evicted.clear()
+
+    def _recompute_loads(self, plan: BatchPlan) -> None:
+        """The loads never reached the cache: their requests leave this step and are queued
+        to compute their prompts, without the tier (a load that fails once may fail again)."""
+        loaded = {block_id for block_id, _ in plan.kv_loads}
+        self._undo_loads(plan)
+        for req in [r for r in plan.requests if not loaded.isdisjoint(r.block_table)]:
+            req.skip_kv_tier = True
+            self.batcher.recompute(req, plan)
+        plan.kv_loads.clear()
 
     def _undo_loads(self, plan: BatchPlan) -> None:
         """Tier hits whose bytes never arrived: their requests did not compute them, and the

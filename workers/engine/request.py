@@ -78,6 +78,8 @@ class Request:
     first_scheduled_time: float | None = None
     kv_load_start: float | None = None  # its first KV-tier load began (batcher clock)
     kv_load_s: float = 0.0  # spent reading KV-tier blocks, every admission's load summed
+    # A KV-tier load of its failed to reach the cache: it computes its prefix from then on.
+    skip_kv_tier: bool = False
     first_token_time: float | None = None
     finish_time: float | None = None
 
