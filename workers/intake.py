@@ -81,8 +81,12 @@ class Intake:
             with contextlib.suppress(Exception):
                 await self._task
             self._task = None
-        # A long-poll answered right at its expiry lands in the local queue. Read that queue
-        # itself: fetch() would send a new pull and take a fresh request only to nak it.
+        await self._hand_back_local()
+
+    async def _hand_back_local(self) -> None:
+        """Hand back what waits in the local queue: a long-poll answered right at its expiry
+        lands there after fetch() returned. Read that queue itself: fetch() would send a new
+        pull and take a fresh request only to hand it back."""
         local = getattr(self.psub, "_sub", None)  # nats-py keeps it on the subscription
         while local is not None and self.psub.pending_msgs > 0:
             try:
@@ -102,8 +106,13 @@ class Intake:
         while not self._stop:
             if not self._ready():
                 self._wake.clear()
+                # A message that landed late must not wait out this pause unacknowledged
+                # (redelivered elsewhere at ack_wait, then served here too): looked for at
+                # once and again a fetch timeout later, when any late answer is in.
+                await self._hand_back_local()
                 if not self._stop and not self._ready():  # re-check: no lost wake-up
-                    await self._wake.wait()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self._timeout)
                 continue
             if not self._connected():
                 # nats-py buffers a pull sent while reconnecting: each would go out at the

@@ -47,3 +47,35 @@ async def test_no_pull_goes_out_while_disconnected_and_pulls_resume_after() -> N
             await asyncio.sleep(0.01)
     finally:
         await intake.halt()
+
+
+async def test_a_message_landing_after_its_fetch_is_handed_back_while_not_ready(
+    nats_config: Any, js: Any
+) -> None:
+    """A long-poll answered right at its expiry lands in the local queue after fetch()
+    returned. While the intake was not ready (drained, capped) nothing read that queue: the
+    message sat unacknowledged until ack_wait redelivered it elsewhere, and once ready
+    again this replica served its stale copy too."""
+    stream, subject = nats_config.stream, f"{nats_config.subject_prefix}.late"
+    await js.add_stream(name=stream, subjects=[subject])
+    psub = await js.pull_subscribe(subject, durable="late", stream=stream)
+    handed_back: list[bytes] = []
+
+    async def hand_back(msg: Any) -> None:
+        handed_back.append(msg.data)
+        await msg.nak()
+
+    intake = Intake(psub, ready=lambda: False, accept=lambda msg: None, hand_back=hand_back,
+                    fetch_timeout_s=0.2)  # fmt: skip
+    intake.start()
+    try:
+        # The late answer: a pull of our own, delivered to the subscription's inbox.
+        await js._nc.publish(psub._nms, b'{"batch": 1, "expires": 2000000000}', reply=psub._deliver)
+        await js.publish(subject, b"request")
+        deadline = time.monotonic() + 5
+        while not handed_back:
+            assert time.monotonic() < deadline, "the late message was never handed back"
+            await asyncio.sleep(0.02)
+        assert handed_back == [b"request"]
+    finally:
+        await intake.halt()
