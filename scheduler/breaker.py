@@ -30,6 +30,7 @@ group meeting its own SLO (128k documents take seconds) is healthy by definition
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -151,6 +152,19 @@ class Breaker:
                 "half_open", now, f"probing after {self.settings.wait_open_s:g}s open"
             )
         return None
+
+    def recall(self, samples: Iterable[tuple[float, BreakerSample]], now: float) -> None:
+        """A closed breaker's window from ``(at, sample)`` pairs this replica saw while
+        another judged them (a standby's), unjudged: the next :meth:`observe` judges from
+        where the old leader stood, not from an empty window. Samples from before the
+        state began, or older than ``max_age_s``, are no evidence about it."""
+        if self.state != "closed":
+            return  # open ignores samples; half-open judges the new leader's own probes
+        self._clear()
+        for at, sample in samples:
+            if at >= self.since and now - at <= self.settings.max_age_s:
+                self.window.append(sample)
+                self._window_at.append(at)
 
     def restore(self, state: State, since: float, reason: str = "") -> None:
         """Continue from a state persisted elsewhere (a restart); not a transition."""

@@ -41,9 +41,15 @@ class SchedulerMetrics:
             "qos_group_error_rate", "Errors / finished requests over the window", ["group"],
             registry=r,
         )  # fmt: skip
+        # Counted once a report shows the replica in its new group: an order is no move.
         self.moves = Counter(
             "qos_rebalance_moves", "Replicas moved between groups", ["from", "to"], registry=r
         )
+        self.moves_failed = Counter(
+            "qos_rebalance_moves_failed",
+            "Moves ordered and not seen done by their deadline (another replica is tried)",
+            ["from", "to"], registry=r,
+        )  # fmt: skip
         self.leader = Gauge(
             "qos_scheduler_leader", "1 while this replica holds the lease and acts", registry=r
         )

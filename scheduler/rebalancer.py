@@ -24,7 +24,8 @@ replicas serve 128k would cut the group's limit (the gateway limits a group to w
 live workers serve) and fail the long requests already queued.
 Hysteresis: the same (source, destination) pair must win ``move_after_ticks`` calls in a
 row, so input that flaps between groups never moves anything; after a move, neither group
-gives up a replica and the moved worker does not move again for ``cooldown_s``.
+gives up a replica and the moved worker does not move again for ``cooldown_s`` (unless
+the move is not seen done in time: :mod:`scheduler.moves` lifts the groups' cooldowns).
 """
 
 from __future__ import annotations

@@ -11,10 +11,12 @@
   into the group) gets ``set_batch_cap`` on ``<prefix>.ctl.<worker>``.
 - Every ``scheduler.rebalance_interval_s`` (5 s): the rebalancer (:mod:`scheduler.rebalancer`)
   sets desired replicas (``desired.<group>``, ``qos_desired_replicas``) and may move an idle
-  replica with ``assign_group`` on ``<prefix>.ctl.<worker>``; the hour-of-week history
-  (:mod:`scheduler.history`) learns the demand.
+  replica with ``assign_group`` on ``<prefix>.ctl.<worker>``, done once the replica reports
+  from its new group (a move not seen done in time counts failed, :mod:`scheduler.moves`);
+  the hour-of-week history (:mod:`scheduler.history`) learns the demand.
 - Only the holder of the lease (:mod:`scheduler.lease`) acts; a standby keeps its windows
-  warm and its breakers in step with the bucket, so it takes over where the leader stood.
+  warm and its breakers in step with the bucket, and taking over it fills each closed
+  breaker's window from its group's samples, so it takes over where the leader stood.
   A scheduler that starts continues each breaker from ``breaker.<group>``. Nothing is
   deleted on exit: with no scheduler, workers keep their last batch cap and gateways the
   last breaker state, until an open or half-open one goes unrenewed (the leader rewrites
@@ -33,6 +35,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import nats.js.errors
@@ -63,6 +66,7 @@ from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
 from scheduler.history import DemandHistory
 from scheduler.lease import Lease
 from scheduler.metrics import SchedulerMetrics
+from scheduler.moves import MOVE_DRAIN_S, PendingMoves, after_failure
 from scheduler.rebalancer import (
     GroupView,
     Move,
@@ -137,6 +141,8 @@ class SchedulerService:
         )
         self.rebalancer_state = RebalancerState()
         self._replica_current_s = 2 * config.worker.telemetry_interval_s
+        # A moved replica drains, binds, then reports from its new group.
+        self.pending_moves = PendingMoves(MOVE_DRAIN_S + 2 * config.worker.telemetry_interval_s)
         self.histories: dict[str, DemandHistory] = {g: DemandHistory() for g in self.groups}
         self.queue_depths: dict[str, int] = dict.fromkeys(self.groups, -1)
         self.desired: dict[str, int] = {}
@@ -439,6 +445,13 @@ class SchedulerService:
         if not self.acts:
             return
         now, epoch = self._clock(), self._wall()
+        self._settle_moves(now)
+        # Also those of moves first reported after this term began (the old leader ordered
+        # them late in its term): taken up at the term's start only, they had none.
+        cooldown = dict(self.rebalancer_state.cooldown_until)
+        for key, until in self._seen_move_cooldowns(now).items():
+            cooldown[key] = max(cooldown.get(key, 0.0), until)
+        self.rebalancer_state = replace(self.rebalancer_state, cooldown_until=cooldown)
         views = []
         for group, gc in self.config.groups.items():
             stats = self.windows.stats(group, now, self.queue_depths[group])
@@ -516,10 +529,39 @@ class SchedulerService:
             batch_cap=self._cap_for(move.dst, self.breakers[move.dst].state),
             reason=f"rebalance: {move.reason}",
         )
-        await self._publish(self.subjects.control(move.worker), control)
+        if not await self._publish(self.subjects.control(move.worker), control):
+            return
         self.moves.append(move)
-        self.metrics.moves.labels(move.src, move.dst).inc()
+        # Counted as moved once a report shows it in ``dst`` (see scheduler.moves).
+        until = self.rebalancer_state.cooldown_until.get(f"worker:{move.worker}", 0.0)
+        self.pending_moves.ordered(move, self._clock(), until)
         log.info("moving worker %s from %s to %s: %s", move.worker, move.src, move.dst, move.reason)
+
+    def _settle_moves(self, now: float) -> None:
+        """Count the moves reports show done; a move not done by its deadline is counted
+        failed, and the next decision may take another replica from the same groups."""
+        groups = {report.worker: report.group for report in self.windows.workers()}
+        done, failed = self.pending_moves.settle(groups, now)
+        for pending in done:
+            self.metrics.moves.labels(pending.move.src, pending.move.dst).inc()
+        for pending in failed:
+            move = pending.move
+            self.metrics.moves_failed.labels(move.src, move.dst).inc()
+            self.rebalancer_state = after_failure(
+                self.rebalancer_state, pending, now, self.rebalance_settings.cooldown_s
+            )
+            log.warning("worker %s did not move from %s to %s within %.0f s: another replica "
+                        "may go instead", move.worker, move.src, move.dst,
+                        self.pending_moves.deadline_s)  # fmt: skip
+
+    def _seen_move_cooldowns(self, now: float) -> dict[str, float]:
+        """The cooldowns of the moves seen in the workers' reports, whoever ordered them."""
+        cooldown_s = self.rebalance_settings.cooldown_s
+        cooldown: dict[str, float] = {}
+        for at, worker, src, dst in self.windows.recent_moves(now, cooldown_s):
+            for key in (f"worker:{worker}", f"group:{src}", f"group:{dst}"):
+                cooldown[key] = max(cooldown.get(key, 0.0), at + cooldown_s)
+        return cooldown
 
     # --- state in the bucket ---------------------------------------------------------------
 
@@ -536,12 +578,9 @@ class SchedulerService:
             # where the previous leader left them. Its cooldowns lived in its memory: those
             # of the moves this standby saw in the workers' reports are taken up again, so a
             # failover cannot bounce a moved replica straight back.
-            cooldown_s = self.rebalance_settings.cooldown_s
-            cooldown: dict[str, float] = {}
-            for at, worker, src, dst in self.windows.recent_moves(self._clock(), cooldown_s):
-                for key in (f"worker:{worker}", f"group:{src}", f"group:{dst}"):
-                    cooldown[key] = max(cooldown.get(key, 0.0), at + cooldown_s)
-            self.rebalancer_state = RebalancerState(cooldown_until=cooldown)
+            seen = self._seen_move_cooldowns(self._clock())
+            self.rebalancer_state = RebalancerState(cooldown_until=seen)
+            self.pending_moves.clear()
             self.desired.clear()
             self._breaker_written.clear()
             self._history_saved = self._clock()  # a history is saved only once it is loaded
@@ -551,6 +590,7 @@ class SchedulerService:
             # a standby learns no demand, and its first save would overwrite the bucket's.
             await self._load_breakers()
             await self._load_histories()
+            self._recall_breaker_windows()
             self._leader_synced = True
         elif not held:
             self._unsaved.clear()  # the leader's word counts now, not ours
@@ -580,6 +620,15 @@ class SchedulerService:
                 breaker.restore(record.state, since, record.reason)
             self.metrics.set_breaker(group, breaker.state)
 
+    def _recall_breaker_windows(self) -> None:
+        """A standby feeds no breaker (it would judge what it cannot act on): taking over,
+        each closed one gets the samples its group's window holds, so a group the old
+        leader was about to open does not start again from an empty window."""
+        now = self._clock()
+        for group, breaker in self.breakers.items():
+            samples = self.windows.windows[group].items(now)
+            breaker.recall(((s.at, self._breaker_sample(group, s)) for s in samples), now)
+
     async def _load_histories(self) -> None:
         assert self.kv is not None
         for group in self.groups:
@@ -604,18 +653,21 @@ class SchedulerService:
 
     # --- helpers -------------------------------------------------------------------------
 
-    async def _publish(self, subject: str, control: Control) -> None:
+    async def _publish(self, subject: str, control: Control) -> bool:
         """Send a control, only while this replica leads: a tick or a rebalance checks at its
         start, but its JetStream calls (5 s timeouts) can outlast the 3 s lease, and a
-        standby that took over meanwhile must not have a second scheduler commanding."""
+        standby that took over meanwhile must not have a second scheduler commanding.
+        True when it went out."""
         assert self.nc is not None
         if not self.acts:
             log.info("not leading any more: %s on %s not sent", control.action, subject)
-            return
+            return False
         try:
             await self.nc.publish(subject, control.to_bytes())
         except Exception as exc:
             log.warning("control on %s failed: %s", subject, exc)
+            return False
+        return True
 
     def _export_groups(self, now: float) -> None:
         m = self.metrics

@@ -190,6 +190,7 @@ class WorkerService:
         self.telemetry = telemetry.WorkerTelemetry(
             options.worker_id, options.model, window_s=config.worker.latency_window_s
         )
+        self._reporter = telemetry.Reporter()
         self.observer = WorkerObserver(
             worker_id=options.worker_id,
             model=options.model or Path(config.worker.model).name,
@@ -911,7 +912,7 @@ class WorkerService:
             self.group, state, self.bridge.stats, self.bridge.batch_cap, self.bridge.busy_s,
             max_seq_len=self.bridge.seq_limit, engine_max_seq_len=self.bridge.built_max_seq_len,
         )  # fmt: skip
-        await telemetry.publish(
+        await self._reporter.publish(
             self.nc, self.kv, self.subjects, message, self.observer.metrics_port
         )
 
@@ -1040,7 +1041,7 @@ class WorkerService:
             log.warning("assign_group: unknown group %r ignored", group)
             return
         async with self._switch_lock:
-            if self._stopped:
+            if self._stopped or self.exit_code:  # exiting: bound to nothing, serving nothing
                 return
             if group != self.group:
                 self._set_serving(False)
@@ -1059,7 +1060,9 @@ class WorkerService:
                 if not await self._bind_retrying(group):
                     # Back where it was, rather than serving nothing while saying it serves.
                     if not await self._bind_retrying(old):
-                        log.error("bound to no group (NATS unreachable?): staying drained")
+                        # Drained and bound to nothing, it would neither serve nor exit:
+                        # its supervisor restarts it, and the start binds again.
+                        self._cannot_serve(f"bound to no group, neither {group} nor {old}")
                         return
                     group = old
                 self._apply_group_limits(group)

@@ -2,7 +2,8 @@
 
 Every ``worker.telemetry_interval_s`` the service publishes one :class:`Telemetry` on
 ``<prefix>.tel.<group>.<worker>`` and puts a heartbeat under ``workers.<worker_id>`` in the
-``qos_state`` KV bucket: JSON ``{"worker", "group", "state", "model", "ts_ms"}``.
+``qos_state`` KV bucket: JSON ``{"worker", "group", "state", "model", "ts_ms"}``. The
+report keeps its rhythm whatever the bucket does: a write still pending skips the next.
 
 TTFT and E2E percentiles cover a sliding window: the last :data:`WINDOW_SAMPLES` requests
 that finished within the last ``worker.latency_window_s`` seconds (default 3 s). Kept short on
@@ -15,6 +16,7 @@ counts: a backlog is exactly what the scheduler's breakers must see. A resumed r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -179,18 +181,50 @@ def heartbeat_value(message: Telemetry, metrics_port: int = 0) -> bytes:
     ).encode()
 
 
-async def publish(
-    nc: Client,
-    kv: KeyValue | None,
-    subjects: Subjects,
-    message: Telemetry,
-    metrics_port: int = 0,
-) -> None:
-    """Send ``message`` and refresh the heartbeat; a NATS hiccup is logged, never raised."""
+class Reporter:
+    """Sends a worker's reports and writes its heartbeat, which it owns while the write is
+    in flight: awaited in the round, a slow bucket (5 s JetStream timeouts) stretched rounds
+    past the scheduler's ``worker_silent_s``, and the replica read as gone while it served."""
+
+    def __init__(self) -> None:
+        self._writing: asyncio.Task[None] | None = None
+
+    async def publish(
+        self,
+        nc: Client,
+        kv: KeyValue | None,
+        subjects: Subjects,
+        message: Telemetry,
+        metrics_port: int = 0,
+    ) -> None:
+        """Send ``message`` and refresh the heartbeat; a NATS hiccup is logged, never raised.
+
+        The report goes out at once; the heartbeat write runs on its own, skipped (not
+        queued) while the previous one is still pending. A ``stopped`` one is awaited, after
+        any write still pending (which would land over it): the caller purges the key."""
+        try:
+            subject = subjects.telemetry(message.group, message.worker)
+            await nc.publish(subject, message.to_bytes())
+        except Exception as exc:
+            log.warning("telemetry publish failed: %s", exc)
+            return
+        if kv is None:
+            return
+        pending = self._writing
+        if message.state == "stopped":
+            if pending is not None:
+                await asyncio.wait([pending])  # bounded by the bucket's own timeout
+            await _write_heartbeat(kv, message, metrics_port)
+        elif pending is None or pending.done():
+            self._writing = asyncio.create_task(
+                _write_heartbeat(kv, message, metrics_port), name=f"heartbeat-{message.worker}"
+            )
+        else:
+            log.debug("heartbeat of %s: the previous write is still pending", message.worker)
+
+
+async def _write_heartbeat(kv: KeyValue, message: Telemetry, metrics_port: int) -> None:
     try:
-        await nc.publish(subjects.telemetry(message.group, message.worker), message.to_bytes())
-        if kv is not None:
-            value = heartbeat_value(message, metrics_port)
-            await kv.put(HEARTBEAT_KEY_PREFIX + message.worker, value)
+        await kv.put(HEARTBEAT_KEY_PREFIX + message.worker, heartbeat_value(message, metrics_port))
     except Exception as exc:
-        log.warning("telemetry publish failed: %s", exc)
+        log.warning("heartbeat write failed: %s", exc)

@@ -81,7 +81,8 @@ async def test_a_new_leader_keeps_the_cooldown_of_a_move_it_saw_the_old_one_make
 ):
     """The cooldowns lived in the old leader's memory: a standby that took over 4 s after a
     move could order it reversed within seconds. It saw the move in the worker's reports
-    (a group change), and takes that cooldown up with the lease."""
+    (a group change), and takes that cooldown up with the lease; and with every rebalance,
+    for a move whose first report came after the handover."""
     async with hand_driven(make_config(nats_config)) as (service, now):
         service.windows.observe(Telemetry(worker="w", group="short", ts_ms=0), now[0])
         now[0] += 1.0
@@ -103,3 +104,55 @@ async def test_a_new_leader_keeps_the_cooldown_of_a_move_it_saw_the_old_one_make
         assert dict(service.rebalancer_state.cooldown_until) == {
             "worker:w": until_, "group:short": until_, "group:long": until_,
         }  # fmt: skip
+        # A move the old leader ordered, first reported after the handover: the term's start
+        # had no cooldown to take up for it, the next rebalance does.
+        service.windows.observe(Telemetry(worker="x", group="long", ts_ms=0), now[0])
+        await service.rebalance()
+        seen_until = now[0] + service.rebalance_settings.cooldown_s
+        cooldown = service.rebalancer_state.cooldown_until
+        assert cooldown["worker:x"] == cooldown["group:short"] == seen_until
+
+
+async def long_backlog_rounds(service, now, short: tuple[str, ...], rounds: int = 3) -> list[str]:
+    """``rounds`` rebalances (move_after_ticks is 2) with ``short``'s replicas idle and long
+    busy with 12 queued; the workers moved so far."""
+    for _ in range(rounds):
+        now[0] += 0.1
+        for worker in short:
+            service.windows.observe(Telemetry(worker=worker, group="short", ts_ms=0), now[0])
+        busy = Telemetry(worker="l1", group="long", ts_ms=0, running=2, waiting=4)
+        service.windows.observe(busy, now[0])
+        service.queue_depths["long"] = 12
+        service.windows.sample(now[0], service.queue_depths)  # what a tick does
+        await service.rebalance()
+    return [m.worker for m in service.moves]
+
+
+def moves_counted(service, name: str) -> float:
+    value = service.metrics.registry.get_sample_value(name, {"from": "short", "to": "long"})
+    return value or 0.0
+
+
+async def test_a_replica_that_never_moves_counts_failed_and_the_next_idle_one_goes(nats_config):
+    """The order goes over core NATS, unacknowledged. A worker that drops it (lost, a stale
+    clock, a bind that went back) stays in short; the move counted as made, and once the
+    cooldown ran out the same replica (idle ones go by name) was ordered again, forever."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        assert await long_backlog_rounds(service, now, ("a", "b")) == ["a"]
+        assert moves_counted(service, "qos_rebalance_moves_total") == 0  # ordered, not done
+        now[0] += service.pending_moves.deadline_s  # a still reports from short
+        assert await long_backlog_rounds(service, now, ("a", "b")) == ["a", "b"]
+        assert moves_counted(service, "qos_rebalance_moves_failed_total") == 1
+        assert moves_counted(service, "qos_rebalance_moves_total") == 0
+
+
+async def test_a_move_counts_once_the_replica_reports_from_its_new_group(nats_config):
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        assert await long_backlog_rounds(service, now, ("a", "b")) == ["a"]
+        assert moves_counted(service, "qos_rebalance_moves_total") == 0
+        service.windows.observe(Telemetry(worker="a", group="long", ts_ms=0), now[0])
+        await service.rebalance()
+        assert moves_counted(service, "qos_rebalance_moves_total") == 1
+        now[0] += service.pending_moves.deadline_s
+        await long_backlog_rounds(service, now, ("b",), rounds=1)
+        assert moves_counted(service, "qos_rebalance_moves_failed_total") == 0

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from common.nats import barrier
-from common.protocol import Control
+from common.protocol import Control, Telemetry
 from common.services import free_port
 from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
 from scheduler.history import DemandHistory
@@ -344,3 +344,39 @@ async def test_a_renewal_whose_ack_was_lost_is_no_new_term(nats_config, js):
     await lease.refresh()  # stored; the lease still counts as held until its expiry
     kv.update = real_update
     assert await lease.refresh() and lease.term == term
+
+
+async def test_a_new_leader_opens_a_breaker_the_old_one_was_one_slow_sample_from_opening(
+    nats_config, monkeypatch
+):
+    """A standby samples its windows but feeds no breaker; taking over, it started each
+    closed breaker from an empty window, so a group already slow for the whole window went
+    min_samples more ticks without a breaker (seconds of SLO misses after every failover)."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        lease = service.lease
+        assert lease is not None
+        renew = lease.refresh
+
+        async def lost() -> bool:
+            lease.held = False
+            return False
+
+        def slow_tick(done: int) -> Telemetry:
+            return Telemetry(worker="w", group="short", ts_ms=0, state="serving", batch_cap=8,
+                             e2e_p99_ms=900.0, samples=5, requests_done=done)  # fmt: skip
+
+        monkeypatch.setattr(lease, "refresh", lost)
+        await service._refresh_lease()
+        assert not service.acts
+        for done in (5, 10, 15):  # the minimum of samples, all over short's 400 ms
+            now[0] += 0.25
+            service.windows.observe(slow_tick(done), now[0])
+            await service.tick()
+        assert service.breakers["short"].state == "closed" and not service.acted
+        monkeypatch.setattr(lease, "refresh", renew)
+        await service._refresh_lease()  # the old leader is gone: a new term
+        assert service.acts
+        now[0] += 0.25
+        service.windows.observe(slow_tick(20), now[0])
+        await service.tick()
+        assert service.breakers["short"].state == "open"

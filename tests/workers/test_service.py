@@ -474,6 +474,24 @@ async def test_a_move_whose_bind_fails_retries_or_goes_back_never_serving_nothin
     assert ids == expected_tokens(1, 2) and final.worker == "w0"
 
 
+async def test_a_move_that_can_bind_neither_group_exits_1_instead_of_serving_nothing(
+    start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither the new group nor the old one binds (NATS unreachable for seconds): it used
+    to stay drained and bound to nothing for good, and a later move naming its group made
+    it report serving while nothing fetched. It exits 1 for its supervisor instead."""
+    service = await start_worker()
+
+    async def unreachable(group: str) -> None:
+        raise nats.errors.TimeoutError
+
+    monkeypatch.setattr(service, "_bind", unreachable)
+    await service.assign_group("long")
+    assert service.exit_code == 1
+    await service.assign_group(service.group)  # its own group: nothing to bind, "resume"
+    assert service.state != "serving"
+
+
 async def test_a_redelivery_whose_live_gateway_misses_the_resume_query_is_not_dropped(
     start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
 ) -> None:

@@ -1,0 +1,73 @@
+"""Moves ordered and not yet seen done: an ``assign_group`` is a wish until a report says so.
+
+The order goes over core NATS and nothing acknowledges it; a worker may drop it (the
+message lost, its clock reading it as stale, a group it was not configured with, a bind
+that failed and went back). A move is done once a report shows the worker in its
+destination. One not seen there by its deadline failed: the cooldowns it set on its two
+groups are lifted and its worker is kept out of moves for a cooldown, so the next idle
+replica gets the turn. Before, the move counted as made, and once the cooldown ran out the
+same replica (idle ones are picked by name) was ordered again, and again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from scheduler.rebalancer import Move, RebalancerState
+
+# A worker's drain grace by default (``--grace-s``): an idle replica drains at once, but a
+# request fetched just before the order runs to its end (or the grace) before the move.
+MOVE_DRAIN_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class PendingMove:
+    """A move ordered at some time, to be seen done by ``deadline``."""
+
+    move: Move
+    deadline: float
+    cooldown_until: float  # what the order set on its worker and both groups
+
+
+class PendingMoves:
+    """The moves ordered and not yet settled, one per worker."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.deadline_s = deadline_s
+        self._pending: dict[str, PendingMove] = {}
+
+    def ordered(self, move: Move, now: float, cooldown_until: float) -> None:
+        self._pending[move.worker] = PendingMove(move, now + self.deadline_s, cooldown_until)
+
+    def settle(
+        self, groups: Mapping[str, str], now: float
+    ) -> tuple[list[PendingMove], list[PendingMove]]:
+        """(done, failed): the moves whose worker now reports from its destination
+        (``groups``: worker -> the group of its latest report), and those past their
+        deadline without that. Both leave the pending set."""
+        done = [p for p in self._pending.values() if groups.get(p.move.worker) == p.move.dst]
+        failed = [p for p in self._pending.values() if p not in done and now >= p.deadline]
+        for p in (*done, *failed):
+            del self._pending[p.move.worker]
+        return done, failed
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def after_failure(
+    state: RebalancerState, failed: PendingMove, now: float, exclude_s: float
+) -> RebalancerState:
+    """``state`` with the failed move's group cooldowns lifted (those a later move did not
+    extend) and its worker kept out of moves until ``now + exclude_s``."""
+    move = failed.move
+    cooldown = dict(state.cooldown_until)
+    for key in (f"group:{move.src}", f"group:{move.dst}"):
+        if cooldown.get(key, 0.0) <= failed.cooldown_until:
+            cooldown.pop(key, None)
+    cooldown[f"worker:{move.worker}"] = now + exclude_s
+    return replace(state, cooldown_until=cooldown)
