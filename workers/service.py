@@ -372,7 +372,7 @@ class WorkerService:
         deadline = time.monotonic() + grace_s
         while self._inflight or self._starting:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or self.exit_code:  # an engine that failed meanwhile finishes nothing
                 break
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -380,7 +380,9 @@ class WorkerService:
         if not self._inflight and not self._starting:
             return
         log.warning(
-            "grace period over: handing %d requests back", len(self._inflight) + len(self._starting)
+            "%s: handing %d requests back",
+            "cannot serve" if self.exit_code else "grace period over",
+            len(self._inflight) + len(self._starting),
         )
         for task, msg in list(self._starting.items()):
             task.cancel()

@@ -96,3 +96,27 @@ async def test_a_worker_whose_loop_dies_hands_its_requests_back_and_exits_1(
         assert ids == expected_tokens(2, 3, seed=2) and final.worker == "healthy", final
     finally:
         engine.release.set()
+
+
+async def test_an_engine_that_hangs_while_the_worker_drains_hands_back_at_once(
+    start_worker: Any, client: QosClient
+) -> None:
+    """A stop (SIGTERM) already draining when the engine hung kept waiting out its whole
+    grace (30 s) for requests that could no longer finish, in_progress holding them."""
+    engine = HangingEngine()
+    hung = await start_worker(engine=engine, worker_id="hung", engine_stuck_s=0.5, grace_s=30)
+    params = RequestParams(max_tokens=3, seed=3)
+    answer = asyncio.create_task(
+        client.collect(group="short", prompt_token_ids=[1, 2], params=params, timeout_s=25)
+    )
+    try:
+        await asyncio.to_thread(engine.hung.wait, 5)
+        assert engine.hung.is_set()
+        stopping = asyncio.create_task(hung.stop())  # draining, with 30 s of grace
+        await start_worker(worker_id="healthy")
+        ids, _, final = await asyncio.wait_for(answer, 10)
+        assert ids == expected_tokens(2, 3, seed=3) and final.worker == "healthy", final
+        await asyncio.wait_for(stopping, 10)
+        assert hung.exit_code == 1
+    finally:
+        engine.release.set()
