@@ -595,6 +595,20 @@ class WorkerService:
                 await settle(msg.ack)
                 self.observer.abandoned(st, "aborted")
                 return
+        twin = self._inflight.get(req.id)
+        if twin is not None:
+            # Another delivery of this id got in while this one awaited (a resume answer, a
+            # tokenizer thread): one engine request per id, one answer on its reply.
+            if _stream_seq(twin.msg) == _stream_seq(msg):  # our own message, delivered again
+                if attempt > twin.delivered:
+                    twin.msg, twin.delivered = msg, attempt
+            else:
+                log.warning(
+                    "request %s: a second message with this id is in flight; terminated", req.id
+                )
+                await settle(msg.term)
+            self.observer.abandoned(st, "duplicate")
+            return
         self._inflight[req.id] = st
         assert self.bridge is not None
         self.bridge.add(

@@ -574,6 +574,51 @@ async def test_a_redelivery_of_a_request_its_gateway_finished_is_acked_not_serve
     assert info.num_pending == 0 and info.num_ack_pending == 0  # acked: gone from the queue
 
 
+async def test_two_messages_with_one_id_admitted_together_get_one_answer(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    """Both redelivered, both waiting for their resume answer: the in-flight check ran
+    before that wait, so both passed it, the second's engine add failed (an invalid_request
+    chunk to the caller) and the first ran for nobody, its message never acked."""
+    rid = new_id()
+    req = GenerateRequest(id=rid, group="short", reply=subjects.out(rid), origin="gw-live",
+                          prompt_token_ids=[1, 2], params=RequestParams(max_tokens=3))  # fmt: skip
+    chunks = await nc.subscribe(subjects.out(rid))
+    js = nc.jetstream()
+    await qnats.ensure_jetstream(js, worker_config.nats, worker_config.groups)
+    for _ in range(2):  # no Nats-Msg-Id: JetStream keeps both
+        await js.publish(subjects.request("short"), req.to_bytes())
+    first = await qnats.group_pull_subscription(js, worker_config.nats, "short")
+    for msg in await first.fetch(2, timeout=5):
+        await msg.nak()  # both come back as delivery 2: each asks where to resume
+    await first.unsubscribe()
+
+    answering: list[asyncio.Task[None]] = []
+
+    async def answer(msg: Any) -> None:
+        await asyncio.sleep(0.3)  # both admissions wait here together
+        await msg.respond(ResumeReply(id=rid).to_bytes())
+
+    async def slow_answers(msg: Any) -> None:  # each on its own: a callback runs one at a time
+        answering.append(asyncio.create_task(answer(msg)))
+
+    await nc.subscribe(subjects.resume(rid), cb=slow_answers)
+    await start_worker()
+    got: list[Chunk] = []
+    while not got or got[-1].finish_reason is None:
+        got.append(Chunk.from_bytes((await chunks.next_msg(timeout=10)).data))
+    assert [c.error for c in got if c.error] == [] and got[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in got) == 3
+    with pytest.raises(nats.errors.TimeoutError):  # no second answer
+        await chunks.next_msg(timeout=0.5)
+    for _ in range(100):  # both settled: one answered, the other terminated
+        info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
+        if info.num_pending == 0 and info.num_ack_pending == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (info.num_pending, info.num_ack_pending) == (0, 0), info
+
+
 async def test_in_progress_follows_the_consumers_ack_wait_as_the_server_has_it(
     start_worker: Any,
     client: QosClient,
