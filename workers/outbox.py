@@ -45,6 +45,9 @@ class Flight:
     orphaned: bool = False  # aborted here because its gateway went silent
     watch: Any = None  # metrics/tracing state (workers.observe.Watch), while observed
     sent_chunks: list[Chunk] = field(default_factory=list)  # for a resync (workers.resync)
+    # Its name in the engine: the request id and a number of this flight's own, so output
+    # still on its way from an earlier flight of the id (aborted, handed back) is never its.
+    engine_id: str = ""
 
     def resumed_at(self, token_ids: list[int], text_len: int) -> None:
         """The caller already has ``token_ids`` and ``text_len`` characters of their text:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from common.detokenizer import resumed_ending
 from common.errors import (
     ContextLengthExceededError,
     DeadlineExceededError,
+    InternalError,
     InvalidRequestError,
     ProtocolError,
     QosError,
@@ -191,6 +193,7 @@ class WorkerService:
             options.worker_id, options.model, window_s=config.worker.latency_window_s
         )
         self._reporter = telemetry.Reporter()
+        self._flight_numbers = itertools.count(1)  # engine ids: see Flight.engine_id
         self.observer = WorkerObserver(
             worker_id=options.worker_id,
             model=options.model or Path(config.worker.model).name,
@@ -390,8 +393,7 @@ class WorkerService:
         for st in list(self._inflight.values()):
             await self._flush(st)  # what was generated reaches the caller; the next replica resumes
             self._inflight.pop(st.request.id, None)
-            if self.bridge is not None:
-                self.bridge.abort(st.request.id)
+            self._abort_in_engine(st)
             await self._hand_back(st.msg)
             self.observer.abandoned(st, "handed_back")
         if self.nc is not None:
@@ -425,8 +427,7 @@ class WorkerService:
             for rid, st in list(self._inflight.items()):
                 if st.msg is msg:  # half-admitted: forget it, the engine never got it
                     del self._inflight[rid]
-                    if self.bridge is not None:
-                        self.bridge.abort(rid)
+                    self._abort_in_engine(st)
             assert self.nc is not None
             await retry_or_fail(
                 self.nc, msg, exc, self.worker_id, self.config.nats.max_deliver, self.subjects
@@ -471,8 +472,8 @@ class WorkerService:
                              "our delivery %d; handing it back to resume", req.id, attempt,
                              existing.attempt)  # fmt: skip
                     self._inflight.pop(req.id, None)
-                    if self.bridge is not None:
-                        self.bridge.abort(req.id)
+                    self._coalescing.pop(req.id, None)  # its buffered tokens: not the next's
+                    self._abort_in_engine(existing)
                     self.observer.abandoned(existing, "handed_back")
                     await self._hand_back(msg, delay=RESUME_RETRY_S)
                     return
@@ -610,10 +611,11 @@ class WorkerService:
             self.observer.abandoned(st, "duplicate")
             return
         self._inflight[req.id] = st
+        st.engine_id = f"{req.id}@{next(self._flight_numbers)}"
         assert self.bridge is not None
         self.bridge.add(
             AddRequest(
-                request_id=req.id,
+                request_id=st.engine_id,
                 params=params,
                 prompt=prompt,
                 prompt_token_ids=prompt_ids,
@@ -644,6 +646,7 @@ class WorkerService:
                     await self._on_event(event)
                 except Exception:
                     log.exception("handling engine output for %s failed", event.request_id)
+                    await self._output_failed(event)
             now = loop.time()
             while coalescing:
                 st = next(iter(coalescing.values()))
@@ -664,10 +667,33 @@ class WorkerService:
         self._flush_timer = None
         self._pump_wake.set()
 
-    async def _on_event(self, event: BridgeEvent) -> None:
-        st = self._inflight.get(event.request_id)
+    def _flight_of(self, event: BridgeEvent) -> Flight | None:
+        """The flight whose engine request ``event`` is about (None: handed back or already
+        answered, or an earlier flight of the id's)."""
+        st = self._inflight.get(event.request_id.rpartition("@")[0])
+        return st if st is not None and st.engine_id == event.request_id else None
+
+    async def _output_failed(self, event: BridgeEvent) -> None:
+        """Handling a request's output raised (a bug): it ends with an internal error and
+        stops in the engine, rather than stay in flight, its slot held and in_progress
+        sent, until its deadline (for good without one)."""
+        st = self._flight_of(event)
         if st is None:
-            return  # handed back or already answered
+            return
+        self._abort_in_engine(st)
+        error = InternalError("the worker failed handling this request's output")
+        try:
+            await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
+        except Exception:
+            log.exception("request %s: ending it failed too", st.request.id)
+            self._inflight.pop(st.request.id, None)
+            self._coalescing.pop(st.request.id, None)
+            await settle(st.msg.term)
+
+    async def _on_event(self, event: BridgeEvent) -> None:
+        st = self._flight_of(event)
+        if st is None:
+            return
         if isinstance(event, RequestFailed):
             error = event.error
             if st.base > 0 and isinstance(error, ContextLengthExceededError):
@@ -693,7 +719,7 @@ class WorkerService:
             await self._flush(st)  # the first token goes out at once: it is the TTFT
         elif st.flush_at is None:
             st.flush_at = asyncio.get_running_loop().time() + self._coalesce_s
-            self._coalescing[event.request_id] = st
+            self._coalescing[st.request.id] = st
 
     async def _end_resumed(self, st: Flight) -> None:
         """End a resumed request with nothing left to generate as its first attempt would
@@ -830,7 +856,7 @@ class WorkerService:
                 continue
             if st.error is None:
                 st.error = DeadlineExceededError("the request's deadline passed while generating")
-                self.bridge.abort(st.request.id)
+                self._abort_in_engine(st)
             elif now_ms >= deadline + ENGINE_STUCK_S * 1000:
                 # The engine never acted on the abort: its thread is stuck (a hung
                 # device). Answer from here, so neither the caller nor the message
@@ -896,7 +922,7 @@ class WorkerService:
                 st.request.id, origin, watch.silent_s(origin),
             )  # fmt: skip
             self.observer.orphaned(st)
-            self.bridge.abort(st.request.id)
+            self._abort_in_engine(st)
         watch.forget_stale()
 
     async def _telemetry_loop(self) -> None:
@@ -985,7 +1011,7 @@ class WorkerService:
                     st.error = DeadlineExceededError(
                         "the request's deadline passed while generating"
                     )
-                self.bridge.abort(control.request_id)
+                self._abort_in_engine(st)
         elif action == "supersede" and control.request_id and control.attempt:
             self._supersede(control.request_id, control.attempt)
         elif action == "set_batch_cap" and self.bridge is not None:
@@ -1022,6 +1048,11 @@ class WorkerService:
             self._tasks = [t for t in self._tasks if not t.done()]
             self._tasks.append(task)
 
+    def _abort_in_engine(self, st: Flight) -> None:
+        """Stop ``st``'s engine request (its own, not a later flight's of the same id)."""
+        if self.bridge is not None and st.engine_id:
+            self.bridge.abort(st.engine_id)
+
     def _caller_closed(self, st: Flight) -> None:
         """A resync found the caller finished with a request still running here (it was
         cancelled while this replica was cut off, and the abort never came): abort it."""
@@ -1029,8 +1060,7 @@ class WorkerService:
             return  # finished here meanwhile, or another delivery's
         log.info("request %s: its caller closed it while we were cut off; aborting", st.request.id)
         self._aborted.add(st.request.id)
-        if self.bridge is not None:
-            self.bridge.abort(st.request.id)
+        self._abort_in_engine(st)
 
     def _supersede(self, request_id: str, attempt: int) -> None:
         """Delivery ``attempt`` of the request resumed it on another replica, and its caller
@@ -1045,8 +1075,7 @@ class WorkerService:
                  request_id, attempt, max(st.attempt, st.delivered))  # fmt: skip
         del self._inflight[request_id]
         self._coalescing.pop(request_id, None)
-        if self.bridge is not None:
-            self.bridge.abort(request_id)
+        self._abort_in_engine(st)
         self.observer.abandoned(st, "superseded")
         self._poke()
 

@@ -295,6 +295,34 @@ async def test_an_engine_exception_fails_only_the_affected_request(
     assert ids == expected_tokens(2, 2)
 
 
+async def test_output_the_worker_fails_to_handle_ends_its_request_with_an_internal_error(
+    start_worker: Any, client: QosClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception handling one request's output (a bug) was only logged: the request
+    went on missing what was lost (or, on its final delta, stayed in flight until its
+    deadline, for good without one, its slot held)."""
+    from workers.outbox import Flight
+
+    service = await start_worker(engine=SimEngine(max_batch_size=4, cost=SimCost(base_s=0.05)))
+    real, broken = Flight.absorb, [True]
+
+    def absorb_once_broken(self: Flight, delta: Any) -> None:
+        if broken and broken.pop():
+            raise RuntimeError("a bug handling output")
+        real(self, delta)
+
+    monkeypatch.setattr(Flight, "absorb", absorb_once_broken)
+    with pytest.raises(InternalError, match="handling this request's output"):
+        await client.collect(group="short", prompt_token_ids=[3, 4],
+                             params=RequestParams(max_tokens=6), timeout_s=10)  # fmt: skip
+    await eventually(lambda: not service.engine.has_unfinished())  # stopped in the engine
+    assert service.state == "serving" and not service.inflight_ids
+    ids, _, _ = await client.collect(
+        group="short", prompt_token_ids=[5, 6], params=RequestParams(max_tokens=2)
+    )
+    assert ids == expected_tokens(2, 2)
+
+
 async def test_control_caps_the_batch_drains_and_resumes(
     start_worker: Any, client: QosClient, nc: Client, subjects: Subjects
 ) -> None:
@@ -991,6 +1019,54 @@ async def test_a_delivery_back_from_another_replica_stops_ours_to_resume_it(
     await service._admit(Delivery(4))  # type: ignore[arg-type]
     assert rid not in service.inflight_ids and naks == [worker_service.RESUME_RETRY_S]
     asking.cancel()
+
+
+async def test_an_aborted_flights_last_output_never_ends_the_next_flight_of_its_id(
+    start_worker: Any, client: QosClient
+) -> None:
+    """Handed back, a flight's engine request is aborted; its "abort" comes out of the
+    engine a step later. A delivery of the same id admitted in between got it (flights were
+    found by request id): it ended with an abort nobody asked for, while its own engine
+    request generated on for nobody, holding its blocks."""
+    import types
+
+    service = await start_worker(
+        engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.3))
+    )
+    params = RequestParams(max_tokens=8, seed=4)
+    asking = asyncio.ensure_future(
+        client.collect(group="short", prompt_token_ids=[1, 2], params=params, timeout_s=30)
+    )
+    await eventually(lambda: len(service.inflight_ids) == 1)
+    (rid,) = service.inflight_ids
+    held = service._inflight[rid].msg
+
+    class Delivery:  # the message as JetStream delivers it again: same stream sequence
+        data = held.data
+        headers = None
+
+        def __init__(self, count: int) -> None:
+            stream_seq = held.metadata.sequence.stream
+            self.metadata = types.SimpleNamespace(
+                num_delivered=count, sequence=types.SimpleNamespace(stream=stream_seq)
+            )
+
+        async def nak(self, delay: float | None = None) -> None: ...
+
+        async def ack(self) -> None: ...
+
+        async def term(self) -> None: ...
+
+        async def in_progress(self) -> None: ...
+
+    await service._admit(Delivery(3))  # type: ignore[arg-type]  # ours stops, handed back
+    assert rid not in service.inflight_ids
+    await service._admit(Delivery(4))  # type: ignore[arg-type]  # resumed here, at once
+    assert rid in service.inflight_ids
+    ids, _, final = await asyncio.wait_for(asking, 20)
+    assert final.finish_reason == "length" and final.attempt == 4, final
+    assert ids == expected_tokens(2, 8, seed=4)
+    await eventually(lambda: not service.engine.has_unfinished())  # nothing runs for nobody
 
 
 @pytest.mark.parametrize("limit", ["max_tokens", "context"])
