@@ -53,7 +53,7 @@ from common.trace_metrics import register_trace_metrics
 from common.tracing import tracer_for
 from gateway.admission import ADMISSION_WAIT_S, Admission
 from gateway.auth import ApiKeys, KeyGrant
-from gateway.classifier import GROUP_HEADER, explicit_group
+from gateway.classifier import GROUP_HEADER, permitted_group
 from gateway.generate import ClientGone, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.observe import ObserveMiddleware
@@ -305,8 +305,8 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         app.post(path, openapi_extra=body_doc(body), name=name)(doc)
 
     def model_card(group: str | None, allowed: Collection[str] | None = None) -> dict[str, Any]:
-        if group is not None:
-            explicit_group(state.config, group, None)  # 404 group_not_found when unknown
+        if group is not None:  # 404 for an unknown group, 403 for one the key may not use
+            permitted_group(state.config, group, None, allowed)
         # What the groups take now: a group's workers may serve less than its config says;
         # of those the caller's key may use (a bound key saw the longest of all groups).
         longest = state.admission.max_model_len(None if group is None else [group], allowed)

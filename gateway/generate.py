@@ -441,10 +441,15 @@ class Generator:
         if pattern is None:
             return
         # Every string the template may print: contents, names, tool arguments, reasoning,
-        # and the tools and documents passed through chat_template_kwargs.
-        fields: list[tuple[str, Any]] = [
-            (f"messages[{i}]", m.model_dump()) for i, m in enumerate(body.messages)
-        ]
+        # and the tools and documents passed through chat_template_kwargs; as sent and as
+        # the template gets them: tool arguments decoded from their JSON (a "\u003c" is a
+        # "<" there), and a message's content parts run together, as a template that loops
+        # over them prints them.
+        fields: list[tuple[str, Any]] = []
+        for i, m in enumerate(body.messages):
+            fields.append((f"messages[{i}]", [m.model_dump(), m.for_template()]))
+            if isinstance(m.content, list):
+                fields.append((f"messages[{i}].content", "".join(m.texts())))
         fields.append(("chat_template_kwargs", body.chat_template_kwargs or {}))
         for param, value in fields:
             for text in _strings(value):

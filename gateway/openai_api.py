@@ -77,11 +77,15 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
 
+    def texts(self) -> list[str]:
+        """The content's texts: one, or a part's each."""
+        if isinstance(self.content, list):
+            return [p.text if isinstance(p, TextPart) else p.refusal for p in self.content]
+        return [] if self.content is None else [self.content]
+
     def text(self) -> str | None:
         if isinstance(self.content, list):  # parts on lines of their own, as vLLM joins them
-            return "\n".join(
-                part.text if isinstance(part, TextPart) else part.refusal for part in self.content
-            )
+            return "\n".join(self.texts())
         return self.content
 
     def for_template(self, parts: bool = False, developer: bool = False) -> dict[str, Any]:
@@ -99,10 +103,7 @@ class ChatMessage(BaseModel):
         elif self.role == "function":
             out["role"] = "tool"
         if isinstance(self.content, list) and parts:
-            out["content"] = [
-                {"type": "text", "text": p.text if isinstance(p, TextPart) else p.refusal}
-                for p in self.content
-            ]
+            out["content"] = [{"type": "text", "text": text} for text in self.texts()]
         elif self.content is not None:
             out["content"] = self.text()
         calls = out.get("tool_calls")

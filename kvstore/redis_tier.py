@@ -184,6 +184,10 @@ def connection_pool(config: RedisConfig, read_size: int) -> aredis.BlockingConne
         username=config.username,
         password=config.password,
     )
+    if config.url.startswith("rediss://"):
+        # Said, not left to redis-py's default, which before 6.0 did not check the name
+        # (the bulk client does: both must refuse a certificate issued for another host).
+        kwargs["ssl_check_hostname"] = True
     if config.tls_ca_file:
         kwargs["ssl_ca_certs"] = config.tls_ca_file
     if config.tls_cert_file and config.tls_key_file:

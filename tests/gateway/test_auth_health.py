@@ -251,7 +251,10 @@ async def test_a_key_bound_to_a_group_gets_403_for_another_and_is_served_in_its_
             counted = await http.post(
                 "/tokenize", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {team}"}
             )
+            # Another group's limit is not its to read (it was, under that group's path).
+            peeked = await http.get("/v1/long/models", headers={"Authorization": f"Bearer {team}"})
     assert served.choices[0].text == "abc"
+    assert peeked.status_code == 403 and peeked.json()["error"]["code"] == "group_not_allowed"
     assert refused.value.status_code == 403
     assert refused.value.body["code"] == "group_not_allowed"  # type: ignore[index]
     short, longest = config.groups["short"].max_seq_len, config.groups["long"].max_seq_len

@@ -507,3 +507,15 @@ async def test_no_api_key_or_prompt_reaches_the_logs_at_info(
     for secret in (KEY, KEY[:-4], "zebra-umbrella", "launch codes", PROMPT):
         leaked = [line for line in lines if secret in line]
         assert not leaked, f"{secret!r} in the logs: {leaked[:2]}"
+
+
+def test_the_kv_tiers_redis_pool_checks_the_servers_name_under_tls() -> None:
+    """redis-py before 6.0 (which pyproject allowed) did not check the certificate's host
+    name by default: any certificate a trusted CA issued, for any host, passed. The bulk
+    client checks it; the pool now asks for it whatever the installed version's default."""
+    from kvstore.redis_tier import connection_pool
+
+    tls = connection_pool(RedisConfig(url="rediss://redis.internal:6380/0"), 1 << 20)
+    plain = connection_pool(RedisConfig(url="redis://redis.internal:6379/0"), 1 << 20)
+    assert tls.connection_kwargs.get("ssl_check_hostname") is True
+    assert "ssl_check_hostname" not in plain.connection_kwargs
