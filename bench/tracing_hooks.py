@@ -63,9 +63,11 @@ def worker_us(tracer: Any, n: int) -> float:
     output = types.SimpleNamespace(metrics=RequestMetrics(now, now + 1e-3, now + 2e-3,
                                                           now + 3e-3, 0, 0))  # fmt: skip
     first = types.SimpleNamespace(token_ids=[1, 2, 3, 4], output=None,
-                                  first_token_metrics=output.metrics)  # fmt: skip
-    step = types.SimpleNamespace(token_ids=[1, 2, 3, 4], output=None, first_token_metrics=None)
-    last = types.SimpleNamespace(token_ids=[1, 2, 3, 4], output=output, first_token_metrics=None)
+                                  first_token_metrics=output.metrics, at=0.0)  # fmt: skip
+    step = types.SimpleNamespace(token_ids=[1, 2, 3, 4], output=None, first_token_metrics=None,
+                                 at=0.0)  # fmt: skip
+    last = types.SimpleNamespace(token_ids=[1, 2, 3, 4], output=output, first_token_metrics=None,
+                                 at=0.0)  # fmt: skip
     tokens = Chunk(id="x", token_ids=[1, 2, 3, 4])
     final = Chunk(id="x", token_ids=[5], finish_reason="length", usage=Usage(32, 16, 0))
     params = RequestParams(max_tokens=16, temperature=0.7, top_p=0.9)

@@ -220,6 +220,9 @@ class Generator:
         except ClientGone:
             self._metrics.finished(group_label, 499)
             return Response(status_code=499)
+        except Exception:  # a bug: the app's handler answers 500, counted here
+            self._metrics.finished(group_label, 500)
+            raise
         try:
             flight = self._take_off(kind, body, route, prompt_ids, logprobs, started, deadline_ms)
         except BaseException as exc:

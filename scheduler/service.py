@@ -669,6 +669,14 @@ class SchedulerService:
             return False
         return True
 
+    def _depth_known(self, group: str, now: float) -> bool:
+        """Whether the group's queue depth is known: polled now, or the newest sample has
+        one (a sample taken while the poll failed carries none: -1, which read as 0)."""
+        if self.queue_depths[group] >= 0:
+            return True
+        samples = self.windows.windows[group].items(now)
+        return bool(samples) and samples[-1].queue_depth >= 0
+
     def _export_groups(self, now: float) -> None:
         m = self.metrics
         for group in self.groups:
@@ -682,7 +690,7 @@ class SchedulerService:
                 else:
                     with contextlib.suppress(KeyError):
                         m.group_p99.remove(group, kind)
-            if self.queue_depths[group] >= 0 or stats.samples:
+            if self._depth_known(group, now):
                 m.queue_depth.labels(group).set(stats.queue_depth)
             else:
                 with contextlib.suppress(KeyError):

@@ -180,11 +180,12 @@ async def reject_undecodable(
 
 async def retry_or_fail(
     nc: Client, msg: Msg, exc: BaseException, worker_id: str, max_deliver: int, subjects: Subjects
-) -> None:
+) -> str | None:
     """A message whose handling raised: hand it back (another replica, or this one after a
     pause, may not hit the same fault) until its last delivery; then answer its caller
-    with ``request_given_up`` (a 500 its client must not retry) and ``term()`` it. A poison message costs ``max_deliver``
-    attempts and one error answer, never a loop."""
+    with ``request_given_up`` (a 500 its client must not retry) and ``term()`` it. A poison
+    message costs ``max_deliver`` attempts and one error answer, never a loop. Returns the
+    error code answered, if it was."""
     try:
         attempt = int(msg.metadata.num_delivered)
     except Exception:
@@ -195,7 +196,7 @@ async def retry_or_fail(
             attempt, max_deliver, exc, exc_info=exc,
         )  # fmt: skip
         await settle(lambda: msg.nak(delay=min(0.2 * 2**attempt, 5.0)))
-        return
+        return None
     reply, rid = raw_reply(msg.data, subjects.out)
     log.error(
         "request %s failed on its last delivery (%d of %d): terminated as poison: %r",
@@ -209,6 +210,7 @@ async def retry_or_fail(
         with contextlib.suppress(Exception):
             await nc.publish(reply, chunk.to_bytes())
     await settle(msg.term)
+    return RequestGivenUpError.default_code
 
 
 async def hand_back(
@@ -218,18 +220,19 @@ async def hand_back(
     max_deliver: int,
     subjects: Subjects,
     delay: float | None = None,
-) -> None:
+) -> str | None:
     """Return a message this replica will not serve (draining, stopping, superseded) to
     the queue with ``nak``, for another replica -- but on its last delivery a nak made
     JetStream give it up, and its caller heard "failed on every delivery" (not retryable)
-    though nothing failed: it gets a retryable 503 instead, and the message is ended."""
+    though nothing failed: it gets a retryable 503 instead, and the message is ended.
+    Returns the error code answered, if it was."""
     try:
         attempt = int(msg.metadata.num_delivered)
     except Exception:
         attempt = 1
     if attempt < max_deliver:
         await settle(lambda: msg.nak(delay=delay))
-        return
+        return None
     reply, rid = raw_reply(msg.data, subjects.out)
     log.warning("request %s handed back on its last delivery (%d): answered 503, ended",
                 rid or "?", attempt)  # fmt: skip
@@ -241,6 +244,7 @@ async def hand_back(
         with contextlib.suppress(Exception):
             await nc.publish(reply, chunk.to_bytes())
     await settle(msg.term)
+    return ServiceUnavailableError.default_code
 
 
 async def settle(action: Callable[[], object]) -> None:

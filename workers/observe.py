@@ -50,7 +50,7 @@ class Watch:
     series: RequestSeries
     fetched_at: float  # time.time()
     span: Span | Delivery | None = None
-    last_output_at: float | None = None  # time.monotonic() of the last engine output
+    last_output_at: float | None = None  # time.time() the engine had its last output
     output: RequestOutput | None = None  # the finishing delta's output (engine times)
     first_chunk_at: float | None = None  # time.time() the first chunk went out
     last_chunk_at: float | None = None
@@ -132,12 +132,15 @@ class WorkerObserver:
             return
         n = len(delta.token_ids)
         if n:
-            now = time.monotonic()
-            if watch.last_output_at is None:
+            # When the engine had them: a loop behind by a few steps handles their outputs
+            # microseconds apart, which read as one long gap and several of none.
+            now = delta.at or time.time()
+            last = watch.last_output_at
+            if last is None:
                 self._first_output(st, watch, delta)
-            else:
+            elif now >= last:  # a wall clock stepped back: no gap to tell
                 # Per token: n tokens that came out together share the gap.
-                watch.series.itl.observe((now - watch.last_output_at) / n, n)
+                watch.series.itl.observe((now - last) / n, n)
             watch.last_output_at = now
         if delta.output is not None:
             watch.output = delta.output
@@ -192,6 +195,11 @@ class WorkerObserver:
                 stream=stream, resumed_tokens=st.base,
             )  # fmt: skip
         st.watch = None
+
+    def failed(self, group: str, code: str) -> None:
+        """A delivery answered with error ``code`` before it became a flight here (given up
+        on its last delivery, handed back on it): counted as the errors of flights are."""
+        self.metrics.outcome(group, code, error=True).inc()
 
     def orphaned(self, st: Flight) -> None:
         """Aborted here because the request's gateway went silent (``workers.orphans``)."""

@@ -406,8 +406,10 @@ class WorkerService:
         """A message not served here goes back to the queue (see :func:`hand_back`)."""
         if self.nc is None:  # no link to answer on: JetStream redelivers it after ack_wait
             return
-        await hand_back(self.nc, msg, self.worker_id, self.config.nats.max_deliver,
-                        self.subjects, delay)  # fmt: skip
+        code = await hand_back(self.nc, msg, self.worker_id, self.config.nats.max_deliver,
+                               self.subjects, delay)  # fmt: skip
+        if code is not None:  # answered with an error on its last delivery
+            self.observer.failed(self.group, code)
 
     def _has_room(self) -> bool:
         """Fetch only what the engine can batch now: the cap less what is held here."""
@@ -428,10 +430,13 @@ class WorkerService:
                 if st.msg is msg:  # half-admitted: forget it, the engine never got it
                     del self._inflight[rid]
                     self._abort_in_engine(st)
+                    self.observer.abandoned(st, "failed")
             assert self.nc is not None
-            await retry_or_fail(
+            code = await retry_or_fail(
                 self.nc, msg, exc, self.worker_id, self.config.nats.max_deliver, self.subjects
             )
+            if code is not None:  # given up, on its last delivery
+                self.observer.failed(self.group, code)
         finally:
             if task is not None:
                 self._starting.pop(task, None)
@@ -536,12 +541,13 @@ class WorkerService:
                                     req.origin)  # fmt: skip
                         # Its caller may still be listening, only slow: tell it, rather than
                         # leave it to its deadline.
-                        await self._publish(st, st.error_chunk(self.worker_id, RequestGivenUpError(
+                        given_up = st.error_chunk(self.worker_id, RequestGivenUpError(
                             "the request was given up: its caller never answered where to "
-                            "resume it")))  # fmt: skip
+                            "resume it"))  # fmt: skip
+                        await self._publish(st, given_up)
                         self._resync.finished(st)  # terminated: only a resync re-sends it
                         await settle(msg.term)
-                        self.observer.abandoned(st, "no_caller")
+                        self.observer.answered(st, given_up, error=True)
                         return
                     # Hand the request back to be asked again, rather than drop what a client
                     # is waiting for (JetStream's max_deliver bounds the retries, and its

@@ -310,6 +310,7 @@ class SimEngine:
             output=req.output() if reason is not None else None,
             num_output_tokens=len(req.output_token_ids),
             first_token_metrics=req.output().metrics if first else None,
+            at=now,
         )
 
     def _finish(self, req: _SimRequest, reason: str, now: float) -> None:

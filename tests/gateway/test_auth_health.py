@@ -182,6 +182,27 @@ async def test_a_request_failing_before_it_is_sent_leaves_no_stream_registered(
         assert failed.status_code == 500 and dispatcher._streams == {}
 
 
+async def test_a_bug_before_the_request_is_sent_still_counts_a_500(
+    nats_config: NatsConfig, monkeypatch: pytest.MonkeyPatch
+):
+    """Only QosErrors and hang-ups were counted before take-off: an unexpected exception
+    (parsing, tokenizing, classifying) answered 500 with no qos_gateway_requests_total."""
+    import gateway.generate
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in classification")
+
+    monkeypatch.setattr(gateway.generate, "classify", broken)
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        failed = await http.post("/v1/completions", json=BODY)
+        metrics = (await http.get("/metrics")).text
+    assert failed.status_code == 500
+    assert 'qos_gateway_requests_total{group="-",status="500"} 1.0' in metrics
+
+
 async def test_non_streaming_client_that_gives_up_aborts_the_worker(nats_config: NatsConfig):
     async with (
         serve(gateway_config(nats_config)) as gw,

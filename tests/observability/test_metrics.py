@@ -140,3 +140,39 @@ def test_nvml_collector_exports_the_visible_gpus(monkeypatch: pytest.MonkeyPatch
     assert value(samples, "qos_gpu_memory_total_bytes", gpu="0") == 80 << 30
     assert [label for label, _ in only_b._devices] == ["1"]
     assert nvml_collector(env={"CUDA_VISIBLE_DEVICES": "1"}) is not None
+
+
+def test_inter_token_latency_is_the_engines_pace_not_the_loops() -> None:
+    """Timed when the loop handled each output: a loop 60 ms behind a 20 ms engine handled
+    three steps' outputs microseconds apart, one 60 ms gap and two of none (p50 near 0,
+    p99 high, just under load). Each output now says when the engine had it."""
+    from common.protocol import GenerateRequest, RequestParams
+    from workers.engine.outputs import RequestDelta, RequestMetrics
+    from workers.observe import WorkerObserver
+    from workers.outbox import Flight
+
+    registry = CollectorRegistry()
+    observer = WorkerObserver(worker_id="w0", model=MODEL, view=lambda: None, tracer=None,
+                              registry=registry, gpus=False)  # fmt: skip
+    msg = types.SimpleNamespace(subject="qos.req.short", headers=None)
+    req = GenerateRequest(id="cmpl-itl", group="short", reply="r", prompt_token_ids=[1, 2],
+                          params=RequestParams(max_tokens=4))  # fmt: skip
+    st = Flight(req, msg, 1, 1000.0)
+    observer.fetched(st, msg, "short")
+    metrics = RequestMetrics(1000.0, 1000.001, 1000.002, 1000.02, 0, 0)
+    for i in range(4):  # handled together, made 20 ms apart
+        observer.output(
+            st,
+            RequestDelta(
+                "cmpl-itl@1",
+                [7],
+                "x",
+                at=1000.02 + 0.02 * i,
+                first_token_metrics=metrics if i == 0 else None,
+            ),
+        )
+    samples = parse_metrics(generate_latest(registry).decode())
+    name = "qos_inter_token_latency_seconds"
+    count = value(samples, f"{name}_count", required=True, group="short", model=MODEL)
+    total = value(samples, f"{name}_sum", required=True, group="short", model=MODEL)
+    assert count == 3 and total == pytest.approx(0.06)

@@ -251,3 +251,10 @@ def test_a_group_without_samples_exports_no_p99_and_an_unknown_queue_no_depth():
     service._export_groups(100.5)
     assert ("short", "e2e") in series("qos_group_p99_seconds")
     assert ("short",) in series("qos_group_queue_depth")
+    # The poll fails while reports keep coming: the newest sample knows no depth either
+    # (it read 0, an empty queue, through the outage).
+    service.windows.observe(report, 101.0)
+    service.queue_depths["short"] = -1
+    service.windows.sample(101.5, service.queue_depths)
+    service._export_groups(101.5)
+    assert ("short",) not in series("qos_group_queue_depth")

@@ -896,6 +896,35 @@ async def test_a_direct_client_hears_when_jetstream_gives_its_request_up(
     assert (await js.stream_info(stream)).state.messages == 0
 
 
+async def test_a_request_given_up_on_its_last_delivery_counts_as_an_error(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Its caller heard request_given_up, and qos_request_errors_total never moved: the
+    failures that answer before a request becomes a flight were not counted."""
+    _rid, chunks = await _queued(nc, subjects, worker_config, prompt_token_ids=[1, 2])
+    js = nc.jetstream()
+    earlier = await qnats.group_pull_subscription(js, worker_config.nats, "short")
+    for _ in range(worker_config.nats.max_deliver - 1):  # deliveries that went elsewhere
+        (msg,) = await earlier.fetch(1, timeout=5)
+        await msg.nak()
+    await earlier.unsubscribe()
+
+    async def poisoned(self: Any, msg: Any) -> None:
+        raise RuntimeError("a bug admitting this request")
+
+    monkeypatch.setattr(worker_service.WorkerService, "_admit", poisoned)
+    service = await start_worker()
+    chunk = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
+    assert chunk.error is not None and chunk.error.code == "request_given_up"
+    registry = service.observer.registry
+    errors = registry.get_sample_value(
+        "qos_request_errors_total",
+        {"group": "short", "model": service.observer.metrics.model, "code": "request_given_up"},
+    )
+    assert errors == 1
+
+
 async def _moving_to_long(
     start_worker: Any, client: QosClient, nc: Client, subjects: Subjects, grace_s: float,
     max_tokens: int,

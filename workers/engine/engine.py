@@ -671,6 +671,7 @@ class LLMEngine:
             output=RequestOutput.of(req) if reason is not None else None,
             num_output_tokens=req.num_output_tokens,
             first_token_metrics=RequestMetrics.of(req) if first else None,
+            at=now,
         )
 
     def _finish(self, req: Request, reason: str, now: float) -> None:

@@ -97,6 +97,9 @@ class RequestDelta:
     num_output_tokens: int = 0  # tokens generated so far, these included
     # Set on the delta that carries the request's first token: its TTFT is known then.
     first_token_metrics: RequestMetrics | None = None
+    # time.time() its tokens reached the host (0.0: not said): inter-token latency is the
+    # engine's pace, not that of a loop that handles several steps' output at once.
+    at: float = 0.0
 
 
 @dataclass(frozen=True)
