@@ -109,6 +109,14 @@ class PayloadTooLargeError(QosError):
     default_code = "payload_too_large"
 
 
+class RequestTimeoutError(QosError):
+    """The client did not send its request (its body) within the time it had."""
+
+    http_status = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 class RateLimitError(QosError):
     """Load shedding: the group is full now; try again after ``retry_after_s``."""
 
@@ -161,6 +169,7 @@ _BY_CODE: dict[str, type[QosError]] = {
         NotFoundError,
         ModelNotFoundError,
         PayloadTooLargeError,
+        RequestTimeoutError,
         RateLimitError,
         ServiceUnavailableError,
         DeadlineExceededError,
@@ -173,4 +182,6 @@ _BY_CODE: dict[str, type[QosError]] = {
 def error_from_code(code: str, message: str, param: str | None = None) -> QosError:
     """Rebuild the error a worker reported in a chunk; unknown codes become 500s."""
     cls = _BY_CODE.get(code, InternalError)
-    return cls(message, code=code, param=param)
+    # A retryable refusal says when: the gateway's own 429s and 503s carry Retry-After.
+    retry = 1.0 if cls in (RateLimitError, ServiceUnavailableError) else None
+    return cls(message, code=code, param=param, retry_after_s=retry)

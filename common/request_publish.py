@@ -68,8 +68,19 @@ def publish_error(exc: Exception, payload_bytes: int, who: str) -> QosError | No
     if isinstance(exc, nats.js.errors.APIError):
         log.warning("JetStream refused a request: %s", exc.description)
         return ServiceUnavailableError("the request queue refused the request", retry_after_s=1)
-    if isinstance(exc, nats.errors.ConnectionClosedError):
-        return ServiceUnavailableError(f"{who} lost its NATS connection", retry_after_s=2)
+    if isinstance(
+        exc,
+        nats.errors.ConnectionClosedError
+        # The link is down and nats-py's send buffer (2 MiB) is full, or the connection is
+        # draining or stale: an outage, not a bug (it answered 500 with a traceback).
+        | nats.errors.OutboundBufferLimitError
+        | nats.errors.ConnectionDrainingError
+        | nats.errors.ConnectionReconnectingError
+        | nats.errors.StaleConnectionError,
+    ):
+        return ServiceUnavailableError(
+            f"{who} lost its NATS connection ({type(exc).__name__})", retry_after_s=2
+        )
     if isinstance(exc, nats.errors.MaxPayloadError):
         # The server's max_payload is below nats.max_payload_bytes (its default is 1 MiB):
         # the request itself is fine, the message plane cannot carry it.

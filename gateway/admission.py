@@ -100,7 +100,12 @@ class Admission:
                 self._take(group)
             except RateLimitError:
                 usable = [c for c in self._chains[group] if allowed is None or c in allowed]
-                if any(self._view.is_live(c) and self._view.breaker(c) != "open" for c in usable):
+                if any(
+                    self._view.is_live(c)
+                    and self._view.breaker(c) != "open"
+                    and need_tokens <= self.seq_limit(c)  # else no retry could be served
+                    for c in usable
+                ):
                     raise  # full, and served: come back shortly
                 # Full of requests stuck since its workers went away: no worker is the news.
                 raise self._unavailable(group) from None
@@ -108,6 +113,10 @@ class Admission:
                 route = await self._wait_for_route(group, need_tokens, turns, allowed, time_left_s)
             finally:
                 self.release(group)
+            if route is None:
+                # A last look: only workers coming live wake the wait, and a breaker that
+                # closed (or a record gone stale) meanwhile would have lost its request.
+                route = self._pick(group, need_tokens, turns, allowed)
             if route is None:
                 raise self._unavailable(group)
         self._take(route.group)
@@ -134,7 +143,7 @@ class Admission:
             ]
             if not pending or not await self._view.wait_live(pending, left):
                 return None
-            route = self._pick(group, need_tokens, turns, allowed)
+            route = self._pick(group, need_tokens, turns, allowed, holding=group)
             if route is not None:
                 return route
         return None
@@ -163,7 +172,10 @@ class Admission:
         need_tokens: int,
         turns: dict[str, bool],
         allowed: Collection[str] | None = None,
+        holding: str | None = None,
     ) -> Route | None:
+        """The group to serve the request, or None. ``holding``: the group whose waiter
+        slot the request holds (not counted against it, or it would block its own probe)."""
         reason: str | None = None
         for candidate in self._chains[group]:
             if allowed is not None and candidate not in allowed:
@@ -183,7 +195,8 @@ class Admission:
             # Last: only a request the half-open group could serve spends one of its turns,
             # and not when the group is full (the probe would be a 429, not a probe).
             if state == "half_open":
-                if self._in_flight[candidate] >= self._groups[candidate].max_pending:
+                held = 1 if candidate == holding else 0
+                if self._in_flight[candidate] - held >= self._groups[candidate].max_pending:
                     reason = reason or "full"
                     continue
                 if candidate not in turns:

@@ -34,6 +34,7 @@ from common.errors import (
     ModelNotFoundError,
     PayloadTooLargeError,
     QosError,
+    RequestTimeoutError,
 )
 from common.logging import bind_request
 from common.protocol import GenerateRequest
@@ -161,7 +162,8 @@ class Generator:
         started = time.monotonic()
         group_label = "-"
         try:
-            raw = await self.read_body(request)
+            deadline_ms = _deadline_ms(request, self._config.gateway.default_deadline_ms)
+            raw = await self.read_body(request, deadline_ms / 1000)
             body: CompletionRequest | ChatCompletionRequest = (
                 parse_body(CompletionRequest, raw)
                 if kind == "completion"
@@ -195,7 +197,6 @@ class Generator:
                 ),
             )
             group_label = classified.group
-            deadline_ms = _deadline_ms(request, self._config.gateway.default_deadline_ms)
             # The deadline runs from arrival: reading and tokenizing the body spent some.
             left_s = deadline_ms / 1000 - (time.monotonic() - started)
             if left_s <= 0:
@@ -273,21 +274,31 @@ class Generator:
 
     # -- before NATS -----------------------------------------------------------------------
 
-    async def read_body(self, request: Request) -> bytes:
+    async def read_body(self, request: Request, within_s: float | None = None) -> bytes:
+        """The request's body, within ``max_body_bytes`` and ``within_s`` (default: the
+        default deadline): a client trickling its body, or sending none, held a handler
+        and up to the body limit for as long as it liked (uvicorn bounds no body read)."""
         limit = self._config.gateway.max_body_bytes
         too_large = f"request body over the {limit}-byte limit (gateway.max_body_bytes)"
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise PayloadTooLargeError(too_large)
+        if within_s is None:
+            within_s = self._config.gateway.default_deadline_ms / 1000
         parts, size = [], 0
         try:
-            async for part in request.stream():
-                size += len(part)
-                if size > limit:
-                    raise PayloadTooLargeError(too_large)
-                parts.append(part)
+            async with asyncio.timeout(within_s):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > limit:
+                        raise PayloadTooLargeError(too_large)
+                    parts.append(part)
         except ClientDisconnect:
             raise ClientGone from None
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"the request body did not arrive within {within_s:g} s (the request's deadline)"
+            ) from None
         return b"".join(parts)
 
     async def prompt_ids(

@@ -51,3 +51,33 @@ def test_error_chunk_round_trip_keeps_the_type() -> None:
 def test_unknown_code_from_a_worker_is_a_500() -> None:
     assert type(error_from_code("gpu_on_fire", "x")) is InternalError
     assert error_from_code("gpu_on_fire", "x").http_status == 500
+
+
+def test_a_retryable_refusal_from_a_worker_says_when_to_come_back() -> None:
+    """A worker's 503 (handed back on its last delivery: "send it again") reached the
+    client without Retry-After, unlike every 503 and 429 the gateway makes itself."""
+    for error in (ServiceUnavailableError("send it again"), RateLimitError("busy")):
+        wire = error.to_wire()
+        assert error_from_code(wire["code"], wire["message"]).headers()["Retry-After"] == "1"
+    assert "Retry-After" not in error_from_code("invalid_request", "bad").headers()
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        "OutboundBufferLimitError",
+        "ConnectionDrainingError",
+        "ConnectionReconnectingError",
+        "StaleConnectionError",
+        "ConnectionClosedError",
+    ],
+)
+def test_a_publish_that_fails_for_the_nats_link_is_a_503(failure: str) -> None:
+    """With the link down nats-py's 2 MiB send buffer fills in seconds at load, and its
+    OutboundBufferLimitError (or a draining, stale link) answered 500 with a traceback."""
+    import nats.errors
+
+    from common.request_publish import publish_error
+
+    error = publish_error(getattr(nats.errors, failure)(), 100, "the gateway")
+    assert isinstance(error, ServiceUnavailableError) and error.headers()["Retry-After"] == "2"

@@ -256,6 +256,51 @@ async def test_waiting_requests_count_against_max_pending():
     assert admission.in_flight("short") == 0
 
 
+async def test_a_breaker_that_closes_while_a_request_waits_serves_it_at_the_wait_s_end():
+    """Only workers coming live wake a wait: short's breaker closing meanwhile (its
+    fallback, long, has no worker) left the request to a 503 when its wait ran out."""
+    config = gateway_config(NatsConfig())
+    view = WorkersView(config.groups)
+    view.on_telemetry(_report("short"))
+    view.set_breaker("short", "open")
+    admission = Admission(config, view, wait_s=0.4)
+    waiting = asyncio.create_task(admission.admit("short", 10, 5.0))
+    await asyncio.sleep(0.1)
+    view.set_breaker("short", "closed")
+    route = await waiting
+    assert route.group == "short" and admission.in_flight("short") == 1
+
+
+async def test_a_full_group_that_cannot_serve_the_request_is_a_503_not_a_429():
+    """A 429 says "come back shortly": not for a request no live group takes at its length
+    (short's workers serve 100 tokens now, long has none), which no retry would change."""
+    config = gateway_config(NatsConfig(), short__max_pending=1)
+    view = WorkersView(config.groups)
+    view.on_telemetry(_report("short", max_seq_len=100))
+    admission = Admission(config, view, wait_s=0.1)
+    held = await admission.admit("short", 10, 5.0)  # short is full now
+    assert held.group == "short"
+    with pytest.raises(ServiceUnavailableError):
+        await admission.admit("short", 200, 5.0)
+
+
+async def test_a_waiter_does_not_count_against_its_own_half_open_probe():
+    """Waiting, a request holds a slot of its group: when the group came back half-open
+    with one slot left, that slot was the request's own, and the group read as full."""
+    config = gateway_config(NatsConfig(), short__max_pending=2)
+    share = config.groups["short"].breaker.model_copy(update={"half_open_share": 1.0})
+    config.groups["short"] = config.groups["short"].model_copy(update={"breaker": share})
+    view = WorkersView(config.groups)
+    view.set_breaker("short", "half_open")
+    admission = Admission(config, view, wait_s=2.0)
+    admission._in_flight["short"] = 1  # another request of short's, in flight
+    waiting = asyncio.create_task(admission.admit("short", 10, 5.0))
+    await asyncio.sleep(0.1)
+    view.on_telemetry(_report("short"))  # its worker is back, the breaker half-open
+    route = await asyncio.wait_for(waiting, 1.0)
+    assert route.group == "short"
+
+
 @pytest.mark.parametrize(
     ("value", "state"),
     [

@@ -376,6 +376,26 @@ async def test_a_client_hanging_up_mid_body_on_tokenize_is_no_unhandled_error(
     assert not [r for r in caplog.records if "unhandled error" in r.getMessage()]
 
 
+async def test_a_body_that_does_not_arrive_within_the_deadline_is_a_408(
+    client: httpx.AsyncClient,
+):
+    """Nothing bounded the body's read: a client that sent its headers and a trickle (or
+    nothing) held a handler, and up to the body limit, for as long as it liked."""
+    url = httpx.URL(str(client.base_url))
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nX-QoS-Deadline-Ms: 300\r\nContent-Length: 100\r\n\r\n{\"model\"")  # fmt: skip
+    await writer.drain()
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))  # fmt: skip
+        error = json.loads(await asyncio.wait_for(reader.readexactly(length), 5))["error"]
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 408") and error["code"] == "request_timeout"
+
+
 async def test_a_request_over_the_servers_max_payload_is_413_not_500(
     tmp_path: Any,
 ) -> None:
