@@ -182,7 +182,7 @@ def create_app(
         await heartbeat.start(on_failure=state.loop_died)
         keeper = StreamKeeper(
             nc, js, config.nats, list(config.groups), config.gateway.jetstream_check_s,
-            held_seq=dispatcher.highest_seq,
+            held_seq=dispatcher.highest_seq, on_replaced=dispatcher.forget_sequences,
         )  # fmt: skip
         await keeper.start(on_failure=state.loop_died)
         state.stream_keeper = keeper

@@ -42,10 +42,16 @@ class StreamKeeper:
         groups: Sequence[str],
         interval_s: float,
         held_seq: Callable[[], int] = lambda: 0,
+        on_replaced: Callable[[], None] = lambda: None,
     ) -> None:
-        """``held_seq``: the highest sequence this gateway's open requests hold."""
+        """``held_seq``: the highest sequence this gateway's open requests hold;
+        ``on_replaced``: called when the stream is found replaced (see :meth:`check`)."""
         self._nc, self._js, self._cfg = nc, js, cfg
         self._held_seq = held_seq
+        self._on_replaced = on_replaced
+        # When the stream seen last was created: another one under the name is a new stream
+        # (another service made it again, perhaps numbering from 1, before this one looked).
+        self._created: object = None
         self._groups = list(groups)
         self._interval = interval_s
         self._task: asyncio.Task[None] | None = None
@@ -80,13 +86,20 @@ class StreamKeeper:
         """Recreate the stream and the consumers that are missing; returns what was."""
         cfg, put_back = self._cfg, []
         try:
-            self._last_seq = max(
-                self._last_seq, (await self._js.stream_info(cfg.stream)).state.last_seq
-            )
+            info = await self._js.stream_info(cfg.stream)
         except nats.js.errors.NotFoundError:
             first = max(self._last_seq, self._held_seq()) + SEQ_GAP
             await ensure_stream(self._js, cfg, self._groups, first_seq=first)
             put_back.append(f"stream {cfg.stream}")
+            self._created = None  # the next look learns the new one's
+            self._on_replaced()
+        else:
+            self._last_seq = max(self._last_seq, info.state.last_seq)
+            if self._created is not None and info.created != self._created:
+                log.warning("%s was replaced by another service (deleted and created again): "
+                            "requests it held are lost with it", cfg.stream)  # fmt: skip
+                self._on_replaced()
+            self._created = info.created
         for group in self._groups:
             name = Subjects.consumer(group)
             try:

@@ -335,12 +335,16 @@ class Dispatcher:
         self._resume_prefix = len(subjects.prefix) + len(".resume.")
         self._subs: list[Subscription] = []
         # Aborts are queued, not awaited: they are raised from cancelled generators.
-        # (group, request id, reason, the request's sequence in the stream if known)
-        self._aborts: asyncio.Queue[tuple[str, str, str, int | None]] = asyncio.Queue()
+        # (group, request id, reason, the request's sequence in the stream if known, and
+        # the stream's epoch that sequence belongs to)
+        self._aborts: asyncio.Queue[tuple[str, str, str, int | None, int]] = asyncio.Queue()
+        # Bumped when the request stream is replaced (deleted, made again from 1 by another
+        # service): a sequence held from the old one would name, and delete, a new request.
+        self._epoch = 0
         self._abort_task: asyncio.Task[None] | None = None
         # Bounded: with JetStream slow and clients leaving in a crowd it grew without end; a
         # delete left out costs a replica fetching a request nobody waits for.
-        self._deletes: asyncio.Queue[int] = asyncio.Queue(MAX_QUEUED_DELETES)
+        self._deletes: asyncio.Queue[tuple[int, int]] = asyncio.Queue(MAX_QUEUED_DELETES)
         self._delete_task: asyncio.Task[None] | None = None
         # Requests this gateway finished with: a copy redelivered later (its ack was lost)
         # is told so, rather than met with silence that a live gateway's worker must read
@@ -401,6 +405,15 @@ class Dispatcher:
         self._streams[request_id] = stream
         return stream
 
+    def forget_sequences(self) -> None:
+        """The request stream was replaced: the sequences open requests hold name nothing
+        of theirs (their messages went with the old stream), and a new stream numbered from
+        1 may give them to other requests, which an abort would delete and an advisory
+        would fail. Forgotten, and deletes still queued are dropped."""
+        self._epoch += 1
+        for stream in self._streams.values():
+            stream.stream_seq = None
+
     def highest_seq(self) -> int:
         """The highest stream sequence an open request holds (0: none)."""
         return max((s.stream_seq or 0 for s in self._streams.values()), default=0)
@@ -415,7 +428,9 @@ class Dispatcher:
         self._closed.add(stream.request_id)
         if abort:
             stream.finished = True
-            self._aborts.put_nowait((stream.group, stream.request_id, reason, stream.stream_seq))
+            self._aborts.put_nowait(
+                (stream.group, stream.request_id, reason, stream.stream_seq, self._epoch)
+            )
 
     async def _on_out(self, msg: Msg) -> None:
         stream = self._streams.get(msg.subject[self._out_prefix :])
@@ -471,7 +486,7 @@ class Dispatcher:
         )  # fmt: skip
         stream.worker_done = True  # JetStream gave it up: no worker holds it
         # A work queue keeps a message past max_deliver for good: delete it.
-        self._queue_delete(seq)
+        self._queue_delete(seq, self._epoch)
         stream.fail(
             RequestGivenUpError(
                 f"the request failed on every one of its {deliveries} deliveries to workers "
@@ -481,7 +496,7 @@ class Dispatcher:
 
     async def _publish_aborts(self) -> None:
         while True:
-            group, request_id, reason, stream_seq = await self._aborts.get()
+            group, request_id, reason, stream_seq, epoch = await self._aborts.get()
             control = Control(
                 action="abort",
                 issued_ms=int(time.time() * 1000),
@@ -494,11 +509,11 @@ class Dispatcher:
             except Exception:
                 log.warning("could not publish abort for %s", request_id, exc_info=True)
             if self._stream is not None and stream_seq is not None:
-                self._queue_delete(stream_seq)
+                self._queue_delete(stream_seq, epoch)
 
-    def _queue_delete(self, seq: int) -> None:
+    def _queue_delete(self, seq: int, epoch: int) -> None:
         try:
-            self._deletes.put_nowait(seq)
+            self._deletes.put_nowait((seq, epoch))
         except asyncio.QueueFull:
             log.debug("delete queue full: stream message %d stays", seq)
 
@@ -510,6 +525,8 @@ class Dispatcher:
         assert self._stream is not None
         js = self._nc.jetstream(timeout=2.0)
         while True:
-            seq = await self._deletes.get()
+            seq, epoch = await self._deletes.get()
+            if epoch != self._epoch:
+                continue  # a sequence of a stream since replaced: another request's now
             with contextlib.suppress(Exception):
                 await js.delete_msg(self._stream, seq)

@@ -59,3 +59,47 @@ async def test_a_deleted_consumer_or_stream_is_recreated_and_serving_resumes(
         await js.consumer_info(cfg.stream, Subjects.consumer("short"))
     finally:
         await nc.close()
+
+
+async def test_a_stream_made_again_by_another_service_keeps_its_new_requests_from_old_aborts(
+    nats_server: NatsServer,
+) -> None:
+    """Deleted, the stream was made again from 1 by another service (a starting gateway, a
+    worker) before this gateway's keeper looked: an abort of a request held from the old
+    stream deleted the new request its sequence now named, lost without a word."""
+    import uuid
+
+    from common.config import NatsConfig
+    from common.nats import ensure_jetstream, ensure_stream
+    from gateway.stream_keeper import StreamKeeper
+    from gateway.streams import Dispatcher
+
+    tag = uuid.uuid4().hex[:8]
+    cfg = NatsConfig(url=nats_server.url, subject_prefix=f"k{tag}", stream=f"K_{tag}",
+                     kv_bucket=f"k_{tag}")  # fmt: skip
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    subjects = Subjects(cfg.subject_prefix)
+    await ensure_jetstream(js, cfg, ["short"])
+    dispatcher = Dispatcher(nc, subjects, cfg.max_payload_bytes, cfg.stream)
+    await dispatcher.start()
+    keeper = StreamKeeper(nc, js, cfg, ["short"], 60.0, held_seq=dispatcher.highest_seq,
+                          on_replaced=dispatcher.forget_sequences)  # fmt: skip
+    try:
+        await keeper.check()  # it has seen the stream
+        held = dispatcher.open("old-request", "short", lambda *args, **kwargs: "")
+        held.stream_seq = (await js.publish(subjects.request("short"), b"old")).seq
+        await js.delete_stream(cfg.stream)
+        await ensure_stream(js, cfg, ["short"])  # another service's, numbering from 1
+        fresh = await js.publish(subjects.request("short"), b"new")
+        assert fresh.seq == held.stream_seq  # the held number names a new request now
+        await keeper.check()  # the keeper's next look
+        dispatcher.close(held, abort=True, reason="client gone")  # its client leaves
+        await asyncio.sleep(0.5)  # the abort and its delete have had their turn
+        assert (await js.get_msg(cfg.stream, fresh.seq)).data == b"new"
+    finally:
+        await dispatcher.stop()
+        with contextlib.suppress(Exception):
+            await js.delete_stream(cfg.stream)
+            await js.delete_stream(f"KV_{cfg.kv_bucket}")
+        await nc.close()
