@@ -13,39 +13,49 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from common.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
+from common.metrics import GPU_LABELS, GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
 
 log = logging.getLogger(__name__)
 
 
 class NvmlCollector(Collector):
-    """Three gauges per device, labelled ``gpu`` with the NVML index."""
+    """Three gauges per device, labelled ``gpu`` with the NVML index and ``group`` and
+    ``model`` with what ``owner()`` says the process serves now (a worker moves groups)."""
 
-    def __init__(self, nvml: ModuleType, devices: Sequence[tuple[str, Any]]) -> None:
+    def __init__(
+        self,
+        nvml: ModuleType,
+        devices: Sequence[tuple[str, Any]],
+        owner: Callable[[], tuple[str, str]] = lambda: ("", ""),
+    ) -> None:
         self._nvml = nvml
         self._devices = list(devices)  # (label, handle)
+        self._owner = owner
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        util = GaugeMetricFamily(GPU_UTILIZATION.name, GPU_UTILIZATION.doc, labels=["gpu"])
-        used = GaugeMetricFamily(GPU_MEMORY_USED.name, GPU_MEMORY_USED.doc, labels=["gpu"])
-        total = GaugeMetricFamily(GPU_MEMORY_TOTAL.name, GPU_MEMORY_TOTAL.doc, labels=["gpu"])
-        for label, handle in self._devices:
+        labels = list(GPU_LABELS)
+        util = GaugeMetricFamily(GPU_UTILIZATION.name, GPU_UTILIZATION.doc, labels=labels)
+        used = GaugeMetricFamily(GPU_MEMORY_USED.name, GPU_MEMORY_USED.doc, labels=labels)
+        total = GaugeMetricFamily(GPU_MEMORY_TOTAL.name, GPU_MEMORY_TOTAL.doc, labels=labels)
+        group, model = self._owner()
+        for index, handle in self._devices:
+            label = [index, group, model]
             try:
                 rates = self._nvml.nvmlDeviceGetUtilizationRates(handle)
                 memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
             except Exception as exc:  # a device that fell off the bus: skip it, keep the rest
-                log.debug("NVML read of gpu %s failed: %s", label, exc)
+                log.debug("NVML read of gpu %s failed: %s", index, exc)
                 continue
-            util.add_metric([label], rates.gpu / 100.0)
-            used.add_metric([label], float(memory.used))
-            total.add_metric([label], float(memory.total))
+            util.add_metric(label, rates.gpu / 100.0)
+            used.add_metric(label, float(memory.used))
+            total.add_metric(label, float(memory.total))
         yield from (util, used, total)
 
 
@@ -55,8 +65,11 @@ def _visible(index: int, uuid: str, wanted: list[str] | None) -> bool:
     return any(uuid.startswith(w) if w.startswith("GPU-") else w == str(index) for w in wanted)
 
 
-def nvml_collector(env: dict[str, str] | None = None) -> NvmlCollector | None:
-    """A collector of the visible GPUs, or None when NVML is not importable or not usable."""
+def nvml_collector(
+    env: dict[str, str] | None = None, owner: Callable[[], tuple[str, str]] = lambda: ("", "")
+) -> NvmlCollector | None:
+    """A collector of the visible GPUs, or None when NVML is not importable or not usable;
+    ``owner``: the (group, model) the process serves now."""
     try:
         import pynvml
     except ImportError:
@@ -77,4 +90,4 @@ def nvml_collector(env: dict[str, str] | None = None) -> NvmlCollector | None:
     except Exception as exc:  # pynvml.NVMLError and friends: no driver, no device
         log.info("GPU metrics off: NVML unavailable (%s)", exc)
         return None
-    return NvmlCollector(pynvml, devices) if devices else None
+    return NvmlCollector(pynvml, devices, owner) if devices else None

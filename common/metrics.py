@@ -142,11 +142,13 @@ ENGINE_BUSY = Spec(
 )
 
 # --- worker: the GPU, through NVML (absent, not zero, without it) ----------------------
+# The worker's group and model too: a dashboard filtered by group shows its GPUs.
+GPU_LABELS = ("gpu", "group", "model")
 GPU_UTILIZATION = Spec(
-    "qos_gpu_utilization_ratio", "Share of the last sample period a kernel ran (NVML)", ("gpu",)
+    "qos_gpu_utilization_ratio", "Share of the last sample period a kernel ran (NVML)", GPU_LABELS
 )
-GPU_MEMORY_USED = Spec("qos_gpu_memory_used_bytes", "GPU memory in use (NVML)", ("gpu",))
-GPU_MEMORY_TOTAL = Spec("qos_gpu_memory_total_bytes", "GPU memory installed (NVML)", ("gpu",))
+GPU_MEMORY_USED = Spec("qos_gpu_memory_used_bytes", "GPU memory in use (NVML)", GPU_LABELS)
+GPU_MEMORY_TOTAL = Spec("qos_gpu_memory_total_bytes", "GPU memory installed (NVML)", GPU_LABELS)
 GPU_SPECS = (GPU_UTILIZATION, GPU_MEMORY_USED, GPU_MEMORY_TOTAL)
 
 # --- gateway: the client's view -----------------------------------------------------------

@@ -80,7 +80,12 @@ class WorkerMetrics:
         self._outcomes: dict[tuple[str, str, bool], Any] = {}
         r.register(EngineCollector(model, view))
         m.register_build_info(r, "worker")
-        gpu = nvml_collector() if gpus else None
+
+        def owner() -> tuple[str, str]:
+            engine = view()
+            return (engine.group if engine is not None else "", model)
+
+        gpu = nvml_collector(owner=owner) if gpus else None
         if gpu is not None:
             r.register(gpu)
 

@@ -128,7 +128,7 @@ def test_nvml_collector_exports_the_visible_gpus(monkeypatch: pytest.MonkeyPatch
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
 
-    everything = nvml_collector(env={})
+    everything = nvml_collector(env={}, owner=lambda: ("long", MODEL))
     only_b = nvml_collector(env={"CUDA_VISIBLE_DEVICES": "GPU-bbb"})
     assert everything is not None and only_b is not None
     registry = CollectorRegistry()
@@ -138,6 +138,9 @@ def test_nvml_collector_exports_the_visible_gpus(monkeypatch: pytest.MonkeyPatch
     assert value(samples, "qos_gpu_utilization_ratio", gpu="1") == pytest.approx(0.90)
     assert value(samples, "qos_gpu_memory_used_bytes", gpu="1") == 70 << 30
     assert value(samples, "qos_gpu_memory_total_bytes", gpu="0") == 80 << 30
+    # Labelled with what the worker serves, so a dashboard filtered by group shows its GPUs.
+    assert value(samples, "qos_gpu_utilization_ratio", required=True, gpu="1", group="long",
+                 model=MODEL) == pytest.approx(0.90)  # fmt: skip
     assert [label for label, _ in only_b._devices] == ["1"]
     assert nvml_collector(env={"CUDA_VISIBLE_DEVICES": "1"}) is not None
 
