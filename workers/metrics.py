@@ -7,13 +7,17 @@ and waiting requests, KV usage, prefix-cache queries and hits per tier, preempti
 thread already keeps for telemetry, so serving pays nothing for it. GPU series come from
 NVML when it is there (:mod:`common.gpu_metrics`).
 
-Counters read from the engine are totals since the engine started, labelled with the
-group the replica serves *now*: after an ``assign_group`` move the totals continue under
-the new group's label (``rate()`` starts afresh there; the old series goes stale).
+Counters read from the engine are totals since the engine started; each scrape credits
+what they grew since the last one to the group the replica serves *now*, and every group
+it served keeps its series (frozen while it serves another). Labelling the whole total
+with the current group made a replica moved A → B → A bring B's work back under A, which
+a ``rate()`` over the gap counted as A's. What grew between the move and the next scrape
+goes to the new group.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -122,6 +126,11 @@ class EngineCollector(Collector):
     def __init__(self, model: str, view: Callable[[], EngineView | None]) -> None:
         self._model = model
         self._view = view
+        # Counter totals at the last scrape, by (family, labels after group and model), and
+        # what each group was credited: (family, group, those labels) -> value.
+        self._seen: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._credited: dict[tuple[str, str, tuple[str, ...]], float] = {}
+        self._lock = threading.Lock()  # scrapes may come on several server threads
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()
@@ -134,11 +143,34 @@ class EngineCollector(Collector):
 
     def _families(self, view: EngineView | None = None) -> Iterator[Metric]:
         samples = _samples(view, self._model) if view is not None else {}
-        for spec, kind in _ENGINE_FAMILIES:
-            family = kind(spec.name, spec.doc, labels=list(spec.labels))
-            for labels, value in samples.get(spec.name, ()):
-                family.add_metric(labels, value)
-            yield family
+        families = []
+        with self._lock:  # built whole under it, yielded after
+            for spec, kind in _ENGINE_FAMILIES:
+                family = kind(spec.name, spec.doc, labels=list(spec.labels))
+                current = samples.get(spec.name, [])
+                if kind is CounterMetricFamily and view is not None:
+                    current = self._by_group(spec.name, current)
+                for labels, value in current:
+                    family.add_metric(labels, value)
+                families.append(family)
+        yield from families
+
+    def _by_group(
+        self, name: str, totals: list[tuple[list[str], float]]
+    ) -> list[tuple[list[str], float]]:
+        """Credit each total's growth since the last scrape to its (current) group; every
+        group's credited value, the groups this replica served before included."""
+        for labels, total in totals:
+            group, rest = labels[0], tuple(labels[2:])
+            grown = total - self._seen.get((name, rest), 0.0)
+            self._seen[name, rest] = total
+            key = (name, group, rest)
+            self._credited[key] = self._credited.get(key, 0.0) + max(grown, 0.0)
+        return [
+            ([group, self._model, *rest], value)
+            for (family, group, rest), value in self._credited.items()
+            if family == name
+        ]
 
 
 _ENGINE_FAMILIES: tuple[tuple[m.Spec, type[Any]], ...] = (

@@ -179,3 +179,28 @@ def test_inter_token_latency_is_the_engines_pace_not_the_loops() -> None:
     count = value(samples, f"{name}_count", required=True, group="short", model=MODEL)
     total = value(samples, f"{name}_sum", required=True, group="short", model=MODEL)
     assert count == 3 and total == pytest.approx(0.06)
+
+
+def test_engine_counters_credit_each_group_with_what_it_did() -> None:
+    """Engine totals since start were labelled with the group served now: a replica moved
+    A -> B -> A brought B's preemptions back under A, which a rate() over the gap counted."""
+    from workers.engine.outputs import EngineStats
+    from workers.metrics import EngineCollector, EngineView
+
+    def view(group: str, preemptions: int) -> EngineView:
+        stats = EngineStats(0, 0, 16, 16, 0.0, 0.0, 0, 0, preemptions, 0, 0, 0, 0)
+        return EngineView(group, stats, 4, float(preemptions))
+
+    current = [view("short", 10)]
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(MODEL, lambda: current[0]))
+
+    def preempted(group: str) -> float:
+        samples = parse_metrics(generate_latest(registry).decode())
+        return value(samples, "qos_num_preemptions_total", required=True, group=group, model=MODEL)
+
+    assert preempted("short") == 10
+    current[0] = view("long", 15)  # moved: 5 more while it served long
+    assert (preempted("short"), preempted("long")) == (10, 5)
+    current[0] = view("short", 20)  # and back
+    assert (preempted("short"), preempted("long")) == (15, 5)
