@@ -194,6 +194,27 @@ def test_a_tier_that_loses_blocks_costs_recompute_and_a_waiting_head_asks_once(
     assert tier.lookups == 2  # not once per step while "1" waited for blocks
 
 
+def test_a_waiting_request_whose_device_hit_grows_is_counted_as_queried_once(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting behind a request that prefills the prefix they share, chunk by chunk: each
+    chunk named grew its device hit, and each grown hit counted its tier query again (and
+    skipped the reuse of the last answer), so the tiers' hit rates read low."""
+    monkeypatch.setattr(batcher_module, "TIER_LOOKUP_REUSE_S", 1e9)  # however slow the run
+    tier = VanishingTier(claims=False)
+    eng = engine(tiny_llama, tier, num_kv_blocks=18, policy="hybrid",  # type: ignore[arg-type]
+                 max_num_batched_tokens=12, max_batch_size=4)  # fmt: skip
+    shared = prompt(50, 8 * BS)
+    first, second = [*shared, 5, 6], shared + prompt(51, 9 * BS)
+    longer = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    eng.add_request("0", prompt_token_ids=first, params=longer)
+    eng.add_request("1", prompt_token_ids=second, params=GREEDY)  # waits for blocks
+    drain_all(eng)
+    # One question per admission (a preempted request asks anew), not one per grown hit.
+    preempted = eng.stats().num_preemptions
+    assert tier.counted.count(True) == 2 + preempted and len(tier.counted) > 2 + preempted
+
+
 class RaisingTier(VanishingTier):
     """Breaks the tier's promise not to raise: in ``lookup`` or in ``load``."""
 

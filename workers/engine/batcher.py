@@ -316,7 +316,9 @@ class Batcher:
             and self.timer() - seen[3] < TIER_LOOKUP_REUSE_S
         ):
             return seen[2]
-        fresh = seen is None or seen[:2] != (req.num_tokens, first)  # else asked again
+        # Asked again unless its tokens changed: a device hit that grew meanwhile (another
+        # request's prefill named the shared blocks) only narrows what was counted already.
+        fresh = seen is None or seen[0] != req.num_tokens
         if fresh:
             self.tier_query_tokens += (limit - first) * bs
         hashes = self.pool.update_hashes(req)[first:limit]
