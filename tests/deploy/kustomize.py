@@ -4,9 +4,11 @@ Supported: ``resources`` (files and folders), ``components``, ``namespace``, ``i
 (``newName``/``newTag`` on container images) and ``patches`` — a strategic-merge patch
 (one document per object, matched by kind and name; lists of named items merge by name) or a
 JSON 6902 patch (a list of ``add``/``replace``/``remove`` operations) applied to the objects
-a ``target`` selects (kind, name, ``labelSelector`` of ``k=v`` pairs). Anything else in a
-kustomization raises, so the deploy files cannot silently outgrow this renderer; the
-tests compare it with ``kubectl kustomize``'s renders, kept in ``tests/deploy/renders/``.
+a ``target`` selects (kind, name, ``labelSelector`` of ``k=v`` pairs). A component adds its
+resources to the kustomization that names it, and its patches and images apply to all that
+kustomization holds so far (its resources and earlier components), as in kustomize. Anything
+else in a kustomization raises, so the deploy files cannot silently outgrow this renderer;
+the tests compare it with ``kubectl kustomize``'s renders, kept in ``tests/deploy/renders/``.
 """
 
 from __future__ import annotations
@@ -19,29 +21,42 @@ import yaml
 
 Obj = dict[str, Any]
 SUPPORTED = {"apiVersion", "kind", "namespace", "resources", "components", "images", "patches"}
+COMPONENT = SUPPORTED - {"namespace"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
 
 
 def build(folder: Path) -> list[Obj]:
     """The objects ``kustomize build folder`` would print (in no particular order)."""
-    spec = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    unknown = set(spec) - SUPPORTED
-    if unknown:
-        raise NotImplementedError(f"{folder}: kustomization fields {sorted(unknown)}")
+    spec = _spec(folder, SUPPORTED)
     objects: list[Obj] = []
-    for entry in spec.get("resources", []):
-        objects += _load(folder / entry)
-    for entry in spec.get("components", []):
-        objects += build(folder / entry)  # a component's patches apply to its own resources
-    for patch in spec.get("patches", []):
-        _apply_patch(objects, folder, patch)
-    for image in spec.get("images", []):
-        _set_image(objects, image)
+    _accumulate(objects, folder, spec)
     if "namespace" in spec:
         for obj in objects:
             if obj["kind"] not in CLUSTER_SCOPED:
                 obj.setdefault("metadata", {})["namespace"] = spec["namespace"]
     return objects
+
+
+def _spec(folder: Path, supported: set[str]) -> dict[str, Any]:
+    spec: dict[str, Any] = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    unknown = set(spec) - supported
+    if unknown:
+        raise NotImplementedError(f"{folder}: kustomization fields {sorted(unknown)}")
+    return spec
+
+
+def _accumulate(objects: list[Obj], folder: Path, spec: dict[str, Any]) -> None:
+    """Add ``spec``'s resources and components to ``objects``, then apply its patches and
+    images to all of them: a component's patches reach what the kustomization naming it holds
+    (kustomize's rule: components/secure patches the base's Deployments)."""
+    for entry in spec.get("resources", []):
+        objects += _load(folder / entry)
+    for entry in spec.get("components", []):
+        _accumulate(objects, folder / entry, _spec(folder / entry, COMPONENT))
+    for patch in spec.get("patches", []):
+        _apply_patch(objects, folder, patch)
+    for image in spec.get("images", []):
+        _set_image(objects, image)
 
 
 def _load(path: Path) -> list[Obj]:

@@ -24,21 +24,42 @@ K8S = ROOT / "deploy" / "k8s"
 HERE = Path(__file__).resolve().parent / "renders"
 OVERLAYS = ("cpu-demo", "gpu")
 RENDERS = (*OVERLAYS, "hpa")  # hpa: base + components/hpa, the documented KEDA alternative
+SECURE = tuple(f"{name}-secure" for name in RENDERS)  # each with components/secure added
 
 Obj = dict[str, Any]
 
 
-def write_hpa_overlay(folder: Path) -> Path:
-    """A kustomization in ``folder``: base + components/hpa (kustomize takes relative paths)."""
+def write_hpa_overlay(folder: Path, k8s: Path = K8S) -> Path:
+    """A kustomization in ``folder``: base + components/hpa of ``k8s`` (kustomize takes
+    relative paths)."""
     spec = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "namespace": "qosserve",
-        "resources": [os.path.relpath(K8S / "base", folder)],
-        "components": [os.path.relpath(K8S / "components" / "hpa", folder)],
+        "resources": [os.path.relpath(k8s / "base", folder)],
+        "components": [os.path.relpath(k8s / "components" / "hpa", folder)],
     }
     (folder / "kustomization.yaml").write_text(yaml.safe_dump(spec))
     return folder
+
+
+def write_secure_overlays(folder: Path) -> dict[str, Path]:
+    """A copy of deploy/k8s in ``folder`` with ``../../components/secure`` added to the
+    components of each overlay and of an hpa one, as deploy/k8s/README.md says to:
+    {name in :data:`SECURE`: its kustomization folder}."""
+    copy = folder / "deploy" / "k8s"
+    shutil.copytree(K8S, copy)
+    hpa = copy / "overlays" / "hpa"
+    hpa.mkdir()
+    write_hpa_overlay(hpa, copy)
+    out = {}
+    for name in RENDERS:
+        path = copy / "overlays" / name / "kustomization.yaml"
+        spec = yaml.safe_load(path.read_text())
+        spec["components"].append("../../components/secure")
+        path.write_text(yaml.safe_dump(spec))
+        out[f"{name}-secure"] = path.parent
+    return out
 
 
 def kubectl_render(folder: Path) -> list[Obj] | None:
@@ -58,7 +79,7 @@ def ordered(objects: list[Obj]) -> list[Obj]:
 
 
 def load(name: str) -> list[Obj]:
-    """The kept render ``name`` (one of :data:`RENDERS`)."""
+    """The kept render ``name`` (one of :data:`RENDERS` or :data:`SECURE`)."""
     return [d for d in yaml.safe_load_all((HERE / f"{name}.yaml").read_text()) if d]
 
 
@@ -67,6 +88,7 @@ def refresh() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folders = {name: K8S / "overlays" / name for name in OVERLAYS}
         folders["hpa"] = write_hpa_overlay(Path(tmp))
+        folders |= write_secure_overlays(Path(tmp))
         for name, folder in folders.items():
             objects = kubectl_render(folder)
             if objects is None:
