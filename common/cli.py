@@ -89,8 +89,12 @@ def _print_config(argv: list[str]) -> int:
         print("# Every key, defaults included; to keep as a config file, use --changed.")
         print("# Secrets show as ***: put the real ones back before reusing this.")
     dump = changed_settings(config) if args.changed else config.model_dump(mode="json")
+    shown = redacted(dump)
+    if args.changed and shown != dump:  # a file that would not load back as it was
+        print("# Secrets show as ***: put the real ones back (or set them by QOS_* "
+              "variables) before feeding this back.")  # fmt: skip
     try:
-        print(yaml.safe_dump(redacted(dump), sort_keys=False))
+        print(yaml.safe_dump(shown, sort_keys=False))
         sys.stdout.flush()
     except BrokenPipeError:  # `qosserve config | head`: the reader had enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

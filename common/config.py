@@ -348,6 +348,18 @@ class SchedulerConfig(_Strict):
     lease_renew_s: float = Field(1.0, gt=0)
     # Breaker transitions are POSTed here as JSON (in a thread, never blocking), when set.
     alert_webhook_url: str | None = None
+
+    @field_validator("alert_webhook_url")
+    @classmethod
+    def _webhook(cls, value: str | None) -> str | None:
+        # Checked here, not at the first incident, whose alert it would lose. The value is
+        # left out of the message: the URL is often the credential.
+        if value == "":
+            return None
+        if value is not None and not value.lower().startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
+
     # Rebalancer: move idle replicas between groups (False = only publish desired replicas).
     move_replicas: bool = True
     move_after_ticks: int = Field(3, ge=1)  # the move condition must hold this many ticks
@@ -449,6 +461,12 @@ class Config(_Strict):
                 f"twice worker.telemetry_interval_s ({beat:g}): workers would read as gone "
                 "between their reports"
             )
+        if self.worker.latency_window_s < beat:
+            raise ValueError(
+                f"worker.latency_window_s ({self.worker.latency_window_s:g}) must be at least "
+                f"worker.telemetry_interval_s ({beat:g}): requests finished between two "
+                "reports would reach no p99, and the breakers would not see them"
+            )
         orphan, gw_beat = self.worker.orphan_after_s, self.gateway.heartbeat_interval_s
         if 0 < orphan < 3 * gw_beat:
             raise ValueError(
@@ -518,7 +536,15 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"environment variable {name}: conflicts with another variable")
-        node[path[-1]] = value
+        key = path[-1]
+        if isinstance(value, dict) and isinstance(node.get(key), dict):
+            # A whole section after its keys' variables: merged, whatever the environment's
+            # order (assigned, it dropped QOS_GROUPS__BATCH__RANK read before QOS_GROUPS__BATCH).
+            node[key] = _deep_merge(value, node[key])
+        elif key in node and isinstance(node[key], dict) != isinstance(value, dict):
+            raise ConfigError(f"environment variable {name}: conflicts with another variable")
+        else:
+            node[key] = value
     return tree
 
 

@@ -3,13 +3,16 @@
 Starts a real ``nats-server`` (JetStream, data under the state folder) and ``redis-server``,
 one worker process per replica of each instance group, the scheduler and the gateway;
 prints what runs where, waits until every group has a live worker, and on Ctrl-C (or
-SIGTERM) stops everything — gateway first, workers drained, servers last — leaving no
-orphan process (children are also tied to this process with PR_SET_PDEATHSIG).
+SIGTERM, or SIGHUP: a closed terminal) stops everything — gateway first, workers drained,
+servers last — leaving no orphan process. Killed outright (SIGKILL), it can do none of
+that: on Linux its children are tied to it with PR_SET_PDEATHSIG and die with it (no
+drain); elsewhere they outlive it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
@@ -23,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import Config, load_config
+from common.config import Config, load_config, with_settings
 from common.errors import ConfigError
 from common.models import check_model_folder, resolve_model, served_name
 from common.services import (
@@ -90,11 +93,11 @@ def parse_replicas(text: str, config: Config) -> dict[str, int]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
         if name not in config.groups:
-            raise SystemExit(
+            raise ConfigError(
                 f"--replicas: unknown group {name!r} (groups: {', '.join(config.groups)})"
             )
         if not value.isdigit():
-            raise SystemExit(f"--replicas: {part!r} must look like group=count")
+            raise ConfigError(f"--replicas: {part!r} must look like group=count")
         counts[name] = int(value)
     return counts
 
@@ -143,6 +146,8 @@ LOCAL_SERVERS_OPEN = {
     "QOS_REDIS__TLS_CA_FILE": "null",
     "QOS_REDIS__TLS_CERT_FILE": "null",
     "QOS_REDIS__TLS_KEY_FILE": "null",
+    # One local server: a deployment's stream replicas (3 for a cluster) are refused by it.
+    "QOS_NATS__REPLICAS": "1",
 }  # fmt: skip
 
 
@@ -153,15 +158,31 @@ def _tcp_port(text: str) -> int:
     return port
 
 
-def _port_or_free(preferred: int) -> int:
+def _port_or_free(preferred: int, taken: set[int]) -> int:
+    """``preferred`` if it is free and not ``taken`` by another of the stack's servers
+    (the gateway binds its port last: `--port 9300` went to the scheduler first), else a
+    free one; the port chosen joins ``taken``."""
     import socket
 
+    port = preferred
     with socket.socket() as sock:
         try:
+            if preferred in taken:
+                raise OSError
             sock.bind(("127.0.0.1", preferred))
-            return preferred
         except OSError:
-            return free_port()
+            port = free_port()
+            while port in taken:
+                port = free_port()
+    taken.add(port)
+    return port
+
+
+def _say(text: str) -> None:
+    """Print a line of the launcher's; a closed stdout (`qosserve up | tee` stopped by the
+    same Ctrl-C) must not cut the ordered shutdown short."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
 
 
 # Straight to the gateway: an http_proxy in the environment must not carry a loopback probe.
@@ -266,6 +287,8 @@ def _run(args: argparse.Namespace) -> int:
     replicas = parse_replicas(args.replicas, config)
     settings = Settings.of(args, config)
     model_name, device, host, port = settings.model, settings.device, settings.host, settings.port
+    # A bad flag is one line before anything starts, not a stack whose workers all exit 2.
+    with_settings(config, "flags", worker={"device": device})
     served = settings.served_model_name
     if _port_in_use(host, port):
         raise ConfigError(
@@ -279,8 +302,13 @@ def _run(args: argparse.Namespace) -> int:
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
 
-    nats = NatsServer(port=_port_or_free(4222), store_dir=state / "nats")
-    redis = RedisServer(port=_port_or_free(6379), state_dir=state / "redis")
+    taken = {port}
+    nats = NatsServer(
+        port=_port_or_free(4222, taken),
+        store_dir=state / "nats",
+        max_payload=config.nats.max_payload_bytes,
+    )  # the services' own limit
+    redis = RedisServer(port=_port_or_free(6379, taken), state_dir=state / "redis")  # fmt: skip
     nats.own_session = redis.own_session = True
     print(f"starting nats-server and redis-server (state in {state}) …", flush=True)
     nats.start()
@@ -304,7 +332,7 @@ def _run(args: argparse.Namespace) -> int:
     if "metrics_port" not in config.scheduler.model_fields_set:
         # 9300 may be taken (another stack, Elasticsearch's transport port): the scheduler
         # then died at start and took the whole stack down with it.
-        env["QOS_SCHEDULER__METRICS_PORT"] = str(_port_or_free(9300))
+        env["QOS_SCHEDULER__METRICS_PORT"] = str(_port_or_free(9300, taken))
     env.update(gpu_share_env(config, device, sum(replicas.values())))
     if args.config:
         env["QOS_CONFIG"] = str(Path(args.config).resolve())
@@ -356,7 +384,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def _on_signal(signum: int, _frame: object) -> None:
         if stop.is_set():  # a second Ctrl-C: no more waiting for drains
-            print("killing …", flush=True)
+            _say("killing …")
             for child in children:
                 if child.alive:
                     assert child.proc is not None
@@ -365,6 +393,7 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)  # the terminal closed, the ssh session dropped
     for child in children:
         child.start(env)
 
@@ -414,12 +443,12 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     finally:
         grace = config.gateway.shutdown_grace_s
-        print(f"stopping … (open requests get up to {grace:.0f}s to finish; Ctrl-C again to "
-              "stop at once)", flush=True)  # fmt: skip
+        _say(f"stopping … (open requests get up to {grace:.0f}s to finish; Ctrl-C again to "
+             "stop at once)")  # fmt: skip
         _shutdown(children, grace)
         nats.stop()
         redis.stop()
-        print("stopped.", flush=True)
+        _say("stopped.")
 
 
 WORKER_GRACE_S = 30.0  # workers' --grace-s default: how long they drain on SIGTERM

@@ -78,7 +78,10 @@ def unbind_trace(token: Token[tuple[int, int] | None] | None) -> None:
 
 def redact_url(url: str) -> str:
     """``nats://user:secret@host`` → ``nats://user:***@host``, ``redis://:pw@h`` →
-    ``redis://***@h``: a URL fit for logs and errors."""
+    ``redis://***@h``: a URL fit for logs and errors; each of a comma-separated list
+    (``nats.url``'s cluster seeds: read as one URL, the second's password went through)."""
+    if url.count("://") > 1 and "," in url:
+        return ",".join(redact_url(part) for part in url.split(","))
     url = _QUERY_SECRET.sub(r"\1***", url)
     parts = urlsplit(url)
     if "@" not in parts.netloc:

@@ -224,3 +224,40 @@ def test_redis_url_options_the_tiers_own_client_would_ignore_are_refused() -> No
         load_config(env={"QOS_REDIS__URL": "rediss://u:s3cret@h:6380/0?ssl_cert_reqs=none"})
     assert "redis.url" in str(info.value) and "s3cret" not in str(info.value)
     assert load_config(env={"QOS_REDIS__URL": "unix:///tmp/r.sock?db=2"}).redis.url
+
+
+def test_a_whole_section_variable_merges_with_its_keys_variables_in_any_order() -> None:
+    """Assigned, QOS_GROUPS__BATCH replaced the {rank: 5} of QOS_GROUPS__BATCH__RANK read
+    before it: the environment's order (docker's, the shell's) decided the config."""
+    section = "{max_batch: 4, max_seq_len: 2048, slo_ttft_ms: 100, slo_e2e_p99_ms: 500}"
+    for env in (
+        {"QOS_GROUPS__BATCH__RANK": "5", "QOS_GROUPS__BATCH": section},
+        {"QOS_GROUPS__BATCH": section, "QOS_GROUPS__BATCH__RANK": "5"},
+    ):
+        config = load_config(None, env=env)
+        assert config.groups["batch"].rank == 5 and config.groups["batch"].max_batch == 4
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        # Requests finished between two reports reached no p99: the breakers missed them.
+        (
+            {
+                "QOS_WORKER__TELEMETRY_INTERVAL_S": "5",
+                "QOS_SCHEDULER__WORKER_SILENT_S": "11",
+                "QOS_SCHEDULER__WINDOW_S": "30",
+            },
+            "latency_window_s",
+        ),
+        # Loaded, then lost at the first incident (urllib refused it in a thread).
+        ({"QOS_SCHEDULER__ALERT_WEBHOOK_URL": "hooks.example/T/B/secret-9"}, "alert_webhook_url"),
+        ({"QOS_SCHEDULER__ALERT_WEBHOOK_URL": "null"}, "alert_webhook_url"),
+    ],
+)
+def test_settings_that_would_fail_later_are_refused_at_load(
+    env: dict[str, str], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=named) as info:
+        load_config(None, env=env)
+    assert "secret-9" not in str(info.value)

@@ -158,11 +158,17 @@ def test_qosserve_config_prints_no_secret(
     monkeypatch.setenv("QOS_REDIS__URL", "redis://:redis-secret-2@cache:6379/0")
     monkeypatch.setenv("QOS_SCHEDULER__ALERT_WEBHOOK_URL", "https://hooks.example/T0/secret-3")
     path = tmp_path / "qos.yaml"
-    path.write_text("nats: {token: tok-secret-4, url: 'nats://u:nats-secret-5@nats:4222'}\n")
+    # Cluster seeds, each with its credentials: the second one's went through.
+    path.write_text(
+        "nats: {token: tok-secret-4, url: 'nats://u:nats-secret-5@nats:4222,"
+        "nats://u:nats-secret-6@nats-b:4222,nats://tok-secret-7@nats-c:4222'}\n"
+    )
     assert cli.main(["config", str(path)]) == 0
     out = capsys.readouterr().out
-    for secret in ("nats-secret-1", "redis-secret-2", "secret-3", "tok-secret-4", "nats-secret-5"):
+    for secret in ("nats-secret-1", "redis-secret-2", "secret-3", "tok-secret-4", "nats-secret-5",
+                   "nats-secret-6", "tok-secret-7"):  # fmt: skip
         assert secret not in out
+    assert "nats-b:4222" in out and "nats-c:4222" in out
     assert "password: '***'" in out and "cache:6379" in out  # the rest still shows
 
 
@@ -186,6 +192,11 @@ def test_qosserve_config_changed_prints_only_what_was_set(
     assert config.worker.model_fields_set == set()  # the launcher's demo choices still apply
     assert cli.main(["config"]) == 0
     assert capsys.readouterr().out.startswith("# Every key")
+    # With a secret set, what --changed prints does not load back as it was: it says so.
+    monkeypatch.setenv("QOS_NATS__PASSWORD", "nats-secret-8")
+    assert cli.main(["config", "--changed"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Secrets show as ***") and "nats-secret-8" not in out
 
 
 def test_an_address_the_machine_lacks_or_a_port_out_of_range_is_said_as_such(
@@ -225,7 +236,7 @@ def test_a_deployment_config_s_tls_and_credentials_do_not_reach_the_local_server
     prod = tmp_path / "prod.yaml"
     prod.write_text(
         "nats: {url: tls://nats:4222, user: qos-gateway, password: pw, tls_ca_file: /ca.pem,"
-        " tls_handshake_first: true, token: t}\n"
+        " tls_handshake_first: true, token: t, replicas: 3}\n"
         "redis: {url: 'rediss://r:6380/0', username: u, password: pw, tls_ca_file: /ca.pem,"
         " tls_cert_file: /c.pem, tls_key_file: /k.pem}\n"
     )
@@ -241,6 +252,32 @@ def test_a_deployment_config_s_tls_and_credentials_do_not_reach_the_local_server
     assert not cfg.nats.password and not cfg.nats.token
     assert (cfg.redis.username, cfg.redis.tls_ca_file, cfg.redis.password) == (None, None, "")
     assert (cfg.redis.tls_cert_file, cfg.redis.tls_key_file) == (None, None)
+    assert cfg.nats.replicas == 1  # a single local server refuses a cluster's stream replicas
+
+
+def test_the_stacks_ports_never_collide_with_the_gateways_or_each_other() -> None:
+    """`--port 9300` (or 4222, 6379): the port was free when each server was placed, so
+    the scheduler took it first and the gateway, binding last, failed."""
+    from common.launcher import _port_or_free
+
+    for gateway in (9300, 4222, 6379):
+        taken = {gateway}
+        chosen = [_port_or_free(p, taken) for p in (4222, 6379, 9300)]
+        assert len({gateway, *chosen}) == 4, (gateway, chosen)
+
+
+def test_a_bad_flag_or_replica_count_is_one_line_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--device gpu started NATS, Redis, the scheduler, the gateway and every worker, which
+    each exited 2; --replicas short=x exited 1 with no prefix."""
+    for flags in (["--device", "gpu"], ["--replicas", "short=x"]):
+        state = tmp_path / flags[0].strip("-")
+        argv = [*flags, "--engine", "sim", "--port", "0", "--state-dir", str(state)]
+        assert launcher.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("qosserve up: ") and len(err.splitlines()) == 1, err
+        assert not (state / "nats").exists()  # nothing started
 
 
 def test_a_dead_childs_log_tail_is_this_runs_not_an_earlier_ones(tmp_path: Path) -> None:
@@ -277,3 +314,18 @@ def test_a_model_folder_that_is_not_one_is_one_line_and_starts_nothing(
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert ("no such folder" if folder == "nowhere" else "no config.json") in err
     assert not (tmp_path / "state" / "nats").exists()
+
+
+def test_a_closed_stdout_does_not_cut_the_shutdown_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`qosserve up | tee up.log`, then Ctrl-C: tee dies too, and the shutdown's first line
+    raised BrokenPipeError, skipping the drain and the servers' stop."""
+
+    class Closed:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError
+
+        def flush(self) -> None:
+            raise BrokenPipeError
+
+    monkeypatch.setattr("sys.stdout", Closed())
+    launcher._say("stopping …")  # says nothing, raises nothing
