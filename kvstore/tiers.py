@@ -468,9 +468,13 @@ class KVTiers:
         c = self.host_counters
         t0 = time.perf_counter()
         for i, h in enumerate(hashes):
+            # One held already (a host hit evicted from the device again) is only refreshed:
+            # no bytes move, and counted as stored it inflated the host's store GB/s.
+            kept = h in self.host
             if self.host.put(h, data[i]):
-                c.store_blocks += 1
-                c.store_bytes += self.host.block_bytes
+                if not kept:
+                    c.store_blocks += 1
+                    c.store_bytes += self.host.block_bytes
             else:
                 c.drops += 1
         c.stores += 1
@@ -508,6 +512,11 @@ class KVTiers:
         self._io.abandon()  # what is still in flight ends now, not at a trickling server's pace
         self._readers.shutdown(wait=True, cancel_futures=True)
         self._writers.shutdown(wait=True, cancel_futures=True)
+        with self._lock:  # stores cancelled unwritten: dropped, and counted so
+            left = self._queued_bytes
+            self._queued_bytes = 0
+            if left:
+                self.redis_counters.drops += max(1, left // max(1, self.block_bytes))
         if self._bulk is not None:
             self._bulk.close()
 

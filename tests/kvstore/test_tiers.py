@@ -462,3 +462,36 @@ def test_a_silent_redis_is_reported_as_such_not_as_a_slow_one(
         finally:
             os.kill(server.pid, signal.SIGCONT)
     assert "load failed" in caplog.text and "slower than" not in caplog.text
+
+
+def test_stores_cancelled_at_close_are_counted_as_dropped(
+    fresh_redis_server: Callable[..., RedisServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close whose flush timed out cancelled the queued stores without a word: the queue
+    read non-empty for good and the lost blocks showed in no counter."""
+    server = fresh_redis_server()
+    assert server.pid is not None
+    config = RedisConfig(url=server.url, socket_timeout_s=0.5)
+    tiers = make(config, write_threads=1, batch_bytes=LAYOUT.block_bytes)
+    os.kill(server.pid, signal.SIGSTOP)  # the first write hangs; the rest wait behind it
+    try:
+        tiers.store_async(HASHES, blocks(len(HASHES)))
+        monkeypatch.setattr(tiers, "flush", lambda timeout_s=10.0: False)  # gave up waiting
+        tiers.close()
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    stats = tiers.stats()
+    assert stats.store_queue_bytes == 0
+    assert stats.redis.drops + stats.redis.store_blocks == len(HASHES)
+
+
+def test_a_block_the_host_tier_holds_already_is_refreshed_not_counted_as_stored() -> None:
+    """A host hit evicted from the device again is offered again: nothing is copied, and
+    counting it as stored inflated the host's store bytes and GB/s."""
+    with KVTiers(None, host_capacity_bytes=4 * LAYOUT.block_bytes, pin_host=False) as tiers:
+        tiers.bind("dummy:tiny", 0, LAYOUT)
+        data = blocks(2)
+        tiers.offload(HASHES[:2], data)
+        tiers.offload(HASHES[:2], data)
+        host = tiers.stats().host
+    assert (host.store_blocks, host.store_bytes) == (2, 2 * LAYOUT.block_bytes)
