@@ -118,7 +118,7 @@ class RecordedSpan(Span, ReadableSpan):
     _events: Sequence[Event] = ()
     _links: Sequence[Link] = ()
     _instrumentation_info = None
-    _context: SpanContext | None = None  # built when asked (logs, export)
+    _built_context: SpanContext | None = None  # built when asked (logs, export)
 
     def __init__(
         self,
@@ -220,15 +220,21 @@ class RecordedSpan(Span, ReadableSpan):
         return f"00-{self.trace_id:032x}-{self.span_id:016x}-{'01' if self.recording else '00'}"
 
     def get_span_context(self) -> SpanContext:
-        if self._context is None:
-            self._context = SpanContext(
+        if self._built_context is None:
+            self._built_context = SpanContext(
                 self.trace_id,
                 self.span_id,
                 is_remote=False,
                 trace_flags=_SAMPLED if self.recording else _NOT_SAMPLED,
                 trace_state=self.trace_state,
             )
-        return self._context
+        return self._built_context
+
+    @property
+    def _context(self) -> SpanContext:  # type: ignore[override]
+        # What the SDK's ReadableSpan reads directly (to_json, the console exporter): a
+        # span built on the export thread had none, and printed "context": null.
+        return self.get_span_context()
 
     @property
     def context(self) -> SpanContext:

@@ -217,6 +217,11 @@ class Generator:
                     classified = replace(classified, max_tokens=wider)
         except QosError as exc:
             self._metrics.finished(group_label, exc.http_status)
+            if self._tracer is not None:
+                traced.rejected(
+                    self._tracer, request.scope, kind=kind, model=self._model,
+                    group=None if group_label == "-" else group_label, error=exc.code,
+                )  # fmt: skip
             raise
         except ClientGone:
             self._metrics.finished(group_label, 499)
@@ -267,6 +272,11 @@ class Generator:
         except QosError as exc:
             self._land(flight, status=exc.http_status)
             exc.request_headers = flight.headers
+            if self._tracer is not None:
+                traced.rejected(
+                    self._tracer, request.scope, kind=kind, model=self._model,
+                    group=route.group, error=exc.code,
+                )  # fmt: skip
             raise
         finally:
             if not streaming:

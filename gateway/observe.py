@@ -56,14 +56,21 @@ class ObserveMiddleware:
             if isinstance(decided, ServerCall):
                 span = decided  # log lines name it; no OpenTelemetry context is built
                 token = bind_trace(decided.trace_id, decided.span_id)
-            elif decided is not None and not isinstance(decided, Unsampled):
+            elif isinstance(decided, Unsampled):
+                # Nothing recorded, but its log lines still carry the trace id the next hops
+                # follow (as the SDK's log correlation does for an unsampled span).
+                token = bind_trace(decided.trace_id, decided.span_id)
+            elif decided is not None:
                 span = decided
                 token = context.attach(trace.set_span_in_context(span))
         logged = self.access_log and access.isEnabledFor(
             logging.DEBUG if path in _QUIET else logging.INFO
         )
         if span is None and not logged:
-            await self.app(scope, receive, send)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                unbind_trace(token)
             return
         started = time.perf_counter()
         seen: dict[str, Any] = {"status": 500}
@@ -94,10 +101,10 @@ class ObserveMiddleware:
                 self._end_span(span, scope["method"], route, status)
             if logged:  # still under the request's trace id
                 self._log(scope, path, status, started, seen)
-            if isinstance(span, ServerCall):
-                unbind_trace(token)
-            elif span is not None:
+            if span is not None and not isinstance(span, ServerCall):
                 context.detach(token)
+            else:
+                unbind_trace(token)
 
     @staticmethod
     def _end_span(span: Span, method: str, route: str | None, status: int) -> None:

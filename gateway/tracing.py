@@ -216,6 +216,31 @@ def admitted(
     return span
 
 
+def rejected(
+    tracer: Tracer, scope: Any, *, kind: str, model: str, group: str | None, error: str
+) -> None:
+    """A request refused or failed with ``error`` (a QosError's code): ``error.type`` on the
+    server span, and, for one refused before admission (a 429, a 400), what
+    :func:`admitted` would have said of it: refusals are what a QoS trace is looked at for,
+    and they showed only their HTTP fields."""
+    span: Decided = scope.get(SCOPE_KEY)
+    if span is None or isinstance(span, Unsampled):
+        return
+    shared = (
+        ("http.request.method", scope["method"]), ("url.path", scope["path"]),
+        (t.OPERATION, OPERATIONS.get(kind, kind)), (t.REQUEST_MODEL, model), (t.GROUP, group),
+    )  # fmt: skip
+    if isinstance(span, ServerCall):
+        if span.end_ns:  # queued already: the export thread may be building it
+            return
+        span.attributes["error.type"] = error
+        if len(span.shared) < len(shared):  # not admitted: the middleware's two only
+            span.shared = shared
+        return
+    span.set_attribute("error.type", error)
+    t.set_constants(span, t.constants(tracer, shared))
+
+
 def publishing(
     tracer: Tracer,
     decided: Decided,

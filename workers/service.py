@@ -216,6 +216,9 @@ class WorkerService:
         self._cap_set_at: float | None = None  # when a cap below the group max was last set
         self._inflight: dict[str, Flight] = {}
         self._starting: dict[asyncio.Task[None], Msg] = {}  # fetched, not in the engine yet
+        # Their flights, once made (by message id): an admission that fails or is cancelled
+        # before the flight is in flight still ends its attempt's span.
+        self._admitting: dict[int, Flight] = {}
         self._aborted = RecentIds()
         self._gateways = GatewayWatch(config.worker.orphan_after_s)
         self._accepting = False
@@ -423,8 +426,12 @@ class WorkerService:
 
     async def _serve(self, msg: Msg) -> None:
         task = asyncio.current_task()
+        outcome = "failed"
         try:
             await self._admit(msg)
+        except asyncio.CancelledError:  # stopping: _wait_idle hands the message back
+            outcome = "handed_back"
+            raise
         except Exception as exc:
             for rid, st in list(self._inflight.items()):
                 if st.msg is msg:  # half-admitted: forget it, the engine never got it
@@ -438,6 +445,10 @@ class WorkerService:
             if code is not None:  # given up, on its last delivery
                 self.observer.failed(self.group, code)
         finally:
+            started = self._admitting.pop(id(msg), None)
+            if started is not None and self._inflight.get(started.request.id) is not started:
+                # Not in flight: its span ends here (a no-op when its answer ended it).
+                self.observer.abandoned(started, outcome)
             if task is not None:
                 self._starting.pop(task, None)
             self._poke()
@@ -505,6 +516,7 @@ class WorkerService:
             return  # the caller's mistake (see _complete)
         st = Flight(req, msg, attempt, start=_started_at(req, msg))
         self.observer.fetched(st, msg, self.group)
+        self._admitting[id(msg)] = st
         if req.deadline_ms is not None and time.time() * 1000 >= req.deadline_ms:
             await self._send_error(
                 st, DeadlineExceededError("the request's deadline passed before it started")

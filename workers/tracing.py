@@ -275,10 +275,12 @@ def _phases(metrics: Any, fetched_at: float) -> list[tuple[str, float, float]]:
     phases: list[tuple[str, float, float]] = []
     if scheduled is None:
         return phases
-    phases.append(("queue", fetched_at, max(fetched_at, scheduled)))
     # Reading KV-tier blocks (host memory, Redis) at admission; none without a tier hit
-    # (and from the sim), rather than a made-up span.
+    # (and from the sim), rather than a made-up span. The queue ends where it begins: the
+    # request is scheduled once its blocks are in (the queue held the load, overlapping it).
     kv_start = getattr(metrics, "kv_load_start", None)
+    queued_until = scheduled if kv_start is None else min(kv_start, scheduled)
+    phases.append(("queue", fetched_at, max(fetched_at, queued_until)))
     if kv_start is not None:
         phases.append(("kv load", kv_start, kv_start + metrics.kv_load_s))
     if first is not None:

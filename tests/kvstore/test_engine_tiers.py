@@ -526,6 +526,8 @@ def test_a_request_that_loads_from_the_tier_times_the_load_for_its_trace(
     assert start <= loaded.first_scheduled_time  # type: ignore[attr-defined]
     phases = {name: (a, b) for name, a, b in _phases(loaded, start - 1)}
     assert phases["kv load"] == (start, start + took)
+    # The queue ends as the load begins: it ran to the scheduling, over the load, before.
+    assert phases["queue"] == (start - 1, start)
 
 
 def test_a_write_through_copy_that_fails_costs_the_blocks_not_the_step(tiny_llama: Path) -> None:

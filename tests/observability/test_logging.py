@@ -161,9 +161,18 @@ async def test_the_access_log_has_method_path_status_group_duration_and_request_
             "/v1/short/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
         )
         bad = await http.post("/v1/short/completions", json={"model": MODEL, "top_p": 7})
+        # The client's trace, sampled out (flag 00): nothing recorded, the trace id logged.
+        unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+        out = await http.post(
+            "/v1/short/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={"traceparent": unsampled},
+        )  # fmt: skip
     lines = [json.loads(line) for line in access_lines.getvalue().splitlines()]
     posts = [line for line in lines if line["method"] == "POST"]
-    assert [line["status"] for line in posts] == [ok.status_code, bad.status_code] == [200, 400]
+    assert [line["status"] for line in posts] == [ok.status_code, bad.status_code, 200] == [
+        200, 400, out.status_code
+    ]  # fmt: skip
+    assert posts[2]["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
     first = posts[0]
     assert first["path"] == "/v1/short/completions" and first["group"] == "short"
     assert first["request_id"] == ok.headers["x-request-id"]

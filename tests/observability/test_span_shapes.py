@@ -407,3 +407,19 @@ def test_a_gateway_request_built_by_the_export_thread_is_the_span_built_at_once(
     assert "gen_ai.request.top_p" not in server.attributes
     assert all(s.start_time <= s.end_time for s in deferred)
     batch.shutdown()
+
+
+def test_the_console_exporter_prints_the_ids_of_spans_built_on_the_export_thread() -> None:
+    """The SDK's ReadableSpan.to_json reads _context directly, which a recorded span built
+    from plain values (a gateway request, a phase) never set: the console exporter printed
+    "context": null, and its lines could not be put together into a trace."""
+    import json
+
+    tracer, batch, _ = batch_tracer("g")
+    parent = parse(TRACEPARENT)
+    call = gateway_tracing.ServerCall(tracer, parent.trace_id, parent, "POST", "/v1/completions")
+    call.end(200, "/v1/completions")
+    printed = json.loads(call.build().to_json())  # what ConsoleSpanExporter prints
+    assert printed["context"]["trace_id"] == f"0x{parent.trace_id:032x}"
+    assert printed["context"]["span_id"] == f"0x{call.span_id:016x}"
+    batch.shutdown()

@@ -356,3 +356,68 @@ def test_tracestate_is_forwarded_as_whole_well_formed_members_within_the_limits(
     out = {}
     forward_traceparent({"traceparent": TRACEPARENT, "tracestate": ",".join(members)}, out)
     assert out["traceparent"] == TRACEPARENT and out["tracestate"] == cleaned
+
+
+async def test_an_attempt_stopped_while_it_was_admitted_still_ends_its_span(
+    config: Config, start_worker: StartWorker, traced: Traced, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delivery cancelled (or failing) before it was in flight here (waiting on its
+    resume answer, its prompt being tokenized) never ended its span: a trace of a request
+    handed back then showed only the next worker's attempt."""
+    import threading
+
+    import common.nats as qnats
+    from common.protocol import GenerateRequest, RequestParams
+    from workers import service as worker_service
+
+    gate = threading.Event()
+
+    def slow_encode(engine: object, prompt: str) -> list[int]:
+        gate.wait(5)  # a long prompt being tokenized when the stop comes
+        return [1, 2]
+
+    monkeypatch.setattr(worker_service, "encode_prompt", slow_encode)
+    worker = await start_worker("w-stopped", tracer_provider=traced.provider)
+    subjects = Subjects(config.nats.subject_prefix)
+    nc = await qnats.connect(config.nats, "admission-cancelled")
+    try:
+        text = "x" * (worker_service.OFFLOAD_TOKENIZE_CHARS + 1)
+        request = GenerateRequest(id="adm-1", group="short", reply=subjects.out("adm-1"),
+                                  prompt=text, params=RequestParams(max_tokens=2))  # fmt: skip
+        await nc.jetstream().publish(subjects.request("short"), request.to_bytes())
+        for _ in range(200):
+            if worker._starting:
+                break
+            await asyncio.sleep(0.02)
+        assert worker._starting  # fetched, not in flight yet
+        await asyncio.sleep(0.2)  # its span started, its prompt in the tokenizer
+        await worker.stop(grace_s=0)
+    finally:
+        gate.set()
+        await nc.close()
+    spans = await traced.wait_for(lambda s: bool(by_kind(s, SpanKind.CONSUMER)))
+    (attempt,) = by_kind(spans, SpanKind.CONSUMER)
+    assert attempt.attributes["qos.outcome"] == "handed_back"
+
+
+async def test_a_refused_request_s_server_span_says_what_it_asked_for_and_why_it_failed(
+    config: Config, traced: Traced
+) -> None:
+    """Refused at admission (no worker: 503) or validation (400), a request's server span
+    had only its HTTP fields: no operation, model, group or error.type, on exactly the
+    requests a QoS trace is looked at for."""
+    async with (
+        serve(config, tracer_provider=traced.provider) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=20) as http,
+    ):
+        unserved = await http.post("/v1/long/completions",
+                                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2})  # fmt: skip
+        invalid = await http.post("/v1/long/completions", json={"model": MODEL, "top_p": 7})
+    assert (unserved.status_code, invalid.status_code) == (503, 400)
+    spans = await traced.wait_for(lambda s: len(by_kind(s, SpanKind.SERVER)) == 2)
+    refused, bad = sorted(by_kind(spans, SpanKind.SERVER), key=lambda s: s.start_time or 0)
+    for span, error in ((refused, "service_unavailable"), (bad, "invalid_value")):
+        assert span.attributes["gen_ai.operation.name"] == "text_completion"
+        assert span.attributes["gen_ai.request.model"] == MODEL
+        assert span.attributes["error.type"] == error
+    assert refused.attributes["qos.group"] == "long" and "qos.group" not in bad.attributes
