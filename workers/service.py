@@ -395,7 +395,7 @@ class WorkerService:
             await self._hand_back(msg)
         for st in list(self._inflight.values()):
             await self._flush(st)  # what was generated reaches the caller; the next replica resumes
-            self._inflight.pop(st.request.id, None)
+            self._forget(st)
             self._abort_in_engine(st)
             await self._hand_back(st.msg)
             self.observer.abandoned(st, "handed_back")
@@ -487,8 +487,7 @@ class WorkerService:
                     log.info("request %s: delivery %d here, another replica held it since "
                              "our delivery %d; handing it back to resume", req.id, attempt,
                              existing.attempt)  # fmt: skip
-                    self._inflight.pop(req.id, None)
-                    self._coalescing.pop(req.id, None)  # its buffered tokens: not the next's
+                    self._forget(existing)  # its buffered tokens too: not the next's
                     self._abort_in_engine(existing)
                     self.observer.abandoned(existing, "handed_back")
                     await self._hand_back(msg, delay=RESUME_RETRY_S)
@@ -618,16 +617,19 @@ class WorkerService:
         if twin is not None:
             # Another delivery of this id got in while this one awaited (a resume answer, a
             # tokenizer thread): one engine request per id, one answer on its reply.
-            if _stream_seq(twin.msg) == _stream_seq(msg):  # our own message, delivered again
-                if attempt > twin.delivered:
-                    twin.msg, twin.delivered = msg, attempt
-            else:
+            if _stream_seq(twin.msg) != _stream_seq(msg):
                 log.warning(
                     "request %s: a second message with this id is in flight; terminated", req.id
                 )
                 await settle(msg.term)
-            self.observer.abandoned(st, "duplicate")
-            return
+                self.observer.abandoned(st, "duplicate")
+                return
+            if attempt <= max(twin.attempt, twin.delivered):
+                self.observer.abandoned(st, "duplicate")  # an older delivery: ours goes on
+                return
+            # A later delivery of our own message, resumed since: its caller now follows
+            # this attempt, and ignores the twin's chunks (stamped with the older one).
+            self._retire(twin, "superseded")
         self._inflight[req.id] = st
         st.engine_id = f"{req.id}@{next(self._flight_numbers)}"
         assert self.bridge is not None
@@ -704,9 +706,8 @@ class WorkerService:
             await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
         except Exception:
             log.exception("request %s: ending it failed too", st.request.id)
-            self._inflight.pop(st.request.id, None)
-            self._coalescing.pop(st.request.id, None)
-            await settle(st.msg.term)
+            self._forget(st)
+            await self._hand_back(st.msg)  # its caller may have heard nothing: another replica
 
     async def _on_event(self, event: BridgeEvent) -> None:
         st = self._flight_of(event)
@@ -778,7 +779,8 @@ class WorkerService:
         self.observer.chunk(st, chunk)
 
     async def _flush(self, st: Flight) -> None:
-        self._coalescing.pop(st.request.id, None)
+        if self._coalescing.get(st.request.id) is st:
+            del self._coalescing[st.request.id]
         if st.has_pending:
             chunk = st.take_chunk(self.worker_id)
             self._count(st, chunk)
@@ -790,8 +792,7 @@ class WorkerService:
 
     async def _complete(self, st: Flight, chunk: Chunk, *, error: bool) -> None:
         """Publish the last chunk, then ack: the request is answered (no redelivery)."""
-        self._inflight.pop(st.request.id, None)
-        self._coalescing.pop(st.request.id, None)
+        self._forget(st)
         self._count(st, chunk)
         await self._publish(st, chunk)
         await settle(st.msg.ack)
@@ -1066,6 +1067,22 @@ class WorkerService:
             self._tasks = [t for t in self._tasks if not t.done()]
             self._tasks.append(task)
 
+    def _retire(self, st: Flight, outcome: str) -> None:
+        """Stop ``st`` here unanswered (another flight of its id, here or elsewhere, goes
+        on): out of the books, its engine request aborted, its span ended."""
+        self._forget(st)
+        self._abort_in_engine(st)
+        self.observer.abandoned(st, outcome)
+
+    def _forget(self, st: Flight) -> None:
+        """Take ``st`` out of the books: only ``st`` itself, never a later flight of its id
+        (a stale flight's end would evict the live one, its request running for nobody)."""
+        rid = st.request.id
+        if self._inflight.get(rid) is st:
+            del self._inflight[rid]
+        if self._coalescing.get(rid) is st:
+            del self._coalescing[rid]
+
     def _abort_in_engine(self, st: Flight) -> None:
         """Stop ``st``'s engine request (its own, not a later flight's of the same id)."""
         if self.bridge is not None and st.engine_id:
@@ -1091,10 +1108,7 @@ class WorkerService:
             return  # not here, or this replica holds that delivery (or a later one)
         log.info("request %s: delivery %d resumed it elsewhere; stopping ours (delivery %d)",
                  request_id, attempt, max(st.attempt, st.delivered))  # fmt: skip
-        del self._inflight[request_id]
-        self._coalescing.pop(request_id, None)
-        self._abort_in_engine(st)
-        self.observer.abandoned(st, "superseded")
+        self._retire(st, "superseded")
         self._poke()
 
     async def assign_group(self, group: str, batch_cap: int | None = None) -> None:
