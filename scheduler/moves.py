@@ -41,13 +41,21 @@ class PendingMoves:
         self._pending[move.worker] = PendingMove(move, now + self.deadline_s, cooldown_until)
 
     def settle(
-        self, groups: Mapping[str, str], now: float
+        self, reports: Mapping[str, tuple[str, str]], now: float
     ) -> tuple[list[PendingMove], list[PendingMove]]:
         """(done, failed): the moves whose worker now reports from its destination
-        (``groups``: worker -> the group of its latest report), and those past their
-        deadline without that. Both leave the pending set."""
-        done = [p for p in self._pending.values() if groups.get(p.move.worker) == p.move.dst]
-        failed = [p for p in self._pending.values() if p not in done and now >= p.deadline]
+        (``reports``: worker -> (group, state) of its latest report), and those past their
+        deadline without that. A worker still draining in its source group is not past it:
+        a request it held runs to its end (the long group drains for a minute), and a move
+        counted failed then let a second replica leave the same group. Both leave the
+        pending set."""
+        done, failed = [], []
+        for p in self._pending.values():
+            group, state = reports.get(p.move.worker, ("", ""))
+            if group == p.move.dst:
+                done.append(p)
+            elif now >= p.deadline and not (group == p.move.src and state == "draining"):
+                failed.append(p)
         for p in (*done, *failed):
             del self._pending[p.move.worker]
         return done, failed

@@ -66,7 +66,7 @@ from scheduler.history import KEY_PREFIX as HISTORY_PREFIX
 from scheduler.history import DemandHistory
 from scheduler.lease import Lease
 from scheduler.metrics import SchedulerMetrics
-from scheduler.moves import MOVE_DRAIN_S, PendingMoves, after_failure
+from scheduler.moves import MOVE_DRAIN_S, PendingMove, PendingMoves, after_failure
 from scheduler.rebalancer import (
     GroupView,
     Move,
@@ -529,19 +529,22 @@ class SchedulerService:
             batch_cap=self._cap_for(move.dst, self.breakers[move.dst].state),
             reason=f"rebalance: {move.reason}",
         )
+        until = self.rebalancer_state.cooldown_until.get(f"worker:{move.worker}", 0.0)
         if not await self._publish(self.subjects.control(move.worker), control):
+            # Not sent: nothing moves, so neither group is held by the cooldowns it set.
+            failed = PendingMove(move, self._clock(), until)
+            self.rebalancer_state = after_failure(self.rebalancer_state, failed, self._clock(), 0.0)
             return
         self.moves.append(move)
         # Counted as moved once a report shows it in ``dst`` (see scheduler.moves).
-        until = self.rebalancer_state.cooldown_until.get(f"worker:{move.worker}", 0.0)
         self.pending_moves.ordered(move, self._clock(), until)
         log.info("moving worker %s from %s to %s: %s", move.worker, move.src, move.dst, move.reason)
 
     def _settle_moves(self, now: float) -> None:
         """Count the moves reports show done; a move not done by its deadline is counted
         failed, and the next decision may take another replica from the same groups."""
-        groups = {report.worker: report.group for report in self.windows.workers()}
-        done, failed = self.pending_moves.settle(groups, now)
+        reports = {r.worker: (r.group, r.state) for r in self.windows.workers()}
+        done, failed = self.pending_moves.settle(reports, now)
         for pending in done:
             self.metrics.moves.labels(pending.move.src, pending.move.dst).inc()
         for pending in failed:

@@ -146,6 +146,25 @@ async def test_a_replica_that_never_moves_counts_failed_and_the_next_idle_one_go
         assert moves_counted(service, "qos_rebalance_moves_total") == 0
 
 
+async def test_a_replica_still_draining_past_the_move_deadline_has_not_failed_to_move(
+    nats_config,
+):
+    """A request the replica fetched before the order runs to its end (the long group
+    drains for a minute) past the 30 s deadline: counted failed, the move lifted short's
+    cooldown and the next decision took a second replica out of it."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        assert await long_backlog_rounds(service, now, ("a", "b")) == ["a"]
+        now[0] += service.pending_moves.deadline_s
+        draining = Telemetry(worker="a", group="short", ts_ms=0, state="draining")
+        service.windows.observe(draining, now[0])
+        await long_backlog_rounds(service, now, ("b",), rounds=3)
+        assert moves_counted(service, "qos_rebalance_moves_failed_total") == 0
+        assert [m.worker for m in service.moves] == ["a"]  # b stays: short keeps its cooldown
+        service.windows.observe(Telemetry(worker="a", group="long", ts_ms=0), now[0])
+        await service.rebalance()
+        assert moves_counted(service, "qos_rebalance_moves_total") == 1
+
+
 async def test_a_move_counts_once_the_replica_reports_from_its_new_group(nats_config):
     async with hand_driven(make_config(nats_config)) as (service, now):
         assert await long_backlog_rounds(service, now, ("a", "b")) == ["a"]
