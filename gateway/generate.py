@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import time
@@ -271,13 +272,16 @@ class Generator:
             return Response(status_code=499)
         except QosError as exc:
             self._land(flight, status=exc.http_status)
-            exc.request_headers = flight.headers
             if self._tracer is not None:
                 traced.rejected(
                     self._tracer, request.scope, kind=kind, model=self._model,
                     group=route.group, error=exc.code,
                 )  # fmt: skip
-            raise
+            # A copy: one error may end many requests (a shutdown fails every open stream
+            # with one), and each answer names its own request.
+            answer = copy.copy(exc)
+            answer.request_headers = flight.headers
+            raise answer from None
         finally:
             if not streaming:
                 self._land(flight, status=500)  # a no-op unless something unexpected broke

@@ -51,11 +51,15 @@ class Intake:
         connected: Callable[[], bool] = lambda: True,
         on_failure: Callable[[str], None] | None = None,
         hand_back: Callable[[Msg], Awaitable[None]] | None = None,
+        draining: Callable[[], bool] = lambda: True,
     ) -> None:
         self.psub = psub
         # How a fetched message this replica will not serve goes back (default: nak).
         self._hand_back = hand_back or (lambda msg: settle(msg.nak))
         self._ready = ready
+        # Not ready because it serves no more (drained, stopping), not merely full: only
+        # then is a late message handed back while paused (full, a slot frees soon).
+        self._draining = draining
         self._connected = connected
         self._on_failure = on_failure
         self._accept = accept
@@ -109,7 +113,8 @@ class Intake:
                 # A message that landed late must not wait out this pause unacknowledged
                 # (redelivered elsewhere at ack_wait, then served here too): looked for at
                 # once and again a fetch timeout later, when any late answer is in.
-                await self._hand_back_local()
+                if self._draining():
+                    await self._hand_back_local()
                 if not self._stop and not self._ready():  # re-check: no lost wake-up
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self._timeout)

@@ -347,6 +347,7 @@ class WorkerService:
             connected=lambda: self.nc is not None and self.nc.is_connected,
             on_failure=self._cannot_serve,
             hand_back=self._hand_back,
+            draining=lambda: not self._accepting,
         )
         self._intake.start()
         await qnats.barrier(self.nc)  # the server has our subscriptions before we say we serve

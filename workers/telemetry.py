@@ -207,7 +207,8 @@ class Reporter:
             await nc.publish(subject, message.to_bytes())
         except Exception as exc:
             log.warning("telemetry publish failed: %s", exc)
-            return
+            if message.state != "stopped":  # the last heartbeat still goes: see below
+                return
         if kv is None:
             return
         pending = self._writing
