@@ -215,6 +215,23 @@ def test_a_waiting_request_whose_device_hit_grows_is_counted_as_queried_once(
     assert tier.counted.count(True) == 2 + preempted and len(tier.counted) > 2 + preempted
 
 
+def test_a_device_hit_grown_into_the_tiers_answer_is_served_by_that_answer() -> None:
+    """Another request naming the blocks they share grew a waiting request's device hit
+    into the prefix the tier had claimed: it was asked again (a Redis round trip on the
+    engine thread) for what the last answer already said."""
+    from workers.engine.batcher import Batcher
+    from workers.engine.block_pool import BlockPool
+    from workers.engine.request import Request
+
+    tier = VanishingTier(claims=True)
+    pool = BlockPool(64, BS, watermark=0.0)
+    batcher = Batcher(pool, "hybrid", 4, 64, kv_tier=tier)  # type: ignore[arg-type]
+    req = Request(request_id="r", prompt_token_ids=prompt(60, 9 * BS), params=GREEDY)
+    assert batcher._tier_lookup(req, 0) == 8 * BS  # the last block is always computed
+    assert batcher._tier_lookup(req, 3) == 5 * BS  # 3 of them on the device now
+    assert tier.lookups == 1
+
+
 class RaisingTier(VanishingTier):
     """Breaks the tier's promise not to raise: in ``lookup`` or in ``load``."""
 

@@ -312,10 +312,15 @@ class Batcher:
         seen = self._tier_seen.get(req.request_id)
         if (
             seen is not None
-            and seen[:2] == (req.num_tokens, first)
+            and seen[0] == req.num_tokens
             and self.timer() - seen[3] < TIER_LOOKUP_REUSE_S
         ):
-            return seen[2]
+            # The last answer still says it, from a device hit that grew into the tier's
+            # prefix as well (another request named the blocks they share): those blocks
+            # are on the device now, and the tier's prefix from there is what was left.
+            grown = (first - seen[1]) * bs
+            if 0 <= grown <= seen[2]:
+                return seen[2] - grown
         # Asked again unless its tokens changed: a device hit that grew meanwhile (another
         # request's prefill named the shared blocks) only narrows what was counted already.
         fresh = seen is None or seen[0] != req.num_tokens
