@@ -354,3 +354,27 @@ def test_before_min_tokens_a_stop_prefix_is_still_held_and_only_later_ends_count
     straddle = StopStringMatcher(["kbo"])
     assert straddle.feed("kk", match=False) == ("k", False)
     assert straddle.feed("bo") == ("", True)  # the output ends before the held "k"
+
+
+@pytest.mark.parametrize("ids", [[0xEF, 0xBF, 0xBD, 257], [0xE4, 257], [0x68, 0xE4, 0xBD, 257]])
+def test_a_hidden_eos_after_held_back_bytes_releases_them_as_decode_shows_them(
+    ids: list[int],
+) -> None:
+    """Fed to the detokenizer and its piece dropped, the EOS took what was held back before
+    it (a replacement character, an unfinished one) with it: the output ended short of
+    decode(ids, skip_special_tokens=True)."""
+    from types import SimpleNamespace
+
+    from common.detokenizer import IncrementalDetokenizer
+    from workers.engine.sampling_params import SamplingParams
+    from workers.engine.stopping import settle_token
+
+    tok = ByteTokenizer()
+    req = SimpleNamespace(params=SamplingParams(), detokenizer=IncrementalDetokenizer(tok, [104]),
+                          stop_matcher=None, stop_reason=None, num_output_tokens=0)  # fmt: skip
+    text, reason = "", None
+    for token in ids:
+        req.num_output_tokens += 1
+        piece, reason = settle_token(req, token, {tok.EOS}, False, primary_eos=tok.EOS)
+        text += piece
+    assert reason == "stop" and text == tok.decode(ids, skip_special_tokens=True)

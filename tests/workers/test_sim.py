@@ -153,8 +153,10 @@ EOS = ByteTokenizer.EOS
         ([*b"abxy!"], {"stop": ["xyz"], "stop_token_ids": [ord("!")]}, "abxy", ord("!")),
         # include_stop_str_in_output sends a stop id's own text.
         ([*b"ab!"], {"stop_token_ids": [33], "include_stop_str_in_output": True}, "ab!", 33),
-        # EOS after half a character: the hidden EOS takes the unfinished bytes with it.
-        ([*b"ab\xc3", EOS], {}, "ab", None),
+        # EOS after half a character: the held bytes come out as decode() shows them (they
+        # went with the hidden EOS, and so did a whole "\ufffd" the model had written).
+        ([*b"ab\xc3", EOS], {}, "ab\ufffd", None),
+        ([*b"ab\xef\xbf\xbd", EOS], {}, "ab\ufffd", None),
         # A token that is both EOS and a stop id ends as EOS (stop_reason None), as in vLLM.
         ([*b"a", EOS], {"stop_token_ids": [EOS]}, "a", None),
     ],

@@ -6,7 +6,9 @@ As in vLLM: the first ``min_tokens`` tokens end nothing but the length; EOS (unl
 ``ignore_eos``) comes before a stop token id, whose id is the ``stop_reason`` (so is a
 secondary EOS id's: one the generation config adds to the tokenizer's own, which vLLM
 turns into a stop token id; the tokenizer's EOS reports none); a stop
-token's own text stays out unless ``include_stop_str_in_output``; a stop string cuts the
+token's own text stays out unless ``include_stop_str_in_output`` (what was held back
+before it comes out as ``decode(..., skip_special_tokens=True)`` shows it: vLLM drops it,
+a "\ufffd" the model wrote included); a stop string cuts the
 text where it matched (``stop_reason`` = the string); an output ending any other way
 releases what was held back (an unfinished character, a partial stop string), which can
 still complete a stop string.
@@ -43,8 +45,11 @@ def settle_token(
     hidden = reason is not None and not params.include_stop_str_in_output
     text = ""
     if req.detokenizer is not None:
-        piece = req.detokenizer.add(token)
-        text = _match_stop(req, "" if hidden else piece, armed)
+        # A stop token kept out of the text is kept out of the decoding too: fed to it, its
+        # piece (and with it what the detokenizer held back before it, an unfinished
+        # character) was dropped whole; what was held goes out now, as decode() shows it.
+        piece = req.detokenizer.flush() if hidden else req.detokenizer.add(token)
+        text = _match_stop(req, piece, armed)
         if reason is None and req.stop_matcher is not None and req.stop_matcher.stopped:
             reason = "stop"
     if reason is None and at_limit:
