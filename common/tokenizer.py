@@ -71,7 +71,7 @@ class BaseTokenizer(ABC):
         to find them in client text in one pass."""
         cached: re.Pattern[str] | bool | None = getattr(self, "_control_pattern", False)
         if cached is False:
-            texts = sorted(self.special_token_texts(), key=len, reverse=True)
+            texts = sorted(self.control_token_texts(), key=len, reverse=True)
             cached = re.compile("|".join(map(re.escape, texts))) if texts else None
             self._control_pattern = cached
         return cached  # type: ignore[return-value]
@@ -79,6 +79,11 @@ class BaseTokenizer(ABC):
     def special_token_texts(self) -> list[str]:
         """The text of every special token (what ``skip_special_tokens`` drops)."""
         return [t for i in self.all_special_ids if (t := self.id_to_token(i))]
+
+    def control_token_texts(self) -> list[str]:
+        """Texts a client must not type (``gateway.reject_control_tokens``): the special
+        tokens'; a tokenizer with added tokens adds its own (see :class:`Tokenizer`)."""
+        return self.special_token_texts()
 
     @property
     def content_parts(self) -> bool:
@@ -247,6 +252,18 @@ class Tokenizer(BaseTokenizer):
         specials = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         specials |= {i for n in self.special_tokens if (i := self._named_id(n, None)) is not None}
         self.all_special_ids = sorted(specials)
+
+    def control_token_texts(self) -> list[str]:
+        """The special tokens' texts, and those of the added tokens the chat templates
+        write: Qwen's ``<tool_call>`` and DeepSeek's ``<think>`` are added tokens not marked
+        special, encoded as their ids all the same, so a client typing one forged a tool call
+        or a thought (transformers counts them as control tokens the same way)."""
+        texts = set(self.special_token_texts())
+        sources = "\n".join(self.chat_templates.values())
+        for token in self._tok.get_added_tokens_decoder().values():
+            if not token.special and token.content.strip() and token.content in sources:
+                texts.add(token.content)
+        return sorted(texts)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:

@@ -316,10 +316,16 @@ class Generator:
         return b"".join(parts)
 
     async def prompt_ids(
-        self, body: CompletionRequest | ChatCompletionRequest, *, big: bool = False
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        *,
+        big: bool = False,
+        chat_special_tokens: bool = False,
     ) -> tuple[list[int], str]:
         """Prompt token ids and the parameter to blame if they are too many. ``big``: the
-        request body is large, so a conversation is prepared and rendered on a thread."""
+        request body is large, so a conversation is prepared and rendered on a thread.
+        ``chat_special_tokens``: a rendered conversation is encoded with the tokenizer's
+        own BOS/EOS too (``/tokenize``'s ``add_special_tokens``; the template has its own)."""
         if isinstance(body, ChatCompletionRequest):
             if self._config.gateway.reject_control_tokens:
                 self._refuse_control_tokens(body)
@@ -348,7 +354,7 @@ class Generator:
                 raise InvalidRequestError(
                     f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
                 ) from None
-            ids = await self.encode(text, add_special_tokens=False)
+            ids = await self.encode(text, add_special_tokens=chat_special_tokens)
             return ids, "messages"
         prompt = body.prompt_input()
         if isinstance(prompt, str):

@@ -76,14 +76,11 @@ async def tokenize(
             add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=body.chat_template_kwargs,
         )
-        ids, _ = await generator.prompt_ids(chat, big=True)
-        if body.add_special_tokens:  # the template's text, with the tokenizer's BOS too
-            tokenizer = generator.tokenizer
-            text = await _off_loop_if(
-                len(ids) > INLINE_DETOKENIZE_IDS,
-                lambda: tokenizer.decode(ids, skip_special_tokens=False),
-            )
-            ids = await generator.encode(text, add_special_tokens=True)
+        # The template's text, with the tokenizer's BOS too when asked: encoded from the
+        # rendered text (decoded from its ids and encoded again, a SentencePiece prefix
+        # space doubled after <s> and the ids came out other than admission's).
+        special = bool(body.add_special_tokens)
+        ids, _ = await generator.prompt_ids(chat, big=True, chat_special_tokens=special)
     else:
         assert body.prompt is not None
         special = True if body.add_special_tokens is None else body.add_special_tokens

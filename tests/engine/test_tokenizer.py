@@ -546,3 +546,22 @@ def test_special_tokens_map_fills_in_for_a_config_saved_before_added_tokens_deco
     cfg["added_tokens_decoder"] = {}
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert "bos_token" not in load_tokenizer(str(folder)).special_tokens
+
+
+def test_added_tokens_the_chat_template_writes_count_as_control_tokens(tmp_path: Path) -> None:
+    """Qwen's <tool_call> (DeepSeek's <think>) is an added token not marked special: left
+    out of the pattern, a user typing it forged a tool call the template's own syntax
+    reads, under gateway.reject_control_tokens."""
+    from tokenizers import AddedToken
+
+    folder = write_hf_folder(tmp_path, config={
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}<tool_call>",
+    })  # fmt: skip
+    rust = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+    rust.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("<unused>")])
+    rust.save(str(folder / "tokenizer.json"))
+    ours = Tokenizer.from_pretrained(folder)
+    pattern = ours.control_token_pattern()
+    assert pattern is not None
+    assert pattern.search("a <tool_call>{} b").group() == "<tool_call>"
+    assert pattern.search("an <unused> one the template never writes") is None

@@ -78,3 +78,29 @@ def _chunk(job: Job, seq: int, ids: list[int], text: str, **kwargs: object) -> b
     from common.protocol import Chunk
 
     return Chunk(id=job.request.id, seq=seq, token_ids=ids, text=text, **kwargs).to_bytes()  # type: ignore[arg-type]
+
+
+async def test_tokenize_counts_a_chat_with_bos_as_the_rendered_text_encodes(
+    nats_config: NatsConfig,
+) -> None:
+    """/tokenize with add_special_tokens decoded the rendered chat's ids and encoded the
+    text again: with a Llama-2-style tokenizer the prefix space came back doubled after
+    <s>, and the ids (and their count) were not those of the rendered text."""
+    import httpx
+
+    from tests.engine.test_tokenizer import sentencepiece_byte_fallback
+
+    base = sentencepiece_byte_fallback()
+    template = "{{ bos_token }}{% for m in messages %}[ {{ m['content'] }} ]{% endfor %}"
+    tok = type(base)(base._tok, {"bos_token": "<s>", "eos_token": "</s>"}, {"default": template})
+    messages = [{"role": "user", "content": "ok ok"}]
+    want = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), True)
+    async with (
+        serve(gateway_config(nats_config), tok) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        counted = await http.post(
+            "/tokenize", json={"messages": messages, "add_special_tokens": True}
+        )
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["tokens"] == want
