@@ -97,9 +97,25 @@ def long_document(
 
 def long_doc_messages(document: str, qa: list[QA], rng: random.Random) -> list[dict[str, str]]:
     """A question about the document, after it."""
-    item = rng.choice(qa)
-    prompt = f"Read this reference and answer the question.\n\n{document}\n\n{item.question}"
+    return long_doc_chat(document, rng.choice(qa).question)
+
+
+def long_doc_chat(document: str, question: str) -> list[dict[str, str]]:
+    prompt = f"Read this reference and answer the question.\n\n{document}\n\n{question}"
     return [{"role": "user", "content": prompt}]
+
+
+def long_doc_probe(qa: list[QA]) -> list[dict[str, str]]:
+    """What goes around a long document at most (the longest question, no document): what
+    the gateway's /tokenize counts of it is the room a document must leave."""
+    return long_doc_chat("", max(qa, key=lambda item: len(item.question)).question)
+
+
+def long_doc_tokens(max_model_len: int, max_tokens: int, around: int) -> int:
+    """The document size that leaves room for the answer in a group of ``max_model_len``:
+    less ``max_tokens`` and what goes ``around`` it (chat template, instruction, question),
+    and a few tokens more, since the document's edges may merge with their neighbours."""
+    return max_model_len - max_tokens - around - 8
 
 
 def short_prompt(qa: list[QA], rng: random.Random) -> list[dict[str, str]]:

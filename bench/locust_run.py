@@ -57,7 +57,8 @@ def summary(rows: list[dict[str, str]]) -> dict[str, Any]:
         "valid_req_s": round(sum(v["req_s"] for k, v in posts.items() if k not in invalid), 2),
         "invalid_requests": sum(v["requests"] for v in invalid.values()),
         "retried_after_429": sum(v["requests"] for v in shed.values()),
-        "invalid_answered_4xx": all(v["failures"] == 0 for v in invalid.values()),
+        # None sent proves nothing: "all of none" read True.
+        "invalid_answered_4xx": bool(invalid) and all(v["failures"] == 0 for v in invalid.values()),
         "request_share_pct": {k: round(100 * n / total, 1) for k, n in kinds.items()}
         if total
         else {},

@@ -38,6 +38,8 @@ from bench.field_mix import (
     invalid_request,
     load_qa,
     long_doc_messages,
+    long_doc_probe,
+    long_doc_tokens,
     long_document,
     parse_mix,
     short_prompt,
@@ -132,10 +134,20 @@ class FieldMixUser(HttpUser):
             FieldMixUser._server = {"model": card["id"], "max_model_len": card["max_model_len"]}
         self.model = FieldMixUser._server["model"]
         long_tokens = options.long_tokens if options else 0
-        self.long_tokens = (
-            long_tokens or FieldMixUser._server["max_model_len"] - self.max_tokens - 16
-        )
+        self.long_tokens = long_tokens or self._longest_document()
         self.tokenizer_path = options.tokenizer if options else str(DEMO_TOKENIZER)
+
+    def _longest_document(self) -> int:
+        """The document size that leaves room for the answer in the long group: its limit
+        less max_tokens and what the chat template and the longest question add, as the
+        gateway's /tokenize counts them (16 tokens of slack was less than the demo model's
+        template and questions take, 26-44: every long document was a 400)."""
+        counted = self.client.post(
+            "/v1/long/tokenize", json={"messages": long_doc_probe(self._qa)},
+            name="/v1/long/tokenize",
+        )  # fmt: skip
+        around = counted.json()["count"] if counted.status_code == 200 else 64
+        return long_doc_tokens(FieldMixUser._server["max_model_len"], self.max_tokens, around)
 
     # --- the mix (task names are the field_mix.MIX keys) -----------------------------------
 
@@ -224,6 +236,15 @@ class FieldMixUser(HttpUser):
         if resp.status_code != 200:
             resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
             return None
+        try:
+            return self._read_stream(resp, name, started, parts)
+        finally:
+            # The row's time is the whole stream, also when it fails part-way (locust puts
+            # failed requests in the row's percentiles: a broken 30 s stream read ~20 ms).
+            resp.request_meta["response_time"] = (time.perf_counter() - started) * 1e3
+
+    def _read_stream(self, resp: Any, name: str, started: float, parts: list[str]) -> str | None:
+        """:meth:`_stream`'s reading: events fired, ``parts`` filled, the text or None."""
         last: float | None = None
         done = False
         try:
@@ -248,8 +269,6 @@ class FieldMixUser(HttpUser):
         except Exception as exc:  # a broken stream is this request's failure, not a crash
             resp.failure(f"stream broke: {exc!r}")
             return None
-        # The row's time is the whole stream, not the time to the response headers.
-        resp.request_meta["response_time"] = (time.perf_counter() - started) * 1e3
         if not done:
             resp.failure("the stream ended without [DONE]")
             return None

@@ -43,11 +43,14 @@ def lcs_length(a: list[str], b: list[str]) -> int:
 
 def rouge_l(candidate: str, reference: str) -> RougeL:
     """ROUGE-L precision, recall and F1 of ``candidate`` against ``reference``. Two texts
-    without words score 1 (Google's rouge-score gives 0): an empty output that matches an
-    empty reference, as two identical runs can, is agreement, not a miss."""
+    without words score 1 when they are equal (Google's rouge-score gives 0): an empty
+    output that matches an empty reference, as two identical runs can, is agreement, not a
+    miss; two different ones ("}" and ")", or text in a script with no a-z0-9 words) score
+    0, as rouge-score has it (1 made any non-Latin golden set read as perfect)."""
     cand, ref = tokens(candidate), tokens(reference)
     if not cand and not ref:
-        return RougeL(1.0, 1.0, 1.0)
+        same = candidate.strip() == reference.strip()
+        return RougeL(1.0, 1.0, 1.0) if same else RougeL(0.0, 0.0, 0.0)
     lcs = lcs_length(cand, ref)
     if lcs == 0:
         return RougeL(0.0, 0.0, 0.0)

@@ -66,15 +66,20 @@ class BaseTokenizer(ABC):
     template_tokens: dict[str, str]  # every named token a chat template sees (a superset)
     chat_templates: dict[str, str]  # template name ("default", "tool_use", ...) -> source
 
-    def control_token_pattern(self) -> re.Pattern[str] | None:
-        """One pattern matching the text of any special token (None when there are none),
-        to find them in client text in one pass."""
-        cached: re.Pattern[str] | bool | None = getattr(self, "_control_pattern", False)
-        if cached is False:
-            texts = sorted(self.control_token_texts(), key=len, reverse=True)
-            cached = re.compile("|".join(map(re.escape, texts))) if texts else None
-            self._control_pattern = cached
-        return cached  # type: ignore[return-value]
+    def control_token_pattern(self, *, template_tokens: bool = True) -> re.Pattern[str] | None:
+        """One pattern matching the text of any control token (None when there are none),
+        to find them in client text in one pass: the special tokens', and with
+        ``template_tokens`` the added tokens' a chat template writes (:meth:`control_token_texts`)."""
+        patterns: dict[bool, re.Pattern[str] | None] = self.__dict__.setdefault(
+            "_control_patterns", {}
+        )
+        if template_tokens not in patterns:
+            found = self.control_token_texts() if template_tokens else self.special_token_texts()
+            texts = sorted(set(found), key=len, reverse=True)
+            patterns[template_tokens] = (
+                re.compile("|".join(map(re.escape, texts))) if texts else None
+            )
+        return patterns[template_tokens]
 
     def special_token_texts(self) -> list[str]:
         """The text of every special token (what ``skip_special_tokens`` drops)."""

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
@@ -471,21 +472,28 @@ class Generator:
     def _refuse_control_tokens(self, body: ChatCompletionRequest) -> None:
         """400 for a message whose text holds a special token's text (gateway config
         ``reject_control_tokens``): encoded, it would be that token, a turn's end or a role."""
-        pattern = self._tok.control_token_pattern()
-        if pattern is None:
+        every = self._tok.control_token_pattern()
+        if every is None:
             return
+        # The added tokens a template writes (<think>, <tool_call>) are the model's own
+        # output, sent back in its assistant turns by every multi-turn client (there is no
+        # reasoning or tool parser here): only the special tokens are refused there.
+        special = self._tok.control_token_pattern(template_tokens=False)
         # Every string the template may print: contents, names, tool arguments, reasoning,
         # and the tools and documents passed through chat_template_kwargs; as sent and as
         # the template gets them: tool arguments decoded from their JSON (a "\u003c" is a
         # "<" there), and a message's content parts run together, as a template that loops
         # over them prints them.
-        fields: list[tuple[str, Any]] = []
+        fields: list[tuple[str, Any, re.Pattern[str] | None]] = []
         for i, m in enumerate(body.messages):
-            fields.append((f"messages[{i}]", [m.model_dump(), m.for_template()]))
+            pattern = special if m.role == "assistant" else every
+            fields.append((f"messages[{i}]", [m.model_dump(), m.for_template()], pattern))
             if isinstance(m.content, list):
-                fields.append((f"messages[{i}].content", "".join(m.texts())))
-        fields.append(("chat_template_kwargs", body.chat_template_kwargs or {}))
-        for param, value in fields:
+                fields.append((f"messages[{i}].content", "".join(m.texts()), pattern))
+        fields.append(("chat_template_kwargs", body.chat_template_kwargs or {}, every))
+        for param, value, pattern in fields:
+            if pattern is None:
+                continue
             for text in _strings(value):
                 found = pattern.search(text)
                 if found is not None:

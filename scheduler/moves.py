@@ -3,7 +3,8 @@
 The order goes over core NATS and nothing acknowledges it; a worker may drop it (the
 message lost, its clock reading it as stale, a group it was not configured with, a bind
 that failed and went back). A move is done once a report shows the worker in its
-destination. One not seen there by its deadline failed: the cooldowns it set on its two
+destination. One not seen there by its deadline, its replica not still draining in its
+source group (a request it held runs to its end), failed: the cooldowns it set on its two
 groups are lifted and its worker is kept out of moves for a cooldown, so the next idle
 replica gets the turn. Before, the move counted as made, and once the cooldown ran out the
 same replica (idle ones are picked by name) was ordered again, and again.

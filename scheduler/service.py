@@ -541,8 +541,9 @@ class SchedulerService:
         log.info("moving worker %s from %s to %s: %s", move.worker, move.src, move.dst, move.reason)
 
     def _settle_moves(self, now: float) -> None:
-        """Count the moves reports show done; a move not done by its deadline is counted
-        failed, and the next decision may take another replica from the same groups."""
+        """Count the moves reports show done; a move not done by its deadline (and whose
+        replica is not still draining in its source group) is counted failed, and the next
+        decision may take another replica from the same groups."""
         reports = {r.worker: (r.group, r.state) for r in self.windows.workers()}
         done, failed = self.pending_moves.settle(reports, now)
         for pending in done:

@@ -87,10 +87,11 @@ class Intake:
             self._task = None
         await self._hand_back_local()
 
-    async def _hand_back_local(self) -> None:
-        """Hand back what waits in the local queue: a long-poll answered right at its expiry
-        lands there after fetch() returned. Read that queue itself: fetch() would send a new
-        pull and take a fresh request only to hand it back."""
+    async def _hand_back_local(self, keep: bool = False) -> None:
+        """Hand back what waits in the local queue (or, ``keep``, take it): a long-poll
+        answered right at its expiry lands there after fetch() returned. Read that queue
+        itself: fetch() would send a new pull and take a fresh request only to hand it
+        back."""
         local = getattr(self.psub, "_sub", None)  # nats-py keeps it on the subscription
         while local is not None and self.psub.pending_msgs > 0:
             try:
@@ -98,7 +99,10 @@ class Intake:
             except Exception:
                 break
             if msg.data or not (msg.headers or {}).get("Status"):  # not a 408/404 status
-                await self._hand_back(msg)
+                if keep:
+                    self._accept(msg)
+                else:
+                    await self._hand_back(msg)
 
     async def close(self) -> None:
         """Halt, then leave the consumer (it stays on the server for the other replicas)."""
@@ -113,8 +117,10 @@ class Intake:
                 # A message that landed late must not wait out this pause unacknowledged
                 # (redelivered elsewhere at ack_wait, then served here too): looked for at
                 # once and again a fetch timeout later, when any late answer is in.
-                if self._draining():
-                    await self._hand_back_local()
+                # Draining, it goes back to another replica; merely full, it is taken, one
+                # over the cap: left in the queue nothing sent in_progress for it, and past
+                # ack_wait a stale copy of a request another replica resumed was served here.
+                await self._hand_back_local(keep=not self._draining())
                 if not self._stop and not self._ready():  # re-check: no lost wake-up
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self._timeout)

@@ -708,7 +708,10 @@ class WorkerService:
         except Exception:
             log.exception("request %s: ending it failed too", st.request.id)
             self._forget(st)
-            await self._hand_back(st.msg)  # its caller may have heard nothing: another replica
+            if not getattr(st.msg, "is_acked", False):  # answered and acked: nothing to hand back
+                await self._hand_back(st.msg)  # its caller may have heard nothing
+            self.observer.abandoned(st, "failed")
+            self._poke()
 
     async def _on_event(self, event: BridgeEvent) -> None:
         st = self._flight_of(event)
@@ -871,6 +874,8 @@ class WorkerService:
             await self._check_ack_wait()
         now_ms = time.time() * 1000
         for st in list(self._inflight.values()):
+            if self._inflight.get(st.request.id) is not st:
+                continue  # replaced while an earlier one was answered below
             deadline = st.request.deadline_ms
             if deadline is None or now_ms < deadline or self.bridge is None:
                 continue

@@ -46,7 +46,9 @@ def test_empty_texts() -> None:
     assert rouge_l("", "").f1 == 1.0
     assert rouge_l("something", "").f1 == 0.0
     assert rouge_l("", "something").f1 == 0.0
-    assert rouge_l("...", "!!!").f1 == 1.0  # no tokens on either side
+    assert rouge_l("...", "...").f1 == 1.0  # no words on either side, and equal
+    assert rouge_l("}", ")").f1 == 0.0  # no words either, but different: not a match
+    assert rouge_l("日本語", "中文").f1 == 0.0
 
 
 def test_exact_match_ignores_only_surrounding_whitespace() -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import csv
 import os
+import random
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from bench.field_mix import INVALID_KINDS, MIX, task_weights
+from bench.field_mix import INVALID_KINDS, MIX, long_document, task_weights
 from bench.locust_run import summary
 from bench.up_stack import ROOT, UpStack
 
@@ -83,3 +84,25 @@ def test_the_summary_gives_each_kinds_share_and_the_valid_rate() -> None:
     assert got["request_share_pct"] == {"conversation": 40.0, "short": 50.0, "invalid": 10.0}
     assert (got["req_s"], got["valid_req_s"]) == (5.0, 4.5)
     assert got["retried_after_429"] == 3 and got["requests"] == 50
+
+
+def test_the_default_long_document_leaves_room_for_the_template_and_the_question() -> None:
+    """Sized as the long group's limit less max_tokens less 16, a document with the chat
+    template and a question around it (26-44 tokens on the demo model) overflowed the
+    limit: every long_doc request of the documented command was a 400. The room is now
+    what the gateway's /tokenize counts around it, here with the demo model's tokenizer."""
+    from bench.field_mix import load_qa, long_doc_chat, long_doc_probe, long_doc_tokens
+    from common.tokenizer import load_tokenizer
+
+    qa = load_qa()
+    tok = load_tokenizer(str(ROOT / "bench" / "models" / "pystd-tiny"))
+
+    def chat_tokens(messages: list[dict[str, str]]) -> int:  # what /tokenize counts
+        return len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
+
+    around = chat_tokens(long_doc_probe(qa))
+    assert around > 16  # the slack that was there
+    size = long_doc_tokens(2048, 32, around)
+    document = long_document(qa, size, tok, random.Random(0))
+    worst = max(chat_tokens(long_doc_chat(document, item.question)) for item in qa)
+    assert worst + 32 <= 2048

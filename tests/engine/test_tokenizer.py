@@ -565,3 +565,6 @@ def test_added_tokens_the_chat_template_writes_count_as_control_tokens(tmp_path:
     assert pattern is not None
     assert pattern.search("a <tool_call>{} b").group() == "<tool_call>"
     assert pattern.search("an <unused> one the template never writes") is None
+    # The model's own output, sent back in its assistant turns: only special tokens there.
+    special = ours.control_token_pattern(template_tokens=False)
+    assert special is not None and special.search("a <tool_call>{} b") is None

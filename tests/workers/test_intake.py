@@ -81,32 +81,28 @@ async def test_a_message_landing_after_its_fetch_is_handed_back_while_not_ready(
         await intake.halt()
 
 
-async def test_a_message_landing_while_the_replica_is_only_full_waits_for_a_slot(
+async def test_a_message_landing_while_the_replica_is_only_full_is_taken_not_handed_back(
     nats_config: Any, js: Any
 ) -> None:
     """Handed back at once while merely full (not draining), a late message cost a delivery
-    and a resume round trip, and on its last delivery a 503, though a slot was about to free."""
+    and a resume round trip, and on its last delivery a 503; left in the local queue, nothing
+    sent in_progress for it. It is taken, one over the cap (the engine queues it)."""
     stream, subject = nats_config.stream, f"{nats_config.subject_prefix}.full"
     await js.add_stream(name=stream, subjects=[subject])
     psub = await js.pull_subscribe(subject, durable="full", stream=stream)
     handed_back: list[bytes] = []
     accepted: list[bytes] = []
-    ready = [False]
 
     async def hand_back(msg: Any) -> None:
         handed_back.append(msg.data)
         await msg.nak()
 
-    intake = Intake(psub, ready=lambda: ready[0], accept=lambda msg: accepted.append(msg.data),
+    intake = Intake(psub, ready=lambda: False, accept=lambda msg: accepted.append(msg.data),
                     hand_back=hand_back, fetch_timeout_s=0.2, draining=lambda: False)  # fmt: skip
     intake.start()
     try:
         await js._nc.publish(psub._nms, b'{"batch": 1, "expires": 2000000000}', reply=psub._deliver)
         await js.publish(subject, b"request")
-        await asyncio.sleep(0.6)  # three paused looks
-        assert handed_back == []
-        ready[0] = True  # a slot freed
-        intake.wake()
         deadline = time.monotonic() + 5
         while not accepted:
             assert time.monotonic() < deadline, "the late message was never taken"
