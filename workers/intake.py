@@ -57,8 +57,8 @@ class Intake:
         # How a fetched message this replica will not serve goes back (default: nak).
         self._hand_back = hand_back or (lambda msg: settle(msg.nak))
         self._ready = ready
-        # Not ready because it serves no more (drained, stopping), not merely full: only
-        # then is a late message handed back while paused (full, a slot frees soon).
+        # Not ready because it serves no more (drained, stopping), not merely full: a late
+        # message is then handed back while paused (merely full, it is taken).
         self._draining = draining
         self._connected = connected
         self._on_failure = on_failure
@@ -85,10 +85,10 @@ class Intake:
             with contextlib.suppress(Exception):
                 await self._task
             self._task = None
-        await self._hand_back_local()
+        await self._empty_local_queue()
 
-    async def _hand_back_local(self, keep: bool = False) -> None:
-        """Hand back what waits in the local queue (or, ``keep``, take it): a long-poll
+    async def _empty_local_queue(self, take: bool = False) -> None:
+        """Hand back what waits in the local queue (``take``: accept it): a long-poll
         answered right at its expiry lands there after fetch() returned. Read that queue
         itself: fetch() would send a new pull and take a fresh request only to hand it
         back."""
@@ -99,7 +99,7 @@ class Intake:
             except Exception:
                 break
             if msg.data or not (msg.headers or {}).get("Status"):  # not a 408/404 status
-                if keep:
+                if take:
                     self._accept(msg)
                 else:
                     await self._hand_back(msg)
@@ -116,11 +116,9 @@ class Intake:
                 self._wake.clear()
                 # A message that landed late must not wait out this pause unacknowledged
                 # (redelivered elsewhere at ack_wait, then served here too): looked for at
-                # once and again a fetch timeout later, when any late answer is in.
-                # Draining, it goes back to another replica; merely full, it is taken, one
-                # over the cap: left in the queue nothing sent in_progress for it, and past
-                # ack_wait a stale copy of a request another replica resumed was served here.
-                await self._hand_back_local(keep=not self._draining())
+                # once and a fetch timeout later. Draining, it goes back to another replica;
+                # merely full, it is taken, one over the cap (the engine queues it).
+                await self._empty_local_queue(take=not self._draining())
                 if not self._stop and not self._ready():  # re-check: no lost wake-up
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self._timeout)
