@@ -393,12 +393,17 @@ class Tracer(trace.Tracer):
             assert isinstance(span, RecordedSpan)
             self._to_processors(span)
 
-    def sampled_trace(self, parent: RemoteParent | None) -> int | Unsampled:
+    def sampled_trace(
+        self, parent: RemoteParent | None, root: int | None = None
+    ) -> int | Unsampled:
         """The trace id of a request entering this service under ``parent`` when the
         sampler (a plain function: :attr:`decide` is set) records it, else what to tell the
-        next hop."""
+        next hop. ``root``: the trace id to start without a parent (else a random one)."""
         assert self.decide is not None
-        trace_id = parent.trace_id if parent is not None else self.id_generator.generate_trace_id()
+        if parent is not None:
+            trace_id = parent.trace_id
+        else:
+            trace_id = root if root else self.id_generator.generate_trace_id()
         if self.decide(trace_id, None if parent is None else parent.sampled):
             return trace_id
         return self._unsampled(trace_id, parent)

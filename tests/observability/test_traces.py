@@ -421,3 +421,31 @@ async def test_a_refused_request_s_server_span_says_what_it_asked_for_and_why_it
         assert span.attributes["gen_ai.request.model"] == MODEL
         assert span.attributes["error.type"] == error
     assert refused.attributes["qos.group"] == "long" and "qos.group" not in bad.attributes
+
+
+async def test_a_request_that_came_without_a_trace_keeps_one_trace_across_its_deliveries(
+    config: Config, start_worker: StartWorker, traced: Traced
+) -> None:
+    """A NATS caller without traceparent (or a gateway with tracing off): each delivery
+    started a random trace, so a redelivered request's attempts were two traces, sampled
+    apart. Its trace now comes from its id."""
+    import common.nats as qnats
+    from common.protocol import GenerateRequest, RequestParams
+
+    first = await start_worker("w-one", cost=SLOW, tracer_provider=traced.provider)
+    subjects = Subjects(config.nats.subject_prefix)
+    nc = await qnats.connect(config.nats, "no-trace")
+    try:
+        request = GenerateRequest(id="untraced-1", group="short", reply=subjects.out("untraced-1"),
+                                  prompt_token_ids=[1, 2], params=RequestParams(max_tokens=40))  # fmt: skip
+        await nc.jetstream().publish(subjects.request("short"), request.to_bytes())
+        while not first.inflight_ids:
+            await asyncio.sleep(0.01)
+        await first.stop(grace_s=0)  # handed back: the next delivery goes to the second
+        await start_worker("w-two", tracer_provider=traced.provider)
+        spans = await traced.wait_for(lambda s: len(by_kind(s, SpanKind.CONSUMER)) == 2, 15)
+    finally:
+        await nc.close()
+    attempts = by_kind(spans, SpanKind.CONSUMER)
+    assert sorted(s.attributes["qos.attempt"] for s in attempts) == [1, 2]
+    assert len({s.context.trace_id for s in attempts}) == 1
