@@ -192,12 +192,7 @@ def admitted(
     span: Decided = scope.get(SCOPE_KEY)
     if span is None or isinstance(span, Unsampled):
         return span
-    # The middleware's method and path with what every request of this kind, model and
-    # group shares: one set of constants (they replace the middleware's, a subset).
-    shared = (
-        ("http.request.method", scope["method"]), ("url.path", scope["path"]),
-        (t.OPERATION, OPERATIONS.get(kind, kind)), (t.REQUEST_MODEL, model), (t.GROUP, group),
-    )  # fmt: skip
+    shared = _request_shared(scope, kind, model, group)
     attributes: dict[str, Any] = {
         t.MAX_TOKENS: max_tokens,
         t.RESPONSE_ID: request_id,
@@ -226,10 +221,7 @@ def rejected(
     span: Decided = scope.get(SCOPE_KEY)
     if span is None or isinstance(span, Unsampled):
         return
-    shared = (
-        ("http.request.method", scope["method"]), ("url.path", scope["path"]),
-        (t.OPERATION, OPERATIONS.get(kind, kind)), (t.REQUEST_MODEL, model), (t.GROUP, group),
-    )  # fmt: skip
+    shared = _request_shared(scope, kind, model, group)
     if isinstance(span, ServerCall):
         if span.end_ns:  # queued already: the export thread may be building it
             return
@@ -261,6 +253,17 @@ def publishing(
     if isinstance(decided, ServerCall):
         return PublishCall(decided, subject, request_id, headers)
     return _PublishSpan(tracer, decided, subject, request_id, headers)
+
+
+def _request_shared(
+    scope: Any, kind: str, model: str, group: str | None
+) -> tuple[tuple[str, Any], ...]:
+    """The middleware's method and path with what every request of this kind, model and
+    group shares: one set of constants (they replace the middleware's, a subset)."""
+    return (
+        ("http.request.method", scope["method"]), ("url.path", scope["path"]),
+        (t.OPERATION, OPERATIONS.get(kind, kind)), (t.REQUEST_MODEL, model), (t.GROUP, group),
+    )  # fmt: skip
 
 
 def _publish_shared(subject: str) -> tuple[tuple[str, Any], ...]:
