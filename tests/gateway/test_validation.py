@@ -309,19 +309,25 @@ async def test_too_many_messages_is_400_naming_them() -> None:
     assert info.value.param == "messages" and "4096" in str(info.value)
 
 
-async def test_a_big_body_renders_off_the_loop_even_when_its_contents_are_short(
-    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
-):
-    """The choice went by the messages' contents only: 60 KB of tool-call arguments were
-    decoded and re-encoded by the template on the event loop, every stream waiting."""
-    threaded: list[str] = []
+@pytest.fixture
+def threaded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the functions asyncio.to_thread is given, as it runs them."""
+    names: list[str] = []
     to_thread = asyncio.to_thread
 
     async def recording(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        threaded.append(getattr(fn, "__name__", repr(fn)))
+        names.append(getattr(fn, "__name__", repr(fn)))
         return await to_thread(fn, *args, **kwargs)
 
     monkeypatch.setattr(asyncio, "to_thread", recording)
+    return names
+
+
+async def test_a_big_body_renders_off_the_loop_even_when_its_contents_are_short(
+    client: httpx.AsyncClient, threaded: list[str]
+):
+    """The choice went by the messages' contents only: 60 KB of tool-call arguments were
+    decoded and re-encoded by the template on the event loop, every stream waiting."""
     call = {"id": "c1", "type": "function",
             "function": {"name": "f", "arguments": json.dumps({"x": "y" * 20_000})}}  # fmt: skip
     body = {**OK_CHAT, "messages": [
@@ -334,18 +340,10 @@ async def test_a_big_body_renders_off_the_loop_even_when_its_contents_are_short(
 
 
 async def test_tokenize_and_detokenize_work_on_a_thread_when_their_input_is_long(
-    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+    client: httpx.AsyncClient, threaded: list[str]
 ):
     """/tokenize encoded its prompt and /detokenize decoded its ids on the event loop: a
     client sending megabytes held every stream of the gateway meanwhile."""
-    threaded: list[str] = []
-    to_thread = asyncio.to_thread
-
-    async def recording(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        threaded.append(getattr(fn, "__name__", repr(fn)))
-        return await to_thread(fn, *args, **kwargs)
-
-    monkeypatch.setattr(asyncio, "to_thread", recording)
     prompt = "y" * 20_000
     counted = await client.post("/v1/tokenize", json={"prompt": prompt})
     assert counted.status_code == 200, counted.text

@@ -56,24 +56,10 @@ async def test_a_replica_that_missed_its_report_is_not_counted_when_moving(nats_
     """short has a (reporting) and b (silent 1 s, not yet forgotten: maybe dead). Counting b
     would let the rebalancer move a to long's backlog, leaving short no live replica."""
     async with hand_driven(make_config(nats_config)) as (service, now):
-
-        async def rounds(b_reports: bool) -> list[str]:
-            for _ in range(3):  # move_after_ticks is 2
-                now[0] += 0.1
-                service.windows.observe(Telemetry(worker="a", group="short", ts_ms=0), now[0])
-                if b_reports:
-                    service.windows.observe(Telemetry(worker="b", group="short", ts_ms=0), now[0])
-                busy = Telemetry(worker="l1", group="long", ts_ms=0, running=2, waiting=4)
-                service.windows.observe(busy, now[0])
-                service.queue_depths["long"] = 12
-                service.windows.sample(now[0], service.queue_depths)  # what a tick does
-                await service.rebalance()
-            return [m.worker for m in service.moves]
-
         service.windows.observe(Telemetry(worker="b", group="short", ts_ms=0), now[0])
         now[0] += 0.9
-        assert await rounds(b_reports=False) == []
-        assert await rounds(b_reports=True) == ["a"]  # both live: one may go
+        assert await long_backlog_rounds(service, now, ("a",)) == []
+        assert await long_backlog_rounds(service, now, ("a", "b")) == ["a"]  # both live
 
 
 async def test_a_new_leader_keeps_the_cooldown_of_a_move_it_saw_the_old_one_make(

@@ -49,6 +49,20 @@ async def test_no_pull_goes_out_while_disconnected_and_pulls_resume_after() -> N
         await intake.halt()
 
 
+async def _pull_subscription(nats_config: Any, js: Any, name: str) -> tuple[Any, str]:
+    """A stream of its own and a pull subscription to it; (subscription, subject)."""
+    subject = f"{nats_config.subject_prefix}.{name}"
+    await js.add_stream(name=nats_config.stream, subjects=[subject])
+    return await js.pull_subscribe(subject, durable=name, stream=nats_config.stream), subject
+
+
+async def _arrives_late(js: Any, psub: Any, subject: str) -> None:
+    """A request answering a pull after its fetch returned: a pull of our own, delivered to
+    the subscription's inbox, lands in its local queue."""
+    await js._nc.publish(psub._nms, b'{"batch": 1, "expires": 2000000000}', reply=psub._deliver)
+    await js.publish(subject, b"request")
+
+
 async def test_a_message_landing_after_its_fetch_is_handed_back_while_not_ready(
     nats_config: Any, js: Any
 ) -> None:
@@ -56,9 +70,7 @@ async def test_a_message_landing_after_its_fetch_is_handed_back_while_not_ready(
     returned. While the intake was not ready (drained, capped) nothing read that queue: the
     message sat unacknowledged until ack_wait redelivered it elsewhere, and once ready
     again this replica served its stale copy too."""
-    stream, subject = nats_config.stream, f"{nats_config.subject_prefix}.late"
-    await js.add_stream(name=stream, subjects=[subject])
-    psub = await js.pull_subscribe(subject, durable="late", stream=stream)
+    psub, subject = await _pull_subscription(nats_config, js, "late")
     handed_back: list[bytes] = []
 
     async def hand_back(msg: Any) -> None:
@@ -69,9 +81,7 @@ async def test_a_message_landing_after_its_fetch_is_handed_back_while_not_ready(
                     fetch_timeout_s=0.2)  # fmt: skip
     intake.start()
     try:
-        # The late answer: a pull of our own, delivered to the subscription's inbox.
-        await js._nc.publish(psub._nms, b'{"batch": 1, "expires": 2000000000}', reply=psub._deliver)
-        await js.publish(subject, b"request")
+        await _arrives_late(js, psub, subject)
         deadline = time.monotonic() + 5
         while not handed_back:
             assert time.monotonic() < deadline, "the late message was never handed back"
@@ -87,9 +97,7 @@ async def test_a_message_landing_while_the_replica_is_only_full_is_taken_not_han
     """Handed back at once while merely full (not draining), a late message cost a delivery
     and a resume round trip, and on its last delivery a 503; left in the local queue, nothing
     sent in_progress for it. It is taken, one over the cap (the engine queues it)."""
-    stream, subject = nats_config.stream, f"{nats_config.subject_prefix}.full"
-    await js.add_stream(name=stream, subjects=[subject])
-    psub = await js.pull_subscribe(subject, durable="full", stream=stream)
+    psub, subject = await _pull_subscription(nats_config, js, "full")
     handed_back: list[bytes] = []
     accepted: list[bytes] = []
 
@@ -101,8 +109,7 @@ async def test_a_message_landing_while_the_replica_is_only_full_is_taken_not_han
                     hand_back=hand_back, fetch_timeout_s=0.2, draining=lambda: False)  # fmt: skip
     intake.start()
     try:
-        await js._nc.publish(psub._nms, b'{"batch": 1, "expires": 2000000000}', reply=psub._deliver)
-        await js.publish(subject, b"request")
+        await _arrives_late(js, psub, subject)
         deadline = time.monotonic() + 5
         while not accepted:
             assert time.monotonic() < deadline, "the late message was never taken"
