@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
@@ -53,6 +54,11 @@ T = TypeVar("T")
 _Fetched = tuple[list[memoryview], bool, int]  # views, all of them, corrupt values
 # Failures the breaker counts: the server or the network, not a bad value.
 _FAILURES = (RedisError, OSError)
+
+
+# Lookups remembered for their loads (a request that waits for device blocks is asked
+# again before it loads; one that never loads ages out).
+_HOST_FOUND_KEPT = 4096
 
 
 class _OverBudget(Exception):
@@ -106,6 +112,10 @@ class KVTiers:
         self._queued_bytes = 0
         self._block_tokens = 0
         self._io = Borrowers()  # every connection in use: aborted at close
+        # A lookup's host prefix, by its first hash, until its load: blocks the host held
+        # then and lost before the load (other requests' offloads) are asked of Redis at
+        # load time, and must count as queried there or Redis hits outnumbered its queries.
+        self._host_found: OrderedDict[bytes, int] = OrderedDict()
 
     # --- set-up --------------------------------------------------------------------------
 
@@ -210,6 +220,11 @@ class KVTiers:
             if count:
                 self.host_counters.query_tokens += len(hashes) * bt
             n = self.host.prefix(hashes)
+            if count:  # where Redis's counted queries began
+                self._host_found[hashes[0]] = n
+                self._host_found.move_to_end(hashes[0])
+                if len(self._host_found) > _HOST_FOUND_KEPT:
+                    self._host_found.popitem(last=False)
         rest = hashes[n:]
         if rest and self._bulk is not None:
             if count:
@@ -259,6 +274,9 @@ class KVTiers:
                 c.hit_tokens += len(out) * bt
                 c.load_bytes += sum(v.nbytes for v in out)
                 c.load_s += time.perf_counter() - t0
+            found = self._host_found.pop(hashes[0], 0) if hashes else 0
+            if len(out) < found and self._bulk is not None:
+                self.redis_counters.query_tokens += (min(found, len(hashes)) - len(out)) * bt
         rest = hashes[len(out) :]
         if rest and self._bulk is not None and not self.breaker.rejecting():
             out.extend(self._load_redis(rest))

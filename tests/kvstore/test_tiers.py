@@ -495,3 +495,21 @@ def test_a_block_the_host_tier_holds_already_is_refreshed_not_counted_as_stored(
         tiers.offload(HASHES[:2], data)
         host = tiers.stats().host
     assert (host.store_blocks, host.store_bytes) == (2, 2 * LAYOUT.block_bytes)
+
+
+def test_blocks_the_host_lost_between_lookup_and_load_count_as_queried_at_redis(
+    redis_config: RedisConfig,
+) -> None:
+    with make(redis_config, host_capacity_bytes=4 * LAYOUT.block_bytes, pin_host=False) as tiers:
+        data = blocks(6)
+        tiers.store_async(HASHES, data)
+        assert tiers.flush()
+        tiers.offload(HASHES[:4], data[:4])
+        assert tiers.lookup(HASHES) == 6  # four in host memory, the last two in Redis
+        tiers.offload([bytes([9, i]) * 8 for i in range(4)], blocks(4, seed=1))  # host lost all
+        loaded = tiers.load(HASHES)
+        assert [bytes(v) for v in loaded] == [bytes(r) for r in data]
+        s = tiers.stats()
+        assert s.host.hit_tokens == 0 and s.host.query_tokens == 6 * 4
+        assert s.redis.hit_tokens == 6 * 4
+        assert s.redis.query_tokens == 6 * 4  # 2 blocks at lookup, 4 more at load

@@ -24,7 +24,7 @@ from workers.engine.block_pool import KVCacheLayout
 from workers.engine.kernels.kv_quant import SCALE_DTYPE, is_quantized
 from workers.engine.loader import load_model
 from workers.engine.models.llama import KVCache, ModelConfig
-from workers.engine.transfer import host_to_device, to_device
+from workers.engine.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -267,10 +267,16 @@ class ModelRunner:
 
     def _import_chunk(self, block_ids: Sequence[int], data: Sequence[memoryview]) -> None:
         n = len(block_ids)
-        host = np.empty((n, self.bytes_per_block()), dtype=np.uint8)
+        # Gathered straight into pinned memory on CUDA (torch's caching host allocator keeps
+        # it until the copy has run): a pageable gather pinned afterwards copied every
+        # loaded byte twice on the host before the device saw it.
+        staged = torch.empty(
+            (n, self.bytes_per_block()), dtype=torch.uint8, pin_memory=self.is_cuda
+        )
+        host = staged.numpy()
         for i, buf in enumerate(data):
             host[i] = np.frombuffer(buf, dtype=np.uint8)
-        src = host_to_device(torch.from_numpy(host), self.device)
+        src = staged.to(self.device, non_blocking=True) if self.is_cuda else staged
         ids = to_device(list(block_ids), self.device, torch.long)
         offset = 0
         for part in self._kv_bytes():  # byte views: index_copy_ writes the cache itself
