@@ -90,8 +90,8 @@ class SpanBatch(SpanProcessor):
         # Spans (phases counted) by fate, and the export thread's CPU; written under
         # _export_lock (or, for dropped, by the request path's thread only).
         self.dropped = 0
-        self.exported = 0
-        self.failed = 0
+        self._exported = 0
+        self._failed = 0
         self.export_cpu_s = 0.0
         self._queue: collections.deque[ReadableSpan | Deferred] = collections.deque()
         # Spans queued = added - taken; each count written by one thread only (no lock).
@@ -101,6 +101,9 @@ class SpanBatch(SpanProcessor):
         self._closed = False
         # Our OTLP exporter writes a span's phases itself; any other gets them as spans.
         self._reads_phases = getattr(exporter, "reads_phases", False)
+        # One that exports elsewhere (the export process) reports what it delivered later:
+        # its SUCCESS only says a batch was handed over.
+        self._reports = exporter if getattr(exporter, "reports_delivery", False) else None
         self._thread = threading.Thread(target=self._run, name="qos-span-batch", daemon=True)
         self._thread.start()
 
@@ -162,10 +165,24 @@ class SpanBatch(SpanProcessor):
                     log.exception("span export failed")
                     result = SpanExportResult.FAILURE
                 self.export_cpu_s += time.thread_time() - started
-                if result is SpanExportResult.SUCCESS:
-                    self.exported += size
-                else:
-                    self.failed += size
+                if result is not SpanExportResult.SUCCESS:
+                    self._failed += size
+                elif self._reports is None:
+                    self._exported += size
+
+    @property
+    def exported(self) -> int:
+        """Spans (phases counted) the exporter delivered."""
+        if self._reports is not None:
+            return int(self._reports.delivered)  # type: ignore[attr-defined]
+        return self._exported
+
+    @property
+    def failed(self) -> int:
+        """Spans (phases counted) the exporter gave up on."""
+        if self._reports is not None:
+            return self._failed + int(self._reports.failed_spans)  # type: ignore[attr-defined]
+        return self._failed
 
     def _take(self) -> tuple[list[ReadableSpan | Deferred], int]:
         """Up to ``max_batch`` spans off the queue, phases counted (one item at least), and

@@ -14,20 +14,27 @@ once and are referred to by number after.
 
 The service's CPU per span shrinks to the packing; the encoding's CPU moves to the child,
 so on a machine with cores to spare the request path gains and the total stays about the
-same. ``export`` reports success once a batch is in the pipe: the child logs what its
-exporter fails to send, and answers ``force_flush``/``shutdown`` only once what it was
-sent before is exported. When the service dies its end of the pipe closes, and the child
-exits.
+same. ``export`` returns once a batch is in the pipe; the child reports after each batch
+how many of its spans (phases counted) its exporter delivered or gave up on, and the batch
+processor counts those (``qos_trace_spans_total``), not the hand-over. The child answers
+``force_flush``/``shutdown`` only once what it was sent before is exported; a shutdown past
+its budget (a collector down, the child retrying) tells the child to stop retrying, then
+kills it, and counts what it still held as failed. When the service dies its end of the
+pipe closes, and the child exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import select
+import os
+import queue
+import signal
 import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -49,14 +56,26 @@ ENV_SWITCH = "QOSSERVE_OTLP_EXPORT_PROCESS"
 _FRAME = struct.Struct(">I")  # a frame's length, before its msgpack bytes
 MAX_REFS = 4096
 _ATTRIBUTES = 12  # where a record holds the span's own attributes
+_PHASES = 14  # where a record holds the span's phases
+# A stopping service's wait for the child to export what it holds (as SpanBatch's own).
+SHUTDOWN_S = 5.0
+# After "stop retrying": the send in flight ends within its timeout, the rest fail at once.
+STOP_RETRYING_GRACE_S = 2.0
 
 
 class ProcessSpanExporter(SpanExporter):
     """Packs batches for the export process (see the module docstring)."""
 
     reads_phases = True  # records carry a span's phases; the child's encoder writes them
+    reports_delivery = True  # SUCCESS means "in the pipe": delivered/undelivered say the rest
 
-    def __init__(self, env: Mapping[str, str], protocol: str, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        protocol: str,
+        timeout_s: float = 30.0,
+        shutdown_s: float = SHUTDOWN_S,
+    ) -> None:
         # A plain child interpreter (not multiprocessing's spawn, which would import the
         # service's __main__ again, engine and all): frames over its stdin and stdout.
         # A session of its own: a terminal's Ctrl-C reaches the service, which drains and
@@ -68,11 +87,40 @@ class ProcessSpanExporter(SpanExporter):
             start_new_session=True,
         )  # fmt: skip
         self._timeout_s = timeout_s
+        self._shutdown_s = shutdown_s
         self._lock = threading.Lock()  # one batch in the pipe at a time; flush waits its turn
+        # Spans (phases counted) handed to the child, and what the child said became of them;
+        # written by the export thread and the reader thread, one count each.
+        self.handed = 0
+        self.delivered = 0
+        self.undelivered = 0
+        self._lost = 0  # held by a child that ended without saying: counted failed
+        self._answers: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(
+            target=self._read_reports, name="qos-span-process-reader", daemon=True
+        )
         # id(object) -> (object, its number): the object kept so its id is not reused.
         self._refs: dict[int, tuple[Any, int]] = {}
         self._next = 0
+        self._reader.start()
         self._send(msgpack.packb(["init", dict(env), protocol]))
+
+    def _read_reports(self) -> None:
+        """The child's stdout: a report after each batch, and answers to commands."""
+        while (frame := _read_frame(self._proc.stdout)) is not None:
+            message = msgpack.unpackb(frame)
+            if message[0] == "sent":
+                self.delivered += message[1]
+                self.undelivered += message[2]
+            else:
+                self._answers.put(message[0])
+        # The child is gone: what it held and did not report is lost.
+        self._lost = max(0, self.handed - self.delivered - self.undelivered)
+
+    @property
+    def failed_spans(self) -> int:
+        """Spans the child gave up on or held when it ended."""
+        return self.undelivered + self._lost
 
     def _send(self, payload: bytes) -> None:
         assert self._proc.stdin is not None
@@ -99,6 +147,7 @@ class ProcessSpanExporter(SpanExporter):
             except (OSError, ValueError) as exc:
                 log.error("span export process unreachable: %s; %d spans dropped", exc, len(spans))
                 return SpanExportResult.FAILURE
+            self.handed += sum(1 + len(r[_PHASES]) for r in records)
         return SpanExportResult.SUCCESS
 
     def _ref(self, obj: Any, defs: list[Any], definition: list[Any]) -> int:
@@ -166,39 +215,58 @@ class ProcessSpanExporter(SpanExporter):
             record[_ATTRIBUTES] = kept
         return msgpack.packb(["spans", defs, records], use_bin_type=True)
 
-    def _call(self, command: str) -> bool:
-        """Send ``command`` and wait for the child's answer (its queue exported)."""
+    def _call(self, command: str, timeout_s: float) -> bool:
+        """Send ``command``; whether the child answered within ``timeout_s`` (its queue
+        exported)."""
         with self._lock:
             if self._proc.poll() is not None:
                 return False
+            while not self._answers.empty():  # an answer that came after its caller left
+                self._answers.get_nowait()
             try:
                 self._send(msgpack.packb([command]))
-                answer = _read_frame(self._proc.stdout, self._timeout_s)
             except (OSError, ValueError):
                 return False
-            return answer is not None and msgpack.unpackb(answer) == command
+        try:
+            return self._answers.get(timeout=max(0.0, timeout_s)) == command
+        except queue.Empty:
+            return False
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._call("flush")
+        return self._call("flush", min(self._timeout_s, timeout_millis / 1000))
+
+    def stop_retrying(self) -> None:
+        """The child's exporter stops retrying (the batch processor ran out of time)."""
+        if self._proc.poll() is None:
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                os.kill(self._proc.pid, signal.SIGUSR1)
 
     def shutdown(self) -> None:
-        self._call("stop")
+        """What the child holds exported within ``shutdown_s``; past it the child stops
+        retrying, then is killed (a collector down kept a stopping service waiting on every
+        batch's retries, up to a minute)."""
+        deadline = time.monotonic() + self._shutdown_s
+        if not self._call("stop", self._shutdown_s):
+            self.stop_retrying()
+            left = max(0.0, deadline - time.monotonic())
+            self._call("stop", min(self._timeout_s, left + STOP_RETRYING_GRACE_S))
         try:
-            self._proc.wait(self._timeout_s)
+            self._proc.wait(STOP_RETRYING_GRACE_S)
         except subprocess.TimeoutExpired:
+            log.error("span export process did not stop; killed")
             self._proc.kill()
             self._proc.wait()
-        for stream in (self._proc.stdin, self._proc.stdout):
-            if stream is not None:
-                stream.close()
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._reader.join(STOP_RETRYING_GRACE_S)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        if self.failed_spans:
+            log.warning("span export process: %d spans not delivered", self.failed_spans)
 
 
-def _read_frame(stream: Any, timeout_s: float | None = None) -> bytes | None:
-    """One length-prefixed frame; None at end of stream (or when ``timeout_s`` passes)."""
-    if timeout_s is not None:
-        ready, _, _ = select.select([stream], [], [], timeout_s)
-        if not ready:
-            return None
+def _read_frame(stream: Any) -> bytes | None:
+    """One length-prefixed frame; None at end of stream."""
     head = stream.read(_FRAME.size)
     if len(head) < _FRAME.size:
         return None
@@ -220,6 +288,8 @@ def main() -> None:
         return
     _, env, protocol = msgpack.unpackb(first, raw=False)
     exporter = OtlpSpanExporter(OtlpSettings.from_env(env, protocol))
+    # The service's shutdown ran out of time: the send in flight ends, the rest fail at once.
+    signal.signal(signal.SIGUSR1, lambda *_: exporter.stop_retrying())
     tables: dict[int, Any] = {}
     tracer = SimpleNamespace(id_generator=RandomIdGenerator())
     try:
@@ -228,15 +298,22 @@ def main() -> None:
             command = message[0]
             if command == "spans":
                 _define(tables, message[1])
-                exporter.export([_rebuild(r, tables, tracer) for r in message[2]])
+                weight = sum(1 + len(r[_PHASES]) for r in message[2])
+                result = exporter.export([_rebuild(r, tables, tracer) for r in message[2]])
+                ok = result is SpanExportResult.SUCCESS
+                _write_frame(out, ["sent", weight if ok else 0, 0 if ok else weight])
             elif command in ("flush", "stop"):
-                answer = msgpack.packb(command)
-                out.write(_FRAME.pack(len(answer)) + answer)
-                out.flush()
+                _write_frame(out, [command])
                 if command == "stop":
                     break
     finally:
         exporter.shutdown()
+
+
+def _write_frame(out: Any, message: list[Any]) -> None:
+    payload = msgpack.packb(message)
+    out.write(_FRAME.pack(len(payload)) + payload)
+    out.flush()
 
 
 def _define(tables: dict[int, Any], defs: list[Any]) -> None:

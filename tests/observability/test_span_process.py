@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any
 
@@ -88,6 +89,7 @@ def test_services_switch_to_it_by_environment_and_shutdown_delivers_everything(
         span.end()
     provider.shutdown()  # nothing was flushed before: the queue and the pipe drain here
     assert len(got.spans()) == 10
+    assert (batch.exported, batch.failed) == (10, 0)  # as the child reported them
 
 
 def test_the_child_exits_when_the_service_is_gone(
@@ -142,3 +144,67 @@ def test_the_export_child_is_out_of_reach_of_the_terminals_ctrl_c() -> None:
         assert os.getpgid(child) != os.getpgid(0) and os.getsid(child) == child
     finally:
         exporter.shutdown()
+
+
+def _refused_endpoint() -> str:
+    """An http URL on a loopback port nobody listens on (connections refused at once)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_spans_the_child_could_not_deliver_count_failed_and_shutdown_keeps_its_budget() -> None:
+    """The child retries a refused collector for up to its 60 s timeout; the service's
+    shutdown tells it to stop retrying once its budget is spent, and counts the spans the
+    child gave up on as failed, not as exported when they entered the pipe."""
+    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": _refused_endpoint(),
+           "OTEL_EXPORTER_OTLP_TIMEOUT": "60", "QOSSERVE_OTLP_EXPORT_PROCESS": "1",
+           **NO_DELAY}  # fmt: skip
+    provider = init_tracing("worker", env=env, set_global=False)
+    assert provider is not None
+    (batch,) = provider._active_span_processor._span_processors
+    assert isinstance(batch, SpanBatch) and isinstance(batch.span_exporter, ProcessSpanExporter)
+    batch.span_exporter._shutdown_s = 1.0
+    tracer = tracer_for(provider, "w")
+    for _ in range(5):
+        span = tracer.start_span("work")  # type: ignore[union-attr]
+        span.add_phase("queue", time.time() - 0.01, time.time())  # type: ignore[attr-defined]
+        span.end()
+    started = time.monotonic()
+    provider.shutdown()
+    # Far inside the child's own 60 s of retries (a liveness bound, not a speed figure).
+    assert time.monotonic() - started < 30
+    assert batch.span_exporter._proc.poll() is not None
+    assert (batch.exported, batch.failed) == (0, 10)
+
+
+def test_a_child_killed_with_spans_in_hand_counts_them_failed(
+    receiver: tuple[Receiver, dict[str, str]],  # noqa: F811
+) -> None:
+    got, endpoints = receiver
+    kept = Kept()
+    provider = TracerProvider()
+    provider.add_span_processor(SpanBatch(kept, NO_DELAY))
+    tracer = t.tracer_for(provider, "w")
+    for _ in range(3):
+        tracer.start_span("work").end()  # type: ignore[union-attr]
+    provider.force_flush()
+    exporter = ProcessSpanExporter(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoints["http/protobuf"]}, "http/protobuf"
+    )
+    assert exporter.export(kept.batches[-1]).name == "SUCCESS"
+    assert exporter.force_flush()
+    assert (exporter.delivered, exporter.failed_spans) == (3, 0)
+    exporter._proc.send_signal(signal.SIGSTOP)  # it holds the next batch unexported ...
+    try:
+        assert exporter.export(kept.batches[-1]).name == "SUCCESS"
+    finally:
+        exporter._proc.kill()  # ... when it dies
+    exporter._reader.join(10)
+    exporter.shutdown()
+    assert (exporter.delivered, exporter.failed_spans) == (3, 3)
+    assert len(got.spans()) == 3
