@@ -143,12 +143,15 @@ async def phase(
 def step_figures(step: dict[str, Any]) -> StepFigures:
     """A phase's figures as the SLO check reads them (groups with no completion have no p99)."""
     every = step["groups"]["all"]
-    done = {g: f for g, f in step["groups"].items() if g != "all" and f["completed"] > 0}
+    groups = {g: f for g, f in step["groups"].items() if g != "all"}
+    done = {g: f for g, f in groups.items() if f["completed"] > 0}
     sent = every["completed"] + every["failed"]
     return StepFigures(
         step["offered_sessions_s"], every["req_s"], sent, every["completed"],
         {g: f["e2e_p99_ms"] for g, f in done.items()},
         {g: f["ttft_p99_ms"] for g, f in done.items()},
+        {g: f["completed"] + f["failed"] for g, f in groups.items()},
+        {g: f["completed"] for g, f in groups.items()},
     )  # fmt: skip
 
 
@@ -386,22 +389,30 @@ def field_comparison(results: dict[str, Any]) -> dict[str, Any] | None:
     if not candidates:
         return None
 
-    def at_least(p: str) -> float:
-        # Where the baseline missed its SLO at every step the ratio is open: its low bound.
+    def bounds(p: str) -> tuple[float, float]:
+        # What the sweep proves first (the ratio's low bound), then the point ratio.
         r = rel[p]
-        return r["slo_rate"] if r["slo_rate"] is not None else r["slo_rate_low"] or 0.0
+        return (r["slo_rate_low"] or 0.0, r["slo_rate"] or 0.0)
 
-    best = max(candidates, key=at_least)
-    ratio, low = rel[best]["slo_rate"], rel[best]["slo_rate_low"]
+    best = max(candidates, key=bounds)
+    ratio, low, high = (rel[best][k] for k in ("slo_rate", "slo_rate_low", "slo_rate_high"))
+    # Judged by the bracket, not the point ratio: a geometric sweep's ratios are powers of
+    # its step, so the point ratio met or missed a target between two of them by the grid.
+    if low is not None and low >= FIELD_STUDY_RATIO:
+        met: bool | None = True
+    elif high is not None and high < FIELD_STUDY_RATIO:
+        met = False
+    else:
+        met = None  # the bracket straddles the target: a finer sweep decides
     return {
         "baseline": FIELD_BASELINE,
         "policy": best,
         "slo_rate_ratio": ratio,
         "slo_rate_ratio_low": low,
-        "slo_rate_ratio_high": rel[best]["slo_rate_high"],
+        "slo_rate_ratio_high": high,
         "saturation_req_s_ratio": rel[best]["saturation_req_s"],
         "target": FIELD_STUDY_RATIO,
-        "met": at_least(best) >= FIELD_STUDY_RATIO,
+        "met": met,
     }
 
 

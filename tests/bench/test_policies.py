@@ -182,12 +182,18 @@ def test_the_field_comparison_takes_the_best_grouped_continuous_or_hybrid_run_ov
     # hybrid holds the SLO to 4/s, the pool only to 1/s: 4x, between 2x and 8x.
     assert (found["policy"], found["slo_rate_ratio"]) == ("hybrid", 4.0)
     assert (found["slo_rate_ratio_low"], found["slo_rate_ratio_high"]) == (2.0, 8.0)
-    assert found["met"] and found["target"] == 2.9
+    # The bracket straddles 2.9: the grid, not the run, would decide a point verdict.
+    assert found["met"] is None and found["target"] == 2.9
     # The pool missing at every step leaves the ratio open: judged by its low bound.
     results["dynamic/pool"] = result(1.0, 2.0, [_phase(1, 900), _phase(2, 900)])
     found = field_comparison(results)
     assert found is not None and found["slo_rate_ratio"] is None
-    assert found["slo_rate_ratio_low"] == 4.0 and found["met"]
+    assert found["slo_rate_ratio_low"] == 4.0 and found["met"] is True
+    # A bracket wholly below the target misses it.
+    held = [_phase(1, 300), _phase(2, 300), _phase(4, 300), _phase(8, 900)]
+    results["dynamic/pool"] = result(1.0, 2.0, held)
+    found = field_comparison(results)
+    assert found is not None and found["slo_rate_ratio_high"] == 2.0 and found["met"] is False
 
 
 def test_sheds_and_the_turns_they_left_unsent_do_not_fail_the_run_but_other_errors_do() -> None:

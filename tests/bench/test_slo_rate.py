@@ -107,3 +107,20 @@ def test_the_long_groups_wait_bounds_the_rate_its_queue_keeps_up_with() -> None:
                           ttft_p99_ms={"short": 40, "long": 4400})  # fmt: skip
     assert check_step(kept_up, SLOS, slo_ttft_ms=ttft).met
     assert rate_at_slo([kept_up, slow], SLOS, slo_ttft_ms=ttft).rate == 8
+
+
+def test_a_judged_group_that_lost_over_1_percent_misses_inside_a_pooled_99() -> None:
+    """Long is a fifth of the mix: 4 of its 20 requests shed leaves 96 % of the step done
+    overall but not 99 % of long's, and its TTFT p99 over the 16 that got through looked
+    fine. A group that lost every request has no p99 at all, and misses here."""
+    by_group = {"sent_by_group": {"short": 380, "long": 20}}
+    shed = StepFigures(1, 1.6, 400, 396, {"short": 100.0}, {"long": 900.0}, **by_group,
+                       completed_by_group={"short": 380, "long": 16})  # fmt: skip
+    ttft = {"long": 5000.0}
+    miss = check_step(shed, SLOS, slo_ttft_ms=ttft)  # 396/400: 99 % pooled, met there
+    assert not miss.met and miss.why == "long 16/20 completed"
+    gone = StepFigures(1, 1.6, 400, 380, {"short": 100.0}, **by_group,
+                       completed_by_group={"short": 380, "long": 0})  # fmt: skip
+    assert check_step(gone, SLOS, min_completed=0.9, slo_ttft_ms=ttft).why == "long 0/20 completed"
+    # Long is judged by its wait only where its TTFT SLO is given (as sweep_slo does).
+    assert check_step(gone, SLOS, min_completed=0.9).met
