@@ -104,6 +104,8 @@ async def run_sessions(
                 item = Sent(session.kind, session.group)
                 sent[i].append(item)
                 item.result.start = time.perf_counter() - start
+                # A first turn is due at its arrival; a later one when the last answered.
+                item.result.scheduled = offsets[i] if n == 0 else item.result.start
                 body = {
                     "model": model,
                     "prompt": req.prompt,

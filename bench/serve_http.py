@@ -37,6 +37,7 @@ class Result:
     """One request as the client saw it; times in seconds (``start`` from the run's start)."""
 
     start: float = 0.0
+    scheduled: float = 0.0  # when the arrival process meant it to start
     ok: bool = False
     status: int = 0
     error: str = ""

@@ -49,9 +49,15 @@ def make_workload(n: int, input_len: int, output_len: int, ratio: float, seed: i
 
 
 async def paced(
-    offsets: list[float], one: Callable[[int, float], Coroutine[Any, Any, None]]
+    offsets: list[float],
+    one: Callable[[int, float], Coroutine[Any, Any, None]],
+    results: list[Result] | None = None,
 ) -> float:
-    """Start ``one(i, start)`` at ``start + offsets[i]``; wait for all; the run's duration."""
+    """Start ``one(i, start)`` at ``start + offsets[i]``; wait for all; the run's duration.
+    Each result keeps its offset as ``scheduled``: its ``start`` past that is the load
+    generator's lag (a loop behind, a concurrency cap), which its latency does not show."""
+    for res, at in zip(results or (), offsets, strict=results is not None):
+        res.scheduled = at
     start = time.perf_counter()
     tasks: list[asyncio.Task[None]] = []
     for i, at in enumerate(offsets):
@@ -92,7 +98,7 @@ async def run_load(
                 results[i].start = time.perf_counter() - start
                 await sender.send(i, path, body, results[i])
 
-        duration = await paced(offsets, one)
+        duration = await paced(offsets, one, results)
     return results, duration
 
 
@@ -125,15 +131,17 @@ async def run_nats(
                 res.status, res.error = exc.http_status, exc.code
             res.e2e = time.perf_counter() - t0
 
-        duration = await paced(offsets, one)
+        duration = await paced(offsets, one, results)
     return results, duration
 
 
 async def run_in_process(
-    work: list[Req], offsets: list[float], max_batch: int
+    work: list[Req], offsets: list[float], max_batch: int, tokenizer: Any | None = None
 ) -> tuple[list[Result], float]:
-    """The same requests into a zero-cost sim engine through the worker's engine bridge."""
-    from workers.bridge import AddRequest, BridgeEvent, EngineBridge
+    """The same requests into a zero-cost sim engine through the worker's engine bridge,
+    detokenizing with ``tokenizer`` as the stack's sim workers do (else the detokenizer's
+    CPU was charged to the message plane)."""
+    from workers.bridge import AddRequest, BridgeEvent, EngineBridge, RequestFailed
     from workers.engine.sampling_params import SamplingParams
     from workers.sim import SimCost, SimEngine
 
@@ -147,15 +155,25 @@ async def run_in_process(
         for event in events:
             i = int(event.request_id)
             res = results[i]
-            tokens = getattr(event, "token_ids", [])
-            if tokens and res.ttft is None:
+            if isinstance(event, RequestFailed):  # failed, as the other two runs count it
+                res.e2e, res.ok = now - t0s[i], False
+                res.status, res.error = event.error.http_status, event.error.code
+                finished[i].set_result(None)
+                continue
+            if event.token_ids and res.ttft is None:
                 res.ttft = now - t0s[i]
-            res.output_tokens += len(tokens)
-            if getattr(event, "finished", True):  # a RequestFailed has no `finished`
-                res.e2e, res.ok, res.status = now - t0s[i], True, 200
+            res.output_tokens += len(event.token_ids)
+            if event.finished:
+                res.e2e = now - t0s[i]
+                res.ok = event.finish_reason not in ("abort", "error")
+                res.status = 200 if res.ok else 503
+                res.error = "" if res.ok else f"finish_reason {event.finish_reason}"
                 finished[i].set_result(None)
 
-    engine = SimEngine(max_batch_size=max_batch, max_seq_len=4096, cost=SimCost(0.0, 0.0, 0.0))
+    engine = SimEngine(
+        max_batch_size=max_batch, max_seq_len=4096, cost=SimCost(0.0, 0.0, 0.0),
+        tokenizer=tokenizer,
+    )  # fmt: skip
     bridge = EngineBridge(engine, on_events, loop, name="bench-inproc")
     bridge.start()
 
@@ -166,6 +184,6 @@ async def run_in_process(
         bridge.add(AddRequest(str(i), params, prompt_token_ids=work[i].prompt))
         await finished[i]
 
-    duration = await paced(offsets, one)
+    duration = await paced(offsets, one, results)
     await bridge.stop()
     return results, duration
