@@ -28,7 +28,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -83,6 +83,7 @@ class QosClient:
         stream: str | None = None,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         heartbeat: bool = True,
+        groups: Collection[str] | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -105,6 +106,9 @@ class QosClient:
         # Ids in flight here (how many calls hold each): never answered "closed".
         self._live: collections.Counter[str] = collections.Counter()
         self._answers: Subscription | None = None  # their subscription (P.resume.*)
+        # How to end each call in flight: close() wakes them (they waited for the deadline).
+        self._failers: set[Callable[[QosError, bool], None]] = set()
+        self._groups = groups  # the configured groups, when known: others are refused
 
     @classmethod
     async def connect(
@@ -138,11 +142,23 @@ class QosClient:
             stream=cfg.stream,
             heartbeat_interval_s=interval,
             heartbeat=heartbeat,
+            groups=frozenset(config.groups) if isinstance(config, Config) else None,
         )
 
     async def close(self) -> None:
-        """Stop heartbeating (workers then abort what is still running for this client),
-        and close the connection if :meth:`connect` opened it."""
+        """End the calls still in flight (``ServiceUnavailableError``; each aborts its
+        request on the worker as it unwinds), stop heartbeating (workers then abort what is
+        still running for this client), and close the connection if :meth:`connect`
+        opened it."""
+        calls = list(self._failers)
+        for fail in calls:
+            fail(ServiceUnavailableError("the client was closed", retry_after_s=1), False)
+        if calls:
+            await asyncio.sleep(0)  # let them see it and send their aborts first
+            for _ in range(100):  # each unwinds through a few awaits (unsubscribes, abort)
+                if not self._failers:
+                    break
+                await asyncio.sleep(0.01)
         if self._started is not None:  # a start under way would beat on after this
             with contextlib.suppress(Exception):
                 await self._started
@@ -199,6 +215,19 @@ class QosClient:
             return
         self.origin = self.client_id
 
+    def _check_group(self, group: str) -> None:
+        """``InvalidRequestError`` for a group the configuration does not have (known when
+        :meth:`connect` was given a whole ``Config``): JetStream's stream takes ``P.req.*``
+        and stored a request for a misspelt group, whose caller then waited out its whole
+        deadline. A group that is configured but not served yet waits in the stream, as
+        JetStream promises, until a worker of it starts or its deadline passes."""
+        if self._groups is not None and group not in self._groups:
+            raise InvalidRequestError(
+                f"no instance group {group!r} is configured (groups: "
+                f"{', '.join(sorted(self._groups))})",
+                param="group",
+            )
+
     async def _answer_closed(self, msg: Msg) -> None:
         if not msg.reply:
             return
@@ -249,6 +278,7 @@ class QosClient:
             cache_salt=cache_salt,
         )
         request.validate()
+        self._check_group(group)
         await self._start()
         request.origin = self.origin
         stream = ChunkSequencer(rid, decode_tail)
@@ -276,6 +306,12 @@ class QosClient:
                 fail(exc, chunk.error is not None or chunk.finish_reason == "error")
                 return
             for item in chunks:
+                if item.finish_reason == "abort":
+                    # The worker gave it up (its origin fell silent, an operator): retryable,
+                    # as the gateway answers it; as a final chunk it read as a short answer.
+                    fail(ServiceUnavailableError(
+                        "the worker aborted the request", retry_after_s=1), True)  # fmt: skip
+                    return
                 if item.finish_reason is not None:
                     worker_done[0] = True
                 ready.put_nowait(item)
@@ -302,17 +338,19 @@ class QosClient:
                 with contextlib.suppress(Exception):
                     await self.nc.publish(self.subjects.abort(group), supersede.to_bytes())
 
-        self._live[rid] += 1
-        subs = [
-            await self.nc.subscribe(self.subjects.out(rid), cb=on_chunk),
-            await self.nc.subscribe(self.subjects.resume(rid), cb=on_resume),
-        ]
         done = False
         queued: tuple[str, int] | None = None  # (stream, sequence) of the request message
         # Until the publish says otherwise, the request may be in the stream (a timed-out
         # publish, a cancellation mid-publish): ending, it is aborted even without a sequence.
         maybe_queued = False
+        subs: list[Subscription] = []
+        self._live[rid] += 1
+        self._failers.add(fail)
         try:
+            # Inside the try: a subscribe that raised (a closed connection) or was cancelled
+            # left the first subscription and the live count behind for good.
+            subs.append(await self.nc.subscribe(self.subjects.out(rid), cb=on_chunk))
+            subs.append(await self.nc.subscribe(self.subjects.resume(rid), cb=on_resume))
             payload = request.to_bytes()
             maybe_queued = True
             try:
@@ -403,6 +441,9 @@ class QosClient:
                 self._closed.add(rid)
             if not worker_done[0] and (queued is not None or maybe_queued):
                 await self._abort(group, rid, "client stopped reading", queued)
+            # Last: close() waits for this before it closes the connection, which cancelled
+            # an unsubscribe or abort still under way here.
+            self._failers.discard(fail)
 
     async def _abort(
         self, group: str, request_id: str, reason: str, queued: tuple[str, int] | None = None

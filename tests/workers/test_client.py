@@ -304,3 +304,66 @@ async def test_a_duplicate_id_is_not_answered_closed_while_its_request_runs(
     with contextlib.suppress(asyncio.CancelledError):
         await running
     assert "dup-1" in client._closed and "dup-1" not in client._live  # ours, finished
+
+
+async def test_a_workers_abort_is_a_retryable_error_not_a_short_answer(
+    client: QosClient, nc: Client, played: dict[str, Any], subjects: Subjects
+) -> None:
+    """A worker that gave the request up (its origin fell silent, an operator) ends it with
+    finish_reason "abort": collect() returned the tokens so far as if complete."""
+
+    async def give_up(rid: str) -> None:
+        out = subjects.out(rid)
+        await nc.publish(out, Chunk(id=rid, seq=0, token_ids=[7], text="a").to_bytes())
+        await nc.publish(out, Chunk(id=rid, seq=1, finish_reason="abort").to_bytes())
+
+    got, exc = await _run(client, played, give_up)
+    assert isinstance(exc, ServiceUnavailableError) and exc.retry_after_s == 1
+    assert [c.token_ids for c in got] == [[7]]
+    await qnats.barrier(client.nc)
+    await qnats.barrier(nc)
+    assert not [c for c in played["controls"] if c.action == "abort"]  # nothing left to abort
+
+
+async def test_closing_the_client_ends_its_calls_in_flight_and_aborts_them(
+    worker_config: Config, nc: Client, played: dict[str, Any]
+) -> None:
+    """A shutdown handler's close() left each running generate() waiting for its deadline
+    (120 s by default), then raising a misleading DeadlineExceededError."""
+    client = await QosClient.connect(worker_config, "test-client")
+    errors: list[BaseException] = []
+
+    async def read() -> None:
+        try:
+            async for _ in client.generate(group="long", prompt_token_ids=[1, 2]):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    reader = asyncio.ensure_future(read())
+    await asyncio.wait_for(played["requests"].get(), 5)  # published, no answer coming
+    await asyncio.wait_for(client.close(), 5)
+    await asyncio.wait_for(reader, 5)
+    assert len(errors) == 1 and isinstance(errors[0], ServiceUnavailableError), errors
+    assert "closed" in errors[0].message
+    await _wait_for(lambda: any(c.action == "abort" for c in played["controls"]))
+    assert any(c.action == "abort" for c in played["controls"])
+
+
+async def test_a_group_the_configuration_lacks_is_refused_before_it_is_published(
+    client: QosClient, played: dict[str, Any]
+) -> None:
+    """JetStream's stream takes P.req.* and stored a request for a misspelt group, whose
+    caller then waited out its whole deadline."""
+    with pytest.raises(InvalidRequestError) as info:
+        async for _ in client.generate(group="shrot", prompt_token_ids=[1, 2], timeout_s=30):
+            pass
+    assert info.value.param == "group" and "shrot" in info.value.message
+    assert played["requests"].empty()
+
+    async def finish(rid: str) -> None:  # a configured group goes through
+        final = Chunk(id=rid, seq=0, token_ids=[7], finish_reason="length", usage=Usage(2, 1, 0))
+        await client.nc.publish(client.subjects.out(rid), final.to_bytes())
+
+    got, exc = await _run(client, played, finish)
+    assert exc is None and got[-1].finish_reason == "length"
