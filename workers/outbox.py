@@ -139,18 +139,23 @@ def sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams
 def raw_reply(data: bytes, out_subject: Callable[[str], str]) -> tuple[str | None, str]:
     """(reply, id) read leniently from a payload that failed strict decoding.
 
-    The reply is the request's own ``P.out.<id>`` (``out_subject(id)``) or None: a payload
-    naming another subject must not have this worker publish there (another request's
-    stream, an API subject). The id is "" when unreadable.
+    The reply is the request's own ``P.out.<id>`` (``out_subject(id)``) whenever an id can
+    be read, whatever the payload names (as :meth:`WorkerService._misdirected` answers): a
+    payload naming another subject must not have this worker publish there, and one that
+    left ``reply`` out, or was undecodable for a bad string or an integer map key elsewhere,
+    still has a caller waiting on its out subject. The id is "" (and the reply None) when
+    unreadable.
     """
     try:
-        obj = msgpack.unpackb(bytes(data), raw=False)
+        obj = msgpack.unpackb(
+            bytes(data), raw=False, unicode_errors="surrogateescape", strict_map_key=False
+        )
     except Exception:  # msgpack raises several unrelated types
         return None, ""
     if not isinstance(obj, dict):
         return None, ""
-    reply, rid = obj.get("reply"), obj.get("id")
+    rid = obj.get("id")
     rid = rid if isinstance(rid, str) and is_subject_token(rid) else ""
-    if not rid or reply != out_subject(rid):
-        return None, rid
-    return reply, rid
+    if not rid:
+        return None, ""
+    return out_subject(rid), rid

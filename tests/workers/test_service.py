@@ -148,6 +148,37 @@ async def test_a_malformed_request_gets_an_error_chunk_is_terminated_and_the_wor
     assert (info.num_pending, info.num_ack_pending, info.num_redelivered) == (0, 0, 0)
 
 
+async def test_a_malformed_request_is_answered_on_its_own_out_subject_whatever_it_names(
+    start_worker: Any, nc: Client, subjects: Subjects
+) -> None:
+    """Without ``reply`` (derivable from the id, so easily left out), with a string that is
+    not UTF-8, or with an integer map key, the lenient re-decode failed too: the message
+    was terminated and its caller, on P.out.<id> already, heard nothing."""
+    await start_worker()
+    js = nc.jetstream()
+    cases = {
+        "no reply": lambda rid: msgpack.packb({"v": 1, "id": rid, "group": "short", "prompt": "x"}),
+        "bad utf-8": lambda rid: msgpack.packb(
+            {"v": 1, "id": rid, "group": "short", "reply": subjects.out(rid), "prompt": "x",
+             "model": b"\xff\xfe"}, use_bin_type=False),
+        "int key": lambda rid: msgpack.packb(
+            {"v": 1, "id": rid, "group": "short", "reply": subjects.out(rid), "prompt": "x",
+             "params": {1: 2}}),
+        "elsewhere": lambda rid: msgpack.packb(
+            {"v": 1, "id": rid, "group": "short", "reply": "qos.out.other", "prompt": "x",
+             "oops": 1}),
+    }  # fmt: skip
+    for name, build in cases.items():
+        rid = new_id()
+        sub = await nc.subscribe(subjects.out(rid))
+        await js.publish(subjects.request("short"), build(rid))
+        (error,) = await read_until_final(sub)
+        assert error["finish_reason"] == "error", name
+        assert error["error"]["code"] == "protocol_error", name
+        assert error["id"] == rid, name
+        await sub.unsubscribe()
+
+
 async def test_a_request_past_its_deadline_gets_deadline_exceeded(
     start_worker: Any, nc: Client, subjects: Subjects
 ) -> None:
