@@ -11,7 +11,12 @@ from safetensors.torch import load_file
 from tests.engine.tiny_checkpoints import checkpoint, hf_greedy, prompts
 from workers.engine import LLM, SamplingParams
 from workers.engine.args import resolve_dtype
-from workers.engine.loader import load_model, load_model_config
+from workers.engine.loader import (
+    ModelLoadError,
+    generation_config_eos,
+    load_model,
+    load_model_config,
+)
 from workers.engine.models.llama import ModelConfig, rope_inv_freq
 
 
@@ -83,6 +88,27 @@ def test_sliding_windows_follow_transformers_defaults_and_cap_the_context() -> N
     assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).context_len == 32768
     windowed = {**qwen, "use_sliding_window": True, "max_window_layers": 2}
     assert ModelConfig.from_hf(windowed).context_len == 1024
+    # An explicit layer_types wins over max_window_layers, as in Qwen2Config.
+    listed = {**qwen, "use_sliding_window": True, "max_window_layers": 4}
+    sliding = ["full_attention", "sliding_attention", "full_attention", "full_attention"]
+    assert ModelConfig.from_hf({**listed, "layer_types": sliding}).context_len == 1024
+    full = {**windowed, "layer_types": ["full_attention"] * 4}
+    assert ModelConfig.from_hf(full).context_len == 32768
+    # Llama's attention never reads the key (a Mistral converted to Llama keeps it).
+    assert ModelConfig.from_hf(_hf(sliding_window=4096)).context_len == 32768
+
+
+def test_config_mistakes_are_named() -> None:
+    incomplete = _hf()
+    del incomplete["intermediate_size"]
+    with pytest.raises(ValueError, match="lacks the required key 'intermediate_size'"):
+        ModelConfig.from_hf(incomplete)
+
+
+def test_a_malformed_generation_config_is_a_load_error_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text("{eos_token_id: 2")
+    with pytest.raises(ModelLoadError, match=r"generation_config\.json"):
+        generation_config_eos(str(tmp_path))
 
 
 def test_llama3_rope_takes_its_original_length_as_transformers_does() -> None:
@@ -243,3 +269,20 @@ def test_a_cpu_engine_never_imports_triton() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_a_context_capped_by_the_sliding_window_says_so(tmp_path: Path) -> None:
+    """Mistral-7B-v0.1 reads 32768 positions in its config.json; asking for 8192 was refused
+    with "context length 4096" and no word of where 4096 came from."""
+    import json
+    import shutil
+
+    from common.errors import ConfigError
+    from workers.engine import EngineArgs, LLMEngine
+
+    path = tmp_path / "windowed"
+    shutil.copytree(checkpoint("mistral", str(tmp_path / "ckpt")), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
+    with pytest.raises(ConfigError, match=r"context length 64 \(its sliding window: .* 512"):
+        LLMEngine(EngineArgs(str(path), num_kv_blocks=64, max_seq_len=128))

@@ -202,8 +202,16 @@ class LLMEngine:
         if wanted is None:
             return min(model_max, capacity)
         if wanted > model_max:
+            why = ""
+            if cfg.sliding_window and cfg.sliding_window < cfg.max_position_embeddings:
+                why = (
+                    f" (its sliding window: max_position_embeddings is "
+                    f"{cfg.max_position_embeddings}, but sliding-window attention is not "
+                    "implemented, so it is served up to the window, where full attention agrees)"
+                )
             raise ConfigError(
-                f"EngineArgs.max_seq_len: {wanted} exceeds the model's context length {model_max}",
+                f"EngineArgs.max_seq_len: {wanted} exceeds the model's context length "
+                f"{model_max}{why}",
                 param="max_seq_len",
             )
         if wanted > capacity and self.args.fit_max_seq_len:

@@ -160,7 +160,10 @@ def generation_config_eos(model: str) -> set[int]:
     path = Path(model) / "generation_config.json"
     if not path.is_file():
         return set()
-    eos = json.loads(path.read_text()).get("eos_token_id")
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError) as exc:  # not JSON, or not an object
+        raise ModelLoadError(f"{path}: not a JSON object ({exc})") from None
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {int(eos)}

@@ -78,6 +78,13 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read a ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+        try:
+            return cls._from_hf(cfg)
+        except KeyError as exc:  # a bare KeyError read as "config.json: 'intermediate_size'"
+            raise ValueError(f"lacks the required key {exc.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg["model_type"]
         cfg = {**_ARCH_DEFAULTS.get(model_type, {}), **cfg}
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: the same
@@ -112,15 +119,21 @@ class ModelConfig:
         # Qwen2 has q/k/v biases whatever the config says, and none on o_proj.
         qwen2 = model_type == "qwen2"
         # transformers' defaults where the key is absent: Mistral windows at 4096; Qwen2/3
-        # only with use_sliding_window, and only in layers from max_window_layers on.
-        window = cfg.get(
-            "sliding_window", 4096 if model_type in ("mistral", "qwen2", "qwen3") else None
-        )
-        if model_type in ("qwen2", "qwen3") and (
-            not cfg.get("use_sliding_window", False)
-            or cfg.get("max_window_layers", 28) >= cfg["num_hidden_layers"]
-        ):
-            window = None
+        # only with use_sliding_window, in the layers ``layer_types`` names "sliding_attention"
+        # or, without that list, from max_window_layers on. Llama's attention never reads
+        # the key (a Mistral converted to Llama keeps it): full attention there.
+        window = None
+        if model_type in ("mistral", "qwen2", "qwen3"):
+            window = cfg.get("sliding_window", 4096)
+        if model_type in ("qwen2", "qwen3"):
+            layer_types = cfg.get("layer_types")
+            windowed = (
+                "sliding_attention" in layer_types
+                if isinstance(layer_types, list)
+                else cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
+            )
+            if not (cfg.get("use_sliding_window", False) and windowed):
+                window = None
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
