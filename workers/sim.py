@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.errors import InvalidRequestError
 from workers.engine.admission_checks import checked_prompt_ids
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.sampling_params import SamplingParams
@@ -204,8 +205,11 @@ class SimEngine:
         """Queue a request; raises and resumes like :meth:`LLMEngine.add_request`."""
         params = params if params is not None else SamplingParams()
         ids = checked_prompt_ids(
-            request_id, self.requests, prompt, prompt_token_ids, self.encode, self.max_seq_len
-        )
+            request_id, self.requests, prompt, prompt_token_ids, self.encode, self.max_seq_len,
+            self.vocab_size,
+        )  # fmt: skip
+        if params.stop and self.tokenizer is None:  # as the engine: silently ignored, else
+            raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         req = _SimRequest(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -286,12 +290,22 @@ class SimEngine:
 
     def _emit(self, req: _SimRequest, now: float) -> RequestDelta:
         token = sim_token(req.seed, req.num_tokens, self.vocab_size)
+        params = req.params
+        if len(req.output_token_ids) < params.min_tokens:
+            # As the sampler: no EOS or stop id before min_tokens (another draw instead).
+            banned = self.eos_token_ids | set(params.stop_token_ids)
+            redraw = 0
+            while token in banned and redraw < 16:
+                redraw += 1
+                token = sim_token(req.seed + redraw, req.num_tokens, self.vocab_size)
+            if token in banned:  # a vocabulary of mostly banned ids: the next allowed one
+                allowed = (i % self.vocab_size for i in range(token, token + self.vocab_size))
+                token = next((i for i in allowed if i not in banned), token)
         req.output_token_ids.append(token)
         self.num_generation_tokens += 1
         first = req.first_token_time is None
         if first:
             req.first_token_time = now
-        params = req.params
         at_limit = (
             len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= req.max_total_tokens
         )

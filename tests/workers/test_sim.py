@@ -211,3 +211,23 @@ def test_a_secondary_eos_id_reports_its_id_as_a_stop_token_does(
     engine.add_request("r", "Hi", SamplingParams(max_tokens=5, ignore_eos=True))
     out = run(engine)["r"][-1].output
     assert (out.finish_reason, out.stop_reason, out.text) == ("length", None, "ab#cd")
+
+
+def test_the_sim_refuses_and_withholds_what_the_engine_does() -> None:
+    """Looser than the engine, it let tests pass that the real engine would fail: prompt ids
+    past the vocabulary, stop strings with no tokenizer to match them, EOS before min_tokens."""
+    from common.errors import InvalidRequestError
+
+    engine = SimEngine(cost=SimCost(0, 0, 0), vocab_size=100)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("big", prompt_token_ids=[5, 100])
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("stop", params=SamplingParams(stop=["x"]), prompt_token_ids=[5])
+    assert info.value.param == "stop"
+    # With every token but one an EOS id, the first min_tokens still avoid them all.
+    eos = frozenset(range(100)) - {42}
+    engine = SimEngine(cost=SimCost(0, 0, 0), vocab_size=100, eos_token_ids=eos)
+    params = SamplingParams(max_tokens=8, min_tokens=3, seed=1)
+    engine.add_request("r", params=params, prompt_token_ids=[5])
+    tokens = [t for d in run(engine)["r"] for t in d.token_ids]
+    assert tokens[:3] == [42, 42, 42] and tokens[3] in eos and len(tokens) == 4
