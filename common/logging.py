@@ -63,6 +63,12 @@ def bind_request(request_id: str | None) -> None:
     _REQUEST_ID.set(request_id)
 
 
+def about(request_id: str) -> dict[str, Any]:
+    """``extra=`` of a log line about one request, written outside the task bound to it
+    (the engine's output, a tick, a control): its ``request_id`` field all the same."""
+    return {"fields": {"request_id": request_id}}
+
+
 def bind_trace(trace_id: int, span_id: int) -> Token[tuple[int, int] | None]:
     """Tag the current task's log lines with a span that is not an OpenTelemetry one yet (a
     request recorded as plain values: ``gateway.tracing``, ``workers.tracing``); a current
@@ -154,9 +160,15 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = redact(super().format(record))
         extra = getattr(record, "fields", None)
-        if isinstance(extra, dict) and extra:
-            line += " " + " ".join(f"{k}={str(v).translate(_CONTROLS)}" for k, v in extra.items())
         ctx = context_fields()
+        if isinstance(extra, dict) and extra:
+            if "request_id" in extra:  # a tag, as a bound request's (its message names it too)
+                extra = dict(extra)
+                ctx["request_id"] = str(extra.pop("request_id"))
+            if extra:
+                line += " " + " ".join(
+                    f"{k}={str(v).translate(_CONTROLS)}" for k, v in extra.items()
+                )
         tags = [f"req={ctx['request_id']}"] if "request_id" in ctx else []
         if "trace_id" in ctx:
             tags.append(f"trace={ctx['trace_id']}")

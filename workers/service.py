@@ -59,6 +59,7 @@ from common.errors import (
     error_from_code,
 )
 from common.liveness import LoopBeat
+from common.logging import about
 from common.protocol import (
     Chunk,
     Control,
@@ -487,7 +488,7 @@ class WorkerService:
                     # ignored until the deadline. Stop ours; the next delivery resumes.
                     log.info("request %s: delivery %d here, another replica held it since "
                              "our delivery %d; handing it back to resume", req.id, attempt,
-                             existing.attempt)  # fmt: skip
+                             existing.attempt, extra=about(req.id))  # fmt: skip
                     self._forget(existing)  # its buffered tokens too: not the next's
                     self._abort_in_engine(existing)
                     self.observer.abandoned(existing, "handed_back")
@@ -499,7 +500,9 @@ class WorkerService:
                 # Another message reusing the id of one in flight: serving it would mix two
                 # answers on one reply subject, and swapping it in stranded the first unacked.
                 log.warning(
-                    "request %s: a second message with this id is in flight; terminated", req.id
+                    "request %s: a second message with this id is in flight; terminated",
+                    req.id,
+                    extra=about(req.id),
                 )
                 await settle(msg.term)
             return
@@ -507,7 +510,7 @@ class WorkerService:
         if misdirected is not None:
             # Answered on its own P.out.<id> only: the reply a caller names is not trusted.
             assert self.nc is not None
-            log.warning("request %s refused: %s", req.id, misdirected)
+            log.warning("request %s refused: %s", req.id, misdirected, extra=about(req.id))
             chunk = Chunk(id=req.id, attempt=attempt, finish_reason="error", worker=self.worker_id,
                           error=ErrorInfo("invalid_request", misdirected))  # fmt: skip
             with contextlib.suppress(Exception):
@@ -527,7 +530,12 @@ class WorkerService:
             # prefill for nobody, which live requests would wait behind. Ended as the
             # reaper ends one in flight, so a gateway that was only cut off and comes back
             # hears why (the resync re-sends the abort: a retryable 503 for its client).
-            log.info("request %s: its gateway %s is silent; not served", req.id, req.origin)
+            log.info(
+                "request %s: its gateway %s is silent; not served",
+                req.id,
+                req.origin,
+                extra=about(req.id),
+            )
             self.observer.orphaned(st)
             await self._complete(st, st.final_chunk(self.worker_id, "abort"), error=False)
             return
@@ -550,7 +558,7 @@ class WorkerService:
                         # keeps a message past max_deliver); its caller never answered.
                         log.warning("request %s: its live gateway %s never answered the resume "
                                     "query, on its last delivery; dropping it", req.id,
-                                    req.origin)  # fmt: skip
+                                    req.origin, extra=about(req.id))  # fmt: skip
                         # Its caller may still be listening, only slow: tell it, rather than
                         # leave it to its deadline.
                         given_up = st.error_chunk(self.worker_id, RequestGivenUpError(
@@ -566,11 +574,15 @@ class WorkerService:
                     # advisory then fails the stream).
                     log.info("request %s: no answer to the resume query (%s) from live "
                              "gateway %s; handing it back", req.id, reply.value,
-                             req.origin)  # fmt: skip
+                             req.origin, extra=about(req.id))  # fmt: skip
                     await settle(lambda: msg.nak(delay=RESUME_RETRY_S))
                     self.observer.abandoned(st, "handed_back")
                     return
-                log.info("request %s: no caller answers the resume query; dropping it", req.id)
+                log.info(
+                    "request %s: no caller answers the resume query; dropping it",
+                    req.id,
+                    extra=about(req.id),
+                )
                 if req.origin:  # its gateway went silent meanwhile: as above, it may be back
                     self.observer.orphaned(st)
                     await self._complete(st, st.final_chunk(self.worker_id, "abort"), error=False)
@@ -579,7 +591,11 @@ class WorkerService:
                 self.observer.abandoned(st, "no_caller")
                 return
             if reply.closed:  # answered already (the first attempt's ack was lost)
-                log.info("request %s: its caller has finished with it; dropping the copy", req.id)
+                log.info(
+                    "request %s: its caller has finished with it; dropping the copy",
+                    req.id,
+                    extra=about(req.id),
+                )
                 await settle(msg.ack)
                 self.observer.abandoned(st, "closed")
                 return
@@ -620,7 +636,9 @@ class WorkerService:
             # tokenizer thread): one engine request per id, one answer on its reply.
             if _stream_seq(twin.msg) != _stream_seq(msg):
                 log.warning(
-                    "request %s: a second message with this id is in flight; terminated", req.id
+                    "request %s: a second message with this id is in flight; terminated",
+                    req.id,
+                    extra=about(req.id),
                 )
                 await settle(msg.term)
                 self.observer.abandoned(st, "duplicate")
@@ -666,7 +684,11 @@ class WorkerService:
                 try:
                     await self._on_event(event)
                 except Exception:
-                    log.exception("handling engine output for %s failed", event.request_id)
+                    log.exception(
+                        "handling engine output for %s failed",
+                        event.request_id,
+                        extra=about(event.request_id),
+                    )
                     await self._output_failed(event)
             now = loop.time()
             while coalescing:
@@ -706,7 +728,9 @@ class WorkerService:
         try:
             await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
         except Exception:
-            log.exception("request %s: ending it failed too", st.request.id)
+            log.exception(
+                "request %s: ending it failed too", st.request.id, extra=about(st.request.id)
+            )
             self._forget(st)
             if not getattr(st.msg, "is_acked", False):  # answered and acked: nothing to hand back
                 await self._hand_back(st.msg)  # its caller may have heard nothing
@@ -755,7 +779,11 @@ class WorkerService:
             try:
                 text, matched = await asyncio.to_thread(self._resumed_ending, st, tokenizer)
             except Exception:  # the tail costs its text, never the answer
-                log.exception("request %s: could not rebuild the held-back text", st.request.id)
+                log.exception(
+                    "request %s: could not rebuild the held-back text",
+                    st.request.id,
+                    extra=about(st.request.id),
+                )
         if held and self._inflight.get(st.request.id) is not st:
             return  # superseded or handed back meanwhile: its message is not ours to ack
         st.text += text
@@ -816,7 +844,12 @@ class WorkerService:
         try:
             await self.nc.publish(st.request.reply, chunk.to_bytes())
         except Exception as exc:
-            log.warning("request %s: publishing a chunk failed: %s", st.request.id, exc)
+            log.warning(
+                "request %s: publishing a chunk failed: %s",
+                st.request.id,
+                exc,
+                extra=about(st.request.id),
+            )
 
     # --- periodic work -------------------------------------------------------------------
 
@@ -888,7 +921,7 @@ class WorkerService:
                 # waits on it forever; whatever it emits later finds no request.
                 log.error("request %s: the engine has not stopped it %.0f s after its "
                           "deadline; answering from the event loop", st.request.id,
-                          ENGINE_STUCK_S)  # fmt: skip
+                          ENGINE_STUCK_S, extra=about(st.request.id))  # fmt: skip
                 await self._send_error(st, st.error)
                 self._engine_failed("it did not act on an abort")
         if self.bridge is not None and not self.bridge.alive:
@@ -944,7 +977,7 @@ class WorkerService:
             st.orphaned = True
             log.warning(
                 "request %s: gateway %s silent for %.1fs; aborting (its caller is gone)",
-                st.request.id, origin, watch.silent_s(origin),
+                st.request.id, origin, watch.silent_s(origin), extra=about(st.request.id),
             )  # fmt: skip
             self.observer.orphaned(st)
             self._abort_in_engine(st)
@@ -1099,7 +1132,11 @@ class WorkerService:
         cancelled while this replica was cut off, and the abort never came): abort it."""
         if self._inflight.get(st.request.id) is not st:
             return  # finished here meanwhile, or another delivery's
-        log.info("request %s: its caller closed it while we were cut off; aborting", st.request.id)
+        log.info(
+            "request %s: its caller closed it while we were cut off; aborting",
+            st.request.id,
+            extra=about(st.request.id),
+        )
         self._aborted.add(st.request.id)
         self._abort_in_engine(st)
 
@@ -1113,7 +1150,7 @@ class WorkerService:
         if st is None or max(st.attempt, st.delivered) >= attempt:
             return  # not here, or this replica holds that delivery (or a later one)
         log.info("request %s: delivery %d resumed it elsewhere; stopping ours (delivery %d)",
-                 request_id, attempt, max(st.attempt, st.delivered))  # fmt: skip
+                 request_id, attempt, max(st.attempt, st.delivered), extra=about(request_id))  # fmt: skip
         self._retire(st, "superseded")
         self._poke()
 

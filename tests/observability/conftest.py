@@ -89,7 +89,7 @@ async def start_worker(config: Config) -> AsyncIterator[StartWorker]:
     ) -> WorkerService:
         gc = config.groups[group]
         engine = SimEngine(
-            max_batch_size=gc.max_batch, max_seq_len=gc.max_seq_len, cost=cost, vocab_size=256
+            max_batch_size=gc.max_batch, max_seq_len=gc.max_seq_len, cost=cost, vocab_size=259
         )
         options = WorkerOptions(group=group, worker_id=worker_id, model=MODEL, fetch_timeout_s=0.25)
         service = WorkerService(config, engine, options, tracer_provider=tracer_provider)

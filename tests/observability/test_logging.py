@@ -16,6 +16,7 @@ from common.config import Config, LogConfig
 from common.logging import (
     JsonFormatter,
     TextFormatter,
+    about,
     bind_request,
     bind_trace,
     redact,
@@ -88,6 +89,31 @@ def test_a_worker_delivery_bound_as_plain_ids_tags_its_lines_unless_a_span_is_cu
     assert bound["span_id"] == "00f067aa0ba902b7"
     assert current["span_id"] != bound["span_id"]
     assert "trace_id" not in json.loads(formatter.format(record))  # only in that task
+
+
+def test_a_line_about_a_request_outside_its_task_carries_its_id() -> None:
+    """The worker's lines from its engine-output handler, its tick and its controls run in
+    no request's task: their JSON had no request_id to search by."""
+    logger = logging.getLogger("test.about")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep = Keep()
+    logger.addHandler(keep)
+    try:
+        contextvars.Context().run(
+            logger.warning, "request %s: publishing a chunk failed", "r-1", extra=about("r-1")
+        )
+    finally:
+        logger.removeHandler(keep)
+    (record,) = records
+    line = json.loads(JsonFormatter("worker").format(record))
+    assert line["request_id"] == "r-1"
+    text = TextFormatter().format(record)
+    assert text.endswith("[req=r-1]") and "request_id=" not in text
 
 
 def test_credentials_and_bearer_tokens_are_masked_in_every_format() -> None:
