@@ -43,41 +43,184 @@ class _Strict(BaseModel):
 class BreakerConfig(_Strict):
     """Per-group circuit breaker (field study: 10 samples, mean p99 > 500 ms → open, cap 4)."""
 
-    window_samples: int = Field(10, ge=1)
-    min_samples: int = Field(5, ge=1)
-    p99_threshold_ms: float = Field(500.0, gt=0)
-    error_rate_threshold: float = Field(0.2, gt=0, le=1)
-    open_batch_cap: int = Field(4, ge=1)
-    wait_open_s: float = Field(10.0, gt=0)
-    half_open_share: float = Field(0.25, gt=0, le=1)
-    close_after_healthy: int = Field(3, ge=1)
+    window_samples: int = Field(
+        10,
+        ge=1,
+        description=(
+            "How many of the group's latest samples (one per scheduler tick in which it "
+            "reported) the breaker averages while closed. Raise it to make the breaker slower "
+            "to open and less jumpy on one bad burst."
+        ),
+    )
+    min_samples: int = Field(
+        5,
+        ge=1,
+        description=(
+            "The breaker opens on latency only once its window holds at least this many samples "
+            "(capped at window_samples). Must be reachable within scheduler.window_s; lower it "
+            "to react sooner after a gap or restart."
+        ),
+    )
+    p99_threshold_ms: float = Field(
+        500.0,
+        gt=0,
+        description=(
+            "Latency limit in milliseconds: the breaker opens when the mean of the window's "
+            "p99s exceeds it. The group's SLO of the watched kind (p99_kind) is used instead "
+            "when higher, so this only matters for groups with a lower SLO."
+        ),
+    )
+    error_rate_threshold: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description=(
+            "The breaker also opens when more than this share (0-1) of the window's finished "
+            "requests failed. Lower it to trip sooner on errors."
+        ),
+    )
+    open_batch_cap: int = Field(
+        4,
+        ge=1,
+        description=(
+            "While the breaker is open or half-open, the group's workers run at most this many "
+            "requests per batch (or max_batch if smaller), to bring latency back down."
+        ),
+    )
+    wait_open_s: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "Seconds the breaker stays open before it turns half-open and probes the group with "
+            "part of its traffic. Raise it to give a struggling group longer to recover."
+        ),
+    )
+    half_open_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description=(
+            "Share (0-1) of the group's traffic the gateways still send it while its breaker is "
+            "half-open; the rest goes down the fallback chain."
+        ),
+    )
+    close_after_healthy: int = Field(
+        3,
+        ge=1,
+        description=(
+            "Healthy samples in a row (a probe succeeded and p99 was under the threshold) that "
+            "close a half-open breaker. Raise it to demand more proof before full traffic "
+            "returns."
+        ),
+    )
     # Which latency the breaker watches; its threshold is never below the group's SLO of
     # that kind (slo_e2e_p99_ms / slo_ttft_ms): a group meeting its SLO is healthy. "e2e"
     # also sees a hung group (requests running, none finishing); with "ttft" a hung group
     # reports no first tokens at all, and only its error rate (deadline errors) trips it.
-    p99_kind: Literal["e2e", "ttft"] = "e2e"
+    p99_kind: Literal["e2e", "ttft"] = Field(
+        "e2e",
+        description=(
+            "Which latency the breaker watches: e2e (whole request, also catches a hung group) "
+            "or ttft (time to first token). Its threshold is never below the group's SLO of "
+            "that kind."
+        ),
+    )
     # The error rate is judged only over at least this many finished requests.
-    min_requests: int = Field(10, ge=1)
+    min_requests: int = Field(
+        10,
+        ge=1,
+        description=(
+            "The error rate is judged only over at least this many finished requests, so a few "
+            "failures at low traffic do not open the breaker."
+        ),
+    )
 
 
 class GroupConfig(_Strict):
     """An instance group: its limits, SLOs, policy and fallback."""
 
-    max_batch: int = Field(ge=1)
-    max_seq_len: int = Field(ge=16)
-    slo_ttft_ms: float = Field(gt=0)
-    slo_e2e_p99_ms: float = Field(gt=0)
-    policy: Policy = "hybrid"
+    max_batch: int = Field(
+        ge=1,
+        description=(
+            "Most requests one worker of this group runs at once (its batch size). Larger "
+            "raises throughput and latency; an open breaker lowers it to "
+            "breaker.open_batch_cap."
+        ),
+    )
+    max_seq_len: int = Field(
+        ge=16,
+        description=(
+            "Longest sequence (prompt plus generated tokens) the group accepts, in tokens. "
+            "Requests naming no group go to the lowest-rank group that holds them; workers that "
+            "hold less lower the limit."
+        ),
+    )
+    slo_ttft_ms: float = Field(
+        gt=0,
+        description=(
+            "Target p99 time to first token, in milliseconds. With breaker.p99_kind ttft, the "
+            "breaker threshold is never below it and the rebalancer adds replicas while the "
+            "group misses it with work queued."
+        ),
+    )
+    slo_e2e_p99_ms: float = Field(
+        gt=0,
+        description=(
+            "Target p99 end-to-end request latency, in milliseconds. With breaker.p99_kind e2e "
+            "(the default), the breaker threshold is never below it and the rebalancer adds "
+            "replicas while the group misses it with work queued."
+        ),
+    )
+    policy: Policy = Field(
+        "hybrid",
+        description=(
+            "How the group's engine batches: static (fixed batches), dynamic (batches wait to "
+            "fill), continuous (requests join and leave every step) or hybrid (continuous plus "
+            "chunked prefill)."
+        ),
+    )
     # continuous/hybrid: while requests run, new ones wait up to this many times the last
     # admitting step's duration (10 ms at most) so that they prefill together (EngineArgs;
     # 0 = never wait).
-    prefill_delay_factor: float = Field(0.0, ge=0, le=100)
+    prefill_delay_factor: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        description=(
+            "continuous/hybrid only: while requests run, new ones wait up to this many times "
+            "the last admitting step's duration (10 ms at most) so they prefill together. 0 = "
+            "admit at once; 1 pays for hybrid on a GPU."
+        ),
+    )
     # Queued + running requests the gateway admits before it sheds with 429.
-    max_pending: int = Field(64, ge=1)
-    fallback: str | None = None
+    max_pending: int = Field(
+        64,
+        ge=1,
+        description=(
+            "Most queued plus running requests of this group that one gateway admits; beyond it "
+            "clients get 429 with Retry-After. Scale it with the group's capacity."
+        ),
+    )
+    fallback: str | None = Field(
+        None,
+        description=(
+            "Group that takes this group's requests when its breaker is open (or half-open and "
+            "not its turn) or it has no live worker. Unset = none; must name another configured "
+            "group."
+        ),
+    )
     # Lower routes first when the classifier has a choice.
-    rank: int = 0
-    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    rank: int = Field(
+        0,
+        description=(
+            "Routing order: a request naming no group goes to the lowest-rank group whose "
+            "max_seq_len holds it (batch-size-1 groups only when named explicitly)."
+        ),
+    )
+    breaker: BreakerConfig = Field(
+        default_factory=BreakerConfig,
+        description=("This group's circuit breaker (groups.<name>.breaker.*)."),
+    )
 
 
 def default_groups() -> dict[str, GroupConfig]:
@@ -121,22 +264,80 @@ def default_groups() -> dict[str, GroupConfig]:
 class NatsConfig(_Strict):
     """Connection, credentials/TLS and the JetStream names (DESIGN §2)."""
 
-    url: str = "nats://127.0.0.1:4222"
-    user: str | None = None
-    password: str | None = None
-    token: str | None = None
-    creds_file: str | None = None
-    nkey_seed_file: str | None = None
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
+    url: str = Field(
+        "nats://127.0.0.1:4222",
+        description=(
+            "NATS server URL (nats://, tls://, ws:// or wss://); several comma-separated for a "
+            "cluster's seeds, tried in turn. Credentials in it are never printed."
+        ),
+    )
+    user: str | None = Field(
+        None,
+        description=("User name for NATS user/password authentication; unset = none."),
+    )
+    password: str | None = Field(
+        None,
+        description=(
+            "Password of nats.user. A secret: set it by QOS_NATS__PASSWORD rather than in a "
+            "file; never printed."
+        ),
+    )
+    token: str | None = Field(
+        None,
+        description=(
+            "NATS authentication token (instead of user/password). A secret; never printed."
+        ),
+    )
+    creds_file: str | None = Field(
+        None,
+        description=(
+            "Path to a NATS .creds file (JWT plus nkey seed) for operator/account authentication."
+        ),
+    )
+    nkey_seed_file: str | None = Field(
+        None,
+        description=("Path to an nkey seed file for NATS nkey authentication."),
+    )
+    tls_ca_file: str | None = Field(
+        None,
+        description=(
+            "CA certificate (PEM) that verifies the NATS server's certificate; set it for TLS "
+            "with a private CA."
+        ),
+    )
+    tls_cert_file: str | None = Field(
+        None,
+        description=(
+            "Client certificate (PEM) for a NATS server that requires mutual TLS; set together "
+            "with tls_key_file."
+        ),
+    )
+    tls_key_file: str | None = Field(
+        None,
+        description=("Private key (PEM) of nats.tls_cert_file."),
+    )
     # TLS before any NATS byte (the server's tls { handshake_first: true }): without it the
     # client upgrades only when the server's INFO asks, which a man in the middle can strip.
-    tls_handshake_first: bool = False
+    tls_handshake_first: bool = Field(
+        False,
+        description=(
+            "Start TLS before any NATS byte; needs the server's tls { handshake_first: true }. "
+            "Turn on over untrusted networks: otherwise TLS starts only when the server asks, "
+            "which an attacker can strip."
+        ),
+    )
     # Where replies to this connection arrive (pulled requests, JetStream API answers).
     # Unset: _INBOX_<service> (gateway, worker, scheduler), so deploy/nats/permissions.conf
     # can keep each service out of the others' replies, which carry prompts.
-    inbox_prefix: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+    inbox_prefix: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$",
+        description=(
+            "Subject prefix of this connection's replies. Unset = _INBOX_<service> (gateway, "
+            "worker, scheduler), as deploy/nats/permissions.conf expects; change only together "
+            "with the NATS permissions."
+        ),
+    )
 
     @field_validator("url")
     @classmethod
@@ -153,25 +354,115 @@ class NatsConfig(_Strict):
             raise ValueError("cannot mix websocket (ws://, wss://) and nats:// or tls:// URLs")
         return value
 
-    subject_prefix: str = Field("qos", pattern=r"^[A-Za-z0-9_-]+$")
-    stream: str = Field("QOS_REQ", pattern=r"^[A-Za-z0-9_-]+$")
-    kv_bucket: str = Field("qos_state", pattern=r"^[A-Za-z0-9_-]+$")
+    subject_prefix: str = Field(
+        "qos",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description=(
+            "First token of every qosserve subject (<prefix>.req.<group>, <prefix>.tel.>, ...). "
+            "Change it, with stream and kv_bucket, to run several deployments on one NATS."
+        ),
+    )
+    stream: str = Field(
+        "QOS_REQ",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description=(
+            "Name of the JetStream stream that queues requests (a work queue, one subject per "
+            "group)."
+        ),
+    )
+    kv_bucket: str = Field(
+        "qos_state",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description=(
+            "Name of the JetStream key-value bucket holding shared state: breaker states, the "
+            "scheduler lease, desired replicas, demand history."
+        ),
+    )
     # Copies JetStream keeps of the request stream and the state bucket when it creates them:
     # 3 on a 3-node cluster survives losing a server (1 = a single server's data). Existing
     # ones keep theirs (a warning says when they differ).
-    replicas: int = Field(1, ge=1, le=5)
-    ack_wait_s: float = Field(30.0, gt=0)
-    max_deliver: int = Field(5, ge=1)
-    duplicate_window_s: float = Field(120.0, gt=0)
-    max_payload_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    connect_timeout_s: float = Field(5.0, gt=0)
-    reconnect_wait_s: float = Field(0.5, gt=0)
-    max_reconnect_attempts: int = -1  # -1 = forever: services outlive a NATS restart
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description=(
+            "Copies JetStream keeps of the request stream and state bucket when it creates "
+            "them: 3 on a 3-node cluster survives losing a server. Existing ones keep theirs."
+        ),
+    )
+    ack_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "Seconds JetStream waits for a worker's progress signal before redelivering a "
+            "request to another replica (workers signal every third of it). Lower = faster "
+            "recovery from a dead worker."
+        ),
+    )
+    max_deliver: int = Field(
+        5,
+        ge=1,
+        description=(
+            "Deliveries of one request before JetStream gives up on it (each failed delivery is "
+            "a worker dying on it); the client then gets an error at once."
+        ),
+    )
+    duplicate_window_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "Seconds JetStream remembers request ids, so a publish retried within it is stored "
+            "once."
+        ),
+    )
+    max_payload_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        description=(
+            "Largest NATS message, in bytes, that qosserve sends or accepts (a request with its "
+            "prompt tokens, a report); also the stream's message limit. The NATS server's "
+            "max_payload (default 1 MiB) must allow big prompts too."
+        ),
+    )
+    connect_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "Seconds to wait for a NATS connection; a service that cannot connect at start-up "
+            "within it exits with an error."
+        ),
+    )
+    reconnect_wait_s: float = Field(
+        0.5,
+        gt=0,
+        description=("Seconds between reconnect attempts after the NATS link drops."),
+    )
+    max_reconnect_attempts: int = Field(  # -1 = forever: services outlive a NATS restart
+        -1,
+        description=(
+            "Reconnect attempts before a service gives up and exits for its supervisor to "
+            "restart it; -1 = forever, so services outlive a NATS restart."
+        ),
+    )
     # A link that dies without a close (a powered-off node, a partition dropping packets)
     # shows only as pongs that stop: declared dead after this many pings unanswered, ~15-20 s
     # (nats-py's defaults, 120 s and 2, kept a gateway answering 200 for four minutes).
-    ping_interval_s: float = Field(5.0, gt=0)
-    max_outstanding_pings: int = Field(3, ge=1)
+    ping_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "Seconds between pings to the NATS server. With max_outstanding_pings it sets how "
+            "soon a silently dead link (powered-off node, partition) is noticed: about 15-20 s "
+            "by default."
+        ),
+    )
+    max_outstanding_pings: int = Field(
+        3,
+        ge=1,
+        description=(
+            "Unanswered pings after which the NATS link is declared dead and reconnected."
+        ),
+    )
 
     @property
     def servers(self) -> list[str]:
@@ -190,24 +481,89 @@ _REDIS_URL_PARTS = {"host", "port", "db", "username", "password", "path", "conne
 class RedisConfig(_Strict):
     """The shared cold KV tier."""
 
-    url: str = "redis://127.0.0.1:6379/0"
-    username: str | None = None
-    password: str | None = None
-    tls_ca_file: str | None = None
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description=(
+            "Redis server of the shared KV cache tier: redis://, rediss:// (TLS) or unix://, "
+            "database number in the path. Credentials in it are never printed; URL query "
+            "options are refused (use the redis.* keys)."
+        ),
+    )
+    username: str | None = Field(
+        None,
+        description=("Redis ACL user name; unset = the default user."),
+    )
+    password: str | None = Field(
+        None,
+        description=(
+            "Redis password (AUTH). A secret: set it by QOS_REDIS__PASSWORD rather than in a "
+            "file; never printed."
+        ),
+    )
+    tls_ca_file: str | None = Field(
+        None,
+        description=("CA certificate (PEM) that verifies the Redis server; needs a rediss:// URL."),
+    )
     # A client certificate, for a server that asks for one (redis-server's TLS default,
     # tls-auth-clients yes, refuses every client without); both or neither.
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    max_connections: int = Field(16, ge=1)
-    ttl_s: int = Field(3600, ge=1)
-    socket_timeout_s: float = Field(0.5, gt=0)
+    tls_cert_file: str | None = Field(
+        None,
+        description=(
+            "Client certificate (PEM) for a Redis server that requires one (tls-auth-clients "
+            "yes); set together with tls_key_file, needs a rediss:// URL."
+        ),
+    )
+    tls_key_file: str | None = Field(
+        None,
+        description=("Private key (PEM) of redis.tls_cert_file."),
+    )
+    max_connections: int = Field(
+        16,
+        ge=1,
+        description=(
+            "Most connections each worker opens to Redis, split between loads and stores. Raise "
+            "it for workers that move a lot of KV."
+        ),
+    )
+    ttl_s: int = Field(
+        3600,
+        ge=1,
+        description=(
+            "Seconds a KV block stays in Redis after it was last written or hit. Raise it to "
+            "keep prefixes warm through quiet hours; lower it to save Redis memory."
+        ),
+    )
+    socket_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        description=(
+            "Seconds a Redis connect or command may take before it counts as failed (the KV is "
+            "then recomputed). Raise it on slow or remote links."
+        ),
+    )
     # A prefix load from Redis slower than this (GB/s, plus one socket timeout) is given up:
     # the engine's batch waits for it, and recomputing is faster (loopback: ~2 GB/s).
-    load_min_gbps: float = Field(0.25, gt=0)
+    load_min_gbps: float = Field(
+        0.25,
+        gt=0,
+        description=(
+            "A prefix load from Redis slower than this rate (GB/s, plus one socket timeout) is "
+            "given up and recomputed, since the batch waits for it. Lower it on slow networks "
+            "where loading still beats recomputing."
+        ),
+    )
     # A secret every worker shares: KV values in Redis are then authenticated (a keyed
     # blake2b), so one who can write to Redis but lacks it cannot plant KV under a prompt's
     # key. Set it wherever Redis is not private to the workers.
-    kv_mac_secret: str | None = Field(None, min_length=16)  # empty: a mistake, not "off"
+    kv_mac_secret: str | None = Field(  # empty: a mistake, not "off"
+        None,
+        min_length=16,
+        description=(
+            "Shared secret (16+ characters) with which workers authenticate KV values in Redis, "
+            "so whoever can write to Redis cannot plant KV for a prompt. Set it wherever Redis "
+            "is not private to the workers; never printed."
+        ),
+    )
 
     @field_validator("url")
     @classmethod
@@ -242,47 +598,159 @@ class RedisConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field(
+        "127.0.0.1",
+        description=(
+            "Address the gateway's HTTP server listens on; 0.0.0.0 accepts connections from "
+            "other machines."
+        ),
+    )
+    port: int = Field(
+        8000,
+        ge=0,
+        le=65535,
+        description=("TCP port of the gateway's HTTP (OpenAI-compatible) API."),
+    )
     # sha256 hex digests of accepted API keys; empty = open (a warning is logged at start).
-    api_key_sha256: list[str] = Field(default_factory=list)
+    api_key_sha256: list[str] = Field(
+        default_factory=list,
+        description=(
+            "SHA-256 hex digests of the accepted API keys (never the keys themselves). Empty = "
+            "anyone may call the API (a warning is logged at start-up)."
+        ),
+    )
     # Per key (its digest): the instance groups it may use, by name or by length routing,
     # fallbacks included (another team's key kept off realtime, say). A key not listed may
     # use every group.
-    api_key_groups: dict[str, list[str]] = Field(default_factory=dict)
+    api_key_groups: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description=(
+            "Per key digest: the instance groups that key may use, fallbacks included (e.g. "
+            "keep a team's key off realtime). Keys not listed may use every group; each digest "
+            "must be in api_key_sha256."
+        ),
+    )
     # Per API key: sustained requests/s and burst (a token bucket each); 0 = unlimited.
     # A key over its rate gets 429 rate_limit_exceeded with Retry-After.
-    api_key_rate_limit_rps: float = Field(0.0, ge=0)
-    api_key_rate_limit_burst: int = Field(0, ge=0)  # 0 = one second's worth (at least 1)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    default_deadline_ms: int = Field(120_000, ge=100)
-    default_max_tokens: int = Field(256, ge=1)
+    api_key_rate_limit_rps: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Sustained requests per second each API key may send to one gateway process; beyond "
+            "it, 429 with Retry-After. 0 = unlimited."
+        ),
+    )
+    api_key_rate_limit_burst: int = Field(  # 0 = one second's worth (at least 1)
+        0,
+        ge=0,
+        description=(
+            "Requests an API key may send at once above its rate (its token bucket's size); 0 = "
+            "one second's worth, at least 1."
+        ),
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description=(
+            "Largest HTTP request body the gateway accepts, in bytes; a larger one is refused (413)."
+        ),
+    )
+    default_deadline_ms: int = Field(
+        120_000,
+        ge=100,
+        description=(
+            "Deadline in milliseconds for a request that sets none; the request is stopped when "
+            "it passes. Raise it for long generations."
+        ),
+    )
+    default_max_tokens: int = Field(
+        256,
+        ge=1,
+        description=(
+            "Tokens to generate for a request that sets no max_tokens; routing also counts it "
+            "when choosing a group whose max_seq_len fits."
+        ),
+    )
     # Sampling fields a request leaves out: "model" takes the model folder's
     # generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty),
     # as transformers and vLLM do; "openai": OpenAI's neutral ones (1.0, 1.0, off...).
-    sampling_defaults: Literal["model", "openai"] = "model"
+    sampling_defaults: Literal["model", "openai"] = Field(
+        "model",
+        description=(
+            "Sampling values for fields a request leaves out: model takes the model folder's "
+            "generation_config.json (as transformers and vLLM do); openai takes OpenAI's "
+            "neutral ones (temperature 1, top_p 1, ...)."
+        ),
+    )
     # Refuse (400) chat messages whose text holds a special token's text (<|eot_id|>...):
     # tokenized as the token, as transformers does, it lets a user close their turn and
     # write a system one. Off by default, as in transformers and vLLM.
-    reject_control_tokens: bool = False
+    reject_control_tokens: bool = Field(
+        False,
+        description=(
+            "Refuse (400) chat messages whose text contains a special token's text such as "
+            "<|eot_id|>, which lets a user fake a turn. Off, as in transformers and vLLM; turn "
+            "on for untrusted users."
+        ),
+    )
     # "shared": every request may reuse every cached prompt prefix (system prompts, RAG
     # documents: the cheap path). "api_key": each key's requests reuse only their own key's
     # prefixes, on the workers and in the Redis tier, so no team can tell from a fast first
     # token what another team sent. A request's cache_salt narrows either further.
-    cache_isolation: Literal["shared", "api_key"] = "shared"
+    cache_isolation: Literal["shared", "api_key"] = Field(
+        "shared",
+        description=(
+            "Who may reuse cached prompt prefixes: shared = every request (cheapest); api_key = "
+            "only the same key's requests, on workers and in Redis, so no team learns another's "
+            "prompts from timing. api_key needs api_key_sha256."
+        ),
+    )
     # On SIGTERM: streams still open this long after are ended with a 503 / an error event
     # the client can act on (a second before the server would cut them); the long group's
     # documents take their time, so give its SLO. Kubernetes' grace period must exceed it.
-    shutdown_grace_s: float = Field(30.0, ge=1.0)
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=1.0,
+        description=(
+            "Seconds after SIGTERM that open streams may still run before they are ended with a "
+            "503 or an error event. Give it the long group's SLO; Kubernetes' termination grace "
+            "period must exceed it."
+        ),
+    )
     # Origins browsers may call the API from (CORS; ["*"] for any); empty = no CORS headers.
-    cors_allow_origins: list[str] = Field(default_factory=list)
-    served_model_name: str | None = None
+    cors_allow_origins: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Origins browsers may call the API from (CORS), e.g. https://app.example.com, or * "
+            "for any. Empty = no CORS headers."
+        ),
+    )
+    served_model_name: str | None = Field(
+        None,
+        description=(
+            "Model name clients send and /v1/models reports; unset = the model folder's name."
+        ),
+    )
     # Published on qos.gw.<gateway id> so workers can tell a dead gateway's requests
     # (nobody will read their answers) from live ones; see worker.orphan_after_s.
-    heartbeat_interval_s: float = Field(1.0, gt=0)
+    heartbeat_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Seconds between the gateway's heartbeats on NATS, by which workers tell a dead "
+            "gateway's requests from live ones (see worker.orphan_after_s)."
+        ),
+    )
     # How often the gateway checks that the request stream and the group consumers still
     # exist, and recreates them if not (gateway/stream_keeper.py).
-    jetstream_check_s: float = Field(10.0, gt=0)
+    jetstream_check_s: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "Seconds between the gateway's checks that the request stream and the group "
+            "consumers exist; missing ones are recreated."
+        ),
+    )
 
     @field_validator("api_key_sha256")
     @classmethod
@@ -298,56 +766,209 @@ class GatewayConfig(_Strict):
 
 
 class WorkerConfig(_Strict):
-    model: str = "demo"
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    dtype: Literal["auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16"] = "auto"
+    model: str = Field(
+        "demo",
+        description=(
+            "Model to serve: a Hugging Face model folder, dummy:<shape> (random weights of a "
+            "known shape) or demo (the bundled tiny model)."
+        ),
+    )
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description=(
+            "Where the engine runs: auto (a GPU if there is one, else the CPU), cpu, cuda or "
+            "cuda:N."
+        ),
+    )
+    dtype: Literal["auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16"] = Field(
+        "auto",
+        description=(
+            "Weight and compute dtype. auto = the checkpoint's 16-bit dtype on a GPU (fp32 "
+            "checkpoints in bf16) and fp32 on a CPU."
+        ),
+    )
     # KV cache size. None = sized for the device: 0.5 GiB on a CPU; on a GPU what is left of
     # this worker's share of the GPU (gpu_memory_utilization) once a profile forward has
     # measured the weights and activations, as vLLM does.
-    kv_cache_gib: float | None = Field(None, gt=0)
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "KV cache size in GiB. Unset = sized for the device: 0.5 GiB on a CPU; on a GPU "
+            "what the weights and a profile run leave of gpu_memory_utilization. Set it to pin "
+            "the size."
+        ),
+    )
     # This worker's share of its GPU's memory (weights, activations and KV), vLLM's
     # per-instance meaning: workers sharing one GPU each take a part (`qosserve up` divides
     # 0.9 among the workers it starts on one device).
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description=(
+            "Share (0-1) of its GPU's memory this worker may use for weights, activations and "
+            "KV cache. Workers sharing one GPU must split it (qosserve up does)."
+        ),
+    )
     # KV cache storage: auto = the model dtype; int8 / fp8_e4m3 halve KV memory (one scale per
     # token per KV head). On the demo model int8 changes 2-4 % of greedy golden answers and
     # fp8 8-10 % (bench/kvquant.py; README "Status"): prefer int8 where memory binds.
-    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"
-    telemetry_interval_s: float = Field(1.0, gt=0)
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = Field(
+        "auto",
+        description=(
+            "How the KV cache is stored: auto = the model dtype; int8 or fp8_e4m3 halve KV "
+            "memory at some accuracy cost (int8 is the gentler). Use int8 where memory binds."
+        ),
+    )
+    telemetry_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Seconds between the worker's telemetry reports (load, latency, batch cap) to the "
+            "scheduler and gateways. scheduler.worker_silent_s must exceed twice it."
+        ),
+    )
     # Latency percentiles in telemetry cover requests finished in the last this-many seconds.
-    latency_window_s: float = Field(3.0, gt=0)
-    coalesce_ms: float = Field(5.0, ge=0)
-    metrics_port: int = Field(0, ge=0, le=65535)  # 0 = pick a free one
+    latency_window_s: float = Field(
+        3.0,
+        gt=0,
+        description=(
+            "Latency percentiles in telemetry cover requests finished in the last this-many "
+            "seconds; at least telemetry_interval_s."
+        ),
+    )
+    coalesce_ms: float = Field(
+        5.0,
+        ge=0,
+        description=(
+            "Streaming: after the first token, chunks go out at most every this-many "
+            "milliseconds. Higher = fewer messages, burstier streams; 0 = every token at once."
+        ),
+    )
+    metrics_port: int = Field(  # 0 = pick a free one
+        0,
+        ge=0,
+        le=65535,
+        description=("Port of the worker's Prometheus /metrics server; 0 = a free port (logged)."),
+    )
     # KV tiers below the device cache (DESIGN §5): host memory (G2) and the shared Redis
     # (G3, at redis.url). Off by default so a lone worker never waits on a Redis that is
     # not there; `qosserve up`, compose and Kubernetes switch the Redis tier on.
-    kv_host_cache_gib: float = Field(0.0, ge=0)
-    kv_redis: bool = False
+    kv_host_cache_gib: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Size in GiB of the host-memory KV tier (G2) below the device cache; 0 = off. Set "
+            "it so prefixes evicted from the device are copied back instead of recomputed."
+        ),
+    )
+    kv_redis: bool = Field(
+        False,
+        description=(
+            "Use the shared Redis KV tier (G3, at redis.url) so workers reuse each other's "
+            "prompt prefixes. Off so a lone worker never waits on a missing Redis; qosserve up, "
+            "compose and Kubernetes turn it on."
+        ),
+    )
     # blake2b catches any corruption; crc32 is ~3x cheaper and the block hash in each
     # value's header already ties it to its key.
-    kv_checksum: Literal["blake2b", "crc32"] = "crc32"
+    kv_checksum: Literal["blake2b", "crc32"] = Field(
+        "crc32",
+        description=(
+            "Checksum on KV values in the tiers: crc32 (about 3x cheaper) or blake2b (catches "
+            "any corruption)."
+        ),
+    )
     # A request whose gateway has sent no heartbeat for this long is aborted: its client's
     # connection died with the gateway, so the rest of the generation would be wasted.
     # 0 = never (requests then run to their deadline). Not counted while this worker
     # itself is cut off from NATS. Requests without an origin (NATS clients) never are.
-    orphan_after_s: float = Field(10.0, ge=0)
+    orphan_after_s: float = Field(
+        10.0,
+        ge=0,
+        description=(
+            "Abort a request whose gateway has sent no heartbeat for this many seconds (its "
+            "client is gone with it). 0 = never; otherwise at least three "
+            "gateway.heartbeat_interval_s."
+        ),
+    )
 
 
 class SchedulerConfig(_Strict):
-    worker_silent_s: float = Field(3.0, gt=0)
-    rebalance_interval_s: float = Field(5.0, gt=0)
-    metrics_port: int = Field(9300, ge=0, le=65535)  # 0 = no /metrics server
+    worker_silent_s: float = Field(
+        3.0,
+        gt=0,
+        description=(
+            "Seconds without a report after which a worker counts as gone. Must exceed twice "
+            "worker.telemetry_interval_s."
+        ),
+    )
+    rebalance_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "Seconds between rebalancer runs (desired replicas, replica moves, demand history)."
+        ),
+    )
+    metrics_port: int = Field(  # 0 = no /metrics server
+        9300,
+        ge=0,
+        le=65535,
+        description=("Port of the scheduler's Prometheus /metrics server; 0 = none."),
+    )
     # Breakers are sampled and evaluated every tick: a transition acts within one tick.
-    tick_interval_s: float = Field(0.5, gt=0)
+    tick_interval_s: float = Field(
+        0.5,
+        gt=0,
+        description=(
+            "Seconds between scheduler ticks. Breakers are sampled and judged every tick, so a "
+            "transition acts within one."
+        ),
+    )
     # Per-group telemetry windows (metrics, rebalancer): the last N group samples of T seconds;
     # a breaker judges none of its samples older than T either.
-    window_samples: int = Field(20, ge=1)
-    window_s: float = Field(10.0, gt=0)
+    window_samples: int = Field(
+        20,
+        ge=1,
+        description=(
+            "Per-group telemetry window (metrics, rebalancer): the last this-many group samples."
+        ),
+    )
+    window_s: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "Per-group telemetry window: samples older than this many seconds are dropped, by "
+            "the breakers too."
+        ),
+    )
     # Leader lease `sched.lease` in the state bucket: renewed every renew_s, stale after ttl_s.
-    lease_ttl_s: float = Field(3.0, gt=0)
-    lease_renew_s: float = Field(1.0, gt=0)
+    lease_ttl_s: float = Field(
+        3.0,
+        gt=0,
+        description=(
+            "Seconds the leader's lease stays valid; a standby scheduler takes over this long "
+            "after the leader stops renewing it."
+        ),
+    )
+    lease_renew_s: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Seconds between the leader's lease renewals; under lease_ttl_s less a margin (a "
+            "quarter of the TTL, at most 0.5 s)."
+        ),
+    )
     # Breaker transitions are POSTed here as JSON (in a thread, never blocking), when set.
-    alert_webhook_url: str | None = None
+    alert_webhook_url: str | None = Field(
+        None,
+        description=(
+            "http(s) URL that breaker transitions are POSTed to as JSON (e.g. a chat or "
+            "Alertmanager webhook); unset = no alerts. Treated as a secret; never printed."
+        ),
+    )
 
     @field_validator("alert_webhook_url")
     @classmethod
@@ -361,16 +982,68 @@ class SchedulerConfig(_Strict):
         return value
 
     # Rebalancer: move idle replicas between groups (False = only publish desired replicas).
-    move_replicas: bool = True
-    move_after_ticks: int = Field(3, ge=1)  # the move condition must hold this many ticks
-    move_cooldown_s: float = Field(60.0, ge=0)  # no move out of a group/worker after a move
-    default_min_replicas: int = Field(1, ge=0)
-    min_replicas: dict[str, int] = Field(default_factory=dict)  # per group, overrides default
-    max_replicas: int = Field(64, ge=1)
+    move_replicas: bool = Field(
+        True,
+        description=(
+            "Let the rebalancer move idle replicas between groups. false = only publish desired "
+            "replicas (for an autoscaler)."
+        ),
+    )
+    move_after_ticks: int = Field(  # the move condition must hold this many ticks
+        3,
+        ge=1,
+        description=(
+            "Rebalancer runs in a row the same move must win before it is made, so flapping "
+            "load moves nothing."
+        ),
+    )
+    move_cooldown_s: float = Field(  # no move out of a group/worker after a move
+        60.0,
+        ge=0,
+        description=(
+            "Seconds after a replica move during which neither group gives up a replica and the "
+            "moved worker stays put. Raise it if replicas ping-pong between groups."
+        ),
+    )
+    default_min_replicas: int = Field(
+        1,
+        ge=0,
+        description=(
+            "Fewest replicas the rebalancer keeps in each group, unless min_replicas names the "
+            "group."
+        ),
+    )
+    min_replicas: dict[str, int] = Field(  # per group, overrides default
+        default_factory=dict,
+        description=(
+            "Per-group minimum replicas, overriding default_min_replicas (e.g. {realtime: 2})."
+        ),
+    )
+    max_replicas: int = Field(
+        64,
+        ge=1,
+        description=("Most replicas the rebalancer asks for in one group (caps desired replicas)."),
+    )
     # A replica counts as full at this share of its group's max batch (desired replicas).
-    target_utilization: float = Field(0.8, gt=0, le=1)
+    target_utilization: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description=(
+            "Share (0-1) of max_batch at which a replica counts as full when sizing desired "
+            "replicas. Lower = more headroom, more replicas."
+        ),
+    )
     # Weight of the newest hour in the hour-of-week demand history (EWMA per slot).
-    history_alpha: float = Field(0.5, gt=0, le=1)
+    history_alpha: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description=(
+            "Weight (0-1) of the latest week when the hour-of-week demand history updates a "
+            "slot (an EWMA). Higher = adapts faster, forgets older weeks sooner."
+        ),
+    )
 
     @model_validator(mode="after")
     def _renewal_beats_the_lease(self) -> SchedulerConfig:
@@ -388,12 +1061,31 @@ class SchedulerConfig(_Strict):
 class LogConfig(_Strict):
     """Logging of every service (:mod:`common.logging`); flags override these."""
 
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    format: Literal["text", "json"] = "text"  # json in deployments: QOS_LOG__FORMAT=json
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info",
+        description=("Log level of every service: debug, info, warning or error."),
+    )
+    format: Literal["text", "json"] = Field(  # json in deployments: QOS_LOG__FORMAT=json
+        "text",
+        description=(
+            "Log line format: text for people, json for log collectors (use json in deployments)."
+        ),
+    )
     # Prompts in debug logs: off unless asked for, and even then only at level debug.
-    log_prompts: bool = False
+    log_prompts: bool = Field(
+        False,
+        description=(
+            "Include prompts in logs, at level debug only. Off: prompts may hold private data."
+        ),
+    )
     # The gateway's access log: one line per HTTP request (method, path, status, group, …).
-    access_log: bool = True
+    access_log: bool = Field(
+        True,
+        description=(
+            "The gateway's access log: one line per HTTP request (method, path, status, group, "
+            "...)."
+        ),
+    )
 
     @field_validator("level", mode="before")
     @classmethod
@@ -404,13 +1096,40 @@ class LogConfig(_Strict):
 class Config(_Strict):
     """Everything a qosserve service reads, loaded once at start-up and passed down."""
 
-    nats: NatsConfig = Field(default_factory=NatsConfig)
-    redis: RedisConfig = Field(default_factory=RedisConfig)
-    groups: dict[str, GroupConfig] = Field(default_factory=default_groups)
-    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
-    worker: WorkerConfig = Field(default_factory=WorkerConfig)
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    log: LogConfig = Field(default_factory=LogConfig)
+    nats: NatsConfig = Field(
+        default_factory=NatsConfig,
+        description=("NATS: connection, credentials and TLS, JetStream names and limits."),
+    )
+    redis: RedisConfig = Field(
+        default_factory=RedisConfig,
+        description=("The shared Redis KV cache tier (used by workers with worker.kv_redis)."),
+    )
+    groups: dict[str, GroupConfig] = Field(
+        default_factory=default_groups,
+        description=(
+            "Instance groups by name, each with its limits, SLOs, batching policy, fallback and "
+            "breaker. Groups a file names merge into the defaults unless "
+            "groups_replace_defaults: true."
+        ),
+    )
+    gateway: GatewayConfig = Field(
+        default_factory=GatewayConfig,
+        description=("The HTTP gateway: listening address, API keys, request limits and defaults."),
+    )
+    worker: WorkerConfig = Field(
+        default_factory=WorkerConfig,
+        description=("Each worker replica: model, device, KV cache and its tiers, telemetry."),
+    )
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig,
+        description=(
+            "The scheduler: breaker ticks, telemetry windows, rebalancing, leader lease, alerts."
+        ),
+    )
+    log: LogConfig = Field(
+        default_factory=LogConfig,
+        description=("Logging of every service; command-line flags override these."),
+    )
     # Loaded with groups_replace_defaults (the file's or the environment's): the groups are
     # exactly those given, not the defaults plus them. Kept for `qosserve config --changed`.
     _replaces_default_groups: bool = PrivateAttr(False)
