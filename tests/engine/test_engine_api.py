@@ -283,6 +283,10 @@ def test_min_tokens_holds_eos_stop_ids_and_stop_strings_back(
     assert EOS not in out.token_ids[:4] and len(out.token_ids) >= 4
     assert out.top_logprobs[0][0][0] == EOS  # still the model's favourite, as reported
     assert out.token_ids[0] == out.top_logprobs[0][1][0]  # the runner-up was taken
+    # With ignore_eos too (vLLM holds every stop id): an EOS taken early would not end the
+    # output, and the model went on from it, off the distribution vLLM samples.
+    ignored = llm.generate(["abcd"], greedy(12, min_tokens=4, ignore_eos=True))[0]
+    assert EOS not in ignored.token_ids[:4]
     base = llm.generate(["hello"], greedy(12))[0].token_ids
     stop_token = base[1]
     held = llm.generate(["hello"], greedy(12, stop_token_ids=[stop_token], min_tokens=5))[0]

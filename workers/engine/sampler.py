@@ -144,17 +144,16 @@ class Sampler:
 def _hold_stops(
     logits: torch.Tensor, batch: Sequence[SamplerInput], rows: Sequence[int]
 ) -> torch.Tensor:
-    """``logits`` with EOS (unless ignored) and the stop ids at -inf in ``rows``, requests
-    short of their min_tokens (a new tensor: the caller's logits, whose raw logprobs are
-    reported, stay untouched). The count is this attempt's output, placeholders of a step
+    """``logits`` with EOS and the stop ids at -inf in ``rows``, requests short of their
+    min_tokens (a new tensor: the caller's logits, whose raw logprobs are reported, stay
+    untouched). EOS is held with ``ignore_eos`` too, as vLLM holds every stop id: ignored, an
+    EOS sampled early would not end the output, but the model would go on after it. The count is this attempt's output, placeholders of a step
     still in flight included, as ``min_tokens`` on a resumed request is what is left."""
     vocab = logits.shape[-1]
     row_ids: list[int] = []
     col_ids: list[int] = []
     for row, r in zip(rows, batch, strict=True):
-        ids = set(r.params.stop_token_ids)
-        if not r.params.ignore_eos:
-            ids |= r.eos_token_ids
+        ids = set(r.params.stop_token_ids) | r.eos_token_ids
         ids = {t for t in ids if t < vocab}
         row_ids += [row] * len(ids)
         col_ids += sorted(ids)
