@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from common.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
@@ -179,3 +180,21 @@ def test_a_block_size_the_triton_kernels_cannot_tile_is_named(
     with pytest.raises(ConfigError, match="block_size: 24 must be a power of two"):
         LLMEngine(EngineArgs("dummy:tiny", num_kv_blocks=8, block_size=24, backend="triton"))
     LLMEngine(EngineArgs("dummy:tiny", num_kv_blocks=8, block_size=24, backend="torch"))
+
+
+def test_an_fp8_cache_on_a_gpu_without_fp8_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Triton has no fp8 e4m3 below compute capability 8.9: the engine died in its warm-up
+    profile with "type fp8e4nv not supported in this architecture"."""
+    from workers.engine.args import check_fp8_support
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match=r"fp8_e4m3 needs compute capability 8\.9.*8\.0") as info:
+        check_fp8_support("triton", "fp8_e4m3", cuda)
+    assert info.value.param == "kv_cache_dtype"
+    check_fp8_support("triton", "int8", cuda)  # int8 runs anywhere
+    check_fp8_support("torch", "fp8_e4m3", torch.device("cpu"))  # the torch path casts itself
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_fp8_support("triton", "fp8_e4m3", cuda)

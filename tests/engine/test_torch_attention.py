@@ -38,6 +38,23 @@ def test_batched_decode_equals_reference_on_shuffled_blocks(block_size: int, gro
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
 
 
+def test_an_empty_row_is_zeros_and_junk_past_a_context_stays_out_of_it() -> None:
+    """As the kernels and the reference: a row of context 0 was NaN (softmax of all -inf),
+    and an inf in V past a row's context (a reused block, the padding table's block 0) made
+    that row NaN (a weight of 0 times inf)."""
+    block_size, n_kv, head_dim = 4, 2, 8
+    k_cache, v_cache, g = _cache(8, block_size, n_kv, head_dim, seed=3)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    context = torch.tensor([0, 9], dtype=torch.int32)
+    v_cache[5, 3] = float("inf")  # row 1's slot 23: past its 9 tokens
+    q = torch.randn(2, n_kv * 2, head_dim, generator=g)
+    got = paged_decode_attention_torch(q, k_cache, v_cache, tables, context, 0.25, 9)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    expected = paged_decode_attention_ref(q[1:], k_cache, v_cache, tables[1:], context[1:], 0.25)
+    torch.testing.assert_close(got[1:], expected, atol=2e-6, rtol=1e-5)
+
+
 def test_mixed_step_with_decodes_and_prompt_chunks_equals_reference() -> None:
     block_size, n_kv, head_dim, num_blocks, group = 8, 2, 16, 64, 2
     k_cache = torch.zeros(num_blocks, block_size, n_kv, head_dim)

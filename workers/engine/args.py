@@ -178,6 +178,21 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_QUANT_DTYPES[name]
 
 
+def check_fp8_support(backend: str, kv_cache_dtype: str, device: torch.device) -> None:
+    """``ConfigError`` for an fp8 KV cache on a GPU whose Triton has no fp8 e4m3 (compute
+    capability below 8.9: A100, A10, RTX 3090): said here, by name, rather than as Triton's
+    bare "type fp8e4nv not supported" from the first kernel of the warm-up profile."""
+    if backend != "triton" or kv_cache_dtype != "fp8_e4m3" or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < (8, 9):
+        raise ConfigError(
+            f"EngineArgs.kv_cache_dtype: fp8_e4m3 needs compute capability 8.9 or newer "
+            f"(Ada, Hopper); this GPU is {capability[0]}.{capability[1]}: use int8",
+            param="kv_cache_dtype",
+        )
+
+
 def resolve_backend(name: str, device: torch.device) -> str:
     """``auto`` is Triton on CUDA, torch elsewhere (Triton on CPU only in its interpreter)."""
     if name == "auto":

@@ -21,6 +21,7 @@ from workers.engine.admission_checks import checked_prompt_ids
 from workers.engine.args import (
     DEFAULT_CPU_KV_CACHE_GIB,
     EngineArgs,
+    check_fp8_support,
     resolve_backend,
     resolve_device,
     resolve_dtype,
@@ -89,6 +90,7 @@ class LLMEngine:
                 f"EngineArgs.block_size: {args.block_size} must be a power of two with the "
                 "triton backend (8, 16, 32 ...)"
             )
+        check_fp8_support(self.backend, args.kv_cache_dtype, self.device)
         torch.manual_seed(args.seed)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(args)
         self.runner = ModelRunner(

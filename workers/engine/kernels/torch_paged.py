@@ -44,8 +44,12 @@ def paged_decode_attention_torch(
     positions = torch.arange(length, device=q.device)
     pad = positions[None, :] >= context_lens[:, None].to(positions.dtype)  # [B, L]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
+    # An empty row (context 0) is zeros, as the kernels' (softmax of all -inf is NaN); the
+    # gathered V past a row's context (reused blocks, the padding table's block 0) may hold
+    # anything, and a weight of 0 times an inf there was a NaN in another request's output.
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    v = v.float().masked_fill_(pad[:, :, None, None], 0.0)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v)
     return out.reshape(batch, n_heads, head_dim).to(q.dtype)
 
 
