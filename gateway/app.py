@@ -234,6 +234,26 @@ def create_app(
     return app
 
 
+# OpenAI endpoints a client may try that this gateway does not serve (named, not a bare
+# "Not Found": a caller pointing an embeddings or Responses client here learns why).
+_UNSERVED_OPENAI = ("embeddings", "responses", "audio", "images", "moderations", "files",
+                    "batches", "fine_tuning", "assistants", "threads", "vector_stores",
+                    "uploads", "realtime")  # fmt: skip
+SERVED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/tokenize",
+                "/v1/detokenize", "/health", "/metrics")  # fmt: skip
+
+
+def not_found_message(method: str, path: str) -> str:
+    """The 404's message: what was asked, and what is served instead."""
+    parts = path.strip("/").split("/")
+    unserved = len(parts) >= 2 and parts[0] == "v1" and parts[1] in _UNSERVED_OPENAI
+    what = "is not served by qosserve" if unserved else "does not exist here"
+    return (
+        f"{method} {path[:200]} {what}; this gateway serves {', '.join(SERVED_PATHS)} "
+        "(also under /v1/<group>/ for an instance group)"
+    )
+
+
 class GenerationRoute(Route):
     """A generation endpoint as a plain Starlette route. FastAPI's route solves its
     dependencies on every request (~22 µs of the gateway's CPU here) for an endpoint that
@@ -412,9 +432,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         error_type = (
             "invalid_request_error" if client_side else error_from_code(code, "").error_type
         )
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = not_found_message(request.method, request.url.path)
         body = {
             "error": {
-                "message": str(exc.detail),
+                "message": message,
                 "type": error_type,
                 "param": None,
                 "code": code,

@@ -231,6 +231,18 @@ async def test_unknown_model_is_404_model_not_found(client: httpx.AsyncClient):
     assert _assert_openai_error(response, 404, "model")["code"] == "model_not_found"
 
 
+async def test_an_unserved_path_says_what_is_served(client: httpx.AsyncClient):
+    """A bare "Not Found" left a caller pointing an embeddings or Responses client here to
+    guess whether the path, the model or the gateway was wrong."""
+    embeddings = await client.post("/v1/embeddings", json={"model": MODEL, "input": "hi"})
+    error = _assert_openai_error(embeddings, 404, None)
+    assert error["code"] == "not_found"
+    assert "POST /v1/embeddings is not served by qosserve" in error["message"]
+    assert "/v1/chat/completions" in error["message"]
+    typo = _assert_openai_error(await client.get("/v1/chat/complete"), 404, None)
+    assert "GET /v1/chat/complete does not exist here" in typo["message"]
+
+
 async def test_models_are_listed_under_a_group_base_url_too(client: httpx.AsyncClient):
     listed = (await client.get("/v1/models")).json()
     by_group = (await client.get("/v1/short/models")).json()
