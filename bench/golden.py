@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 
@@ -138,9 +138,17 @@ def score(rows: list[dict[str, Any]], answers: list[dict[str, Any]]) -> dict[str
     }
 
 
-def kv_dtype_built(kv_dtype: str) -> bool:
-    """``auto`` always; a quantised dtype once the worker config can select it."""
-    return kv_dtype == "auto" or "kv_cache_dtype" in WorkerConfig.model_fields
+def kv_dtypes(arg: str) -> list[str]:
+    """The ``--kv-dtypes`` list, each checked against what a worker can be configured with
+    (a typo would otherwise start a stack only to fail its config check)."""
+    allowed = get_args(WorkerConfig.model_fields["kv_cache_dtype"].annotation)
+    chosen = [k for k in arg.split(",") if k]
+    unknown = [k for k in chosen if k not in allowed]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"unknown KV cache dtype {', '.join(unknown) or '(none)'}; choose from {', '.join(allowed)}"
+        )
+    return chosen
 
 
 def run_one(
@@ -177,6 +185,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument(
         "--kv-dtypes",
+        type=kv_dtypes,
         default="auto",
         help="comma-separated KV cache dtypes to compare: auto, int8, fp8_e4m3",
     )
@@ -197,10 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     for policy in [p for p in args.policies.split(",") if p]:
         results[policy] = {}
-        for kv in [k for k in args.kv_dtypes.split(",") if k]:
-            if not kv_dtype_built(kv):
-                results[policy][kv] = {"status": "not built: worker config has no kv_cache_dtype"}
-                continue
+        for kv in args.kv_dtypes:
             results[policy][kv] = run_one(args, rows, policy, kv)
     report = {
         "benchmark": "golden",

@@ -63,8 +63,14 @@ def test_ten_prompts_through_the_served_stack_match_transformers_exactly(tmp_pat
     assert result["rouge_l"] == 1.0
 
 
-def test_quantised_kv_dtypes_are_reported_not_built_until_the_config_has_them() -> None:
-    assert golden.kv_dtype_built("auto")
-    from common.config import WorkerConfig
-
-    assert golden.kv_dtype_built("int8") == ("kv_cache_dtype" in WorkerConfig.model_fields)
+def test_kv_dtypes_are_checked_against_the_worker_config_before_any_stack_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert golden.parse_args(["--kv-dtypes", "auto,int8,fp8_e4m3"]).kv_dtypes == [
+        "auto", "int8", "fp8_e4m3",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        golden.parse_args(["--kv-dtypes", "auto,int4"])
+    assert (
+        "unknown KV cache dtype int4; choose from auto, int8, fp8_e4m3" in capsys.readouterr().err
+    )
