@@ -111,9 +111,8 @@ async def test_gateway_killed_mid_stream_clients_fail_fast_orphans_stop_restart_
         await asyncio.sleep(0.05)
     assert not worker.inflight_ids and stats.num_running == 0
     assert stats.num_free_blocks == stats.num_blocks
-    stopped_after_s = time.monotonic() - started
-    # Well before max_tokens' 4 s would have ended them (a loaded machine adds its delays).
-    assert stopped_after_s < 3.5, f"orphans stopped after {stopped_after_s:.1f}s"
+    # Stopped as orphans, not by max_tokens' 4 s (a clock bound here failed on loaded
+    # machines; the counter says why they ended).
     orphaned = sum(
         sample.value
         for family in worker.observer.registry.collect()

@@ -29,6 +29,17 @@ async def _recreated(js: Any, stream: str) -> Any:
     raise AssertionError(f"stream {stream} was not recreated")
 
 
+async def _deleted(js: Any, stream: str, seq: int | None) -> None:
+    """Return once message ``seq`` is gone from ``stream`` (5 s at most)."""
+    for _ in range(100):
+        try:
+            await js.get_msg(stream, seq)
+        except nats.js.errors.NotFoundError:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"message {seq} of {stream} was not deleted")
+
+
 async def test_a_deleted_consumer_or_stream_is_recreated_and_serving_resumes(
     nats_server: NatsServer, make_stack: StackFactory
 ) -> None:
@@ -95,7 +106,12 @@ async def test_a_stream_made_again_by_another_service_keeps_its_new_requests_fro
         assert fresh.seq == held.stream_seq  # the held number names a new request now
         await keeper.check()  # the keeper's next look
         dispatcher.close(held, abort=True, reason="client gone")  # its client leaves
-        await asyncio.sleep(0.5)  # the abort and its delete have had their turn
+        # A request of today's stream aborted after it: once its message is deleted, the
+        # held one's abort (queued first, handled in order) has had its turn.
+        marker = dispatcher.open("marker", "short", lambda *args, **kwargs: "")
+        marker.stream_seq = (await js.publish(subjects.request("short"), b"marker")).seq
+        dispatcher.close(marker, abort=True, reason="client gone")
+        await _deleted(js, cfg.stream, marker.stream_seq)
         assert (await js.get_msg(cfg.stream, fresh.seq)).data == b"new"
     finally:
         await dispatcher.stop()

@@ -355,8 +355,15 @@ async def test_output_the_worker_fails_to_handle_ends_its_request_with_an_intern
 
 
 async def test_control_caps_the_batch_drains_and_resumes(
-    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects
+    start_worker: Any,
+    client: QosClient,
+    nc: Client,
+    subjects: Subjects,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    def refused() -> int:  # controls the worker has read and turned down
+        return sum("refused on" in r.getMessage() for r in caplog.records)
+
     service = await start_worker()
     ctl = subjects.control_group("short")
     await nc.publish(ctl, Control(action="set_batch_cap", batch_cap=1).to_bytes())
@@ -373,7 +380,7 @@ async def test_control_caps_the_batch_drains_and_resumes(
     # to one replica's own subject, so a caller allowed to abort cannot empty a group.
     await nc.publish(ctl, Control(action="resume").to_bytes())
     await nc.publish(subjects.abort("short"), Control(action="resume").to_bytes())
-    await asyncio.sleep(0.3)
+    await eventually(lambda: refused() == 2)  # both read, and turned down
     assert service.state == "draining"
     await nc.publish(subjects.control("w0"), Control(action="resume").to_bytes())
     ids, _, _ = await asyncio.wait_for(pending, 5)
@@ -384,7 +391,7 @@ async def test_control_caps_the_batch_drains_and_resumes(
     )
     await nc.publish(ctl, Control(action="set_batch_cap").to_bytes())  # back to the group's
     await eventually(lambda: service.bridge.batch_cap > 1)
-    await asyncio.sleep(0.3)
+    await eventually(lambda: refused() == 4)
     # The abort subject (gateways', NATS callers') neither drains nor caps.
     assert service.state == "serving" and service.bridge.batch_cap > 1
 
