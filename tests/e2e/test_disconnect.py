@@ -11,7 +11,22 @@ from gateway import generate as generate_module
 from tests.e2e.stack import Stack
 from workers.engine.outputs import EngineStats
 
-MAX_TOKENS = 450  # ~1 s or more of decoding on the `long` worker: far longer than the test
+MAX_TOKENS = 450
+STEP_PAUSE_S = 0.005  # each engine step of the `long` worker made ≥ 5 ms: ≥ 2 s of decoding
+
+
+@pytest.fixture
+def slow_long_worker(real_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding far longer than the test on any machine: the tiny demo model can decode
+    450 tokens in under 0.4 s on a quiet one, and the request ended before its client left."""
+    engine = real_stack.workers["long-0"].engine
+    real_step = engine.step
+
+    def step() -> object:
+        time.sleep(STEP_PAUSE_S)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
 
 
 def wait_idle(stack: Stack, worker_id: str, timeout_s: float = 10.0) -> EngineStats:
@@ -25,6 +40,7 @@ def wait_idle(stack: Stack, worker_id: str, timeout_s: float = 10.0) -> EngineSt
         time.sleep(0.02)
 
 
+@pytest.mark.usefixtures("slow_long_worker")
 def test_client_disconnect_mid_stream_aborts_and_frees_the_kv_cache(real_stack: Stack) -> None:
     before = wait_idle(real_stack, "long-0")
     body = {
@@ -61,6 +77,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_the_kv_cache(real_stack: 
     assert real_stack.final_chunk(request_id).finish_reason == "abort"
 
 
+@pytest.mark.usefixtures("slow_long_worker")
 def test_a_non_stream_client_that_hangs_up_while_tokens_flow_aborts_it(
     real_stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
