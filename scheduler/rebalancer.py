@@ -15,10 +15,11 @@ an autoscaler) and, for a fixed fleet, at most one :class:`Move` of an idle repl
 - the group's minimum; and at most ``max_replicas``.
 
 **A move** takes an idle replica (serving, nothing running or waiting) from a *source* —
-no backlog, closed breaker, more replicas than both its minimum and its desired count and
+no backlog (its queue depth known), closed breaker, more replicas than both its minimum and its desired count and
 never its last one, the most SLO headroom (lowest p99 / SLO) — to the *destination* with
 the most backlog per batch slot (``backlog / max_batch``) among groups with a backlog that
-want more replicas. The replica must hold the sequences the destination serves now
+want more replicas, then to a group that fell below its minimum (its last replica died). The replica
+must hold the sequences the destination serves now
 (``GroupView.seq_need``): a worker whose KV cache holds 32k tokens moved into a group whose
 replicas serve 128k would cut the group's limit (the gateway limits a group to what its
 live workers serve) and fail the long requests already queued.
@@ -65,9 +66,16 @@ class GroupView:
     forecast: float = 0.0  # expected concurrency from the hour-of-week history
     breaker: str = "closed"
     # The sequence length a replica moved here must hold: what the group's live replicas
-    # serve now (its max_seq_len, or less); 0 = none serves it, any replica beats none.
+    # serve now (its max_seq_len, or less); 0 = none serves it: any replica beats none,
+    # the one that holds the longest sequences first.
     seq_need: int = 0
     rank: int = 0  # the group's rank: lower is served first (realtime before short)
+    # False while JetStream did not say how deep the group's queue is (its backlog then
+    # reads 0): such a group gives up no replica and keeps its desired count.
+    depth_known: bool = True
+    # Whether the group had a live replica since this scheduler began: one that lost its
+    # last is refilled to its minimum; one never served here may be meant empty.
+    was_served: bool = False
 
     @property
     def serving(self) -> int:
@@ -126,6 +134,8 @@ def desired_replicas(g: GroupView, settings: RebalanceSettings) -> tuple[int, st
     ]
     if g.p99_ms > g.slo_ms and g.backlog > 0:
         candidates.append((g.serving + 1, "slo"))
+    if not g.depth_known:  # its backlog is not known to be 0: not a reason to shrink
+        candidates.append((g.serving, "queue depth unknown"))
     count, why = max(candidates, key=lambda c: c[0])
     return max(0, min(count, settings.max_replicas)), why
 
@@ -152,11 +162,14 @@ def decide(
     src, dst = by_name[pair[0]], by_name[pair[1]]
     worker = _idle_worker(src, cooldown, dst.seq_need)
     assert worker is not None  # _best_pair only picks sources that have one
+    need = (
+        f"backlog {dst.backlog}" if dst.backlog > 0 else f"below its minimum of {dst.min_replicas}"
+    )
     move = Move(
         worker,
         src.name,
         dst.name,
-        f"{dst.name} backlog {dst.backlog} with {dst.serving} replicas (wants "
+        f"{dst.name} {need} with {dst.serving} replicas (wants "
         f"{desired[dst.name]}); {src.name} idle with headroom {src.headroom:.2f}",
     )
     until = now + settings.cooldown_s
@@ -167,15 +180,21 @@ def decide(
 
 
 def _idle_worker(g: GroupView, cooldown: Mapping[str, float], seq_need: int = 0) -> str | None:
-    """An idle replica of ``g`` that may move and holds ``seq_need`` tokens (by name)."""
-    idle = sorted(
-        r.worker
+    """An idle replica of ``g`` that may move and holds ``seq_need`` tokens (by name); with
+    no need known (``seq_need`` 0: the destination has no live replica), the one holding
+    the longest sequences (a 32k one would cap a 128k group's limit and fail its queue)."""
+    idle = [
+        r
         for r in g.replicas
         if r.idle
         and f"worker:{r.worker}" not in cooldown
         and (r.capacity == 0 or r.capacity >= seq_need)
-    )
-    return idle[0] if idle else None
+    ]
+    if not idle:
+        return None
+    if seq_need == 0:  # capacity 0 is "not said": it holds whatever its group serves
+        return min(idle, key=lambda r: (-(r.capacity or math.inf), r.worker)).worker
+    return min(r.worker for r in idle)
 
 
 def _best_pair(
@@ -183,13 +202,21 @@ def _best_pair(
     desired: Mapping[str, int],
     cooldown: Mapping[str, float],
 ) -> tuple[str, str] | None:
-    # Groups by rank (realtime before short), then the most backlog per batch slot; each
-    # in turn, so one no idle replica can hold (long's 131k tokens) does not block the next.
-    # (A group left empty is not refilled without a backlog: one with no replica may be
-    # meant so, scaled to zero by KEDA, and its traffic goes to its fallback.)
+    # Groups with a backlog first, by rank (realtime before short), then the most backlog
+    # per batch slot; then groups that lost replicas below their minimum (one whose last
+    # replica died gets no backlog: the gateway refuses its requests with a 503 while it
+    # has no live worker). Each in turn, so one no idle replica can hold (long's 131k)
+    # does not block the next. (A group never served, or with min_replicas 0, is not
+    # filled without a backlog: it may be meant empty, scaled to zero by KEDA, its
+    # traffic going to its fallback.)
     destinations = sorted(
-        (g for g in groups if g.backlog > 0 and desired[g.name] > g.serving),
-        key=lambda g: (g.rank, -g.backlog / g.max_batch, g.name),
+        (
+            g
+            for g in groups
+            if desired[g.name] > g.serving
+            and (g.backlog > 0 or (g.was_served and g.serving < g.min_replicas))
+        ),
+        key=lambda g: (g.backlog == 0, g.rank, -g.backlog / g.max_batch, g.name),
     )
     for dst in destinations:
         sources = [
@@ -197,6 +224,7 @@ def _best_pair(
             for g in groups
             if g.name != dst.name
             and g.backlog == 0
+            and g.depth_known
             and g.breaker == "closed"
             and g.headroom > 0  # within its SLO: one over it keeps what it has
             and f"group:{g.name}" not in cooldown

@@ -145,6 +145,9 @@ class SchedulerService:
         self.pending_moves = PendingMoves(MOVE_DRAIN_S + 2 * config.worker.telemetry_interval_s)
         self.histories: dict[str, DemandHistory] = {g: DemandHistory() for g in self.groups}
         self.queue_depths: dict[str, int] = dict.fromkeys(self.groups, -1)
+        # Groups seen with a live replica since this process began (one that lost its last
+        # is refilled to its minimum; one never served may be meant empty).
+        self.served_groups: set[str] = set()
         self.desired: dict[str, int] = {}
         # As leader: the breakers are loaded from the bucket since this term began.
         self._leader_synced = False
@@ -460,8 +463,10 @@ class SchedulerService:
             # worker_silent_s): counting it could move the group's last live one away.
             current = self.windows.reported_within(group, now, self._replica_current_s)
             held = sum(r.running + r.waiting for r in reports)
+            depth_known = self.queue_depths[group] >= 0
             waiting = backlog(self.queue_depths[group], held)
-            self.histories[group].observe(held + waiting, epoch, self.cfg.history_alpha)
+            if depth_known:  # an unknown depth reads as no backlog: no lesson for the history
+                self.histories[group].observe(held + waiting, epoch, self.cfg.history_alpha)
             kind = gc.breaker.p99_kind
             replicas = tuple(
                 ReplicaView(
@@ -492,8 +497,12 @@ class SchedulerService:
                     breaker=self.breakers[group].state,
                     seq_need=min([gc.max_seq_len, *serves]) if serves else 0,
                     rank=gc.rank,
+                    depth_known=depth_known,
+                    was_served=group in self.served_groups,
                 )
             )
+            if views[-1].serving:
+                self.served_groups.add(group)
         decision = decide(views, self.rebalancer_state, self.rebalance_settings, now)
         self.rebalancer_state = decision.state
         for view in views:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 
 from common.protocol import RequestParams, Telemetry
 from tests.scheduler.conftest import hand_driven, make_config, until
@@ -108,7 +109,7 @@ async def long_backlog_rounds(service, now, short: tuple[str, ...], rounds: int 
             service.windows.observe(Telemetry(worker=worker, group="short", ts_ms=0), now[0])
         busy = Telemetry(worker="l1", group="long", ts_ms=0, running=2, waiting=4)
         service.windows.observe(busy, now[0])
-        service.queue_depths["long"] = 12
+        service.queue_depths.update(short=0, long=12)  # what JetStream said this round
         service.windows.sample(now[0], service.queue_depths)  # what a tick does
         await service.rebalance()
     return [m.worker for m in service.moves]
@@ -161,3 +162,22 @@ async def test_a_move_counts_once_the_replica_reports_from_its_new_group(nats_co
         now[0] += service.pending_moves.deadline_s
         await long_backlog_rounds(service, now, ("b",), rounds=1)
         assert moves_counted(service, "qos_rebalance_moves_failed_total") == 0
+
+
+async def test_a_group_that_lost_its_last_replica_gets_one_back_without_a_backlog(nats_config):
+    """long's only worker died with its queue empty: the gateway answers long's requests
+    503 while no worker is live, so no backlog ever builds and, waiting for one, the
+    rebalancer left long empty while short idled on three replicas."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        for round_ in range(5):
+            now[0] += 0.6
+            if round_ == 0:  # l1 serves, then falls silent
+                service.windows.observe(Telemetry(worker="l1", group="long", ts_ms=0), now[0])
+            for worker in ("a", "b", "c"):
+                service.windows.observe(Telemetry(worker=worker, group="short", ts_ms=0), now[0])
+            service.queue_depths.update(short=0, long=0)
+            service.windows.sample(now[0], service.queue_depths)
+            await service.rebalance()
+            if round_ == 0:
+                assert service.moves == deque()  # long has its replica
+        assert [(m.worker, m.src, m.dst) for m in service.moves] == [("a", "short", "long")]

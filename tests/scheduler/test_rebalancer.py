@@ -191,3 +191,42 @@ def test_groups_are_served_by_rank_and_a_group_over_its_slo_gives_nothing_up():
     views[2] = GroupView("long", replicas=idle("l1", "l2"), p99_ms=90_000, slo_ms=60000,
                          max_batch=2, rank=2)  # fmt: skip
     assert run([views] * 3)[0] == []  # over its SLO (its queue empty for a moment)
+
+
+def test_a_group_nobody_serves_gets_the_replica_that_holds_the_longest_sequences():
+    """With no live replica in long (seq_need 0) the first idle one by name moved: a 32k
+    one capped long's limit at 32k and its queued 100k prompts failed on fetch."""
+    small, big = ReplicaView("s1", capacity=32_768), ReplicaView("s2", capacity=131_072)
+    views = [
+        GroupView("short", replicas=(small, big, ReplicaView("s3", capacity=32_768)),
+                  slo_ms=500, max_batch=16),
+        GroupView("long", backlog=4, concurrency=4, slo_ms=60000, max_batch=2),
+    ]  # fmt: skip
+    assert [m.worker for m in run([views] * 3)[0]] == ["s2"]
+
+
+def test_a_group_whose_last_replica_died_is_refilled_to_its_minimum_without_a_backlog():
+    """The gateway answers 503 while a group has no live worker, so its queue stays empty:
+    waiting for a backlog left long without a replica for good."""
+    short = GroupView("short", replicas=idle("s1", "s2", "s3"), slo_ms=500, max_batch=16)
+    empty_long = GroupView("long", slo_ms=60000, max_batch=2, min_replicas=1, was_served=True)
+    moves, _ = run([[short, empty_long]] * 3)
+    assert [(m.worker, m.src, m.dst) for m in moves] == [("s1", "short", "long")]
+    assert "below its minimum of 1" in moves[0].reason
+    scaled_to_zero = GroupView("long", slo_ms=60000, max_batch=2, min_replicas=0, was_served=True)
+    never_served = GroupView("long", slo_ms=60000, max_batch=2, min_replicas=1)
+    for meant_empty in (scaled_to_zero, never_served):  # left so
+        assert run([[short, meant_empty]] * 10)[0] == []
+
+
+def test_a_group_whose_queue_depth_is_unknown_gives_nothing_up_and_keeps_its_count():
+    """JetStream did not answer: the backlog read 0, the group looked drained, gave a
+    replica away between two requests and its desired count fell to what ran."""
+    unknown = GroupView("short", replicas=idle("s1", "s2", "s3"), slo_ms=500, max_batch=16,
+                        depth_known=False)  # fmt: skip
+    long = fleet()[1]
+    moves, _ = run([[unknown, long]] * 10)
+    assert moves == []
+    assert desired_replicas(unknown, S) == (3, "queue depth unknown")
+    known = GroupView("short", replicas=idle("s1", "s2", "s3"), slo_ms=500, max_batch=16)
+    assert len(run([[known, long]] * 3)[0]) == 1  # the same fleet, depth known: it moves
