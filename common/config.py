@@ -95,6 +95,16 @@ class BreakerConfig(_Strict):
             "part of its traffic. Raise it to give a struggling group longer to recover."
         ),
     )
+    max_wait_open_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "Longest the breaker stays open. Each time it re-opens soon after opening (a "
+            "probe failed, or it closed less than this long ago) its wait doubles from "
+            "wait_open_s up to this, so a group that only fails at full load is not flipped "
+            "every few seconds (and its alerts with it)."
+        ),
+    )
     half_open_share: float = Field(
         0.25,
         gt=0,

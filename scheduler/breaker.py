@@ -12,7 +12,10 @@ service acts on it (batch cap, KV state, alert).
   field study: 10 samples, mean p99 > 500 ms), or when the window's error rate (errors /
   finished requests, judged over at least ``min_requests``) exceeds ``error_rate_threshold``.
 - OPEN: samples are ignored (they describe the incident the breaker already acted on);
-  after ``wait_open_s`` it goes HALF_OPEN.
+  after its wait it goes HALF_OPEN. The wait is ``wait_open_s``, doubled for each re-open
+  in a row (a probe that failed, or a trip within ``max_wait_open_s`` of closing) up to
+  ``max_wait_open_s``: a group healthy at a quarter of its traffic and overloaded at all
+  of it otherwise flips every ~15 s, its traffic diverted and its caps swinging.
 - HALF_OPEN: each sample is judged alone: unhealthy (p99 over the threshold, or the error
   rate since half-open over the limit, judged from ``close_after_healthy`` finished
   requests) re-opens; ``close_after_healthy`` healthy samples in a row close it. A sample
@@ -76,6 +79,7 @@ class BreakerSettings:
     error_rate_threshold: float = 0.2
     min_requests: int = 10
     wait_open_s: float = 10.0
+    max_wait_open_s: float = 120.0
     close_after_healthy: int = 3
     max_age_s: float = 10.0
 
@@ -90,6 +94,7 @@ class BreakerSettings:
             error_rate_threshold=b.error_rate_threshold,
             min_requests=b.min_requests,
             wait_open_s=b.wait_open_s,
+            max_wait_open_s=max(b.max_wait_open_s, b.wait_open_s),
             close_after_healthy=b.close_after_healthy,
             max_age_s=max_age_s,
         )
@@ -114,6 +119,8 @@ class Breaker:
         self.window: deque[BreakerSample] = deque(maxlen=settings.window_samples)
         self._window_at: deque[float] = deque(maxlen=settings.window_samples)  # when each came
         self.healthy_in_row = 0
+        self.reopens = 0  # opens in a row that came soon after the last (the wait doubles)
+        self._closed_at: float | None = None  # when it last closed from half-open
 
     # --- reading -------------------------------------------------------------------------
 
@@ -122,6 +129,12 @@ class Breaker:
         if not self.window:
             return 0.0
         return sum(s.p99_ms for s in self.window) / len(self.window)
+
+    @property
+    def wait_s(self) -> float:
+        """How long this open spell lasts: ``wait_open_s`` doubled per re-open in a row."""
+        s = self.settings
+        return min(s.wait_open_s * 2 ** min(self.reopens, 30), s.max_wait_open_s)
 
     def error_rate(self) -> tuple[float, int]:
         """(errors / finished requests, finished requests) over the window."""
@@ -146,11 +159,9 @@ class Breaker:
         return self._judge_half_open(sample, now)
 
     def tick(self, now: float) -> Transition | None:
-        """Let time pass: OPEN becomes HALF_OPEN after ``wait_open_s``."""
-        if self.state == "open" and now - self.since >= self.settings.wait_open_s:
-            return self._move(
-                "half_open", now, f"probing after {self.settings.wait_open_s:g}s open"
-            )
+        """Let time pass: OPEN becomes HALF_OPEN after :attr:`wait_s`."""
+        if self.state == "open" and now - self.since >= self.wait_s:
+            return self._move("half_open", now, f"probing after {self.wait_s:g}s open")
         return None
 
     def recall(self, samples: Iterable[tuple[float, BreakerSample]], now: float) -> None:
@@ -216,6 +227,16 @@ class Breaker:
         return None
 
     def _move(self, target: State, now: float, reason: str) -> Transition:
+        if target == "open":
+            soon = self.state == "half_open" or (
+                self._closed_at is not None
+                and now - self._closed_at < self.settings.max_wait_open_s
+            )
+            self.reopens = self.reopens + 1 if soon else 0
+            if self.reopens:
+                reason += f" (re-opened: {self.wait_s:g}s open)"
+        elif target == "closed":
+            self._closed_at = now
         transition = Transition(self.group, self.state, target, now, reason)
         self.state, self.since, self.reason = target, now, reason
         self._clear()  # no state judges samples from before it began

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,8 +91,8 @@ def test_half_open_reopens_on_one_unhealthy_sample():
     b.tick(10.0)
     moves = feed(b, [FAST, FAST, SLOW], start=11.0)
     assert [(m.source, m.target) for m in moves] == [("half_open", "open")]
-    assert b.since == 13.0  # a new wait starts
-    assert b.tick(22.9) is None and b.tick(23.0) is not None
+    assert b.since == 13.0  # a new wait starts, twice as long: the probe failed
+    assert b.tick(32.9) is None and b.tick(33.0) is not None
 
 
 def test_half_open_reopens_on_errors():
@@ -258,3 +260,39 @@ def test_a_group_without_samples_exports_no_p99_and_an_unknown_queue_no_depth():
     service.windows.sample(101.5, service.queue_depths)
     service._export_groups(101.5)
     assert ("short",) not in series("qos_group_queue_depth")
+
+
+def test_a_group_healthy_only_when_probed_is_not_flipped_every_few_seconds():
+    """Overloaded at full traffic (p99 1.1× the threshold), healthy at the half-open share
+    (0.8×): with a fixed 10 s wait it opened every ~15 s (8 incidents, 8 alerts, caps
+    swinging 4↔16 in two minutes). Each re-open soon after closing doubles the wait."""
+    b = Breaker("short", S)
+    opens: list[float] = []
+    waits: list[float] = []
+    now = 0.0
+    while now < 120:
+        now += 0.5
+        p99 = 400 if b.state == "half_open" else 550
+        t = b.observe(BreakerSample(p99, requests=2), now) or b.tick(now)
+        if t is not None and t.target == "open":
+            opens.append(now)
+            waits.append(b.wait_s)
+    assert len(opens) <= 4, opens
+    assert waits[:4] == [10, 20, 40, 80]
+
+
+def test_the_wait_goes_back_to_wait_open_s_after_a_long_healthy_spell_and_is_capped():
+    b = Breaker("short", dataclasses.replace(S, max_wait_open_s=30))
+    assert b.wait_s == 10
+    b.reopens = 10
+    assert b.wait_s == 30  # capped
+    b = Breaker("short", S)
+    b.restore("half_open", 0.0)
+    assert [t.target for t in feed(b, [FAST] * 3, start=1)] == ["closed"]
+    assert [t.target for t in feed(b, [SLOW] * 5, start=10)] == ["open"]
+    assert b.wait_s == 20  # 7 s after closing: the same incident
+    b = Breaker("short", S)
+    b.restore("half_open", 0.0)
+    feed(b, [FAST] * 3, start=1)
+    assert [t.target for t in feed(b, [SLOW] * 5, start=500)] == ["open"]
+    assert b.wait_s == 10  # closed for minutes: a new incident
