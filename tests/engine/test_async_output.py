@@ -139,11 +139,16 @@ class FailingOnce(LetterTokenizer):
         return super().decode(ids, skip_special_tokens)
 
 
-def test_a_token_that_fails_to_land_leaves_no_placeholder_for_the_others(path: Path) -> None:
+@pytest.mark.parametrize("seed", [None, 5])
+def test_a_token_that_fails_to_land_leaves_no_placeholder_for_the_others(
+    path: Path, seed: int | None
+) -> None:
     """Reading back a step's tokens, one request's accept raising left the next request's
     placeholder (-1) in its tokens, and every later step embedded it (IndexError on the
-    CPU, a device-side assert on CUDA)."""
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    CPU, a device-side assert on CUDA). Seeded, the discarded step had taken a draw from
+    b's generator, and the redone token (and every later one) came from the next."""
+    temperature = 0.0 if seed is None else 1.0
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=6, ignore_eos=True)
     ref = LLMEngine(EngineArgs(str(path), block_size=4, num_kv_blocks=64, dtype="float32"),
                     tokenizer=LetterTokenizer())  # fmt: skip
     ref.add_request("b", prompt_token_ids=[5, 6, 7], params=params)

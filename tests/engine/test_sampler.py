@@ -19,7 +19,6 @@ class Req:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     resumed_tokens: int = 0
-    noise_to_skip: int = 0
 
 
 # The CUDA half runs where a GPU is (the `cuda` marker); the sampler must agree there too.

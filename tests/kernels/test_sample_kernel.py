@@ -77,7 +77,6 @@ class _Req:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     resumed_tokens: int = 0
-    noise_to_skip: int = 0
 
 
 def test_fused_sampler_keeps_seeded_rows_batch_invariant_and_filters_on_the_torch_path(

@@ -284,8 +284,8 @@ class LLMEngine:
         )
         req.resumed_tokens = resumed_tokens
         if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            req.noise_to_skip = resumed_tokens
+            # Reseeded per step from the seed and output position (see the sampler).
+            req.generator = torch.Generator(device=self.device)
         if self.tokenizer is not None:
             from common.detokenizer import attach_text_state
 

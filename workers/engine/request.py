@@ -63,10 +63,9 @@ class Request:
     # Decoding budget: min(prompt + max_tokens, max_seq_len), set by the engine.
     max_total_tokens: int = 0
     # Redelivered to this engine: the prompt ends with this many output tokens its caller
-    # already has. They count as output for presence/frequency penalties, and a seeded
-    # request's noise continues after their draws (``noise_to_skip`` left to drop first).
+    # already has. They count as output for presence/frequency penalties and in the
+    # output position that keys a seeded request's noise.
     resumed_tokens: int = 0
-    noise_to_skip: int = 0
 
     output_text: str = ""
     finish_reason: str | None = None

@@ -4,8 +4,10 @@ Order, as in vLLM v1: logprobs are read from the raw model distribution
 ``log_softmax(logits)``; then penalties (repetition, then presence/frequency); greedy rows
 (temperature below 1e-5) take the argmax; the others are divided by their temperature, filtered by min-p, top-k and
 top-p, and sampled by an exponential race ``argmax(probs / E)``, ``E ~ Exp(1)``. A seeded
-request draws ``E`` from its own generator, one draw of ``V`` numbers per step, so its
-tokens do not depend on what else shares the batch.
+request draws ``E`` from its own generator, reseeded at each step from its seed and output
+position (:func:`philox_key`), so its tokens depend neither on what else shares the batch
+nor on steps lost and redone (a step discarded after it sampled, a preemption, a resume
+on another worker: the same position draws the same noise).
 
 On CUDA, rows without top-k/top-p/min-p (most traffic) skip all of that: one Triton kernel
 (:mod:`workers.engine.kernels.sample`) takes ``argmax(logits / T + Gumbel)`` per row with
@@ -38,7 +40,6 @@ class SamplerInput(Protocol):
     output_token_ids: list[int]
     # Output tokens a resumed request carries at the end of its prompt (see Request).
     resumed_tokens: int
-    noise_to_skip: int
     eos_token_ids: frozenset[int]  # read for rows short of their min_tokens only
 
 
@@ -367,32 +368,21 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
 
 
 def _exponential_noise(probs: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
-    """``Exp(1)`` noise ``[n, V]``: seeded rows from their own generator, one draw each."""
+    """``Exp(1)`` noise ``[n, V]``: seeded rows from their own generator, keyed by their
+    output position (resumed tokens included) as the fused kernel keys its Philox noise."""
     noise = torch.empty_like(probs)
     seeded = [i for i, r in enumerate(batch) if r.generator is not None]
     if len(seeded) < len(batch):
         noise.exponential_()
     for i in seeded:
         r = batch[i]
-        if r.noise_to_skip:  # resumed: the draws its delivered tokens took, dropped
-            _skip_draws(noise[i], r.noise_to_skip, r.generator)
-            r.noise_to_skip = 0
+        assert r.generator is not None and r.params.seed is not None
+        r.generator.manual_seed(
+            philox_key(r.params.seed, r.resumed_tokens + len(r.output_token_ids))
+        )
         noise[i].exponential_(generator=r.generator)
     # Exp(1) can round to 0, and 0/0 would be a NaN that argmax picks.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-
-
-def _skip_draws(row: torch.Tensor, draws: int, generator: torch.Generator | None) -> None:
-    """Advance ``generator`` past ``draws`` draws of a row like ``row``. On the CPU a block of
-    rows draws the same stream as the rows one by one, so blocks (of at most 16M numbers)
-    save thousands of calls; a CUDA generator's offsets follow its launches: row by row."""
-    per_block = max(1, (1 << 24) // max(1, row.numel())) if row.device.type == "cpu" else 1
-    while draws > 0:
-        n = min(draws, per_block)
-        torch.empty((n, *row.shape), dtype=row.dtype, device=row.device).exponential_(
-            generator=generator
-        )
-        draws -= n
 
 
 def _with_logprobs(
