@@ -37,6 +37,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
 from common.errors import ProtocolError
+from common.fence import FenceGuard
 from common.protocol import Telemetry
 from common.subjects import Subjects
 from common.tasks import cancel_and_wait, watch
@@ -55,9 +56,14 @@ BREAKER_STALE_S = 30.0
 
 def decided_at_ms(value: bytes | None) -> int:
     """When the scheduler decided a ``breaker.<group>`` record (wall ms); 0 if unsaid."""
+    return _record_int(value, "written_ms")
+
+
+def _record_int(value: bytes | None, name: str) -> int:
+    """An integer field of a ``breaker.<group>`` record; 0 if unsaid or unreadable."""
     try:
         obj: Any = json.loads(value or b"")
-        return int(obj.get("written_ms", 0)) if isinstance(obj, dict) else 0
+        return int(obj.get(name, 0)) if isinstance(obj, dict) else 0
     except (ValueError, TypeError):
         return 0
 
@@ -102,6 +108,7 @@ class WorkersView:
         self._breakers: dict[str, BreakerState] = {}
         self._breaker_stale_s = breaker_stale_s
         self._breaker_at: dict[str, float] = {}  # group -> when its record was last written
+        self._fences = FenceGuard()  # the scheduler's term, from its records' fences
         self._stale_logged: set[str] = set()
         self._waiters: list[tuple[Collection[str], asyncio.Future[None]]] = []
         self._sub: Subscription | None = None
@@ -229,6 +236,11 @@ class WorkersView:
         age_s = 0.0 if written is None else self._wall() - written.timestamp()
         deleted = operation in ("DEL", "PURGE")
         decided_ms = 0 if deleted else decided_at_ms(value)
+        fence = 0 if deleted else _record_int(value, "fence")
+        if fence and self._fences.stale(fence, decided_ms):
+            # A deposed leader's write, stored late: today's leader rewrites it shortly.
+            log.warning("breaker %s: a record of an earlier scheduler term ignored", group)
+            return
         if decided_ms:  # a replayed write is as old as its decision, whenever stored
             age_s = max(age_s, self._wall() - decided_ms / 1000)
         self.set_breaker(group, "closed" if deleted else decode_breaker(value), age_s)

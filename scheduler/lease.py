@@ -77,6 +77,10 @@ class Lease:
         # replica held it meanwhile, unseen by a holder whose calls were slow, not failing)
         # begins a new one, and the service then starts afresh as on any takeover.
         self.term = 0
+        # The lease's revision when this replica's current term began: the bucket's
+        # revisions only rise, so a later leader's fence is always higher (a fencing token
+        # for its commands and records).
+        self.fence = 0
         self._revision: int | None = None  # of our last write
         self._written: bytes | None = None  # its value: found stored, a write whose ack was lost
 
@@ -132,6 +136,7 @@ class Lease:
             return self._set(False, self.current)  # another replica wrote first
         if not ours or not self.held:
             self.term += 1
+            self.fence = revision
         self._revision = revision
         return self._set(True, mine)
 

@@ -60,6 +60,9 @@ class BreakerRecord:
     # When the leader decided this record (wall ms): a deposed leader's write, queued while
     # it was cut off and stored when it got back, reads as old, not as fresh from the server.
     written_ms: int = 0
+    # The writing leader's fencing token (Control.fence): a gateway that has seen a record
+    # of a later leader ignores this one (a deposed leader's write stored late).
+    fence: int = 0
 
     def to_bytes(self) -> bytes:
         return _dump(asdict(self))
@@ -80,6 +83,7 @@ class BreakerRecord:
                 batch_cap=int(obj.get("batch_cap", 0)),
                 scheduler=str(obj.get("scheduler", "")),
                 written_ms=int(obj.get("written_ms", 0)),
+                fence=int(obj.get("fence", 0)),
             )
         except (ValueError, TypeError, KeyError, AttributeError):
             return None

@@ -145,6 +145,7 @@ class SchedulerService:
         self.pending_moves = PendingMoves(MOVE_DRAIN_S + 2 * config.worker.telemetry_interval_s)
         self.histories: dict[str, DemandHistory] = {g: DemandHistory() for g in self.groups}
         self.queue_depths: dict[str, int] = dict.fromkeys(self.groups, -1)
+        self._closed_checked: dict[str, float] = {}  # group -> when its record was read back
         # Groups seen with a live replica since this process began (one that lost its last
         # is refilled to its minimum; one never served may be meant empty).
         self.served_groups: set[str] = set()
@@ -344,9 +345,38 @@ class SchedulerService:
                         reason=f"breaker {breaker.state} (renewed)",
                     ),
                 )
+        await self._heal_closed_records(now)
         if self._unsaved:
             await self._save_breakers()
         await self._reconcile_caps(now)
+
+    async def _heal_closed_records(self, now: float) -> None:
+        """Every ``BREAKER_RENEW_S``, a closed breaker's record is read back and rewritten
+        if another leader's write stands there: a deposed leader's ``open``, queued while it
+        was cut off and stored when it got back, would otherwise divert the group's traffic
+        until it went stale (30 s), and a later leader would continue it."""
+        assert self.kv is not None
+        for group, breaker in self.breakers.items():
+            if (
+                breaker.state != "closed"
+                or group in self._unsaved
+                or now - self._closed_checked.get(group, -1e9) < BREAKER_RENEW_S
+            ):
+                continue
+            self._closed_checked[group] = now
+            try:
+                entry = await self.kv.get(breaker_key(group))
+            except nats.js.errors.KeyNotFoundError:
+                continue  # missing reads as closed
+            except Exception as exc:
+                log.warning("breaker %s: reading the record back failed: %s", group, exc)
+                continue
+            record = BreakerRecord.from_bytes(entry.value)
+            if record is not None and record.state != "closed":
+                log.warning("breaker %s: the bucket says %s (scheduler %s, fence %d); "
+                            "rewriting closed", group, record.state, record.scheduler or "?",
+                            record.fence)  # fmt: skip
+                self._unsaved[group] = self._record(group, "closed", breaker.since, breaker.reason)
 
     def _breaker_sample(self, group: str, sample: GroupSample) -> BreakerSample:
         kind = self.config.groups[group].breaker.p99_kind
@@ -398,7 +428,7 @@ class SchedulerService:
         fallback = self.config.groups[group].fallback
         return BreakerRecord(
             state, since_ms, reason, fallback, self._cap_for(group, state), self.id,
-            written_ms=int(self._wall() * 1000),
+            written_ms=int(self._wall() * 1000), fence=self._fence() or 0,
         )  # fmt: skip
 
     async def _save_breakers(self) -> None:
@@ -666,6 +696,10 @@ class SchedulerService:
 
     # --- helpers -------------------------------------------------------------------------
 
+    def _fence(self) -> int | None:
+        """This term's fencing token (None before a term: nothing is sent then)."""
+        return self.lease.fence if self.lease is not None and self.lease.fence else None
+
     async def _publish(self, subject: str, control: Control) -> bool:
         """Send a control, only while this replica leads: a tick or a rebalance checks at its
         start, but its JetStream calls (5 s timeouts) can outlast the 3 s lease, and a
@@ -675,6 +709,7 @@ class SchedulerService:
         if not self.acts:
             log.info("not leading any more: %s on %s not sent", control.action, subject)
             return False
+        control.fence = self._fence()
         try:
             await self.nc.publish(subject, control.to_bytes())
         except Exception as exc:

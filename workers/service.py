@@ -58,6 +58,7 @@ from common.errors import (
     RequestGivenUpError,
     error_from_code,
 )
+from common.fence import FenceGuard
 from common.liveness import LoopBeat
 from common.logging import about
 from common.protocol import (
@@ -221,6 +222,7 @@ class WorkerService:
         # before the flight is in flight still ends its attempt's span.
         self._admitting: dict[int, Flight] = {}
         self._aborted = RecentIds()
+        self._fences = FenceGuard()  # the scheduler's term, from its commands' fences
         self._gateways = GatewayWatch(config.worker.orphan_after_s)
         self._accepting = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -1051,6 +1053,12 @@ class WorkerService:
                         action, msg.subject)  # fmt: skip
             return
         age_s = time.time() - control.issued_ms / 1000
+        fence = control.fence if action in SCHEDULER_ACTIONS else None
+        if fence is not None and self._fences.stale(fence, control.issued_ms):
+            # A deposed leader's command, sent late: a later leader has spoken since.
+            log.warning("control %r from an earlier scheduler term ignored (fence %d < %d; %s)",
+                        action, fence, self._fences.fence, control.reason or "no reason")  # fmt: skip
+            return
         if action in SCHEDULER_ACTIONS and control.issued_ms and age_s > CONTROL_STALE_S:
             # A deposed leader's publishes, queued while it was cut off and sent when it got
             # back: a move or a cap the leader of today never decided. (Its caps are renewed

@@ -496,3 +496,20 @@ def test_min_tokens_is_never_settled_below_itself():
     assert got.max_tokens >= 1000 and got.group == "short"
     with pytest.raises(ContextLengthExceededError):
         classify(config, prompt_tokens=10, max_tokens=None, min_tokens=1020, path_group="realtime")
+
+
+def test_a_record_of_an_earlier_scheduler_term_is_ignored() -> None:
+    """A deposed leader's write stored after today's leader wrote (its fence is lower, its
+    decision older): the gateway kept diverting on it until it went stale."""
+    now = 1_000_000.0
+    view = WorkersView(["long"], breaker_stale_s=30.0, clock=lambda: 50.0, wall=lambda: now)
+
+    def record(state: str, fence: int, age_s: float) -> bytes:
+        written_ms = int((now - age_s) * 1000)
+        return json.dumps({"state": state, "written_ms": written_ms, "fence": fence}).encode()
+
+    view.on_breaker_entry("breaker.long", record("closed", 20, 1), None)
+    view.on_breaker_entry("breaker.long", record("open", 10, 4), None)  # the old leader's
+    assert view.breaker("long") == "closed"
+    view.on_breaker_entry("breaker.long", record("open", 20, 0), None)  # today's leader
+    assert view.breaker("long") == "open"

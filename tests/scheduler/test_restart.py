@@ -380,3 +380,28 @@ async def test_a_new_leader_opens_a_breaker_the_old_one_was_one_slow_sample_from
         service.windows.observe(slow_tick(20), now[0])
         await service.tick()
         assert service.breakers["short"].state == "open"
+
+
+async def test_a_deposed_leaders_open_record_is_rewritten_closed_and_commands_carry_the_fence(
+    nats_config,
+):
+    """A cut-off leader's queued 'open' landed over today's leader's closed breaker: nothing
+    rewrote a closed record, so gateways diverted until it went stale and a later leader
+    continued it. Today's leader reads closed records back and rewrites another's."""
+    async with hand_driven(make_config(nats_config)) as (service, _):
+        assert service.lease is not None and service.lease.fence > 0
+        assert service.kv is not None and service.nc is not None
+        controls = await service.nc.subscribe(f"{service.subjects.prefix}.ctl.>")
+        await barrier(service.nc)
+        stale = BreakerRecord("open", 0, "old incident", None, 4, "deposed", fence=1)
+        await service.kv.put(breaker_key("short"), stale.to_bytes())
+        await service.tick()
+        record = BreakerRecord.from_bytes((await service.kv.get(breaker_key("short"))).value)
+        assert record is not None and record.state == "closed"
+        assert record.fence == service.lease.fence and record.scheduler == service.id
+        await service._publish(
+            service.subjects.control_group("long"),
+            Control(action="set_batch_cap", issued_ms=1, group="long", batch_cap=1, reason="x"),
+        )
+        sent = Control.from_bytes((await controls.next_msg(timeout=2)).data)
+        assert sent.fence == service.lease.fence

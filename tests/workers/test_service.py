@@ -396,6 +396,25 @@ async def test_control_caps_the_batch_drains_and_resumes(
     assert service.state == "serving" and service.bridge.batch_cap > 1
 
 
+async def test_a_command_of_an_earlier_scheduler_term_is_ignored(
+    start_worker: Any, nc: Client, subjects: Subjects, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A scheduler cut off from NATS had its publishes queued; sent when it got back, after a
+    standby had taken over, its stale cap (or move) was obeyed over today's leader's."""
+    service = await start_worker()
+    ctl = subjects.control_group("short")
+    now_ms = int(time.time() * 1000)
+    today = Control(action="set_batch_cap", issued_ms=now_ms, batch_cap=3, fence=20)
+    await nc.publish(ctl, today.to_bytes())
+    await eventually(lambda: service.bridge.batch_cap == 3)
+    late = Control(action="set_batch_cap", issued_ms=now_ms - 2000, batch_cap=1, fence=10)
+    await nc.publish(ctl, late.to_bytes())
+    await eventually(lambda: any("earlier scheduler term" in r.getMessage() for r in caplog.records))
+    assert service.bridge.batch_cap == 3
+    await nc.publish(ctl, Control(action="set_batch_cap", issued_ms=now_ms, fence=20).to_bytes())
+    await eventually(lambda: service.bridge.batch_cap > 3)  # today's leader still obeyed
+
+
 async def test_a_cap_no_scheduler_renews_lapses_back_to_the_groups_max(
     start_worker: Any, nc: Client, subjects: Subjects, monkeypatch: pytest.MonkeyPatch
 ) -> None:
