@@ -17,6 +17,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,6 +103,24 @@ def parse_replicas(text: str, config: Config) -> dict[str, int]:
     return counts
 
 
+def _redis_memory(value: str) -> str:
+    """A Redis memory size (``512mb``, ``2gb``, bytes): what ``maxmemory`` accepts."""
+    if not re.fullmatch(r"[1-9][0-9]*(?:[kmg]b?)?", value.strip().lower()):
+        raise argparse.ArgumentTypeError(f"{value!r} is no memory size (say 512mb or 2gb)")
+    return value.strip().lower()
+
+
+def local_redis(port: int, state_dir: Path, maxmemory: str) -> RedisServer:
+    """The local stack's redis-server, bounded as compose's is: every full KV block is
+    written through with an hour's TTL (a few GB a minute on a GPU), and an unbounded
+    Redis grew until the host ran out; past ``maxmemory`` the least recently used go."""
+    return RedisServer(
+        port=port,
+        state_dir=state_dir,
+        extra_config=f"maxmemory {maxmemory}\nmaxmemory-policy allkeys-lru",
+    )
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="qosserve up", description=__doc__.split("\n\n")[0])
     # A flag given wins; otherwise the config (file, then QOS_* env) decides, as in every
@@ -124,6 +143,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=_tcp_port, help="gateway port (default: gateway.port, 8000)")
     p.add_argument("--state-dir", default=".qosserve", help="NATS store, logs (default .qosserve)")
     p.add_argument("--no-scheduler", action="store_true", help="do not start the scheduler")
+    p.add_argument(
+        "--redis-maxmemory",
+        type=_redis_memory,
+        default="2gb",
+        help="the local Redis KV tier's memory limit, least recently used blocks evicted "
+        "past it (default: 2gb, as the compose file; every full KV block is written through)",
+    )
     p.add_argument(
         "--ready-timeout",
         type=float,
@@ -308,7 +334,7 @@ def _run(args: argparse.Namespace) -> int:
         store_dir=state / "nats",
         max_payload=config.nats.max_payload_bytes,
     )  # the services' own limit
-    redis = RedisServer(port=_port_or_free(6379, taken), state_dir=state / "redis")  # fmt: skip
+    redis = local_redis(_port_or_free(6379, taken), state / "redis", args.redis_maxmemory)
     nats.own_session = redis.own_session = True
     print(f"starting nats-server and redis-server (state in {state}) …", flush=True)
     nats.start()

@@ -329,3 +329,26 @@ def test_a_closed_stdout_does_not_cut_the_shutdown_short(monkeypatch: pytest.Mon
 
     monkeypatch.setattr("sys.stdout", Closed())
     launcher._say("stopping …")  # says nothing, raises nothing
+
+
+def test_the_local_redis_is_bounded_and_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    """qosserve up's Redis had no maxmemory: the KV tier writes every full block through
+    with an hour's TTL, and it grew until the host ran out of memory."""
+    import redis as redis_client
+
+    from common.launcher import _parse_args, local_redis
+    from common.services import free_port
+
+    assert _parse_args([]).redis_maxmemory == "2gb"
+    server = local_redis(free_port(), tmp_path / "redis", _parse_args(["--redis-maxmemory",
+                                                                       "64MB"]).redis_maxmemory)  # fmt: skip
+    server.start()
+    try:
+        client = redis_client.Redis.from_url(server.url)
+        assert client.config_get("maxmemory")["maxmemory"] == str(64 << 20)
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        client.close()
+    finally:
+        server.stop()
+    with pytest.raises(SystemExit):
+        _parse_args(["--redis-maxmemory", "lots"])
