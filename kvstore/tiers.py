@@ -110,6 +110,11 @@ class KVTiers:
         self.batch_blocks = 1  # blocks per sub-batch: about batch_bytes
         self._lock = threading.Lock()  # the queue figure changes on both threads
         self._queued_bytes = 0
+        # Redis refusing writes (OOM under noeviction, READONLY replica, MISCONF) while it
+        # still serves reads: stores pause (doubling, up to a minute), lookups and loads go
+        # on. Through the breaker, the refusals shut reads of an hour's hot prefixes too.
+        self._stores_refused_until = 0.0
+        self._store_pause_s = 0.0
         self._block_tokens = 0
         self._io = Borrowers()  # every connection in use: aborted at close
         # A lookup's host prefix, by its first hash, until its load: blocks the host held
@@ -162,6 +167,7 @@ class KVTiers:
         return (
             self._bulk is not None
             and not self.breaker.rejecting()
+            and not self._stores_refused()
             # room for a block: with less, every block offered would be dropped on arrival
             and self._queued_bytes + self.block_bytes <= self.store_queue_bytes
         )
@@ -386,7 +392,7 @@ class KVTiers:
         if self._bulk is None or not len(hashes):
             return
         c = self.redis_counters
-        if self.breaker.rejecting():
+        if self.breaker.rejecting() or self._stores_refused():
             with self._lock:
                 c.drops += len(hashes)
             return
@@ -422,6 +428,15 @@ class KVTiers:
             with self._lock:
                 self.redis_counters.drops += blocks
 
+    def _stores_refused(self) -> bool:
+        return time.monotonic() < self._stores_refused_until
+
+    def _refuse_stores(self) -> None:
+        """Pause stores: 1 s after the first refusal, doubling per refusal in a row, 60 s
+        at most (Redis under noeviction frees memory only as keys expire)."""
+        self._store_pause_s = min(60.0, max(1.0, self._store_pause_s * 2))
+        self._stores_refused_until = time.monotonic() + self._store_pause_s
+
     def _store(self, hashes: list[bytes], data: np.ndarray, nbytes: int) -> None:
         """One sub-batch on a writer thread: headers (checksums), then pipelined SETs that
         send each header and the engine's row as one value."""
@@ -454,15 +469,19 @@ class KVTiers:
                     self.breaker.failure(leave, exc)
                     log.debug("kv tiers: store failed: %r", exc)
                 else:
+                    # Redis answered: the link is fine, whatever it said about the writes.
+                    self.breaker.success(leave)
                     if stored or not refusal:
-                        self.breaker.success(leave)
+                        self._store_pause_s = 0.0
                     else:
-                        # Every SET refused (OOM under noeviction, READONLY, MISCONF): a
-                        # failure, or stores kept copying blocks off the device and sending
-                        # them for nothing, and their "success" kept the breaker closed.
+                        # Every SET refused (OOM under noeviction, READONLY, MISCONF):
+                        # stores pause, or they kept copying blocks off the device and
+                        # sending them for nothing; reads go on (the server still has them).
                         failed = True
-                        self.breaker.failure(leave, refusal)
-                        log.warning("kv tiers: Redis refused %d stores: %s", len(keys), refusal)
+                        self._refuse_stores()
+                        log.warning("kv tiers: Redis refused %d stores (storing paused "
+                                    "%.0f s): %s", len(keys), self._store_pause_s,
+                                    refusal)  # fmt: skip
         except Exception as exc:  # encoding bugs must not kill the writer either
             failed = True
             if leave is not None:  # a probe that ended here must not hold the breaker

@@ -420,28 +420,33 @@ def test_a_load_slower_than_its_budget_is_given_up_and_frees_its_reader(
         proxy.close()
 
 
-def test_stores_the_server_refuses_open_the_breaker_and_say_why(
+def test_stores_the_server_refuses_pause_storing_and_say_why_while_reads_go_on(
     fresh_redis_server: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A full Redis (noeviction) refuses every SET with -OOM: those batches counted as a
-    success, so the breaker stayed closed and every computed block was still copied off the
-    device and sent, for nothing, for as long as the TTL kept Redis full."""
+    """A full Redis (noeviction) refuses every SET with -OOM. Counted as a success, every
+    computed block was still copied off the device and sent, for nothing; counted through
+    the breaker, two refused batches shut lookups and loads too, while the server still
+    held an hour's hot prefixes and served them."""
     server = fresh_redis_server(extra_config="maxmemory 2mb\nmaxmemory-policy noeviction")
-    client = redis.Redis.from_url(server.url)
-    with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
-        for i in range(100_000):  # small values: full to the last kilobyte
-            client.set(f"filler:{i}", b"x" * 1024)
-    client.close()
     breaker = CircuitBreaker(failures_to_open=2, open_s=30.0)
     with caplog.at_level("WARNING"), make(RedisConfig(url=server.url), breaker=breaker) as tiers:
-        for i in range(2):
+        tiers.store_async(HASHES[:2], blocks(2))  # stored while there was room
+        assert tiers.flush()
+        client = redis.Redis.from_url(server.url)
+        with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+            for i in range(100_000):  # small values: full to the last kilobyte
+                client.set(f"filler:{i}", b"x" * 1024)
+        for i in range(1, 3):  # (the filler's connection stays: closed, it frees memory)
             tiers.store_async(HASHES[2 * i : 2 * i + 2], blocks(2))
             assert tiers.flush()
+        client.close()
         s = tiers.stats()
-        assert s.redis.errors == 2 and s.redis.store_blocks == 0 and s.breaker_state == "open"
+        assert s.redis.errors == 1 and s.redis.store_blocks == 2  # the second was not sent
         assert not tiers.accepts_stores  # the engine stops copying blocks off for them
-    opened = [r.getMessage() for r in caplog.records if "breaker open" in r.getMessage()]
-    assert len(opened) == 1 and "OOM" in opened[0]  # the cause, not only the state
+        assert s.breaker_state == "closed"
+        assert tiers.lookup(HASHES[:2]) == 2 and len(tiers.load(HASHES[:2])) == 2
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and "OOM" in refused[0]  # the cause, not only the state
 
 
 def test_a_silent_redis_is_reported_as_such_not_as_a_slow_one(
