@@ -54,6 +54,9 @@ T = TypeVar("T")
 _Fetched = tuple[list[memoryview], bool, int]  # views, all of them, corrupt values
 # Failures the breaker counts: the server or the network, not a bad value.
 _FAILURES = (RedisError, OSError)
+# The longest one prefix load may hold an engine step (see KVTiers.load_budget_s): well
+# under the worker's stuck-engine limit (--engine-stuck-s, 60 s) with a few in one step.
+MAX_LOAD_S = 10.0
 
 
 # Lookups remembered for their loads (a request that waits for device blocks is asked
@@ -292,10 +295,16 @@ class KVTiers:
         """How long a Redis load of ``blocks`` may take: one socket timeout plus the bytes
         at ``redis.load_min_gbps``. The engine waits for a load with every decode of its
         batch, and a Redis slow enough to need longer (throttled, congested, far away)
-        costs more than recomputing: the load then keeps what arrived and gives up."""
+        costs more than recomputing: the load then keeps what arrived and gives up.
+
+        At most ``MAX_LOAD_S``: a load runs inside an engine step, and a 128k prompt of an
+        8B model (8k blocks of 2 MiB) got 69 s, past the worker's stuck-engine limit (60 s),
+        which then handed its requests back and exited, and the next replica did the same.
+        """
         assert self.redis_config is not None
         rate = self.redis_config.load_min_gbps * 1e9
-        return self.redis_config.socket_timeout_s + blocks * self.value_bytes / rate
+        budget = self.redis_config.socket_timeout_s + blocks * self.value_bytes / rate
+        return min(budget, MAX_LOAD_S)
 
     def _load_redis(self, hashes: Sequence[bytes]) -> list[memoryview]:
         c = self.redis_counters

@@ -518,3 +518,20 @@ def test_blocks_the_host_lost_between_lookup_and_load_count_as_queried_at_redis(
         assert s.host.hit_tokens == 0 and s.host.query_tokens == 6 * 4
         assert s.redis.hit_tokens == 6 * 4
         assert s.redis.query_tokens == 6 * 4  # 2 blocks at lookup, 4 more at load
+
+
+def test_a_long_prompts_load_budget_stays_under_the_stuck_engine_limit(
+    redis_config: RedisConfig,
+) -> None:
+    """Llama-3-8B bf16 (2 MiB blocks of 16 tokens), a 128k prompt: 8,191 blocks at the
+    default 0.25 GB/s got a 69 s budget inside one engine step, past the worker's 60 s
+    stuck-engine limit: the worker handed its requests back and exited, then the next."""
+    from kvstore.tiers import MAX_LOAD_S
+
+    llama8b = KVLayout(block_size=16, dtype="bfloat16", num_layers=32, num_kv_heads=8,
+                       head_dim=128)  # fmt: skip
+    with make(redis_config, layout=llama8b) as tiers:
+        assert tiers.value_bytes >= 2 << 20
+        assert tiers.load_budget_s(8) < MAX_LOAD_S  # a short prefix keeps its own budget
+        assert tiers.load_budget_s(8191) == MAX_LOAD_S
+    assert 3 * MAX_LOAD_S < 60.0  # the worker's default --engine-stuck-s
