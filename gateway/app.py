@@ -226,7 +226,15 @@ def create_app(
             allow_origins=config.gateway.cors_allow_origins,
             allow_methods=["GET", "HEAD", "POST"],
             allow_headers=["*"],
-            expose_headers=["X-Request-Id", GROUP_HEADER, "X-QoS-Fallback-From", "Retry-After"],
+            # What clients read from an answer; x-should-retry: openai-node in a browser read
+            # null and retried a deadline or a given-up request as any 5xx.
+            expose_headers=[
+                "X-Request-Id",
+                GROUP_HEADER,
+                "X-QoS-Fallback-From",
+                "Retry-After",
+                "x-should-retry",
+            ],
         )
     _add_error_handlers(app)
     _add_routes(app, state)

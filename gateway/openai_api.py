@@ -446,8 +446,10 @@ def _to_invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestErro
             f"Missing required parameter: '{param}'", param=param, code="missing_parameter"
         )
     # Unions report one error per alternative: the last is usually the closest match, but
-    # a validator's own wording (ValueError) says what is wrong best.
-    chosen = next((e for e in errors if e["type"] == "value_error"), None)
+    # a validator's own wording (ValueError) says what is wrong best: the named field's own
+    # (another field's read "Invalid value for 'temperature': only n=1 is supported").
+    head = first["loc"][:1]
+    chosen = next((e for e in errors if e["type"] == "value_error" and e["loc"][:1] == head), None)
     if chosen is not None:
         message = chosen["msg"].removeprefix("Value error, ")
     else:

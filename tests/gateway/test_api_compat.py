@@ -67,8 +67,15 @@ async def test_cors_answers_preflights_only_when_origins_are_configured(nats_con
     config = gateway_config(nats_config, cors_allow_origins=["https://app.example.com"])
     async with serve(config) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
         allowed = await http.options("/v1/chat/completions", headers=preflight)
+        listed = await http.get("/v1/models", headers={"Origin": "https://app.example.com"})
     assert allowed.status_code == 200
     assert allowed.headers["access-control-allow-origin"] == "https://app.example.com"
+    # A browser lets a script read only the headers listed: openai-node reads x-should-retry
+    # (without it, a 504 or a given-up request was retried as any 5xx).
+    exposed = {
+        h.strip().lower() for h in listed.headers["access-control-expose-headers"].split(",")
+    }
+    assert {"x-should-retry", "retry-after", "x-request-id"} <= exposed
     async with (
         serve(gateway_config(nats_config)) as gw,
         httpx.AsyncClient(base_url=gw.url, timeout=10) as http,

@@ -408,3 +408,14 @@ async def test_tokenize_under_a_group_gives_that_groups_limit(gateway: Served):
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "group_not_found"
     assert unknown_back.status_code == 404
     assert query.json()["max_model_len"] == everyone.json()["max_model_len"]  # path only
+
+
+async def test_a_400_gives_the_reason_of_the_parameter_it_names(gateway: Served):
+    """Pydantic reports every failing field: the 400 named the first (temperature) and gave
+    the first validator message anywhere (n's), so the openai client read "Invalid value for
+    'temperature': only n=1 is supported"."""
+    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.completions.create(model=MODEL, prompt="hi", temperature=5, n=2)
+    assert bad.value.param == "temperature", bad.value.message
+    assert "n=1" not in bad.value.message
