@@ -531,8 +531,9 @@ class RedisConfig(_Strict):
         16,
         ge=1,
         description=(
-            "Most connections each worker opens to Redis, split between loads and stores. Raise "
-            "it for workers that move a lot of KV."
+            "Most connections each worker opens to Redis, split between lookups, loads and "
+            "stores (3 at least; the KV tier uses 7 at most: 4 loading, 2 storing, 1 looking "
+            "up). Size Redis's maxclients from it times the workers."
         ),
     )
     ttl_s: int = Field(

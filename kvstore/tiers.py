@@ -105,6 +105,12 @@ class KVTiers:
         # One connection per I/O thread: sockets, zlib and hashlib release the GIL, so
         # sub-batches overlap. Readers and writers apart: a lookup's load at admission (the
         # engine waits) never queues behind a burst of write-through.
+        # Within redis.max_connections, the engine thread's lookups counted (3 at least: a
+        # lookup, a load, a store): operators size Redis's maxclients from it.
+        if redis is not None:
+            budget = max(3, redis.max_connections)
+            read_threads = max(1, min(read_threads, budget - 2))
+            write_threads = max(1, min(write_threads, budget - 1 - read_threads))
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="kv-read")
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="kv-write")
         self._bulk = None if redis is None else BulkPool(redis, read_threads + write_threads)

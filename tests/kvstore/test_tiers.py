@@ -535,3 +535,27 @@ def test_a_long_prompts_load_budget_stays_under_the_stuck_engine_limit(
         assert tiers.load_budget_s(8) < MAX_LOAD_S  # a short prefix keeps its own budget
         assert tiers.load_budget_s(8191) == MAX_LOAD_S
     assert 3 * MAX_LOAD_S < 60.0  # the worker's default --engine-stuck-s
+
+
+def test_the_tier_opens_no_more_connections_than_redis_max_connections(
+    redis_config: RedisConfig,
+) -> None:
+    """The pool was 4 readers + 2 writers + the lookup's whatever max_connections said: an
+    operator sizing maxclients from it hit the limit, and the refusals opened the breaker."""
+    client = redis.Redis.from_url(redis_config.url)
+
+    def connected() -> int:
+        return int(client.info("clients")["connected_clients"]) - 1  # less this client
+
+    hashes = [bytes([9, i]) * 8 for i in range(64)]
+    try:
+        base = connected()
+        config = redis_config.model_copy(update={"max_connections": 3})
+        with make(config, batch_bytes=1) as tiers:  # one block per sub-batch: all threads busy
+            for _ in range(3):
+                tiers.store_async(hashes, blocks(64, seed=5))
+                assert tiers.flush()
+                assert tiers.lookup(hashes) == 64 and len(tiers.load(hashes)) == 64
+            assert connected() - base <= 3
+    finally:
+        client.close()
