@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ from bench.engine_profile import KernelProfile
 from bench.engine_schedule import count_steps
 from bench.percentiles import pct
 from bench.policy_spec import POLICIES, split_spec
+from bench.provenance import git_state
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
 
 
@@ -576,6 +578,13 @@ def main(argv: list[str] | None = None) -> None:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     result = run_fixed(ns) if ns.fixed_batch else run_policies(ns)
+    args = list(sys.argv[1:] if argv is None else argv)
+    result = {
+        "benchmark": "engine",
+        "command": shlex.join(["python", "-m", "bench.engine", *args]),
+        "git": git_state(),
+        **result,
+    }
     result["config"] = {
         **{k: v for k, v in vars(ns).items() if k != "out"},
         "torch": torch.__version__,

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         argv_l = [locust, "-f", "bench/locustfile.py", "--headless", "--users", str(args.users),
                   "--spawn-rate", str(args.spawn_rate), "--host", stack.url,
                   "--csv", str(out / "locust"), "-t", args.run_time, "--only-summary",
+                  "--reset-stats",  # the figures start once every user is spawned
                   "--long-tokens", str(args.long_tokens), "--max-tokens", str(args.max_tokens)]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
         proc = subprocess.run(argv_l, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -139,12 +139,7 @@ def section_policies(doc: Doc, png: Path) -> list[str]:
                "`dynamic` the policy alone inside the instance groups.")  # fmt: skip
     found = policies_bench.field_comparison(doc["results"])
     if found is not None:
-        ratio = found["slo_rate_ratio"]
-        shown = (f"{ratio:.3g}x" if ratio is not None
-                 else f"at least {found['slo_rate_ratio_low']:.3g}x (the pool missed at every step)")  # fmt: skip
-        out.append(f"Field-study comparison: `{found['policy']}` with instance groups holds the SLO "
-                   f"at {shown} the rate `dynamic/pool` does (target {found['target']}x: "
-                   f"{'met' if found['met'] else 'not met'}).")  # fmt: skip
+        out.append(field_sentence(found))
     if report_plots.policies(doc, png):
         out.append(f"![policies]({png.name})")
     return out
@@ -314,11 +309,9 @@ def part(folder: Path, title: str) -> list[str]:
         for path, doc in docs:
             out += [f"### {kind} — `{path.name}`", ""]
             command = doc.get("command")
-            out.append(
-                f"Command: `{command}`"
-                if command
-                else f"Command (not recorded in the file; the usual one): `{DEFAULT_COMMANDS.get(kind, '?')}`"
-            )
+            # Without one, say so: the default command beside a run made otherwise (a GPU
+            # --fixed-batch engine run) misled.
+            out.append(f"Command: `{command}`" if command else "Command: not recorded in the file.")
             out.append("")
             if isinstance(doc.get("note"), str):  # a caveat written into the file afterwards
                 out += [f"Note: {doc['note']}", ""]
@@ -375,3 +368,17 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# field_comparison's met: True, False, or None when the bracket straddles the target.
+VERDICT = {True: "met", False: "not met", None: "undecided: the bracket straddles the target"}
+
+
+def field_sentence(found: dict[str, Any]) -> str:
+    """The field-study comparison (``policies.field_comparison``) as one sentence."""
+    ratio = found["slo_rate_ratio"]
+    shown = (f"{ratio:.3g}x" if ratio is not None
+             else f"at least {found['slo_rate_ratio_low']:.3g}x (the pool missed at every step)")  # fmt: skip
+    return (f"Field-study comparison: `{found['policy']}` with instance groups holds the SLO "
+            f"at {shown} the rate `dynamic/pool` does (target {found['target']}x: "
+            f"{VERDICT[found['met']]}).")  # fmt: skip

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench.provenance import git_state
 from common.config import NatsConfig, default_groups
 from common.models import resolve_model, served_name
 from common.services import NatsServer, die_with_parent, free_port
@@ -72,12 +73,14 @@ def cpu_seconds(pid: int) -> float:
 
 
 def machine_info() -> dict[str, object]:
-    """Cores and load average: the load generator and the stack share the same cores."""
+    """Cores and load average (the load generator and the stack share the same cores), and
+    the code that ran: results are compared across commits."""
     return {
         "cores": os.cpu_count(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "git": git_state(),
     }
 
 

@@ -28,13 +28,13 @@ from common.config import load_config
 
 def test_sessions_follow_the_field_mix_and_conversations_resend_their_history() -> None:
     sessions = make_sessions(2000, seed=1, long_tokens=256)
-    # By request, as locust's tasks give it (a conversation is three requests): 19 / 28 / 48
-    # of the 95 valid in 100. By session it was 13 / 56 / 31.
+    # By request, as locust's tasks give it (a conversation is three requests): the field's
+    # 20 / 30 / 50 of the valid ones. By session it was 13 / 56 / 31.
     share = Counter(s.kind for s in sessions for _ in s.turns)
     total = sum(share.values())
-    assert share["long_doc"] / total == pytest.approx(19 / 95, abs=0.03)
-    assert share["conversation"] / total == pytest.approx(28 / 95, abs=0.03)
-    assert share["short"] / total == pytest.approx(48 / 95, abs=0.03)
+    assert share["long_doc"] / total == pytest.approx(0.20, abs=0.03)
+    assert share["conversation"] / total == pytest.approx(0.30, abs=0.03)
+    assert share["short"] / total == pytest.approx(0.50, abs=0.03)
     for s in sessions:
         assert s.group == ("long" if s.kind == "long_doc" else "short")
         if s.kind == "conversation":
@@ -184,6 +184,9 @@ def test_the_field_comparison_takes_the_best_grouped_continuous_or_hybrid_run_ov
     assert (found["slo_rate_ratio_low"], found["slo_rate_ratio_high"]) == (2.0, 8.0)
     # The bracket straddles 2.9: the grid, not the run, would decide a point verdict.
     assert found["met"] is None and found["target"] == 2.9
+    from bench.report import field_sentence
+
+    assert "undecided" in field_sentence(found) and "not met" not in field_sentence(found)
     # The pool missing at every step leaves the ratio open: judged by its low bound.
     results["dynamic/pool"] = result(1.0, 2.0, [_phase(1, 900), _phase(2, 900)])
     found = field_comparison(results)
@@ -205,3 +208,16 @@ def test_sheds_and_the_turns_they_left_unsent_do_not_fail_the_run_but_other_erro
     assert unexpected_errors(run) == 0
     run["sweep"].append({"errors": {"502 upstream reset": 2}})
     assert unexpected_errors(run) == 2
+
+
+def test_the_locust_task_weights_give_the_field_shares_per_request() -> None:
+    from bench.field_mix import MIX, task_weights
+
+    turns = 3
+    per_request = {k: w * (turns if k == "conversation" else 1)
+                   for k, w in task_weights(MIX, turns).items()}  # fmt: skip
+    total = sum(per_request.values())
+    valid = total - per_request["invalid"]
+    assert per_request["invalid"] / total == 0.05
+    shares = {k: per_request[k] / valid for k in ("long_doc", "conversation", "short")}
+    assert shares == {"long_doc": 0.2, "conversation": 0.3, "short": 0.5}

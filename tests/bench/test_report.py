@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.report import build
 
 
@@ -124,3 +126,19 @@ def test_a_note_written_into_a_result_is_shown_once_under_its_command(tmp_path: 
     section = text[text.index("tracing_overhead-x.json") :]
     assert section.index("Command: `python -m x`") < section.index(f"Note: {note}")
     assert "`result.req_per_s` = 650.0" in section
+
+
+def test_an_engine_result_records_its_command_and_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's JSON kept no command: the report printed the default one beside every
+    engine result, GPU --fixed-batch runs included, and no result said which code ran."""
+    from bench import engine
+
+    monkeypatch.setattr(engine, "run_policies", lambda ns: {"policies": {}})
+    out = tmp_path / "engine.json"
+    engine.main(["--num-seqs", "4", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "engine"
+    assert doc["command"] == f"python -m bench.engine --num-seqs 4 --out {out}"
+    assert len(doc["git"]["commit"]) == 40 and isinstance(doc["git"]["dirty"], bool)
