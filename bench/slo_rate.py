@@ -14,7 +14,11 @@ sweep step (one offered rate, a few seconds of the field mix) **meets the SLO** 
   group on its own (a policy that sheds long documents must not pass on the strength of
   the short questions around them: long is a fifth of the mix, so a quarter of its requests
   could fail inside a pooled 99 %, and the TTFT p99 of the rest looked fine; a group whose
-  every request failed has no p99 to judge and fails here).
+  every request failed has no p99 to judge and fails here), and
+- where the step says how late its load went out, the send lag's p99 is within a tenth
+  (``LAG_SHARE``) of the tightest SLO among the judged groups that carried requests: the
+  load generator shares the cores with the stack, latencies are timed from the send, and a
+  generator behind its schedule neither offered the rate nor measured what users would see.
 
 A policy's **rate at SLO** is the highest offered rate ``r`` such that every step at or below
 ``r`` met the SLO: the first miss ends it, so a lucky pass above a miss (noise on a shared
@@ -38,6 +42,11 @@ TTFT_JUDGED_GROUPS = ("long",)
 MIN_COMPLETED = 0.99
 
 
+# A step whose load went out later than this share of the tightest judged SLO (p99) did
+# not offer its rate: it is a miss, whatever its latencies say.
+LAG_SHARE = 0.1
+
+
 @dataclass(frozen=True)
 class StepFigures:
     """What the SLO check needs from one sweep step."""
@@ -50,6 +59,7 @@ class StepFigures:
     ttft_p99_ms: Mapping[str, float] = field(default_factory=dict)  # the same groups
     sent_by_group: Mapping[str, int] = field(default_factory=dict)
     completed_by_group: Mapping[str, int] = field(default_factory=dict)
+    send_lag_p99_ms: float | None = None  # how late the load went out; None: not known
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,12 @@ def check_step(
         p99 = step.ttft_p99_ms.get(group)
         if p99 is not None and p99 > ttft_slos[group]:
             misses.append(f"{group} TTFT p99 {p99:.0f} > {ttft_slos[group]:.0f} ms")
+    lag = step.send_lag_p99_ms
+    judged = [slo_e2e_p99_ms[g] for g in groups if g in step.e2e_p99_ms]  # that carried any
+    if lag is not None and judged and lag > LAG_SHARE * min(judged):
+        # The offered rate was not offered: the load generator fell behind its schedule,
+        # and latencies timed from the late sends read better than the users' would.
+        misses.append(f"load sent late (p99 {lag:.0f} ms)")
     return StepVerdict(step.offered, not misses, "; ".join(misses))
 
 

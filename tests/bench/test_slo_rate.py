@@ -124,3 +124,14 @@ def test_a_judged_group_that_lost_over_1_percent_misses_inside_a_pooled_99() -> 
     assert check_step(gone, SLOS, min_completed=0.9, slo_ttft_ms=ttft).why == "long 0/20 completed"
     # Long is judged by its wait only where its TTFT SLO is given (as sweep_slo does).
     assert check_step(gone, SLOS, min_completed=0.9).met
+
+
+def test_a_step_whose_load_went_out_late_did_not_offer_its_rate() -> None:
+    """Latencies are timed from the send: a load generator sharing the cores fell behind
+    its schedule at high rates, and the late sends read as a stack within its SLO."""
+    on_time = StepFigures(8, 12.8, 100, 100, {"short": 300.0}, send_lag_p99_ms=40.0)
+    assert check_step(on_time, SLOS).met  # within a tenth of short's 500 ms
+    late = StepFigures(8, 12.8, 100, 100, {"short": 300.0}, send_lag_p99_ms=260.0)
+    verdict = check_step(late, SLOS)
+    assert not verdict.met and verdict.why == "load sent late (p99 260 ms)"
+    assert check_step(step(8, 300), SLOS).met  # not known (older results): not judged
