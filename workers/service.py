@@ -918,14 +918,20 @@ class WorkerService:
                 st.error = DeadlineExceededError("the request's deadline passed while generating")
                 self._abort_in_engine(st)
             elif now_ms >= deadline + ENGINE_STUCK_S * 1000:
-                # The engine never acted on the abort: its thread is stuck (a hung
-                # device). Answer from here, so neither the caller nor the message
-                # waits on it forever; whatever it emits later finds no request.
+                # The engine has not acted on the abort. Answer from here, so neither the
+                # caller nor the message waits on it; whatever it emits later finds no
+                # request. Mid-step, it only reads aborts once the step ends: a long step
+                # (a CPU prefill chunk) is the step watchdog's to judge (engine_stuck_s),
+                # not a hung device; this exited 1 on a healthy replica. Between steps,
+                # an abort not taken means the thread is stuck elsewhere.
+                mid_step = self.bridge.step_running_s() > 0
                 log.error("request %s: the engine has not stopped it %.0f s after its "
-                          "deadline; answering from the event loop", st.request.id,
-                          ENGINE_STUCK_S, extra=about(st.request.id))  # fmt: skip
+                          "deadline%s; answering from the event loop", st.request.id,
+                          ENGINE_STUCK_S, " (one step still running)" if mid_step else "",
+                          extra=about(st.request.id))  # fmt: skip
                 await self._send_error(st, st.error)
-                self._engine_failed("it did not act on an abort")
+                if not mid_step:
+                    self._engine_failed("it did not act on an abort")
         if self.bridge is not None and not self.bridge.alive:
             self._engine_failed("its thread has ended")
         elif self.bridge is not None and self.bridge.step_running_s() > self.options.engine_stuck_s:
