@@ -651,6 +651,13 @@ class WorkerService:
             # A later delivery of our own message, resumed since: its caller now follows
             # this attempt, and ignores the twin's chunks (stamped with the older one).
             self._retire(twin, "superseded")
+        task = asyncio.current_task()
+        if msg.is_acked or (task is not None and task.cancelling()):
+            # Handed back while it was admitted (a drain's grace ran out): Python 3.11's
+            # wait_for returns a reply that came with the cancel instead of raising, and
+            # the request ran for nobody, in_progress renewing another replica's copy.
+            self.observer.abandoned(st, "handed_back")
+            return
         self._inflight[req.id] = st
         st.engine_id = f"{req.id}@{next(self._flight_numbers)}"
         assert self.bridge is not None

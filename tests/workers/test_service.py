@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import struct
@@ -639,6 +640,34 @@ async def _redelivered(
     await msg.nak()
     await first.unsubscribe()
     return rid, chunks
+
+
+async def test_a_request_handed_back_as_its_resume_answer_came_is_not_run(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A drain's grace ran out while a redelivery awaited its resume answer: its admission
+    was cancelled and its message handed back, but Python 3.11's wait_for returns a reply
+    that arrives with the cancel instead of raising, and the request ran for nobody."""
+    rid, _chunks = await _redelivered(nc, subjects, worker_config, "gw-live")
+    asking = asyncio.Event()
+
+    async def answer_despite_the_cancel(*args: Any, **kwargs: Any) -> ResumeReply:
+        asking.set()
+        with contextlib.suppress(asyncio.CancelledError):  # 3.11's wait_for, the reply in
+            await asyncio.sleep(30)
+        return ResumeReply(id=rid)
+
+    monkeypatch.setattr(worker_service, "ask_resume", answer_despite_the_cancel)
+    service = await start_worker()
+    await asyncio.wait_for(asking.wait(), 5)
+    added: list[str] = []
+    real_add = service.bridge.add
+    monkeypatch.setattr(
+        service.bridge, "add", lambda req: added.append(req.request_id) or real_add(req)
+    )
+    await service.stop(grace_s=0)
+    assert rid not in service.inflight_ids and added == []
 
 
 async def test_a_redelivery_of_a_request_its_gateway_finished_is_acked_not_served(
