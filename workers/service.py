@@ -652,7 +652,7 @@ class WorkerService:
             # this attempt, and ignores the twin's chunks (stamped with the older one).
             self._retire(twin, "superseded")
         task = asyncio.current_task()
-        if msg.is_acked or (task is not None and task.cancelling()):
+        if getattr(msg, "is_acked", False) or (task is not None and task.cancelling()):
             # Handed back while it was admitted (a drain's grace ran out): Python 3.11's
             # wait_for returns a reply that came with the cancel instead of raising, and
             # the request ran for nobody, in_progress renewing another replica's copy.
