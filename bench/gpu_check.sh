@@ -68,8 +68,10 @@ step bench_engine_fixed_stages2 80 env QOSSERVE_DECODE_CONFIG=64,4,2 python3 -m 
 # 64 batch slots so that a request waits for a slot (with 256 slots every policy is the same
 # single batch).
 # (dynamic is left out: offline, with every request there at once, it is static's schedule.)
-step bench_engine_policies 100 python3 -m bench.engine --model dummy:llama-1b --dtype bf16 \
-  --num-seqs 256 --min-len 100 --max-len 1024 --max-batch-size 64 --phases \
+# Three rounds in rotated order: one run each in a fixed order read continuous/static 1.33x,
+# 0.87x and 0.78x for the same code (the host's pace moves between runs).
+step bench_engine_policies 270 python3 -m bench.engine --model dummy:llama-1b --dtype bf16 \
+  --num-seqs 256 --min-len 100 --max-len 1024 --max-batch-size 64 --phases --repeats 3 \
   --policies static,continuous,hybrid --out "$OUT/engine_policies.json"
 # The same requests where KV memory, not batch slots, is the limit: 256 slots, 8,192 blocks
 # of 16 tokens (128k tokens: 64 requests at their longest). Static batches reserve each
