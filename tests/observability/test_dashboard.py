@@ -107,3 +107,32 @@ def test_prometheus_collector_and_grafana_provisioning_configs_load() -> None:
     assert datasource["datasources"][0]["type"] == "prometheus"
     provider = yaml.safe_load((provisioning / "dashboards" / "qosserve.yaml").read_text())
     assert provider["providers"][0]["type"] == "file"
+
+
+def _dashboard_expressions() -> list[str]:
+    return list(expressions(json.loads((DEPLOY / "grafana-dashboard.json").read_text())))
+
+
+def test_the_5xx_panel_leaves_out_the_workers_caller_errors() -> None:
+    """qos_request_errors_total counts every error a worker answered, a client's over-long
+    prompt (400) too: plotted unfiltered under a "5xx" title, it disagreed with the
+    breakers, which rightly ignore caller errors."""
+    from common.errors import _BY_CODE
+
+    worker_errors = [e for e in _dashboard_expressions() if "qos_request_errors_total" in e]
+    assert worker_errors
+    caller = sorted(code for code, cls in _BY_CODE.items() if cls.http_status < 500)
+    for expr in worker_errors:
+        excluded = re.search(r'code!~"([^"]+)"', expr)
+        assert excluded is not None, expr
+        assert all(re.fullmatch(excluded.group(1), code) for code in caller), expr
+        assert not re.fullmatch(excluded.group(1), "internal_error")
+
+
+def test_per_replica_busy_time_is_averaged_over_the_groups_current_replicas() -> None:
+    """A replica moved away keeps exporting its old group's busy counter (frozen): avg by
+    (group) over the rate counted it as an idle member, and the group looked less busy."""
+    busy = [e for e in _dashboard_expressions() if "qos_engine_busy_seconds_total" in e]
+    assert busy
+    for expr in busy:
+        assert not re.search(r"\b(avg|min|max)\s+by\s*\([^)]*\)\s*\(\s*rate\(qos_engine_busy", expr)
