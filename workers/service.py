@@ -543,6 +543,7 @@ class WorkerService:
             return
         resume: list[int] = []
         resume_text_len = 0
+        resumed = False
         if attempt > 1:
             assert self.nc is not None
             reply = await ask_resume(
@@ -603,13 +604,15 @@ class WorkerService:
                 return
             resume, resume_text_len = reply.token_ids, reply.text_len
             st.resumed_at(resume, resume_text_len)
-            self.observer.resumed(st)
+            resumed = True  # counted once it goes on (aborted, a twin, handed back: not)
             if req.id in self._aborted:  # aborted while we asked
                 await settle(msg.ack)
                 self.observer.abandoned(st, "aborted")
                 return
         remaining = req.params.max_tokens - st.base
         if remaining <= 0:  # everything was delivered but the final chunk
+            if resumed:
+                self.observer.resumed(st)
             await self._end_resumed(st)
             return
         try:
@@ -658,6 +661,8 @@ class WorkerService:
             # the request ran for nobody, in_progress renewing another replica's copy.
             self.observer.abandoned(st, "handed_back")
             return
+        if resumed:
+            self.observer.resumed(st)
         self._inflight[req.id] = st
         st.engine_id = f"{req.id}@{next(self._flight_numbers)}"
         assert self.bridge is not None

@@ -670,6 +670,42 @@ async def test_a_request_handed_back_as_its_resume_answer_came_is_not_run(
     assert rid not in service.inflight_ids and added == []
 
 
+def _resumed_count(service: Any) -> float:
+    return sum(
+        sample.value
+        for family in service.observer.registry.collect()
+        for sample in family.samples
+        if sample.name == "qos_request_resumed_total"
+    )
+
+
+async def test_a_redelivery_aborted_while_it_asked_where_to_resume_is_no_resume(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """qos_request_resumed_total counted a delivery as soon as its resume query was answered,
+    also one dropped right after (aborted meanwhile, a duplicate, handed back): the
+    redeliveries line ran high exactly during aborts and drains."""
+    rid, _chunks = await _redelivered(nc, subjects, worker_config, "gw-live")
+    service_box: list[Any] = []
+
+    async def aborted_meanwhile(*args: Any, **kwargs: Any) -> ResumeReply:
+        while not service_box:  # asked before start_worker returned
+            await asyncio.sleep(0.01)
+        service_box[0]._aborted.add(rid)  # the caller's abort lands while we ask
+        return ResumeReply(id=rid)
+
+    monkeypatch.setattr(worker_service, "ask_resume", aborted_meanwhile)
+    service = await start_worker()
+    service_box.append(service)
+    js = nc.jetstream()
+    deadline = time.monotonic() + 5
+    while (await js.stream_info(worker_config.nats.stream)).state.messages:
+        assert time.monotonic() < deadline, "the aborted redelivery was never acked"
+        await asyncio.sleep(0.02)
+    assert _resumed_count(service) == 0 and rid not in service.inflight_ids
+
+
 async def test_a_redelivery_of_a_request_its_gateway_finished_is_acked_not_served(
     start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
 ) -> None:
@@ -721,7 +757,7 @@ async def test_two_messages_with_one_id_admitted_together_get_one_answer(
     await nc.subscribe(subjects.resume(rid), cb=slow_answers)
     # 30 steps of 50 ms: the first still runs when the second's answer comes, however late
     # a loaded machine fetches it (the test is about the two overlapping).
-    await start_worker(
+    service = await start_worker(
         engine=SimEngine(max_batch_size=4, max_seq_len=256, cost=SimCost(base_s=0.05))
     )
     got: list[Chunk] = []
@@ -737,6 +773,7 @@ async def test_two_messages_with_one_id_admitted_together_get_one_answer(
             break
         await asyncio.sleep(0.05)
     assert (info.num_pending, info.num_ack_pending) == (0, 0), info
+    assert _resumed_count(service) == 1  # the terminated twin is no resume
 
 
 async def test_in_progress_follows_the_consumers_ack_wait_as_the_server_has_it(
