@@ -58,8 +58,8 @@ class ServerCall(Deferred):
     time when it arrives, attributes as the request runs, status and route when it ends
     (:meth:`end`, which queues it); the export thread builds the span (:meth:`build`)."""
 
-    __slots__ = ("attributes", "end_ns", "events", "method", "parent", "path", "route",
-                 "shared", "span_id", "start_ns", "status", "trace_id", "tracer")  # fmt: skip
+    __slots__ = ("answered", "attributes", "end_ns", "events", "method", "parent", "path",
+                 "route", "shared", "span_id", "start_ns", "status", "trace_id", "tracer")  # fmt: skip
     _phases = None  # none: it counts as one span in the batch
 
     def __init__(
@@ -77,6 +77,9 @@ class ServerCall(Deferred):
         self.events: tuple[Event, ...] = ()
         self.route: str | None = None
         self.status = 500
+        # How the request ended, where a stream's 200 had gone out first (a worker error or
+        # a deadline mid-stream is an error event in the body): 0 = as ``status`` says.
+        self.answered = 0
         self.end_ns = 0
 
     def failed(self, exc: BaseException) -> None:
@@ -106,7 +109,7 @@ class ServerCall(Deferred):
         if self.route:  # the route template, not the path: /v1/{group}/completions
             span.set_attribute("http.route", self.route)
         span.set_attribute("http.response.status_code", self.status)
-        if self.status >= 500:
+        if max(self.status, self.answered) >= 500:
             span.set_status(_ERROR)
         span._events = self.events
         span.close(self.end_ns)
@@ -318,11 +321,16 @@ def landed(
         t.OUTPUT_TOKENS: completion_tokens,
         t.FINISH_REASONS: t.finish_reasons(finish_reason or ("error" if status >= 400 else None)),
     }
+    if status >= 400:  # a stream that failed after its 200 went out says so here only
+        attributes["error.type"] = str(status)
     if isinstance(span, ServerCall):
         if not span.end_ns:  # not queued yet: the export thread may be building it
             span.attributes.update(attributes)
+            span.answered = status
     elif span.is_recording():
         span.set_attributes(attributes)
+        if status >= 500:
+            span.set_status(_ERROR)
 
 
 def forward_traceparent(request_headers: Any, headers: MutableMapping[str, str]) -> None:

@@ -449,3 +449,31 @@ async def test_a_request_that_came_without_a_trace_keeps_one_trace_across_its_de
     attempts = by_kind(spans, SpanKind.CONSUMER)
     assert sorted(s.attributes["qos.attempt"] for s in attempts) == [1, 2]
     assert len({s.context.trace_id for s in attempts}) == 1
+
+
+async def test_a_stream_that_fails_after_its_first_token_is_an_error_span(
+    config: Config, traced: Traced
+) -> None:
+    """A worker error mid-stream goes out as an error event after the 200: the metric
+    counted the 503, but the server span kept status UNSET and no error.type, so a search
+    for failed traces missed every streamed request that failed."""
+    import functools
+
+    from opentelemetry.trace import StatusCode
+
+    from tests.gateway.fake_worker import fail_with, running_worker
+
+    failing = functools.partial(fail_with, code="service_unavailable", after_tokens=2)
+    async with (
+        running_worker(config.nats, "short", behaviour=failing),
+        serve(config, tracer_provider=traced.provider) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=20) as http,
+    ):
+        await wait_live(http, "short")
+        events = await stream_completion(http, "/v1/short/completions", prompt="hi", max_tokens=8)
+    assert any('"error"' in e for e in events)  # the failure came inside the 200 stream
+    spans = await traced.wait_for(lambda s: len(by_kind(s, SpanKind.SERVER)) == 1)
+    (server,) = by_kind(spans, SpanKind.SERVER)
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.status.status_code == StatusCode.ERROR
+    assert server.attributes["error.type"] == "503"
