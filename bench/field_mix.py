@@ -61,7 +61,8 @@ def task_weights(mix: dict[str, int], turns: int) -> dict[str, int]:
 
 
 def parse_mix(text: str) -> dict[str, int]:
-    """``"long_doc=19,short=48"`` → weights; kinds not named keep their default weight."""
+    """``"long_doc=38,short=95"`` → weights (per 200 requests, as ``MIX``); kinds not named
+    keep their default weight."""
     mix = dict(MIX)
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")

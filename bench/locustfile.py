@@ -17,8 +17,8 @@ default; the demo model has a 2k context, so pass ``--long-tokens 1500`` (or
         --host http://127.0.0.1:8000 --csv=report -t 1h
 
 Options (flags or ``LOCUST_*`` variables): ``--long-tokens``, ``--max-tokens``,
-``--turns``, ``--mix long_doc=19,conversation=28,short=48,invalid=5``, ``--tokenizer``
-(a tokenizer folder to size documents exactly; default the demo model's), ``--seed``.
+``--turns``, ``--mix long_doc=38,conversation=57,short=95,invalid=10`` (weights per 200
+requests; kinds not named keep these), ``--tokenizer`` (a tokenizer folder to size documents exactly; default the demo model's), ``--seed``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def _options(parser: Any) -> None:
         "--mix",
         default="",
         env_var="LOCUST_MIX",
-        help="weights, e.g. long_doc=19,conversation=28,short=48,invalid=5",
+        help="weights per 200 requests, e.g. long_doc=38,conversation=57,short=95,invalid=10 "
+        "(kinds not named keep these)",
     )
     group.add_argument(
         "--tokenizer",
