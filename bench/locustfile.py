@@ -18,7 +18,8 @@ default; the demo model has a 2k context, so pass ``--long-tokens 1500`` (or
 
 Options (flags or ``LOCUST_*`` variables): ``--long-tokens``, ``--max-tokens``,
 ``--turns``, ``--mix long_doc=38,conversation=57,short=95,invalid=10`` (weights per 200
-requests; kinds not named keep these), ``--tokenizer`` (a tokenizer folder to size documents exactly; default the demo model's), ``--seed``.
+requests; kinds not named keep these), ``--tokenizer`` (a tokenizer folder to size
+documents exactly; default the demo model's), ``--seed``.
 """
 
 from __future__ import annotations
