@@ -12,7 +12,9 @@ first candidate that passes all of these takes it:
 Then the chosen group's own cap applies: at most ``max_pending`` requests in flight
 through this gateway, else **429** with ``Retry-After``. When no candidate passes, the
 request waits up to ``min(deadline, wait_s)`` (2 s) for a worker of any candidate to
-appear, holding a slot of ``g`` so waiters are bounded too; then **503** with
+appear, holding a waiter's slot of ``g`` (at most ``max_pending`` waiters, counted apart
+from admitted requests: counted with them, waiters for a dead fallback filled a half-open
+group and left its probes no room); then **503** with
 ``Retry-After``. A route that is not ``g`` records why (``no_worker``, ``breaker_open``,
 ``breaker_half_open``) for the response header and the fallback counter.
 """
@@ -54,7 +56,8 @@ class Admission:
         self._groups = config.groups
         self._view = view
         self._wait_s = wait_s
-        self._in_flight: dict[str, int] = dict.fromkeys(config.groups, 0)
+        self._in_flight: dict[str, int] = dict.fromkeys(config.groups, 0)  # admitted
+        self._waiting: dict[str, int] = dict.fromkeys(config.groups, 0)
         self._half_open_seen: dict[str, int] = dict.fromkeys(config.groups, 0)
         self._chains = {name: self._chain(name) for name in config.groups}
 
@@ -80,7 +83,8 @@ class Admission:
         return max(self.seq_limit(name) for name in names)
 
     def in_flight(self, group: str) -> int:
-        return self._in_flight.get(group, 0)
+        """Requests holding a slot of ``group``: admitted, or waiting for a route."""
+        return self._in_flight.get(group, 0) + self._waiting.get(group, 0)
 
     async def admit(
         self,
@@ -96,8 +100,8 @@ class Admission:
         turns: dict[str, bool] = {}
         route = self._pick(group, need_tokens, turns, allowed)
         if route is None:
-            try:  # a waiter holds a slot too: waiting is bounded by max_pending
-                self._take(group)
+            try:  # a waiter holds a slot of its own kind: waiting is bounded by max_pending
+                self._take(group, self._waiting)
             except RateLimitError:
                 usable = [c for c in self._chains[group] if allowed is None or c in allowed]
                 if any(
@@ -112,7 +116,7 @@ class Admission:
             try:
                 route = await self._wait_for_route(group, need_tokens, turns, allowed, time_left_s)
             finally:
-                self.release(group)
+                self._waiting[group] -= 1
             if route is None:
                 # A last look: only workers coming live wake the wait, and a breaker that
                 # closed (or a record gone stale) meanwhile would have lost its request.
@@ -143,7 +147,7 @@ class Admission:
             ]
             if not pending or not await self._view.wait_live(pending, left):
                 return None
-            route = self._pick(group, need_tokens, turns, allowed, holding=group)
+            route = self._pick(group, need_tokens, turns, allowed)
             if route is not None:
                 return route
         return None
@@ -157,14 +161,16 @@ class Admission:
     def release(self, group: str) -> None:
         self._in_flight[group] -= 1
 
-    def _take(self, group: str) -> None:
+    def _take(self, group: str, counts: dict[str, int] | None = None) -> None:
+        """A slot of ``group`` in ``counts`` (the admitted ones by default), or a 429."""
+        counts = self._in_flight if counts is None else counts
         limit = self._groups[group].max_pending
-        if self._in_flight[group] >= limit:
+        if counts[group] >= limit:
             raise RateLimitError(
                 f"instance group {group!r} is at its limit of {limit} pending requests",
                 retry_after_s=RETRY_AFTER_FULL_S,
             )
-        self._in_flight[group] += 1
+        counts[group] += 1
 
     def _pick(
         self,
@@ -172,10 +178,8 @@ class Admission:
         need_tokens: int,
         turns: dict[str, bool],
         allowed: Collection[str] | None = None,
-        holding: str | None = None,
     ) -> Route | None:
-        """The group to serve the request, or None. ``holding``: the group whose waiter
-        slot the request holds (not counted against it, or it would block its own probe)."""
+        """The group to serve the request, or None."""
         reason: str | None = None
         for candidate in self._chains[group]:
             if allowed is not None and candidate not in allowed:
@@ -195,8 +199,7 @@ class Admission:
             # Last: only a request the half-open group could serve spends one of its turns,
             # and not when the group is full (the probe would be a 429, not a probe).
             if state == "half_open":
-                held = 1 if candidate == holding else 0
-                if self._in_flight[candidate] - held >= self._groups[candidate].max_pending:
+                if self._in_flight[candidate] >= self._groups[candidate].max_pending:
                     reason = reason or "full"
                     continue
                 if candidate not in turns:

@@ -513,3 +513,19 @@ def test_a_record_of_an_earlier_scheduler_term_is_ignored() -> None:
     assert view.breaker("long") == "closed"
     view.on_breaker_entry("breaker.long", record("open", 20, 0), None)  # today's leader
     assert view.breaker("long") == "open"
+
+
+async def test_waiters_for_a_dead_fallback_leave_a_half_open_group_its_probes():
+    """Waiters held slots of their own group: requests not on a half-open group's turn,
+    waiting for a fallback with no worker, filled it, so it counted as full, spent no turn
+    and answered 429, and the breaker got no probe to close on."""
+    config = gateway_config(NatsConfig(), short__max_pending=2)
+    view = WorkersView(config.groups)
+    view.on_telemetry(_report("short"))  # long, its fallback: no worker
+    view.set_breaker("short", "half_open")  # share 0.25
+    admission = Admission(config, view, wait_s=0.3)
+    tasks = [asyncio.create_task(admission.admit("short", 10, 5.0)) for _ in range(8)]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    served = [r for r in results if not isinstance(r, BaseException)]
+    assert [r.group for r in served] == ["short", "short"]  # the 4th and the 8th
+    assert admission.in_flight("short") == 2  # the two admitted; the waiters let go
