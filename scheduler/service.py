@@ -184,21 +184,20 @@ class SchedulerService:
     # --- life cycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect, make sure the stream/consumers/bucket exist, load state, start the loops."""
-        self.nc = await qnats.connect(
-            self.config.nats, f"scheduler-{self.id}", service="scheduler",
-            on_closed=self._nats_closed,
-        )  # fmt: skip
-        self.js = self.nc.jetstream()
-        _, _, self.kv = await qnats.ensure_jetstream(self.js, self.config.nats, self.groups)
-        self._sub = await self.nc.subscribe(self.subjects.telemetry_wildcard, cb=self._on_telemetry)
-        await self._load_breakers()
-        await self._load_histories()
-        self.lease = Lease(self.kv, self.id, self.cfg.lease_ttl_s)
-        await self._refresh_lease()
+        """Connect, make sure the stream/consumers/bucket exist, load state, start the loops.
+
+        ``/livez`` (and ``/metrics``) answer first, as the worker's do: served only once
+        JetStream had answered (5 s a call while a NATS cluster elects its leader), the
+        probe port was closed and Kubernetes' liveness killed a start that would succeed."""
         self.metrics.serve(self.cfg.metrics_port, self.beat)
-        self._tasks = [
-            asyncio.create_task(self.beat.run(), name="sched-beat"),
+        self._tasks = [asyncio.create_task(self.beat.run(), name="sched-beat")]
+        try:
+            await self._connect_and_load()
+        except BaseException:
+            await self._cancel_tasks()
+            await self._close()
+            raise
+        self._tasks += [
             asyncio.create_task(
                 self._every(self.cfg.tick_interval_s, self.tick), name="sched-tick"
             ),
@@ -213,6 +212,19 @@ class SchedulerService:
             ),
         ]
         log.info("scheduler %s started (groups %s)", self.id, ", ".join(self.groups))
+
+    async def _connect_and_load(self) -> None:
+        self.nc = await qnats.connect(
+            self.config.nats, f"scheduler-{self.id}", service="scheduler",
+            on_closed=self._nats_closed,
+        )  # fmt: skip
+        self.js = self.nc.jetstream()
+        _, _, self.kv = await qnats.ensure_jetstream(self.js, self.config.nats, self.groups)
+        self._sub = await self.nc.subscribe(self.subjects.telemetry_wildcard, cb=self._on_telemetry)
+        await self._load_breakers()
+        await self._load_histories()
+        self.lease = Lease(self.kv, self.id, self.cfg.lease_ttl_s)
+        await self._refresh_lease()
 
     async def run(self) -> None:
         """Serve until :meth:`request_stop` (a signal), then stop."""

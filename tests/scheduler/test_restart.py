@@ -405,3 +405,41 @@ async def test_a_deposed_leaders_open_record_is_rewritten_closed_and_commands_ca
         )
         sent = Control.from_bytes((await controls.next_msg(timeout=2)).data)
         assert sent.fence == service.lease.fence
+
+
+async def test_livez_answers_while_the_scheduler_is_still_connecting(nats_config):
+    """/livez was served only once JetStream had answered: while a NATS cluster elected its
+    leader (5 s a call), the probe port stayed closed and Kubernetes' liveness killed a
+    start that would have succeeded. It answers first now, as the worker's does."""
+    import socket
+
+    from scheduler.service import SchedulerService
+
+    silent = socket.socket()  # accepts, never speaks: the client waits for NATS's INFO
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    port = free_port()
+    url = f"nats://127.0.0.1:{silent.getsockname()[1]}"
+    config = make_config(nats_config.model_copy(update={"url": url}), metrics_port=port)
+    service = SchedulerService(config, scheduler_id="slow-start")
+    starting = asyncio.create_task(service.start())
+    try:
+
+        def livez() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=2) as r:
+                return r.read().decode()
+
+        for _ in range(100):
+            with contextlib.suppress(OSError):
+                assert (await asyncio.to_thread(livez)).strip() == "ok"
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("/livez never answered while the scheduler connected")
+        assert not starting.done()  # still connecting
+    finally:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        silent.close()
+    with pytest.raises(OSError):  # the failed start let its port go
+        await asyncio.to_thread(livez)
