@@ -126,6 +126,10 @@ def test_the_gpu_override_gives_each_worker_container_a_gpu_of_its_own(
         assert "count" not in device and device["capabilities"] == ["gpu"], name
         assert len(device["device_ids"]) == 1, name
         gpus += device["device_ids"]
+        # Loading a real checkpoint takes minutes: the CPU demo's 60 s start period read
+        # every GPU worker as unhealthy meanwhile.
+        start = svc["healthcheck"]["start_period"]
+        assert start.endswith("s") and int(start[:-1]) >= 300, name
     assert groups == set(default_groups()), "a group without a GPU worker"
     assert len(gpus) == len(set(gpus)), f"two workers on one GPU: {gpus}"
     # As many containers per group as the CPU file runs, and the header's GPU count.
