@@ -94,6 +94,13 @@ def test_prometheus_collector_and_grafana_provisioning_configs_load() -> None:
     assert set(jobs) == {"qosserve-gateway", "qosserve-scheduler", "qosserve-workers"}
     assert all(job["metrics_path"] == "/metrics" for job in jobs.values())
     assert jobs["qosserve-workers"]["file_sd_configs"]
+    # A target label named like one the services export is renamed exported_<name> on the
+    # series (honor_labels off): qos_build_info's own "service" read as exported_service.
+    exported = {label for spec in vars(m).values() if isinstance(spec, m.Spec)
+                for label in spec.labels}  # fmt: skip
+    for job in jobs.values():
+        for target in job.get("static_configs", []):
+            assert not set(target.get("labels", {})) & exported, job["job_name"]
 
     collector = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text())
     assert set(collector["receivers"]["otlp"]["protocols"]) == {"grpc", "http"}
