@@ -32,6 +32,7 @@ from gateway.workers_view import WorkersView
 ADMISSION_WAIT_S = 2.0
 RETRY_AFTER_FULL_S = 1.0
 RETRY_AFTER_UNAVAILABLE_S = 2.0
+RETRY_AFTER_MAX_S = 60.0  # the openai client honours a Retry-After up to 60 s
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +156,18 @@ class Admission:
     def _unavailable(self, group: str) -> ServiceUnavailableError:
         return ServiceUnavailableError(
             f"no worker of instance group {group!r} (or its fallbacks) is available",
-            retry_after_s=RETRY_AFTER_UNAVAILABLE_S,
+            retry_after_s=self._retry_after_unavailable(group),
         )
+
+    def _retry_after_unavailable(self, group: str) -> float:
+        """2 s, or, when every group of the chain is shut by an open breaker that says when
+        it probes, until the first probes (at most a minute): the wait grows with each
+        re-open, and a fixed 2 s sent clients back into the same 503 up to 60 times."""
+        waits = [self._view.opens_for_s(c) for c in self._chains[group]]
+        known = [w for w in waits if w is not None]
+        if not known or len(known) < len(waits):
+            return RETRY_AFTER_UNAVAILABLE_S
+        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_UNAVAILABLE_S, min(known)))
 
     def release(self, group: str) -> None:
         self._in_flight[group] -= 1

@@ -109,6 +109,7 @@ class WorkersView:
         self._breaker_stale_s = breaker_stale_s
         self._breaker_at: dict[str, float] = {}  # group -> when its record was last written
         self._fences = FenceGuard()  # the scheduler's term, from its records' fences
+        self._probe_at_ms: dict[str, int] = {}  # group -> when its open breaker probes
         self._stale_logged: set[str] = set()
         self._waiters: list[tuple[Collection[str], asyncio.Future[None]]] = []
         self._sub: Subscription | None = None
@@ -160,6 +161,14 @@ class WorkersView:
                 self._breaker_stale_s,
             )
         return "closed"
+
+    def opens_for_s(self, group: str) -> float | None:
+        """How long ``group``'s open breaker stays open, by its record (None: not open, or
+        the record does not say)."""
+        probe_at_ms = self._probe_at_ms.get(group, 0)
+        if self.breaker(group) != "open" or not probe_at_ms:
+            return None
+        return max(0.0, probe_at_ms / 1000 - self._wall())
 
     def breakers(self) -> dict[str, BreakerState]:
         return {g: self.breaker(g) for g in self._groups}
@@ -243,6 +252,7 @@ class WorkersView:
             return
         if decided_ms:  # a replayed write is as old as its decision, whenever stored
             age_s = max(age_s, self._wall() - decided_ms / 1000)
+        self._probe_at_ms[group] = 0 if deleted else _record_int(value, "probe_at_ms")
         self.set_breaker(group, "closed" if deleted else decode_breaker(value), age_s)
 
     # -- NATS ------------------------------------------------------------------------------

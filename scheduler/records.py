@@ -63,6 +63,9 @@ class BreakerRecord:
     # The writing leader's fencing token (Control.fence): a gateway that has seen a record
     # of a later leader ignores this one (a deposed leader's write stored late).
     fence: int = 0
+    # An open breaker: when it turns half-open (wall ms; 0 otherwise), for the gateways'
+    # Retry-After (its wait grows with each re-open: a fixed 2 s sent clients back 60 times).
+    probe_at_ms: int = 0
 
     def to_bytes(self) -> bytes:
         return _dump(asdict(self))
@@ -84,6 +87,7 @@ class BreakerRecord:
                 scheduler=str(obj.get("scheduler", "")),
                 written_ms=int(obj.get("written_ms", 0)),
                 fence=int(obj.get("fence", 0)),
+                probe_at_ms=int(obj.get("probe_at_ms", 0)),
             )
         except (ValueError, TypeError, KeyError, AttributeError):
             return None

@@ -438,9 +438,11 @@ class SchedulerService:
         """The bucket's record of ``group``'s breaker in ``state`` since ``since`` (our clock)."""
         since_ms = int((self._wall() - (self._clock() - since)) * 1000)
         fallback = self.config.groups[group].fallback
+        wait_s = self.breakers[group].wait_s if state == "open" else None
         return BreakerRecord(
             state, since_ms, reason, fallback, self._cap_for(group, state), self.id,
             written_ms=int(self._wall() * 1000), fence=self._fence() or 0,
+            probe_at_ms=since_ms + int(wait_s * 1000) if wait_s is not None else 0,
         )  # fmt: skip
 
     async def _save_breakers(self) -> None:

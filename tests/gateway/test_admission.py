@@ -529,3 +529,31 @@ async def test_waiters_for_a_dead_fallback_leave_a_half_open_group_its_probes():
     served = [r for r in results if not isinstance(r, BaseException)]
     assert [r.group for r in served] == ["short", "short"]  # the 4th and the 8th
     assert admission.in_flight("short") == 2  # the two admitted; the waiters let go
+
+
+async def test_a_503_for_open_breakers_says_when_they_probe():
+    """Every 503 said Retry-After 2 s: with a group's breaker open for 10 s (doubling to
+    120 s on each re-open), clients came back into the same 503 over and over."""
+    import datetime
+
+    now = 1_000_000.0
+    config = gateway_config(NatsConfig())
+    view = WorkersView(config.groups, wall=lambda: now)
+    for group in config.groups:
+        view.on_telemetry(_report(group))
+
+    def record(probe_in_s: float) -> bytes:
+        return json.dumps({"state": "open", "written_ms": int(now * 1000),
+                           "probe_at_ms": int((now + probe_in_s) * 1000)}).encode()  # fmt: skip
+
+    stored = datetime.datetime.fromtimestamp(now, datetime.UTC)
+    view.on_breaker_entry("breaker.short", record(30), None, stored)
+    view.on_breaker_entry("breaker.long", record(45), None, stored)
+    admission = Admission(config, view, wait_s=0.2)
+    with pytest.raises(ServiceUnavailableError) as refused:
+        await admission.admit("short", 10, 5.0)
+    assert refused.value.headers()["Retry-After"] == "30"  # short's chain probes first in 30 s
+    view.on_breaker_entry("breaker.long", record(600), None, stored)
+    with pytest.raises(ServiceUnavailableError) as capped:
+        await admission.admit("long", 10, 5.0)
+    assert capped.value.headers()["Retry-After"] == "60"  # the most the openai client waits

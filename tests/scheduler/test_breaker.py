@@ -296,3 +296,19 @@ def test_the_wait_goes_back_to_wait_open_s_after_a_long_healthy_spell_and_is_cap
     feed(b, [FAST] * 3, start=1)
     assert [t.target for t in feed(b, [SLOW] * 5, start=500)] == ["open"]
     assert b.wait_s == 10  # closed for minutes: a new incident
+
+
+def test_an_open_breakers_record_says_when_it_probes():
+    """Gateways answered every 503 of an open group with Retry-After 2 s, whatever its wait
+    (10 s, doubling to 120 s): clients came back into the same 503 up to 60 times."""
+    from common.config import Config
+    from scheduler.service import SchedulerService
+
+    now = [1000.0]
+    service = SchedulerService(Config(), scheduler_id="records", clock=lambda: now[0])
+    breaker = service.breakers["short"]
+    breaker.restore("open", now[0] - 4.0, "an incident")
+    breaker.reopens = 1  # a re-open: 20 s
+    record = service._record("short", "open", breaker.since, breaker.reason)
+    assert record.probe_at_ms - record.since_ms == 20_000
+    assert service._record("short", "closed", breaker.since, "").probe_at_ms == 0
