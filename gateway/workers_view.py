@@ -54,18 +54,23 @@ FORGET_AFTER_WINDOWS = 20
 BREAKER_STALE_S = 30.0
 
 
-def decided_at_ms(value: bytes | None) -> int:
-    """When the scheduler decided a ``breaker.<group>`` record (wall ms); 0 if unsaid."""
-    return _record_int(value, "written_ms")
-
-
-def _record_int(value: bytes | None, name: str) -> int:
-    """An integer field of a ``breaker.<group>`` record; 0 if unsaid or unreadable."""
+def record_ints(value: bytes | None, *names: str) -> tuple[int, ...]:
+    """Integer fields of a ``breaker.<group>`` record, the JSON parsed once (``written_ms``:
+    when the scheduler decided it; ``fence``: its term; ``probe_at_ms``: when an open
+    breaker probes); 0 for each unsaid or unreadable."""
     try:
         obj: Any = json.loads(value or b"")
-        return int(obj.get(name, 0)) if isinstance(obj, dict) else 0
-    except (ValueError, TypeError):
-        return 0
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        return (0,) * len(names)
+    out = []
+    for name in names:
+        try:
+            out.append(int(obj.get(name, 0)))
+        except (ValueError, TypeError):
+            out.append(0)
+    return tuple(out)
 
 
 def decode_breaker(value: bytes | None) -> BreakerState:
@@ -244,15 +249,16 @@ class WorkersView:
         group = key[len(BREAKER_KEY_PREFIX) :]
         age_s = 0.0 if written is None else self._wall() - written.timestamp()
         deleted = operation in ("DEL", "PURGE")
-        decided_ms = 0 if deleted else decided_at_ms(value)
-        fence = 0 if deleted else _record_int(value, "fence")
+        decided_ms, fence, probe_at_ms = (
+            (0, 0, 0) if deleted else record_ints(value, "written_ms", "fence", "probe_at_ms")
+        )
         if fence and self._fences.stale(fence, decided_ms):
             # A deposed leader's write, stored late: today's leader rewrites it shortly.
             log.warning("breaker %s: a record of an earlier scheduler term ignored", group)
             return
         if decided_ms:  # a replayed write is as old as its decision, whenever stored
             age_s = max(age_s, self._wall() - decided_ms / 1000)
-        self._probe_at_ms[group] = 0 if deleted else _record_int(value, "probe_at_ms")
+        self._probe_at_ms[group] = probe_at_ms
         self.set_breaker(group, "closed" if deleted else decode_breaker(value), age_s)
 
     # -- NATS ------------------------------------------------------------------------------

@@ -15,14 +15,14 @@ an autoscaler) and, for a fixed fleet, at most one :class:`Move` of an idle repl
 - the group's minimum; and at most ``max_replicas``.
 
 **A move** takes an idle replica (serving, nothing running or waiting) from a *source* —
-no backlog (its queue depth known), closed breaker, more replicas than both its minimum and its desired count and
-never its last one, the most SLO headroom (lowest p99 / SLO) — to the *destination* with
-the most backlog per batch slot (``backlog / max_batch``) among groups with a backlog that
-want more replicas, then to a group that fell below its minimum (its last replica died). The replica
-must hold the sequences the destination serves now
-(``GroupView.seq_need``): a worker whose KV cache holds 32k tokens moved into a group whose
-replicas serve 128k would cut the group's limit (the gateway limits a group to what its
-live workers serve) and fail the long requests already queued.
+no backlog (its queue depth known), closed breaker, more replicas than both its minimum
+and its desired count and never its last one, the most SLO headroom (lowest p99 / SLO) —
+to the *destination* with the most backlog per batch slot (``backlog / max_batch``) among
+groups with a backlog that want more replicas, then to a group that fell below its
+minimum (its last replica died). The replica must hold the sequences the destination
+serves now (``GroupView.seq_need``): a worker whose KV cache holds 32k tokens moved into a
+group whose replicas serve 128k would cut the group's limit (the gateway limits a group to
+what its live workers serve) and fail the long requests already queued.
 Hysteresis: the same (source, destination) pair must win ``move_after_ticks`` calls in a
 row, so input that flaps between groups never moves anything; after a move, neither group
 gives up a replica and the moved worker does not move again for ``cooldown_s`` (unless
