@@ -641,6 +641,17 @@ class GatewayConfig(_Strict):
             "must be in api_key_sha256."
         ),
     )
+    # Per key (its digest): the most urgent priority its requests may ask for (lower is
+    # served first, and a running request of a less urgent one is the preemption victim).
+    # A key not listed may ask for any.
+    api_key_min_priority: dict[str, int] = Field(
+        default_factory=dict,
+        description=(
+            "Per key digest: the most urgent (lowest) priority that key's requests may ask for; "
+            "one asking for less gets 403 priority_not_allowed. Keys not listed may ask for any "
+            "priority; each digest must be in api_key_sha256."
+        ),
+    )
     # Per API key: sustained requests/s and burst (a token bucket each); 0 = unlimited.
     # A key over its rate gets 429 rate_limit_exceeded with Retry-After.
     api_key_rate_limit_rps: float = Field(
@@ -1178,6 +1189,11 @@ class Config(_Strict):
                 raise ValueError(
                     f"gateway.api_key_groups.{digest[:12]}…: "
                     + (f"unknown groups {unknown}" if unknown else "names no group")
+                )
+        for digest in self.gateway.api_key_min_priority:
+            if digest.strip().lower() not in known:
+                raise ValueError(
+                    f"gateway.api_key_min_priority: {digest[:12]}… is not in gateway.api_key_sha256"
                 )
         return self
 

@@ -147,6 +147,7 @@ def create_app(
             rate_per_s=config.gateway.api_key_rate_limit_rps,
             burst=config.gateway.api_key_rate_limit_burst,
             groups=config.gateway.api_key_groups,
+            min_priority=config.gateway.api_key_min_priority,
             isolate_cache=config.gateway.cache_isolation == "api_key",
         ),
         metrics=GatewayMetrics(registry),

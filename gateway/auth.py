@@ -15,6 +15,11 @@ costs anything else. Limits are per gateway process.
 returns them, and classification and admission keep its requests inside them (403
 ``permission_denied`` for a group it names and may not use).
 
+``gateway.api_key_min_priority`` bounds how urgent a key's requests may say they are
+(:meth:`KeyGrant.check_priority`: 403 ``priority_not_allowed`` beyond it): a key asking for
+the most urgent priority was served before every other tenant's requests in its group and
+made their running ones the preemption victims.
+
 ``gateway.cache_isolation: api_key`` gives each key a prefix-cache namespace of its own
 (:attr:`KeyGrant.cache_namespace`, derived from its digest): one team's requests then never
 reuse, and so can never time, the KV blocks of another's prompts.
@@ -30,18 +35,30 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from common.errors import AuthenticationError, RateLimitError
+from common.errors import AuthenticationError, PermissionDeniedError, RateLimitError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class KeyGrant:
-    """What an accepted request's key may do: the groups it may use (None: every group) and
-    its prefix-cache namespace ("": the cache everyone shares)."""
+    """What an accepted request's key may do: the groups it may use (None: every group), its
+    prefix-cache namespace ("": the cache everyone shares) and the most urgent priority it
+    may ask for."""
 
     groups: frozenset[str] | None = None
     cache_namespace: str = ""
+    min_priority: int | None = None  # the most urgent priority it may ask for; None: any
+
+    def check_priority(self, priority: int) -> None:
+        """403 ``priority_not_allowed`` for a priority more urgent than the key's floor."""
+        if self.min_priority is not None and priority < self.min_priority:
+            raise PermissionDeniedError(
+                f"this API key may not ask for priority {priority} (lower is more urgent; "
+                f"the most urgent it may ask for is {self.min_priority})",
+                code="priority_not_allowed",
+                param="priority",
+            )
 
 
 OPEN_GRANT = KeyGrant()
@@ -91,6 +108,7 @@ class ApiKeys:
         rate_per_s: float = 0.0,
         burst: int = 0,
         groups: Mapping[str, Iterable[str]] | None = None,
+        min_priority: Mapping[str, int] | None = None,
         isolate_cache: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -105,8 +123,9 @@ class ApiKeys:
         by_digest = {
             bytes.fromhex(d.strip().lower()): frozenset(g) for d, g in (groups or {}).items()
         }
+        floors = {bytes.fromhex(d.strip().lower()): p for d, p in (min_priority or {}).items()}
         self._grants = [
-            KeyGrant(by_digest.get(d), cache_namespace(d) if isolate_cache else "")
+            KeyGrant(by_digest.get(d), cache_namespace(d) if isolate_cache else "", floors.get(d))
             for d in self._digests
         ]
         self._buckets: list[TokenBucket] | None = None
@@ -124,10 +143,12 @@ class ApiKeys:
                 "no API keys configured (gateway.api_key_sha256): the gateway accepts every request"
             )
 
-    def check(self, authorization: str | None) -> KeyGrant:
+    def check(self, authorization: str | None, *, rate_limited: bool = True) -> KeyGrant:
         """Accept the request and return what its key may do, or raise
         :class:`AuthenticationError` (401) or, for a key over its rate,
-        :class:`RateLimitError` (429)."""
+        :class:`RateLimitError` (429). ``rate_limited=False``: a cheap read (the model
+        list) that takes nothing from the key's bucket: UIs and uptime checks that poll it
+        spent the budget of the key's generations."""
         if self.open:
             return OPEN_GRANT
         if not authorization:
@@ -145,7 +166,7 @@ class ApiKeys:
                 matched = i
         if matched < 0:
             raise AuthenticationError("incorrect API key provided")
-        if self._buckets is not None:
+        if self._buckets is not None and rate_limited:
             wait_s = self._buckets[matched].take()
             if wait_s > 0:
                 raise RateLimitError(

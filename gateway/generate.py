@@ -173,6 +173,7 @@ class Generator:
             )
             body.check_fields()
             self.check_model(body.model)
+            grant.check_priority(body.priority or 0)
             logprobs = body.top_logprobs_count()
             prompt_ids, prompt_param = await self.prompt_ids(
                 body, big=len(raw) > INLINE_TOKENIZE_CHARS

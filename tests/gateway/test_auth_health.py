@@ -283,6 +283,46 @@ async def test_a_key_bound_to_a_group_gets_403_for_another_and_is_served_in_its_
     assert open_models.data[0].max_model_len == longest  # type: ignore[attr-defined]
 
 
+async def test_a_key_with_a_priority_floor_gets_403_for_a_more_urgent_priority(
+    nats_config: NatsConfig,
+):
+    """gateway.api_key_min_priority: a tenant's key may not put its requests ahead of every
+    other tenant's (and make their running requests the preemption victims); a key not
+    listed still may."""
+    team = "sk-team-0123456789"
+    config = gateway_config(
+        nats_config,
+        api_key_sha256=[key_digest(KEY), key_digest(team)],
+        api_key_min_priority={key_digest(team): 0},
+    )
+    async with serve(config) as gw, running_worker(nats_config, "short") as worker:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=team, max_retries=0)
+        allowed = await client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=3, extra_body={"priority": 5}
+        )
+        with pytest.raises(openai.PermissionDeniedError) as refused:
+            await client.completions.create(
+                model=MODEL, prompt="hi", max_tokens=3, extra_body={"priority": -1}
+            )
+        trusted = openai.AsyncOpenAI(base_url=gw.base_url, api_key=KEY, max_retries=0)
+        await trusted.completions.create(
+            model=MODEL, prompt="hi", max_tokens=3, extra_body={"priority": -1}
+        )
+    assert allowed.choices[0].text == "abc"
+    assert refused.value.body["code"] == "priority_not_allowed"  # type: ignore[index]
+    assert refused.value.body["param"] == "priority"  # type: ignore[index]
+    # The refused one never reached a worker.
+    assert [job.request.priority for job in worker.jobs] == [5, -1]
+
+
+def test_api_key_min_priority_must_name_configured_keys():
+    from common.config import Config, GatewayConfig
+
+    digest = key_digest("sk-team-0123456789")
+    with pytest.raises(ValueError, match="api_key_min_priority"):
+        Config(gateway=GatewayConfig(api_key_min_priority={digest: 0}))
+
+
 def test_api_key_groups_must_name_configured_keys_and_groups():
     from common.config import Config, GatewayConfig
 

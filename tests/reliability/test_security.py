@@ -97,14 +97,22 @@ async def test_each_api_key_over_its_rate_gets_429_with_retry_after_and_others_a
         api_key_rate_limit_burst=2,
     )
     mine = {"Authorization": f"Bearer {KEY}"}
+    hi = {"prompt": "hi"}
     async with httpx.AsyncClient(base_url=stack.url, timeout=10) as http:
-        burst = [(await http.get("/v1/models", headers=mine)).status_code for _ in range(2)]
-        over = await http.get("/v1/models", headers=mine)
-        other = await http.get("/v1/models", headers={"Authorization": f"Bearer {OTHER_KEY}"})
+        listed = (await http.get("/v1/models", headers=mine)).status_code
+        burst = [(await http.post("/tokenize", json=hi, headers=mine)).status_code for _ in "ab"]
+        over = await http.post("/tokenize", json=hi, headers=mine)
+        other = await http.post(
+            "/tokenize", json=hi, headers={"Authorization": f"Bearer {OTHER_KEY}"}
+        )
         also_over = await http.post(
             f"{stack.base_url}/completions", json=body(stack.model, 1), headers=mine
         )
+        # Listing the models takes nothing from the bucket: a UI polling it does not spend
+        # the key's generations (the list above did not, or the burst would have failed).
+        listed_over = (await http.get("/v1/models", headers=mine)).status_code
         unknown = await http.get("/v1/models", headers={"Authorization": "Bearer sk-unknown"})
+    assert listed == listed_over == 200
     assert burst == [200, 200]
     assert over.status_code == 429 and also_over.status_code == 429
     assert over.json()["error"]["code"] == "rate_limit_exceeded"
