@@ -74,7 +74,10 @@ class IncrementalDetokenizer:
                 text = self._tokenizer.decode(tokens[start:end], skip_special_tokens=self._skip)
                 if not text.startswith(_REPLACEMENT) and not text.endswith(_REPLACEMENT):
                     return start, end, tokens
-        return max(0, len(tokens) - _CONTEXT_TOKENS), len(tokens), tokens  # invalid bytes
+        # Every window starts or ends in invalid bytes (a token prompt ending in a stray
+        # byte): no context. Decoded with the output, the stray byte's run took the
+        # output's first character into U+FFFD.
+        return len(tokens), len(tokens), tokens
 
     def _ends_unfinished(self, tokens: Sequence[int]) -> bool:
         """Whether the bytes of ``tokens`` end inside a character (False when the

@@ -343,6 +343,22 @@ def test_a_byte_fallback_prompt_cut_inside_a_character_corrupts_no_output(
         assert sent + rest == " 你好 😀", k
 
 
+def test_a_byte_fallback_prompt_ending_in_a_stray_byte_leaves_the_output_whole(
+    tmp_path: Path,
+) -> None:
+    """A token prompt ending in an invalid byte: decoded as context with the output, its
+    byte run took the output's first character with it into U+FFFD."""
+    tok = _byte_fallback_tokenizer(tmp_path / "bf")
+
+    def byte_ids(data: bytes) -> list[int]:
+        return [tok.token_to_id(f"<0x{b:02X}>") for b in data]  # type: ignore[misc]
+
+    out = byte_ids("é ok".encode())
+    for prompt in (byte_ids(b"Tell me\x80"), byte_ids(b"\x80")):
+        detok = IncrementalDetokenizer(tok, prompt)
+        assert "".join(stream(detok, out)) + detok.flush() == tok.decode(out) == "é ok"
+
+
 def test_before_min_tokens_a_stop_prefix_is_still_held_and_only_later_ends_count() -> None:
     """Unmatched text (a request short of its min_tokens) keeps a tail that may begin a stop
     string: one that starts there and ends in matched text stops the output, as vLLM finds

@@ -52,10 +52,6 @@ class SamplingParams:
         self.validate()
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0
