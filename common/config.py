@@ -677,6 +677,38 @@ class GatewayConfig(_Strict):
             "Largest HTTP request body the gateway accepts, in bytes; a larger one is refused (413)."
         ),
     )
+    max_header_bytes: int = Field(
+        32 * 1024,
+        ge=1024,
+        description=(
+            "Largest HTTP request head (request line and headers) the gateway reads, in bytes; "
+            "a larger one gets 431 and the connection is closed, before the API key is checked."
+        ),
+    )
+    header_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "Seconds a connection may take to send a request's headers (from its opening, or "
+            "from its previous response's end); past it, 408 and the connection is closed."
+        ),
+    )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "Seconds a request's body may take to arrive (at most the request's deadline); past "
+            "it, 408. Bounds clients that trickle a body to hold a handler."
+        ),
+    )
+    max_connections: int = Field(
+        4096,
+        ge=1,
+        description=(
+            "Open HTTP connections (streams included) one gateway process serves at once; a "
+            "request arriving beyond it gets 503. Raise with the process's file limit."
+        ),
+    )
     default_deadline_ms: int = Field(
         120_000,
         ge=100,

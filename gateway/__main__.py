@@ -72,10 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qosserve-gateway: {exc}", file=sys.stderr)
         return 1
 
-    import uvicorn
-
     from gateway.app import create_app
-    from gateway.server import GatewayServer
+    from gateway.server import GatewayServer, uvicorn_config
 
     if args.served_model_name:
         config.gateway.served_model_name = args.served_model_name
@@ -83,18 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         config.gateway.served_model_name = served_name(spec)
     app = create_app(config, tokenizer, model=model)
     runtime.settle_heap()  # tokenizer, app and schemas stay; uvicorn brings uvloop
-    server_config = uvicorn.Config(
-        app,
-        host=config.gateway.host,
-        port=config.gateway.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=config.log.level,
-        log_config=None,  # our handlers (common.logging), not uvicorn's
-        access_log=False,  # ours (gateway.observe) has the group and request id
-        timeout_graceful_shutdown=max(1, round(config.gateway.shutdown_grace_s)),
-    )
-    server = GatewayServer(server_config, app.state.gateway.dispatch)
+    server = GatewayServer(uvicorn_config(app, config), app.state.gateway.dispatch)
     server.run()
     return server.exit_code
 

@@ -290,17 +290,20 @@ class Generator:
 
     # -- before NATS -----------------------------------------------------------------------
 
-    async def read_body(self, request: Request, within_s: float | None = None) -> bytes:
-        """The request's body, within ``max_body_bytes`` and ``within_s`` (default: the
-        default deadline): a client trickling its body, or sending none, held a handler
-        and up to the body limit for as long as it liked (uvicorn bounds no body read)."""
-        limit = self._config.gateway.max_body_bytes
+    async def read_body(self, request: Request, deadline_s: float | None = None) -> bytes:
+        """The request's body, within ``max_body_bytes`` and ``body_timeout_s`` (or the
+        request's deadline, ``deadline_s``, if sooner): a client trickling its body, or
+        sending none, held a handler and up to the body limit for as long as it liked
+        (uvicorn bounds no body read; a deadline alone let it be 24 h)."""
+        gateway = self._config.gateway
+        limit = gateway.max_body_bytes
         too_large = f"request body over the {limit}-byte limit (gateway.max_body_bytes)"
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise PayloadTooLargeError(too_large)
-        if within_s is None:
-            within_s = self._config.gateway.default_deadline_ms / 1000
+        within_s, bound = gateway.body_timeout_s, "gateway.body_timeout_s"
+        if deadline_s is not None and deadline_s < within_s:
+            within_s, bound = deadline_s, "the request's deadline"
         parts, size = [], 0
         try:
             async with asyncio.timeout(within_s):
@@ -313,7 +316,7 @@ class Generator:
             raise ClientGone from None
         except TimeoutError:
             raise RequestTimeoutError(
-                f"the request body did not arrive within {within_s:g} s (the request's deadline)"
+                f"the request body did not arrive within {within_s:g} s ({bound})"
             ) from None
         return b"".join(parts)
 

@@ -15,15 +15,37 @@ import asyncio
 import logging
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
+from common.config import Config
 from common.errors import ServiceUnavailableError
+from gateway.http_protocol import bounded_head_protocol
 from gateway.streams import Dispatcher
 
 log = logging.getLogger(__name__)
 
 CUT_MARGIN_S = 1.0  # for the error to be written and the handlers to finish
+
+
+def uvicorn_config(app: Any, config: Config, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's settings for the gateway: requests' heads bounded in size and time
+    (:mod:`gateway.http_protocol`), open connections capped (uvicorn answers 503 past
+    ``gateway.max_connections``), our logging, the graceful period of ``shutdown_grace_s``."""
+    gateway = config.gateway
+    settings: dict[str, Any] = {
+        "host": gateway.host,
+        "port": gateway.port,
+        "loop": "uvloop",
+        "http": bounded_head_protocol(gateway.max_header_bytes, gateway.header_timeout_s),
+        "limit_concurrency": gateway.max_connections,
+        "log_level": config.log.level,
+        "log_config": None,  # our handlers (common.logging), not uvicorn's
+        "access_log": False,  # ours (gateway.observe) has the group and request id
+        "timeout_graceful_shutdown": max(1, round(gateway.shutdown_grace_s)),
+    }
+    return uvicorn.Config(app, **(settings | overrides))
 
 
 class GatewayServer(uvicorn.Server):

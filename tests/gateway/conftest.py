@@ -17,6 +17,7 @@ from common.config import Config, GatewayConfig, NatsConfig, default_groups
 from common.services import free_port
 from common.tokenizer import BaseTokenizer, ByteTokenizer
 from gateway.app import create_app
+from gateway.server import uvicorn_config
 
 MODEL = "dummy:tiny"
 
@@ -62,7 +63,7 @@ async def serve(
     app = create_app(config, tokenizer or ByteTokenizer(), **app_kwargs)
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn_config(app, config, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + 30

@@ -1,0 +1,139 @@
+"""uvicorn's httptools protocol with bounds on a request's head: its size and the time it
+takes to arrive.
+
+uvicorn bounds neither, and the API-key check runs in the app, only once the head is
+complete: anyone who could reach the port could trickle header bytes for ever (a
+connection, a file descriptor and a buffer each: slowloris) or send megabytes of headers
+(httptools rebuilds a long header value by concatenation, so its cost grows with the
+square of its length). Here a head over ``max_head_bytes`` gets a 431 and a head not
+complete ``head_timeout_s`` after the connection opened, or after its previous response
+ended, gets a 408; both close the connection, both in OpenAI's error shape. A connection
+busy with a response (a long stream) is never timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_HEAD_BYTES = 32 * 1024
+DEFAULT_HEAD_TIMEOUT_S = 30.0
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class BoundedHeadProtocol(HttpToolsProtocol):
+    """:class:`HttpToolsProtocol` that refuses a request head too large or too slow."""
+
+    max_head_bytes: ClassVar[int] = DEFAULT_MAX_HEAD_BYTES
+    head_timeout_s: ClassVar[float] = DEFAULT_HEAD_TIMEOUT_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reading_head = True  # the bytes arriving belong to a request's head
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    # -- the head's time ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def on_headers_complete(self) -> None:
+        self._reading_head = False
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # What arrives next is the next request's head (timed once this response ends).
+        self._reading_head = True
+        self._head_bytes = 0
+
+    def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)  # its head is in already: the next response starts
+        super().on_response_complete()
+        if not pipelined and not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._reading_head:
+            return
+        self._refuse(
+            408,
+            "request_timeout",
+            f"the request's headers did not arrive within {self.head_timeout_s:g} s "
+            "(gateway.header_timeout_s)",
+        )
+
+    # -- the head's size ------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._reading_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        # Judged after parsing: the chunk that completes a head may carry body bytes too.
+        if (
+            self._reading_head
+            and self._head_bytes > self.max_head_bytes
+            and not self.transport.is_closing()
+        ):
+            self._refuse(
+                431,
+                "request_header_fields_too_large",
+                f"the request's headers exceed {self.max_head_bytes} bytes "
+                "(gateway.max_header_bytes)",
+            )
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        """Answer ``status`` in OpenAI's error shape and close the connection."""
+        self._reading_head = False
+        self._cancel_head_timer()
+        log.warning("refused a request from %s: %s", _peer(self.client), message)
+        body = json.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                       "code": code}}
+        ).encode()  # fmt: skip
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])
+            + b"content-type: application/json\r\n"
+            + b"content-length: %d\r\n" % len(body)
+            + b"connection: close\r\n\r\n"
+            + body
+        )
+        self.transport.close()
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "an unknown peer"
+
+
+def bounded_head_protocol(max_head_bytes: int, head_timeout_s: float) -> type[HttpToolsProtocol]:
+    """A :class:`BoundedHeadProtocol` with these bounds, for ``uvicorn.Config(http=...)``
+    (uvicorn builds the protocol itself, one per connection)."""
+    return type(
+        "BoundedHeadProtocol",
+        (BoundedHeadProtocol,),
+        {"max_head_bytes": max_head_bytes, "head_timeout_s": head_timeout_s},
+    )

@@ -1,0 +1,153 @@
+"""The HTTP server's own bounds, before any route runs: a request head too large or too slow,
+a body too slow, too many connections (``gateway/http_protocol.py``, ``uvicorn_config``)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from common.config import NatsConfig
+from tests.gateway.conftest import MODEL, gateway_config, serve
+from tests.gateway.fake_worker import echo_alphabet, running_worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, Any]]:
+    """The status line and the JSON body of one response (``content-length`` framed)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length")
+    )
+    body = await asyncio.wait_for(reader.readexactly(length), 10)
+    return head.split(b"\r\n", 1)[0], json.loads(body)
+
+
+async def _closed(reader: asyncio.StreamReader) -> bool:
+    return await asyncio.wait_for(reader.read(), 10) == b""
+
+
+async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    parsed = httpx.URL(url)
+    assert parsed.host and parsed.port
+    return await asyncio.open_connection(parsed.host, parsed.port)
+
+
+async def test_a_request_head_over_the_limit_gets_431_before_the_key_is_checked(
+    nats_config: NatsConfig,
+) -> None:
+    """Megabytes of headers were read (httptools rebuilds a long value by concatenation)
+    before the API key was checked; one huge header or many small ones are both refused."""
+    config = gateway_config(nats_config, max_header_bytes=2048, api_key_sha256=["0" * 64])
+    async with serve(config) as gw:
+        for headers in (b"X-Big: " + b"a" * 4096 + b"\r\n", b"X-A: b\r\n" * 600):
+            reader, writer = await _connect(gw.url)
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + headers)  # no end yet
+            await writer.drain()
+            status, body = await _answer(reader)
+            assert status == b"HTTP/1.1 431 Request Header Fields Too Large"
+            assert body["error"]["code"] == "request_header_fields_too_large"
+            assert "gateway.max_header_bytes" in body["error"]["message"]
+            assert await _closed(reader)
+            writer.close()
+        # A head within the limit is served as before (here: 401, no key sent).
+        async with httpx.AsyncClient(base_url=gw.url) as http:
+            assert (await http.get("/v1/models", headers={"X-Small": "a" * 512})).status_code == 401
+
+
+async def test_a_large_body_under_its_own_limit_is_not_taken_for_a_large_head(
+    nats_config: NatsConfig,
+) -> None:
+    """The chunk that completes a head may carry the body too: only the head is bounded."""
+    config = gateway_config(nats_config, max_header_bytes=2048)
+    async with serve(config) as gw, httpx.AsyncClient(base_url=gw.base_url) as http:
+        reply = await http.post(
+            "/completions", json={"model": MODEL, "prompt": "a" * 30_000, "max_tokens": 1}
+        )
+    assert reply.status_code == 400  # too many tokens for every group, not 431
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_a_head_that_trickles_past_the_timeout_gets_408_and_is_closed(
+    nats_config: NatsConfig,
+) -> None:
+    """Slowloris: a client sending a header byte now and then held its connection (and the
+    file descriptor) for ever; nothing in uvicorn timed a request's head."""
+    config = gateway_config(nats_config, header_timeout_s=0.5)
+    async with serve(config) as gw:
+        reader, writer = await _connect(gw.url)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(3):  # bytes keep coming, the head never ends
+            await asyncio.sleep(0.2)
+            writer.write(b"X: y\r\n")
+        status, body = await _answer(reader)
+        assert status == b"HTTP/1.1 408 Request Timeout"
+        assert body["error"]["code"] == "request_timeout"
+        assert "gateway.header_timeout_s" in body["error"]["message"]
+        assert await _closed(reader)
+        writer.close()
+
+        # Timed again on a kept-alive connection, once its response has ended.
+        reader, writer = await _connect(gw.url)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _ = await _answer(reader)
+        assert status.startswith(b"HTTP/1.1 ")  # its own answer, whatever health says
+        writer.write(b"GET /v1/models HTTP/1.1\r\n")  # the next head, never finished
+        status, _ = await _answer(reader)
+        assert status == b"HTTP/1.1 408 Request Timeout"
+        writer.close()
+
+
+async def test_a_long_stream_is_not_cut_by_the_head_timeout(nats_config: NatsConfig) -> None:
+    """The head timer stops when the head is complete and restarts only after the response:
+    a stream running past it (the client sending nothing meanwhile) runs to its end."""
+    config = gateway_config(nats_config, header_timeout_s=0.3)
+    slow = functools.partial(echo_alphabet, chunk_size=1, delay_s=0.05)  # 26 letters, ~1.3 s
+    async with (
+        serve(config) as gw,
+        running_worker(nats_config, "short", behaviour=slow),
+        httpx.AsyncClient(base_url=gw.base_url, timeout=10) as http,
+        http.stream(
+            "POST",
+            "/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 26, "stream": True},
+        ) as response,  # fmt: skip
+    ):
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    assert lines[-1] == "data: [DONE]" and text == "abcdefghijklmnopqrstuvwxyz"
+
+
+async def test_a_body_is_bounded_by_the_body_timeout_under_a_long_deadline(
+    nats_config: NatsConfig,
+) -> None:
+    """The body's read was bounded by the request's deadline alone, which a client sets up
+    to 24 h: a trickled body held a handler and its buffer that long."""
+    config = gateway_config(nats_config, body_timeout_s=0.3)
+    async with serve(config) as gw:
+        reader, writer = await _connect(gw.url)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nX-QoS-Deadline-Ms: 86400000\r\nContent-Length: 100\r\n\r\n{\"model\"")  # fmt: skip
+        status, body = await _answer(reader)
+        writer.close()
+    assert status == b"HTTP/1.1 408 Request Timeout"
+    assert "gateway.body_timeout_s" in body["error"]["message"]
+
+
+async def test_connections_past_the_cap_get_503(nats_config: NatsConfig) -> None:
+    config = gateway_config(nats_config, max_connections=2)
+    async with serve(config) as gw:
+        held = [await _connect(gw.url) for _ in range(2)]
+        await asyncio.sleep(0.1)  # both accepted by the server
+        async with httpx.AsyncClient(base_url=gw.url) as http:
+            refused = await http.get("/v1/models")
+        for _, writer in held:
+            writer.close()
+    assert refused.status_code == 503
