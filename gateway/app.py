@@ -381,13 +381,13 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     @app.head("/v1/models", include_in_schema=False)  # uptime checkers probe with HEAD
     @app.head("/v1/{group}/models", include_in_schema=False)
     async def models(request: Request, group: str | None = None) -> dict[str, Any]:
-        grant = state.keys.check(request.headers.get("authorization"))
+        grant = state.keys.check(request.headers.get("authorization"), rate_limited=False)
         return {"object": "list", "data": [model_card(group, grant.groups)]}
 
     @app.get("/v1/models/{model_id:path}")  # client.models.retrieve; ids may hold a "/"
     @app.get("/v1/{group}/models/{model_id:path}")  # the same, under a group's base_url
     async def model(request: Request, model_id: str, group: str | None = None) -> dict[str, Any]:
-        grant = state.keys.check(request.headers.get("authorization"))
+        grant = state.keys.check(request.headers.get("authorization"), rate_limited=False)
         if model_id not in (state.served_model, *state.aliases):
             raise ModelNotFoundError(
                 f"The model '{model_id}' does not exist; this gateway serves "

@@ -93,7 +93,7 @@ async def test_each_api_key_over_its_rate_gets_429_with_retry_after_and_others_a
         private_nats.url,
         workers={},
         api_key_sha256=[key_digest(KEY), key_digest(OTHER_KEY)],
-        api_key_rate_limit_rps=2.0,
+        api_key_rate_limit_rps=0.2,  # a token each 5 s: none comes back during the test
         api_key_rate_limit_burst=2,
     )
     mine = {"Authorization": f"Bearer {KEY}"}
