@@ -395,3 +395,34 @@ def test_a_prefill_out_of_room_waits_in_its_blocks_instead_of_preempting_itself(
             )
     assert not b.has_unfinished()  # both finished: waiting never blocks for good
     assert decode.num_preemptions == 0 and pool.num_free_blocks == 12
+
+
+class ShortLoadingTier:
+    """A KV tier that says it holds every block and then loads none (its values vanished
+    between the lookup and the load)."""
+
+    accepts_stores = accepts_offloads = False
+
+    def lookup(self, hashes: list[bytes], count: bool = True) -> int:
+        return len(hashes)
+
+    def load(self, hashes: list[bytes]) -> list[memoryview]:
+        return []
+
+    def skipped(self, blocks: int) -> None:
+        pass
+
+
+def test_a_tier_load_that_comes_back_short_does_not_take_the_step_past_its_budget() -> None:
+    """Admission counted the tier's blocks as loaded; when none came, the whole prompt was
+    computed in the step anyway, next to the step's first prompt: 110 tokens in a 16-token
+    step, past the activation memory the engine planned for."""
+    pool = BlockPool(64, BS, watermark=0.0)
+    b = Batcher(pool, "continuous", 4, 16, 0.0, Clock(), kv_tier=ShortLoadingTier())
+    b.add(req("a", 10))
+    b.add(req("b", 100))
+    first = run(b)
+    assert ids(first) == ["a"] and first.num_tokens == 10
+    assert [r.request_id for r in b.waiting] == ["b"] and pool.num_used_blocks == 3
+    second = run(b)  # a step of its own: the first prompt of a step may exceed the budget
+    assert ids(second) == ["b"] and second.num_tokens == 100

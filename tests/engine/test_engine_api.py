@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import ContextLengthExceededError
 from common.models import demo_model_path
 from tests.engine.tiny_checkpoints import EOS, checkpoint, hf_greedy, prompts
 from workers.engine import LLM, EngineArgs, LLMEngine, RequestOutput, SamplingParams
@@ -208,6 +209,18 @@ def test_max_seq_len_ends_generation_with_length(path: Path) -> None:
     llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype="float32", max_seq_len=20)
     out = llm.generate(prompt_token_ids=[list(range(2, 17))], sampling_params=greedy(100))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_a_generate_that_fails_part_way_leaves_nothing_queued(path: Path) -> None:
+    """A later prompt refused (too long) left the earlier ones queued: they ran inside the
+    next generate(), holding blocks and steps for outputs nobody read."""
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype="float32", max_seq_len=20)
+    with pytest.raises(ContextLengthExceededError):
+        llm.generate(prompt_token_ids=[[2, 3, 4], [5] * 40], sampling_params=greedy(4))
+    out = llm.generate(prompt_token_ids=[[2, 3, 4]], sampling_params=greedy(4))
+    assert len(out) == 1 and len(out[0].token_ids) == 4
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used_blocks == 0
+    assert llm.engine.stats().num_prompt_tokens_computed == 3  # only the second call's
 
 
 def test_stats_report_usage_cache_and_work(path: Path) -> None:

@@ -290,6 +290,15 @@ class Batcher:
                 hit_tokens += self._tier_load(req, plan, len(hit_blocks), tier_tokens)
                 if whole:  # blocks that failed to load are computed in this step after all
                     num_new = req.num_tokens - hit_tokens
+                    if num_new > budget and not plan.is_empty:
+                        # ...unless that takes the step past its budget (by up to a whole
+                        # prompt): it waits, first in line, and the blocks that did load
+                        # (named, freed, copied in before this step) are a device hit next.
+                        # Nothing else is allocated this step, so none is handed out.
+                        self.pool.free(req)
+                        req.num_computed_tokens = 0
+                        self.waiting.insert(0, req)
+                        break
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_tokens
             if req.first_scheduled_time is None:

@@ -60,24 +60,32 @@ class LLM:
 
         engine = self.engine
         order: dict[str, int] = {}
-        for i in range(n):
-            request_id = f"llm-{self._counter}"
-            self._counter += 1
-            engine.add_request(
-                request_id,
-                texts[i],
-                params[i],
-                prompt_token_ids=ids[i],
-                priority=priorities[i] if priorities is not None else 0,
-            )
-            order[request_id] = i
         results: list[RequestOutput | None] = [None] * n
-        while engine.has_unfinished():
-            for delta in engine.step():
-                if delta.output is not None and delta.request_id in order:
-                    results[order[delta.request_id]] = delta.output
-            if engine.last_step_num_tokens == 0:
-                time.sleep(_IDLE_SLEEP_S)
+        try:
+            for i in range(n):
+                request_id = f"llm-{self._counter}"
+                self._counter += 1
+                engine.add_request(
+                    request_id,
+                    texts[i],
+                    params[i],
+                    prompt_token_ids=ids[i],
+                    priority=priorities[i] if priorities is not None else 0,
+                )
+                order[request_id] = i
+            while engine.has_unfinished():
+                for delta in engine.step():
+                    if delta.output is not None and delta.request_id in order:
+                        results[order[delta.request_id]] = delta.output
+                if engine.last_step_num_tokens == 0:
+                    time.sleep(_IDLE_SLEEP_S)
+        except BaseException:
+            # A prompt refused (too long, a bad id) or a step that raised (Ctrl-C): the
+            # requests already added went on in the next call, holding blocks and steps
+            # for outputs nobody read.
+            for request_id in order:
+                engine.abort(request_id)
+            raise
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"requests {missing} never finished")
