@@ -907,6 +907,13 @@ class WorkerConfig(_Strict):
         le=65535,
         description=("Port of the worker's Prometheus /metrics server; 0 = a free port (logged)."),
     )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description=(
+            "Address the worker's /metrics and /livez server listens on; 0.0.0.0 lets "
+            "Prometheus and probes on other machines reach it (the container image sets it)."
+        ),
+    )
     # KV tiers below the device cache (DESIGN §5): host memory (G2) and the shared Redis
     # (G3, at redis.url). Off by default so a lone worker never waits on a Redis that is
     # not there; `qosserve up`, compose and Kubernetes switch the Redis tier on.
@@ -971,6 +978,13 @@ class SchedulerConfig(_Strict):
         ge=0,
         le=65535,
         description=("Port of the scheduler's Prometheus /metrics server; 0 = none."),
+    )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description=(
+            "Address the scheduler's /metrics and /livez server listens on; 0.0.0.0 lets "
+            "Prometheus and probes on other machines reach it (the container image sets it)."
+        ),
     )
     # Breakers are sampled and evaluated every tick: a transition acts within one tick.
     tick_interval_s: float = Field(

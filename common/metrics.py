@@ -262,7 +262,7 @@ class MetricsServer:
         self,
         registry: CollectorRegistry,
         port: int = 0,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         beat: LoopBeat | None = None,
     ) -> None:
         app = with_liveness(make_wsgi_app(registry), beat)

@@ -61,11 +61,12 @@ class SchedulerMetrics:
     def transition(self, group: str, source: State, target: State) -> None:
         self.breaker_transitions.labels(group, source, target).inc()
 
-    def serve(self, port: int, beat: LoopBeat | None = None) -> None:
-        """Expose ``/metrics`` and ``/livez`` (from ``beat``) on ``port``; 0 serves nothing."""
+    def serve(self, port: int, beat: LoopBeat | None = None, host: str = "127.0.0.1") -> None:
+        """Expose ``/metrics`` and ``/livez`` (from ``beat``) on ``host:port``; port 0
+        serves nothing."""
         if port:
             try:
-                self._server = m.MetricsServer(self.registry, port, beat=beat)
+                self._server = m.MetricsServer(self.registry, port, host, beat=beat)
             except OSError as exc:
                 raise ConfigError(
                     f"scheduler.metrics_port {port}: cannot serve /metrics there ({exc.strerror})"

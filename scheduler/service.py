@@ -189,7 +189,7 @@ class SchedulerService:
         ``/livez`` (and ``/metrics``) answer first, as the worker's do: served only once
         JetStream had answered (5 s a call while a NATS cluster elects its leader), the
         probe port was closed and Kubernetes' liveness killed a start that would succeed."""
-        self.metrics.serve(self.cfg.metrics_port, self.beat)
+        self.metrics.serve(self.cfg.metrics_port, self.beat, self.cfg.metrics_host)
         self._tasks = [asyncio.create_task(self.beat.run(), name="sched-beat")]
         try:
             await self._connect_and_load()

@@ -84,11 +84,12 @@ class WorkerObserver:
         """The port ``/metrics`` is served on (0 while not serving)."""
         return self._server.port if self._server is not None else 0
 
-    def start(self, port: int, beat: LoopBeat | None = None) -> None:
-        """Serve ``/metrics`` and ``/livez`` (from ``beat``) on ``port`` (0 = a free one); a
-        taken port is logged, not fatal: a replica that cannot be scraped still serves."""
+    def start(self, port: int, beat: LoopBeat | None = None, host: str = "127.0.0.1") -> None:
+        """Serve ``/metrics`` and ``/livez`` (from ``beat``) on ``host:port`` (port 0 = a
+        free one); a taken port is logged, not fatal: a replica that cannot be scraped
+        still serves."""
         try:
-            self._server = MetricsServer(self.registry, port, beat=beat)
+            self._server = MetricsServer(self.registry, port, host, beat=beat)
         except OSError as exc:
             log.error("worker %s: /metrics not served on port %d: %s", self.worker_id, port, exc)
             return

@@ -256,7 +256,9 @@ class WorkerService:
         """Connect, make sure the stream/consumer/bucket exist, start serving."""
         cfg = self.config.nats
         loop = asyncio.get_running_loop()
-        self.observer.start(self.config.worker.metrics_port, self.beat)
+        self.observer.start(
+            self.config.worker.metrics_port, self.beat, self.config.worker.metrics_host
+        )
         self.bridge = EngineBridge(
             self.engine, self._on_engine_events, loop, name=f"engine-{self.worker_id}"
         )
