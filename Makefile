@@ -6,10 +6,17 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-slow lint fmt typecheck bench gpu-wheels clean
+.PHONY: install run test test-slow lint fmt bench gpu-wheels clean
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] < (3, 11))' 2>/dev/null || { \
+	  echo "qosserve needs Python 3.11 or newer; $(PYTHON) is $$($(PYTHON) -V 2>&1)." \
+	    "Name another: make $(MAKECMDGOALS) PYTHON=python3.12" >&2; exit 1; }
+	@# A venv of another Python, or one whose pip never arrived (no python3-venv), is made again.
+	@if [ -x $(BIN)/python ] && ! $(BIN)/python -c 'import sys, pip; sys.exit(sys.version_info[:2] < (3, 11))' 2>/dev/null; then \
+	  echo "$(VENV) has no pip or an old Python: making it again" >&2; rm -rf $(VENV); fi
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); \
+	  echo "could not make a venv: on Debian/Ubuntu, install python3-venv" >&2; exit 1; }
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[local,dev]"
@@ -20,8 +27,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/qosserve up $(ARGS)
 
+# pytest exits 5 when it collected no test: a failure for us, not a pass.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	@$(BIN)/python -m pytest -q $(ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(ARGS)

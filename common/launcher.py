@@ -420,53 +420,28 @@ def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGHUP, _on_signal)  # the terminal closed, the ssh session dropped
-    for child in children:
-        child.start(env)
-
     base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    print(f"  nats-server   {nats.url}  (monitor {nats.monitor_url}, log {nats.log_path})")
-    print(f"  redis-server  {redis.url}  (log {redis.log_path})")
-    for child in children:
-        print(
-            f"  {child.name:<22} pid {child.proc.pid if child.proc else '-':<7} log {child.log_path}"
-        )
-    print(f"  model {served} ({model_name}) on {device}, {args.engine} engine")
-    if device == "cpu" and args.engine == "real" and _nvidia_gpu_present():
-        print("  (a GPU is present: pass --device cuda to use it)")
-    print(f"waiting for the gateway on {base} and a live worker in every group …", flush=True)
-
-    ready = False
-    started = time.monotonic()
-    last_report = ""
     try:
-        while not stop.is_set():
-            for server in (nats, redis):
-                if not server.running:
-                    print(f"{server.binary_name} exited; last log lines:")
-                    print(server.log_tail(15))
-                    return 1
-            dead = [c for c in children if not c.alive]
-            if dead:
-                for c in dead:
-                    print(
-                        f"{c.name} exited ({c.proc.returncode if c.proc else '?'}); last log lines:"
-                    )
-                    print(log_tail(c.log_path, c.log_start, 15))
-                return 1
-            if not ready:
-                live = _live_workers(_health(f"{base}/health"))
-                report = ", ".join(f"{g} {live.get(g, 0)}/{n}" for g, n in replicas.items() if n)
-                if report != last_report:
-                    print(f"  live workers: {report}", flush=True)
-                    last_report = report
-                if live and all(live.get(g, 0) >= 1 for g, n in replicas.items() if n):
-                    ready = True
-                    _print_ready(base, served, time.monotonic() - started)
-                elif time.monotonic() - started > args.ready_timeout:
-                    print(f"not ready after {args.ready_timeout:.0f}s; see the logs in {logs}")
-                    return 1
-            stop.wait(0.5)
-        return 0
+        # Inside the try: a child that cannot start, or a stdout closed under us
+        # (`qosserve up | head`), still stops what did start, in order.
+        for child in children:
+            child.start(env)
+        _say(f"  nats-server   {nats.url}  (monitor {nats.monitor_url}, log {nats.log_path})")
+        _say(f"  redis-server  {redis.url}  (log {redis.log_path})")
+        for child in children:
+            pid = child.proc.pid if child.proc else "-"
+            _say(f"  {child.name:<22} pid {pid:<7} log {child.log_path}")
+        metrics_port = env.get("QOS_SCHEDULER__METRICS_PORT", str(config.scheduler.metrics_port))
+        if not args.no_scheduler and metrics_port != "0":  # it moves when 9300 is taken
+            _say(f"  scheduler metrics http://127.0.0.1:{metrics_port}/metrics")
+        _say(f"  model {served} ({model_name}) on {device}, {args.engine} engine")
+        if device == "cpu" and args.engine == "real" and _nvidia_gpu_present():
+            _say("  (a GPU is present: pass --device cuda to use it)")
+        _say(f"waiting for the gateway on {base} and a live worker in every group …")
+        return _wait_ready(
+            args, base, replicas, children, (nats, redis), stop, logs,
+            keyed=bool(config.gateway.api_key_sha256), served=served,
+        )  # fmt: skip
     finally:
         grace = config.gateway.shutdown_grace_s
         _say(f"stopping … (open requests get up to {grace:.0f}s to finish; Ctrl-C again to "
@@ -477,6 +452,69 @@ def _run(args: argparse.Namespace) -> int:
         _say("stopped.")
 
 
+# While waiting for readiness: a line this often even when nothing changed, so a slow model
+# load reads as progress, not a hang.
+PROGRESS_EVERY_S = 15.0
+
+
+def _wait_ready(
+    args: argparse.Namespace,
+    base: str,
+    replicas: dict[str, int],
+    children: list[Child],
+    servers: tuple[NatsServer, RedisServer],
+    stop: threading.Event,
+    logs: Path,
+    *,
+    keyed: bool,
+    served: str,
+) -> int:
+    """Watch the stack until ``stop``: report readiness once, and end (1) when a server or
+    a child dies, or (1) when it is not ready within ``--ready-timeout``."""
+    ready = False
+    started = time.monotonic()
+    last_report, last_said = "", started
+    gateway_answered = False
+    while not stop.is_set():
+        for server in servers:
+            if not server.running:
+                _say(f"{server.binary_name} exited; last log lines:")
+                _say(server.log_tail(15))
+                return 1
+        dead = [c for c in children if not c.alive]
+        if dead:
+            for c in dead:
+                _say(f"{c.name} exited ({c.proc.returncode if c.proc else '?'}); last log lines:")
+                _say(log_tail(c.log_path, c.log_start, 15))
+            return 1
+        if not ready:
+            health = _health(f"{base}/health")
+            gateway_answered = gateway_answered or health is not None
+            live = _live_workers(health)
+            waiting = [g for g, n in replicas.items() if n and live.get(g, 0) < 1]
+            report = ", ".join(f"{g} {live.get(g, 0)}/{n}" for g, n in replicas.items() if n)
+            now = time.monotonic()
+            if report != last_report or now - last_said >= PROGRESS_EVERY_S:
+                _say(f"  live workers: {report}  ({now - started:.0f}s)")
+                last_report, last_said = report, now
+            if live and not waiting:
+                ready = True
+                _print_ready(base, served, now - started, keyed)
+            elif now - started > args.ready_timeout:
+                why = (
+                    f"no live worker yet in {', '.join(waiting)}"
+                    if gateway_answered
+                    else "the gateway never answered /health"
+                )
+                _say(
+                    f"not ready after {args.ready_timeout:.0f}s ({why}); see the logs in {logs}, "
+                    "or give a slow model load more time with --ready-timeout SECONDS"
+                )
+                return 1
+        stop.wait(0.5)
+    return 0
+
+
 WORKER_GRACE_S = 30.0  # workers' --grace-s default: how long they drain on SIGTERM
 # Past a child's own graceful period: its hand-back, last telemetry and flush get to run
 # (killed at the same moment, the gateway lost its aborts and the workers their naks).
@@ -484,20 +522,25 @@ STOP_MARGIN_S = 5.0
 
 
 def _shutdown(children: list[Child], gateway_grace_s: float) -> None:
-    """Gateway first (no new work), then workers drain, then the scheduler."""
-    order = sorted(
-        children, key=lambda c: 0 if c.name == "gateway" else 2 if c.name == "scheduler" else 1
-    )
-    for child in order:
+    """Gateway first (no new work), then workers drain, then the scheduler (which saw
+    them leave: stopped with them, it could read their drain as a group's outage)."""
+    gateways = [c for c in children if c.name == "gateway"]
+    schedulers = [c for c in children if c.name == "scheduler"]
+    workers = [c for c in children if c not in gateways and c not in schedulers]
+    for child in gateways:
         child.terminate()
-        if child.name == "gateway":
-            child.wait_or_kill(time.monotonic() + gateway_grace_s + STOP_MARGIN_S)
+        child.wait_or_kill(time.monotonic() + gateway_grace_s + STOP_MARGIN_S)
+    for child in workers:
+        child.terminate()
     deadline = time.monotonic() + WORKER_GRACE_S + STOP_MARGIN_S
-    for child in order:
+    for child in workers:
         child.wait_or_kill(deadline)
+    for child in schedulers:
+        child.terminate()
+        child.wait_or_kill(time.monotonic() + STOP_MARGIN_S)
 
 
-def _print_ready(base: str, model: str, took: float) -> None:
+def _print_ready(base: str, model: str, took: float, keyed: bool = False) -> None:
     body = json.dumps(
         {
             "model": model,
@@ -506,11 +549,14 @@ def _print_ready(base: str, model: str, took: float) -> None:
             "temperature": 0,
         }
     )
-    print(f"\nqosserve is up in {took:.1f}s — OpenAI API at {base}/v1  (Ctrl-C stops everything)\n")
-    print(
-        f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{body}'\n",
-        flush=True,
+    auth = ' -H "Authorization: Bearer $QOS_API_KEY"' if keyed else ""
+    _say(f"\nqosserve is up in {took:.1f}s — OpenAI API at {base}/v1  (Ctrl-C stops everything)\n")
+    _say(
+        f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{body}'\n"
     )
+    if keyed:
+        _say("  (API keys are configured: set QOS_API_KEY to one of them first)\n")
 
 
 if __name__ == "__main__":

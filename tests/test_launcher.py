@@ -352,3 +352,70 @@ def test_the_local_redis_is_bounded_and_evicts_the_least_recently_used(tmp_path:
         server.stop()
     with pytest.raises(SystemExit):
         _parse_args(["--redis-maxmemory", "lots"])
+
+
+class _Recorded:
+    """A child that records what the shutdown asked of it, in one shared log."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self._log = name, log
+
+    def terminate(self) -> None:
+        self._log.append(f"terminate {self.name}")
+
+    def wait_or_kill(self, deadline: float) -> None:
+        self._log.append(f"wait {self.name}")
+
+
+def test_the_scheduler_stops_after_the_workers_have_drained() -> None:
+    """It was told to stop with the workers: it could read their drain as a group's
+    outage (the docstring already said "then the scheduler")."""
+    log: list[str] = []
+    names = ["scheduler", "worker short-1", "worker long-1", "gateway"]
+    launcher._shutdown([_Recorded(n, log) for n in names], 1.0)  # type: ignore[list-item]
+    assert log == [
+        "terminate gateway", "wait gateway",
+        "terminate worker short-1", "terminate worker long-1",
+        "wait worker short-1", "wait worker long-1",
+        "terminate scheduler", "wait scheduler",
+    ]  # fmt: skip
+
+
+class _Running:
+    running = True
+    alive = True
+
+
+def test_not_ready_in_time_names_what_it_waits_for_and_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A slow first load ended with "not ready after 180s; see the logs": nothing said which
+    group lagged, whether the gateway answered, or that --ready-timeout exists."""
+    health = {"groups": {"short": {"live_workers": 1}, "long": {"live_workers": 0}}}
+    monkeypatch.setattr(launcher, "_health", lambda url: health)
+    args = launcher._parse_args(["--ready-timeout", "0.2"])
+    code = launcher._wait_ready(
+        args, "http://127.0.0.1:1", {"short": 1, "long": 1}, [_Running()],  # type: ignore[list-item]
+        (_Running(), _Running()), threading.Event(), Path("/tmp/logs"),  # type: ignore[arg-type]
+        keyed=False, served="m",
+    )  # fmt: skip
+    said = capsys.readouterr().out
+    assert code == 1
+    assert "no live worker yet in long" in said and "--ready-timeout" in said
+    monkeypatch.setattr(launcher, "_health", lambda url: None)
+    launcher._wait_ready(
+        args, "http://127.0.0.1:1", {"short": 1}, [],
+        (_Running(), _Running()), threading.Event(), Path("/tmp/logs"),  # type: ignore[arg-type]
+        keyed=False, served="m",
+    )  # fmt: skip
+    assert "the gateway never answered /health" in capsys.readouterr().out
+
+
+def test_the_ready_line_with_api_keys_prints_a_curl_that_sends_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    launcher._print_ready("http://127.0.0.1:8000", "m", 1.0, keyed=True)
+    said = capsys.readouterr().out
+    assert "Authorization: Bearer $QOS_API_KEY" in said and "API keys are configured" in said
+    launcher._print_ready("http://127.0.0.1:8000", "m", 1.0)
+    assert "Authorization" not in capsys.readouterr().out
