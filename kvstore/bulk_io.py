@@ -188,17 +188,32 @@ class BulkConnection:
             lengths.append(n)
         return lengths
 
-    def expire_many(self, keys: Sequence[bytes], ttl_s: int) -> list[bool]:
-        """EXPIRE each key, pipelined: which exist (their TTL is now ``ttl_s``)."""
+    def expire_many(self, keys: Sequence[bytes], ttl_s: int) -> tuple[list[bool], str]:
+        """EXPIRE each key, pipelined: which exist (their TTL is now ``ttl_s``), and the
+        server's first refusal ("" for none). EXPIRE is a write: a read-only replica, or a
+        primary refusing writes (MISCONF), refuses it where it would still serve reads; all
+        replies are read, so the connection stays usable for :meth:`exists_many`."""
         ttl = _bulk(str(ttl_s).encode())
         self.sock.sendall(b"".join(b"*3\r\n" + _bulk(b"EXPIRE") + _bulk(key) + ttl for key in keys))
-        found = []
-        for _ in keys:
-            line = self._header()
-            if line[:1] != b":":
-                raise ResponseError(f"unexpected EXPIRE reply {line[:40]!r}")
-            found.append(line != b":0")
-        return found
+        return self._counts(b"EXPIRE", len(keys))
+
+    def exists_many(self, keys: Sequence[bytes]) -> tuple[list[bool], str]:
+        """EXISTS each key, pipelined (a read: replicas answer it); as :meth:`expire_many`."""
+        self.sock.sendall(b"".join(b"*2\r\n" + _bulk(b"EXISTS") + _bulk(key) for key in keys))
+        return self._counts(b"EXISTS", len(keys))
+
+    def _counts(self, command: bytes, n: int) -> tuple[list[bool], str]:
+        found, refusal = [], ""
+        for _ in range(n):
+            line = self._line()
+            if line[:1] == b"-":
+                refusal = refusal or line[1:200].decode(errors="replace")
+                found.append(False)
+            elif line[:1] == b":":
+                found.append(line != b":0")
+            else:
+                raise ResponseError(f"unexpected {command.decode()} reply {line[:40]!r}")
+        return found, refusal
 
     def set_many(
         self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview | bytes]], ttl_s: int
@@ -260,11 +275,12 @@ class Borrowers:
             self._held.discard(conn)
 
     def abandon(self) -> None:
+        # Aborted under the lock (a shutdown does not block): outside it, a job could leave
+        # and give its connection back, and another borrower's command on it was cut.
         with self._lock:
             self.abandoned = True
-            held = list(self._held)
-        for conn in held:
-            conn.abort()
+            for conn in self._held:
+                conn.abort()
 
 
 class BulkPool:

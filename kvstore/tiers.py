@@ -251,16 +251,32 @@ class KVTiers:
         """How many of ``hashes``, from the first, Redis holds (0 on any failure).
 
         EXPIRE answers "exists" and refreshes the TTL in one command, so blocks that keep
-        being hit outlive ones that are only ever written.
+        being hit outlive ones that are only ever written. Refused (Redis refusing writes:
+        a read-only replica, MISCONF), it is asked again by EXISTS and stores pause: through
+        the breaker, a refused EXPIRE shut the reads Redis would still serve.
         """
         assert self.identity is not None and self.redis_config is not None
         leave = self.breaker.allow()
         if leave is None:
             return 0
         ttl = self.redis_config.ttl_s
+        paused = self._stores_refused()
+
+        def ask(conn: BulkConnection) -> tuple[list[bool], str]:
+            if paused:  # writes are refused: no EXPIRE to be refused as well
+                return conn.exists_many(keys)
+            found, refusal = conn.expire_many(keys, ttl)
+            if refusal:  # a replica, or a primary refusing writes: it still answers reads
+                return conn.exists_many(keys)[0], refusal
+            return found, ""
+
         try:
             keys = [self.identity.key(h) for h in hashes]
-            found = self._with_connection(lambda conn: conn.expire_many(keys, ttl))
+            found, refusal = self._with_connection(ask)
+            if refusal and not paused:
+                self._refuse_stores()
+                log.warning("kv tiers: Redis refused EXPIRE (storing paused %.0f s, lookups "
+                            "by EXISTS meanwhile): %s", self._store_pause_s, refusal)  # fmt: skip
         except Exception as exc:  # Redis, or a bug: a miss either way, never the batch's error
             with self._lock:  # the writer threads count errors too
                 self.redis_counters.errors += 1

@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 
 from common.config import RedisConfig
 from common.services import RedisServer
-from kvstore.bulk_io import MISSING, TOO_LONG, BulkConnection, BulkPool
+from kvstore.bulk_io import MISSING, TOO_LONG, Borrowers, BulkConnection, BulkPool
 from kvstore.identity import KVLayout
 from kvstore.resolver import AddrInfo, Resolver
 from kvstore.tiers import KVTiers
@@ -59,7 +59,7 @@ def test_set_many_sends_each_value_from_its_parts_with_the_ttl(
     try:
         parts = [(b"head-a", payload), (b"head-b", memoryview(b"tail"))]
         assert conn.set_many([b"s:a", b"s:b"], parts, ttl_s=50) == (2, "")
-        assert conn.expire_many([b"s:a", b"s:none", b"s:b"], 60) == [True, False, True]
+        assert conn.expire_many([b"s:a", b"s:none", b"s:b"], 60) == ([True, False, True], "")
     finally:
         conn.close()
     raw = redis.Redis.from_url(redis_config.url)
@@ -140,7 +140,7 @@ def test_a_slow_name_lookup_holds_a_connect_no_longer_than_the_socket_timeout(
             break
         except TimeoutError:
             assert time.monotonic() < deadline
-    assert conn.expire_many([b"k"], 10) == [False]
+    assert conn.expire_many([b"k"], 10) == ([False], "")
     pool.give(conn)
     pool.close()
     assert asked == ["redis.example"]
@@ -184,11 +184,34 @@ def test_the_pool_drops_connections_the_server_closed_while_they_were_idle(
     server = fresh_redis_server()
     pool = BulkPool(RedisConfig(url=server.url), size=2)
     conn = pool.take()
-    assert conn.expire_many([b"k"], 10) == [False]
+    assert conn.expire_many([b"k"], 10) == ([False], "")
     pool.give(conn)
     server.restart()
     fresh = pool.take()
     assert fresh is not conn  # the closed one was noticed, not handed out
-    assert fresh.expire_many([b"k"], 10) == [False]
+    assert fresh.expire_many([b"k"], 10) == ([False], "")
     pool.give(fresh)
     pool.close()
+
+
+def test_abandon_never_aborts_a_connection_its_job_has_already_given_back() -> None:
+    """The connections were aborted after the lock was let go: a job finishing meanwhile
+    gave its connection back to the pool, and the abort then cut another borrower's command."""
+    borrowers = Borrowers()
+    events: list[str] = []
+
+    class Conn:
+        def abort(self) -> None:
+            # The job finishes while its connection is being aborted.
+            leaving = threading.Thread(
+                target=lambda: (borrowers.leave(self), events.append("left"))
+            )  # type: ignore[arg-type]
+            leaving.start()
+            leaving.join(0.3)
+            events.append("aborted")
+
+    conn = Conn()
+    borrowers.enter(conn)  # type: ignore[arg-type]
+    borrowers.abandon()
+    time.sleep(0.05)  # the job's leave, once abandon lets it
+    assert events == ["aborted", "left"]

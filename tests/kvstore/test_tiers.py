@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from common.config import RedisConfig
-from common.services import RedisServer
+from common.services import RedisServer, free_port
 from kvstore.identity import KVLayout
 from kvstore.redis_tier import CircuitBreaker
 from kvstore.tiers import KVTiers
@@ -447,6 +447,32 @@ def test_stores_the_server_refuses_pause_storing_and_say_why_while_reads_go_on(
         assert tiers.lookup(HASHES[:2]) == 2 and len(tiers.load(HASHES[:2])) == 2
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refused) == 1 and "OOM" in refused[0]  # the cause, not only the state
+
+
+def test_a_read_only_redis_still_serves_lookups_and_loads_and_pauses_stores(
+    fresh_redis_server: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lookups refresh TTLs with EXPIRE, a write: a read-only replica (a demoted primary
+    after a failover) refused it, two lookups opened the breaker, and loads that the
+    server would still have served were skipped, the breaker flapping on store probes."""
+    server = fresh_redis_server()
+    breaker = CircuitBreaker(failures_to_open=2, open_s=30.0)
+    with caplog.at_level("WARNING"), make(RedisConfig(url=server.url), breaker=breaker) as tiers:
+        tiers.store_async(HASHES[:2], blocks(2))
+        assert tiers.flush()
+        client = redis.Redis.from_url(server.url)
+        client.replicaof("127.0.0.1", str(free_port()))  # a primary that is not there
+        try:
+            for _ in range(3):
+                assert tiers.lookup(HASHES[:2]) == 2
+            assert len(tiers.load(HASHES[:2])) == 2
+            assert tiers.stats().breaker_state == "closed"
+            assert not tiers.accepts_stores  # the engine stops copying blocks off for them
+        finally:
+            client.replicaof("NO", "ONE")
+            client.close()
+    refused = [r.getMessage() for r in caplog.records if "refused EXPIRE" in r.getMessage()]
+    assert len(refused) == 1 and "READONLY" in refused[0]
 
 
 def test_a_silent_redis_is_reported_as_such_not_as_a_slow_one(
