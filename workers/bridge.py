@@ -45,6 +45,16 @@ STATS_EVERY_S = 0.05
 # A step that did nothing while requests wait (dynamic batching's max_wait, no free
 # blocks): look at the queue again after this long instead of spinning.
 IDLE_POLL_S = 0.002
+# Steps failing in a row before the engine is judged broken (a sticky device error: every
+# later step raises at once). Its thread then ends, and the worker hands its requests back
+# and exits 1; it had answered every request it took with a 500, faster than healthy
+# replicas could take them, in a hot loop of tracebacks.
+MAX_FAILED_STEPS = 3
+FAILED_STEP_PAUSE_S = 0.05  # after each failed step, times the failures in a row
+
+
+class _EngineBroken(Exception):
+    """Raised by :meth:`EngineBridge._step` to end the engine thread."""
 
 
 class StepEngine(Protocol):
@@ -161,6 +171,7 @@ class EngineBridge:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._live: set[str] = set()  # added and not finished (engine thread only)
         self._failed: set[str] = set()  # failed here: their abort deltas are swallowed
+        self._failed_steps = 0  # engine steps failed in a row (MAX_FAILED_STEPS)
         self.batch_cap = engine_max_batch(engine)
         # The longest sequence the engine was built for, and the current group's limit.
         self.built_max_seq_len = int(engine.max_seq_len)
@@ -259,7 +270,11 @@ class EngineBridge:
                 except queue.Empty:
                     item = None
             if engine.has_unfinished():
-                self._step(events)
+                try:
+                    self._step(events)
+                except _EngineBroken:
+                    self._emit(events)
+                    return
             self._emit(events)
 
     def _handle(self, item: tuple[str, Any], events: list[BridgeEvent]) -> None:
@@ -328,11 +343,18 @@ class EngineBridge:
         try:
             deltas = engine.step()
         except Exception as exc:
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                log.exception("engine step failed, %d in a row: the engine is broken; its "
+                              "thread ends and its requests go back", self._failed_steps)  # fmt: skip
+                raise _EngineBroken from exc
             log.exception("engine step failed; failing the requests it touched")
             self._fail_batch(exc, events)
+            time.sleep(FAILED_STEP_PAUSE_S * self._failed_steps)
             return
         finally:
             self._step_began = None
+        self._failed_steps = 0
         elapsed = time.perf_counter() - started
         did_work = bool(deltas) or getattr(engine, "num_steps", None) != steps_before
         if did_work:

@@ -120,3 +120,42 @@ async def test_an_engine_that_hangs_while_the_worker_drains_hands_back_at_once(
         assert hung.exit_code == 1
     finally:
         engine.release.set()
+
+
+class BrokenDeviceEngine(SimEngine):
+    """Every step raises at once once ``broken`` is set: a sticky device error."""
+
+    def __init__(self) -> None:
+        super().__init__(max_batch_size=1, max_seq_len=256, cost=FAST)
+        self.broken = False
+
+    def step(self):  # type: ignore[no-untyped-def]
+        if self.broken and self.has_unfinished():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().step()
+
+
+async def test_an_engine_whose_every_step_fails_stops_taking_work_and_exits_1(
+    start_worker: Any, client: QosClient
+) -> None:
+    """Each failed step answered its requests with a 500 and freed their slots for more: a
+    broken device turned the replica into a black hole for its group's traffic, its thread
+    alive and its steps quick, so no watchdog fired."""
+    engine = BrokenDeviceEngine()
+    broken = await start_worker(engine=engine, worker_id="broken")
+    running = asyncio.create_task(broken.run())
+    engine.broken = True
+    params = RequestParams(max_tokens=3, seed=4)
+    answers = [
+        asyncio.create_task(
+            client.collect(group="short", prompt_token_ids=[1, i], params=params, timeout_s=20)
+        )
+        for i in range(2, 6)
+    ]
+    await asyncio.wait_for(running, 10)  # it stopped by itself, after a few failed steps
+    assert broken.state == "stopped" and broken.exit_code == 1
+    await start_worker(worker_id="healthy")
+    done = await asyncio.gather(*answers)
+    # Every one served by another replica: those of the failed steps retried, the rest
+    # handed back.
+    assert all(final.worker == "healthy" for _, _, final in done), done
