@@ -236,6 +236,7 @@ class WorkerService:
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self.exit_code = 0  # 1 once the engine failed for good (see _engine_failed)
+        self._drained = False  # an operator's drain control, until a resume
         self._switch_lock = asyncio.Lock()
         self._coalesce_s = config.worker.coalesce_ms / 1000.0
         self._max_payload = config.nats.max_payload_bytes
@@ -1115,6 +1116,7 @@ class WorkerService:
             self._poke()
         elif action == "drain":
             log.info("draining (%s)", control.reason or "control")
+            self._drained = True  # until a resume: a move does not undo it
             self._set_serving(False)
         elif action == "resume" and not self._stopped:
             if self._intake is None:  # a move that failed to bind: nothing would fetch
@@ -1124,6 +1126,7 @@ class WorkerService:
             elif self._switch_lock.locked():  # mid-move: the intake is halted, the move resumes
                 log.info("resume ignored: moving between groups (it serves once moved)")
             else:
+                self._drained = False
                 self._set_serving(True)
         elif action == "assign_group" and control.group:
             task = asyncio.create_task(
@@ -1221,7 +1224,9 @@ class WorkerService:
                         self.bridge.set_batch_cap(batch_cap)  # lapses unless renewed, as any
                         self._cap_set_at = time.monotonic()
                 log.info("moved from group %s to %s", old, group)
-            self._set_serving(True)
+            # A drained replica stays drained, moved or not (an operator's drain was undone
+            # by the scheduler's next move, or at once by one naming its own group).
+            self._set_serving(not self._drained)
 
     def _apply_group_limits(self, group: str) -> None:
         """The group's batch size and sequence length, within what the engine was built

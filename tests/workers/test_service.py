@@ -452,6 +452,28 @@ async def test_assign_group_moves_the_replica_to_the_new_groups_consumer(
     assert ids == expected_tokens(1, 2) and final.worker == "w0"
 
 
+async def test_a_drained_replica_stays_drained_through_a_move_until_resumed(
+    start_worker: Any, client: QosClient, nc: Client, subjects: Subjects
+) -> None:
+    """A move ended by serving whatever came before: the scheduler's next move (or one
+    naming the replica's own group, at once) undid an operator's drain."""
+    service = await start_worker()
+    own = subjects.control("w0")
+    await nc.publish(own, Control(action="drain").to_bytes())
+    await eventually(lambda: service.state == "draining")
+    await nc.publish(own, Control(action="assign_group", group="short").to_bytes())
+    await nc.publish(own, Control(action="assign_group", group="realtime").to_bytes())
+    await eventually(lambda: service.group == "realtime")
+    await asyncio.sleep(0.2)  # the move's last step (it served again at once before)
+    assert service.state == "draining"
+    await nc.publish(own, Control(action="resume").to_bytes())
+    await eventually(lambda: service.state == "serving")
+    ids, _, final = await client.collect(
+        group="realtime", prompt_token_ids=[3], params=RequestParams(max_tokens=2)
+    )
+    assert ids == expected_tokens(1, 2) and final.worker == "w0"
+
+
 async def test_a_replica_built_for_short_serves_long_requests_once_moved_there(
     start_worker: Any, client: QosClient, nc: Client, subjects: Subjects, worker_config: Config
 ) -> None:
