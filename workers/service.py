@@ -593,6 +593,13 @@ class WorkerService:
                     self.observer.orphaned(st)
                     await self._complete(st, st.final_chunk(self.worker_id, "abort"), error=False)
                     return
+                if reply is NoAnswer.SLOW:
+                    # A caller without heartbeats (a NATS client) may be there, only slow:
+                    # an error chunk costs nothing if it is gone, and spares it waiting
+                    # silently to its deadline if not.
+                    await self._publish(st, st.error_chunk(self.worker_id, RequestGivenUpError(
+                        "the request was given up: its caller did not answer where to resume "
+                        "it in time")))  # fmt: skip
                 await settle(msg.ack)
                 self.observer.abandoned(st, "no_caller")
                 return

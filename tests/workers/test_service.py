@@ -633,6 +633,19 @@ async def test_a_redelivery_whose_live_gateway_misses_the_resume_query_is_not_dr
     assert tokens == expected_tokens(2, 3)
 
 
+async def test_a_redelivery_whose_heartbeatless_caller_is_slow_to_answer_gets_an_error_chunk(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    """A NATS caller without heartbeats (no origin) whose resume answer came late: the
+    request was acked away with nothing said, the caller waiting to its deadline."""
+    rid, chunks = await _redelivered(nc, subjects, worker_config, "")
+    silent = await nc.subscribe(subjects.resume(rid))  # there, but too slow to answer
+    await start_worker()
+    await silent.next_msg(timeout=5)
+    chunk = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
+    assert chunk.error is not None and chunk.error.code == "request_given_up", chunk
+
+
 async def _queued(
     nc: Client, subjects: Subjects, worker_config: Config, **fields: Any
 ) -> tuple[str, Any]:
