@@ -12,6 +12,12 @@ from its side. A worker that sees the count change re-sends each of that gateway
 streams past what the gateway holds (:mod:`workers.resync`); the gateway beats as soon as
 it is back, so that happens within a fraction of a second, not an interval later.
 
+The gateway also asks for a resync without a reconnect (:meth:`Heartbeat.request_resync`):
+when its client dropped messages (a slow consumer: nats-py drops what overflows a
+subscription's queue and only reports it) or a stream has held a gap in its chunks for a
+while (a cluster route that flapped without either client reconnecting). The count it
+beats is then the reconnect count plus those requests: a change all the same to workers.
+
 No beat is published while the link is down. nats-py would buffer it and send it on
 reconnect, ahead of the first beat with the new count: a worker would hear "alive, no
 reconnect" from a gateway that was cut off, stop keeping the streams it finished during
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable
 
@@ -37,6 +44,8 @@ log = logging.getLogger(__name__)
 # How often the beat loop looks at the reconnect count: the first beat after a reconnect
 # is what starts the workers' re-sends.
 _RECONNECT_POLL_S = 0.1
+# Resync requests closer together than this are one (each costs a resume query per stream).
+RESYNC_MIN_GAP_S = 1.0
 
 
 def new_gateway_id() -> str:
@@ -50,6 +59,18 @@ class Heartbeat:
         self._subject = subjects.gateway_heartbeat(gateway_id)
         self._interval = interval_s
         self._task: asyncio.Task[None] | None = None
+        self._told = 0  # the count of the latest beat
+        self._resyncs = 0  # asked for without a reconnect (request_resync)
+        self._resync_at = float("-inf")
+
+    def request_resync(self) -> None:
+        """Have every worker re-send this caller's streams past what it holds (chunks may
+        have been lost without a reconnect); at most once per :data:`RESYNC_MIN_GAP_S`."""
+        now = time.monotonic()
+        if now - self._resync_at >= RESYNC_MIN_GAP_S:
+            self._resync_at = now
+            self._resyncs += 1
+            log.warning("chunks may have been lost: asking the workers to resync")
 
     async def start(self, on_failure: Callable[[str], None] | None = None) -> None:
         """Beat now, then every interval (``on_failure``: told if the loop dies)."""
@@ -66,22 +87,23 @@ class Heartbeat:
     async def _run(self) -> None:
         poll = min(self._interval, _RECONNECT_POLL_S)
         last = asyncio.get_running_loop().time()
-        told = self._reconnects()
         while True:
             await asyncio.sleep(poll)
             if not self._nc.is_connected:
                 continue  # see the module docstring: a buffered beat would arrive stale
             now = asyncio.get_running_loop().time()
-            count = self._reconnects()
-            if now - last >= self._interval or count != told:
+            if now - last >= self._interval or self._reconnects() != self._told:
                 await self._beat()
-                last, told = now, count
+                last = now
 
     def _reconnects(self) -> int:
-        return int(self._nc.stats.get("reconnects", 0))
+        """What a beat carries: reconnects, plus resyncs asked for (either change is news)."""
+        return int(self._nc.stats.get("reconnects", 0)) + self._resyncs
 
     async def _beat(self) -> None:
+        count = self._reconnects()
+        self._told = count  # the count workers last heard (sent or not: retried on change)
         try:
-            await self._nc.publish(self._subject, heartbeat_payload(self._reconnects()))
+            await self._nc.publish(self._subject, heartbeat_payload(count))
         except Exception as exc:  # reconnecting: the next beat goes out once it is back
             log.debug("heartbeat not sent: %s", exc)

@@ -151,6 +151,9 @@ async def connect(
     refused = asyncio.Event()
 
     async def on_error(exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            for hook in _SLOW_CONSUMER_HOOKS.get(nc, ()):
+                hook(exc)
         if not nc.is_connected and _is_fatal(exc):
             refused.set()
         if "permissions violation" in str(exc).lower():
@@ -237,6 +240,19 @@ def inbox_prefix(cfg: NatsConfig, service: str | None) -> str:
 # Violation for Publish to ..."), which nats-py reports only to the error callback and in
 # last_error, which the next error overwrites.
 _REFUSALS: weakref.WeakKeyDictionary[Client, deque[str]] = weakref.WeakKeyDictionary()
+
+
+# Per connection made by connect(): who is told when nats-py drops messages a subscription
+# could not queue (a slow consumer), which it reports only to the error callback.
+_SLOW_CONSUMER_HOOKS: weakref.WeakKeyDictionary[
+    Client, list[Callable[[nats.errors.SlowConsumerError], None]]
+] = weakref.WeakKeyDictionary()
+
+
+def on_slow_consumer(nc: Client, hook: Callable[[nats.errors.SlowConsumerError], None]) -> None:
+    """Call ``hook`` each time ``nc`` (made by :func:`connect`) drops messages of one of its
+    subscriptions for being too slow to take them."""
+    _SLOW_CONSUMER_HOOKS.setdefault(nc, []).append(hook)
 
 
 def refused_publishes(nc: Client) -> list[str]:

@@ -50,6 +50,11 @@ class ChunkSequencer:
         self.finished = False
         self._early: dict[int, Chunk] = {}
 
+    @property
+    def holding_gap(self) -> bool:
+        """Chunks arrived past one that has not (yet): lost, or only late."""
+        return bool(self._early)
+
     def feed(self, chunk: Chunk) -> list[Chunk]:
         """Chunks to deliver now (possibly none), trimmed to what is new.
 

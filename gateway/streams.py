@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -51,6 +52,7 @@ from common.errors import (
     RequestGivenUpError,
     ServiceUnavailableError,
 )
+from common.nats import on_slow_consumer
 from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprobs, Usage
 from common.recent_ids import RecentIds
 from common.sequencer import ChunkSequencer, DecodeTail
@@ -69,6 +71,9 @@ ABORT_FLUSH_S = 2.0  # how long a stopping gateway waits for its queued aborts t
 # A streaming client whose socket takes nothing for this long is cut off, whatever its
 # deadline (a day at most, its own to choose): it held an admission slot all that time.
 WRITE_STALL_S = 30.0
+# A gap in a stream's chunks still open this long reads as chunks lost (not only late): the
+# workers are asked to resync (Dispatcher.on_lost_chunks).
+GAP_RESYNC_S = 0.5
 
 
 def sse_event(obj: Any) -> bytes:
@@ -159,6 +164,10 @@ class ResponseStream:
             delivery = Delivery(c.token_ids, c.text, c.logprobs, c.top_logprobs, c.finish_reason)
             delivery.usage, delivery.stop_reason = c.usage, c.stop_reason
             self._push(delivery)
+
+    @property
+    def holding_gap(self) -> bool:
+        return not self.finished and self._seq.holding_gap
 
     def fail(self, error: QosError) -> None:
         """End the stream with ``error`` (the reader raises or sends it as an SSE event)."""
@@ -350,9 +359,34 @@ class Dispatcher:
         # is told so, rather than met with silence that a live gateway's worker must read
         # as "busy, hand it back" until JetStream gives up and keeps it for good.
         self._closed = RecentIds(ttl_s=CLOSED_TTL_S, max_size=CLOSED_MAX)
+        # Told when chunks may have been lost without a reconnect, which nothing else would
+        # recover (the worker acked: no redelivery): the app asks the workers to resync.
+        self.on_lost_chunks: Callable[[], None] | None = None
+        self._gap_checks: set[str] = set()  # streams with a gap check pending
+
+    def _lost_chunks(self) -> None:
+        if self.on_lost_chunks is not None:
+            self.on_lost_chunks()
+
+    def _watch_gap(self, request_id: str) -> None:
+        if request_id not in self._gap_checks:
+            self._gap_checks.add(request_id)
+            asyncio.get_running_loop().call_later(GAP_RESYNC_S, self._check_gap, request_id)
+
+    def _check_gap(self, request_id: str) -> None:
+        self._gap_checks.discard(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.holding_gap:
+            self._lost_chunks()
+            self._watch_gap(request_id)  # still there later: ask again (rate-limited)
+
+    def _on_slow_consumer(self, exc: nats.errors.SlowConsumerError) -> None:
+        if exc.subject.startswith(f"{self._subjects.prefix}.out."):
+            self._lost_chunks()
 
     async def start(self, on_failure: Callable[[str], None] | None = None) -> None:
         """Subscribe and start the abort and delete loops (``on_failure``: told if one dies)."""
+        on_slow_consumer(self._nc, self._on_slow_consumer)
         prefix = self._subjects.prefix
         self._subs = [
             await self._nc.subscribe(f"{prefix}.out.*", cb=self._on_out),
@@ -442,6 +476,8 @@ class Dispatcher:
             stream.fail(InternalError(f"undecodable chunk from the worker: {exc.message}"))
             return
         stream.feed(chunk)
+        if stream.holding_gap:
+            self._watch_gap(stream.request_id)
 
     async def _on_resume(self, msg: Msg) -> None:
         request_id = msg.subject[self._resume_prefix :]

@@ -39,3 +39,22 @@ async def test_no_beat_is_queued_while_the_link_is_down() -> None:
         assert after and after[0] == b"1" and set(after) == {b"1"}
     finally:
         await beat.stop()
+
+
+async def test_a_resync_asked_for_is_beaten_at_once_as_a_new_count_at_most_once_a_second() -> None:
+    """Chunks lost without a reconnect: the count a beat carries changes all the same, and
+    workers resend what the gateway lacks; a burst of asks is one resync."""
+    link = FakeLink()
+    beat = Heartbeat(link, Subjects(), "gw-a", interval_s=30.0)  # no beat due by time
+    await beat.start()
+    try:
+        assert link.sent == [b"0"]
+        beat.request_resync()
+        beat.request_resync()  # the same second: one resync
+        await asyncio.sleep(0.3)
+        assert link.sent == [b"0", b"1"]
+        link.stats["reconnects"] = 1  # a reconnect later: still a change
+        await asyncio.sleep(0.3)
+        assert link.sent == [b"0", b"1", b"2"]
+    finally:
+        await beat.stop()

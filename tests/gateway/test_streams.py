@@ -12,11 +12,20 @@ import httpx
 import nats.errors
 import pytest
 
+from common import nats as qnats
 from common.config import NatsConfig
 from common.errors import DeadlineExceededError, RateLimitError
-from common.protocol import Chunk, Control, ErrorInfo, ResumeQuery, ResumeReply, Usage
+from common.protocol import (
+    Chunk,
+    Control,
+    ErrorInfo,
+    ResumeQuery,
+    ResumeReply,
+    Usage,
+    heartbeat_reconnects,
+)
 from common.subjects import Subjects
-from gateway.streams import Delivery, ResponseStream, SseResponse
+from gateway.streams import Delivery, Dispatcher, ResponseStream, SseResponse
 from tests.gateway.conftest import MODEL, gateway_config, serve
 from tests.gateway.fake_worker import Job, alphabet_tokens, running_worker
 
@@ -176,6 +185,76 @@ async def test_redelivered_request_resumes_and_the_client_sees_every_token_once(
         assert (supersede.action, supersede.attempt) == ("supersede", 2)
         assert supersede.request_id == replies[0].id
     assert len(supersedes) == 2
+
+
+async def test_a_gap_that_stays_open_asks_the_workers_to_resync_and_is_filled(
+    nats_config: NatsConfig,
+):
+    """A chunk lost without a reconnect (nats-py dropping a slow consumer's messages, a
+    cluster route flapping): the worker had acked, nothing resent it, and the stream waited
+    for its deadline. A gap held past GAP_RESYNC_S bumps the count the gateway's heartbeat
+    carries, which workers answer by resending what the gateway lacks."""
+    subjects = Subjects(nats_config.subject_prefix)
+    ids = alphabet_tokens(9)
+    counts: list[int | None] = []
+
+    async def lose_one_resend_on_resync(job: Job) -> None:
+        beats = await job.worker.nc.subscribe(subjects.gateway_heartbeat_wildcard)
+        await job.send(0, ids[0:3])
+        usage = Usage(len(job.request.prompt_token_ids), 9, 0)
+        await job.send(6, ids[6:9], finish_reason="length", usage=usage)  # 3..5 lost
+        while not counts or not counts[-1]:  # the gateway asks for a resync
+            counts.append(heartbeat_reconnects((await beats.next_msg(timeout=5)).data))
+        await job.send(3, ids[3:6])  # what a worker's resync resends
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=lose_one_resend_on_resync),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        started = time.monotonic()
+        reply = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 9}
+        )
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "abcdefghi"
+    assert counts[-1] == 1 and time.monotonic() - started < 5  # not the 120 s deadline
+
+
+async def test_a_slow_consumer_on_the_out_subjects_is_taken_as_chunks_lost(
+    nats_config: NatsConfig,
+) -> None:
+    """nats-py drops what overflows a subscription's queue and only tells the error
+    callback: the connection's hooks hear of it, and the dispatcher asks for a resync only
+    for its chunks' subjects."""
+    nc = await qnats.connect(nats_config, "slow-consumer-test")
+    try:
+        dropped: list[nats.errors.SlowConsumerError] = []
+        qnats.on_slow_consumer(nc, dropped.append)
+        release = asyncio.Event()
+
+        async def stuck(msg: Any) -> None:
+            await release.wait()
+
+        await nc.subscribe("slow.test", cb=stuck, pending_msgs_limit=1)
+        for _ in range(5):
+            await nc.publish("slow.test", b"x")
+        deadline = time.monotonic() + 5
+        while not dropped and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        release.set()
+        assert dropped and dropped[0].subject == "slow.test"
+    finally:
+        await nc.close()
+    subjects = Subjects(nats_config.subject_prefix)
+    dispatcher = Dispatcher(None, subjects, 1 << 20)  # type: ignore[arg-type]
+    lost: list[bool] = []
+    dispatcher.on_lost_chunks = lambda: lost.append(True)
+    other = nats.errors.SlowConsumerError("other.subject", "", 1, None)  # type: ignore[arg-type]
+    ours = nats.errors.SlowConsumerError(subjects.out("r1"), "", 1, None)  # type: ignore[arg-type]
+    dispatcher._on_slow_consumer(other)
+    assert lost == []
+    dispatcher._on_slow_consumer(ours)
+    assert lost == [True]
 
 
 async def test_worker_error_before_output_is_an_http_status(nats_config: NatsConfig):
