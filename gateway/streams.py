@@ -408,6 +408,15 @@ class Dispatcher:
                 await sub.unsubscribe()
             except Exception:  # the connection may be closing already
                 log.debug("unsubscribe failed", exc_info=True)
+        # Streams still open (no server cut them first: a bare uvicorn, a test) are ended
+        # below, after which their handlers find them closed and abort nothing: abort them
+        # here, while the abort loop still runs.
+        for stream in self._streams.values():
+            if not stream.worker_done:
+                self._aborts.put_nowait(
+                    (stream.group, stream.request_id, "gateway stopping", stream.stream_seq,
+                     self._epoch)
+                )  # fmt: skip
         if self._abort_task is not None:
             # Let queued aborts go out first: workers free their KV blocks on them. Bounded:
             # a stalled link still looks connected, and nothing bounds a lifespan shutdown.

@@ -257,6 +257,28 @@ async def test_a_slow_consumer_on_the_out_subjects_is_taken_as_chunks_lost(
     assert lost == [True]
 
 
+async def test_a_stopping_dispatcher_aborts_the_streams_still_open(nats_config: NatsConfig):
+    """It ended them and forgot them: their handlers then found them closed, so no abort
+    went out, and their workers ran them on for nobody, their KV blocks held."""
+    nc = await qnats.connect(nats_config, "dispatcher-stop-test")
+    try:
+        subjects = Subjects(nats_config.subject_prefix)
+        aborts = await nc.subscribe(subjects.abort("short"))
+        dispatcher = Dispatcher(nc, subjects, 1 << 20)
+        await dispatcher.start()
+        running = dispatcher.open("r-running", "short", lambda delivered, new: "")
+        done = dispatcher.open("r-done", "short", lambda delivered, new: "")
+        done.worker_done = True  # its worker ended it: nothing to abort
+        await dispatcher.stop()
+        control = Control.from_bytes((await aborts.next_msg(timeout=2)).data)
+        assert (control.action, control.request_id) == ("abort", "r-running")
+        with pytest.raises(nats.errors.TimeoutError):
+            await aborts.next_msg(timeout=0.3)
+        assert running.finished and dispatcher.open_streams == 0
+    finally:
+        await nc.close()
+
+
 async def test_worker_error_before_output_is_an_http_status(nats_config: NatsConfig):
     async def too_long(job: Job) -> None:
         await job.send(0, [], error=ErrorInfo(code="context_length_exceeded", message="too long"))
