@@ -48,6 +48,7 @@ class BreakerPass:
     """Leave for one call, from :meth:`CircuitBreaker.allow`; its answer goes back with it."""
 
     epoch: int  # the breaker's state change it was given under
+    issued: float = 0.0  # the breaker's clock when it was given
 
 
 class CircuitBreaker:
@@ -56,7 +57,9 @@ class CircuitBreaker:
 
     An answer counts only in the state its call was let through in: a slow call from
     before the breaker opened must not close it (nor keep it open longer), and while it is
-    half-open only the probe decides.
+    half-open only the probe decides. Failures of calls that were in flight together count
+    once: one stall of the server (a fork, a slow command) failed every call it held, and
+    two writer threads' sub-batches opened the breaker, which one failure does not.
 
     Thread-safe: :class:`kvstore.tiers.KVTiers` calls it from the engine thread (lookups,
     loads) and its writer threads (stores); :class:`RedisTier` from its event loop."""
@@ -81,6 +84,7 @@ class CircuitBreaker:
         self._reopen_at = 0.0
         self._probing = False
         self._epoch = 0  # state changes so far: which passes still count
+        self._failed_at = float("-inf")  # when the last counted failure came
         self._lock = threading.Lock()
 
     def rejecting(self) -> bool:
@@ -97,12 +101,12 @@ class CircuitBreaker:
 
     def _allow(self) -> BreakerPass | None:
         if self.state == self.CLOSED:
-            return BreakerPass(self._epoch)
+            return BreakerPass(self._epoch, self.clock())
         if self.state == self.OPEN and self.clock() >= self._reopen_at:
             self._enter(self.HALF_OPEN)
         if self.state == self.HALF_OPEN and not self._probing:
             self._probing = True
-            return BreakerPass(self._epoch)
+            return BreakerPass(self._epoch, self.clock())
         return None
 
     def _enter(self, state: str) -> None:
@@ -139,10 +143,14 @@ class CircuitBreaker:
         """A call failed; ``cause`` (an exception or text) goes into the warning when the
         breaker opens: the failures themselves are logged quietly, one per call."""
         with self._lock:
-            if self._counts(leave):
-                self._failure(cause)
+            if not self._counts(leave):
+                return
+            if leave is not None and self.state == self.CLOSED and leave.issued < self._failed_at:
+                return  # in flight with the failure counted last: the same stall
+            self._failure(cause)
 
     def _failure(self, cause: object = None) -> None:
+        self._failed_at = self.clock()
         self._failures += 1
         if self.state == self.HALF_OPEN or self._failures >= self.failures_to_open:
             if self.state == self.HALF_OPEN:

@@ -250,6 +250,23 @@ def test_only_answers_of_calls_let_through_in_the_current_state_move_the_breaker
     assert b.state == "open"
 
 
+def test_calls_in_flight_together_that_fail_count_as_one_failure() -> None:
+    """One stall of the server (a fork for a snapshot, a slow command) failed both writer
+    threads' sub-batches at once: two "consecutive" failures, and the breaker opened on
+    one event, every lookup and load missing meanwhile."""
+    now = [0.0]
+    b = CircuitBreaker(failures_to_open=2, open_s=1.0, clock=lambda: now[0])
+    first, second = b.allow(), b.allow()  # two writers' sub-batches, in flight together
+    now[0] = 0.5  # the stall ends both by the socket timeout
+    b.failure(first)
+    b.failure(second)
+    assert b.state == "closed"
+    later = b.allow()  # issued after that failure: a failure of its own
+    now[0] = 1.0
+    b.failure(later)
+    assert b.state == "open"
+
+
 def test_a_value_longer_than_a_block_is_a_counted_miss_and_loads_go_on(
     tiers: KVTiers, redis_config: RedisConfig
 ) -> None:
