@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import numpy as np
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from common.config import RedisConfig
 from common.logging import redact_url
@@ -54,6 +54,10 @@ T = TypeVar("T")
 _Fetched = tuple[list[memoryview], bool, int]  # views, all of them, corrupt values
 # Failures the breaker counts: the server or the network, not a bad value.
 _FAILURES = (RedisError, OSError)
+# Replies of a server that refuses writes but serves reads (a read-only replica, a primary
+# that cannot persist or reach its replicas, one out of memory under noeviction, an ACL
+# user without write commands).
+WRITE_REFUSALS = ("READONLY", "MISCONF", "NOREPLICAS", "OOM", "NOPERM")
 # The longest one prefix load may hold an engine step (see KVTiers.load_budget_s): well
 # under the worker's stuck-engine limit (--engine-stuck-s, 60 s) with a few in one step.
 MAX_LOAD_S = 10.0
@@ -263,12 +267,17 @@ class KVTiers:
         paused = self._stores_refused()
 
         def ask(conn: BulkConnection) -> tuple[list[bool], str]:
-            if paused:  # writes are refused: no EXPIRE to be refused as well
-                return conn.exists_many(keys)
-            found, refusal = conn.expire_many(keys, ttl)
-            if refusal:  # a replica, or a primary refusing writes: it still answers reads
-                return conn.exists_many(keys)[0], refusal
-            return found, ""
+            refusal = ""
+            if not paused:  # writes are refused: no EXPIRE to be refused as well
+                found, refusal = conn.expire_many(keys, ttl)
+                if not refusal:
+                    return found, ""
+                if not refusal.startswith(WRITE_REFUSALS):  # NOAUTH and the like: a failure
+                    raise ResponseError(refusal)
+            found, failed = conn.exists_many(keys)  # a read: replicas answer it
+            if failed:
+                raise ResponseError(failed)
+            return found, refusal
 
         try:
             keys = [self.identity.key(h) for h in hashes]
