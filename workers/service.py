@@ -928,7 +928,13 @@ class WorkerService:
         if self.nc is not None:
             self._resync.tick(self.nc, list(self._inflight.values()))
         if time.monotonic() - self._ack_wait_checked >= CONSUMER_CHECK_S:
-            await self._check_ack_wait()
+            # A task of its own: a JetStream API call that stalls (up to its 5 s timeout)
+            # held up this tick's deadlines and health checks, and the next in_progress.
+            self._ack_wait_checked = time.monotonic()
+            task = asyncio.create_task(self._check_ack_wait(), name="ack-wait-check")
+            task.add_done_callback(_log_failure)
+            self._tasks = [t for t in self._tasks if not t.done()]
+            self._tasks.append(task)
         now_ms = time.time() * 1000
         for st in list(self._inflight.values()):
             if self._inflight.get(st.request.id) is not st:

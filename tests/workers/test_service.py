@@ -837,6 +837,25 @@ async def test_in_progress_follows_the_consumers_ack_wait_as_the_server_has_it(
     assert info.num_redelivered == 0  # never redelivered
 
 
+async def test_a_stalled_consumer_info_call_does_not_hold_up_the_ticks(
+    start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ack_wait check awaited JetStream's consumer_info inside the tick: a stalled
+    JetStream API (5 s timeout) held up the tick's deadline and health checks and the next
+    in_progress signals, which a short ack_wait does not survive."""
+    service = await start_worker()
+    stalled = asyncio.Event()
+
+    async def stall(*args: Any, **kwargs: Any) -> Any:
+        stalled.set()
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(service.js, "consumer_info", stall)
+    service._ack_wait_checked = 0.0  # due now
+    await asyncio.wait_for(service._tick_checks(), 1)  # returned while the call stalls
+    await asyncio.wait_for(stalled.wait(), 1)
+
+
 class HungSim(SimEngine):
     """A device that hangs: once a request has 2 tokens, ``step`` blocks until released."""
 
