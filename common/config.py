@@ -712,6 +712,8 @@ class GatewayConfig(_Strict):
     default_deadline_ms: int = Field(
         120_000,
         ge=100,
+        # The request stream keeps a message 25 h (max_age): a longer deadline outlived it.
+        le=24 * 3600 * 1000,
         description=(
             "Deadline in milliseconds for a request that sets none; the request is stopped when "
             "it passes. Raise it for long generations."
@@ -1212,9 +1214,11 @@ class Config(_Strict):
             raise ValueError("at least one instance group is required")
         for name, group in self.groups.items():
             bare = name.replace("-", "").replace("_", "")
-            if not (bare.isascii() and bare.isalnum()):
+            if not (bare.isascii() and bare.isalnum()) or len(name) > 128:
                 # A NATS token, and an HTTP header's value (X-QoS-Group is latin-1).
-                raise ValueError(f"group name {name!r} must be ASCII letters, digits, - and _")
+                raise ValueError(
+                    f"group name {name[:40]!r} must be 1-128 ASCII letters, digits, - and _"
+                )
             if group.fallback is not None and group.fallback not in self.groups:
                 raise ValueError(f"groups.{name}.fallback names unknown group {group.fallback!r}")
             if group.fallback == name:

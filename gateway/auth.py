@@ -16,7 +16,8 @@ returns them, and classification and admission keep its requests inside them (40
 ``permission_denied`` for a group it names and may not use).
 
 ``gateway.api_key_min_priority`` bounds how urgent a key's requests may say they are
-(:meth:`KeyGrant.check_priority`: 403 ``priority_not_allowed`` beyond it): a key asking for
+(:meth:`KeyGrant.priority`: 403 ``priority_not_allowed`` beyond it; a request naming none
+runs at the floor when that is above 0): a key asking for
 the most urgent priority was served before every other tenant's requests in its group and
 made their running ones the preemption victims.
 
@@ -50,15 +51,21 @@ class KeyGrant:
     cache_namespace: str = ""
     min_priority: int | None = None  # the most urgent priority it may ask for; None: any
 
-    def check_priority(self, priority: int) -> None:
-        """403 ``priority_not_allowed`` for a priority more urgent than the key's floor."""
-        if self.min_priority is not None and priority < self.min_priority:
+    def priority(self, asked: int | None) -> int:
+        """The priority a request of this key runs at: what it asked for (0 if nothing, or
+        the key's floor when that is above 0), or 403 ``priority_not_allowed`` for one more
+        urgent than the floor."""
+        floor = self.min_priority
+        if asked is None:
+            return 0 if floor is None else max(0, floor)
+        if floor is not None and asked < floor:
             raise PermissionDeniedError(
-                f"this API key may not ask for priority {priority} (lower is more urgent; "
-                f"the most urgent it may ask for is {self.min_priority})",
+                f"this API key may not ask for priority {asked} (lower is more urgent; "
+                f"the most urgent it may ask for is {floor})",
                 code="priority_not_allowed",
                 param="priority",
             )
+        return asked
 
 
 OPEN_GRANT = KeyGrant()

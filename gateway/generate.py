@@ -173,7 +173,7 @@ class Generator:
             )
             body.check_fields()
             self.check_model(body.model)
-            grant.check_priority(body.priority or 0)
+            priority = grant.priority(body.priority)
             logprobs = body.top_logprobs_count()
             prompt_ids, prompt_param = await self.prompt_ids(
                 body, big=len(raw) > INLINE_TOKENIZE_CHARS
@@ -251,7 +251,9 @@ class Generator:
             if self._log_prompts:
                 log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
             salt = prefix_cache_salt(grant.cache_namespace, body.cache_salt)
-            await self._publish(flight, body, prompt_ids, classified.max_tokens, request, salt)
+            await self._publish(
+                flight, body, prompt_ids, classified.max_tokens, request, salt, priority
+            )
             first = await self._next(flight, request)
             if first.error is not None:
                 raise first.error
@@ -431,6 +433,7 @@ class Generator:
         max_tokens: int,
         request: Request,
         cache_salt: str,
+        priority: int,
     ) -> None:
         now_ms = int(time.time() * 1000)
         # The worker's deadline is the gateway's, not a fresh one from now.
@@ -444,7 +447,7 @@ class Generator:
             model=self._model,
             prompt_token_ids=prompt_ids,
             params=params,
-            priority=body.priority or 0,
+            priority=priority,
             deadline_ms=deadline_at_ms,
             created_ms=now_ms,
             origin=self._origin,

@@ -61,6 +61,8 @@ def test_groups_can_replace_the_defaults(tmp_path: Path) -> None:
         ({"QOS_GROUPS__SHORT__POLICY": "fifo"}, "groups.short.policy"),
         ({"QOS_GROUPS__SHORT__FALLBACK": "nowhere"}, "unknown group 'nowhere'"),
         ({"QOS_GATEWAY__PORT": "70000"}, "gateway.port"),
+        # Past the request stream's 25 h max_age: dropped while queued, without a word.
+        ({"QOS_GATEWAY__DEFAULT_DEADLINE_MS": "200000000"}, "gateway.default_deadline_ms"),
         ({"QOS_NATS__SUBJECT_PREFIX": "a.b"}, "nats.subject_prefix"),
         ({"QOS_NATS____URL": "x"}, "empty key segment"),
         (
@@ -132,6 +134,9 @@ def test_group_names_are_ascii_tokens():
     with pytest.raises(ValueError, match="ASCII"):
         Config(groups={"быстро": group})
     assert "fast-1_a" in Config(groups={"fast-1_a": group}).groups
+    # Longer than a NATS contract token (128): it passed here and failed building subjects.
+    with pytest.raises(ValueError, match="1-128"):
+        Config(groups={"g" * 129: group})
 
 
 @pytest.mark.parametrize(

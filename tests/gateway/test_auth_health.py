@@ -293,16 +293,18 @@ async def test_a_key_with_a_priority_floor_gets_403_for_a_more_urgent_priority(
     config = gateway_config(
         nats_config,
         api_key_sha256=[key_digest(KEY), key_digest(team)],
-        api_key_min_priority={key_digest(team): 0},
+        api_key_min_priority={key_digest(team): 2},
     )
     async with serve(config) as gw, running_worker(nats_config, "short") as worker:
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=team, max_retries=0)
         allowed = await client.completions.create(
             model=MODEL, prompt="hi", max_tokens=3, extra_body={"priority": 5}
         )
+        # Naming none, it runs at its floor (a floor above 0 refused such requests).
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
         with pytest.raises(openai.PermissionDeniedError) as refused:
             await client.completions.create(
-                model=MODEL, prompt="hi", max_tokens=3, extra_body={"priority": -1}
+                model=MODEL, prompt="hi", max_tokens=3, extra_body={"priority": 1}
             )
         trusted = openai.AsyncOpenAI(base_url=gw.base_url, api_key=KEY, max_retries=0)
         await trusted.completions.create(
@@ -312,7 +314,7 @@ async def test_a_key_with_a_priority_floor_gets_403_for_a_more_urgent_priority(
     assert refused.value.body["code"] == "priority_not_allowed"  # type: ignore[index]
     assert refused.value.body["param"] == "priority"  # type: ignore[index]
     # The refused one never reached a worker.
-    assert [job.request.priority for job in worker.jobs] == [5, -1]
+    assert [job.request.priority for job in worker.jobs] == [5, 2, -1]
 
 
 def test_api_key_min_priority_must_name_configured_keys():
