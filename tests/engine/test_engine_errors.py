@@ -198,3 +198,27 @@ def test_an_fp8_cache_on_a_gpu_without_fp8_is_refused_by_name(
     check_fp8_support("torch", "fp8_e4m3", torch.device("cpu"))  # the torch path casts itself
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_fp8_support("triton", "fp8_e4m3", cuda)
+
+
+def test_an_engine_on_a_gpu_makes_that_gpu_current_before_it_builds_anything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The current device is per thread and Triton launches on the current device's stream:
+    a worker builds its engine on a pool thread, still on cuda:0, so an engine for cuda:1
+    ran its profile and warm-up kernels on cuda:0's stream with cuda:1's pointers."""
+    import workers.engine.engine as engine_module
+
+    made_current: list[torch.device] = []
+
+    class Built(Exception):
+        pass
+
+    def set_device(device: torch.device) -> None:
+        made_current.append(device)
+        raise Built  # nothing else to build here: no GPU
+
+    monkeypatch.setattr(engine_module, "resolve_device", lambda name: torch.device("cuda:1"))
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    with pytest.raises(Built):
+        LLMEngine(EngineArgs("dummy:tiny", device="cuda:1"))
+    assert made_current == [torch.device("cuda:1")]

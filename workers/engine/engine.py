@@ -80,6 +80,12 @@ class LLMEngine:
         args.validate()
         self.args = args
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda":
+            # The current device is per thread, and Triton launches on the current device's
+            # stream whatever its tensors' device: built on cuda:1 from a thread still on
+            # cuda:0 (a worker builds on a pool thread), the profile's and the warm-up's
+            # kernels went to cuda:0's stream with cuda:1 pointers.
+            torch.cuda.set_device(self.device)
         self.model_config = load_model_config(args.model)
         self.dtype = resolve_dtype(args.dtype, self.device, self.model_config.checkpoint_dtype)
         self.backend = resolve_backend(args.backend, self.device)

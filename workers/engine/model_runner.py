@@ -418,11 +418,13 @@ class ModelRunner:
                 )
                 bufs["hidden"][:bs].copy_(hidden)
 
-            with torch.inference_mode():
+            with torch.inference_mode(), torch.cuda.device(dev):
                 run()  # compile / autotune the kernels outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # A capture stream of the engine's device: torch.cuda.graph's default is one
+                # stream made once, on whichever device was current then, for every engine.
+                with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(dev)):
                     run()
             pool = graph.pool()
             self._graphs[bs] = graph
