@@ -199,6 +199,7 @@ def test_abandon_never_aborts_a_connection_its_job_has_already_given_back() -> N
     gave its connection back to the pool, and the abort then cut another borrower's command."""
     borrowers = Borrowers()
     events: list[str] = []
+    threads: list[threading.Thread] = []
 
     class Conn:
         def abort(self) -> None:
@@ -206,6 +207,7 @@ def test_abandon_never_aborts_a_connection_its_job_has_already_given_back() -> N
             leaving = threading.Thread(
                 target=lambda: (borrowers.leave(self), events.append("left"))
             )  # type: ignore[arg-type]
+            threads.append(leaving)
             leaving.start()
             leaving.join(0.3)
             events.append("aborted")
@@ -213,5 +215,5 @@ def test_abandon_never_aborts_a_connection_its_job_has_already_given_back() -> N
     conn = Conn()
     borrowers.enter(conn)  # type: ignore[arg-type]
     borrowers.abandon()
-    time.sleep(0.05)  # the job's leave, once abandon lets it
+    threads[0].join(5)  # the job's leave, once abandon lets it
     assert events == ["aborted", "left"]
