@@ -34,6 +34,15 @@ async def _closed(reader: asyncio.StreamReader) -> bool:
     return await asyncio.wait_for(reader.read(), 10) == b""
 
 
+async def _refused(reader: asyncio.StreamReader, status: bytes, code: str, setting: str) -> None:
+    """The server answered ``status`` in OpenAI's error shape naming ``setting``, then closed."""
+    line, body = await _answer(reader)
+    assert line == status
+    assert body["error"]["code"] == code
+    assert setting in body["error"]["message"]
+    assert await _closed(reader)
+
+
 async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     parsed = httpx.URL(url)
     assert parsed.host and parsed.port
@@ -51,11 +60,10 @@ async def test_a_request_head_over_the_limit_gets_431_before_the_key_is_checked(
             reader, writer = await _connect(gw.url)
             writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + headers)  # no end yet
             await writer.drain()
-            status, body = await _answer(reader)
-            assert status == b"HTTP/1.1 431 Request Header Fields Too Large"
-            assert body["error"]["code"] == "request_header_fields_too_large"
-            assert "gateway.max_header_bytes" in body["error"]["message"]
-            assert await _closed(reader)
+            await _refused(
+                reader, b"HTTP/1.1 431 Request Header Fields Too Large",
+                "request_header_fields_too_large", "gateway.max_header_bytes",
+            )  # fmt: skip
             writer.close()
         # A head within the limit is served as before (here: 401, no key sent).
         async with httpx.AsyncClient(base_url=gw.url) as http:
@@ -87,11 +95,9 @@ async def test_a_head_that_trickles_past_the_timeout_gets_408_and_is_closed(
         for _ in range(3):  # bytes keep coming, the head never ends
             await asyncio.sleep(0.2)
             writer.write(b"X: y\r\n")
-        status, body = await _answer(reader)
-        assert status == b"HTTP/1.1 408 Request Timeout"
-        assert body["error"]["code"] == "request_timeout"
-        assert "gateway.header_timeout_s" in body["error"]["message"]
-        assert await _closed(reader)
+        await _refused(
+            reader, b"HTTP/1.1 408 Request Timeout", "request_timeout", "gateway.header_timeout_s"
+        )
         writer.close()
 
         # Timed again on a kept-alive connection, once its response has ended.
