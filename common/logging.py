@@ -63,10 +63,20 @@ def bind_request(request_id: str | None) -> None:
     _REQUEST_ID.set(request_id)
 
 
-def about(request_id: str) -> dict[str, Any]:
+def bound_request() -> str | None:
+    """The request id :func:`bind_request` set in this context, if any."""
+    return _REQUEST_ID.get()
+
+
+def about(request_id: str, span: tuple[int, int] | None = None) -> dict[str, Any]:
     """``extra=`` of a log line about one request, written outside the task bound to it
-    (the engine's output, a tick, a control): its ``request_id`` field all the same."""
-    return {"fields": {"request_id": request_id}}
+    (the engine's output, a tick, a control): its ``request_id`` field all the same, and
+    its span's ``trace_id``/``span_id`` when given, so the line joins its trace."""
+    fields: dict[str, Any] = {"request_id": request_id}
+    if span is not None:
+        fields["trace_id"] = format(span[0], "032x")
+        fields["span_id"] = format(span[1], "016x")
+    return {"fields": fields}
 
 
 def bind_trace(trace_id: int, span_id: int) -> Token[tuple[int, int] | None]:
@@ -162,9 +172,12 @@ class TextFormatter(logging.Formatter):
         extra = getattr(record, "fields", None)
         ctx = context_fields()
         if isinstance(extra, dict) and extra:
-            if "request_id" in extra:  # a tag, as a bound request's (its message names it too)
+            if "request_id" in extra or "trace_id" in extra:  # tags, as a bound request's
                 extra = dict(extra)
-                ctx["request_id"] = str(extra.pop("request_id"))
+                for key in ("request_id", "trace_id"):
+                    if key in extra:
+                        ctx[key] = str(extra.pop(key))
+                extra.pop("span_id", None)  # text lines name the trace only
             if extra:
                 line += " " + " ".join(
                     f"{k}={str(v).translate(_CONTROLS)}" for k, v in extra.items()

@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 
 # OpenTelemetry GenAI semantic conventions (gen_ai.*) and this project's own (qos.*).
 OPERATION = "gen_ai.operation.name"
+# Who serves the model (GenAI semconv, required): no well-known value fits a self-hosted
+# server, so its own name, as the conventions allow.
+PROVIDER = "gen_ai.provider.name"
+PROVIDER_NAME = "qosserve"
 REQUEST_MODEL = "gen_ai.request.model"
 MAX_TOKENS = "gen_ai.request.max_tokens"
 TEMPERATURE = "gen_ai.request.temperature"

@@ -56,7 +56,7 @@ from gateway.auth import ApiKeys, KeyGrant
 from gateway.classifier import GROUP_HEADER, permitted_group
 from gateway.generate import ClientGone, Generator
 from gateway.metrics import GatewayMetrics
-from gateway.observe import ObserveMiddleware
+from gateway.observe import ObserveMiddleware, log_unhandled, quiet_server_duplicates
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from gateway.responses import Kind
 from gateway.server import DispatcherRef
@@ -220,6 +220,7 @@ def create_app(
 
     app = FastAPI(title="qosserve gateway", version="0.1.0", lifespan=lifespan, **_no_native_otel())
     app.state.gateway = state
+    quiet_server_duplicates()
     if tracer is not None or config.log.access_log:
         app.add_middleware(ObserveMiddleware, tracer=tracer, access_log=config.log.access_log)
     if config.gateway.cors_allow_origins:  # browser clients: answer their preflights
@@ -457,7 +458,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        log_unhandled(request.scope, exc)
         return error_response(InternalError("internal error in the gateway"))
 
 

@@ -273,7 +273,8 @@ class Generator:
             return response
         except ClientGone:
             self._land(flight, status=499)
-            return Response(status_code=499)
+            # Nobody reads it, but the access log does: the request's id and group.
+            return Response(status_code=499, headers=flight.headers)
         except QosError as exc:
             self._land(flight, status=exc.http_status)
             if self._tracer is not None:

@@ -18,6 +18,7 @@ duration and request id; never a body, a query string or a header value. ``/heal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -27,12 +28,15 @@ from opentelemetry import context, trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.logging import bind_trace, unbind_trace
+from common.logging import bind_trace, bound_request, unbind_trace
 from common.trace_context import RemoteParent, Unsampled, parse
 from gateway import tracing as traced
 from gateway.tracing import SCOPE_KEY, ServerCall
 
 access = logging.getLogger("qosserve.access")
+log = logging.getLogger(__name__)
+# Set on an exception whose traceback is logged, so the app's 500 handler does not log it twice.
+LOGGED = "_qos_logged"
 _QUIET = ("/health", "/metrics")
 
 
@@ -91,6 +95,9 @@ class ObserveMiddleware:
                 span.failed(exc)
             elif span is not None:
                 span.record_exception(exc)
+            # Its traceback, here while the request's trace id is still bound: the app's
+            # handler for it runs outside this middleware, after the unbind.
+            log_unhandled(scope, exc)
             raise
         finally:
             status = seen["status"]
@@ -128,12 +135,41 @@ class ObserveMiddleware:
             "status": status,
             "group": seen.get("x-qos-group", "-"),
             "duration_ms": duration_ms,
-            "request_id": seen.get("x-request-id", "-"),
         }
+        # The answer's id, else the one the request was bound to (common.logging): a "-"
+        # here hid the bound id of an answer without the header (a 499, say).
+        fields["request_id"] = seen.get("x-request-id") or bound_request() or "-"
         access.log(
             level, "%s %s %d %.1fms", scope["method"], path, status, duration_ms,
             extra={"fields": fields},
         )  # fmt: skip
+
+
+def log_unhandled(scope: Scope, exc: BaseException) -> None:
+    """A bug's traceback, once per exception, with the request's ids (the 500 handler of
+    ``gateway.app`` and this middleware both call it; the first one logs)."""
+    if getattr(exc, LOGGED, False):
+        return
+    log.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+    with contextlib.suppress(AttributeError):  # an exception type with __slots__
+        setattr(exc, LOGGED, True)
+
+
+class _LoggedOnce(logging.Filter):
+    """Drops the server's own "Exception in ASGI application" for an exception already
+    logged by :func:`log_unhandled` (Starlette re-raises it after the 500 so servers can)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not getattr(exc, LOGGED, False)
+
+
+_LOGGED_ONCE = _LoggedOnce()
+
+
+def quiet_server_duplicates() -> None:
+    """One traceback per bug: uvicorn's copy of one we logged is dropped (idempotent)."""
+    logging.getLogger("uvicorn.error").addFilter(_LOGGED_ONCE)
 
 
 def _parent(scope: Scope) -> RemoteParent | None:

@@ -265,7 +265,8 @@ def _request_shared(
     group shares: one set of constants (they replace the middleware's, a subset)."""
     return (
         ("http.request.method", scope["method"]), ("url.path", scope["path"]),
-        (t.OPERATION, OPERATIONS.get(kind, kind)), (t.REQUEST_MODEL, model), (t.GROUP, group),
+        (t.OPERATION, OPERATIONS.get(kind, kind)), (t.PROVIDER, t.PROVIDER_NAME),
+        (t.REQUEST_MODEL, model), (t.GROUP, group),
     )  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from opentelemetry.trace import Span, Tracer
 from prometheus_client import CollectorRegistry
 
 from common.liveness import LoopBeat
-from common.logging import bind_request, bind_trace
+from common.logging import about, bind_request, bind_trace
 from common.metrics import MetricsServer
 from common.protocol import Chunk
 from common.trace_metrics import register_trace_metrics
@@ -40,6 +40,20 @@ from workers.outbox import Flight
 from workers.tracing import Delivery, RequestSpans
 
 log = logging.getLogger(__name__)
+
+
+def about_flight(st: Flight) -> dict[str, Any]:
+    """``extra=`` of a line about ``st`` written outside its fetch task (engine output, a
+    tick, a control): its request id and, when it is sampled, its span's ids."""
+    watch: Watch | None = st.watch
+    span = watch.span if watch is not None else None
+    if isinstance(span, Delivery):
+        return about(st.request.id, (span.trace_id, span.span_id))
+    if span is not None:
+        ctx = span.get_span_context()
+        if ctx.is_valid:
+            return about(st.request.id, (ctx.trace_id, ctx.span_id))
+    return about(st.request.id)
 
 
 @dataclass(slots=True)

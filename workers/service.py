@@ -35,7 +35,6 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
@@ -61,6 +60,7 @@ from common.errors import (
 from common.fence import FenceGuard
 from common.liveness import LoopBeat
 from common.logging import about
+from common.models import served_name
 from common.protocol import (
     Chunk,
     Control,
@@ -93,7 +93,7 @@ from workers.intake import (
     settle,
 )
 from workers.metrics import EngineView
-from workers.observe import WorkerObserver
+from workers.observe import WorkerObserver, about_flight
 from workers.orphans import GatewayWatch
 from workers.outbox import Flight, sampling_params
 from workers.resync import Resync
@@ -198,7 +198,9 @@ class WorkerService:
         self._flight_numbers = itertools.count(1)  # engine ids: see Flight.engine_id
         self.observer = WorkerObserver(
             worker_id=options.worker_id,
-            model=options.model or Path(config.worker.model).name,
+            model=options.model
+            or config.gateway.served_model_name
+            or served_name(config.worker.model),
             view=self._engine_view,
             tracer=tracer_for(tracer_provider, "qosserve.worker"),
         )
@@ -708,10 +710,11 @@ class WorkerService:
                 try:
                     await self._on_event(event)
                 except Exception:
+                    failed = self._flight_of(event)
                     log.exception(
                         "handling engine output for %s failed",
                         event.request_id,
-                        extra=about(event.request_id),
+                        extra=about(event.request_id) if failed is None else about_flight(failed),
                     )
                     await self._output_failed(event)
             now = loop.time()
@@ -752,9 +755,7 @@ class WorkerService:
         try:
             await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
         except Exception:
-            log.exception(
-                "request %s: ending it failed too", st.request.id, extra=about(st.request.id)
-            )
+            log.exception("request %s: ending it failed too", st.request.id, extra=about_flight(st))
             self._forget(st)
             if not getattr(st.msg, "is_acked", False):  # answered and acked: nothing to hand back
                 await self._hand_back(st.msg)  # its caller may have heard nothing
@@ -806,7 +807,7 @@ class WorkerService:
                 log.exception(
                     "request %s: could not rebuild the held-back text",
                     st.request.id,
-                    extra=about(st.request.id),
+                    extra=about_flight(st),
                 )
         if held and self._inflight.get(st.request.id) is not st:
             return  # superseded or handed back meanwhile: its message is not ours to ack
@@ -872,7 +873,7 @@ class WorkerService:
                 "request %s: publishing a chunk failed: %s",
                 st.request.id,
                 exc,
-                extra=about(st.request.id),
+                extra=about_flight(st),
             )
 
     # --- periodic work -------------------------------------------------------------------
@@ -956,7 +957,7 @@ class WorkerService:
                 log.error("request %s: the engine has not stopped it %.0f s after its "
                           "deadline%s; answering from the event loop", st.request.id,
                           ENGINE_STUCK_S, " (one step still running)" if mid_step else "",
-                          extra=about(st.request.id))  # fmt: skip
+                          extra=about_flight(st))  # fmt: skip
                 await self._send_error(st, st.error)
                 if not mid_step:
                     self._engine_failed("it did not act on an abort")
@@ -1013,7 +1014,7 @@ class WorkerService:
             st.orphaned = True
             log.warning(
                 "request %s: gateway %s silent for %.1fs; aborting (its caller is gone)",
-                st.request.id, origin, watch.silent_s(origin), extra=about(st.request.id),
+                st.request.id, origin, watch.silent_s(origin), extra=about_flight(st),
             )  # fmt: skip
             self.observer.orphaned(st)
             self._abort_in_engine(st)
@@ -1179,7 +1180,7 @@ class WorkerService:
         log.info(
             "request %s: its caller closed it while we were cut off; aborting",
             st.request.id,
-            extra=about(st.request.id),
+            extra=about_flight(st),
         )
         self._aborted.add(st.request.id)
         self._abort_in_engine(st)
@@ -1194,7 +1195,7 @@ class WorkerService:
         if st is None or max(st.attempt, st.delivered) >= attempt:
             return  # not here, or this replica holds that delivery (or a later one)
         log.info("request %s: delivery %d resumed it elsewhere; stopping ours (delivery %d)",
-                 request_id, attempt, max(st.attempt, st.delivered), extra=about(request_id))  # fmt: skip
+                 request_id, attempt, max(st.attempt, st.delivered), extra=about_flight(st))  # fmt: skip
         self._retire(st, "superseded")
         self._poke()
 

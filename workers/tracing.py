@@ -132,8 +132,8 @@ class RequestSpans:
             if len(self._shared) >= 256:  # models and subjects come from messages: bounded
                 self._shared.clear()
             found = self._shared[key] = t.constants(self.tracer, (
-                (t.OPERATION, op), (t.REQUEST_MODEL, model), (t.GROUP, group),
-                (t.WORKER, self.worker_id), ("messaging.system", "nats"),
+                (t.OPERATION, op), (t.PROVIDER, t.PROVIDER_NAME), (t.REQUEST_MODEL, model),
+                (t.GROUP, group), (t.WORKER, self.worker_id), ("messaging.system", "nats"),
                 ("messaging.operation.type", "process"), ("messaging.destination.name", subject),
             ))  # fmt: skip
         return found

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import io
 import json
 import logging
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -23,8 +25,14 @@ from common.logging import (
     redact_url,
     setup_logging,
 )
+from common.protocol import GenerateRequest
+from gateway import app as gateway_app
 from tests.gateway.conftest import serve
 from tests.observability.conftest import MODEL, StartWorker, Traced, wait_live
+from workers.observe import Watch, about_flight
+from workers.outbox import Flight
+from workers.sim import SimCost
+from workers.tracing import Delivery
 
 SECRET_PROMPT = "SECRET-PROMPT-7f3a"
 
@@ -114,6 +122,29 @@ def test_a_line_about_a_request_outside_its_task_carries_its_id() -> None:
     assert line["request_id"] == "r-1"
     text = TextFormatter().format(record)
     assert text.endswith("[req=r-1]") and "request_id=" not in text
+
+
+def test_a_line_about_a_sampled_flight_outside_its_task_joins_its_trace() -> None:
+    """After admission the worker logs from its output pump and tick, in no request's task:
+    those lines (a deadline stuck in the engine, a gateway gone silent) named the request
+    but not its trace, so a trace view could not show why its request ended."""
+    req = GenerateRequest(id="chatcmpl-9", group="short", reply="qos.r.x")
+    st = Flight(req, msg=None, attempt=1, start=0.0)
+    assert about_flight(st) == about("chatcmpl-9")  # not observed: the id alone
+    delivery = Delivery(req, None, 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7,
+                        group="short", attempt=1, subject="qos.req.short", fetched_at=0.0)  # fmt: skip
+    st.watch = Watch("short", None, 0.0, span=delivery)  # type: ignore[arg-type]
+    record = logging.LogRecord("workers.service", logging.WARNING, __file__, 1,
+                               "request %s: gateway silent", ("chatcmpl-9",), None)  # fmt: skip
+    record.fields = about_flight(st)["fields"]
+    line = contextvars.Context().run(JsonFormatter("worker").format, record)
+    fields = json.loads(line)
+    assert fields["request_id"] == "chatcmpl-9"
+    assert fields["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert fields["span_id"] == "00f067aa0ba902b7"
+    text = contextvars.Context().run(TextFormatter().format, record)
+    assert text.endswith("[req=chatcmpl-9 trace=4bf92f3577b34da6a3ce929d0e0e4736]"), text
+    assert "span_id=" not in text and "trace_id=" not in text
 
 
 def test_credentials_and_bearer_tokens_are_masked_in_every_format() -> None:
@@ -206,6 +237,66 @@ async def test_the_access_log_has_method_path_status_group_duration_and_request_
     assert len(first["trace_id"]) == 32  # the server span's, so logs and traces join
     assert posts[1]["group"] == "-" and posts[1]["request_id"] == "-"  # refused before routing
     assert not [line for line in lines if line["path"] == "/health"]  # probes: debug only
+
+
+async def test_a_request_the_client_left_before_its_first_token_is_logged_with_its_id(
+    config: Config, start_worker: StartWorker, access_lines: io.StringIO
+) -> None:
+    """Its 499 carried no X-Request-Id and the access line wrote "-" over the id the
+    request was bound to: the one line an operator greps for a hang-up named no request."""
+    await start_worker("w-hangup", cost=SimCost(base_s=5.0, prefill_s_per_token=0.0,
+                                                decode_s_per_seq=0.0))  # fmt: skip
+    async with serve(config) as gw:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await wait_live(http, "short")
+        with pytest.raises(httpx.ReadTimeout):
+            async with httpx.AsyncClient(base_url=gw.url, timeout=0.5) as quick:
+                await quick.post(
+                    "/v1/short/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+                )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not (lines := [json.loads(x) for x in access_lines.getvalue().splitlines()
+                             if '"status":499' in x]):  # fmt: skip
+            assert loop.time() < deadline, access_lines.getvalue()
+            await asyncio.sleep(0.05)
+    (line,) = lines
+    assert line["request_id"].startswith("cmpl-") and line["group"] == "short"
+
+
+async def test_an_unhandled_error_is_logged_once_under_the_requests_trace(
+    config: Config, traced: Traced, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The app's 500 handler runs outside the middleware that binds the trace id: the
+    traceback, the line that matters most, was the one line a trace could not find."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter("gateway"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gateway_app, "tokenize", broken)
+    try:
+        async with (
+            serve(config, tracer_provider=traced.provider) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+        ):
+            answer = await http.post("/v1/tokenize", json={"model": MODEL, "prompt": "hi"})
+    finally:
+        root.removeHandler(handler)
+    assert answer.status_code == 500
+    assert answer.json()["error"]["message"] == "internal error in the gateway"
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    errors = [x for x in lines if "unhandled error" in x["msg"]]
+    assert len(errors) == 1, errors
+    # uvicorn's own copy of the same traceback is dropped: one bug, one traceback.
+    assert [x["msg"] for x in lines if "exc" in x] == [errors[0]["msg"]]
+    assert "RuntimeError: a bug" in errors[0]["exc"]
+    (server,) = [s for s in traced.spans() if s.name.endswith("/v1/tokenize")]
+    assert errors[0]["trace_id"] == format(server.context.trace_id, "032x")
 
 
 @pytest.mark.parametrize(("level", "log_prompts", "logged"), [

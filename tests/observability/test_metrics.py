@@ -11,8 +11,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common import metrics as m
-from common.config import Config
+from common.config import Config, WorkerConfig
 from common.gpu_metrics import nvml_collector
+from common.models import served_name
 from tests.observability.conftest import (
     MODEL,
     Samples,
@@ -21,6 +22,8 @@ from tests.observability.conftest import (
     run_requests,
     value,
 )
+from workers.service import WorkerOptions, WorkerService
+from workers.sim import SimEngine
 
 PLAN = {"short": 3, "long": 2}
 MAX_TOKENS = 5
@@ -204,3 +207,15 @@ def test_engine_counters_credit_each_group_with_what_it_did() -> None:
     assert (preempted("short"), preempted("long")) == (10, 5)
     current[0] = view("short", 20)  # and back
     assert (preempted("short"), preempted("long")) == (15, 5)
+
+
+@pytest.mark.parametrize(("spec", "served"), [("demo", "pystd-tiny"), ("dummy:tiny", "dummy:tiny")])
+def test_a_worker_labels_its_series_with_the_name_the_gateway_serves(
+    spec: str, served: str
+) -> None:
+    """A worker of ``--model demo`` labelled its series model="demo" while the gateway's
+    said "pystd-tiny": a dashboard joining the two on ``model`` matched nothing."""
+    config = Config(worker=WorkerConfig(model=spec))
+    engine = SimEngine(max_batch_size=2, max_seq_len=64)
+    service = WorkerService(config, engine, WorkerOptions(group="short", worker_id="w-label"))
+    assert service.observer.metrics.model == served == served_name(spec)
