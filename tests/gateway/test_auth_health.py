@@ -14,8 +14,15 @@ from common.config import NatsConfig
 from common.protocol import Control
 from common.subjects import Subjects
 from gateway.auth import ApiKeys, key_digest
+from gateway.generate import DEADLINE_HEADER
 from tests.gateway.conftest import MODEL, gateway_config, serve
-from tests.gateway.fake_worker import Job, alphabet_tokens, never_answer, running_worker
+from tests.gateway.fake_worker import (
+    Job,
+    alphabet_tokens,
+    fail_with,
+    never_answer,
+    running_worker,
+)
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
 KEY = "sk-test-0123456789"
@@ -245,6 +252,30 @@ async def test_ttft_is_observed_when_the_first_token_arrives(nats_config: NatsCo
                 break
         metrics = (await http.get("/metrics")).text
     assert f"{name} 1.0" in metrics
+
+
+async def test_a_request_that_waits_out_its_deadline_counts_in_ttft_and_an_error_does_not(
+    nats_config: NatsConfig,
+):
+    """A request that got no token before its deadline (or before its client left) was in
+    no TTFT series: under overload the slowest requests vanished and p99 TTFT read best
+    when it was worst. It counts with the time it waited (a lower bound); a worker's error
+    answered at once is not a first-token wait and stays out."""
+    count = 'qos_gateway_time_to_first_token_seconds_count{group="short",model="dummy:tiny"}'
+    total = 'qos_gateway_time_to_first_token_seconds_sum{group="short",model="dummy:tiny"}'
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        async with running_worker(nats_config, "short", behaviour=fail_with):
+            failed = await http.post("/v1/completions", json=BODY)
+        async with running_worker(nats_config, "short", behaviour=never_answer):
+            late = await http.post("/v1/completions", json=BODY, headers={DEADLINE_HEADER: "400"})
+        metrics = (await http.get("/metrics")).text
+    assert failed.status_code == 400 and late.status_code == 504
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("qos_"))
+    assert float(samples[count]) == 1.0
+    assert 0.4 <= float(samples[total]) < 5.0
 
 
 async def test_a_key_bound_to_a_group_gets_403_for_another_and_is_served_in_its_own(
