@@ -90,6 +90,45 @@ async def one_count(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
     }
 
 
+def step_passed(step: dict[str, Any], max_p99_ms: float) -> bool:
+    """The ramp's rule for one step (``bench.serve.mode_max_rps``): p99 within the bound,
+    90 % of the offered rate served, nothing failed, the load sent on time."""
+    return (
+        step["p99_ms"] <= max_p99_ms
+        and step["achieved_rps"] >= 0.9 * step["offered_rps"]
+        and step["failed"] == 0
+        and step.get("send_lag_p99_ms", 0.0) <= max_p99_ms
+    )
+
+
+def without_retries(steps: list[dict[str, Any]], max_p99_ms: float) -> float:
+    """The ramp's figure had it never retried a step: it ends at its first miss once it
+    has held a rate (a retry that passes holds a rate once of twice)."""
+    best, failed_rate = 0.0, None
+    for step in steps:
+        if not step_passed(step, max_p99_ms):
+            if best > 0:
+                break
+            failed_rate = step["offered_rps"]
+        elif step["offered_rps"] != failed_rate:  # a retry of the miss does not count
+            best = max(best, step["achieved_rps"])
+    return best
+
+
+def top_step_was_a_retry(steps: list[dict[str, Any]], max_p99_ms: float) -> bool:
+    """Whether the step the ramp's figure comes from passed right after missing."""
+    passing = [i for i, step in enumerate(steps) if step_passed(step, max_p99_ms)]
+    if not passing:
+        return False
+    top = max(passing, key=lambda i: steps[i]["achieved_rps"])
+    before = steps[top - 1] if top > 0 else None
+    return (
+        before is not None
+        and before["offered_rps"] == steps[top]["offered_rps"]
+        and not step_passed(before, max_p99_ms)
+    )
+
+
 def summarize(args: argparse.Namespace, counts: list[dict[str, Any]]) -> dict[str, Any]:
     """Each count against one replica (the smallest count run), and the device bound."""
     base = counts[0]
@@ -107,6 +146,8 @@ def summarize(args: argparse.Namespace, counts: list[dict[str, Any]]) -> dict[st
                 "scaling_efficiency": round(ratio / c["replicas"], 3),
                 "device_bound_rps": round(bound * c["replicas"], 1),
                 "share_of_device_bound": round(c["max_sustained_rps"] / (bound * c["replicas"]), 3),
+                "top_step_was_a_retry": top_step_was_a_retry(c["steps"], args.max_p99_ms),
+                "max_sustained_rps_without_retries": without_retries(c["steps"], args.max_p99_ms),
                 # Who was busiest at the top step: a gateway near 1.0 is the single
                 # process that binds first; the sum near the core count, the machine.
                 "cpu_util_at_top_step": {n: v["util"] for n, v in cpu.items()},

@@ -111,7 +111,7 @@ def test_the_replicas_section_is_a_table_with_the_busiest_processes(tmp_path: Pa
     report = build(tmp_path).read_text()
     assert "Device bound per replica (cost model): 144.5 req/s." in report
     busiest = "gateway 0.40, worker-0 0.20, nats-server 0.10"  # the top three, busiest first
-    assert f"| 2 | 250 | 1.95 | 0.975 | 0.865 | {busiest} |" in report
+    assert f"| 2 | 250 | - | 1.95 | 0.975 | 0.865 | {busiest} |" in report  # no steps kept
 
 
 def test_a_note_written_into_a_result_is_shown_once_under_its_command(tmp_path: Path) -> None:
