@@ -4,13 +4,17 @@ Shares (field study, "Validation"): 20 % long-document QA, 30 % multi-turn dialo
 resends its history every turn, 50 % short generation, plus 5 % invalid requests that must
 get a 4xx. The text comes from ``bench/data/stdlib_qa.jsonl`` (questions and answers about
 Python's standard library, what the demo model was trained on), chosen by a seeded RNG.
+Also how the locust file reads a streamed answer's timings (:class:`StreamClock`): kept
+here, apart from locust, whose import monkey-patches the process.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -73,13 +77,13 @@ def parse_mix(text: str) -> dict[str, int]:
 
 
 def long_document(
-    qa: list[QA], n_tokens: int, tokenizer: Encoder | None, rng: random.Random
+    qa: list[QA], n_tokens: int, tokenizer: Encoder | None, rng: random.Random, title: str = ""
 ) -> str:
-    """A reference document of about ``n_tokens`` tokens (exact with a tokenizer): Q/A
-    entries in a seeded order, as a manual would list them."""
+    """A reference document of about ``n_tokens`` tokens (exact with a tokenizer): ``title``,
+    then Q/A entries in a seeded order, as a manual would list them."""
     order = rng.sample(range(len(qa)), len(qa))
-    parts: list[str] = []
-    size = 0
+    parts: list[str] = [title]
+    size = len(title)
     i = 0
     # ~4 characters a token is what byte-level BPE gives on English and code.
     while size < n_tokens * 4 + 200:
@@ -90,12 +94,55 @@ def long_document(
     text = "".join(parts)
     if tokenizer is None:
         return text[: n_tokens * 4]
-    # Trim by halving the overshoot until the token count fits (tokenizers merge across cuts).
+    # Trim by halving the overshoot until the token count fits (tokenizers merge across cuts);
+    # one encoding a step: a document is made per request now, not four per run.
     hi = len(text)
-    while len(tokenizer.encode(text[:hi], add_special_tokens=False)) > n_tokens:
-        over = len(tokenizer.encode(text[:hi], add_special_tokens=False)) - n_tokens
-        hi -= max(1, over * 2)
+    count = len(tokenizer.encode(text, add_special_tokens=False))
+    while count > n_tokens:
+        hi -= max(1, (count - n_tokens) * 2)
+        count = len(tokenizer.encode(text[:hi], add_special_tokens=False))
     return text[:hi]
+
+
+def long_doc_key(pool: int, rng: random.Random, serial: int, seed: int = 0, worker: int = 0) -> str:
+    """Which document a long-document request asks about. ``pool`` 0: a new one every
+    request (``serial`` counts this process's long-document requests, ``worker`` tells
+    locust's worker processes apart), as the field study's distinct documents. ``pool`` N:
+    one of N, the same N for every user and process (a prefix-cache scenario)."""
+    if pool > 0:
+        return f"pool-{rng.randrange(pool)}"
+    return f"s{seed}-w{worker}-{serial}"
+
+
+def keyed_document(qa: list[QA], n_tokens: int, tokenizer: Encoder | None, key: str) -> str:
+    """The document of ``key``: the same text for the same key, in any process (a ``str``
+    seed goes through SHA-512, not the salted ``hash``). Its title names the key, so two
+    keys' documents part at their first line: no prefix in common past the instruction
+    (two shuffles of the Q/A entries start alike one time in ``len(qa)``)."""
+    return long_document(qa, n_tokens, tokenizer, random.Random(key), title=f"Manual {key}\n\n")
+
+
+class DocumentCache:
+    """Documents by key, at most ``keep`` of them (least recently used out; an evicted key
+    is made again, the same text): a pool's documents without keeping every one made."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._docs: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, key: str, make: Callable[[str], str]) -> str:
+        if key in self._docs:
+            self._docs.move_to_end(key)
+            return self._docs[key]
+        doc = make(key)
+        if self.keep > 0:
+            self._docs[key] = doc
+            while len(self._docs) > self.keep:
+                self._docs.popitem(last=False)
+        return doc
+
+    def __len__(self) -> int:
+        return len(self._docs)
 
 
 def long_doc_messages(document: str, qa: list[QA], rng: random.Random) -> list[dict[str, str]]:
@@ -155,3 +202,70 @@ def invalid_request(kind: str, model: str, max_model_len: int) -> RawRequest:
     else:
         raise ValueError(f"unknown invalid kind {kind!r}")
     return RawRequest(kind, chat, json.dumps(body).encode())
+
+
+# --------------------------------------------------------------------------- reading answers
+
+
+def carries_token(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice shows a generated token: text (a chat delta's content, a
+    completion's text), or logprobs for a token that has no text of its own. The chat role
+    event (empty content) and a bare finish event show none."""
+    delta = choice.get("delta") or {}
+    if delta.get("content") or choice.get("text"):
+        return True
+    logprobs = choice.get("logprobs") or {}
+    return bool(logprobs.get("content") or logprobs.get("tokens"))
+
+
+@dataclass
+class StreamClock:
+    """A streamed answer's timings from its SSE events, fed in order with the time each was
+    read: TTFT at the first event carrying a token, ITL between such events.
+
+    An answer no event of which showed a token: when the usage event counts tokens, its
+    finish event carried them (an answer that is just an EOS), so TTFT is taken there (an
+    upper bound if the gateway held back earlier textless tokens: it sends those only with
+    logprobs). With no token counted (or no usage to tell), it had no first token: no TTFT,
+    but a ``NO_TOKENS`` sample, so such answers are counted instead of silently missing
+    from the TTFT figures."""
+
+    started: float
+    parts: list[str] = field(default_factory=list)
+    last: float | None = None  # when the last event that carried a token was read
+    finished_at: float | None = None
+    completion_tokens: int | None = None
+
+    def feed(self, event: dict[str, Any], now: float) -> list[tuple[str, float]]:
+        """One (non-error) event; the ``(kind, ms)`` samples it gives."""
+        usage = event.get("usage")
+        if usage:
+            self.completion_tokens = usage.get("completion_tokens")
+        choices = event.get("choices") or []
+        if not choices:
+            return []
+        choice = choices[0]
+        if choice.get("finish_reason") is not None and self.finished_at is None:
+            self.finished_at = now
+        if not carries_token(choice):
+            return []
+        text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+        if text:
+            self.parts.append(text)
+        kind, since = ("TTFT", self.started) if self.last is None else ("ITL", self.last)
+        self.last = now
+        return [(kind, (now - since) * 1e3)]
+
+    def end(self, now: float) -> list[tuple[str, float]]:
+        """At ``[DONE]``: nothing more for an answer that showed a token; else its TTFT at
+        the finish event (tokens counted) or its ``NO_TOKENS`` sample (end-to-end ms)."""
+        if self.last is not None:
+            return []
+        if self.completion_tokens and self.finished_at is not None:
+            self.last = self.finished_at
+            return [("TTFT", (self.finished_at - self.started) * 1e3)]
+        return [("NO_TOKENS", (now - self.started) * 1e3)]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)

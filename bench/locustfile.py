@@ -7,7 +7,22 @@ weighted down by its turns, ``bench.field_mix.task_weights``): malformed JSON, w
 messages, over-long prompts. Valid requests stream; invalid ones must get a 4xx — a 5xx, a
 2xx or a hang (``--invalid-timeout-s``) is a failure. Besides each request's end-to-end time
 (its own row), TTFT and inter-token latency are recorded as custom events, so they show up
-in locust's stats and CSV files as request types ``TTFT`` and ``ITL``.
+in locust's stats and CSV files as request types ``TTFT`` and ``ITL``. TTFT is taken at the
+first event carrying a token (text, or logprobs for a token without text; not the chat role
+event), or at the finish event when that alone carried the tokens (an answer that is just
+an EOS: the usage event, requested, counts them). An answer that ends with no token at all
+has no TTFT and is counted as request type ``NO_TOKENS`` instead (its time: end to end):
+such answers were left out of every figure (``bench.field_mix.StreamClock``).
+
+Every long-document request asks about a document of its own by default, as the field
+study's distinct documents: a seeded generator keyed by a counter (and locust's worker
+index), the key in the document's first line, so two documents share no prefix past the
+instruction and long-context TTFT gets no prefix-cache help. ``--long-doc-pool N`` (or
+``LOCUST_LONG_DOC_POOL``) reuses N documents instead, the same N in every process (a
+prefix-cache scenario; the old behaviour was 4). Distinct documents are made per request
+and not kept; a pool keeps at most ``KEEP_DOCUMENTS`` (the rest are made again, the same
+text). Documents follow ``--seed``: a second run with the same seed against a server that
+still caches the first run's documents would reuse them.
 
 Long documents are sized to the long group's limit (the server's ``max_model_len``) by
 default; the demo model has a 2k context, so pass ``--long-tokens 1500`` (or
@@ -18,12 +33,14 @@ default; the demo model has a 2k context, so pass ``--long-tokens 1500`` (or
 
 Options (flags or ``LOCUST_*`` variables): ``--long-tokens``, ``--max-tokens``,
 ``--turns``, ``--mix long_doc=38,conversation=57,short=95,invalid=10`` (weights per 200
-requests; kinds not named keep these), ``--tokenizer`` (a tokenizer folder to size
-documents exactly; default the demo model's), ``--seed``.
+requests; kinds not named keep these), ``--long-doc-pool`` (0, the default: a new document
+every long-document request; N: N documents reused), ``--tokenizer`` (a tokenizer folder to
+size documents exactly; default the demo model's), ``--seed``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -36,12 +53,15 @@ from bench.field_mix import (
     INVALID_KINDS,
     MIX,
     QA,
+    DocumentCache,
+    StreamClock,
     invalid_request,
+    keyed_document,
     load_qa,
+    long_doc_key,
     long_doc_messages,
     long_doc_probe,
     long_doc_tokens,
-    long_document,
     parse_mix,
     short_prompt,
     task_weights,
@@ -52,6 +72,8 @@ DEMO_TOKENIZER = Path(__file__).resolve().parent / "models" / "pystd-tiny"
 # A 429 (the group's pending limit) is retried after its Retry-After, capped, this often.
 RETRIES_ON_429 = 2
 MAX_RETRY_WAIT_S = 5.0
+# A --long-doc-pool's documents kept made (a few MB at 8k tokens each); more are made again.
+KEEP_DOCUMENTS = 64
 
 
 @events.init_command_line_parser.add_listener
@@ -86,6 +108,14 @@ def _options(parser: Any) -> None:
         "(kinds not named keep these)",
     )
     group.add_argument(
+        "--long-doc-pool",
+        type=int,
+        default=0,
+        env_var="LOCUST_LONG_DOC_POOL",
+        help="long documents to reuse (0 = a new document every request, the field study's; "
+        "N = N documents, a prefix-cache scenario)",
+    )
+    group.add_argument(
         "--tokenizer",
         default=str(DEMO_TOKENIZER),
         env_var="LOCUST_TOKENIZER",
@@ -106,6 +136,8 @@ def _apply_mix(environment: Any, **_: Any) -> None:
     options = environment.parsed_options
     if options is None:
         return
+    if options.long_doc_pool < 0:
+        raise ValueError("--long-doc-pool must be 0 (a new document each request) or more")
     weights = task_weights(parse_mix(options.mix), options.turns)
     FieldMixUser.tasks = [
         getattr(FieldMixUser, name) for name, weight in weights.items() for _ in range(weight)
@@ -118,7 +150,9 @@ class FieldMixUser(HttpUser):
     wait_time = between(0.05, 0.5)
     # Shared by the users of this process: the data, the documents, the server's model card.
     _qa: ClassVar[list[QA]] = []
-    _documents: ClassVar[dict[int, str]] = {}
+    _documents: ClassVar[DocumentCache] = DocumentCache(KEEP_DOCUMENTS)
+    _long_docs: ClassVar[itertools.count[int]] = itertools.count()  # this process's, in order
+    _tokenizers: ClassVar[dict[str, Any]] = {}
     _server: ClassVar[dict[str, Any]] = {}
     _users: ClassVar[int] = 0
 
@@ -138,6 +172,10 @@ class FieldMixUser(HttpUser):
         long_tokens = options.long_tokens if options else 0
         self.long_tokens = long_tokens or self._longest_document()
         self.tokenizer_path = options.tokenizer if options else str(DEMO_TOKENIZER)
+        self.seed = options.seed if options else 0
+        self.long_doc_pool = options.long_doc_pool if options else 0
+        # Worker processes of a distributed run count their documents apart.
+        self.worker_index = max(0, getattr(self.environment.runner, "worker_index", 0) or 0)
 
     def _longest_document(self) -> int:
         """The document size that leaves room for the answer in the long group: its limit
@@ -155,12 +193,17 @@ class FieldMixUser(HttpUser):
 
     def long_doc(self) -> None:
         """Long-document QA on the long group (its path: never the short group by length)."""
-        key = self.rng.randrange(4)  # a few documents, so some prompts share a prefix
-        if key not in FieldMixUser._documents:
-            FieldMixUser._documents[key] = long_document(
-                self._qa, self.long_tokens, self._tokenizer(), random.Random(key)
-            )
-        messages = long_doc_messages(FieldMixUser._documents[key], self._qa, self.rng)
+        # A new document each request unless --long-doc-pool: four shared ones made
+        # long-context TTFT a prefix-cache hit, which the field's distinct documents are not.
+        key = long_doc_key(self.long_doc_pool, self.rng, next(FieldMixUser._long_docs),
+                           self.seed, self.worker_index)  # fmt: skip
+
+        def make(key: str) -> str:
+            return keyed_document(self._qa, self.long_tokens, self._tokenizer(), key)
+
+        # Distinct documents are used once: kept, they would only grow the process.
+        document = FieldMixUser._documents.get(key, make) if self.long_doc_pool else make(key)
+        messages = long_doc_messages(document, self._qa, self.rng)
         self._chat("/v1/long/chat/completions", "long_doc", messages)
 
     def conversation(self) -> None:
@@ -202,11 +245,14 @@ class FieldMixUser(HttpUser):
     # --- streaming ---------------------------------------------------------------------------
 
     def _tokenizer(self) -> Any | None:
+        """Loaded once per process: a document is made per request."""
         if not self.tokenizer_path or not Path(self.tokenizer_path, "tokenizer.json").is_file():
             return None
-        from common.tokenizer import load_tokenizer
+        if self.tokenizer_path not in FieldMixUser._tokenizers:
+            from common.tokenizer import load_tokenizer
 
-        return load_tokenizer(self.tokenizer_path)
+            FieldMixUser._tokenizers[self.tokenizer_path] = load_tokenizer(self.tokenizer_path)
+        return FieldMixUser._tokenizers[self.tokenizer_path]
 
     def _chat(self, path: str, name: str, messages: list[dict[str, str]]) -> str | None:
         """Stream one chat completion; fire TTFT/ITL events; the text, or None on failure."""
@@ -216,6 +262,9 @@ class FieldMixUser(HttpUser):
             "max_tokens": self.max_tokens,
             "temperature": 0.7,
             "stream": True,
+            # The usage event tells an answer with no token (no TTFT) from one whose only
+            # tokens came with its finish event (an EOS): see StreamClock.
+            "stream_options": {"include_usage": True},
         }
         started = time.perf_counter()  # a retried request's wait counts in its TTFT and E2E
         for attempt in range(RETRIES_ON_429 + 1):
@@ -234,20 +283,18 @@ class FieldMixUser(HttpUser):
 
     def _stream(self, resp: Any, name: str, started: float) -> str | None:
         """Read one streamed answer; fire TTFT/ITL events; its text, or None on failure."""
-        parts: list[str] = []
         if resp.status_code != 200:
             resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
             return None
         try:
-            return self._read_stream(resp, name, started, parts)
+            return self._read_stream(resp, name, StreamClock(started))
         finally:
             # The row's time is the whole stream, also when it fails part-way (locust puts
             # failed requests in the row's percentiles: a broken 30 s stream read ~20 ms).
             resp.request_meta["response_time"] = (time.perf_counter() - started) * 1e3
 
-    def _read_stream(self, resp: Any, name: str, started: float, parts: list[str]) -> str | None:
-        """:meth:`_stream`'s reading: events fired, ``parts`` filled, the text or None."""
-        last: float | None = None
+    def _read_stream(self, resp: Any, name: str, clock: StreamClock) -> str | None:
+        """:meth:`_stream`'s reading: events fired as ``clock`` times them, the text or None."""
         done = False
         try:
             for line in resp.iter_lines(decode_unicode=True):
@@ -260,22 +307,18 @@ class FieldMixUser(HttpUser):
                 if "error" in event:
                     resp.failure(f"error event: {event['error']}")
                     return None
-                choices = event.get("choices") or [{}]
-                delta = (choices[0].get("delta") or {}).get("content")
-                if delta:
-                    now = time.perf_counter()
-                    kind, since = ("TTFT", started) if last is None else ("ITL", last)
-                    self._event(kind, name, (now - since) * 1e3)
-                    last = now
-                    parts.append(delta)
+                for kind, ms in clock.feed(event, time.perf_counter()):
+                    self._event(kind, name, ms)
         except Exception as exc:  # a broken stream is this request's failure, not a crash
             resp.failure(f"stream broke: {exc!r}")
             return None
         if not done:
             resp.failure("the stream ended without [DONE]")
             return None
+        for kind, ms in clock.end(time.perf_counter()):
+            self._event(kind, name, ms)
         resp.success()
-        return "".join(parts)
+        return clock.text
 
     def _event(self, kind: str, name: str, ms: float) -> None:
         self.environment.events.request.fire(

@@ -4,6 +4,7 @@ request answered 4xx, no failure (no 5xx, no hang), TTFT and ITL recorded as eve
 from __future__ import annotations
 
 import csv
+import json
 import os
 import random
 import re
@@ -107,3 +108,101 @@ def test_the_default_long_document_leaves_room_for_the_template_and_the_question
     document = long_document(qa, size, tok, random.Random(0))
     worst = max(chat_tokens(long_doc_chat(document, item.question)) for item in qa)
     assert worst + 32 <= 2048
+
+
+# The locust file's own methods, in a child process: importing locust monkey-patches the
+# process (gevent), which pytest's must not be. A FieldMixUser made without locust's
+# environment, its request and event hooks replaced by recorders.
+DRIVE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import locustfile
+from bench.field_mix import load_qa
+
+User = locustfile.FieldMixUser
+
+
+class Resp:
+    status_code, text = 200, ""
+
+    def __init__(self, events):
+        self.lines = [f"data: {json.dumps(e)}" for e in events] + ["data: [DONE]"]
+        self.request_meta, self.verdict = {}, None
+
+    def iter_lines(self, decode_unicode=True):
+        yield from self.lines
+
+    def failure(self, why):
+        self.verdict = "failure " + why
+
+    def success(self):
+        self.verdict = "success"
+
+
+def user():
+    u = object.__new__(User)
+    u.fired = []
+    u._event = lambda kind, name, ms: u.fired.append(kind)
+    return u
+
+
+out = {}
+for case, events in json.loads(sys.argv[2]).items():
+    u, resp = user(), Resp(events)
+    u._stream(resp, "short", 0.0)
+    out[case] = {"fired": u.fired, "verdict": resp.verdict}
+
+User._qa = load_qa()
+for pool in (0, 4):
+    u = user()
+    import random
+    u.rng, u.long_tokens, u.tokenizer_path = random.Random(0), 120, ""
+    u.seed, u.long_doc_pool, u.worker_index = 0, pool, 0
+    sent = []
+    # The document: the prompt less its question (after the last blank line).
+    u._chat = lambda path, name, messages: sent.append(messages[0]["content"].rsplit("\n\n", 1)[0])
+    for _ in range(40):
+        u.long_doc()
+    out[f"pool {pool}"] = {"distinct": len(set(sent)), "kept": len(User._documents)}
+print(json.dumps(out))
+"""
+
+ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+FINISH = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+
+
+def usage(tokens: int) -> dict[str, object]:
+    return {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": tokens}}
+
+
+def drive(folder: Path = ROOT / "bench") -> dict[str, dict[str, object]]:
+    """Run DRIVE on ``folder``'s locustfile.py (a copy of an older one, to compare)."""
+    cases = {
+        # Just an EOS: one token, no text; its TTFT was never recorded.
+        "eos only": [ROLE, FINISH, usage(1)],
+        # No token at all: no TTFT is right, but it was counted nowhere.
+        "no tokens": [ROLE, FINISH, usage(0)],
+        "text": [ROLE, {"choices": [{"index": 0, "delta": {"content": "Hi"}}]},
+                 {"choices": [{"index": 0, "delta": {"content": "!"}}]}, FINISH, usage(2)],
+    }  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVE, str(folder), json.dumps(cases)], cwd=ROOT,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_locust_file_times_textless_answers_and_counts_tokenless_ones() -> None:
+    got = drive()
+    assert got["text"] == {"fired": ["TTFT", "ITL"], "verdict": "success"}
+    assert got["eos only"] == {"fired": ["TTFT"], "verdict": "success"}
+    assert got["no tokens"] == {"fired": ["NO_TOKENS"], "verdict": "success"}
+
+
+def test_long_documents_are_distinct_per_request_unless_a_pool_is_asked_for() -> None:
+    """Four documents for every long-document request made long-context TTFT a prefix-cache
+    hit; the field study's documents are distinct."""
+    got = drive()
+    assert got["pool 0"] == {"distinct": 40, "kept": 0}  # none kept: made per request
+    assert got["pool 4"]["distinct"] == 4 and got["pool 4"]["kept"] == 4
