@@ -144,6 +144,15 @@ class BreakerConfig(_Strict):
             "failures at low traffic do not open the breaker."
         ),
     )
+    error_window_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "How far back the error rate may reach for min_requests finished requests when "
+            "the latency window (a few seconds) holds fewer: a group at 1 req/s that fails "
+            "every request then opens within about min_requests seconds instead of never."
+        ),
+    )
 
 
 class GroupConfig(_Strict):

@@ -9,19 +9,25 @@ service acts on it (batch cap, KV state, alert).
   seconds (a sample from before a gap, when the group had no live worker, is not
   evidence about the replicas that came back). It opens when, with at least
   ``min_samples`` in the window, the **mean of their p99s** exceeds the threshold (the
-  field study: 10 samples, mean p99 > 500 ms), or when the window's error rate (errors /
-  finished requests, judged over at least ``min_requests``) exceeds ``error_rate_threshold``.
+  field study: 10 samples, mean p99 > 500 ms), or when the error rate (errors / finished
+  requests) exceeds ``error_rate_threshold``, judged over the window's requests or, when
+  those are fewer than ``min_requests``, over as many of the state's samples of the last
+  ``error_window_s`` as it takes to reach them: the window spans a few seconds, and a
+  group at 1 req/s failing every request never had ``min_requests`` in it.
 - OPEN: samples are ignored (they describe the incident the breaker already acted on);
   after its wait it goes HALF_OPEN. The wait is ``wait_open_s``, doubled for each re-open
   in a row (a probe that failed, or a trip within ``max_wait_open_s`` of closing) up to
   ``max_wait_open_s``: a group healthy at a quarter of its traffic and overloaded at all
   of it otherwise flips every ~15 s, its traffic diverted and its caps swinging.
 - HALF_OPEN: each sample is judged alone: unhealthy (p99 over the threshold, or the error
-  rate since half-open over the limit, judged from ``close_after_healthy`` finished
+  rate of every probe since half-open began, judged from ``close_after_healthy`` finished
   requests) re-opens; ``close_after_healthy`` healthy samples in a row close it. A sample
-  is healthy only if a probe *succeeded* in it: one in which nothing finished (a long
-  group's probes take seconds) or everything failed is no evidence of health (failed
-  requests stay out of the latency windows, so their p99 reads as 0).
+  is healthy only if a probe *succeeded* in it and its own error share is within the
+  limit: one in which nothing finished (a long group's probes take seconds) is no
+  evidence, and one whose probes mostly failed breaks the row (failed requests stay out
+  of the latency windows, so their p99 reads as 0). For its first ``stale_p99_s`` (the
+  workers' latency window) a sample's p99 is not judged: it still holds requests that
+  finished before half-open began (a backlog drained while open).
 
 Every transition empties the window, so no state judges data from before its start.
 
@@ -82,9 +88,13 @@ class BreakerSettings:
     max_wait_open_s: float = 120.0
     close_after_healthy: int = 3
     max_age_s: float = 10.0
+    error_window_s: float = 60.0
+    stale_p99_s: float = 0.0
 
     @classmethod
-    def for_group(cls, group: GroupConfig, max_age_s: float = 10.0) -> BreakerSettings:
+    def for_group(
+        cls, group: GroupConfig, max_age_s: float = 10.0, stale_p99_s: float = 0.0
+    ) -> BreakerSettings:
         b = group.breaker
         slo = group.slo_e2e_p99_ms if b.p99_kind == "e2e" else group.slo_ttft_ms
         return cls(
@@ -97,6 +107,8 @@ class BreakerSettings:
             max_wait_open_s=max(b.max_wait_open_s, b.wait_open_s),
             close_after_healthy=b.close_after_healthy,
             max_age_s=max_age_s,
+            error_window_s=max(b.error_window_s, max_age_s),
+            stale_p99_s=stale_p99_s,
         )
 
 
@@ -118,6 +130,8 @@ class Breaker:
         self.reason = reason
         self.window: deque[BreakerSample] = deque(maxlen=settings.window_samples)
         self._window_at: deque[float] = deque(maxlen=settings.window_samples)  # when each came
+        # (when, finished, failed) of the state's samples of the last error_window_s.
+        self._outcomes: deque[tuple[float, int, int]] = deque()
         self.healthy_in_row = 0
         self.reopens = 0  # opens in a row that came soon after the last (the wait doubles)
         self._closed_at: float | None = None  # when it last closed from half-open
@@ -136,10 +150,17 @@ class Breaker:
         s = self.settings
         return min(s.wait_open_s * 2 ** min(self.reopens, 30), s.max_wait_open_s)
 
-    def error_rate(self) -> tuple[float, int]:
-        """(errors / finished requests, finished requests) over the window."""
-        requests = sum(s.requests for s in self.window)
-        errors = sum(s.errors for s in self.window)
+    def error_rate(self, needed: int | None = None) -> tuple[float, int]:
+        """(errors / finished requests, finished requests) over the window's samples, and
+        older ones of the state (within ``error_window_s``) while fewer than ``needed``
+        (default ``min_requests``) requests are counted."""
+        needed = self.settings.min_requests if needed is None else needed
+        start = self._window_at[0] if self._window_at else float("inf")
+        requests = errors = 0
+        for at, done, failed in reversed(self._outcomes):
+            if at < start and requests >= needed:
+                break
+            requests, errors = requests + done, errors + failed
         return (errors / requests if requests else 0.0), requests
 
     # --- feeding -------------------------------------------------------------------------
@@ -154,6 +175,11 @@ class Breaker:
             self.window.popleft()
         self.window.append(sample)
         self._window_at.append(now)
+        outcomes = self._outcomes
+        while outcomes and now - outcomes[0][0] > self.settings.error_window_s:
+            outcomes.popleft()
+        if sample.requests:
+            outcomes.append((now, sample.requests, sample.errors))
         if self.state == "closed":
             return self._judge_closed(now)
         return self._judge_half_open(sample, now)
@@ -168,14 +194,19 @@ class Breaker:
         """A closed breaker's window from ``(at, sample)`` pairs this replica saw while
         another judged them (a standby's), unjudged: the next :meth:`observe` judges from
         where the old leader stood, not from an empty window. Samples from before the
-        state began, or older than ``max_age_s``, are no evidence about it."""
+        state began, or older than ``max_age_s`` (``error_window_s`` for the error rate),
+        are no evidence about it."""
         if self.state != "closed":
             return  # open ignores samples; half-open judges the new leader's own probes
         self._clear()
         for at, sample in samples:
-            if at >= self.since and now - at <= self.settings.max_age_s:
+            if at < self.since:
+                continue
+            if now - at <= self.settings.max_age_s:
                 self.window.append(sample)
                 self._window_at.append(at)
+            if sample.requests and now - at <= self.settings.error_window_s:
+                self._outcomes.append((at, sample.requests, sample.errors))
 
     def restore(self, state: State, since: float, reason: str = "") -> None:
         """Continue from a state persisted elsewhere (a restart); not a transition."""
@@ -200,24 +231,34 @@ class Breaker:
 
     def _judge_half_open(self, sample: BreakerSample, now: float) -> Transition | None:
         s = self.settings
-        if sample.p99_ms > s.p99_threshold_ms:
+        # The workers' p99 windows still hold requests from before half-open at first.
+        if now - self.since >= s.stale_p99_s and sample.p99_ms > s.p99_threshold_ms:
             return self._move(
                 "open", now, f"p99 {sample.p99_ms:.0f} ms > {s.p99_threshold_ms:g} ms while probing"
             )
-        tripped = self._error_trip(now, min(s.min_requests, s.close_after_healthy))
+        # Every probe since half-open began counts (the window keeps a few seconds: one
+        # failing probe per 5 s never made close_after_healthy requests in it).
+        tripped = self._error_trip(now, min(s.min_requests, s.close_after_healthy), whole=True)
         if tripped is not None:
             return tripped
+        if sample.requests and sample.errors / sample.requests > s.error_rate_threshold:
+            self.healthy_in_row = 0  # mostly failed: the row of healthy samples is broken
+            return None
         if sample.requests - sample.errors <= 0:
-            return None  # nothing succeeded: no evidence either way
+            return None  # nothing finished: no evidence either way
         self.healthy_in_row += 1
         if self.healthy_in_row >= s.close_after_healthy:
             return self._move("closed", now, f"{self.healthy_in_row} healthy samples")
         return None
 
-    def _error_trip(self, now: float, min_requests: int | None = None) -> Transition | None:
+    def _error_trip(
+        self, now: float, min_requests: int | None = None, whole: bool = False
+    ) -> Transition | None:
+        """Open on the error rate over at least ``min_requests`` (default the setting's);
+        ``whole``: over every sample of the state, not just enough of them."""
         s = self.settings
-        rate, requests = self.error_rate()
         needed = s.min_requests if min_requests is None else min_requests
+        rate, requests = self.error_rate(10**9 if whole else needed)
         if requests >= needed and rate > s.error_rate_threshold:
             return self._move(
                 "open",
@@ -245,4 +286,5 @@ class Breaker:
     def _clear(self) -> None:
         self.window.clear()
         self._window_at.clear()
+        self._outcomes.clear()
         self.healthy_in_row = 0

@@ -34,6 +34,10 @@ from scheduler.breaker import STATES, State
 BREAKER_PREFIX = "breaker."
 # How often the leader rewrites an open or half-open breaker record (see above).
 BREAKER_RENEW_S = 5.0
+# A non-closed record not written for this long is closed to its readers (gateways read
+# it so: gateway.workers_view.BREAKER_STALE_S, the same value; workers drop its cap): a
+# scheduler that starts after an outage must read it so too, not revive it.
+BREAKER_STALE_S = 30.0
 DESIRED_PREFIX = "desired."
 
 

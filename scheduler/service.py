@@ -77,6 +77,7 @@ from scheduler.rebalancer import (
 )
 from scheduler.records import (
     BREAKER_RENEW_S,
+    BREAKER_STALE_S,
     BreakerRecord,
     DesiredRecord,
     breaker_key,
@@ -117,7 +118,13 @@ class SchedulerService:
         self.subjects = Subjects(config.nats.subject_prefix)
         self._clock, self._wall = clock, wall
         self.breakers = {
-            g: Breaker(g, BreakerSettings.for_group(gc, self.cfg.window_s), since=clock())
+            g: Breaker(
+                g,
+                BreakerSettings.for_group(
+                    gc, self.cfg.window_s, stale_p99_s=config.worker.latency_window_s
+                ),
+                since=clock(),
+            )
             for g, gc in config.groups.items()
         }
         self.windows = TelemetryWindows(
@@ -664,6 +671,17 @@ class SchedulerService:
                 entry = await self.kv.get(breaker_key(group))
                 record = BreakerRecord.from_bytes(entry.value)
             except nats.js.errors.KeyNotFoundError:
+                record = None
+            written_ms = record.written_ms or record.since_ms if record is not None else 0
+            if (
+                record is not None
+                and record.state != "closed"
+                and (wall_ms - written_ms > BREAKER_STALE_S * 1000)
+            ):
+                # No scheduler renewed it (all were down): gateways and workers have read
+                # it as closed since; reviving it would divert a group serving normally.
+                log.info("breaker %s: its %s record is %.0f s old, read as closed", group,
+                         record.state, (wall_ms - written_ms) / 1000)  # fmt: skip
                 record = None
             if record is None:
                 if breaker.state != "closed":

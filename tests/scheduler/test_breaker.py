@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.config import BreakerConfig, default_groups
+from gateway import workers_view
+from scheduler import records
 from scheduler.breaker import LEGAL, Breaker, BreakerSample, BreakerSettings
 
 S = BreakerSettings(
@@ -67,6 +69,49 @@ def test_error_rate_over_the_limit_opens_with_fast_latency():
 def test_error_rate_needs_min_requests():
     b = Breaker("short", S)
     assert feed(b, [BreakerSample(50, requests=2, errors=2)] * 4) == []  # 8 < min_requests
+
+
+def test_a_group_failing_every_request_at_low_traffic_opens():
+    """Ten samples span ~5 s at the service's 0.5 s ticks: a group at 1.5 req/s failing
+    every request never had min_requests (10) in its window and stayed closed for good,
+    its traffic never diverted. The error rate reaches back (error_window_s) for them."""
+    b = Breaker("realtime", S)
+    failing = [BreakerSample(0, requests=1, errors=1) if i % 2 else BreakerSample(0)
+               for i in range(40)]  # fmt: skip
+    moves = feed(b, failing, step=0.5)
+    assert (moves[0].source, moves[0].target, moves[0].at) == ("closed", "open", 9.5)
+    assert "error rate 100% of 10 requests" in moves[0].reason
+    # A busy group is still judged on its window alone: old errors do not dilute a burst.
+    busy = Breaker("short", S)
+    feed(busy, [BreakerSample(100, requests=50)] * 10, step=0.5)
+    assert feed(busy, [BreakerSample(100, requests=50, errors=50)] * 3, start=5.0, step=0.5)
+
+
+def test_half_open_judges_every_probe_since_it_began_not_a_few_seconds_of_them():
+    """Probes failing every 5 s never made close_after_healthy (3) requests inside the
+    few-second window, so it never re-opened; and a failed probe did not break the row of
+    healthy samples, so ok/fail/ok/fail/ok (40 % failed) closed it."""
+    b = Breaker("short", S, state="half_open", since=0.0)
+    ok, bad = BreakerSample(100, requests=1), BreakerSample(0, requests=1, errors=1)
+    assert b.observe(ok, 1.0) is None
+    assert b.observe(bad, 6.0) is None  # 1 of 2: too few to judge, but the row is broken
+    assert b.healthy_in_row == 0
+    move = b.observe(ok, 11.0)  # 1 failed of 3 since half-open: 33 % > 20 %
+    assert move is not None and move.target == "open"
+    slow = Breaker("short", S, state="half_open", since=0.0)
+    moves = feed(slow, [bad, IDLE, IDLE, IDLE, IDLE] * 3, step=1.0)
+    assert [m.target for m in moves] == ["open"] and moves[0].at == 10.0
+
+
+def test_half_open_does_not_judge_the_p99_of_requests_that_finished_before_it():
+    """The workers' p99 covers their last few seconds: a backlog that drained while open
+    re-opened the breaker at its first probe sample, 20 s more of diverted traffic."""
+    settings = dataclasses.replace(S, stale_p99_s=3.0)
+    b = Breaker("short", settings, state="half_open", since=10.0)
+    assert b.observe(BreakerSample(4000), 10.5) is None  # the backlog's, not a probe's
+    assert b.state == "half_open"
+    move = b.observe(BreakerSample(4000, requests=1), 13.5)  # its own, once the window turned
+    assert move is not None and move.target == "open"
 
 
 def test_open_ignores_samples_then_half_opens_after_wait():
@@ -312,3 +357,7 @@ def test_an_open_breakers_record_says_when_it_probes():
     record = service._record("short", "open", breaker.since, breaker.reason)
     assert record.probe_at_ms - record.since_ms == 20_000
     assert service._record("short", "closed", breaker.since, "").probe_at_ms == 0
+
+
+def test_schedulers_and_gateways_read_a_record_as_stale_after_the_same_time():
+    assert records.BREAKER_STALE_S == workers_view.BREAKER_STALE_S

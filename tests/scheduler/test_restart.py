@@ -198,6 +198,33 @@ async def test_the_leader_renews_an_open_breaker_record_and_not_a_closed_one(nat
         assert await revision("short") == 0  # closed: nothing to renew
 
 
+async def test_a_scheduler_starting_after_an_outage_does_not_revive_a_stale_open_record(
+    nats_config,
+):
+    """With every scheduler down for minutes, gateways and workers read the unrenewed open
+    record as closed and the group served normally; a scheduler that then started restored
+    it, turned it half-open at its first tick and diverted 75 % of the group's traffic
+    again (long, with no fallback: 503s) until probes proved it healthy."""
+    async with hand_driven(make_config(nats_config)) as (service, _):
+        assert service.kv is not None
+        wall_ms = int(time.time() * 1000)
+        stale = BreakerRecord("open", since_ms=wall_ms - 300_000, reason="an old incident",
+                              written_ms=wall_ms - 290_000)  # fmt: skip
+        fresh = BreakerRecord("open", since_ms=wall_ms - 12_000, reason="a live incident",
+                              written_ms=wall_ms - 2_000)  # fmt: skip
+        await service.kv.put(breaker_key("long"), stale.to_bytes())
+        await service.kv.put(breaker_key("short"), fresh.to_bytes())
+        await service._load_breakers()
+        assert service.breakers["long"].state == "closed"
+        assert service.breakers["short"].state == "open"  # a leader renewed it: continued
+        await service.tick()
+        record = BreakerRecord.from_bytes((await service.kv.get(breaker_key("long"))).value)
+        assert record is not None and record.state == "closed"  # set right, not revived
+        assert service.breakers["long"].state == "closed" and not [
+            t for t in service.acted if t.group == "long"
+        ]
+
+
 async def test_a_holder_whose_renewal_stalls_stops_acting_before_a_standby_can_take_over(
     nats_config, js
 ):
