@@ -5,9 +5,11 @@ with percentiles over their own recent requests and cumulative counters. Once pe
 scheduler tick, each group that reported since the previous tick gets one
 :class:`GroupSample`:
 
-- **p99** (E2E and TTFT): the highest p99 among its workers that have latency samples — an
-  upper bound of the p99 of their union, and the one a user of the slow replica sees.
-  p50: the samples-weighted mean of the workers' p50s.
+- **p99** (E2E and TTFT): the highest p99 among its workers that reported since the last
+  sample and have latency samples — an upper bound of the p99 of their union, and the one
+  a user of the slow replica sees (a report is counted once: reused until the worker's
+  next one, one slow request weighed in several samples). p50: the samples-weighted mean
+  of the same workers' p50s.
 - **stall**: a lower bound of the age of the oldest request still running, from reports
   alone: when a worker has had work running and finished nothing across reports spanning
   ``t`` seconds, some request has run at least ``t``. A worker so slow that nothing
@@ -249,7 +251,11 @@ def _demand(s: GroupSample) -> float:
 
 def _combine(members: list[_Worker], now: float, queue_depth: int) -> GroupSample:
     reports = [w.report for w in members]
-    with_samples = [r for r in reports if r.samples > 0]
+    # Latency from the reports that came since the last sample: a worker's report counted
+    # again in every tick until its next one (two per report at 0.5 s ticks and 1 s
+    # reports, and its p99 window spans three reports) let one slow request fill six of
+    # the breaker's ten samples and open it.
+    with_samples = [w.report for w in members if w.fresh and w.report.samples > 0]
     weight = sum(r.samples for r in with_samples)
 
     def p50(attr: str) -> float:
@@ -274,7 +280,7 @@ def _combine(members: list[_Worker], now: float, queue_depth: int) -> GroupSampl
         e2e_p50_ms=p50("e2e_p50_ms"),
         e2e_p99_ms=max((r.e2e_p99_ms for r in with_samples), default=0.0),
         ttft_p50_ms=p50("ttft_p50_ms"),
-        ttft_p99_ms=max((r.ttft_p99_ms for r in reports), default=0.0),
+        ttft_p99_ms=max((r.ttft_p99_ms for r in with_samples), default=0.0),
         stall_ms=max(stalls, default=0.0) * 1e3,
         requests=requests,
         errors=errors,
