@@ -426,3 +426,19 @@ def test_a_tier_load_that_comes_back_short_does_not_take_the_step_past_its_budge
     assert [r.request_id for r in b.waiting] == ["b"] and pool.num_used_blocks == 3
     second = run(b)  # a step of its own: the first prompt of a step may exceed the budget
     assert ids(second) == ["b"] and second.num_tokens == 100
+
+
+def test_a_whole_prompt_whose_step_failed_is_computed_whole_at_the_next_step() -> None:
+    """The engine survives a failed step (no commit): the prompt it admitted stays running
+    with every token to compute, and whole-prompt policies gave it one token a step, its
+    first token prompt-length steps late (2,000 steps for a 2,000-token prompt)."""
+    for policy in ("continuous", "static", "dynamic"):
+        b = make_batcher(policy, max_batch_size=1)
+        b.add(req("a", 12))
+        failed = b.schedule()  # admitted; the step raised before commit
+        assert [len(s.token_ids) for s in failed.seqs] == [12]
+        plan = b.schedule()
+        assert [(len(s.token_ids), s.sample) for s in plan.seqs] == [(12, True)], policy
+        b.commit(plan)
+        plan.requests[0].append_token(5)
+        assert [len(s.token_ids) for s in b.schedule().seqs] == [1]  # decodes stay at one

@@ -295,3 +295,35 @@ def test_a_token_still_on_the_device_is_not_hashed_into_a_block_name() -> None:
     req.token_ids[-1] = req.output_token_ids[-1] = 8  # the read-back
     req.pending_row = -1
     assert pool.update_hashes(req) == hash_chain([1, 2, 3, 4, 5, 6, 7, 8], BS)
+
+
+def test_a_free_block_unnamed_after_a_failed_load_is_handed_out_before_named_ones() -> None:
+    """forget() unnamed a free block but left it among the named ones in LRU order: older
+    named prefixes were evicted first while a block worth nothing stayed."""
+    pool = BlockPool(num_blocks=3, block_size=BS, watermark=0.0)
+    older = make_request(list(range(8)), "b")
+    newer = make_request([50, 51, 52, 53], "a")
+    assert admit(pool, older) and admit(pool, newer)
+    pool.free(older)
+    pool.free(newer)
+    (unnamed,) = first_blocks(pool, [50, 51, 52, 53])
+    pool.forget([unnamed])
+    taker = make_request([90, 91, 92], "c")
+    assert admit(pool, taker)
+    assert taker.block_table == [unnamed]
+    assert len(first_blocks(pool, list(range(8)))) == 2  # the older prefix kept its names
+    assert pool.num_cached_blocks == 2
+
+
+def test_only_a_requests_first_admission_counts_as_a_prefix_query() -> None:
+    """A preempted request comes back to its own freed blocks: counting that as a hit
+    inflated the cache's hit rate with every preemption."""
+    pool = BlockPool(num_blocks=8, block_size=BS, watermark=0.0)
+    req = make_request(list(range(10)))
+    assert admit(pool, req)
+    req.num_cached_tokens = 0  # what the batcher records at a first admission
+    assert (pool.prefix_queries, pool.prefix_hits) == (10, 0)
+    pool.free(req)  # preempted
+    req.num_computed_tokens = 0
+    assert admit(pool, req)
+    assert (pool.prefix_queries, pool.prefix_hits) == (10, 0)

@@ -298,6 +298,10 @@ class Batcher:
                         self.pool.free(req)
                         req.num_computed_tokens = 0
                         self.waiting.insert(0, req)
+                        # Its admission is counted again when it comes back.
+                        self.pool.count_prefix_query(
+                            -req.num_tokens, -len(hit_blocks) * self.pool.block_size
+                        )
                         break
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_tokens
@@ -373,8 +377,8 @@ class Batcher:
 
     def _schedule_running(self, plan: BatchPlan, budget: int | None) -> None:
         """Give running requests their next tokens: decodes first, then unfinished prefill
-        chunks (``budget`` bounds the total; None = one token each, the whole-prompt
-        policies' decode step). When blocks run out, the least urgent running request goes,
+        chunks (``budget`` bounds the total; None = all each has left, the whole-prompt
+        policies' step: one token for a decode). When blocks run out, the least urgent running request goes,
         the asker included; one already scheduled this step leaves the plan (its tokens go
         back to the budget), as in vLLM: hybrid schedules decodes first, and sparing them
         made an urgent prompt preempt itself while less urgent decodes ran on."""
@@ -392,7 +396,10 @@ class Batcher:
                 # token: compute the last position again (same token, same KV) to sample.
                 req.num_computed_tokens = req.num_tokens - 1
                 remaining = 1
-            num_new = 1 if budget is None else min(remaining, budget)
+            # Whole-prompt policies compute what is left at once: a prompt whose step failed
+            # (no commit) is still running with it all to do, and one token a step made its
+            # first token wait prompt-length steps. A decode has one left.
+            num_new = remaining if budget is None else min(remaining, budget)
             if num_new <= 0:
                 break
             while not self.pool.allocate_slots(req, num_new):

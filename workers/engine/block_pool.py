@@ -248,6 +248,8 @@ class BlockPool:
             if block.block_hash is not None and self._by_hash.get(block.block_hash) == block_id:
                 del self._by_hash[block.block_hash]
             block.block_hash, block.token_ids = None, ()
+            if block.ref_count == 0:  # free: now worthless, it goes first (as _release does)
+                self._free.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every name (blocks in use keep their data)."""
@@ -282,10 +284,16 @@ class BlockPool:
             req.block_table.append(block_id)
         for _ in range(num_new_blocks):
             req.block_table.append(self._take_free())
-        if admission:
-            self.prefix_queries += req.num_tokens
-            self.prefix_hits += len(computed_blocks) * self.block_size
+        if admission and req.num_cached_tokens < 0:
+            # Its first admission only: one preempted comes back to its own freed blocks,
+            # hits that said nothing about the cache's use and inflated its hit rate.
+            self.count_prefix_query(req.num_tokens, len(computed_blocks) * self.block_size)
         return True
+
+    def count_prefix_query(self, tokens: int, hit_tokens: int) -> None:
+        """Count one admission's prefix lookup (negative values take one back)."""
+        self.prefix_queries += tokens
+        self.prefix_hits += hit_tokens
 
     def free(self, req: Request) -> None:
         """Give back every block of ``req``. The tail goes first so that, once named blocks
