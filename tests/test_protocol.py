@@ -6,7 +6,7 @@ import contextlib
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from common.errors import ProtocolError
@@ -272,6 +272,160 @@ def test_decoders_raise_nothing_but_protocol_error(payload: bytes) -> None:
     for cls in (GenerateRequest, Chunk, ResumeQuery, ResumeReply, Telemetry, Control, KvEvent):
         with contextlib.suppress(ProtocolError):
             cls.from_bytes(payload)
+
+
+# -- valid messages, then one field broken ------------------------------------------------
+# The fuzz above almost never builds a message that decodes: these build valid ones (through
+# the dataclasses' constructors), so the success path is checked too, then break them.
+
+_tokens = st.from_regex(r"[A-Za-z0-9_-]{1,16}", fullmatch=True)  # a subject token
+_reply = st.lists(_tokens, min_size=1, max_size=3).map(".".join)
+_i64 = st.integers(-(2**63), 2**63 - 1)
+_u = st.integers(0, 2**64 - 1)  # what a wire integer field takes
+_i32s = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=6)
+_token_ids = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=6)
+_finite = st.floats(allow_nan=False, allow_infinity=False)
+_ratio = st.floats(0.0, 1.0)
+_f32 = st.floats(width=32, allow_nan=False)  # packed as float32: exact only at that width
+
+
+def _opt(values: st.SearchStrategy) -> st.SearchStrategy:
+    """``values`` or None (an optional field)."""
+    return st.none() | values
+
+
+_params = st.builds(
+    RequestParams,
+    max_tokens=st.integers(1, 2**63 - 1),
+    temperature=_finite, top_p=_finite, top_k=_i64, min_p=_finite,
+    repetition_penalty=_finite, presence_penalty=_finite, frequency_penalty=_finite,
+    seed=_opt(_u),
+    stop=st.lists(st.text(max_size=8), max_size=3),
+    stop_token_ids=st.lists(_i64, max_size=4),
+    ignore_eos=st.booleans(),
+    logprobs=_opt(_i64),
+    min_tokens=_opt(_i64),
+    skip_special_tokens=_opt(st.booleans()),
+    include_stop_str_in_output=_opt(st.booleans()),
+    want_stop_reason=_opt(st.booleans()),
+)  # fmt: skip
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> GenerateRequest:
+    by_text = draw(st.booleans())  # exactly one of prompt / prompt_token_ids
+    return GenerateRequest(
+        id=draw(_tokens), group=draw(_tokens), reply=draw(_reply), model=draw(st.text(max_size=8)),
+        prompt=draw(st.text(max_size=12)) if by_text else None,
+        prompt_token_ids=[] if by_text else draw(_token_ids),
+        params=draw(_params), priority=draw(_i64), deadline_ms=draw(_opt(_u)),
+        created_ms=draw(_u), origin=draw(st.just("") | _tokens),
+        cache_salt=draw(st.text(max_size=12)),
+    )  # fmt: skip
+
+
+@st.composite
+def _chunks(draw: st.DrawFn) -> Chunk:
+    token_ids = draw(_i32s)
+    # Logprobs are one per token id, or none.
+    logprobs = draw(st.just([]) | st.lists(_f32, min_size=len(token_ids), max_size=len(token_ids)))
+    return Chunk(
+        id=draw(st.text(max_size=8)), seq=draw(_u), attempt=draw(st.integers(1, 2**64 - 1)),
+        token_ids=token_ids, text=draw(st.text(max_size=12)),
+        finish_reason=draw(_opt(st.sampled_from(["stop", "length", "abort", "error"]))),
+        usage=draw(_opt(st.builds(Usage, _u, _u, _u))),
+        error=draw(_opt(st.builds(ErrorInfo, st.text(max_size=8), st.text(max_size=8)))),
+        logprobs=logprobs,
+        top_logprobs=draw(st.lists(st.builds(TopLogprobs, _i32s, st.lists(_f32, max_size=3)),
+                                   max_size=2)),
+        worker=draw(st.text(max_size=8)),
+        stop_reason=draw(_opt(_i64 | st.text(max_size=8))),
+    )  # fmt: skip
+
+
+_count = st.integers(0, 1 << 20)  # telemetry's bounded counts (MAX_TELEMETRY_COUNT)
+_amount = st.floats(0.0, allow_infinity=False)
+_telemetry = st.builds(
+    Telemetry,
+    worker=st.text(max_size=8), group=st.text(max_size=8), ts_ms=_i64, model=st.text(max_size=8),
+    state=st.sampled_from(["starting", "serving", "draining", "stopped"]),
+    running=_count, waiting=_count, batch_cap=_count, kv_usage=_ratio, tokens_per_s=_amount,
+    requests_done=_u, errors=_u, ttft_p50_ms=_amount, ttft_p99_ms=_amount, e2e_p50_ms=_amount,
+    e2e_p99_ms=_amount, samples=_u, prefix_queried_tokens=_u, prefix_hit_tokens=_u,
+    busy_ratio=_ratio, max_seq_len=_opt(st.integers(1, 2**64 - 1)),
+    engine_max_seq_len=_opt(st.integers(1, 2**64 - 1)),
+)  # fmt: skip
+_control = st.builds(
+    Control,
+    action=st.sampled_from(
+        ["assign_group", "drain", "set_batch_cap", "abort", "resume", "supersede"]
+    ),
+    issued_ms=_i64, group=_opt(st.text(max_size=8)), batch_cap=_opt(_i64),
+    request_id=_opt(st.text(max_size=8)), reason=st.text(max_size=8), attempt=_opt(_i64),
+    fence=_opt(_u),
+)  # fmt: skip
+_valid_messages = st.one_of(_requests(), _chunks(), _telemetry, _control)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_valid_messages)
+def test_valid_messages_round_trip_exactly(message) -> None:
+    assert type(message).from_bytes(message.to_bytes()) == message
+
+
+# Values a field must refuse or survive: out of range for some field or other, of another
+# type, non-finite.
+_out_of_range = st.sampled_from(
+    [-1, 0, -(2**63), 2**64 - 1, (1 << 20) + 1, -0.5, 1.5, 1e308, float("inf"), float("nan"),
+     "", "a.b", "*", b"\x00\x00\x00", b"\xff\xff\xff\xff", [], {}, True, None]
+)  # fmt: skip
+
+
+def _maps_in(obj: dict) -> list[dict]:
+    """``obj`` and every map nested in it (params, usage, error, top_logprobs' items)."""
+    out = [obj]
+    for value in obj.values():
+        if isinstance(value, dict):
+            out += _maps_in(value)
+        elif isinstance(value, list):
+            out += [m for item in value if isinstance(item, dict) for m in _maps_in(item)]
+    return out
+
+
+@st.composite
+def _broken(draw: st.DrawFn) -> tuple[type, bytes]:
+    """A valid message's map with one field broken: retyped, out of range, dropped, or one
+    the schema lacks added, at the top or in a nested map."""
+    message = draw(_valid_messages)
+    obj = msgpack.unpackb(message.to_bytes(), raw=False)
+    target = draw(st.sampled_from(_maps_in(obj)))
+    how = draw(st.sampled_from(["retype", "out_of_range", "drop", "unknown"]))
+    keys = sorted(target)
+    if how == "unknown" or not keys:
+        target[draw(st.text(min_size=1, max_size=6).filter(lambda k: k not in target))] = draw(
+            _values
+        )
+    elif how == "drop":
+        del target[draw(st.sampled_from(keys))]
+    else:
+        target[draw(st.sampled_from(keys))] = draw(_values if how == "retype" else _out_of_range)
+    return type(message), msgpack.packb(obj, use_bin_type=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_broken())
+def test_a_valid_message_with_one_field_broken_decodes_valid_or_raises_protocol_error(
+    case: tuple[type, bytes],
+) -> None:
+    cls, payload = case
+    try:
+        decoded = cls.from_bytes(payload)
+    except ProtocolError:
+        event("refused")
+        return
+    event("decoded")  # an int for a float, an optional field dropped: still a valid message
+    assert type(decoded) is cls
+    assert cls.from_bytes(decoded.to_bytes()) == decoded
 
 
 def test_fields_added_since_the_last_release_are_not_sent_unless_set() -> None:

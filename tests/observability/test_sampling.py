@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -113,13 +114,24 @@ async def request_headers(
             headers=client_headers,
         )
         assert response.status_code == 200, response.text
-    for _ in range(100):
-        if seen and not worker.inflight_ids:
-            break
+    # The worker counts the request's outcome and ends its span in one step, after its ack
+    # (a fixed wait guessed how long that took): once counted, it is done with it.
+    deadline = time.monotonic() + 5
+    while not (seen and answered(worker) == 1):
+        assert time.monotonic() < deadline, (seen, answered(worker))
         await asyncio.sleep(0.02)
-    await asyncio.sleep(0.1)  # a worker ends its span after the ack
     assert len(seen) == 1
     return seen[0]
+
+
+def answered(worker: WorkerService) -> float:
+    """The requests ``worker`` has answered (its outcome counters, every reason)."""
+    return sum(
+        sample.value
+        for family in worker.observer.registry.collect()
+        for sample in family.samples
+        if sample.name in ("qos_request_success_total", "qos_request_errors_total")
+    )
 
 
 async def test_a_request_sampled_out_builds_no_span_and_the_worker_follows_its_flag(

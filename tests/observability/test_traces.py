@@ -370,9 +370,10 @@ async def test_an_attempt_stopped_while_it_was_admitted_still_ends_its_span(
     from common.protocol import GenerateRequest, RequestParams
     from workers import service as worker_service
 
-    gate = threading.Event()
+    gate, tokenizing = threading.Event(), threading.Event()
 
     def slow_encode(engine: object, prompt: str) -> list[int]:
+        tokenizing.set()
         gate.wait(5)  # a long prompt being tokenized when the stop comes
         return [1, 2]
 
@@ -385,12 +386,10 @@ async def test_an_attempt_stopped_while_it_was_admitted_still_ends_its_span(
         request = GenerateRequest(id="adm-1", group="short", reply=subjects.out("adm-1"),
                                   prompt=text, params=RequestParams(max_tokens=2))  # fmt: skip
         await nc.jetstream().publish(subjects.request("short"), request.to_bytes())
-        for _ in range(200):
-            if worker._starting:
-                break
-            await asyncio.sleep(0.02)
+        # In the tokenizer, so its span started (a fixed wait could stop it before then:
+        # no span at all, and the test waited for one in vain).
+        assert await asyncio.to_thread(tokenizing.wait, 5)
         assert worker._starting  # fetched, not in flight yet
-        await asyncio.sleep(0.2)  # its span started, its prompt in the tokenizer
         await worker.stop(grace_s=0)
     finally:
         gate.set()

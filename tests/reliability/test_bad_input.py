@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 from typing import Any
 
 import httpx
@@ -106,19 +105,34 @@ def test_a_group_header_that_names_no_group_is_400_and_reaches_no_subject(
         b"X-QoS-Group: " + value.encode("utf-8") + b"\r\nContent-Length: %d\r\n"
         b"Connection: close\r\n\r\n" % len(payload) + payload
     )  # fmt: skip
-    requests_before = len(stack.chunks)
-    answer = raw_http(stack.port, request, half_close=False)
-    assert answer.startswith(b"HTTP/1.1 "), answer[:300]
-    status = int(answer.split(b" ", 2)[1])
-    if value.strip() == "short":
-        assert status == 200, answer[:300]  # surrounding whitespace is not a different group
-        return
-    assert status in (400, 431), answer[:300]
-    head, _, text = answer.partition(b"\r\n\r\n")
-    if b"application/json" in head.lower():  # ours; the HTTP parser's own refusals are text
-        assert json.loads(text)["error"]["param"] == "X-QoS-Group"
-    time.sleep(0.2)  # a request published by mistake would have chunks by now
-    assert len(stack.chunks) == requests_before  # nothing reached a worker
+    # Every request the gateway publishes, to any subject under req (the snoop's own
+    # connection: a wildcard's subscriber sees subjects no stream takes, too).
+    published = stack.call(stack._nc.subscribe(f"{stack.config.nats.subject_prefix}.req.>"))
+    stack.call(qnats.barrier(stack._nc))
+    try:
+        answer = raw_http(stack.port, request, half_close=False)
+        assert answer.startswith(b"HTTP/1.1 "), answer[:300]
+        status = int(answer.split(b" ", 2)[1])
+        if value.strip() == "short":
+            assert status == 200, answer[:300]  # surrounding whitespace is not a different group
+            return
+        assert status in (400, 431), answer[:300]
+        head, _, text = answer.partition(b"\r\n\r\n")
+        if b"application/json" in head.lower():  # ours; the HTTP parser's own refusals are text
+            assert json.loads(text)["error"]["param"] == "X-QoS-Group"
+        # Then a request it takes: the gateway publishes on one connection, in order, so
+        # once that one is answered (and the snoop's barrier is through) anything published
+        # by mistake before it is in the snoop's queue, ahead of it. No wait for chunks.
+        ok = httpx.post(f"{stack.base_url}/completions", headers={"X-QoS-Group": "short"},
+                        json=body(stack.model, 3, 2, stream=False))  # fmt: skip
+        assert ok.status_code == 200, ok.text
+        stack.call(qnats.barrier(stack._nc))
+        seen = [stack.call(published.next_msg()) for _ in range(published.pending_msgs)]
+        assert [(m.subject, GenerateRequest.from_bytes(m.data).group) for m in seen] == [
+            (Subjects(stack.config.nats.subject_prefix).request("short"), "short")
+        ]  # nothing but that request reached any subject
+    finally:
+        stack.call(published.unsubscribe())
 
 
 def raw_http(port: int, request: bytes, *, half_close: bool = True) -> bytes:

@@ -94,17 +94,28 @@ async def test_a_worker_user_cannot_publish_requests_or_read_chunks(
         for s in ("gateway", "worker", "scheduler")
     ]
     try:
-        seen = await gateway.subscribe("qos.req.>")
-        await qnats.barrier(gateway)
+        # No user here may subscribe to qos.req.> (a gateway's subscription there was itself
+        # refused, so "it saw nothing" held with or without the worker's rights). What the
+        # stream stored says it instead: the gateway's probes, one before and one after the
+        # forgeries, are numbered one apart only if nothing was stored between them.
+        requests = gateway.jetstream()
+        before = await requests.publish("qos.req.perm-probe", b"probe")
         await worker.publish("qos.req.short", b"forged")
-        await worker.flush()
-        with pytest.raises(nats.errors.TimeoutError):
-            await seen.next_msg(timeout=0.5)
         with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
             await worker.jetstream().publish("qos.req.short", b"forged", timeout=1)
+        await qnats.barrier(worker)  # the server has handled both forgeries
+        after = await requests.publish("qos.req.perm-probe", b"probe")
+        assert after.seq == before.seq + 1
+        # The server's refusal reaches the publisher (its error callback), once per publish;
+        # the barrier's answer came after it, on the same connection.
+        forged = 'nats: permissions violation for publish to "qos.req.short"'
+        assert [r.lower() for r in qnats.refused_publishes(worker)] == [forged, forged]
         # The gateway aborts on qos.abort.<group>; it cannot command a group (drain, caps).
         await gateway.publish("qos.ctl.group.short", b"forged")
-        await gateway.flush()
+        await qnats.barrier(gateway)
+        assert [r.lower() for r in qnats.refused_publishes(gateway)] == [
+            'nats: permissions violation for publish to "qos.ctl.group.short"'
+        ]
         # Nor may a service read another's replies: JetStream hands the workers their
         # requests (prompts) on the worker inbox.
         for client, subject in ((worker, "qos.out.*"), (scheduler, "qos.out.*"),
@@ -113,6 +124,9 @@ async def test_a_worker_user_cannot_publish_requests_or_read_chunks(
                                 (worker, "_INBOX_gateway.>")):  # fmt: skip
             await client.subscribe(subject)
             await qnats.barrier(client)  # the server has the SUB (flush() may overtake it)
+            # (The server writes the whole refusal in lower case, the subject too.)
+            refused = f'nats: permissions violation for subscription to "{subject.lower()}"'
+            assert refused in [r.lower() for r in qnats.refused_publishes(client)], subject
     finally:
         for client in (gateway, worker, scheduler):
             await client.close()

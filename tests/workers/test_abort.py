@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,40 +15,74 @@ from common.client import QosClient
 from common.errors import QosError
 from common.protocol import Control, RequestParams
 from workers.engine import EngineArgs, LLMEngine
-from workers.engine.outputs import EngineStats
+from workers.engine.outputs import EngineStats, RequestDelta
 from workers.sim import SimCost, SimEngine
+
+
+class HeldEngine(LLMEngine):
+    """Steps freely until ``hold_at`` tokens are out, then holds its next step until
+    ``release``: the request cannot outrun its abort, however fast the engine (a tiny
+    model unthrottled could finish its 400 tokens before the abort came)."""
+
+    def __init__(self, args: EngineArgs, hold_at: int) -> None:
+        super().__init__(args)
+        self.hold_at = hold_at
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        self.held: EngineStats | None = None  # what it held with
+
+    def step(self) -> list[RequestDelta]:
+        stats = self.stats()
+        if stats.num_generation_tokens >= self.hold_at and not self.release.is_set():
+            self.held = stats
+            self.holding.set()
+            self.release.wait(10)  # bounded: a test that fails must not hang the thread
+        return super().step()
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
 
 
 async def test_client_abort_stops_the_request_and_frees_its_kv_blocks(
     start_worker: Any, client: QosClient
 ) -> None:
-    engine = LLMEngine(
+    hold_at = 8
+    engine = HeldEngine(
         EngineArgs(
             model="dummy:tiny", device="cpu", num_kv_blocks=64, max_batch_size=4, max_seq_len=512,
             policy="continuous",
-        )
+        ),
+        hold_at,
     )  # fmt: skip
     service = await start_worker(engine=engine)
-    params = RequestParams(max_tokens=400, ignore_eos=True, temperature=0)
-    stream = client.generate(group="short", prompt_token_ids=list(range(1, 40)), params=params)
-    received = 0
-    async for chunk in stream:
-        received += len(chunk.token_ids)
-        if received >= 3:
-            break
-    busy: EngineStats = await service.bridge.call(lambda e: e.stats())
-    assert busy.num_running == 1 and busy.num_free_blocks < busy.num_blocks
-    await stream.aclose()  # leaving the stream publishes the abort on the group's control subject
-
-    deadline = time.monotonic() + 10
-    while True:
-        stats: EngineStats = await service.bridge.call(lambda e: e.stats())
-        if stats.num_running == 0 and not service.inflight_ids:
-            break
-        assert time.monotonic() < deadline, stats
-        await asyncio.sleep(0.02)
-    assert stats.num_free_blocks == stats.num_blocks
-    assert stats.num_generation_tokens < 100  # stopped long before its 400 tokens
+    try:
+        params = RequestParams(max_tokens=400, ignore_eos=True, temperature=0)
+        stream = client.generate(group="short", prompt_token_ids=list(range(1, 40)), params=params)
+        received = 0
+        async for chunk in stream:
+            received += len(chunk.token_ids)
+            if received >= 3:
+                break
+        assert await asyncio.to_thread(engine.holding.wait, 10)
+        (rid,) = service.inflight_ids
+        busy = engine.held
+        assert busy is not None
+        assert busy.num_running == 1 and busy.num_free_blocks < busy.num_blocks
+        # Leaving the stream publishes the abort on the group's control subject.
+        await stream.aclose()
+        # The worker took the abort (and queued it for the engine, behind the held step).
+        await _until(lambda: rid in service._aborted)
+    finally:
+        engine.release.set()
+    await _drained(service)
+    stats: EngineStats = await service.bridge.call(lambda e: e.stats())
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+    # Stopped at the step it was held in: the abort came before any other.
+    assert stats.num_generation_tokens == busy.num_generation_tokens + 1
 
 
 def _total(registry: Any, name: str, **labels: str) -> float:

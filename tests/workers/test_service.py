@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import statistics
 import struct
 import threading
 import time
@@ -463,9 +464,12 @@ async def test_a_drained_replica_stays_drained_through_a_move_until_resumed(
     await eventually(lambda: service.state == "draining")
     await nc.publish(own, Control(action="assign_group", group="short").to_bytes())
     await nc.publish(own, Control(action="assign_group", group="realtime").to_bytes())
-    await eventually(lambda: service.group == "realtime")
-    await asyncio.sleep(0.2)  # the move's last step (it served again at once before)
-    assert service.state == "draining"
+    await eventually(lambda: service.group == "realtime")  # set before it binds: not done
+    # The move's last step decides serving or not (it served again at once before): wait
+    # for the move itself to end, then look.
+    moves = [t for t in service._tasks if t.get_name() == "assign-group"]
+    await asyncio.wait_for(asyncio.gather(*moves), 5)
+    assert moves and service.group == "realtime" and service.state == "draining"
     await nc.publish(own, Control(action="resume").to_bytes())
     await eventually(lambda: service.state == "serving")
     ids, _, final = await client.collect(
@@ -544,11 +548,15 @@ async def test_a_moved_replica_reports_no_old_latency_and_takes_its_new_groups_c
     assert service.bridge.batch_cap == 1  # long's breaker is open: not its max batch of 2
     stale = Control(action="set_batch_cap", group="short", batch_cap=16)
     await nc.publish(subjects.control("w0"), stale.to_bytes())
-    renewed = Control(action="set_batch_cap", group="long", batch_cap=1)
-    await nc.publish(subjects.control("w0"), renewed.to_bytes())
-    await nc.flush()
-    await asyncio.sleep(0.2)
+    # Its control subject's messages are handled in order: once the drain sent after the
+    # stale cap took effect, the cap was handled (a renewal of long's cap 1, sent after it,
+    # would hide a stale cap obeyed: it never could fail that way).
+    await nc.publish(subjects.control("w0"), Control(action="drain").to_bytes())
+    await eventually(lambda: service.state == "draining")
     assert service.bridge.batch_cap == 1
+    renewed = Control(action="set_batch_cap", group="long")  # long's own: obeyed, to its max
+    await nc.publish(subjects.control("w0"), renewed.to_bytes())
+    await eventually(lambda: service.bridge.batch_cap == 2)
 
 
 @pytest.mark.parametrize("failures", [1, 99])
@@ -938,35 +946,52 @@ async def test_telemetry_arrives_every_interval_with_sane_values(
     start_worker: Any, client: QosClient, nc: Client, subjects: Subjects, worker_config: Config
 ) -> None:
     sub = await nc.subscribe(subjects.telemetry("short", "w0"))
+    began = time.time()  # the clock the worker stamps reports and latencies with
     service = await start_worker()
     for _ in range(3):
         await client.collect(
             group="short", prompt_token_ids=[1, 2], params=RequestParams(max_tokens=8)
         )
-    reports: list[tuple[float, Telemetry]] = []
-    deadline = time.monotonic() + 1.2
-    while time.monotonic() < deadline:
-        msg = await sub.next_msg(timeout=1)
-        report = Telemetry.from_bytes(msg.data)
-        # By the sender's clock: reports queued here while the requests ran are read back
-        # to back, and their arrival gaps said nothing about the interval.
-        reports.append((report.ts_ms / 1000, report))
-    gaps = [b[0] - a[0] for a, b in itertools.pairwise(reports)]
-    # Every 0.2 s: on average, and never far off even on a loaded machine.
-    assert len(reports) >= 4 and 0.15 < sum(gaps) / len(gaps) < 0.3 and max(gaps) < 0.8
-    last = reports[-1][1]
+    # Counted, not timed (a deadline read fewer reports on a loaded machine): every report
+    # from the start, until six and one sent after the last request ended.
+    reports: list[Telemetry] = []
+    while len(reports) < 6 or reports[-1].requests_done < 3:
+        assert len(reports) < 50, reports[-1]  # never counted them all
+        reports.append(Telemetry.from_bytes((await sub.next_msg(timeout=5)).data))
+    read_by = time.time()
+    # By the sender's clock: reports queued here while the requests ran are read back to
+    # back, and their arrival gaps said nothing about the interval.
+    gaps = [(b.ts_ms - a.ts_ms) / 1000 for a, b in itertools.pairwise(reports)]
+    interval = worker_config.worker.telemetry_interval_s
+    # Never more often than the interval (ts_ms is whole ms); at it, not at the 1 s default:
+    # the median gap, which a loop stalled now and then on a loaded machine does not move.
+    assert min(gaps) >= interval - 0.002
+    assert statistics.median(gaps) < 1.0
+    last = reports[-1]
     assert (last.worker, last.group, last.state, last.batch_cap) == ("w0", "short", "serving", 4)
     assert last.requests_done == 3 and last.errors == 0 and last.samples == 3
-    assert 0 < last.ttft_p50_ms <= last.ttft_p99_ms < 2000
-    assert 0 < last.e2e_p50_ms <= last.e2e_p99_ms < 2000 and last.ttft_p50_ms <= last.e2e_p99_ms
+    # Latencies in ms: none longer than the whole run, which holds all three requests (a
+    # unit off by 1000 would not fit; a fixed bound in seconds only tested the machine).
+    run_ms = (read_by - began) * 1000 + 1  # + created_ms's truncation to whole ms
+    assert 0 < last.ttft_p50_ms <= last.ttft_p99_ms < run_ms
+    assert 0 < last.e2e_p50_ms <= last.e2e_p99_ms < run_ms
+    assert last.ttft_p50_ms <= last.e2e_p99_ms
     assert (last.running, last.waiting, last.kv_usage) == (0, 0, 0.0)
     assert last.prefix_queried_tokens == 6
     # Clamped to [0, 1] by the sender: what says it is measured is a report during the work.
-    assert max(r.busy_ratio for _, r in reports) > 0.0
+    assert max(r.busy_ratio for r in reports) > 0.0
     kv = await nc.jetstream().key_value(worker_config.nats.kv_bucket)
-    beat = json.loads((await kv.get("workers.w0")).value)
+
+    async def heartbeat() -> dict[str, Any]:
+        return json.loads((await kv.get("workers.w0")).value)
+
+    # Rewritten with the reports (each writes it in a task of its own): it catches up with
+    # the last one read.
+    deadline = time.monotonic() + 5
+    while (beat := await heartbeat())["ts_ms"] < last.ts_ms:
+        assert time.monotonic() < deadline, (beat, last.ts_ms)
+        await asyncio.sleep(0.02)
     assert (beat["group"], beat["state"]) == ("short", "serving")
-    assert abs(beat["ts_ms"] / 1000 - time.time()) < 2
     # A replica that stops takes its key with it: ids are host-pid, never reused, and the
     # bucket kept one per replica ever started (each scrape-target pass read them all).
     await service.stop(grace_s=0)
@@ -1142,20 +1167,24 @@ async def test_a_stop_during_a_group_move_stays_stopped(
     the new group and report serving after the stop (a dying replica fetching, its new
     requests left unacked)."""
     service, running = await _moving_to_long(start_worker, client, nc, subjects, 0.6, 200)
+    # A request waits in long already: a move that bound long during the stop, and served,
+    # would fetch it. (Published after the stop, as it was, nothing could: the stop closes
+    # the replica's connection, so a wait for a fetch proved nothing.)
+    js = nc.jetstream()
+    await js.publish(subjects.request("long"), GenerateRequest(
+        id="during-stop", group="long", reply=subjects.out("during-stop"),
+        prompt_token_ids=[1], params=RequestParams(max_tokens=2)).to_bytes())  # fmt: skip
     await service.stop(grace_s=2.0)  # outlasts the move's own 0.6 s grace
     assert service.state == "stopped" and not service._accepting
     running.cancel()  # handed back at the stop: nobody serves it here
-    # Nothing of this replica fetches from long: a request there stays queued.
-    js = nc.jetstream()
-    await js.publish(subjects.request("long"), GenerateRequest(
-        id="after-stop", group="long", reply=subjects.out("after-stop"),
-        prompt_token_ids=[1], params=RequestParams(max_tokens=2)).to_bytes())  # fmt: skip
-    await asyncio.sleep(0.5)
+    # The replica is gone (its connection closed): what it fetched, the server counted.
+    assert service.nc is not None and service.nc.is_closed
     try:
         info = await js.consumer_info(worker_config.nats.stream, Subjects.consumer("long"))
     except nats.js.errors.NotFoundError:
         return  # the move never bound long: nothing can have fetched it
-    assert (info.num_pending, info.num_ack_pending) == (1, 0)
+    # Never delivered: not even fetched and handed back.
+    assert (info.num_pending, info.num_ack_pending, info.delivered.stream_seq) == (1, 0, 0)
 
 
 async def test_a_worker_stops_even_when_its_engine_thread_hangs(
@@ -1192,7 +1221,10 @@ async def test_a_resume_during_a_group_move_does_not_claim_serving(
     service, running = await _moving_to_long(start_worker, client, nc, subjects, 5.0, 40)
     ctl = subjects.control(service.worker_id)
     await nc.publish(ctl, Control(action="resume").to_bytes())
-    await asyncio.sleep(0.2)
+    # Handled in order on its control subject: once the cap sent next took effect, the
+    # resume was handled.
+    await nc.publish(ctl, Control(action="set_batch_cap", batch_cap=3).to_bytes())
+    await eventually(lambda: service.bridge.batch_cap == 3)
     assert service.state == "draining" and service.group == "short"
     await running  # the old group's request finishes; then the move completes
     await eventually(lambda: service.group == "long" and service.state == "serving")
@@ -1358,19 +1390,28 @@ async def test_a_copy_superseded_by_a_later_delivery_stops_without_acking_the_me
     await chunks.next_msg(timeout=5)  # serving delivery 1
     own = Control(action="supersede", request_id=rid, attempt=1)  # its own delivery: kept
     await nc.publish(subjects.abort("short"), own.to_bytes())
-    await nc.flush()
-    await asyncio.sleep(0.2)
+    # The abort subject's messages are handled in order: once an abort sent after it is
+    # marked, the supersede was handled.
+    await nc.publish(
+        subjects.abort("short"), Control(action="abort", request_id="mark-1").to_bytes()
+    )
+    await eventually(lambda: "mark-1" in service._aborted)
     assert rid in service._inflight
     later = Control(action="supersede", request_id=rid, attempt=2, group="short")
     await nc.publish(subjects.abort("short"), later.to_bytes())
     await eventually(lambda: rid not in service._inflight)
-    await asyncio.sleep(0.3)
-    while True:  # what was on its way; then nothing, and no final chunk
-        try:
-            chunk = Chunk.from_bytes((await chunks.next_msg(timeout=0.3)).data)
-        except nats.errors.TimeoutError:
-            break
-        assert chunk.finish_reason is None
+    # The engine takes commands in order, and events and chunks keep theirs: once a request
+    # queued after the abort was answered, anything the superseded one still had to say
+    # (a final chunk from its engine abort, say) was sent before that answer.
+    _, after = await _queued(nc, subjects, worker_config, prompt_token_ids=[3],
+                             params=RequestParams(max_tokens=1))  # fmt: skip
+    await read_until_final(after)
+    # Its chunks came on this connection before that answer: all here now.
+    while chunks.pending_msgs:  # what was on its way; no final chunk
+        assert Chunk.from_bytes((await chunks.next_msg()).data).finish_reason is None
+    # That answer's ack (sent after it, counted once sent) has reached the server too.
+    await eventually(lambda: service.telemetry.requests_done == 1)
+    await qnats.barrier(service.nc)
     info = await nc.jetstream().consumer_info(worker_config.nats.stream, Subjects.consumer("short"))
     assert info.num_ack_pending == 1  # not acked: the message is the later delivery's
     assert rid not in service._aborted  # not cancelled either: the request lives on
@@ -1453,10 +1494,17 @@ async def test_a_scheduler_control_issued_long_ago_is_a_replay_and_ignored(
     await nc.publish(subjects.control_group("short"), cap.to_bytes())
     abort_ok = Control(action="abort", request_id="r-old", issued_ms=old)  # not a decision
     await nc.publish(subjects.abort("short"), abort_ok.to_bytes())
-    await nc.flush()
-    await asyncio.sleep(0.3)
-    assert service.group == "short" and service.bridge.batch_cap > 1
-    assert "r-old" in service._aborted
+    # Each subject's messages are handled in order: once an abort sent after the replay on
+    # each subject is marked, the replays were handled.
+    for subject, mark in ((subjects.control("w0"), "mark-own"),
+                          (subjects.control_group("short"), "mark-group")):  # fmt: skip
+        await nc.publish(subject, Control(action="abort", request_id=mark).to_bytes())
+    await eventually(lambda: "mark-own" in service._aborted and "mark-group" in service._aborted)
+    await eventually(lambda: "r-old" in service._aborted)  # its own subject: taken, though old
+    # No move was even begun (its group changes only once it binds): no task for one.
+    assert [t for t in service._tasks if t.get_name() == "assign-group"] == []
+    assert service.group == "short" and service.state == "serving"
+    assert service.bridge.batch_cap > 1
     fresh = Control(action="set_batch_cap", group="short", batch_cap=1,
                     issued_ms=int(time.time() * 1000))  # fmt: skip
     await nc.publish(subjects.control_group("short"), fresh.to_bytes())
