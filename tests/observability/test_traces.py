@@ -83,6 +83,7 @@ async def test_streamed_request_is_one_trace_from_gateway_to_worker_with_genai_a
     request_id = server.attributes["gen_ai.response.id"]
     expected = {
         "gen_ai.operation.name": "text_completion",
+        "gen_ai.provider.name": "qosserve",  # required by the GenAI conventions
         "gen_ai.request.model": MODEL,
         "gen_ai.request.max_tokens": 6,
         "gen_ai.request.temperature": 0.5,
