@@ -371,6 +371,20 @@ def build(results: Path) -> Path:
     return out
 
 
+# field_comparison's met: True, False, or None when the bracket straddles the target.
+VERDICT = {True: "met", False: "not met", None: "undecided: the bracket straddles the target"}
+
+
+def field_sentence(found: dict[str, Any]) -> str:
+    """The field-study comparison (``policies.field_comparison``) as one sentence."""
+    ratio = found["slo_rate_ratio"]
+    shown = (f"{ratio:.3g}x" if ratio is not None
+             else f"at least {found['slo_rate_ratio_low']:.3g}x (the pool missed at every step)")  # fmt: skip
+    return (f"Field-study comparison: `{found['policy']}` with instance groups holds the SLO "
+            f"at {shown} the rate `dynamic/pool` does (target {found['target']}x: "
+            f"{VERDICT[found['met']]}).")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.report", description=__doc__.split("\n")[0])
     p.add_argument("--results", default=str(RESULTS), help="folder of result JSON files")
@@ -385,17 +399,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-# field_comparison's met: True, False, or None when the bracket straddles the target.
-VERDICT = {True: "met", False: "not met", None: "undecided: the bracket straddles the target"}
-
-
-def field_sentence(found: dict[str, Any]) -> str:
-    """The field-study comparison (``policies.field_comparison``) as one sentence."""
-    ratio = found["slo_rate_ratio"]
-    shown = (f"{ratio:.3g}x" if ratio is not None
-             else f"at least {found['slo_rate_ratio_low']:.3g}x (the pool missed at every step)")  # fmt: skip
-    return (f"Field-study comparison: `{found['policy']}` with instance groups holds the SLO "
-            f"at {shown} the rate `dynamic/pool` does (target {found['target']}x: "
-            f"{VERDICT[found['met']]}).")  # fmt: skip

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from bench.report import build
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _step(offered: float, short_e2e_p99_ms: float) -> dict:
@@ -142,3 +146,19 @@ def test_an_engine_result_records_its_command_and_commit(
     assert doc["benchmark"] == "engine"
     assert doc["command"] == f"python -m bench.engine --num-seqs 4 --out {out}"
     assert len(doc["git"]["commit"]) == 40 and isinstance(doc["git"]["dirty"], bool)
+
+
+def test_the_report_builds_as_a_command_over_the_field_study_comparison(tmp_path: Path) -> None:
+    """`python -m bench.report`, as the README runs it: helpers defined below its
+    ``__main__`` block were missing then (a NameError on any policies result with the
+    field-study comparison), while tests importing the module never saw it."""
+    cpu = tmp_path / "cpu"
+    cpu.mkdir()
+    stored = ROOT / "bench" / "results" / "cpu" / "policies_field-bymix-lag.json"
+    (cpu / "policies_field.json").write_text(stored.read_text())
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.report", "--results", str(cpu)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Field-study comparison:" in (cpu / "REPORT.md").read_text()
