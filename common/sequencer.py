@@ -89,6 +89,16 @@ class ChunkSequencer:
             return []
         skip = len(self.token_ids) - chunk.seq
         if skip > 0:
+            delivered = self.token_ids[chunk.seq : chunk.seq + len(chunk.token_ids)]
+            if chunk.token_ids[: len(delivered)] != delivered:
+                # Two runs of one attempt answer at once (a consumer deleted and made again
+                # delivers its messages afresh, as attempt 1): splicing them would be an
+                # answer neither run gave. Fail it; the caller may retry.
+                self.finished = True
+                self._early.clear()
+                raise InternalError(
+                    "two runs of the request answered with different tokens; retry it"
+                )
             ids = chunk.token_ids[skip:]
             text = self.decode_tail(self.token_ids, ids) if self.decode_tail and ids else ""
             chunk = replace(

@@ -52,6 +52,7 @@ from common.errors import (
     RequestGivenUpError,
     ServiceUnavailableError,
 )
+from common.logging import about
 from common.nats import on_slow_consumer
 from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprobs, Usage
 from common.recent_ids import RecentIds
@@ -74,6 +75,10 @@ WRITE_STALL_S = 30.0
 # A gap in a stream's chunks still open this long reads as chunks lost (not only late): the
 # workers are asked to resync (Dispatcher.on_lost_chunks).
 GAP_RESYNC_S = 0.5
+# A gap no resync filled in this long (several rounds: the worker had already forgotten the
+# request, or stopped) ends the stream with a retryable 503: it waited out its deadline
+# (two minutes by default) for chunks nobody would send again.
+GAP_GIVE_UP_S = 5.0
 
 
 def sse_event(obj: Any) -> bytes:
@@ -363,6 +368,7 @@ class Dispatcher:
         # recover (the worker acked: no redelivery): the app asks the workers to resync.
         self.on_lost_chunks: Callable[[], None] | None = None
         self._gap_checks: set[str] = set()  # streams with a gap check pending
+        self._gap_since: dict[str, float] = {}  # loop time each open gap was first seen
 
     def _lost_chunks(self) -> None:
         if self.on_lost_chunks is not None:
@@ -370,15 +376,29 @@ class Dispatcher:
 
     def _watch_gap(self, request_id: str) -> None:
         if request_id not in self._gap_checks:
+            loop = asyncio.get_running_loop()
             self._gap_checks.add(request_id)
-            asyncio.get_running_loop().call_later(GAP_RESYNC_S, self._check_gap, request_id)
+            self._gap_since.setdefault(request_id, loop.time())
+            loop.call_later(GAP_RESYNC_S, self._check_gap, request_id)
 
     def _check_gap(self, request_id: str) -> None:
         self._gap_checks.discard(request_id)
         stream = self._streams.get(request_id)
-        if stream is not None and stream.holding_gap:
-            self._lost_chunks()
-            self._watch_gap(request_id)  # still there later: ask again (rate-limited)
+        if stream is None or not stream.holding_gap:
+            self._gap_since.pop(request_id, None)
+            return
+        since = self._gap_since.get(request_id, 0.0)
+        if asyncio.get_running_loop().time() - since >= GAP_GIVE_UP_S:
+            self._gap_since.pop(request_id, None)
+            log.warning("request %s: a gap in its chunks stayed open %.0f s; ending it",
+                        request_id, GAP_GIVE_UP_S, extra=about(request_id))  # fmt: skip
+            stream.fail(ServiceUnavailableError(
+                "part of the answer was lost on the way and could not be recovered; retry",
+                retry_after_s=1,
+            ))  # fmt: skip
+            return
+        self._lost_chunks()
+        self._watch_gap(request_id)  # still there later: ask again (rate-limited)
 
     def _on_slow_consumer(self, exc: nats.errors.SlowConsumerError) -> None:
         if exc.subject.startswith(f"{self._subjects.prefix}.out."):

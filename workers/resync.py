@@ -37,8 +37,11 @@ from workers.outbox import Flight
 
 log = logging.getLogger(__name__)
 
-# A finished request is kept this long for a resync (longer while the link is down).
-KEEP_S = 2.0
+# A finished request is kept this long for a resync (longer while the link is down): a
+# caller asks again while a gap stays open, once a second at most, and gives up at 5 s
+# (gateway.streams.GAP_GIVE_UP_S); 2 s lost the race to a caller whose loop was behind
+# (the overload that dropped the chunk), and the request then hung to its deadline.
+KEEP_S = 6.0
 # How long a resync keeps asking a caller that is not reconnected yet.
 WINDOW_S = 10.0
 RETRY_S = 0.2

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -868,6 +869,8 @@ class WorkerService:
         st.sent_chunks.append(chunk)
         try:
             await self.nc.publish(st.request.reply, chunk.to_bytes())
+        except nats.errors.MaxPayloadError:
+            await self._too_big(st, chunk)
         except Exception as exc:
             log.warning(
                 "request %s: publishing a chunk failed: %s",
@@ -875,6 +878,33 @@ class WorkerService:
                 exc,
                 extra=about_flight(st),
             )
+
+    async def _too_big(self, st: Flight, chunk: Chunk) -> None:
+        """A chunk over the server's max_payload (many top logprobs, a long coalesced run)
+        is never carried: its caller waited to its deadline for it while the request was
+        acked here. The answer ends with an error instead, small enough to go."""
+        assert self.nc is not None
+        log.error("request %s: a chunk of %d tokens is over NATS max_payload (%d bytes); "
+                  "ending the request", st.request.id, len(chunk.token_ids),
+                  self.nc.max_payload, extra=about_flight(st))  # fmt: skip
+        error = InternalError(
+            f"a part of the answer was larger than the message bus carries ({self.nc.max_payload} "
+            "bytes); ask for fewer top_logprobs"
+        )
+        st.sent_chunks.pop()
+        if chunk.finish_reason is not None or chunk.error is not None:
+            ending = st.error_chunk(self.worker_id, error)  # _complete acks after this
+            st.sent_chunks.append(ending)
+            with contextlib.suppress(Exception):
+                await self.nc.publish(st.request.reply, ending.to_bytes())
+            return
+        # Mid-answer: stop it in the engine and end it (its own task: this may run inside
+        # the flush loop over every flight).
+        self._abort_in_engine(st)
+        task = asyncio.create_task(self._send_error(st, error), name="too-big")
+        task.add_done_callback(_log_failure)
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(task)
 
     # --- periodic work -------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from common.protocol import (
     heartbeat_reconnects,
 )
 from common.subjects import Subjects
+from gateway import streams
 from gateway.streams import Delivery, Dispatcher, ResponseStream, SseResponse
 from tests.gateway.conftest import MODEL, gateway_config, serve
 from tests.gateway.fake_worker import Job, alphabet_tokens, running_worker
@@ -218,6 +219,36 @@ async def test_a_gap_that_stays_open_asks_the_workers_to_resync_and_is_filled(
         )
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "abcdefghi"
     assert counts[-1] == 1 and time.monotonic() - started < 5  # not the 120 s deadline
+
+
+async def test_a_gap_no_resync_fills_ends_the_request_with_a_retryable_503(
+    nats_config: NatsConfig, monkeypatch: pytest.MonkeyPatch
+):
+    """The worker acked and forgot the request (or stopped) before the resync asked: the
+    finish chunk held behind the gap waited out the request's deadline (two minutes by
+    default) for chunks nobody would send again."""
+    monkeypatch.setattr(streams, "GAP_GIVE_UP_S", 1.5)
+    ids = alphabet_tokens(9)
+
+    async def lose_one_and_forget(job: Job) -> None:
+        await job.send(0, ids[0:3])
+        usage = Usage(len(job.request.prompt_token_ids), 9, 0)
+        await job.send(6, ids[6:9], finish_reason="length", usage=usage)  # 3..5 never resent
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=lose_one_and_forget),
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
+        started = time.monotonic()
+        reply = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 9}
+        )
+        waited = time.monotonic() - started
+        assert gw.app.state.gateway.dispatch.dispatcher.open_streams == 0
+    assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+    assert "lost on the way" in reply.json()["error"]["message"]
+    assert waited < 20  # the give-up, not the request's deadline
 
 
 async def test_a_slow_consumer_on_the_out_subjects_is_taken_as_chunks_lost(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import ContextLengthExceededError
+from common.errors import ContextLengthExceededError, InternalError
 from common.protocol import Chunk, ErrorInfo, ResumeQuery, Usage
 from common.sequencer import ChunkSequencer as ResponseStream
 
@@ -38,6 +38,18 @@ def test_overlap_after_a_redelivery_is_trimmed() -> None:
     (out,) = stream.feed(chunk(1, [2, 3, 4], attempt=2))
     assert (out.seq, out.token_ids, out.text) == (3, [4], "+")
     assert stream.feed(chunk(0, [1, 2], attempt=2)) == []  # nothing new
+
+
+def test_two_runs_of_one_attempt_that_disagree_fail_the_stream_rather_than_splice() -> None:
+    """A group consumer deleted and made again delivers the unacked request afresh, as
+    attempt 1, while its first run still streams: chunks of both raced for each position
+    and the caller got an answer neither run gave."""
+    stream = ResponseStream("r")
+    assert delivered(stream, chunk(0, [1, 2, 3])) == [1, 2, 3]
+    assert delivered(stream, chunk(0, [1, 2, 3])) == []  # a resent copy: agrees, dropped
+    with pytest.raises(InternalError, match="two runs"):
+        stream.feed(chunk(2, [9, 4]))  # position 2 was 3
+    assert stream.finished and stream.feed(chunk(3, [4], final=True)) == []
 
 
 def test_resume_answers_what_was_delivered_and_silences_older_attempts() -> None:

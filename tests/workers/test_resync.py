@@ -13,7 +13,7 @@ from tests.workers.conftest import new_id
 from workers import resync as resync_module
 from workers.orphans import GatewayWatch
 from workers.outbox import Flight
-from workers.resync import Resync
+from workers.resync import KEEP_S, Resync
 
 
 class Clock:
@@ -74,7 +74,11 @@ def test_finished_streams_of_a_gateway_that_stays_heard_are_dropped_after_keep_s
     t0 = clock.now
     st = _flight("r0")
     resync.finished(st)
-    while clock.now < t0 + 3.0:
+    while clock.now < t0 + KEEP_S - 0.5:
+        watch.heard("gw-a", 0)
+        _tick_until(resync, nc, clock, clock.now + 0.2, step=0.2)
+    assert len(resync._flights([])) == 1  # kept: its caller may still ask for a resync
+    while clock.now < t0 + KEEP_S + 1.0:
         watch.heard("gw-a", 0)
         _tick_until(resync, nc, clock, clock.now + 0.2, step=0.2)
     assert resync._flights([]) == []
