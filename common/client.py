@@ -61,7 +61,7 @@ from common.protocol import (
 )
 from common.recent_ids import RecentIds
 from common.request_publish import publish_error, publish_request
-from common.sequencer import ChunkSequencer, DecodeTail
+from common.sequencer import GAP_GIVE_UP_S, GAP_RESYNC_S, ChunkSequencer, DecodeTail
 from common.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -305,6 +305,8 @@ class QosClient:
                 # The worker's own error ends its work; a gap given up on does not.
                 fail(exc, chunk.error is not None or chunk.finish_reason == "error")
                 return
+            if stream.holding_gap and not gap_check:
+                gap_check.append(loop.call_later(GAP_RESYNC_S, check_gap, loop.time()))
             for item in chunks:
                 if item.finish_reason == "abort":
                     # The worker gave it up (its origin fell silent, an operator): retryable,
@@ -315,6 +317,24 @@ class QosClient:
                 if item.finish_reason is not None:
                     worker_done[0] = True
                 ready.put_nowait(item)
+
+        loop = asyncio.get_running_loop()
+        gap_check: list[asyncio.TimerHandle] = []  # the pending one, while a gap is open
+
+        def check_gap(since: float) -> None:
+            """As the gateway's dispatcher: ask for a resync while a gap stays open (a
+            chunk lost with no reconnect: nothing else resends it); give up after
+            GAP_GIVE_UP_S with a retryable error rather than wait to the timeout."""
+            gap_check.clear()
+            if stream.finished or not stream.holding_gap:
+                return
+            if loop.time() - since >= GAP_GIVE_UP_S:
+                fail(ServiceUnavailableError("part of the answer was lost on the way and "
+                                             "could not be recovered; retry",
+                                             retry_after_s=1), False)  # fmt: skip
+                return
+            self._heartbeat.request_resync()  # a no-op for workers without our beats
+            gap_check.append(loop.call_later(GAP_RESYNC_S, check_gap, since))
 
         async def on_resume(msg: Msg) -> None:
             if not msg.reply:
@@ -431,6 +451,8 @@ class QosClient:
                 yield item
         finally:
             stream.finished = True
+            for handle in gap_check:
+                handle.cancel()
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

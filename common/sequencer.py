@@ -17,6 +17,12 @@ from common.protocol import Chunk, ResumeQuery, ResumeReply
 
 # Out-of-order chunks held while a gap fills; a worker never needs more than a few.
 MAX_EARLY_CHUNKS = 256
+# A gap still open this long reads as chunks lost (not only late): the caller asks the
+# workers to resync (its heartbeat's count). One no resync filled in GAP_GIVE_UP_S (the
+# worker had forgotten the request, or stopped) ends the answer, retryable, rather than
+# at its deadline.
+GAP_RESYNC_S = 0.5
+GAP_GIVE_UP_S = 5.0
 
 # (ids already delivered, new ids) -> text of the new ids; for chunks trimmed after an overlap.
 DecodeTail = Callable[[Sequence[int], Sequence[int]], str]

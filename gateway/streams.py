@@ -56,7 +56,7 @@ from common.logging import about
 from common.nats import on_slow_consumer
 from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprobs, Usage
 from common.recent_ids import RecentIds
-from common.sequencer import ChunkSequencer, DecodeTail
+from common.sequencer import GAP_GIVE_UP_S, GAP_RESYNC_S, ChunkSequencer, DecodeTail
 from common.subjects import Subjects
 from common.tasks import watch
 
@@ -72,13 +72,8 @@ ABORT_FLUSH_S = 2.0  # how long a stopping gateway waits for its queued aborts t
 # A streaming client whose socket takes nothing for this long is cut off, whatever its
 # deadline (a day at most, its own to choose): it held an admission slot all that time.
 WRITE_STALL_S = 30.0
-# A gap in a stream's chunks still open this long reads as chunks lost (not only late): the
-# workers are asked to resync (Dispatcher.on_lost_chunks).
-GAP_RESYNC_S = 0.5
-# A gap no resync filled in this long (several rounds: the worker had already forgotten the
-# request, or stopped) ends the stream with a retryable 503: it waited out its deadline
-# (two minutes by default) for chunks nobody would send again.
-GAP_GIVE_UP_S = 5.0
+# GAP_RESYNC_S, GAP_GIVE_UP_S (common.sequencer): a gap open that long asks the workers
+# to resync (Dispatcher.on_lost_chunks), then ends the stream with a retryable 503.
 
 
 def sse_event(obj: Any) -> bytes:

@@ -15,6 +15,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+import common.client as client_module
 import common.nats as qnats
 from common.client import QosClient
 from common.config import Config
@@ -33,6 +34,7 @@ from common.protocol import (
     ResumeQuery,
     ResumeReply,
     Usage,
+    heartbeat_reconnects,
 )
 from common.subjects import Subjects
 
@@ -116,6 +118,52 @@ async def test_a_gap_that_never_fills_aborts_the_worker(
     assert isinstance(exc, InternalError) and "gap" in exc.message
     await _wait_for(lambda: any(c.action == "abort" for c in played["controls"]))
     assert any(c.action == "abort" for c in played["controls"])
+
+
+async def test_a_chunk_lost_without_a_reconnect_is_asked_for_again_and_the_answer_ends(
+    client: QosClient, nc: Client, played: dict[str, Any], subjects: Subjects
+) -> None:
+    """The client had no gap watch: a chunk lost with no reconnect (a slow consumer's
+    overflow, a route flap) left it waiting to its timeout while a gateway's stream, in
+    the same case, asked the workers to resync within a second."""
+    beats = await nc.subscribe(subjects.gateway_heartbeat(client.client_id))
+
+    async def lose_one_then_resend_on_resync(rid: str) -> None:
+        out = subjects.out(rid)
+        await nc.publish(out, Chunk(id=rid, seq=0, token_ids=[7], text="a").to_bytes())
+        final = Chunk(id=rid, seq=2, token_ids=[9], text="c", finish_reason="length",
+                      usage=Usage(2, 3, 0))  # fmt: skip
+        await nc.publish(out, final.to_bytes())  # seq 1 lost
+        with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
+            async with asyncio.timeout(5):
+                while not heartbeat_reconnects((await beats.next_msg(timeout=5)).data):
+                    pass  # the client's beat carries its resync request
+                await nc.publish(out, Chunk(id=rid, seq=1, token_ids=[8], text="b").to_bytes())
+
+    got, exc = await _run(client, played, lose_one_then_resend_on_resync)
+    assert exc is None and [c.token_ids for c in got] == [[7], [8], [9]]
+
+
+async def test_a_gap_nobody_fills_ends_with_a_retryable_error_not_at_the_timeout(
+    client: QosClient,
+    nc: Client,
+    played: dict[str, Any],
+    subjects: Subjects,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(client_module, "GAP_GIVE_UP_S", 1.0)
+
+    async def lose_one_and_forget(rid: str) -> None:
+        out = subjects.out(rid)
+        await nc.publish(out, Chunk(id=rid, seq=0, token_ids=[7], text="a").to_bytes())
+        final = Chunk(id=rid, seq=2, token_ids=[9], text="c", finish_reason="length",
+                      usage=Usage(2, 3, 0))  # fmt: skip
+        await nc.publish(out, final.to_bytes())
+
+    got, exc = await _run(client, played, lose_one_and_forget, timeout_s=60.0)
+    assert [c.token_ids for c in got] == [[7]]
+    assert isinstance(exc, ServiceUnavailableError) and exc.retry_after_s == 1
+    assert "lost on the way" in exc.message
 
 
 async def test_what_arrived_before_the_deadline_is_delivered_to_a_slow_reader(
