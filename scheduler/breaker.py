@@ -208,11 +208,15 @@ class Breaker:
             if sample.requests and now - at <= self.settings.error_window_s:
                 self._outcomes.append((at, sample.requests, sample.errors))
 
-    def restore(self, state: State, since: float, reason: str = "") -> None:
-        """Continue from a state persisted elsewhere (a restart); not a transition."""
+    def restore(self, state: State, since: float, reason: str = "", reopens: int = 0) -> None:
+        """Continue from a state persisted elsewhere (a restart, a new leader); not a
+        transition. ``reopens`` continues the open wait's backoff (a closed state's counts
+        from its ``since``, when it closed)."""
         if (state, since) != (self.state, self.since):
             self._clear()
         self.state, self.since, self.reason = state, since, reason
+        self.reopens = reopens
+        self._closed_at = since if state == "closed" and reopens else None
 
     # --- rules ---------------------------------------------------------------------------
 

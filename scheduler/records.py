@@ -6,7 +6,8 @@ All are JSON so ``nats kv get`` shows them as they are; all times are unix milli
 and by a scheduler that (re)starts, which continues the state machine from it::
 
     {"v": 1, "state": "closed" | "open" | "half_open", "since_ms": int, "reason": str,
-     "fallback": str | null, "batch_cap": int, "scheduler": str}
+     "fallback": str | null, "batch_cap": int, "scheduler": str, "written_ms": int,
+     "fence": int, "probe_at_ms": int, "reopens": int}
 
 ``batch_cap`` is the cap the group's workers should run at in this state (``open_batch_cap``
 while open or half-open, the group's ``max_batch`` once closed).
@@ -70,6 +71,9 @@ class BreakerRecord:
     # An open breaker: when it turns half-open (wall ms; 0 otherwise), for the gateways'
     # Retry-After (its wait grows with each re-open: a fixed 2 s sent clients back 60 times).
     probe_at_ms: int = 0
+    # Opens in a row that came soon after the last (its open wait doubles with each): a
+    # new leader continues the backoff rather than probe a still-broken group after 10 s.
+    reopens: int = 0
 
     def to_bytes(self) -> bytes:
         return _dump(asdict(self))
@@ -92,6 +96,7 @@ class BreakerRecord:
                 written_ms=int(obj.get("written_ms", 0)),
                 fence=int(obj.get("fence", 0)),
                 probe_at_ms=int(obj.get("probe_at_ms", 0)),
+                reopens=max(0, int(obj.get("reopens", 0))),
             )
         except (ValueError, TypeError, KeyError, AttributeError):
             return None

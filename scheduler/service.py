@@ -450,6 +450,7 @@ class SchedulerService:
             state, since_ms, reason, fallback, self._cap_for(group, state), self.id,
             written_ms=int(self._wall() * 1000), fence=self._fence() or 0,
             probe_at_ms=since_ms + int(wait_s * 1000) if wait_s is not None else 0,
+            reopens=self.breakers[group].reopens,
         )  # fmt: skip
 
     async def _save_breakers(self) -> None:
@@ -692,7 +693,7 @@ class SchedulerService:
                     since = now - max(0.0, wall_ms - record.since_ms) / 1000
                 if record.state != breaker.state:
                     log.info("breaker %s: continuing %s (%s)", group, record.state, record.reason)
-                breaker.restore(record.state, since, record.reason)
+                breaker.restore(record.state, since, record.reason, record.reopens)
             self.metrics.set_breaker(group, breaker.state)
 
     def _recall_breaker_windows(self) -> None:

@@ -361,3 +361,17 @@ def test_an_open_breakers_record_says_when_it_probes():
 
 def test_schedulers_and_gateways_read_a_record_as_stale_after_the_same_time():
     assert records.BREAKER_STALE_S == workers_view.BREAKER_STALE_S
+
+
+def test_restore_continues_the_backoff_and_a_closed_state_counts_from_its_close():
+    b = Breaker("short", S)
+    b.restore("open", 100.0, "incident", reopens=2)
+    assert b.wait_s == 40 and b.tick(139.0) is None and b.tick(140.0) is not None
+    closed = Breaker("short", S)
+    closed.restore("closed", 200.0, "3 healthy samples", reopens=2)
+    move = feed(closed, [BreakerSample(900, requests=2)] * 5, start=210.0)[0]
+    assert move.target == "open" and closed.reopens == 3  # soon after closing: longer
+    fresh = Breaker("short", S, state="open", since=0.0)
+    fresh.reopens = 3
+    fresh.restore("closed", 50.0)  # no backoff given: none kept from before
+    assert fresh.reopens == 0

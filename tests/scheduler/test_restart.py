@@ -225,6 +225,29 @@ async def test_a_scheduler_starting_after_an_outage_does_not_revive_a_stale_open
         ]
 
 
+async def test_a_new_leader_continues_the_open_waits_backoff(nats_config):
+    """The backoff lived in the old leader's memory: after a failover the new one waited
+    10 s and probed a group still broken, and a rollout mid-incident reset it each time."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        assert service.kv is not None
+        wall_ms = int(time.time() * 1000)
+        fourth = BreakerRecord("open", since_ms=wall_ms - 1_000, reason="p99 over",
+                               written_ms=wall_ms - 500, reopens=3)  # fmt: skip
+        await service.kv.put(breaker_key("short"), fourth.to_bytes())
+        await service._load_breakers()
+        breaker = service.breakers["short"]
+        first_wait = breaker.settings.wait_open_s  # 2 s here
+        assert breaker.state == "open" and breaker.reopens == 3
+        assert breaker.wait_s == min(8 * first_wait, breaker.settings.max_wait_open_s) > 4
+        now[0] += first_wait + 1  # past a first spell, inside the fourth's
+        await service.tick()
+        assert breaker.state == "open"
+        service.breakers["long"].restore("open", now[0], "an incident")
+        await service.tick()
+        record = BreakerRecord.from_bytes((await service.kv.get(breaker_key("short"))).value)
+        assert record is not None and record.reopens == 3  # what the next leader reads
+
+
 async def test_a_holder_whose_renewal_stalls_stops_acting_before_a_standby_can_take_over(
     nats_config, js
 ):
