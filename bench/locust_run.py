@@ -25,6 +25,14 @@ from bench.serve_stack import machine_info
 from bench.up_stack import ROOT, UpStack
 
 
+def _ms(cell: str | None) -> float | None:
+    """A percentile cell: locust writes "N/A" for a row with no requests (None here)."""
+    try:
+        return float(cell) if cell else None
+    except ValueError:
+        return None
+
+
 def summary(rows: list[dict[str, str]]) -> dict[str, Any]:
     """Counts and percentiles per (type, name), and the invalid requests' verdict."""
     by: dict[str, Any] = {}
@@ -34,9 +42,9 @@ def summary(rows: list[dict[str, str]]) -> dict[str, Any]:
         by[f"{r['Type']} {r['Name']}"] = {
             "requests": int(r["Request Count"]),
             "failures": int(r["Failure Count"]),
-            "p50_ms": float(r["50%"] or 0),
-            "p95_ms": float(r["95%"] or 0),
-            "p99_ms": float(r["99%"] or 0),
+            "p50_ms": _ms(r["50%"]),
+            "p95_ms": _ms(r["95%"]),
+            "p99_ms": _ms(r["99%"]),
             "req_s": float(r["Requests/s"] or 0),
         }
     invalid = {k: v for k, v in by.items() if " invalid " in f" {k} "}

@@ -1294,6 +1294,9 @@ class Config(_Strict):
         unknown = sorted(set(self.scheduler.min_replicas) - set(self.groups))
         if unknown:
             raise ValueError(f"scheduler.min_replicas names unknown groups {unknown}")
+        negative = {g: n for g, n in self.scheduler.min_replicas.items() if n < 0}
+        if negative:
+            raise ValueError(f"scheduler.min_replicas must be 0 or more: {negative}")
         return self
 
     def groups_by_rank(self) -> list[tuple[str, GroupConfig]]:

@@ -576,6 +576,7 @@ class SchedulerService:
         except Exception as exc:
             self.desired.pop(view.name, None)  # try again next round
             log.warning("desired.%s: write failed: %s", view.name, exc)
+            return
         log.info("desired replicas %s: %d (%s; now %d)", view.name, replicas, why, view.serving)
 
     async def _order_move(self, move: Move) -> None:

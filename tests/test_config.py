@@ -258,6 +258,8 @@ def test_a_whole_section_variable_merges_with_its_keys_variables_in_any_order() 
         # Loaded, then lost at the first incident (urllib refused it in a thread).
         ({"QOS_SCHEDULER__ALERT_WEBHOOK_URL": "hooks.example/T/B/secret-9"}, "alert_webhook_url"),
         ({"QOS_SCHEDULER__ALERT_WEBHOOK_URL": "null"}, "alert_webhook_url"),
+        # Meaningless, and silently read as 0.
+        ({"QOS_SCHEDULER__MIN_REPLICAS": '{"short": -1}'}, "min_replicas"),
     ],
 )
 def test_settings_that_would_fail_later_are_refused_at_load(

@@ -86,6 +86,9 @@ def test_the_summary_gives_each_kinds_share_and_the_valid_rate() -> None:
     assert got["request_share_pct"] == {"conversation": 40.0, "short": 50.0, "invalid": 10.0}
     assert (got["req_s"], got["valid_req_s"]) == (5.0, 4.5)
     assert got["retried_after_429"] == 3 and got["requests"] == 50
+    # A row nothing was sent on has "N/A" percentiles (the run's summary died on them).
+    idle = {**row("idle", 0, 0.0), "Type": "GET", "50%": "N/A", "95%": "N/A", "99%": "N/A"}
+    assert summary([idle])["by_request"]["GET idle"]["p50_ms"] is None
 
 
 def test_the_default_long_document_leaves_room_for_the_template_and_the_question() -> None:
