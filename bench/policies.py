@@ -122,7 +122,7 @@ async def phase(
 
     ``pool``: every request goes to that group; figures stay per kind of session (a long
     document is still reported, and judged, as ``long``)."""
-    sessions = make_sessions(n, seed, args.long_tokens)
+    sessions = make_sessions(n, seed, args.long_tokens, doc_pool=args.long_doc_pool)
     t0 = time.monotonic()
     sent, duration = await run_sessions(
         stack.url,
@@ -186,7 +186,7 @@ async def measure(stack: UpStack, args: argparse.Namespace, policy: str) -> dict
     """Warm-up, the fixed-rate phase, the sweep; against a started stack."""
     pool = POOL_GROUP if split_stack_spec(policy).pooled else None
     async with TelemetryLog(stack.nats_url) as tel:
-        warm = make_sessions(4, 999, args.long_tokens)
+        warm = make_sessions(4, 999, args.long_tokens, doc_pool=args.long_doc_pool)
         await run_sessions(
             stack.url, served_name(args.model), warm, [0.0] * 4, args.client, pool=pool
         )
@@ -315,6 +315,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-sessions", type=int, default=8, help="sessions per sweep step, at least")
     p.add_argument("--long-tokens", type=int, default=1024, help="long-document prompt tokens")
     p.add_argument(
+        "--long-doc-pool",
+        type=int,
+        default=0,
+        help="0: a new document per long-document question (default); N: N shared ones "
+        "(their prefixes are cache hits; results before 2026-12-02 shared 4)",
+    )
+    p.add_argument(
         "--max-batch",
         type=int,
         default=None,
@@ -334,6 +341,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.sweep = sweep_factors(args.sweep)
     except ValueError as exc:
         p.error(str(exc))
+    if args.long_doc_pool < 0:
+        p.error("--long-doc-pool must be 0 (a new document each question) or more")
     args.policy_list = [x for x in args.policies.split(",") if x]
     for spec in args.policy_list:
         try:
@@ -362,6 +371,7 @@ def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str,
             "step_s": args.step_s,
             "min_sessions": args.min_sessions,
             "long_tokens": args.long_tokens,
+            "long_doc_pool": args.long_doc_pool,
             "max_batch": {g: args.max_batch or groups[g].max_batch for g in ("short", "long")},
             "client": args.client,
             "slos_ms": {g: [c.slo_ttft_ms, c.slo_e2e_p99_ms] for g, c in groups.items()},

@@ -27,7 +27,6 @@ from common.protocol import Telemetry
 from common.subjects import Subjects
 
 GROUP_OF = {"long_doc": "long", "conversation": "short", "short": "short"}
-DOCUMENTS = 4  # long documents are drawn from a few, as users ask about the same manuals
 
 
 # The error of a conversation turn never sent because an earlier one failed: that failure is
@@ -55,19 +54,26 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(4, 250) for _ in range(n)]
 
 
-def make_sessions(n: int, seed: int, long_tokens: int, turns: int = 3) -> list[Session]:
+def make_sessions(
+    n: int, seed: int, long_tokens: int, turns: int = 3, doc_pool: int = 0
+) -> list[Session]:
     """``n`` sessions giving the field's proportions by request, as locust's tasks do (a
     conversation sends ``turns`` requests; invalid requests are locust's business). By
-    session, as before 2026-12-01, the mix came out 13 % long / 56 % turns / 31 % short."""
+    session, as before 2026-12-01, the mix came out 13 % long / 56 % turns / 31 % short.
+
+    ``doc_pool``: 0 (the default since 2026-12-02), a new document for each long-document
+    question; N, questions about N shared documents (a prefix-cache scenario: until then
+    four were shared, and most of each long prompt was a cache hit)."""
     rng = random.Random(seed)
     weights = task_weights({k: MIX[k] for k in ("long_doc", "conversation", "short")}, turns)
     kinds = [k for k, w in weights.items() for _ in range(w)]
-    docs = [_ids(random.Random(seed * 31 + d), long_tokens) for d in range(DOCUMENTS)]
+    docs = [_ids(random.Random(seed * 31 + d), long_tokens) for d in range(doc_pool)]
     sessions = []
     for _ in range(n):
         kind = rng.choice(kinds)
         if kind == "long_doc":
-            prompt = rng.choice(docs) + _ids(rng, 16)
+            document = rng.choice(docs) if docs else _ids(rng, long_tokens)
+            prompt = document + _ids(rng, 16)
             reqs: tuple[Req, ...] = (Req(prompt, 32),)
         elif kind == "conversation":
             prompt, built = _ids(rng, 48), []

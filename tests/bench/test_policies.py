@@ -21,7 +21,7 @@ from bench.policies import (
     sweep_factors,
     unexpected_errors,
 )
-from bench.policies_load import UNSENT, Sent, make_sessions
+from bench.policies_load import UNSENT, Sent, Session, make_sessions
 from bench.serve_http import Result
 from common.config import load_config
 
@@ -44,6 +44,20 @@ def test_sessions_follow_the_field_mix_and_conversations_resend_their_history() 
         if s.kind == "long_doc":
             assert len(s.turns[0].prompt) == 256 + 16
     assert make_sessions(50, 7, 64) == make_sessions(50, 7, 64)
+
+
+def test_long_documents_are_distinct_unless_a_pool_is_asked_for() -> None:
+    """Four shared documents made most of each long prompt a prefix-cache hit: the long
+    group's TTFT (which the field-study comparison judges) measured the cache, not the
+    prefill of a document nobody had sent before."""
+
+    def documents(sessions: list[Session]) -> list[tuple[int, ...]]:
+        return [tuple(s.turns[0].prompt[:256]) for s in sessions if s.kind == "long_doc"]
+
+    fresh = documents(make_sessions(200, seed=3, long_tokens=256))
+    assert len(fresh) > 20 and len(set(fresh)) == len(fresh)
+    pooled = documents(make_sessions(200, seed=3, long_tokens=256, doc_pool=4))
+    assert len(set(pooled)) == 4
 
 
 def _sent(group: str, ttft: float, e2e: float) -> Sent:
