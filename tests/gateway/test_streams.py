@@ -188,6 +188,13 @@ async def test_redelivered_request_resumes_and_the_client_sees_every_token_once(
     assert len(supersedes) == 2
 
 
+async def _send_all_but_the_middle(job: Job, ids: list[int]) -> None:
+    """Nine tokens in three chunks, the middle one lost on the way."""
+    await job.send(0, ids[0:3])
+    usage = Usage(len(job.request.prompt_token_ids), 9, 0)
+    await job.send(6, ids[6:9], finish_reason="length", usage=usage)  # 3..5 lost
+
+
 async def test_a_gap_that_stays_open_asks_the_workers_to_resync_and_is_filled(
     nats_config: NatsConfig,
 ):
@@ -201,9 +208,7 @@ async def test_a_gap_that_stays_open_asks_the_workers_to_resync_and_is_filled(
 
     async def lose_one_resend_on_resync(job: Job) -> None:
         beats = await job.worker.nc.subscribe(subjects.gateway_heartbeat_wildcard)
-        await job.send(0, ids[0:3])
-        usage = Usage(len(job.request.prompt_token_ids), 9, 0)
-        await job.send(6, ids[6:9], finish_reason="length", usage=usage)  # 3..5 lost
+        await _send_all_but_the_middle(job, ids)
         while not counts or not counts[-1]:  # the gateway asks for a resync
             counts.append(heartbeat_reconnects((await beats.next_msg(timeout=5)).data))
         await job.send(3, ids[3:6])  # what a worker's resync resends
@@ -231,9 +236,7 @@ async def test_a_gap_no_resync_fills_ends_the_request_with_a_retryable_503(
     ids = alphabet_tokens(9)
 
     async def lose_one_and_forget(job: Job) -> None:
-        await job.send(0, ids[0:3])
-        usage = Usage(len(job.request.prompt_token_ids), 9, 0)
-        await job.send(6, ids[6:9], finish_reason="length", usage=usage)  # 3..5 never resent
+        await _send_all_but_the_middle(job, ids)  # and never resend it
 
     async with (
         serve(gateway_config(nats_config)) as gw,

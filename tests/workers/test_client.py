@@ -120,6 +120,16 @@ async def test_a_gap_that_never_fills_aborts_the_worker(
     assert any(c.action == "abort" for c in played["controls"])
 
 
+async def _send_all_but_the_middle(nc: Client, subjects: Subjects, rid: str) -> str:
+    """Three one-token chunks, the middle one lost on the way; the chunks' subject."""
+    out = subjects.out(rid)
+    await nc.publish(out, Chunk(id=rid, seq=0, token_ids=[7], text="a").to_bytes())
+    final = Chunk(id=rid, seq=2, token_ids=[9], text="c", finish_reason="length",
+                  usage=Usage(2, 3, 0))  # fmt: skip
+    await nc.publish(out, final.to_bytes())  # seq 1 lost
+    return out
+
+
 async def test_a_chunk_lost_without_a_reconnect_is_asked_for_again_and_the_answer_ends(
     client: QosClient, nc: Client, played: dict[str, Any], subjects: Subjects
 ) -> None:
@@ -129,11 +139,7 @@ async def test_a_chunk_lost_without_a_reconnect_is_asked_for_again_and_the_answe
     beats = await nc.subscribe(subjects.gateway_heartbeat(client.client_id))
 
     async def lose_one_then_resend_on_resync(rid: str) -> None:
-        out = subjects.out(rid)
-        await nc.publish(out, Chunk(id=rid, seq=0, token_ids=[7], text="a").to_bytes())
-        final = Chunk(id=rid, seq=2, token_ids=[9], text="c", finish_reason="length",
-                      usage=Usage(2, 3, 0))  # fmt: skip
-        await nc.publish(out, final.to_bytes())  # seq 1 lost
+        out = await _send_all_but_the_middle(nc, subjects, rid)
         with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
             async with asyncio.timeout(5):
                 while not heartbeat_reconnects((await beats.next_msg(timeout=5)).data):
@@ -154,11 +160,7 @@ async def test_a_gap_nobody_fills_ends_with_a_retryable_error_not_at_the_timeout
     monkeypatch.setattr(client_module, "GAP_GIVE_UP_S", 1.0)
 
     async def lose_one_and_forget(rid: str) -> None:
-        out = subjects.out(rid)
-        await nc.publish(out, Chunk(id=rid, seq=0, token_ids=[7], text="a").to_bytes())
-        final = Chunk(id=rid, seq=2, token_ids=[9], text="c", finish_reason="length",
-                      usage=Usage(2, 3, 0))  # fmt: skip
-        await nc.publish(out, final.to_bytes())
+        await _send_all_but_the_middle(nc, subjects, rid)  # and never resend it
 
     got, exc = await _run(client, played, lose_one_and_forget, timeout_s=60.0)
     assert [c.token_ids for c in got] == [[7]]
