@@ -25,6 +25,7 @@ never exceeds the engine's configured ``max_batch_size``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -168,6 +169,10 @@ class EngineBridge:
         self._on_events = on_events
         self._loop = loop
         self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # Set when the thread ends, under the lock call() queues under: a call is either
+        # queued before the end (and failed by it) or refused.
+        self._calls_lock = threading.Lock()
+        self._ended = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._live: set[str] = set()  # added and not finished (engine thread only)
         self._failed: set[str] = set()  # failed here: their abort deltas are swallowed
@@ -213,9 +218,14 @@ class EngineBridge:
         return self.seq_limit
 
     async def call(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps; await its result."""
+        """Run ``fn(engine)`` on the engine thread between steps; await its result.
+        RuntimeError once the thread has ended (stopped, or its engine broke): nothing
+        reads the queue then, and the caller waited for good."""
         future: asyncio.Future[T] = self._loop.create_future()
-        self._queue.put(("call", (fn, future)))
+        with self._calls_lock:
+            if self._ended:
+                raise RuntimeError("the engine thread has ended")
+            self._queue.put(("call", (fn, future)))
         return await future
 
     async def stop(self, join_s: float | None = None) -> None:
@@ -243,6 +253,27 @@ class EngineBridge:
     # --- engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._end_calls()
+
+    def _end_calls(self) -> None:
+        """Fail the calls nobody will run now (queued behind a stop, or after the engine
+        broke): their awaiters would wait for good."""
+        with self._calls_lock:
+            self._ended = True
+            while True:
+                try:
+                    kind, arg = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                if kind == "call":
+                    error = RuntimeError("the engine thread has ended")
+                    with contextlib.suppress(RuntimeError):  # the loop is closed already
+                        self._loop.call_soon_threadsafe(_set_exception, arg[1], error)
+
+    def _serve(self) -> None:
         engine = self.engine
         _use_engine_device(engine)
         while True:
@@ -292,7 +323,7 @@ class EngineBridge:
                 fn, future = arg
                 try:
                     result = fn(self.engine)
-                except Exception as exc:
+                except BaseException as exc:  # SystemExit too: its awaiter must hear of it
                     self._loop.call_soon_threadsafe(_set_exception, future, exc)
                 else:
                     self._loop.call_soon_threadsafe(_set_result, future, result)

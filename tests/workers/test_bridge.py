@@ -5,8 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from common.tokenizer import ByteTokenizer
-from workers.bridge import AddRequest, BridgeEvent, EngineBridge, RequestFailed
+from workers.bridge import (
+    MAX_FAILED_STEPS,
+    AddRequest,
+    BridgeEvent,
+    EngineBridge,
+    RequestFailed,
+)
 from workers.engine.outputs import RequestDelta
 from workers.engine.sampling_params import SamplingParams
 from workers.sim import SimCost, SimEngine
@@ -175,3 +183,32 @@ async def test_a_stop_hands_the_engines_pending_kv_copies_over_before_the_tier_c
     bridge, _ = started(engine)
     await bridge.stop()
     assert engine.flushed == 1
+
+
+async def test_a_call_after_the_engine_thread_ended_raises_instead_of_waiting_for_good() -> None:
+    """Nothing reads the command queue once the thread has ended (stopped, or its engine
+    broke after MAX_FAILED_STEPS): a call queued then, or behind the stop, never resolved."""
+    engine = SimEngine(cost=SimCost(0, 0, 0))
+
+    def broken() -> list[RequestDelta]:
+        raise RuntimeError("the device is gone")
+
+    engine.step = broken  # type: ignore[method-assign]
+    bridge, _inbox = started(engine)
+    for i in range(MAX_FAILED_STEPS):  # each failed step fails its request: add another
+        bridge.add(AddRequest(f"r{i}", SamplingParams(max_tokens=4), prompt_token_ids=[1, 2]))
+        await asyncio.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while bridge.alive and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert not bridge.alive
+    with pytest.raises(RuntimeError, match="engine thread has ended"):
+        await asyncio.wait_for(bridge.call(lambda e: 1), 2)
+
+    stopping, _ = started(SimEngine(cost=SimCost(0, 0, 0)))
+    assert await asyncio.wait_for(stopping.call(lambda e: 2), 2) == 2
+    stopping._queue.put(("stop", None))  # a stop, then a call behind it, before the thread runs
+    behind = asyncio.ensure_future(stopping.call(lambda e: 3))
+    await stopping.stop()
+    with pytest.raises(RuntimeError, match="engine thread has ended"):
+        await asyncio.wait_for(behind, 2)
