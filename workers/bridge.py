@@ -173,6 +173,9 @@ class EngineBridge:
         # queued before the end (and failed by it) or refused.
         self._calls_lock = threading.Lock()
         self._ended = False
+        # When the thread last took every command queued (time.monotonic()): an abort sent
+        # before it was acted on, even if its output has not reached the loop yet.
+        self.drained_at = float("-inf")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._live: set[str] = set()  # added and not finished (engine thread only)
         self._failed: set[str] = set()  # failed here: their abort deltas are swallowed
@@ -300,6 +303,7 @@ class EngineBridge:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     item = None
+            self.drained_at = time.monotonic()
             if engine.has_unfinished():
                 try:
                     self._step(events)

@@ -48,6 +48,7 @@ class Flight:
     # Its name in the engine: the request id and a number of this flight's own, so output
     # still on its way from an earlier flight of the id (aborted, handed back) is never its.
     engine_id: str = ""
+    abort_at: float | None = None  # time.monotonic() its engine request was last aborted
 
     def resumed_at(self, token_ids: list[int], text_len: int) -> None:
         """The caller already has ``token_ids`` and ``text_len`` characters of their text:

@@ -984,12 +984,17 @@ class WorkerService:
                 # not a hung device; this exited 1 on a healthy replica. Between steps,
                 # an abort not taken means the thread is stuck elsewhere.
                 mid_step = self.bridge.step_running_s() > 0
+                # Taken but not heard of: its output waits behind a pump that is late (a
+                # NATS stall), which says nothing about the engine; exiting 1 over it
+                # handed back every request of a healthy replica.
+                taken = st.abort_at is not None and self.bridge.drained_at >= st.abort_at
                 log.error("request %s: the engine has not stopped it %.0f s after its "
                           "deadline%s; answering from the event loop", st.request.id,
-                          ENGINE_STUCK_S, " (one step still running)" if mid_step else "",
-                          extra=about_flight(st))  # fmt: skip
+                          ENGINE_STUCK_S, " (one step still running)" if mid_step
+                          else " (it took the abort; its output is late)" if taken
+                          else "", extra=about_flight(st))  # fmt: skip
                 await self._send_error(st, st.error)
-                if not mid_step:
+                if not mid_step and not taken:
                     self._engine_failed("it did not act on an abort")
         if self.bridge is not None and not self.bridge.alive:
             self._engine_failed("its thread has ended")
@@ -1200,6 +1205,7 @@ class WorkerService:
     def _abort_in_engine(self, st: Flight) -> None:
         """Stop ``st``'s engine request (its own, not a later flight's of the same id)."""
         if self.bridge is not None and st.engine_id:
+            st.abort_at = time.monotonic()
             self.bridge.abort(st.engine_id)
 
     def _caller_closed(self, st: Flight) -> None:

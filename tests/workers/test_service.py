@@ -920,6 +920,41 @@ async def test_a_hung_engine_does_not_hold_a_request_past_its_deadline(
         engine.release.set()
 
 
+async def test_an_abort_the_engine_took_but_whose_output_is_late_fails_no_engine(
+    start_worker: Any, nc: Client, subjects: Subjects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine acted on the deadline's abort, but its output sat behind a late pump (a
+    NATS stall): the tick read that as an engine ignoring aborts, and the healthy replica
+    exited 1, handing back every request it held."""
+    monkeypatch.setattr(worker_service, "ENGINE_STUCK_S", 0.3)
+    service = await start_worker(engine=SimEngine(max_batch_size=4, cost=SimCost(0.01, 0, 0)))
+    gate, real = asyncio.Event(), service._on_event
+
+    async def late(event: Any) -> None:
+        await gate.wait()
+        await real(event)
+
+    rid = new_id()
+    chunks = await nc.subscribe(subjects.out(rid))
+    request = GenerateRequest(
+        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
+        params=RequestParams(max_tokens=200), deadline_ms=int(time.time() * 1000) + 300,
+    )  # fmt: skip
+    monkeypatch.setattr(service, "_on_event", late)  # no output reaches the loop now
+    try:
+        await nc.jetstream().publish(
+            subjects.request("short"), request.to_bytes(), headers={"Nats-Msg-Id": rid}
+        )
+        final = None
+        while final is None:
+            chunk = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
+            final = chunk if chunk.error is not None or chunk.finish_reason else None
+        assert final.error is not None and final.error.code == "deadline_exceeded"
+        assert service.exit_code == 0 and service.state == "serving"
+    finally:
+        gate.set()
+
+
 class DyingSim(SimEngine):
     """An engine whose thread ends (a BaseException no handler catches) at its first step."""
 
