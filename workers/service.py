@@ -125,6 +125,8 @@ GROUP_ACTIONS = frozenset({"abort", "set_batch_cap"})
 # agree to well under it), it is a replay, not a decision.
 SCHEDULER_ACTIONS = frozenset({"assign_group", "drain", "resume", "set_batch_cap"})
 CONTROL_STALE_S = 30.0
+# Supersedes remembered for admissions still under way (the oldest go first).
+MAX_SUPERSEDED = 10_000
 ABORT_ONLY = frozenset({"abort", "supersede"})
 
 
@@ -225,6 +227,8 @@ class WorkerService:
         # before the flight is in flight still ends its attempt's span.
         self._admitting: dict[int, Flight] = {}
         self._aborted = RecentIds()
+        # Request id -> the delivery that superseded earlier ones (see _supersede).
+        self._superseded: dict[str, int] = {}
         self._fences = FenceGuard()  # the scheduler's term, from its commands' fences
         self._gateways = GatewayWatch(config.worker.orphan_after_s)
         self._accepting = False
@@ -673,6 +677,12 @@ class WorkerService:
             # wait_for returns a reply that came with the cancel instead of raising, and
             # the request ran for nobody, in_progress renewing another replica's copy.
             self.observer.abandoned(st, "handed_back")
+            return
+        if self._superseded.get(req.id, 0) > attempt:
+            # A later delivery resumed it elsewhere while this one was admitted (its
+            # supersede found nothing in flight here): as _supersede would have, stop
+            # without a word rather than run a copy for nobody.
+            self.observer.abandoned(st, "superseded")
             return
         if resumed:
             self.observer.resumed(st)
@@ -1227,9 +1237,13 @@ class WorkerService:
         and, finishing first, would ack the message under the replica that serves it (which
         dying then would lose the request). Stop it without a word: no ack, no nak, no
         chunk (the caller ignores this attempt's), no abort mark (the request lives on)."""
+        superseded = self._superseded
+        superseded[request_id] = max(attempt, superseded.pop(request_id, 0))  # newest last
+        while len(superseded) > MAX_SUPERSEDED:
+            del superseded[next(iter(superseded))]
         st = self._inflight.get(request_id)
         if st is None or max(st.attempt, st.delivered) >= attempt:
-            return  # not here, or this replica holds that delivery (or a later one)
+            return  # not here (an admission still under way checks the memo), or ours
         log.info("request %s: delivery %d resumed it elsewhere; stopping ours (delivery %d)",
                  request_id, attempt, max(st.attempt, st.delivered), extra=about_flight(st))  # fmt: skip
         self._retire(st, "superseded")

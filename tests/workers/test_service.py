@@ -1452,6 +1452,43 @@ async def test_a_copy_superseded_by_a_later_delivery_stops_without_acking_the_me
     assert rid not in service._aborted  # not cancelled either: the request lives on
 
 
+async def test_a_supersede_that_comes_while_the_delivery_is_admitted_still_stops_it(
+    start_worker: Any,
+    nc: Client,
+    subjects: Subjects,
+    worker_config: Config,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The supersede looked only at requests in flight: one still being admitted (its resume
+    query or its long prompt's tokenizing under way) missed it, then ran for nobody and,
+    finishing first, acked the message under the replica its caller follows."""
+    service = await start_worker()
+    entered, release = threading.Event(), threading.Event()
+
+    def held(engine: Any, prompt: str) -> list[int]:
+        entered.set()
+        release.wait(10)
+        return [1, 2]  # what it stands for: a prompt that fits
+
+    monkeypatch.setattr(worker_service, "encode_prompt", held)
+    long_text = "w" * (worker_service.OFFLOAD_TOKENIZE_CHARS + 1)
+    rid, chunks = await _queued(nc, subjects, worker_config, prompt=long_text,
+                                params=RequestParams(max_tokens=2))  # fmt: skip
+    await asyncio.to_thread(entered.wait, 5)  # delivery 1 is being admitted
+    later = Control(action="supersede", request_id=rid, attempt=2, group="short")
+    await nc.publish(subjects.abort("short"), later.to_bytes())
+    await nc.publish(
+        subjects.abort("short"), Control(action="abort", request_id="mark-2").to_bytes()
+    )
+    await eventually(lambda: "mark-2" in service._aborted)  # the supersede was handled
+    release.set()
+    await eventually(lambda: not service._starting)  # admission ended
+    assert rid not in service._inflight
+    assert not await service.bridge.call(lambda e: e.has_unfinished())
+    await qnats.barrier(nc)
+    assert chunks.pending_msgs == 0  # not a word: the caller follows delivery 2
+
+
 async def test_the_final_chunk_names_the_stop_token_id_that_ended_the_output(
     start_worker: Any, client: QosClient
 ) -> None:
