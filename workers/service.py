@@ -337,7 +337,12 @@ class WorkerService:
                 await self.nc.close()
         self.observer.close()
         tier = getattr(self.engine, "kv_tier", None)
-        if tier is not None:
+        if tier is not None and self.bridge is not None and self.bridge.alive:
+            # Still stepping (a hung device): closing the tier under it turned its pending
+            # copies into errors; the process is on its way out, and the tier with it.
+            log.warning("worker %s: the engine thread is still running; its KV tier is "
+                        "left open", self.worker_id)  # fmt: skip
+        elif tier is not None:
             # Off the loop: it flushes queued write-through stores for up to a few seconds.
             await asyncio.to_thread(tier.close)
         log.info("worker %s stopped", self.worker_id)

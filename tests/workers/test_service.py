@@ -41,6 +41,7 @@ from common.protocol import (
 from common.subjects import Subjects
 from common.tokenizer import ByteTokenizer
 from tests.workers.conftest import expected_tokens, new_id
+from workers import bridge as bridge_module
 from workers import service as worker_service
 from workers.sim import SimCost, SimEngine
 
@@ -916,6 +917,33 @@ async def test_a_hung_engine_does_not_hold_a_request_past_its_deadline(
         ids, _, _ = await client.collect(group="short", prompt_token_ids=[5, 6],
                                          params=RequestParams(max_tokens=1), timeout_s=10)  # fmt: skip
         assert len(ids) == 1
+    finally:
+        engine.release.set()
+
+
+async def test_a_stop_leaves_the_kv_tier_open_while_the_engine_thread_still_steps(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A stop whose engine thread did not end in time (a hung device) closed the KV tier
+    under it: its pending write-through copies became errors."""
+    monkeypatch.setattr(bridge_module, "STOP_JOIN_S", 0.3)
+    closed: list[bool] = []
+
+    class Tier:  # what the stop touches of a tier: close()
+        def close(self) -> None:
+            closed.append(True)
+
+    engine = HungSim(max_batch_size=4, cost=SimCost(0, 0, 0))
+    engine.kv_tier = Tier()  # type: ignore[attr-defined]
+    service = await start_worker(engine=engine)
+    try:
+        _, chunks = await _queued(nc, subjects, worker_config, prompt_token_ids=[1, 2],
+                                  params=RequestParams(max_tokens=50))  # fmt: skip
+        await chunks.next_msg(timeout=5)  # generating: the next steps hang
+        await eventually(lambda: service.bridge.step_running_s() > 0)
+        await service.stop(grace_s=0)
+        assert service.bridge.alive and closed == []
     finally:
         engine.release.set()
 
