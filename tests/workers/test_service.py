@@ -949,8 +949,9 @@ async def test_a_stop_leaves_the_kv_tier_open_while_the_engine_thread_still_step
 
 
 async def test_an_abort_the_engine_took_but_whose_output_is_late_fails_no_engine(
-    start_worker: Any, nc: Client, subjects: Subjects, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """The engine acted on the deadline's abort, but its output sat behind a late pump (a
     NATS stall): the tick read that as an engine ignoring aborts, and the healthy replica
     exited 1, handing back every request it held."""
@@ -962,22 +963,14 @@ async def test_an_abort_the_engine_took_but_whose_output_is_late_fails_no_engine
         await gate.wait()
         await real(event)
 
-    rid = new_id()
-    chunks = await nc.subscribe(subjects.out(rid))
-    request = GenerateRequest(
-        id=rid, group="short", reply=subjects.out(rid), prompt_token_ids=[1, 2],
-        params=RequestParams(max_tokens=200), deadline_ms=int(time.time() * 1000) + 300,
-    )  # fmt: skip
     monkeypatch.setattr(service, "_on_event", late)  # no output reaches the loop now
     try:
-        await nc.jetstream().publish(
-            subjects.request("short"), request.to_bytes(), headers={"Nats-Msg-Id": rid}
-        )
-        final = None
-        while final is None:
-            chunk = Chunk.from_bytes((await chunks.next_msg(timeout=5)).data)
-            final = chunk if chunk.error is not None or chunk.finish_reason else None
-        assert final.error is not None and final.error.code == "deadline_exceeded"
+        _, chunks = await _queued(
+            nc, subjects, worker_config, prompt_token_ids=[1, 2],
+            params=RequestParams(max_tokens=200), deadline_ms=int(time.time() * 1000) + 300,
+        )  # fmt: skip
+        final = (await read_until_final(chunks))[-1]
+        assert final["error"]["code"] == "deadline_exceeded"
         assert service.exit_code == 0 and service.state == "serving"
     finally:
         gate.set()
