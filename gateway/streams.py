@@ -150,6 +150,9 @@ class ResponseStream:
         except QosError as exc:
             # The worker's own error ends its work; a gap the gateway gave up on does not.
             self.worker_done = chunk.error is not None or chunk.finish_reason == "error"
+            if not self.worker_done:  # the gateway's own verdict: nothing else would say it
+                log.warning("request %s: ending it: %s", self.request_id, exc.message,
+                            extra=about(self.request_id))  # fmt: skip
             self.fail(exc)
             return
         for c in ready:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -47,6 +48,20 @@ def _drain(stream: ResponseStream) -> list[Delivery]:
     while stream._ready:
         out.append(stream._ready.popleft())
     return out
+
+
+def test_a_stream_the_gateway_ends_itself_says_why_in_its_log(caplog: pytest.LogCaptureFixture):
+    """Ending a stream on its own verdict (two runs disagreeing, a gap that never fills),
+    the gateway aborted the worker and told only the client: no line said why."""
+    stream = _stream()
+    stream.feed(_chunk(0, "abc"))
+    with caplog.at_level(logging.WARNING, logger="gateway.streams"):
+        stream.feed(_chunk(1, "xd"))  # position 1 was "b"
+    (delivery,) = [d for d in _drain(stream) if d.error is not None]
+    assert "two runs" in delivery.error.message and not stream.worker_done
+    assert [r.getMessage() for r in caplog.records] == [
+        f"request cmpl-x: ending it: {delivery.error.message}"
+    ]
 
 
 def test_out_of_order_chunks_are_held_until_the_gap_fills():
