@@ -307,6 +307,8 @@ class QosClient:
                 return
             if stream.holding_gap and not gap_check:
                 gap_check.append(loop.call_later(GAP_RESYNC_S, check_gap, loop.time()))
+            elif not stream.holding_gap and gap_check:  # filled: a later gap starts afresh
+                gap_check.pop().cancel()
             for item in chunks:
                 if item.finish_reason == "abort":
                     # The worker gave it up (its origin fell silent, an operator): retryable,
@@ -328,6 +330,8 @@ class QosClient:
             gap_check.clear()
             if stream.finished or not stream.holding_gap:
                 return
+            if not self.nc.is_connected:
+                since = loop.time()  # cut off: the resync after the reconnect fills it
             if loop.time() - since >= GAP_GIVE_UP_S:
                 fail(ServiceUnavailableError("part of the answer was lost on the way and "
                                              "could not be recovered; retry",

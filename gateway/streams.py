@@ -373,10 +373,10 @@ class Dispatcher:
             self.on_lost_chunks()
 
     def _watch_gap(self, request_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._gap_since.setdefault(request_id, loop.time())  # this gap's own start
         if request_id not in self._gap_checks:
-            loop = asyncio.get_running_loop()
             self._gap_checks.add(request_id)
-            self._gap_since.setdefault(request_id, loop.time())
             loop.call_later(GAP_RESYNC_S, self._check_gap, request_id)
 
     def _check_gap(self, request_id: str) -> None:
@@ -385,8 +385,12 @@ class Dispatcher:
         if stream is None or not stream.holding_gap:
             self._gap_since.pop(request_id, None)
             return
-        since = self._gap_since.get(request_id, 0.0)
-        if asyncio.get_running_loop().time() - since >= GAP_GIVE_UP_S:
+        now = asyncio.get_running_loop().time()
+        if self._nc is not None and not self._nc.is_connected:
+            # Cut off: the resync after the reconnect fills it; the give-up waits for that.
+            self._gap_since[request_id] = now
+        since = self._gap_since.get(request_id, now)
+        if now - since >= GAP_GIVE_UP_S:
             self._gap_since.pop(request_id, None)
             log.warning("request %s: a gap in its chunks stayed open %.0f s; ending it",
                         request_id, GAP_GIVE_UP_S, extra=about(request_id))  # fmt: skip
@@ -505,6 +509,8 @@ class Dispatcher:
         stream.feed(chunk)
         if stream.holding_gap:
             self._watch_gap(stream.request_id)
+        else:  # filled: a later gap is timed from its own start
+            self._gap_since.pop(stream.request_id, None)
 
     async def _on_resume(self, msg: Msg) -> None:
         request_id = msg.subject[self._resume_prefix :]

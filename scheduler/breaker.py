@@ -235,8 +235,10 @@ class Breaker:
 
     def _judge_half_open(self, sample: BreakerSample, now: float) -> Transition | None:
         s = self.settings
-        # The workers' p99 windows still hold requests from before half-open at first.
-        if now - self.since >= s.stale_p99_s and sample.p99_ms > s.p99_threshold_ms:
+        # The workers' p99 windows still hold requests from before half-open at first:
+        # such a sample is judged on errors only, and proves no health either.
+        stale = now - self.since < s.stale_p99_s
+        if not stale and sample.p99_ms > s.p99_threshold_ms:
             return self._move(
                 "open", now, f"p99 {sample.p99_ms:.0f} ms > {s.p99_threshold_ms:g} ms while probing"
             )
@@ -248,8 +250,8 @@ class Breaker:
         if sample.requests and sample.errors / sample.requests > s.error_rate_threshold:
             self.healthy_in_row = 0  # mostly failed: the row of healthy samples is broken
             return None
-        if sample.requests - sample.errors <= 0:
-            return None  # nothing finished: no evidence either way
+        if sample.requests - sample.errors <= 0 or stale:
+            return None  # nothing finished, or its p99 unjudged: no evidence either way
         self.healthy_in_row += 1
         if self.healthy_in_row >= s.close_after_healthy:
             return self._move("closed", now, f"{self.healthy_in_row} healthy samples")

@@ -133,6 +133,7 @@ class SchedulerService:
             window_samples=self.cfg.window_samples,
             window_s=self.cfg.window_s,
             moves_kept_s=max(3600.0, self.cfg.move_cooldown_s),
+            min_interval_s=0.9 * config.worker.telemetry_interval_s,
         )
         self.metrics = SchedulerMetrics()
         for group in self.groups:  # at 0 from the start: increase() sees the first one

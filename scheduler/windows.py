@@ -5,11 +5,9 @@ with percentiles over their own recent requests and cumulative counters. Once pe
 scheduler tick, each group that reported since the previous tick gets one
 :class:`GroupSample`:
 
-- **p99** (E2E and TTFT): the highest p99 among its workers that reported since the last
-  sample and have latency samples — an upper bound of the p99 of their union, and the one
-  a user of the slow replica sees (a report is counted once: reused until the worker's
-  next one, one slow request weighed in several samples). p50: the samples-weighted mean
-  of the same workers' p50s.
+- **p99** (E2E and TTFT): the highest p99 among its workers that have latency samples — an
+  upper bound of the p99 of their union, and the one a user of the slow replica sees.
+  p50: the samples-weighted mean of the workers' p50s.
 - **stall**: a lower bound of the age of the oldest request still running, from reports
   alone: when a worker has had work running and finished nothing across reports spanning
   ``t`` seconds, some request has run at least ``t``. A worker so slow that nothing
@@ -127,8 +125,15 @@ class TelemetryWindows:
         window_samples: int,
         window_s: float,
         moves_kept_s: float = 3600.0,
+        min_interval_s: float = 0.0,
     ) -> None:
         self.groups = list(groups)
+        # A group's samples come at most this often (a little under the workers' report
+        # interval): ticks twice as fast as reports counted each report in two samples,
+        # and one slow request, held in its worker's p99 for three reports, filled six of
+        # the breaker's ten samples. Counters add up across the ticks skipped.
+        self._min_interval_s = min_interval_s
+        self._sampled_at: dict[str, float] = {}
         self._silent_s = silent_s
         self._moves_kept_s = moves_kept_s  # at least the move cooldown a new leader takes up
         self._workers: dict[str, _Worker] = {}
@@ -193,6 +198,9 @@ class TelemetryWindows:
             members = [w for w in self._workers.values() if w.report.group == group]
             if not any(w.fresh for w in members):
                 continue
+            if now - self._sampled_at.get(group, float("-inf")) < self._min_interval_s:
+                continue
+            self._sampled_at[group] = now
             sample = _combine(members, now, queue_depths.get(group, -1))
             for w in members:
                 w.fresh = False
@@ -251,11 +259,7 @@ def _demand(s: GroupSample) -> float:
 
 def _combine(members: list[_Worker], now: float, queue_depth: int) -> GroupSample:
     reports = [w.report for w in members]
-    # Latency from the reports that came since the last sample: a worker's report counted
-    # again in every tick until its next one (two per report at 0.5 s ticks and 1 s
-    # reports, and its p99 window spans three reports) let one slow request fill six of
-    # the breaker's ten samples and open it.
-    with_samples = [w.report for w in members if w.fresh and w.report.samples > 0]
+    with_samples = [r for r in reports if r.samples > 0]
     weight = sum(r.samples for r in with_samples)
 
     def p50(attr: str) -> float:
@@ -280,7 +284,7 @@ def _combine(members: list[_Worker], now: float, queue_depth: int) -> GroupSampl
         e2e_p50_ms=p50("e2e_p50_ms"),
         e2e_p99_ms=max((r.e2e_p99_ms for r in with_samples), default=0.0),
         ttft_p50_ms=p50("ttft_p50_ms"),
-        ttft_p99_ms=max((r.ttft_p99_ms for r in with_samples), default=0.0),
+        ttft_p99_ms=max((r.ttft_p99_ms for r in reports), default=0.0),
         stall_ms=max(stalls, default=0.0) * 1e3,
         requests=requests,
         errors=errors,

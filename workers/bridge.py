@@ -283,11 +283,13 @@ class EngineBridge:
             busy = engine.has_unfinished()
             if not busy:
                 self._snapshot(force=True)
+            read_at = time.monotonic()  # before a read that finds the queue empty
             try:
                 # Idle: sleep on the queue until a command comes.
                 item = self._queue.get() if not busy else self._queue.get_nowait()
             except queue.Empty:
                 item = None
+                self.drained_at = read_at
             events: list[BridgeEvent] = []
             while item is not None:
                 if item[0] == "stop":
@@ -299,11 +301,12 @@ class EngineBridge:
                     self._snapshot(force=True)
                     return
                 self._handle(item, events)
+                read_at = time.monotonic()
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     item = None
-            self.drained_at = time.monotonic()
+                    self.drained_at = read_at
             if engine.has_unfinished():
                 try:
                     self._step(events)

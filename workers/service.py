@@ -1214,6 +1214,10 @@ class WorkerService:
         rid = st.request.id
         if self._inflight.get(rid) is st:
             del self._inflight[rid]
+            if self._superseded.get(rid, 0) <= max(st.attempt, st.delivered):
+                # Its supersede is spent: the delivery it named (or a later one) has ended
+                # here; kept, it would drop a later request reusing the id as attempt 1.
+                self._superseded.pop(rid, None)
         if self._coalescing.get(rid) is st:
             del self._coalescing[rid]
 

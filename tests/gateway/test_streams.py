@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -305,6 +306,27 @@ async def test_a_slow_consumer_on_the_out_subjects_is_taken_as_chunks_lost(
     assert lost == []
     dispatcher._on_slow_consumer(ours)
     assert lost == [True]
+
+
+async def test_a_gap_that_fills_stops_its_give_up_clock(nats_config: NatsConfig):
+    """The give-up timed every gap from the first one a stream ever held: gaps that each
+    filled within a resync (repeated slow-consumer drops) ended a healthy stream after
+    5 s. A filled gap stops the clock; the next one starts its own."""
+    subjects = Subjects(nats_config.subject_prefix)
+    dispatcher = Dispatcher(None, subjects, 1 << 20)  # type: ignore[arg-type]
+    dispatcher.open("cmpl-x", "short", lambda _done, new: bytes(new).decode())
+
+    async def arrives(chunk: Chunk) -> None:
+        await dispatcher._on_out(SimpleNamespace(subject=subjects.out("cmpl-x"),
+                                                 data=chunk.to_bytes()))  # type: ignore[arg-type]  # fmt: skip
+
+    await arrives(_chunk(0, "abc"))
+    await arrives(_chunk(6, "ghi"))  # 3..5 missing
+    assert "cmpl-x" in dispatcher._gap_since
+    await arrives(_chunk(3, "def"))  # filled
+    assert "cmpl-x" not in dispatcher._gap_since
+    await arrives(_chunk(12, "mno"))  # 9..11 missing: a gap of its own
+    assert dispatcher._gap_since["cmpl-x"] >= asyncio.get_running_loop().time() - 0.5
 
 
 async def test_a_stopping_dispatcher_aborts_the_streams_still_open(nats_config: NatsConfig):

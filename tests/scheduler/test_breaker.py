@@ -112,6 +112,10 @@ def test_half_open_does_not_judge_the_p99_of_requests_that_finished_before_it():
     assert b.state == "half_open"
     move = b.observe(BreakerSample(4000, requests=1), 13.5)  # its own, once the window turned
     assert move is not None and move.target == "open"
+    # Unjudged on p99, a sample proves no health either: three slow ones must not close it.
+    probing = Breaker("short", settings, state="half_open", since=10.0)
+    assert feed(probing, [BreakerSample(4000, requests=2)] * 3, start=10.5, step=0.5) == []
+    assert probing.state == "half_open" and probing.healthy_in_row == 0
 
 
 def test_open_ignores_samples_then_half_opens_after_wait():

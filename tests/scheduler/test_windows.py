@@ -30,16 +30,26 @@ def test_group_p99_is_the_slowest_worker_with_samples_and_p50_is_weighted():
 def test_a_workers_report_weighs_in_one_sample_not_every_tick_until_its_next():
     """Two workers reporting every second, alternately, and ticks every 0.5 s: a report
     was counted again in each tick until the worker's next one, so one slow request (held
-    in its worker's p99 for three reports) filled six of the breaker's ten samples."""
-    w = windows()
-    slow = []
+    in its worker's p99 for three reports) filled six of the breaker's ten samples. A
+    group is sampled at most every 0.9 report intervals; each sample still takes the
+    slowest worker's p99, and the requests of the ticks skipped add up."""
+    w = TelemetryWindows(["short"], silent_s=3.0, window_samples=10, window_s=10.0,
+                         min_interval_s=0.9)  # fmt: skip
+    slow, done = [], 0
     for i in range(12):  # a reports at whole seconds, b at halves; ticks follow each
         now = i * 0.5
         worker = "a" if i % 2 == 0 else "b"
         p99 = 1000 if worker == "a" and 2 <= i <= 6 else 200  # a's three slow reports
-        w.observe(tel(worker, e2e_p99_ms=p99, e2e_p50_ms=150, samples=20), now)
-        slow.append(w.sample(now + 0.25, {})["short"].e2e_p99_ms == 1000)
-    assert sum(slow) == 3
+        w.observe(tel(worker, e2e_p99_ms=p99, e2e_p50_ms=150, samples=20,
+                      requests_done=i + 1), now)  # fmt: skip
+        sample = w.sample(now + 0.25, {}).get("short")
+        if sample is not None:
+            slow.append(sample.e2e_p99_ms == 1000)
+            done += sample.requests
+    assert len(slow) == 6 and sum(slow) == 3
+    # Every request counted once: a's from its first report (1 done) to its last (11),
+    # b's from its first (2) to its last one sampled (10; its 12 comes after the last).
+    assert done == (11 - 1) + (10 - 2)
 
 
 def test_only_groups_that_reported_since_the_last_tick_get_a_sample():

@@ -298,10 +298,11 @@ class Batcher:
                         self.pool.free(req)
                         req.num_computed_tokens = 0
                         self.waiting.insert(0, req)
-                        # Its admission is counted again when it comes back.
-                        self.pool.count_prefix_query(
-                            -req.num_tokens, -len(hit_blocks) * self.pool.block_size
-                        )
+                        if req.num_cached_tokens < 0:  # counted (a first admission): it
+                            # is counted again when it comes back
+                            self.pool.count_prefix_query(
+                                -req.num_tokens, -len(hit_blocks) * self.pool.block_size
+                            )
                         break
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_tokens
