@@ -61,7 +61,13 @@ from common.protocol import (
 )
 from common.recent_ids import RecentIds
 from common.request_publish import publish_error, publish_request
-from common.sequencer import GAP_GIVE_UP_S, GAP_RESYNC_S, ChunkSequencer, DecodeTail
+from common.sequencer import (
+    GAP_GIVE_UP_S,
+    GAP_RESYNC_S,
+    ChunkSequencer,
+    DecodeTail,
+    gap_given_up,
+)
 from common.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -333,9 +339,7 @@ class QosClient:
             if not self.nc.is_connected:
                 since = loop.time()  # cut off: the resync after the reconnect fills it
             if loop.time() - since >= GAP_GIVE_UP_S:
-                fail(ServiceUnavailableError("part of the answer was lost on the way and "
-                                             "could not be recovered; retry",
-                                             retry_after_s=1), False)  # fmt: skip
+                fail(gap_given_up(), False)
                 return
             self._heartbeat.request_resync()  # a no-op for workers without our beats
             gap_check.append(loop.call_later(GAP_RESYNC_S, check_gap, since))

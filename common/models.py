@@ -46,3 +46,10 @@ def served_name(spec: str) -> str:
     if spec.startswith("dummy:"):
         return spec
     return Path(spec).name or spec
+
+
+def configured_served_name(served_model_name: str | None, worker_model: str) -> str:
+    """The name a worker's metrics and telemetry carry: the gateway's
+    (``gateway.served_model_name``, else :func:`served_name` of ``worker.model``), so the
+    series of both join on the ``model`` label."""
+    return served_model_name or served_name(worker_model)

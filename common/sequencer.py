@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from common.errors import InternalError, error_from_code
+from common.errors import InternalError, ServiceUnavailableError, error_from_code
 from common.protocol import Chunk, ResumeQuery, ResumeReply
 
 # Out-of-order chunks held while a gap fills; a worker never needs more than a few.
@@ -23,6 +23,15 @@ MAX_EARLY_CHUNKS = 256
 # at its deadline.
 GAP_RESYNC_S = 0.5
 GAP_GIVE_UP_S = 5.0
+
+
+def gap_given_up() -> ServiceUnavailableError:
+    """How a stream ends whose gap no resync filled in GAP_GIVE_UP_S: retryable."""
+    return ServiceUnavailableError(
+        "part of the answer was lost on the way and could not be recovered; retry",
+        retry_after_s=1,
+    )
+
 
 # (ids already delivered, new ids) -> text of the new ids; for chunks trimmed after an overlap.
 DecodeTail = Callable[[Sequence[int], Sequence[int]], str]

@@ -56,7 +56,13 @@ from common.logging import about
 from common.nats import on_slow_consumer
 from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprobs, Usage
 from common.recent_ids import RecentIds
-from common.sequencer import GAP_GIVE_UP_S, GAP_RESYNC_S, ChunkSequencer, DecodeTail
+from common.sequencer import (
+    GAP_GIVE_UP_S,
+    GAP_RESYNC_S,
+    ChunkSequencer,
+    DecodeTail,
+    gap_given_up,
+)
 from common.subjects import Subjects
 from common.tasks import watch
 
@@ -394,10 +400,7 @@ class Dispatcher:
             self._gap_since.pop(request_id, None)
             log.warning("request %s: a gap in its chunks stayed open %.0f s; ending it",
                         request_id, GAP_GIVE_UP_S, extra=about(request_id))  # fmt: skip
-            stream.fail(ServiceUnavailableError(
-                "part of the answer was lost on the way and could not be recovered; retry",
-                retry_after_s=1,
-            ))  # fmt: skip
+            stream.fail(gap_given_up())
             return
         self._lost_chunks()
         self._watch_gap(request_id)  # still there later: ask again (rate-limited)

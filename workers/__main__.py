@@ -32,7 +32,7 @@ from common.config import Config, load_config, with_settings
 from common.errors import ConfigError
 from common.lifecycle import run_until_signalled
 from common.logging import add_log_flags, log_config_from, setup_logging
-from common.models import served_name
+from common.models import configured_served_name
 from common.tracing import init_tracing
 from workers.service import WorkerOptions, WorkerService
 
@@ -214,8 +214,7 @@ async def serve(config: Config, args: argparse.Namespace) -> int:
     engine = await asyncio.to_thread(build_engine, config, args)
     runtime.settle_heap()  # the engine (and its model, if real) is loaded: freeze it
     runtime.share_gil_quickly()  # the engine thread steps while this loop moves messages
-    # The gateway's name for it (common.models.served_name): metrics join on the model label.
-    model_name = config.gateway.served_model_name or served_name(config.worker.model)
+    model_name = configured_served_name(config.gateway.served_model_name, config.worker.model)
     options = WorkerOptions(
         group=args.group,
         worker_id=args.worker_id or default_worker_id(),

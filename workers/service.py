@@ -34,6 +34,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,7 @@ from common.errors import (
 from common.fence import FenceGuard
 from common.liveness import LoopBeat
 from common.logging import about
-from common.models import served_name
+from common.models import configured_served_name
 from common.protocol import (
     Chunk,
     Control,
@@ -202,8 +203,7 @@ class WorkerService:
         self.observer = WorkerObserver(
             worker_id=options.worker_id,
             model=options.model
-            or config.gateway.served_model_name
-            or served_name(config.worker.model),
+            or configured_served_name(config.gateway.served_model_name, config.worker.model),
             view=self._engine_view,
             tracer=tracer_for(tracer_provider, "qosserve.worker"),
         )
@@ -788,10 +788,7 @@ class WorkerService:
                 # Resumed right at the context limit: the first attempt would have ended here.
                 # Its own task: rebuilding the held text detokenizes the whole output, and
                 # every other stream's chunks wait behind the pump meanwhile.
-                task = asyncio.create_task(self._end_resumed(st), name="end-resumed")
-                task.add_done_callback(_log_failure)
-                self._tasks = [t for t in self._tasks if not t.done()]
-                self._tasks.append(task)
+                self._spawn(self._end_resumed(st), "end-resumed")
             else:
                 await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
             return
@@ -916,10 +913,7 @@ class WorkerService:
         # Mid-answer: stop it in the engine and end it (its own task: this may run inside
         # the flush loop over every flight).
         self._abort_in_engine(st)
-        task = asyncio.create_task(self._send_error(st, error), name="too-big")
-        task.add_done_callback(_log_failure)
-        self._tasks = [t for t in self._tasks if not t.done()]
-        self._tasks.append(task)
+        self._spawn(self._send_error(st, error), "too-big")
 
     # --- periodic work -------------------------------------------------------------------
 
@@ -977,10 +971,7 @@ class WorkerService:
             # A task of its own: a JetStream API call that stalls (up to its 5 s timeout)
             # held up this tick's deadlines and health checks, and the next in_progress.
             self._ack_wait_checked = time.monotonic()
-            task = asyncio.create_task(self._check_ack_wait(), name="ack-wait-check")
-            task.add_done_callback(_log_failure)
-            self._tasks = [t for t in self._tasks if not t.done()]
-            self._tasks.append(task)
+            self._spawn(self._check_ack_wait(), "ack-wait-check")
         now_ms = time.time() * 1000
         for st in list(self._inflight.values()):
             if self._inflight.get(st.request.id) is not st:
@@ -1193,13 +1184,7 @@ class WorkerService:
                 self._drained = False
                 self._set_serving(True)
         elif action == "assign_group" and control.group:
-            task = asyncio.create_task(
-                self.assign_group(control.group, control.batch_cap), name="assign-group"
-            )
-            task.add_done_callback(_log_failure)  # held in _tasks: nobody else would read it
-            # Finished moves leave the list (any publisher on our control subject adds one).
-            self._tasks = [t for t in self._tasks if not t.done()]
-            self._tasks.append(task)
+            self._spawn(self.assign_group(control.group, control.batch_cap), "assign-group")
 
     def _retire(self, st: Flight, outcome: str) -> None:
         """Stop ``st`` here unanswered (another flight of its id, here or elsewhere, goes
@@ -1220,6 +1205,15 @@ class WorkerService:
                 self._superseded.pop(rid, None)
         if self._coalescing.get(rid) is st:
             del self._coalescing[rid]
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``work`` as a task of its own, held in ``_tasks`` (stopped with the service;
+        nobody else would read it: its failure is logged as it ends). Finished ones leave
+        the list (any publisher on our control subject adds one)."""
+        task = asyncio.create_task(work, name=name)
+        task.add_done_callback(_log_failure)
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(task)
 
     def _abort_in_engine(self, st: Flight) -> None:
         """Stop ``st``'s engine request (its own, not a later flight's of the same id)."""

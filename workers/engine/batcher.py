@@ -379,10 +379,11 @@ class Batcher:
     def _schedule_running(self, plan: BatchPlan, budget: int | None) -> None:
         """Give running requests their next tokens: decodes first, then unfinished prefill
         chunks (``budget`` bounds the total; None = all each has left, the whole-prompt
-        policies' step: one token for a decode). When blocks run out, the least urgent running request goes,
-        the asker included; one already scheduled this step leaves the plan (its tokens go
-        back to the budget), as in vLLM: hybrid schedules decodes first, and sparing them
-        made an urgent prompt preempt itself while less urgent decodes ran on."""
+        policies' step: one token for a decode). When blocks run out, the least urgent
+        running request goes, the asker included; one already scheduled this step leaves
+        the plan (its tokens go back to the budget), as in vLLM: hybrid schedules decodes
+        first, and sparing them made an urgent prompt preempt itself while less urgent
+        decodes ran on."""
         if budget is None:
             queue = sorted(self.running, key=lambda r: r.sort_key)
         else:
