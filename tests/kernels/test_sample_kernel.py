@@ -128,3 +128,43 @@ def test_the_choice_does_not_depend_on_how_the_vocabulary_is_chunked(device) -> 
             logits.to(torch.bfloat16).float(), t, s, block_v=32, chunk_blocks=3
         ).tolist()
     )  # half-precision logits are read as their exact fp32 values
+
+
+def test_filtered_rows_are_drawn_by_the_kernel_from_what_their_filters_keep(device) -> None:
+    """On the fused path a row with top-k/top-p/min-p is filtered in torch, then drawn by
+    the Gumbel-max kernel with its seed's Philox key: no per-row generator (the gateway
+    seeds every request, and generation configs set top-k/top-p for all of them)."""
+    row = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, 3.0, -2.0, 0.0])
+    n, temperature = 400, 0.8
+    logits = row.expand(n, -1).contiguous().to(device)
+    reqs = [
+        _Req(SamplingParams(temperature=temperature, top_k=3, seed=9), output_token_ids=[0] * i)
+        for i in range(n)
+    ]
+    tokens = Sampler(fused=True).sample(logits, reqs).token_ids
+    keep = row.topk(3).indices  # 5, 0, 1
+    assert set(tokens) <= set(keep.tolist())
+    # The kernel's own draw of the filtered row, with each request's key.
+    filtered = torch.full_like(row, float("-inf"))
+    filtered[keep] = row[keep] / temperature
+    keys = [philox_key(9, i) for i in range(n)]
+    assert tokens == _draw(filtered.expand(n, -1).contiguous().to(device), [1.0] * n, keys)
+    counts = torch.bincount(torch.tensor(tokens), minlength=8).float()[keep]
+    expected = torch.softmax(row[keep] / temperature, -1) * n
+    assert float(((counts - expected) ** 2 / expected).sum()) < 30  # 2 dof: p ~ 3e-7
+
+
+def test_a_seeded_filtered_row_draws_the_same_alone_and_in_a_batch(device) -> None:
+    logits = _logits(5, 120, seed=8, device=device)
+    target = _Req(
+        SamplingParams(temperature=1.1, top_p=0.9, min_p=0.01, seed=5), output_token_ids=[1]
+    )
+    alone = Sampler(fused=True).sample(logits[3:4].clone(), [target]).token_ids
+    batch = [
+        _Req(SamplingParams(temperature=0.7, top_k=4)),
+        _Req(SamplingParams(temperature=0)),
+        _Req(SamplingParams(temperature=1.0, seed=1)),
+        target,
+        _Req(SamplingParams(temperature=0.5, top_p=0.5, seed=2)),
+    ]
+    assert Sampler(fused=True).sample(logits, batch).token_ids[3] == alone[0]

@@ -9,11 +9,14 @@ position (:func:`philox_key`), so its tokens depend neither on what else shares 
 nor on steps lost and redone (a step discarded after it sampled, a preemption, a resume
 on another worker: the same position draws the same noise).
 
-On CUDA, rows without top-k/top-p/min-p (most traffic) skip all of that: one Triton kernel
+On CUDA, rows without top-k/top-p/min-p skip all of that: one Triton kernel
 (:mod:`workers.engine.kernels.sample`) takes ``argmax(logits / T + Gumbel)`` per row with
 Philox noise keyed by the request's seed and output position. Same distribution, no
 ``[B, V]`` temporaries, and no per-row generator launches, which at batch 256 cost more
-host time than the model's whole decode step.
+host time than the model's whole decode step. Rows with filters are filtered in torch and
+then drawn by the same kernel (their masked tokens are -inf): the gateway seeds every
+request, and a model's ``generation_config.json`` often sets top-k/top-p for every
+request, so on CUDA none of them draws its noise row by row.
 """
 
 from __future__ import annotations
@@ -132,13 +135,13 @@ class Sampler:
         if all(plain):
             tokens = _sample_fused(logits, batch)
         elif not any(plain):
-            tokens = _sample_torch(logits.float(), batch)
+            tokens = _sample_torch(logits.float(), batch, fused)
         else:
             logits = logits.float()
             tokens = torch.empty(len(batch), dtype=torch.long, device=logits.device)
             fast, rest = _split_rows(plain, logits.device)
             tokens[fast[1]] = _sample_fused(logits[fast[1]], [batch[i] for i in fast[0]])
-            tokens[rest[1]] = _sample_torch(logits[rest[1]], [batch[i] for i in rest[0]])
+            tokens[rest[1]] = _sample_torch(logits[rest[1]], [batch[i] for i in rest[0]], fused)
         return tokens
 
 
@@ -181,17 +184,20 @@ def _has_filters(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
 
 
-def _sample_torch(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
-    """Greedy rows take the argmax, the others the filtered exponential race."""
+def _sample_torch(
+    logits: torch.Tensor, batch: Sequence[SamplerInput], fused: bool = False
+) -> torch.Tensor:
+    """Greedy rows take the argmax, the others are filtered and drawn (``fused``: by the
+    Gumbel-max kernel, else by the exponential race)."""
     greedy = [_is_greedy(r.params) for r in batch]
     if all(greedy):
         return logits.argmax(dim=-1)
     if not any(greedy):
-        return _sample_random(logits, batch)
+        return _sample_random(logits, batch, fused)
     tokens = torch.empty(len(batch), dtype=torch.long, device=logits.device)
     chosen, sampled = _split_rows(greedy, logits.device)
     tokens[chosen[1]] = logits[chosen[1]].argmax(dim=-1)
-    tokens[sampled[1]] = _sample_random(logits[sampled[1]], [batch[i] for i in sampled[0]])
+    tokens[sampled[1]] = _sample_random(logits[sampled[1]], [batch[i] for i in sampled[0]], fused)
     return tokens
 
 
@@ -206,8 +212,11 @@ def _split_rows(flags: Sequence[bool], device: torch.device) -> tuple[RowIndex, 
     return (yes, to_device(yes, device, torch.long)), (no, to_device(no, device, torch.long))
 
 
-def _sample_fused(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
-    """Rows without filters, in one Triton kernel; seeds and temperatures go up pinned."""
+def _sample_fused(
+    logits: torch.Tensor, batch: Sequence[SamplerInput], divided: bool = False
+) -> torch.Tensor:
+    """One Triton kernel draws every row; seeds and temperatures go up pinned.
+    ``divided``: ``logits`` are already over their temperature (and filtered)."""
     from workers.engine.kernels.sample import gumbel_argmax
 
     # Unseeded rows: keys from torch's global generator, so torch.manual_seed governs them.
@@ -218,7 +227,7 @@ def _sample_fused(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.
         else (base + i * _GOLDEN) & _MASK63
         for i, r in enumerate(batch)
     ]
-    temps = [r.params.temperature for r in batch]
+    temps = [1.0 if divided else r.params.temperature for r in batch]
     pin = logits.is_cuda
     seeds_t = torch.tensor(seeds, dtype=torch.int64, pin_memory=pin)
     temps_t = torch.tensor(temps, dtype=torch.float32, pin_memory=pin)
@@ -308,8 +317,11 @@ def _token_counts(
     return counts[:, :vocab]
 
 
-def _sample_random(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch.Tensor:
-    """Sampled ids for non-greedy rows ``[n, V]``: temperature, filters, exponential race."""
+def _sample_random(
+    logits: torch.Tensor, batch: Sequence[SamplerInput], fused: bool = False
+) -> torch.Tensor:
+    """Sampled ids for non-greedy rows ``[n, V]``: temperature, filters, then the Gumbel-max
+    kernel (``fused``) or the exponential race."""
     device = logits.device
     params = [r.params for r in batch]
     temperature = to_device([p.temperature for p in params], device)
@@ -325,6 +337,8 @@ def _sample_random(logits: torch.Tensor, batch: Sequence[SamplerInput]) -> torch
     elif any(top_k):
         logits = _apply_top_k(logits, top_k)
 
+    if fused:
+        return _sample_fused(logits, batch, divided=True)
     probs = torch.softmax(logits, dim=-1)
     return probs.div_(_exponential_noise(probs, batch)).argmax(dim=-1)
 
