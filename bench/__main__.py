@@ -10,6 +10,7 @@ COMMANDS: dict[str, str] = {
     "engine": "offline throughput per batching policy vs transformers, roofline",
     "kernels": "paged decode/prefill attention vs torch SDPA and a device copy",
     "eager_step": "a prefill step that is no graph replay: host vs device time, kernels",
+    "warmup": "a fresh replica's first requests with and without the engine's warm-up",
     "serve": "serving benchmark through the gateway (like vllm bench serve)",
     "replicas": "capacity by worker replica count: the most req/s within the SLO for 1, 2, 4 …",
     "policies": "the four batching policies side by side through the full stack",

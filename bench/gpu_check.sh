@@ -45,6 +45,11 @@ step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider \
   tests/engine/test_greedy_matches_transformers.py tests/engine/test_async_output.py \
   tests/kvstore/test_engine_tiers.py::test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it \
   tests/kvstore/test_engine_tiers.py::test_no_step_makes_the_host_wait_for_the_device
+# A fresh replica's first requests with and without the engine's warm-up, each mode in a
+# process of its own with an empty Triton cache: first-request TTFTs, slowest step, and
+# what the warm-up adds to the start.
+step bench_warmup 200 python3 -m bench.warmup --model dummy:llama-1b --dtype bf16 \
+  --out "$OUT/warmup.json"
 # Kernel microbenchmark: decode GB/s vs SDPA and a device copy; prefill TFLOP/s.
 step bench_kernels 75 python3 -m bench.kernels --out "$OUT/kernels.json"
 # The issue's headline shape: dummy:llama-8b bf16, B=256, in 512, out 128 (transformers'

@@ -64,6 +64,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     async_output: bool | None = None
+    # Run the step shapes a replica meets first before serving, so Triton compiles their
+    # kernels then, not inside users' first requests (workers/engine/warmup.py). None: on
+    # where kernels compile (CUDA with the triton backend).
+    warmup: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:

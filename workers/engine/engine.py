@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ from workers.engine.request import PLACEHOLDER, Request
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.stopping import primary_eos, settle_token
 from workers.engine.transfer import to_device, to_host
+
+if TYPE_CHECKING:
+    from workers.engine.warmup import WarmupReport
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +165,13 @@ class LLMEngine:
         self.num_tokens_computed = 0
         self.last_step_num_tokens = 0  # 0: the step ran nothing (e.g. a dynamic batch collecting)
         self.last_step_num_seqs = 0
+        self.warmup: WarmupReport | None = None
+        if args.warmup or (
+            args.warmup is None and self.device.type == "cuda" and self.backend == "triton"
+        ):
+            from workers.engine.warmup import warm_up
+
+            self.warmup = warm_up(self)
         log.info(
             "engine ready: %s on %s/%s (%s), %d KV blocks x %d, max_seq_len %d, policy %s",
             args.model,
