@@ -17,6 +17,7 @@ class Req:
     params: SamplingParams
     generator: torch.Generator | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_ids_device: torch.Tensor | None = None
     output_token_ids: list[int] = field(default_factory=list)
     resumed_tokens: int = 0
 
@@ -48,7 +49,7 @@ def req(
     """A request as the engine builds it: seeded ones carry a generator on the device."""
     p = SamplingParams(**params)
     gen = None if p.seed is None else torch.Generator(device=device).manual_seed(p.seed)
-    return Req(p, gen, list(prompt or []), list(output or []))
+    return Req(p, gen, list(prompt or []), output_token_ids=list(output or []))
 
 
 def random_logits(
@@ -161,6 +162,20 @@ def test_repetition_presence_frequency_penalties_match_the_formulas() -> None:
     for token, count in {2: 3, 0: 1}.items():  # OpenAI: output tokens only
         expected[1, token] -= 0.25 * count + 0.5
     torch.testing.assert_close(got, expected)
+
+
+def test_the_repetition_penalty_reads_the_prompt_from_ids_kept_on_the_device() -> None:
+    """A step's host work must not grow with the prompt: its distinct ids are made once per
+    request and kept; the penalty is the same at every later step."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0]])
+    r = req(prompt=[4, 0, 4, 4, 0], output=[2], repetition_penalty=2.0)
+    first = apply_penalties(logits, [r])
+    assert r.prompt_ids_device is not None and r.prompt_ids_device.tolist() == [0, 4]
+    kept = r.prompt_ids_device
+    expected = torch.tensor([[1.0, -1.0, 0.25, 3.0, -4.0, 0.0]])
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(apply_penalties(logits, [r]), expected)
+    assert r.prompt_ids_device is kept
 
 
 def test_a_resumed_requests_delivered_tokens_count_as_output_for_penalties() -> None:

@@ -75,6 +75,7 @@ class _Req:
     params: SamplingParams
     generator: torch.Generator | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_ids_device: torch.Tensor | None = None
     output_token_ids: list[int] = field(default_factory=list)
     resumed_tokens: int = 0
 

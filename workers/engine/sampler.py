@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from workers.engine.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ class SamplerInput(Protocol):
     params: SamplingParams
     generator: torch.Generator | None  # on the logits' device; set when params.seed is
     prompt_token_ids: list[int]
+    prompt_ids_device: torch.Tensor | None  # the sampler's cache of the prompt's ids
     output_token_ids: list[int]
     # Output tokens a resumed request carries at the end of its prompt (see Request).
     resumed_tokens: int
@@ -282,8 +284,8 @@ def apply_penalties(
     # Decisions read the params on the host, never a device tensor: no sync per step.
     if any(r.params.repetition_penalty != 1.0 for r in batch):
         factor = to_device([[r.params.repetition_penalty] for r in batch], device)
-        prompt_and_output = [[*r.prompt_token_ids, *r.output_token_ids] for r in batch]
-        seen = _token_counts(prompt_and_output, vocab, device, pending) > 0
+        seen = _token_counts([r.output_token_ids for r in batch], vocab, device, pending) > 0
+        seen |= _prompt_seen(batch, vocab, device)
         out = torch.where(seen, torch.where(out > 0, out / factor, out * factor), out)
     if any(r.params.presence_penalty != 0 or r.params.frequency_penalty != 0 for r in batch):
         presence = to_device([[r.params.presence_penalty] for r in batch], device)
@@ -291,6 +293,34 @@ def apply_penalties(
         counts = _token_counts([_output_so_far(r) for r in batch], vocab, device, pending)
         out = out - frequency * counts - presence * (counts > 0)
     return out
+
+
+def _prompt_seen(batch: Sequence[SamplerInput], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[n, V]`` bool: which ids each row's prompt holds, from ids kept on the device per
+    request (made once: the prompt does not change), so a step's host work does not grow
+    with prompt length."""
+    parts = []
+    for r in batch:
+        ids = r.prompt_ids_device
+        if ids is None or ids.device != device:
+            distinct = np.unique(np.asarray(r.prompt_token_ids, dtype=np.int64))
+            ids = host_to_device(torch.from_numpy(distinct), device)
+            r.prompt_ids_device = ids
+        parts.append(ids)
+    lengths = [int(t.numel()) for t in parts]
+    total = sum(lengths)
+    seen = torch.zeros(len(batch), vocab + 1, dtype=torch.bool, device=device)
+    if total:
+        ids = torch.cat(parts)
+        ids = torch.where((ids >= 0) & (ids < vocab), ids, vocab)  # off-vocabulary: dropped
+        # Sizes known on the host (output_size): nothing waits for the device.
+        rows = torch.repeat_interleave(
+            torch.arange(len(batch), device=device),
+            to_device(lengths, device, torch.long),
+            output_size=total,
+        )
+        seen.view(-1).index_fill_(0, rows * (vocab + 1) + ids, True)
+    return seen[:, :vocab]
 
 
 def _token_counts(
