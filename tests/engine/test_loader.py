@@ -286,3 +286,27 @@ def test_a_context_capped_by_the_sliding_window_says_so(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
     with pytest.raises(ConfigError, match=r"context length 64 \(its sliding window: .* 512"):
         LLMEngine(EngineArgs(str(path), num_kv_blocks=64, max_seq_len=128))
+
+
+def test_an_unreadable_shard_or_index_is_a_load_error_naming_the_file(tmp_path: Path) -> None:
+    """A folder cloned without git-lfs holds pointer files where the shards should be; a
+    download cut short holds a truncated shard; a broken index is not JSON. Each used to
+    surface as safetensors' or json's bare error, naming no file."""
+    src = checkpoint("llama", str(tmp_path))
+    cfg = load_model_config(str(src))
+    shard = src / "model.safetensors"
+    whole = shard.read_bytes()
+
+    def load() -> None:
+        load_model(str(src), cfg, torch.device("cpu"), torch.float32, "torch")
+
+    shard.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n")
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: unreadable.*git-lfs"):
+        load()
+    shard.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: unreadable"):
+        load()
+    shard.write_bytes(whole)
+    (src / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(ModelLoadError, match=r"index\.json: unreadable.*weight_map"):
+        load()

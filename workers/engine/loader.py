@@ -179,8 +179,14 @@ def safetensors_files(folder: Path) -> list[Path]:
     every ``*.safetensors`` but Mistral's ``consolidated*`` and a PEFT ``adapter_model``."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [folder / name for name in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(
+                f"{index}: unreadable ({type(exc).__name__}: {exc}); "
+                "it must be JSON with a weight_map of tensor names to shard files"
+            ) from exc
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(f"{f}: missing (named by {index.name})")
@@ -197,10 +203,32 @@ def safetensors_files(folder: Path) -> list[Path]:
 def iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
+    # Opened and read under a check that names the file: safetensors' own errors ("header
+    # too large") say neither which shard nor why. One tensor at a time, as before.
     for f in files:
-        with safe_open(str(f), framework="pt", device=str(device)) as st:
+        try:
+            handle = safe_open(str(f), framework="pt", device=str(device))
+        except Exception as exc:
+            raise _unreadable(f, exc) from exc
+        with handle as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, st.get_tensor(name)
+                try:
+                    tensor = st.get_tensor(name)
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except Exception as exc:
+                    raise _unreadable(f, exc) from exc
+                yield name, tensor
+
+
+def _unreadable(f: Path, exc: Exception) -> ModelLoadError:
+    hint = ""
+    if f.stat().st_size < 1024:
+        hint = " (a git-lfs pointer, not the weights? `git lfs pull` in that folder)"
+    return ModelLoadError(
+        f"{f}: unreadable safetensors ({type(exc).__name__}: {exc}){hint}; "
+        "a partial download or a damaged file?"
+    )
 
 
 def load_model(
