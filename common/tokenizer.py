@@ -367,8 +367,12 @@ class Tokenizer(BaseTokenizer):
         # "<|tool_call|>" is split into pieces and its id decodes to nothing.
         from tokenizers import AddedToken
 
+        # Missing: not among tokenizer.json's added tokens, as transformers decides. A token
+        # in the vocabulary only (an odd export) is split into pieces by the model until it
+        # is registered; registering it keeps its id.
         wanted = dict.fromkeys([*self.special_tokens.values(), *listed])
-        missing = [t for t in wanted if self._tok.token_to_id(t) is None]
+        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        missing = [t for t in wanted if t not in added]
         if missing:
             self._tok.add_special_tokens(
                 [AddedToken(t, special=True, normalized=False) for t in missing]

@@ -568,3 +568,22 @@ def test_added_tokens_the_chat_template_writes_count_as_control_tokens(tmp_path:
     # The model's own output, sent back in its assistant turns: only special tokens there.
     special = ours.control_token_pattern(template_tokens=False)
     assert special is not None and special.search("a <tool_call>{} b") is None
+
+
+def test_a_special_token_in_the_vocabulary_but_not_registered_is_one_id_as_in_transformers(
+    tmp_path: Path,
+) -> None:
+    """An export whose tokenizer.json has the EOS text in its vocabulary but not among its
+    added tokens: transformers registers every named special token, so a template's EOS
+    after each turn is one id there; it was split into pieces here."""
+    folder = write_hf_folder(tmp_path)
+    doc = json.loads((folder / "tokenizer.json").read_text())
+    doc["added_tokens"] = [t for t in doc["added_tokens"] if t["content"] != EOS]
+    assert EOS in doc["model"]["vocab"]
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    text = f"a turn{EOS}next"
+    assert ours.encode(text) == ref.encode(text)
+    assert ref.convert_tokens_to_ids(EOS) in ref.encode(text)
+    ids = ref.encode(text)
+    assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
