@@ -310,3 +310,22 @@ def test_an_unreadable_shard_or_index_is_a_load_error_naming_the_file(tmp_path: 
     (src / "model.safetensors.index.json").write_text('{"weight_map": ')
     with pytest.raises(ModelLoadError, match=r"index\.json: unreadable.*weight_map"):
         load()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_bias_keys_count_only_where_transformers_reads_them(model_type: str) -> None:
+    """Mistral never has biases and Qwen2/3's MLPs none, whatever attention_bias/mlp_bias
+    say: a config carrying them was refused here ("checkpoint lacks tensors for ...bias")
+    where transformers loads it."""
+    import transformers as tf
+
+    given = dict(vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 attention_bias=True, mlp_bias=True)  # fmt: skip
+    theirs = tf.AutoConfig.for_model(model_type, **given)
+    names = set(tf.AutoModelForCausalLM.from_config(theirs).state_dict())
+    ours = ModelConfig.from_hf({"model_type": model_type, **given})
+    layer = "model.layers.0"
+    assert ours.qkv_bias == (f"{layer}.self_attn.q_proj.bias" in names)
+    assert ours.o_bias == (f"{layer}.self_attn.o_proj.bias" in names)
+    assert ours.mlp_bias == (f"{layer}.mlp.gate_proj.bias" in names)

@@ -761,8 +761,11 @@ def _load_tokenizer(args: EngineArgs) -> Any | None:
     source = args.tokenizer or args.model
     try:
         return load_tokenizer(source)
-    except TokenizerFileNotFoundError:
+    except TokenizerFileNotFoundError as exc:
         if args.tokenizer is not None:
             raise
-        log.warning("no tokenizer in %s: the engine takes and returns token ids only", source)
+        # Named: a folder with tokenizer.json but no tokenizer_config.json read as "no
+        # tokenizer" with nothing to say which file was missing.
+        log.warning("no tokenizer for %s (%s): the engine takes and returns token ids only",
+                    source, exc)  # fmt: skip
         return None

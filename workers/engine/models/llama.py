@@ -115,8 +115,11 @@ class ModelConfig:
             )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        attention_bias = bool(cfg.get("attention_bias", False))
-        # Qwen2 has q/k/v biases whatever the config says, and none on o_proj.
+        # Read where transformers reads them: Llama both keys, Qwen3 attention_bias only;
+        # Mistral has no bias, Qwen2 q/k/v biases whatever the config says and none on
+        # o_proj, and neither Qwen's MLP has one.
+        attention_bias = model_type in ("llama", "qwen3") and bool(cfg.get("attention_bias"))
+        mlp_bias = model_type == "llama" and bool(cfg.get("mlp_bias"))
         qwen2 = model_type == "qwen2"
         # transformers' defaults where the key is absent: Mistral windows at 4096; Qwen2/3
         # only with use_sliding_window, in the layers ``layer_types`` names "sliding_attention"
@@ -150,7 +153,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=mlp_bias,
             qk_norm=model_type == "qwen3",
             sliding_window=window,
             eos_token_ids=eos_ids,
