@@ -48,6 +48,7 @@ from common.errors import (
     RequestGivenUpError,
     ServiceUnavailableError,
 )
+from common.gap_watch import GapWatch
 from common.heartbeat import Heartbeat
 from common.nats import barrier, refused_publishes
 from common.protocol import (
@@ -311,10 +312,7 @@ class QosClient:
                 # The worker's own error ends its work; a gap given up on does not.
                 fail(exc, chunk.error is not None or chunk.finish_reason == "error")
                 return
-            if stream.holding_gap and not gap_check:
-                gap_check.append(loop.call_later(GAP_RESYNC_S, check_gap, loop.time()))
-            elif not stream.holding_gap and gap_check:  # filled: a later gap starts afresh
-                gap_check.pop().cancel()
+            gap.update()
             for item in chunks:
                 if item.finish_reason == "abort":
                     # The worker gave it up (its origin fell silent, an operator): retryable,
@@ -326,23 +324,17 @@ class QosClient:
                     worker_done[0] = True
                 ready.put_nowait(item)
 
-        loop = asyncio.get_running_loop()
-        gap_check: list[asyncio.TimerHandle] = []  # the pending one, while a gap is open
-
-        def check_gap(since: float) -> None:
-            """As the gateway's dispatcher: ask for a resync while a gap stays open (a
-            chunk lost with no reconnect: nothing else resends it); give up after
-            GAP_GIVE_UP_S with a retryable error rather than wait to the timeout."""
-            gap_check.clear()
-            if stream.finished or not stream.holding_gap:
-                return
-            if not self.nc.is_connected:
-                since = loop.time()  # cut off: the resync after the reconnect fills it
-            if loop.time() - since >= GAP_GIVE_UP_S:
-                fail(gap_given_up(), False)
-                return
-            self._heartbeat.request_resync()  # a no-op for workers without our beats
-            gap_check.append(loop.call_later(GAP_RESYNC_S, check_gap, since))
+        # As the gateway's dispatcher: a gap that stays open asks for a resync (a chunk
+        # lost with no reconnect: nothing else resends it), then ends the request with a
+        # retryable error rather than wait to the timeout.
+        gap = GapWatch(
+            holding=lambda: not stream.finished and stream.holding_gap,
+            connected=lambda: self.nc.is_connected,
+            resync=self._heartbeat.request_resync,  # a no-op for workers without our beats
+            give_up=lambda: fail(gap_given_up(), False),
+            resync_s=GAP_RESYNC_S,
+            give_up_s=GAP_GIVE_UP_S,
+        )
 
         async def on_resume(msg: Msg) -> None:
             if not msg.reply:
@@ -459,8 +451,7 @@ class QosClient:
                 yield item
         finally:
             stream.finished = True
-            for handle in gap_check:
-                handle.cancel()
+            gap.cancel()
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

@@ -52,6 +52,7 @@ from common.errors import (
     RequestGivenUpError,
     ServiceUnavailableError,
 )
+from common.gap_watch import GapWatch
 from common.logging import about
 from common.nats import on_slow_consumer
 from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprobs, Usage
@@ -371,39 +372,35 @@ class Dispatcher:
         # Told when chunks may have been lost without a reconnect, which nothing else would
         # recover (the worker acked: no redelivery): the app asks the workers to resync.
         self.on_lost_chunks: Callable[[], None] | None = None
-        self._gap_checks: set[str] = set()  # streams with a gap check pending
-        self._gap_since: dict[str, float] = {}  # loop time each open gap was first seen
+        self._gaps: dict[str, GapWatch] = {}  # open streams that have held a gap
 
     def _lost_chunks(self) -> None:
         if self.on_lost_chunks is not None:
             self.on_lost_chunks()
 
-    def _watch_gap(self, request_id: str) -> None:
-        loop = asyncio.get_running_loop()
-        self._gap_since.setdefault(request_id, loop.time())  # this gap's own start
-        if request_id not in self._gap_checks:
-            self._gap_checks.add(request_id)
-            loop.call_later(GAP_RESYNC_S, self._check_gap, request_id)
+    def _watch_gap(self, stream: ResponseStream) -> None:
+        """After ``stream`` took a chunk: time its open gap (common/gap_watch.py)."""
+        rid = stream.request_id
+        watch = self._gaps.get(rid)
+        if watch is None:
+            if not stream.holding_gap:
+                return
 
-    def _check_gap(self, request_id: str) -> None:
-        self._gap_checks.discard(request_id)
-        stream = self._streams.get(request_id)
-        if stream is None or not stream.holding_gap:
-            self._gap_since.pop(request_id, None)
-            return
-        now = asyncio.get_running_loop().time()
-        if self._nc is not None and not self._nc.is_connected:
-            # Cut off: the resync after the reconnect fills it; the give-up waits for that.
-            self._gap_since[request_id] = now
-        since = self._gap_since.get(request_id, now)
-        if now - since >= GAP_GIVE_UP_S:
-            self._gap_since.pop(request_id, None)
-            log.warning("request %s: a gap in its chunks stayed open %.0f s; ending it",
-                        request_id, GAP_GIVE_UP_S, extra=about(request_id))  # fmt: skip
-            stream.fail(gap_given_up())
-            return
-        self._lost_chunks()
-        self._watch_gap(request_id)  # still there later: ask again (rate-limited)
+            def give_up() -> None:
+                self._gaps.pop(rid, None)
+                log.warning("request %s: a gap in its chunks stayed open %.0f s; ending it",
+                            rid, GAP_GIVE_UP_S, extra=about(rid))  # fmt: skip
+                stream.fail(gap_given_up())
+
+            watch = self._gaps[rid] = GapWatch(
+                holding=lambda: stream.holding_gap and self._streams.get(rid) is stream,
+                connected=lambda: self._nc is None or self._nc.is_connected,
+                resync=self._lost_chunks,
+                give_up=give_up,
+                resync_s=GAP_RESYNC_S,
+                give_up_s=GAP_GIVE_UP_S,
+            )
+        watch.update()
 
     def _on_slow_consumer(self, exc: nats.errors.SlowConsumerError) -> None:
         if exc.subject.startswith(f"{self._subjects.prefix}.out."):
@@ -456,6 +453,9 @@ class Dispatcher:
             self._delete_task.cancel()
         self.fail_all(ServiceUnavailableError("the gateway is shutting down", retry_after_s=1))
         self._streams.clear()
+        for gap in self._gaps.values():
+            gap.cancel()
+        self._gaps.clear()
 
     def fail_all(self, error: QosError) -> None:
         """End every open stream with ``error`` (their handlers answer it and abort the
@@ -494,6 +494,9 @@ class Dispatcher:
         worker."""
         self._streams.pop(stream.request_id, None)
         self._closed.add(stream.request_id)
+        watch = self._gaps.pop(stream.request_id, None)
+        if watch is not None:
+            watch.cancel()
         if abort:
             stream.finished = True
             self._aborts.put_nowait(
@@ -510,10 +513,7 @@ class Dispatcher:
             stream.fail(InternalError(f"undecodable chunk from the worker: {exc.message}"))
             return
         stream.feed(chunk)
-        if stream.holding_gap:
-            self._watch_gap(stream.request_id)
-        else:  # filled: a later gap is timed from its own start
-            self._gap_since.pop(stream.request_id, None)
+        self._watch_gap(stream)
 
     async def _on_resume(self, msg: Msg) -> None:
         request_id = msg.subject[self._resume_prefix :]

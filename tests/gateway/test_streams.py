@@ -322,11 +322,15 @@ async def test_a_gap_that_fills_stops_its_give_up_clock(nats_config: NatsConfig)
 
     await arrives(_chunk(0, "abc"))
     await arrives(_chunk(6, "ghi"))  # 3..5 missing
-    assert "cmpl-x" in dispatcher._gap_since
+    watch = dispatcher._gaps["cmpl-x"]
+    assert watch.open_since is not None
     await arrives(_chunk(3, "def"))  # filled
-    assert "cmpl-x" not in dispatcher._gap_since
+    assert watch.open_since is None
     await arrives(_chunk(12, "mno"))  # 9..11 missing: a gap of its own
-    assert dispatcher._gap_since["cmpl-x"] >= asyncio.get_running_loop().time() - 0.5
+    since = watch.open_since
+    assert since is not None and since >= asyncio.get_running_loop().time() - 0.5
+    dispatcher.close(dispatcher._streams["cmpl-x"])
+    assert watch.open_since is None and "cmpl-x" not in dispatcher._gaps
 
 
 async def test_a_stopping_dispatcher_aborts_the_streams_still_open(nats_config: NatsConfig):
