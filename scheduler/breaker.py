@@ -150,15 +150,15 @@ class Breaker:
         s = self.settings
         return min(s.wait_open_s * 2 ** min(self.reopens, 30), s.max_wait_open_s)
 
-    def error_rate(self, needed: int | None = None) -> tuple[float, int]:
+    def error_rate(self, needed: int | None = None, *, whole: bool = False) -> tuple[float, int]:
         """(errors / finished requests, finished requests) over the window's samples, and
         older ones of the state (within ``error_window_s``) while fewer than ``needed``
-        (default ``min_requests``) requests are counted."""
+        (default ``min_requests``) requests are counted; ``whole``: every one of them."""
         needed = self.settings.min_requests if needed is None else needed
         start = self._window_at[0] if self._window_at else float("inf")
         requests = errors = 0
         for at, done, failed in reversed(self._outcomes):
-            if at < start and requests >= needed:
+            if at < start and requests >= needed and not whole:
                 break
             requests, errors = requests + done, errors + failed
         return (errors / requests if requests else 0.0), requests
@@ -264,7 +264,7 @@ class Breaker:
         ``whole``: over every sample of the state, not just enough of them."""
         s = self.settings
         needed = s.min_requests if min_requests is None else min_requests
-        rate, requests = self.error_rate(10**9 if whole else needed)
+        rate, requests = self.error_rate(needed, whole=whole)
         if requests >= needed and rate > s.error_rate_threshold:
             return self._move(
                 "open",
