@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -76,6 +77,7 @@ class _Req:
     generator: torch.Generator | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_ids_device: torch.Tensor | None = None
+    output_ids_cache: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     resumed_tokens: int = 0
 
