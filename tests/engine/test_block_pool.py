@@ -327,3 +327,47 @@ def test_only_a_requests_first_admission_counts_as_a_prefix_query() -> None:
     req.num_computed_tokens = 0
     assert admit(pool, req)
     assert (pool.prefix_queries, pool.prefix_hits) == (10, 0)
+
+
+def test_a_requests_block_table_array_follows_its_list_and_a_new_list_starts_afresh() -> None:
+    """The model runner lays out each step's tables from these arrays (copying every row's
+    list each step cost ~1 ms at batch 256 with 2k-token contexts); a stale entry would
+    read another request's KV, so the array must follow the list exactly."""
+    from workers.engine.request import Request
+    from workers.engine.sampling_params import SamplingParams
+
+    req = Request("r", [1, 2, 3], SamplingParams())
+    seen = []
+    for block in range(40):  # past the first capacity: grown, earlier views intact
+        req.block_table.append(100 + block)
+        array = req.block_table_array()
+        assert array.tolist() == req.block_table
+        seen.append(array)
+    assert all(v.tolist() == list(range(100, 101 + i)) for i, v in enumerate(seen))
+    req.block_table = []  # as BlockPool.free leaves it
+    req.block_table += [7, 8]
+    fresh = req.block_table_array()
+    assert fresh.tolist() == [7, 8] and seen[-1].tolist() == list(range(100, 140))
+    req.block_table = [5]  # shorter, as a preempted request readmitted with fewer blocks
+    assert req.block_table_array().tolist() == [5]
+
+
+def test_only_the_block_pool_appends_to_or_replaces_a_block_table() -> None:
+    """block_table_array relies on a table list only growing by append until BlockPool
+    replaces it: no code may shrink or rewrite one in place."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    mutation = re.compile(
+        r"block_table\.(pop|insert|remove|extend|clear|sort|reverse)\b"
+        r"|block_table\[[^\]]*\]\s*=(?!=)|del\s+\S*block_table|block_table\s*\+="
+    )
+    offenders = [
+        f"{path.relative_to(root)}:{n}"
+        for folder in ("workers", "kvstore", "bench", "common")
+        for path in (root / folder).rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if mutation.search(line)
+    ]
+    assert offenders == []

@@ -38,8 +38,10 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from workers.engine.block_pool import BlockPool, KVTier
 from workers.engine.request import Request, RequestStatus
@@ -54,7 +56,7 @@ class ScheduledSeq:
     request_id: str
     token_ids: list[int]  # the new tokens, positions start_pos .. start_pos + len - 1
     start_pos: int  # tokens already in the KV cache
-    block_table: list[int]
+    block_table: Sequence[int] | np.ndarray  # an array from the batcher (a fast copy)
     sample: bool  # this chunk ends at the last known token: sample the next one
 
 
@@ -475,7 +477,7 @@ class Batcher:
                 request_id=req.request_id,
                 token_ids=req.token_ids[start : start + num_new],
                 start_pos=start,
-                block_table=req.block_table,
+                block_table=req.block_table_array(),
                 sample=start + num_new == req.num_tokens,
             )
         )
