@@ -683,7 +683,8 @@ class LLMEngine:
         text, reason = settle_token(
             req, token, self.eos_token_ids, at_limit, primary_eos=self.primary_eos
         )
-        req.output_text += text
+        if text:
+            req.text_pieces.append(text)
         if reason is not None:
             self._finish(req, reason, now)
         return RequestDelta(

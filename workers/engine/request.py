@@ -74,7 +74,9 @@ class Request:
     # output position that keys a seeded request's noise.
     resumed_tokens: int = 0
 
-    output_text: str = ""
+    # The output's text in the pieces steps added (joined once, by ``output_text``): an
+    # attribute's ``+=`` copies the whole string every step.
+    text_pieces: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
@@ -135,6 +137,10 @@ class Request:
     def sort_key(self) -> tuple[int, float]:
         """Queue order: most urgent first, then oldest."""
         return (self.priority, self.arrival_time)
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self.text_pieces)
 
     def block_table_array(self) -> np.ndarray:
         """``block_table`` as an int64 array, for the model runner to lay out each step's
