@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ def _serve(ns: argparse.Namespace, warmup: bool) -> dict[str, Any]:
             temperature=0.8 if seeded else 0.0, seed=1 if seeded else None, max_tokens=8,
             ignore_eos=True, logprobs=2 if logprobs else None,
         )  # fmt: skip
-        ids = [(hash(rid) + 31 * k) % vocab for k in range(n)]
+        ids = [(zlib.crc32(rid.encode()) + 31 * k) % vocab for k in range(n)]  # same in both
         added[rid] = time.perf_counter()
         engine.add_request(rid, prompt_token_ids=ids, params=params)
 

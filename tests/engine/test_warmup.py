@@ -55,11 +55,14 @@ def _engine(warmup: bool | None, policy: str = "hybrid", **kw: object) -> LLMEng
 
 
 def _outputs(engine: LLMEngine) -> list[list[int]]:
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 10, 11, 12, 13, 20], [3] * 17]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 10, 11, 12, 13, 20], [3] * 17, [4] * 9]
     params = [
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
         SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True),
         SamplingParams(temperature=0.7, top_k=5, seed=4, max_tokens=6, ignore_eos=True),
+        # Unseeded: torch's global generator, seeded by EngineArgs.seed, which the
+        # warm-up's own draws must not have moved.
+        SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
     ]
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), prompt_token_ids=p, params=sp)
@@ -72,7 +75,11 @@ def _outputs(engine: LLMEngine) -> list[list[int]]:
 
 @pytest.mark.parametrize("policy", ["hybrid", "static", "dynamic"])
 def test_a_warmed_engine_starts_as_a_fresh_one(policy: str) -> None:
-    cold, warm = _engine(False, policy), _engine(True, policy)
+    # Each engine serves right after it is built: unseeded requests draw from torch's
+    # global generator, which building an engine seeds (EngineArgs.seed) and both share.
+    cold = _engine(False, policy)
+    cold_stats, cold_out = cold.stats(), _outputs(cold)
+    warm = _engine(True, policy)
     assert cold.warmup is None
     report = warm.warmup
     assert report is not None and report.steps > 0 and report.prompt_lengths
@@ -85,10 +92,10 @@ def test_a_warmed_engine_starts_as_a_fresh_one(policy: str) -> None:
     assert warm.pool.num_free_blocks == warm.pool.num_blocks
     assert warm.pool.num_cached_blocks == 0
     assert not warm.requests and not warm.has_unfinished()
-    assert warm.stats() == cold.stats()
-    # The same tokens as an engine that never warmed up, seeded ones included, and the
+    assert warm.stats() == cold_stats
+    # The same tokens as an engine that never warmed up, seeded and unseeded ones, and the
     # prefix cache starts empty: the same prefix queries and hits afterwards.
-    assert _outputs(warm) == _outputs(cold)
+    assert _outputs(warm) == cold_out
     assert (warm.pool.prefix_queries, warm.pool.prefix_hits) == (
         cold.pool.prefix_queries,
         cold.pool.prefix_hits,
@@ -153,3 +160,13 @@ def test_warm_up_runs_the_triton_kernels_in_the_interpreter() -> None:
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+def test_the_prefill_kernel_does_not_specialise_on_the_block_table_width() -> None:
+    """The widest block table changes every step; Triton specialises an integer argument
+    on == 1 and % 16 == 0, so each tile compiled up to three times while serving, and the
+    warm-up (narrow tables) could not meet those variants."""
+    from workers.engine.kernels.prefill_attention import _prefill_kernel
+
+    params = {p.name: p for p in _prefill_kernel.params}
+    assert params["stride_bt"].do_not_specialize

@@ -116,6 +116,12 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     tier, evictions = engine.kv_tier, engine.pool.evictions
     engine.kv_tier = engine.batcher.kv_tier = None  # nothing of the warm-up reaches Redis
     engine.pool.evictions = None
+    # Unseeded requests draw from torch's global generators, seeded by EngineArgs.seed:
+    # the warm-up's draws must not move where the first client's start.
+    cpu_rng = torch.get_rng_state()
+    cuda = engine.device.type == "cuda"
+    cuda_rng = torch.cuda.get_rng_state(engine.device) if cuda else None
+    max_wait_s, engine.batcher.max_wait_s = engine.batcher.max_wait_s, 0.0  # dynamic: no wait
     try:
         # Alone: each step's longest query is this prompt's, so its tile compiles.
         for i, n in enumerate(lengths):
@@ -128,17 +134,21 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
             engine.step()
             steps += 1
         steps += _run(engine)
-        if engine.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(engine.device)
         computed = engine.num_prompt_tokens_computed
     finally:
         engine.kv_tier = engine.batcher.kv_tier = tier
         engine.pool.evictions = evictions
+        engine.batcher.max_wait_s = max_wait_s
         for rid in list(engine.requests):  # only ours: it was idle (a step raised)
             engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
         _forget(engine)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, engine.device)
     report = WarmupReport(lengths, steps, computed, time.monotonic() - started)
     log.info("warm-up: %d steps over prompts of %s tokens in %.2f s", report.steps,
              ", ".join(map(str, lengths)), report.seconds)  # fmt: skip

@@ -152,7 +152,10 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# stride_bt, the widest block table of the step, changes from step to step: specialised
+# (== 1, % 16 == 0, other) it compiled each tile up to three times while serving, variants
+# the engine's warm-up (one table width) could not all meet. Read once per program.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
