@@ -244,6 +244,9 @@ class Batcher:
         if self.policy == "continuous":
             return [] if self._delaying_prefills() else self.waiting
         if self._members:  # a fixed batch is in flight: only its preempted members return
+            # All of them running (the usual case): no scan of a queue of thousands a step.
+            if len(self.running) == len(self._members):
+                return []
             return [r for r in self.waiting if r.request_id in self._members]
         if self.running:
             return []
