@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # CPU machines keep a CPU torch; a GPU machine sets TORCH_SPEC (see README, "GPU machines").
 TORCH_SPEC ?= torch==2.13.0
+# A wheel index for that torch only, e.g. https://download.pytorch.org/whl/cpu on a CPU-only
+# machine (PyPI's default torch is the multi-GB CUDA build); empty: pip's own configuration.
+TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: install run test test-slow lint fmt bench gpu-wheels clean
@@ -18,7 +21,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); \
 	  echo "could not make a venv: on Debian/Ubuntu, install python3-venv" >&2; exit 1; }
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)" \
+	  $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(BIN)/python -m pip install -q -e ".[local,dev]"
 	touch $(STAMP)
 
