@@ -87,3 +87,27 @@ def test_mixed_step_with_decodes_and_prompt_chunks_equals_reference() -> None:
     expected = paged_prefill_attention_ref(q, k_cache, v_cache, cu, context, block_tables, 0.3)
     got = paged_prefill_attention_torch(q, k_cache, v_cache, cu, context, block_tables, 0.3)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize(("n_q", "n_k"), [(1, 1), (2, 9), (150, 150), (70, 301), (64, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliced_causal_attention_equals_the_reference_across_slices(
+    group: int, n_q: int, n_k: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt chunks attend a slice of queries at a time over the keys each slice sees (4x
+    torch's masked SDPA on a CPU); slices of 16 here, so every case crosses several, a
+    cached prefix (n_k > n_q) included."""
+    from workers.engine.kernels import torch_paged
+    from workers.engine.kernels.reference import attend_causal
+
+    monkeypatch.setattr(torch_paged, "SLICE_SCORES", 1)  # the narrowest slices: 16 queries
+    g = torch.Generator().manual_seed(n_q * 1000 + n_k + group)
+    n_kv, head_dim = 2, 16
+    q = torch.randn(n_q, n_kv * group, head_dim, generator=g).to(dtype)
+    k = torch.randn(n_k, n_kv, head_dim, generator=g).to(dtype)
+    v = torch.randn(n_k, n_kv, head_dim, generator=g).to(dtype)
+    got = torch_paged.attend_causal_sliced(q, k, v, 0.25)
+    assert got.dtype == dtype
+    tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, attend_causal(q, k, v, 0.25), **tol)
