@@ -18,7 +18,6 @@ rebuilding them from each request's lists every step, as the engine did before:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.output import emit
 from bench.provenance import git_state
 from workers.engine.request import Request
 from workers.engine.sampler import OutputIds
@@ -114,11 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_tables": [block_tables(ns.batch, b, ns.repeats) for b in (32, 136, 512)],
         "penalty_ids": [penalty_ids(ns.batch, n, ns.repeats) for n in (256, 1024, 2048)],
     }
-    text = json.dumps(result, indent=2)
-    if ns.out:
-        ns.out.parent.mkdir(parents=True, exist_ok=True)
-        ns.out.write_text(text + "\n")
-    print(text)
+    emit(result, ns.out)
     return 0
 
 

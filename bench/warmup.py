@@ -27,6 +27,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from bench.output import emit
 from bench.provenance import git_state
 
 # First traffic: (prompt length, seeded?) one at a time, then a burst of these lengths
@@ -128,11 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_ttft_cold_over_warm": round(cold["max_ttft_ms"] / warm["max_ttft_ms"], 2),
         "build_s_added": round(warm["build_s"] - cold["build_s"], 2),
     }
-    text = json.dumps(result, indent=2)
-    if ns.out:
-        ns.out.parent.mkdir(parents=True, exist_ok=True)
-        ns.out.write_text(text + "\n")
-    print(text)
+    emit(result, ns.out)
     return 0
 
 
