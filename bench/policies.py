@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.arrivals import arrival_offsets
+from bench.output import write_json
 from bench.policies_load import UNSENT, Sent, TelemetryLog, make_sessions, run_sessions
 from bench.policies_table import table
 from bench.policy_spec import POLICIES, POOL_SUFFIX, split_stack_spec
@@ -461,14 +462,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_json(Path(args.out), doc)
     return 1 if any(unexpected_errors(r) for r in results.values()) else 0
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Replace ``path`` whole (written aside, then renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(path)
 
 
 if __name__ == "__main__":
