@@ -143,8 +143,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
         engine.batcher.max_wait_s = max_wait_s
         for rid in list(engine.requests):  # only ours: it was idle (a step raised)
             engine.abort(rid)
-        while engine.has_unfinished():
-            engine.step()
+        _run(engine)
         _forget(engine)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
