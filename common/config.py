@@ -211,6 +211,14 @@ class GroupConfig(_Strict):
             "admit at once; 1 pays for hybrid on a GPU."
         ),
     )
+    priority_preemption: bool = Field(
+        True,
+        description=(
+            "hybrid only: a waiting request more urgent (lower priority value) than running "
+            "ones, kept out by max_batch or KV blocks, preempts the least urgent of them. "
+            "false = it waits for a free slot, as in vLLM."
+        ),
+    )
     # Queued + running requests the gateway admits before it sheds with 429.
     max_pending: int = Field(
         64,

@@ -137,6 +137,11 @@ KV_TIER_ERRORS = Spec(
     "qos_kv_tier_errors", "Tier calls that failed or timed out (misses)", (*REQUEST, "tier")
 )
 PREEMPTIONS = Spec("qos_num_preemptions", "Requests preempted by the engine", REQUEST)
+PRIORITY_PREEMPTIONS = Spec(
+    "qos_num_priority_preemptions",
+    "Of qos_num_preemptions, those that let a more urgent waiting request in",
+    REQUEST,
+)
 ENGINE_BUSY = Spec(
     "qos_engine_busy_seconds", "Wall time the engine spent in steps that did work", REQUEST
 )

@@ -157,6 +157,7 @@ def build_engine(config: Config, args: argparse.Namespace) -> Any:
         model=model,
         policy=args.policy or group.policy,
         prefill_delay_factor=group.prefill_delay_factor,
+        priority_preemption=group.priority_preemption,
         max_batch_size=max_batch,
         max_num_batched_tokens=max(2048, max_batch),
         # The longest group's limit within the model's context and, unless the flag asked

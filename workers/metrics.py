@@ -179,6 +179,7 @@ _ENGINE_FAMILIES: tuple[tuple[m.Spec, type[Any]], ...] = (
     (m.KV_USAGE, GaugeMetricFamily),
     (m.BATCH_CAP, GaugeMetricFamily),
     (m.PREEMPTIONS, CounterMetricFamily),
+    (m.PRIORITY_PREEMPTIONS, CounterMetricFamily),
     (m.ENGINE_BUSY, CounterMetricFamily),
     (m.PREFIX_QUERIES, CounterMetricFamily),
     (m.PREFIX_HITS, CounterMetricFamily),
@@ -206,6 +207,7 @@ def _samples(view: EngineView, model: str) -> dict[str, list[tuple[list[str], fl
         m.KV_USAGE.name: [(base, s.kv_usage)],
         m.BATCH_CAP.name: [(base, view.batch_cap)],
         m.PREEMPTIONS.name: [(base, s.num_preemptions)],
+        m.PRIORITY_PREEMPTIONS.name: [(base, s.num_priority_preemptions)],
         m.ENGINE_BUSY.name: [(base, view.busy_s)],
         # G1 (the device cache), then the KV tiers present.
         m.PREFIX_QUERIES.name: [([*base, "device"], s.prefix_cache_queries)]

@@ -51,6 +51,9 @@ class EngineArgs:
     # last admitting step's duration and at most max_wait_ms, to prefill them together
     # (batcher.py, "Prefill delay").
     prefill_delay_factor: float = 0.0
+    # hybrid: a waiting request more urgent than running ones that the batch size or the
+    # blocks keep out preempts the least urgent of them (batcher.py, "Priority preemption").
+    priority_preemption: bool = True
     # A max_seq_len the KV cache cannot hold: refuse to start (an explicit choice), or, with
     # this, serve what the cache holds (a worker sized for every group's limit: the gateway
     # learns the real one from its telemetry).

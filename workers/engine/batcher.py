@@ -28,6 +28,13 @@ are freed and it goes back to the waiting queue (at its front under the whole-pr
 policies, in (priority, arrival) order under ``hybrid``), to recompute its prompt and
 output later (the prefix cache usually still holds most of it).
 
+Priority preemption (``hybrid``, ``priority_preemption``): a queue head more urgent than
+some running request, kept out by the batch size or the blocks, preempts the least urgent
+running requests (strictly less urgent than it, least urgent then newest first) until it
+fits, before the step is planned. Only a head that would then fit makes anyone go, and
+equal priorities never preempt each other, so nothing thrashes: a victim comes back when
+room frees, and its full blocks are usually still in the prefix cache.
+
 With a KV tier (host memory, Redis), admission extends the device cache's prefix hit with
 the tier's: those blocks are allocated like computed ones and their bytes ride in the plan
 (``kv_loads``) for the engine to copy in before the step runs.
@@ -105,6 +112,7 @@ class Batcher:
         kv_tier: KVTier | None = None,
         prefill_delay_factor: float = 0.0,
         timer: Callable[[], float] | None = None,
+        priority_preemption: bool = False,
     ) -> None:
         self.pool = pool
         self.kv_tier = kv_tier
@@ -120,6 +128,8 @@ class Batcher:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.priority_preemption = priority_preemption
+        self.num_priority_preemptions = 0  # of num_preemptions, those to let an urgent one in
         self.tier_query_tokens = 0  # tokens asked of the KV tier at admission
         self.tier_hit_tokens = 0  # of which loaded from it
         # request id -> (tokens, device hit, tier hit, when) of its last KV-tier lookup, kept
@@ -200,8 +210,11 @@ class Batcher:
             self._time_admitting_step()
         plan = BatchPlan()
         if self.policy == "hybrid":
+            made_way = self._make_way(plan) if self.priority_preemption else 0
             self._schedule_running(plan, budget=self.max_num_batched_tokens)
-            if not plan.preempted and not self._delaying_prefills():
+            # Blocks ran short for the running ones: admit nobody. Victims that made way
+            # for the head are not that, and it must not wait out a prefill delay either.
+            if len(plan.preempted) == made_way and (made_way or not self._delaying_prefills()):
                 self._admit(plan, self.waiting, self.max_num_batched_tokens - plan.num_tokens)
             return self._formed(plan)
         candidates = self._admission_candidates()
@@ -236,6 +249,60 @@ class Batcher:
             oldest = min(oldest, r.queued_since)
         hold = min(self.prefill_delay_factor * self._admit_step_s, self.max_wait_s)
         return self.timer() - oldest < hold
+
+    def _make_way(self, plan: BatchPlan) -> int:
+        """Preempt less urgent running requests so the queue head fits (module docstring,
+        "Priority preemption"); returns how many went."""
+        if not self.waiting or not self.running:
+            return 0
+        head = self.waiting[0]
+        victims = sorted(
+            (r for r in self.running if r.priority > head.priority), key=lambda r: r.sort_key
+        )
+        if not victims:
+            return 0
+        pool = self.pool
+        hit_blocks, hit_tokens = pool.get_computed_blocks(head)
+        # The blocks of its KV-tier hit (the answer a failed admission left; none is asked
+        # here), of its first chunk, and the admission watermark. The chunk is what the
+        # budget leaves after a token for each running request: too few victims rather than
+        # too many, since a head short of blocks for its next chunk preempts the least
+        # urgent then anyway.
+        seen = self._tier_seen.get(head.request_id)
+        tier = seen[2] if seen is not None and seen[:2] == (head.num_tokens, len(hit_blocks)) else 0
+        budget = max(1, self.max_num_batched_tokens - len(self.running))
+        chunk = min(head.num_tokens - hit_tokens - tier, budget)
+        need = pool.blocks_needed(hit_tokens + tier + chunk) - len(hit_blocks)
+        need += pool.watermark_blocks
+
+        def lacking() -> int:
+            # A hit on a free named block takes it off the free list too: one a victim
+            # shared with the head comes back free, and is needed again at once.
+            revived = sum(1 for b in hit_blocks if pool.blocks[b].ref_count == 0)
+            return need + revived - pool.num_free_blocks
+
+        full = len(self.running) >= self.max_batch_size
+        if not full and lacking() <= 0:
+            return 0
+        # Go only if the victims can make the room: a block comes free only when all who
+        # hold it go (a shared prefix stays), and a hit block freed is needed again.
+        holders: dict[int, int] = {}
+        for r in victims:
+            for b in r.block_table:
+                holders[b] = holders.get(b, 0) + 1
+        hits = set(hit_blocks)
+        freeable = sum(
+            1 for b, n in holders.items() if n == pool.blocks[b].ref_count and b not in hits
+        )
+        if lacking() > freeable:
+            return 0
+        went = 0
+        while victims and (full or lacking() > 0):
+            self._preempt(victims.pop(), plan)
+            went += 1
+            full = len(self.running) >= self.max_batch_size
+        self.num_priority_preemptions += went
+        return went
 
     def _admission_candidates(self) -> list[Request]:
         """Who may join now, in order, under the whole-prompt policies."""

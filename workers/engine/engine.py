@@ -138,6 +138,7 @@ class LLMEngine:
             args.max_wait_ms,
             kv_tier=kv_tier,
             prefill_delay_factor=args.prefill_delay_factor,
+            priority_preemption=args.priority_preemption,
         )
         from workers.engine.sampler import Sampler
 
@@ -726,6 +727,7 @@ class LLMEngine:
             num_tokens_computed=self.num_tokens_computed,
             kv_tier_queries=self.batcher.tier_query_tokens,
             kv_tier_hits=self.batcher.tier_hit_tokens,
+            num_priority_preemptions=self.batcher.num_priority_preemptions,
         )
 
 

@@ -123,6 +123,8 @@ class EngineStats:
     num_tokens_computed: int
     kv_tier_queries: int = 0  # tokens asked of the KV tier (past the prefix-cache hit)
     kv_tier_hits: int = 0  # tokens loaded from it instead of computed
+    # Of num_preemptions, those that let a more urgent waiting request in (hybrid).
+    num_priority_preemptions: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -175,7 +175,7 @@ def _forget(engine: LLMEngine) -> None:
     pool, batcher = engine.pool, engine.batcher
     pool.reset_prefix_cache()
     pool.prefix_queries = pool.prefix_hits = 0
-    batcher.num_preemptions = 0
+    batcher.num_preemptions = batcher.num_priority_preemptions = 0
     batcher.tier_query_tokens = batcher.tier_hit_tokens = 0
     engine.num_steps = 0
     engine.num_prompt_tokens_computed = engine.num_generation_tokens = 0
