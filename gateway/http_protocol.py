@@ -8,7 +8,15 @@ connection, a file descriptor and a buffer each: slowloris) or send megabytes of
 square of its length). Here a head over ``max_head_bytes`` gets a 431 and a head not
 complete ``head_timeout_s`` after the connection opened, or after its previous response
 ended, gets a 408; both close the connection, both in OpenAI's error shape. A connection
-busy with a response (a long stream) is never timed.
+busy with a response (a long stream) is never timed. A response that ends before its
+request's body has all arrived (an early 401, 413 or 408) gives the rest of the body the
+head's time to arrive, unread, and then closes the connection: uvicorn kept such a
+connection alive and stopped timing it, so a client trickling a chunked body held it for
+ever (enough of them took every slot of ``gateway.max_connections``). Closing at once
+would reset a connection whose client is still sending, losing the answer it has not read
+yet; a request that sent none of its body (``Expect: 100-continue``) is closed at once,
+or its next request would be read as that body. uvicorn's own 400 for a malformed
+request is in OpenAI's error shape too.
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_HEAD_BYTES = 32 * 1024
 DEFAULT_HEAD_TIMEOUT_S = 30.0
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class _HeadTooLarge(Exception):
+    """Raised from the parser's callback to stop it: nothing of the request goes on."""
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
@@ -39,6 +51,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._reading_head = True  # the bytes arriving belong to a request's head
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_seen = False  # bytes of the current request's body have arrived
+        self._draining = False  # answered early: the rest of its body is read and dropped
 
     # -- the head's time ------------------------------------------------------------------
 
@@ -53,15 +67,42 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading_head = False
         self._cancel_head_timer()
+        # A head that arrived in one read (uvloop reads up to 256 KiB) was never counted by
+        # data_received while it was incomplete: count what was parsed.
+        size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if size > self.max_head_bytes:
+            self._refuse_large_head()
+            raise _HeadTooLarge  # the parser stops; send_400_response sees it closed
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_seen = True
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         # What arrives next is the next request's head (timed once this response ends).
         self._reading_head = True
         self._head_bytes = 0
+        self._body_seen = False
+        if self._draining:  # the early answer's body is all in: the next head is timed
+            self._draining = False
+            self._arm_head_timer()
 
     def on_response_complete(self) -> None:
+        # With a pipelined request queued, ``cycle`` is that one's (its body may still be
+        # coming) and the request just answered was read whole before its head began.
+        unread = not self.pipeline and self.cycle is not None and self.cycle.more_body
+        if unread and not self.transport.is_closing():
+            # Answered before its body was all in (module docstring).
+            super().on_response_complete()
+            if not self._body_seen:
+                self.transport.close()
+            else:
+                self._draining = True
+                self._cancel_head_timer()
+                self._head_timer = self.loop.call_later(self.head_timeout_s, self._drain_timed_out)
+            return
         pipelined = bool(self.pipeline)  # its head is in already: the next response starts
         super().on_response_complete()
         if not pipelined and not self.transport.is_closing():
@@ -75,6 +116,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+    def _drain_timed_out(self) -> None:
+        self._head_timer = None
+        if self._draining and not self.transport.is_closing():
+            log.info("closed a connection from %s: the body of a request answered early "
+                     "did not end within %g s", _peer(self.client), self.head_timeout_s)  # fmt: skip
+            self.transport.close()
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -99,18 +147,31 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             and self._head_bytes > self.max_head_bytes
             and not self.transport.is_closing()
         ):
-            self._refuse(
-                431,
-                "request_header_fields_too_large",
-                f"the request's headers exceed {self.max_head_bytes} bytes "
-                "(gateway.max_header_bytes)",
-            )
+            self._refuse_large_head()
+
+    def _refuse_large_head(self) -> None:
+        self._refuse(
+            431,
+            "request_header_fields_too_large",
+            f"the request's headers exceed {self.max_head_bytes} bytes (gateway.max_header_bytes)",
+        )
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a malformed request, in OpenAI's error shape; nothing when the
+        connection is closing already (a refusal stopped the parser)."""
+        if not self.transport.is_closing():
+            self._refuse(400, "invalid_http_request", msg)
 
     def _refuse(self, status: int, code: str, message: str) -> None:
         """Answer ``status`` in OpenAI's error shape and close the connection."""
         self._reading_head = False
         self._cancel_head_timer()
         log.warning("refused a request from %s: %s", _peer(self.client), message)
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined request's head went wrong while the response before it is still
+            # being written: an answer now would land inside that response. Just close.
+            self.transport.close()
+            return
         body = json.dumps(
             {"error": {"message": message, "type": "invalid_request_error", "param": None,
                        "code": code}}

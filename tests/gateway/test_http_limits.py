@@ -157,3 +157,101 @@ async def test_connections_past_the_cap_get_503(nats_config: NatsConfig) -> None
         for _, writer in held:
             writer.close()
     assert refused.status_code == 503
+
+
+async def test_a_head_over_the_limit_that_arrives_in_one_read_gets_431(
+    nats_config: NatsConfig,
+) -> None:
+    """A whole head in one read was parsed before the byte count was judged, and then it
+    counted for nothing: the app got every oversized header, the bound held only for heads
+    split across reads."""
+    config = gateway_config(nats_config, max_header_bytes=2048)
+    async with serve(config) as gw:
+        for head in (b"X-Big: " + b"a" * 4096 + b"\r\n", b"X-A: b\r\n" * 600):
+            reader, writer = await _connect(gw.url)
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+            await _refused(
+                reader, b"HTTP/1.1 431 Request Header Fields Too Large",
+                "request_header_fields_too_large", "gateway.max_header_bytes",
+            )  # fmt: skip
+            writer.close()
+
+
+async def test_the_rest_of_a_body_answered_early_is_timed_then_the_connection_closed(
+    nats_config: NatsConfig,
+) -> None:
+    """An early 401 kept the connection alive while the client trickled its chunked body:
+    uvicorn dropped the bytes, its keep-alive timer stopped at each, and the head timer
+    waited for a head that never began, so one client could hold a slot for ever. The rest
+    of the body now has the head's time; one that never sent any (``Expect:
+    100-continue``) is closed at once, or its next request would be read as that body."""
+    config = gateway_config(nats_config, api_key_sha256=["0" * 64], header_timeout_s=0.5)
+    async with serve(config) as gw:
+        reader, writer = await _connect(gw.url)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")  # fmt: skip
+        status, body = await _answer(reader)
+        assert status == b"HTTP/1.1 401 Unauthorized"
+        assert body["error"]["code"] == "missing_api_key"
+        for _ in range(3):  # more of the body, now and then: nobody reads it
+            await asyncio.sleep(0.1)
+            writer.write(b"1\r\na\r\n")
+        assert await _closed(reader)  # 0.5 s after the answer, the body still unfinished
+        writer.close()
+
+        reader, writer = await _connect(gw.url)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n"
+                     b"Expect: 100-continue\r\n\r\n")  # fmt: skip
+        status, _ = await _answer(reader)
+        assert status == b"HTTP/1.1 401 Unauthorized"
+        assert await asyncio.wait_for(reader.read(), 0.4) == b""  # before the head's time
+        writer.close()
+
+
+async def test_a_body_answered_early_that_ends_leaves_the_connection_serving(
+    nats_config: NatsConfig,
+) -> None:
+    """Drained to its end, the connection is in step again: the next request is served."""
+    config = gateway_config(nats_config, api_key_sha256=["0" * 64])
+    async with serve(config) as gw:
+        reader, writer = await _connect(gw.url)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")  # fmt: skip
+        status, _ = await _answer(reader)
+        assert status == b"HTTP/1.1 401 Unauthorized"
+        writer.write(b"1\r\n}\r\n0\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _ = await _answer(reader)
+        assert status.startswith(b"HTTP/1.1 ") and b"401" not in status  # /health is open
+        writer.close()
+
+
+async def test_a_pipelined_request_whose_body_comes_later_is_still_answered(
+    nats_config: NatsConfig,
+) -> None:
+    """Closing after an early answer must not take a pipelined request's unfinished body
+    for the answered one's."""
+    config = gateway_config(nats_config)
+    async with serve(config) as gw:
+        reader, writer = await _connect(gw.url)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"POST /v1/tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: 33\r\n\r\n{\"model\": ")  # fmt: skip
+        first, models = await _answer(reader)
+        assert first == b"HTTP/1.1 200 OK" and models["data"]
+        await asyncio.sleep(0.1)
+        writer.write(f'"{MODEL}", "prompt": "ab"}}'.encode()[: 33 - 10])
+        second, _ = await _answer(reader)
+        assert second.startswith(b"HTTP/1.1 ")
+        writer.close()
+
+
+async def test_a_malformed_request_gets_400_in_openai_shape(nats_config: NatsConfig) -> None:
+    config = gateway_config(nats_config)
+    async with serve(config) as gw:
+        reader, writer = await _connect(gw.url)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+        line, body = await _answer(reader)
+        assert line == b"HTTP/1.1 400 Bad Request"
+        assert body["error"]["code"] == "invalid_http_request"
+        assert await _closed(reader)
+        writer.close()
