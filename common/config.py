@@ -10,6 +10,7 @@ or a bad value fails at start-up with a :class:`ConfigError` naming it.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -1287,17 +1288,21 @@ class Config(_Strict):
                 f"gateway.heartbeat_interval_s ({gw_beat:g}), or 0: live gateways' requests "
                 "would be aborted as orphaned"
             )
-        # A breaker judges samples younger than scheduler.window_s, and a group gets at most
-        # one a tick, and with one replica one a report.
-        most = self.scheduler.window_s / max(self.scheduler.tick_interval_s, beat)
+        # A breaker judges samples younger than scheduler.window_s. A group gets at most one
+        # a tick, and none sooner than 0.9 reports after the last (scheduler.windows): so
+        # one every whole number of ticks that spans 0.9 reports (ticks of 0.7 s and
+        # reports of 1 s give one every 1.4 s, not every 1 s).
+        tick = self.scheduler.tick_interval_s
+        most = self.scheduler.window_s / (tick * math.ceil(0.9 * beat / tick - 1e-9))
         for name, group in self.groups.items():
             need = min(group.breaker.min_samples, group.breaker.window_samples)
             if need > most:
                 raise ValueError(
                     f"groups.{name}.breaker.min_samples ({need}) can never be reached: "
                     f"scheduler.window_s ({self.scheduler.window_s:g} s) holds at most "
-                    f"{most:g} samples at one per max(scheduler.tick_interval_s, "
-                    "worker.telemetry_interval_s); the breaker could never open"
+                    f"{most:g} samples at one per the whole number of "
+                    "scheduler.tick_interval_s that spans 0.9 worker.telemetry_interval_s; "
+                    "the breaker could never open"
                 )
         unknown = sorted(set(self.scheduler.min_replicas) - set(self.groups))
         if unknown:

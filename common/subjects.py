@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from common.errors import ProtocolError
+from common.protocol import DEFAULT_MAX_PAYLOAD, Telemetry
+
 # Request ids and worker ids become subject tokens: no dots, wildcards or spaces.
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 # A worker's heartbeat key in the state bucket: workers.<worker id>.
@@ -14,6 +17,26 @@ HEARTBEAT_KEY_PREFIX = "workers."
 def is_subject_token(value: str) -> bool:
     """True when ``value`` can stand as one token of a subject."""
     return bool(_TOKEN.match(value))
+
+
+def read_telemetry(
+    subject: str, data: bytes, subjects: Subjects, max_bytes: int = DEFAULT_MAX_PAYLOAD
+) -> Telemetry:
+    """A worker's report, believed only from its own subject (``ProtocolError`` else).
+
+    NATS permissions can bind a worker's credentials to its own telemetry subject: a body
+    claiming another worker or group is not taken. This also keeps out ids that are no
+    subject token, whose control subject raised in the scheduler's every reconcile and
+    every rebalance that picked them.
+    """
+    report = Telemetry.from_bytes(data, max_bytes)
+    try:
+        expected = subjects.telemetry(report.group, report.worker)
+    except ValueError as exc:
+        raise ProtocolError(f"telemetry: {exc}") from None
+    if subject != expected:
+        raise ProtocolError(f"telemetry: a report from {expected} sent on {subject}")
+    return report
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from nats.js.kv import KeyValue
 from common.errors import ProtocolError
 from common.fence import FenceGuard
 from common.protocol import Telemetry
-from common.subjects import Subjects
+from common.subjects import Subjects, read_telemetry
 from common.tasks import cancel_and_wait, watch
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ class WorkersView:
         self._stale_logged: set[str] = set()
         self._waiters: list[tuple[Collection[str], asyncio.Future[None]]] = []
         self._sub: Subscription | None = None
+        self._subjects = Subjects()
         self._watch_task: asyncio.Task[None] | None = None
 
     # -- reading ---------------------------------------------------------------------------
@@ -272,6 +273,7 @@ class WorkersView:
     ) -> None:
         """Subscribe to telemetry and, given the bucket, watch ``breaker.*`` (``on_failure``:
         told if the watch dies)."""
+        self._subjects = subjects
         self._sub = await nc.subscribe(subjects.telemetry_wildcard, cb=self._on_message)
         if kv is not None:
             self._watch_task = asyncio.create_task(self._watch(kv), name="gateway-breakers")
@@ -287,7 +289,7 @@ class WorkersView:
 
     async def _on_message(self, msg: Msg) -> None:
         try:
-            report = Telemetry.from_bytes(msg.data)
+            report = read_telemetry(msg.subject, msg.data, self._subjects)
         except ProtocolError as exc:
             log.warning("bad telemetry on %s: %s", msg.subject, exc.message)
             return

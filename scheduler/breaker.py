@@ -62,6 +62,9 @@ class BreakerSample:
     p99_ms: float
     requests: int = 0  # finished, errors included
     errors: int = 0
+    # When the oldest report behind ``p99_ms`` was made (None: now): its latency window
+    # ends then, so it is stale for half-open until stale_p99_s after the half-open began.
+    reported_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,8 +239,12 @@ class Breaker:
     def _judge_half_open(self, sample: BreakerSample, now: float) -> Transition | None:
         s = self.settings
         # The workers' p99 windows still hold requests from before half-open at first:
-        # such a sample is judged on errors only, and proves no health either.
-        stale = now - self.since < s.stale_p99_s
+        # such a sample is judged on errors only, and proves no health either. A worker
+        # that did not report this tick counts with its last report, whose window ends
+        # then: judged by now, two workers reporting out of phase re-opened a healed group
+        # on the backlog that finished while it was open (and doubled the wait).
+        reported = now if sample.reported_at is None else min(now, sample.reported_at)
+        stale = reported - self.since < s.stale_p99_s
         if not stale and sample.p99_ms > s.p99_threshold_ms:
             return self._move(
                 "open", now, f"p99 {sample.p99_ms:.0f} ms > {s.p99_threshold_ms:g} ms while probing"

@@ -49,8 +49,8 @@ import common.nats as qnats
 from common.config import Config
 from common.errors import ProtocolError
 from common.liveness import LoopBeat
-from common.protocol import Control, Telemetry
-from common.subjects import Subjects
+from common.protocol import Control
+from common.subjects import Subjects, read_telemetry
 from common.tasks import cancel_and_wait
 from scheduler.alerts import Alerter
 from scheduler.breaker import (
@@ -89,6 +89,7 @@ log = logging.getLogger(__name__)
 
 # A worker told its cap is not told again sooner: its next report may predate the order.
 CAP_RESEND_S = 2.0
+CAP_CLOSED_TRIES = 2  # times a closed group's cap is sent to a worker that stays at the open cap
 HISTORY_SAVE_S = 60.0
 QUEUE_POLL_TIMEOUT_S = 0.5
 RECENT_ACTIONS = 1000  # transitions and moves kept in memory
@@ -154,8 +155,8 @@ class SchedulerService:
         self.histories: dict[str, DemandHistory] = {g: DemandHistory() for g in self.groups}
         self.queue_depths: dict[str, int] = dict.fromkeys(self.groups, -1)
         self._closed_checked: dict[str, float] = {}  # group -> when its record was read back
-        # Groups seen with a live replica since this process began (one that lost its last
-        # is refilled to its minimum; one never served may be meant empty).
+        # Groups seen with a live replica since this process began, leader or standby (one
+        # that lost its last is refilled to its minimum; one never served may be meant empty).
         self.served_groups: set[str] = set()
         self.desired: dict[str, int] = {}
         # As leader: the breakers are loaded from the bucket since this term began.
@@ -172,6 +173,9 @@ class SchedulerService:
         self._tasks: list[asyncio.Task[None]] = []
         self.beat = LoopBeat()  # /livez: this loop still runs
         self._cap_sent: dict[str, float] = {}  # worker -> when it was last told its cap
+        # worker -> times told, while closed, to leave the open cap and not risen: one
+        # started with --max-batch at the open cap stays there, and was told every 2 s.
+        self._cap_unheeded: dict[str, int] = {}
         self._unsaved: dict[str, BreakerRecord] = {}  # breaker states the bucket lacks
         self._breaker_written: dict[str, float] = {}  # group -> when this replica last wrote it
         self._history_saved = 0.0
@@ -299,7 +303,9 @@ class SchedulerService:
 
     async def _on_telemetry(self, msg: Msg) -> None:
         try:
-            report = Telemetry.from_bytes(msg.data, self.config.nats.max_payload_bytes)
+            report = read_telemetry(
+                msg.subject, msg.data, self.subjects, self.config.nats.max_payload_bytes
+            )
         except ProtocolError as exc:
             log.warning("bad telemetry on %s: %s", msg.subject, exc.message)
             return
@@ -329,9 +335,13 @@ class SchedulerService:
         # Workers that went silent or stopped (deploys, moves, exits) need no cap resent.
         for worker in self._cap_sent.keys() - self.windows.worker_ids():
             del self._cap_sent[worker]
+            self._cap_unheeded.pop(worker, None)
         await self._poll_queue_depths()
         samples = self.windows.sample(now, self.queue_depths)
         self._export_groups(now)
+        # Standbys too: one that takes over after a group's last replica died with the old
+        # leader's node must know the group was served, or it never refills it.
+        self.served_groups.update(g for g in self.groups if self.windows.replicas(g))
         if not self.acts:
             return
         for group, breaker in self.breakers.items():
@@ -401,7 +411,12 @@ class SchedulerService:
     def _breaker_sample(self, group: str, sample: GroupSample) -> BreakerSample:
         kind = self.config.groups[group].breaker.p99_kind
         p99 = sample.latency_ms if kind == "e2e" else sample.ttft_p99_ms
-        return BreakerSample(p99_ms=p99, requests=sample.requests, errors=sample.errors)
+        return BreakerSample(
+            p99_ms=p99,
+            requests=sample.requests,
+            errors=sample.errors,
+            reported_at=sample.oldest_report_at,
+        )
 
     def _cap_for(self, group: str, state: State) -> int:
         gc = self.config.groups[group]
@@ -482,8 +497,18 @@ class SchedulerService:
                     # Only undo our own cap: an engine may be built smaller than max_batch.
                     else report.batch_cap == open_cap < gc.max_batch
                 )
-                if not wrong or now - self._cap_sent.get(report.worker, -1e9) < CAP_RESEND_S:
+                if not wrong:
+                    self._cap_unheeded.pop(report.worker, None)
                     continue
+                if now - self._cap_sent.get(report.worker, -1e9) < CAP_RESEND_S:
+                    continue
+                if breaker.state == "closed":
+                    # Told once and resent once, and still at the open cap: the engine's
+                    # own limit, not ours to undo.
+                    tries = self._cap_unheeded.get(report.worker, 0)
+                    if tries >= CAP_CLOSED_TRIES:
+                        continue
+                    self._cap_unheeded[report.worker] = tries + 1
                 self._cap_sent[report.worker] = now
                 control = Control(
                     action="set_batch_cap",

@@ -80,6 +80,9 @@ class GroupSample:
     tokens_per_s: float
     busy_ratio: float
     queue_depth: int  # JetStream pending + ack pending; -1 when unknown
+    # When the oldest report in it arrived: members that did not report this tick still
+    # count with their last report, whose latency window ends then, not now.
+    oldest_report_at: float | None = None
 
     @property
     def latency_ms(self) -> float:
@@ -295,4 +298,5 @@ def _combine(members: list[_Worker], now: float, queue_depth: int) -> GroupSampl
         tokens_per_s=sum(r.tokens_per_s for r in reports),
         busy_ratio=sum(r.busy_ratio for r in reports) / len(reports) if reports else 0.0,
         queue_depth=queue_depth,
+        oldest_report_at=min((w.seen_at for w in members), default=None),
     )

@@ -146,6 +146,9 @@ def test_group_names_are_ascii_tokens():
         ({"QOS_WORKER__ORPHAN_AFTER_S": "2"}, "orphan_after_s (2) must be at least three"),
         ({"QOS_GROUPS__SHORT__BREAKER__MIN_SAMPLES": "30",
           "QOS_GROUPS__SHORT__BREAKER__WINDOW_SAMPLES": "40"}, "can never be reached"),
+        # Samples every 1.4 s (two ticks span 0.9 reports): 7 fit in 10 s, not 10.
+        ({"QOS_SCHEDULER__TICK_INTERVAL_S": "0.7",
+          "QOS_GROUPS__SHORT__BREAKER__MIN_SAMPLES": "8"}, "holds at most 7.14286 samples"),
         ({"QOS_SCHEDULER__MIN_REPLICAS": "{shrot: 2}"}, "unknown groups ['shrot']"),
         ({"QOS_GATEWAY__API_KEY_SHA256": "[sk-plain-key]"}, "SHA-256 hex digest"),
         ({"QOS_WORKER__DEVICE": "gpu"}, "worker.device"),

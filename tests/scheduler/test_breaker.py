@@ -118,6 +118,18 @@ def test_half_open_does_not_judge_the_p99_of_requests_that_finished_before_it():
     assert probing.state == "half_open" and probing.healthy_in_row == 0
 
 
+def test_a_report_made_before_the_stale_period_ended_stays_unjudged_on_p99() -> None:
+    """A worker that did not report this tick counts with its last report, whose p99 window
+    ends when it was made: judged by the tick's time, a healed group re-opened on the
+    backlog that finished while it was open, whenever two workers reported out of phase."""
+    settings = dataclasses.replace(S, stale_p99_s=3.0)
+    b = Breaker("short", settings, state="half_open", since=10.0)
+    late = BreakerSample(4000, requests=1, reported_at=12.8)  # judged at 13.5, made at 12.8
+    assert b.observe(late, 13.5) is None and b.state == "half_open"
+    move = b.observe(BreakerSample(4000, requests=1, reported_at=13.2), 14.0)
+    assert move is not None and move.target == "open"  # one made after it: judged
+
+
 def test_open_ignores_samples_then_half_opens_after_wait():
     b = opened(at=0.0)
     assert b.observe(FAST, 5.0) is None and b.state == "open"

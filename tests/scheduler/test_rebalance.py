@@ -181,3 +181,28 @@ async def test_a_group_that_lost_its_last_replica_gets_one_back_without_a_backlo
             if round_ == 0:
                 assert service.moves == deque()  # long has its replica
         assert [(m.worker, m.src, m.dst) for m in service.moves] == [("a", "short", "long")]
+
+
+async def test_a_standby_that_saw_a_group_served_refills_it_when_it_takes_over(nats_config):
+    """The served groups were noted only by the leader's rebalance: a standby that took over
+    after long's only worker died with the old leader's node had never noted long, so it
+    left long empty for good (no backlog builds while the gateway answers it 503)."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        service._leader_synced = False  # a standby: it ticks, it does not act
+        assert not service.acts
+        now[0] += 0.6
+        service.windows.observe(Telemetry(worker="l1", group="long", ts_ms=0), now[0])
+        for worker in ("a", "b", "c"):
+            service.windows.observe(Telemetry(worker=worker, group="short", ts_ms=0), now[0])
+        await service.tick()
+        await service.rebalance()
+        assert service.moves == deque()  # a standby orders nothing
+        service._leader_synced = True  # it takes over once l1 (and its leader) are gone
+        for _ in range(5):
+            now[0] += 0.6
+            for worker in ("a", "b", "c"):
+                service.windows.observe(Telemetry(worker=worker, group="short", ts_ms=0), now[0])
+            service.queue_depths.update(short=0, long=0)
+            service.windows.sample(now[0], service.queue_depths)
+            await service.rebalance()
+        assert [(m.worker, m.src, m.dst) for m in service.moves] == [("a", "short", "long")]

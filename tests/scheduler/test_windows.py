@@ -27,6 +27,17 @@ def test_group_p99_is_the_slowest_worker_with_samples_and_p50_is_weighted():
     assert s.workers == 3 and s.replicas == 3
 
 
+def test_a_sample_says_when_its_oldest_report_was_made():
+    """For the breaker's half-open: a worker that did not report this tick counts with its
+    last report, whose latency window ended then."""
+    w = windows()
+    w.observe(tel("a", e2e_p99_ms=300, samples=3), 0.2)
+    w.observe(tel("b", e2e_p99_ms=900, samples=3), 0.7)
+    assert w.sample(0.8, {})["short"].oldest_report_at == 0.2
+    w.observe(tel("a", e2e_p99_ms=300, samples=3), 1.2)
+    assert w.sample(1.3, {})["short"].oldest_report_at == 0.7
+
+
 def test_a_workers_report_weighs_in_one_sample_not_every_tick_until_its_next():
     """Two workers reporting every second, alternately, and ticks every 0.5 s: a report
     was counted again in each tick until the worker's next one, so one slow request (held
