@@ -118,14 +118,22 @@ class CircuitBreaker:
         """Whether an answer speaks for the current state (None: a caller's own verdict)."""
         return leave is None or leave.epoch == self._epoch
 
-    def success(self, leave: BreakerPass | None = None, light: bool = False) -> None:
+    def success(
+        self, leave: BreakerPass | None = None, light: bool = False, write: bool = False
+    ) -> None:
         """A call went through. ``light``: a small one (an EXPIRE lookup), which says
         little about the big ones: it neither clears the failures loads and stores have
         counted (a link that passes small commands and times out on 2 MiB values must
         still open the breaker) nor closes a half-open one; it only frees the probe, for
-        the next load or store to take."""
+        the next load or store to take. ``write``: a store, which has no deadline: it
+        closes a half-open breaker but, closed, does not clear the failures counted, or a
+        link slow enough that every load ran past its budget kept the breaker closed as
+        long as write-through finished a batch between two loads (each load then held the
+        engine's step for its whole budget)."""
         with self._lock:
             if not self._counts(leave):
+                return
+            if write and self.state == self.CLOSED:
                 return
             if not light:
                 self._success()

@@ -509,8 +509,8 @@ class KVTiers:
                     self.breaker.failure(leave, exc)
                     log.debug("kv tiers: store failed: %r", exc)
                 else:
-                    # Redis answered: the link is fine, whatever it said about the writes.
-                    self.breaker.success(leave)
+                    # Redis answered: the link takes writes, whatever it said about them.
+                    self.breaker.success(leave, write=True)
                     if stored or not refusal:
                         self._store_pause_s = 0.0
                     else:

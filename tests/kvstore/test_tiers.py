@@ -602,3 +602,23 @@ def test_the_tier_opens_no_more_connections_than_redis_max_connections(
             assert connected() - base <= 3
     finally:
         client.close()
+
+
+def test_stores_that_go_through_do_not_clear_the_failures_of_loads_too_slow() -> None:
+    """A link slow enough that every load runs past its budget, while stores (no deadline)
+    still finish: each store cleared the loads' failures, so the breaker never opened and
+    every load held the engine's step for its whole budget."""
+    now = [0.0]
+    b = CircuitBreaker(failures_to_open=2, open_s=1.0, clock=lambda: now[0])
+    for _ in range(2):
+        load, store = b.allow(), b.allow()
+        now[0] += 0.1
+        b.success(store, write=True)
+        b.failure(load, "slower than redis.load_min_gbps")
+    assert b.state == "open"
+    # Half-open, a store that goes through is the probe's answer: it closes the breaker.
+    now[0] += 1.0
+    probe = b.allow()
+    assert b.state == "half_open" and probe is not None
+    b.success(probe, write=True)
+    assert b.state == "closed"
