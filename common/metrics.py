@@ -117,7 +117,8 @@ KV_TIER_BYTES = Spec(
 )  # fmt: skip
 KV_TIER_SECONDS = Spec(
     "qos_kv_tier_seconds",
-    "Wall time of those loads and stores (per call: divide by qos_kv_tier_operations)",
+    "Wall time of those loads and stores (Redis stores: while any was in flight, so bytes "
+    "over seconds is the store rate; per call: divide by qos_kv_tier_operations)",
     (*REQUEST, "tier", "op"),
 )
 KV_TIER_OPS = Spec(

@@ -25,6 +25,9 @@ class TierCounters:
     stores: int = 0  # store batches written
     store_blocks: int = 0
     store_bytes: int = 0
+    # Wall time the tier was storing. Redis: while at least one sub-batch was on a writer
+    # thread (those side by side count once, so store GB/s compares with load GB/s, and
+    # stores that failed count too); host memory: its offload calls, summed.
     store_s: float = 0.0
     drops: int = 0  # blocks not stored: queue full, breaker open, or no room
     corrupt: int = 0  # values that failed to decode (counted as misses)

@@ -63,9 +63,9 @@ WRITE_REFUSALS = ("READONLY", "MISCONF", "NOREPLICAS", "OOM", "NOPERM")
 MAX_LOAD_S = 10.0
 
 
-# Lookups remembered for their loads (a request that waits for device blocks is asked
-# again before it loads; one that never loads ages out).
-_HOST_FOUND_KEPT = 4096
+# Blocks of lookups' host prefixes remembered for their loads (a request that waits for
+# device blocks is asked again before it loads; one that never loads ages out).
+_HOST_FOUND_KEPT = 1 << 16
 
 
 class _OverBudget(Exception):
@@ -130,10 +130,15 @@ class KVTiers:
         self._store_pause_s = 0.0
         self._block_tokens = 0
         self._io = Borrowers()  # every connection in use: aborted at close
-        # A lookup's host prefix, by its first hash, until its load: blocks the host held
-        # then and lost before the load (other requests' offloads) are asked of Redis at
-        # load time, and must count as queried there or Redis hits outnumbered its queries.
-        self._host_found: OrderedDict[bytes, int] = OrderedDict()
+        # A counted lookup's host prefix until its load, under each of its blocks: blocks
+        # the host held then and lost before the load (other requests' offloads) are asked
+        # of Redis at load time, and must count as queried there or Redis hits outnumbered
+        # its queries. Under each block, not the first only: a load may start inside the
+        # looked-up range (the batcher reuses an answer after the device hit grew).
+        self._host_found: OrderedDict[bytes, tuple[tuple[bytes, ...], int]] = OrderedDict()
+        # Store sub-batches on the writer threads now, and when store_s last caught up.
+        self._stores_running = 0
+        self._store_busy_mark = 0.0
 
     # --- set-up --------------------------------------------------------------------------
 
@@ -239,11 +244,8 @@ class KVTiers:
             if count:
                 self.host_counters.query_tokens += len(hashes) * bt
             n = self.host.prefix(hashes)
-            if count:  # where Redis's counted queries began
-                self._host_found[hashes[0]] = n
-                self._host_found.move_to_end(hashes[0])
-                if len(self._host_found) > _HOST_FOUND_KEPT:
-                    self._host_found.popitem(last=False)
+            if count and self._bulk is not None:  # where Redis's counted queries began
+                self._remember_host_prefix(hashes, n)
         rest = hashes[n:]
         if rest and self._bulk is not None:
             if count:
@@ -314,13 +316,41 @@ class KVTiers:
                 c.hit_tokens += len(out) * bt
                 c.load_bytes += sum(v.nbytes for v in out)
                 c.load_s += time.perf_counter() - t0
-            found = self._host_found.pop(hashes[0], 0) if hashes else 0
-            if len(out) < found and self._bulk is not None:
-                self.redis_counters.query_tokens += (min(found, len(hashes)) - len(out)) * bt
+            lost = self._host_lost(hashes, len(out))
+            if lost and self._bulk is not None:
+                self.redis_counters.query_tokens += lost * bt
         rest = hashes[len(out) :]
         if rest and self._bulk is not None and not self.breaker.rejecting():
             out.extend(self._load_redis(rest))
         return out
+
+    def _remember_host_prefix(self, hashes: Sequence[bytes], n: int) -> None:
+        """Keep a counted lookup's host prefix (its first ``n`` blocks) for its load."""
+        found = self._host_found
+        prefix = tuple(hashes[:n])
+        for i, h in enumerate(prefix):
+            found[h] = (prefix, i)
+            found.move_to_end(h)
+        # Counted as Redis queries now: an older lookup's host prefix must not count them
+        # again at a load that starts there.
+        for h in hashes[n:]:
+            found.pop(h, None)
+        while len(found) > _HOST_FOUND_KEPT:
+            found.popitem(last=False)
+
+    def _host_lost(self, hashes: Sequence[bytes], served: int) -> int:
+        """Blocks of ``hashes`` a counted lookup found in host memory and the host no
+        longer held (it ``served`` the first ones); forgets that lookup's prefix, all of
+        it, so that no later load counts them again."""
+        entry = self._host_found.get(hashes[0]) if hashes else None
+        if entry is None:
+            return 0
+        prefix, start = entry
+        for h in prefix:
+            kept = self._host_found.get(h)
+            if kept is not None and kept[0] is prefix:  # not a later lookup's
+                del self._host_found[h]
+        return max(0, min(len(prefix) - start, len(hashes)) - served)
 
     def load_budget_s(self, blocks: int) -> float:
         """How long a Redis load of ``blocks`` may take: one socket timeout plus the bytes
@@ -482,7 +512,8 @@ class KVTiers:
         send each header and the engine's row as one value."""
         assert self.identity is not None and self.redis_config is not None
         c = self.redis_counters
-        t0 = time.perf_counter()
+        with self._lock:
+            self._store_busy(+1)
         stored = 0
         failed = False
         leave = None
@@ -528,6 +559,7 @@ class KVTiers:
                 self.breaker.failure(leave)
             log.warning("kv tiers: store failed: %r", exc)
         with self._lock:
+            self._store_busy(-1)
             self._queued_bytes -= nbytes
             if failed:
                 c.errors += 1
@@ -535,8 +567,20 @@ class KVTiers:
                 c.stores += 1
                 c.store_blocks += stored
                 c.store_bytes += stored * self.value_bytes
-                c.store_s += time.perf_counter() - t0
             c.drops += len(hashes) - stored
+
+    def _store_busy(self, change: int) -> None:
+        """A store sub-batch starts (+1) or ends (-1) on a writer thread; under ``_lock``.
+
+        Redis's ``store_s`` is the wall time at least one was running, as ``load_s`` is a
+        load's wall time: summed per sub-batch, two writers side by side counted each
+        second twice, and store GB/s read half of what went over the wire.
+        """
+        now = time.perf_counter()
+        if self._stores_running:
+            self.redis_counters.store_s += now - self._store_busy_mark
+        self._store_busy_mark = now
+        self._stores_running += change
 
     def offload(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         """Keep blocks the device cache is about to overwrite in host memory."""
