@@ -126,6 +126,56 @@ def test_blocks_shared_with_a_more_urgent_request_are_not_counted_as_room() -> N
     assert not plan.preempted and "urgent" not in ids(plan)
 
 
+def test_a_prefill_chunk_that_takes_the_budget_sits_the_step_out_rather_than_go() -> None:
+    """The head lacked only the step's tokens, which a less urgent prompt's chunk had
+    taken: that request was preempted (its progress lost) and still the head did not get
+    in, since the running ones were planned after the preemption. Now the chunk sits the
+    step out, keeping its blocks, and the head takes its tokens."""
+    b = make_batcher(max_batch_size=4, budget=8)
+    b.add(req("mid", 3, max_tokens=20, priority=0, arrival=1.0))
+    run(b)
+    b.add(req("low", 40, max_tokens=4, priority=5, arrival=2.0))
+    run(b)  # mid decodes, low's first chunk: 7 tokens
+    low = next(r for r in b.running if r.request_id == "low")
+    done = low.num_computed_tokens
+    b.add(req("urgent", 6, max_tokens=2, priority=-1, arrival=3.0))
+    plan = run(b)
+    assert sorted(ids(plan)) == ["mid", "urgent"] and not plan.preempted
+    assert low.status == RequestStatus.RUNNING and low.num_computed_tokens == done
+    assert b.num_priority_preemptions == b.num_preemptions == 0
+    assert "low" in ids(run(b))  # and carries on where it was
+
+
+def test_nobody_goes_when_a_lowered_cap_leaves_no_slot_even_without_them() -> None:
+    """The worker's cap fell below the running count (a breaker opened): preempting the
+    less urgent ones cannot free a slot, so none of them goes."""
+    b = make_batcher(max_batch_size=4)
+    for i, prio in enumerate((0, 0, 5)):
+        b.add(req(f"r{i}", 3, max_tokens=20, priority=prio, arrival=float(i)))
+    run(b)
+    b.max_batch_size = 2  # apply_batch_cap
+    b.add(req("urgent", 3, max_tokens=2, priority=0, arrival=9.0))
+    plan = run(b)
+    assert not plan.preempted and "urgent" not in ids(plan)
+
+
+def test_a_request_whose_last_token_is_on_its_way_back_is_no_victim() -> None:
+    """Finishing anyway, it was preempted and counted (a preemption in its trace and the
+    engine's counters) for a request that lost nothing."""
+    b = make_batcher(max_batch_size=2)
+    b.add(req("low-old", 3, max_tokens=20, priority=5, arrival=1.0))
+    b.add(req("low-new", 3, max_tokens=2, priority=5, arrival=2.0))
+    run(b)
+    ending = next(r for r in b.running if r.request_id == "low-new")
+    ending.append_token(-1)  # its last token, still on the device (asynchronous output)
+    ending.pending_row = 0
+    assert ending.out_of_budget
+    b.add(req("urgent", 3, max_tokens=2, priority=0, arrival=3.0))
+    plan = b.schedule()
+    assert [r.request_id for r in plan.preempted] == ["low-old"]
+    assert b.num_preemptions == 1
+
+
 class PriorityMachine(RuleBasedStateMachine):
     """Random arrivals of mixed priority, steps and aborts against a tight pool."""
 

@@ -29,11 +29,12 @@ policies, in (priority, arrival) order under ``hybrid``), to recompute its promp
 output later (the prefix cache usually still holds most of it).
 
 Priority preemption (``hybrid``, ``priority_preemption``): a queue head more urgent than
-some running request, kept out by the batch size or the blocks, preempts the least urgent
-running requests (strictly less urgent than it, least urgent then newest first) until it
-fits, before the step is planned. Only a head that would then fit makes anyone go, and
-equal priorities never preempt each other, so nothing thrashes: a victim comes back when
-room frees, and its full blocks are usually still in the prefix cache.
+some running request, kept out by the batch size, the step's token budget or the blocks
+once the running requests are scheduled, preempts the fewest running requests strictly
+less urgent than itself (least urgent, then newest, first; their tokens leave the step)
+that make it fit. Only a head that would then fit makes anyone go, and equal priorities
+never preempt each other, so nothing thrashes: a victim comes back when room frees, and
+its full blocks are usually still in the prefix cache.
 
 With a KV tier (host memory, Redis), admission extends the device cache's prefix hit with
 the tier's: those blocks are allocated like computed ones and their bytes ride in the plan
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -135,7 +137,8 @@ class Batcher:
         # request id -> (tokens, device hit, tier hit, when) of its last KV-tier lookup, kept
         # while it waits for blocks, hit or miss: a queue head that waits must not cost a
         # Redis round trip (and count its tokens as queried again) every step. Asked again
-        # after TIER_LOOKUP_REUSE_S, in case another node has stored the prefix meanwhile.
+        # after TIER_LOOKUP_REUSE_S, in case another node has stored the prefix meanwhile;
+        # at once (when -inf) after a load that came back short sent it back to wait.
         self._tier_seen: dict[str, tuple[int, int, int, float]] = {}
         # static/dynamic: ids of the batch in flight; empty = a new batch may form.
         self._members: set[str] = set()
@@ -210,12 +213,12 @@ class Batcher:
             self._time_admitting_step()
         plan = BatchPlan()
         if self.policy == "hybrid":
-            made_way = self._make_way(plan) if self.priority_preemption else 0
             self._schedule_running(plan, budget=self.max_num_batched_tokens)
-            # Blocks ran short for the running ones: admit nobody. Victims that made way
-            # for the head are not that, and it must not wait out a prefill delay either.
-            if len(plan.preempted) == made_way and (made_way or not self._delaying_prefills()):
-                self._admit(plan, self.waiting, self.max_num_batched_tokens - plan.num_tokens)
+            if not plan.preempted:  # else blocks ran short for the running ones: admit nobody
+                made_way = self._make_way(plan) if self.priority_preemption else 0
+                # A head that others made way for does not wait out a prefill delay.
+                if made_way or not self._delaying_prefills():
+                    self._admit(plan, self.waiting, self.max_num_batched_tokens - plan.num_tokens)
             return self._formed(plan)
         candidates = self._admission_candidates()
         if candidates:
@@ -251,58 +254,78 @@ class Batcher:
         return self.timer() - oldest < hold
 
     def _make_way(self, plan: BatchPlan) -> int:
-        """Preempt less urgent running requests so the queue head fits (module docstring,
-        "Priority preemption"); returns how many went."""
+        """Make room in this step for the queue head, once the running requests are
+        scheduled (module docstring, "Priority preemption"): the step's tokens of less
+        urgent requests first (they sit this step out, keeping their blocks), then, for a
+        batch slot or blocks, the fewest of them preempted. Nothing moves unless the head
+        then fits: a slot, a token of the budget, and the blocks of the chunk it gets.
+        Returns how many made way (sat out or preempted)."""
         if not self.waiting or not self.running:
             return 0
         head = self.waiting[0]
         victims = sorted(
-            (r for r in self.running if r.priority > head.priority), key=lambda r: r.sort_key
+            # One whose last token is on its way back is finishing anyway.
+            (r for r in self.running if r.priority > head.priority and not r.out_of_budget),
+            key=lambda r: r.sort_key,
+            reverse=True,  # least urgent, then newest, first
         )
         if not victims:
             return 0
         pool = self.pool
         hit_blocks, hit_tokens = pool.get_computed_blocks(head)
-        # The blocks of its KV-tier hit (the answer a failed admission left; none is asked
-        # here), of its first chunk, and the admission watermark. The chunk is what the
-        # budget leaves after a token for each running request: too few victims rather than
-        # too many, since a head short of blocks for its next chunk preempts the least
-        # urgent then anyway.
+        hits = set(hit_blocks)
+        # Its KV-tier hit needs blocks too: the answer a failed admission left (none is
+        # asked here, a Redis round trip a step).
         seen = self._tier_seen.get(head.request_id)
         tier = seen[2] if seen is not None and seen[:2] == (head.num_tokens, len(hit_blocks)) else 0
-        budget = max(1, self.max_num_batched_tokens - len(self.running))
-        chunk = min(head.num_tokens - hit_tokens - tier, budget)
-        need = pool.blocks_needed(hit_tokens + tier + chunk) - len(hit_blocks)
-        need += pool.watermark_blocks
+        todo = head.num_tokens - hit_tokens - tier
+        # A hit on a free named block takes it off the free list too.
+        revived = sum(1 for b in hit_blocks if pool.blocks[b].ref_count == 0)
+        base_tokens, base_blocks = hit_tokens + tier, len(hit_blocks) - revived
+        scheduled = {id(r): len(s.token_ids) for s, r in zip(plan.seqs, plan.requests, strict=True)}
+        slots = self.max_batch_size - len(self.running)
+        budget = self.max_num_batched_tokens - plan.num_tokens
+        free = pool.num_free_blocks - pool.watermark_blocks
 
-        def lacking() -> int:
-            # A hit on a free named block takes it off the free list too: one a victim
-            # shared with the head comes back free, and is needed again at once.
-            revived = sum(1 for b in hit_blocks if pool.blocks[b].ref_count == 0)
-            return need + revived - pool.num_free_blocks
+        def fits() -> bool:
+            if slots <= 0 or budget <= 0:
+                return False
+            return free >= pool.blocks_needed(base_tokens + min(todo, budget)) - base_blocks
 
-        full = len(self.running) >= self.max_batch_size
-        if not full and lacking() <= 0:
-            return 0
-        # Go only if the victims can make the room: a block comes free only when all who
-        # hold it go (a shared prefix stays), and a hit block freed is needed again.
+        # The step's tokens: prefill chunks before decodes (a decode skipped stalls a
+        # stream), least urgent first, until the head's whole prompt has the budget.
+        benched: list[Request] = []
+        for victim in sorted(victims, key=lambda r: not r.is_prefilling):
+            if budget >= todo:
+                break
+            if id(victim) in scheduled:
+                benched.append(victim)
+                budget += scheduled[id(victim)]
+        # Slots and blocks: the fewest victims that make them. A block comes free only when
+        # every holder goes (a prefix shared with one that stays does not), and a hit block
+        # freed is the head's again, not room.
+        went: list[Request] = []
         holders: dict[int, int] = {}
-        for r in victims:
-            for b in r.block_table:
+        for victim in victims:
+            if fits():
+                break
+            went.append(victim)
+            slots += 1
+            if victim not in benched:
+                budget += scheduled.get(id(victim), 0)
+            for b in victim.block_table:
                 holders[b] = holders.get(b, 0) + 1
-        hits = set(hit_blocks)
-        freeable = sum(
-            1 for b, n in holders.items() if n == pool.blocks[b].ref_count and b not in hits
-        )
-        if lacking() > freeable:
+                if holders[b] == pool.blocks[b].ref_count and b not in hits:
+                    free += 1
+        if not fits():
             return 0
-        went = 0
-        while victims and (full or lacking() > 0):
-            self._preempt(victims.pop(), plan)
-            went += 1
-            full = len(self.running) >= self.max_batch_size
-        self.num_priority_preemptions += went
-        return went
+        for victim in benched + [v for v in went if v not in benched]:
+            if id(victim) in scheduled:
+                self._unschedule(plan, victim)
+        for victim in went:
+            self._preempt(victim, plan)
+        self.num_priority_preemptions += len(went)
+        return len(went) + len(benched)
 
     def _admission_candidates(self) -> list[Request]:
         """Who may join now, in order, under the whole-prompt policies."""
@@ -347,6 +370,8 @@ class Batcher:
         for req in list(candidates):
             if len(self.running) >= self.max_batch_size or budget <= 0:
                 break
+            if req.status is RequestStatus.PREEMPTED and req in plan.preempted:
+                break  # preempted by this step (to make way): not back in the same one
             hit_blocks, hit_tokens = self.pool.get_computed_blocks(req)
             tier_tokens = self._tier_lookup(req, len(hit_blocks))
             remaining = req.num_tokens - hit_tokens - tier_tokens
@@ -370,11 +395,15 @@ class Batcher:
                         self.pool.free(req)
                         req.num_computed_tokens = 0
                         self.waiting.insert(0, req)
-                        if req.num_cached_tokens < 0:  # counted (a first admission): it
-                            # is counted again when it comes back
-                            self.pool.count_prefix_query(
-                                -req.num_tokens, -len(hit_blocks) * self.pool.block_size
-                            )
+                        # This admission's counts stand, once: counted again when it came
+                        # back, the blocks that loaded were a tier hit and then a device
+                        # hit, and its tokens were queried of the tier twice.
+                        if req.num_cached_tokens < 0:  # the device cache counts no more
+                            req.num_cached_tokens = hit_tokens
+                        # The tier is asked again (its answer came back short), uncounted.
+                        self._tier_seen[req.request_id] = (
+                            req.num_tokens, len(hit_blocks), tier_tokens, -math.inf
+                        )  # fmt: skip
                         break
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_tokens
@@ -530,8 +559,9 @@ class Batcher:
         self.pool.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+        if not req.out_of_budget:  # one whose last token is on its way back loses nothing
+            req.num_preemptions += 1
+            self.num_preemptions += 1
         plan.preempted.append(req)
         if self.policy == "hybrid":
             bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
