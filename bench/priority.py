@@ -74,7 +74,8 @@ def run(ns: argparse.Namespace, preemption: bool) -> dict[str, Any]:
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     background_tokens = 0
-    preempted_before = engine.stats().num_preemptions
+    before = engine.stats()
+    steps_before = before.num_steps
     while len(done) < ns.urgent:
         now = time.perf_counter()
         while len(added) < ns.urgent and due[len(added)] <= now:
@@ -109,7 +110,11 @@ def run(ns: argparse.Namespace, preemption: bool) -> dict[str, Any]:
         "urgent_e2e_ms": _percentiles(e2e),
         "background_tok_s": round(background_tokens / window, 1),
         "window_s": round(window, 2),
-        "preemptions": stats.num_preemptions - preempted_before,
+        "steps": stats.num_steps - steps_before,
+        # Positions computed in the window: a token per decode, plus prompts (the urgent
+        # ones', and what victims recompute past their prefix-cache hits).
+        "tokens_computed": stats.num_tokens_computed - before.num_tokens_computed,
+        "preemptions": stats.num_preemptions - before.num_preemptions,
         "priority_preemptions": stats.num_priority_preemptions,
     }
 
