@@ -17,6 +17,12 @@ would reset a connection whose client is still sending, losing the answer it has
 yet; a request that sent none of its body (``Expect: 100-continue``) is closed at once,
 or its next request would be read as that body. uvicorn's own 400 for a malformed
 request is in OpenAI's error shape too.
+
+``/health`` and ``/metrics`` are answered past ``gateway.max_connections``: uvicorn
+answered every request 503 once that many connections were open, idle keep-alives
+included, so a gateway saturated by long streams failed its liveness probe (Kubernetes
+restarted it, cutting every stream it held) and went dark to Prometheus when it was most
+worth watching. Everything else still gets the 503.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_HEAD_BYTES = 32 * 1024
 DEFAULT_HEAD_TIMEOUT_S = 30.0
+
+# Paths answered whatever the connection count: probes and scrapes (module docstring).
+PROBE_PATHS = frozenset({b"/health", b"/metrics"})
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
@@ -73,6 +82,14 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if size > self.max_head_bytes:
             self._refuse_large_head()
             raise _HeadTooLarge  # the parser stops; send_400_response sees it closed
+        limit = self.limit_concurrency
+        if limit is not None and self.url.split(b"?", 1)[0] in PROBE_PATHS:
+            self.limit_concurrency = None  # read by uvicorn for this request only
+            try:
+                super().on_headers_complete()
+            finally:
+                self.limit_concurrency = limit
+            return
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:

@@ -154,9 +154,16 @@ async def test_connections_past_the_cap_get_503(nats_config: NatsConfig) -> None
         await asyncio.sleep(0.1)  # both accepted by the server
         async with httpx.AsyncClient(base_url=gw.url) as http:
             refused = await http.get("/v1/models")
+            # Probes and scrapes are answered still: a gateway saturated by long streams
+            # failed its liveness probe (and was restarted, cutting them all) and went
+            # dark to Prometheus.
+            metrics = await http.get("/metrics")
+            health = await http.get("/health?verbose=1")
         for _, writer in held:
             writer.close()
     assert refused.status_code == 503
+    assert metrics.status_code == 200 and "qos_" in metrics.text
+    assert health.status_code != 503 or "Exceeded concurrency limit" not in health.text
 
 
 async def test_a_head_over_the_limit_that_arrives_in_one_read_gets_431(
