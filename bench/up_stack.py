@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 import yaml
 
+from common.config import load_config
+from common.launcher import STOP_MARGIN_S, shutdown_time_s
 from common.services import die_with_parent, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,9 +128,22 @@ class UpStack:
         path = self.dir / "state" / "logs" / f"{name}.log"
         return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
 
-    def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM: the launcher stops the gateway, drains workers, stops the servers."""
+    @property
+    def stop_timeout_s(self) -> float:
+        """How long :meth:`stop` waits for the launcher's ordered stop before a SIGKILL:
+        its worst case for this stack's ``gateway.shutdown_grace_s`` (the gateway's grace,
+        the workers' drain, the scheduler, nats-server and redis-server), plus a margin. A
+        fixed 60 s killed it mid-drain (the gateway's grace alone may be 60 s)."""
+        qos_env = {k: v for k, v in self.extra_env.items() if k.startswith("QOS_")}
+        grace = load_config(self.config_path, env=qos_env).gateway.shutdown_grace_s
+        return shutdown_time_s(grace) + STOP_MARGIN_S
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM: the launcher stops the gateway, drains workers, stops the servers;
+        SIGKILL after ``timeout_s`` (default :attr:`stop_timeout_s`)."""
         if self.proc is not None and self.proc.poll() is None:
+            if timeout_s is None:
+                timeout_s = self.stop_timeout_s
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)

@@ -308,6 +308,19 @@ def gpu_share_env(config: Config, device: str, workers: int) -> dict[str, str]:
     return {"QOS_WORKER__GPU_MEMORY_UTILIZATION": f"{share:.4f}"}
 
 
+def worker_argv(
+    python: str, group: str, model: str, engine: str, worker_id: str, device: str
+) -> list[str]:
+    """The command line of one local worker. ``--metrics-port 0``: every worker of the
+    stack shares this machine, so each takes a free port (put in its heartbeat, where
+    workers.scrape_targets finds it); a port pinned by --config (the Kubernetes ConfigMap's
+    9400) left every worker after the first without /metrics."""
+    return [
+        python, "-m", "workers", "--group", group, "--model", model, "--engine", engine,
+        "--worker-id", worker_id, "--device", device, "--metrics-port", "0",
+    ]  # fmt: skip
+
+
 def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     replicas = parse_replicas(args.replicas, config)
@@ -375,21 +388,7 @@ def _run(args: argparse.Namespace) -> int:
     for group, count in replicas.items():
         for i in range(count):
             worker_id = f"up-{group}-{i}"
-            argv_w = [
-                py,
-                "-m",
-                "workers",
-                "--group",
-                group,
-                "--model",
-                model,
-                "--engine",
-                args.engine,
-                "--worker-id",
-                worker_id,
-                "--device",
-                device,
-            ]
+            argv_w = worker_argv(py, group, model, args.engine, worker_id, device)
             children.append(Child(f"worker {worker_id}", argv_w, logs / f"worker-{worker_id}.log"))
     gateway_argv = [
         py,
@@ -447,8 +446,8 @@ def _run(args: argparse.Namespace) -> int:
         _say(f"stopping … (open requests get up to {grace:.0f}s to finish; Ctrl-C again to "
              "stop at once)")  # fmt: skip
         _shutdown(children, grace)
-        nats.stop()
-        redis.stop()
+        nats.stop(SERVER_STOP_S)
+        redis.stop(SERVER_STOP_S)
         _say("stopped.")
 
 
@@ -519,6 +518,17 @@ WORKER_GRACE_S = 30.0  # workers' --grace-s default: how long they drain on SIGT
 # Past a child's own graceful period: its hand-back, last telemetry and flush get to run
 # (killed at the same moment, the gateway lost its aborts and the workers their naks).
 STOP_MARGIN_S = 5.0
+SERVER_STOP_S = 10.0  # nats-server's and redis-server's SIGTERM, then SIGKILL after this
+
+
+def shutdown_time_s(gateway_grace_s: float) -> float:
+    """The longest the ordered stop (:func:`_shutdown`, then the two servers) may take
+    with ``gateway.shutdown_grace_s`` = ``gateway_grace_s``: what a caller that SIGTERMs
+    ``qosserve up`` must wait before a SIGKILL, which leaves the drains unfinished."""
+    gateway = gateway_grace_s + STOP_MARGIN_S
+    workers = WORKER_GRACE_S + STOP_MARGIN_S
+    scheduler = STOP_MARGIN_S
+    return gateway + workers + scheduler + 2 * SERVER_STOP_S
 
 
 def _shutdown(children: list[Child], gateway_grace_s: float) -> None:
@@ -549,14 +559,16 @@ def _print_ready(base: str, model: str, took: float, keyed: bool = False) -> Non
             "temperature": 0,
         }
     )
-    auth = ' -H "Authorization: Bearer $QOS_API_KEY"' if keyed else ""
+    auth = ' -H "Authorization: Bearer $QOSSERVE_API_KEY"' if keyed else ""
     _say(f"\nqosserve is up in {took:.1f}s — OpenAI API at {base}/v1  (Ctrl-C stops everything)\n")
     _say(
         f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{body}'\n"
     )
     if keyed:
-        _say("  (API keys are configured: set QOS_API_KEY to one of them first)\n")
+        # Not QOS_API_KEY: every QOS_* variable is read as a configuration key, and an
+        # unknown one stops every later qosserve command.
+        _say("  (API keys are configured: set QOSSERVE_API_KEY to one of them first)\n")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -416,6 +417,43 @@ def test_the_ready_line_with_api_keys_prints_a_curl_that_sends_one(
 ) -> None:
     launcher._print_ready("http://127.0.0.1:8000", "m", 1.0, keyed=True)
     said = capsys.readouterr().out
-    assert "Authorization: Bearer $QOS_API_KEY" in said and "API keys are configured" in said
+    assert "Authorization: Bearer $QOSSERVE_API_KEY" in said and "API keys are configured" in said
+    # The variable the user is told to export: a QOS_* one would be read as a configuration
+    # key by every later qosserve command, and refused as an unknown one.
+    (variable,) = set(re.findall(r"\$(\w+)", said)) | set(re.findall(r"set (\w+) to", said))
+    load_config(env={variable: "sk-local"})
     launcher._print_ready("http://127.0.0.1:8000", "m", 1.0)
     assert "Authorization" not in capsys.readouterr().out
+
+
+def test_local_workers_take_free_metrics_ports_whatever_the_config_pins(tmp_path: Path) -> None:
+    """Every local worker shares one machine: a worker.metrics_port from --config (the
+    Kubernetes ConfigMap's 9400) left all but the first without /metrics."""
+    from workers.__main__ import _apply_flags, build_parser
+
+    pinned = tmp_path / "qos.yaml"
+    pinned.write_text("worker: {metrics_port: 9400}\n")
+    ports = set()
+    for i in range(2):
+        argv = launcher.worker_argv("python", "short", "demo", "sim", f"up-short-{i}", "cpu")
+        assert argv[:3] == ["python", "-m", "workers"]
+        args = build_parser().parse_args(argv[3:])
+        ports.add(_apply_flags(load_config(pinned, env={}), args).worker.metrics_port)
+    assert ports == {0}  # a free port each, put in its heartbeat
+
+
+def test_an_up_stack_waits_out_the_launchers_ordered_stop_before_killing_it() -> None:
+    """A SIGKILL before the gateway's grace, the workers' drain and the servers' stop are
+    over cuts the drains short (a fixed 60 s did, with a 60 s gateway grace alone)."""
+    from bench.up_stack import UpStack
+
+    for grace, env in ((None, {}), (120.0, {}), (90.0, {"QOS_GATEWAY__SHUTDOWN_GRACE_S": "90"})):
+        config = {"gateway": {"shutdown_grace_s": grace}} if grace == 120.0 else None
+        stack = UpStack(config=config, env=env)
+        try:
+            gateway = grace or load_config(env={}).gateway.shutdown_grace_s
+            worst = launcher.shutdown_time_s(gateway)
+            assert worst >= gateway + launcher.WORKER_GRACE_S + 2 * launcher.SERVER_STOP_S
+            assert stack.stop_timeout_s > worst
+        finally:
+            stack.stop()

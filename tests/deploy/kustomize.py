@@ -1,7 +1,10 @@
 """The part of ``kustomize build`` that ``deploy/k8s`` uses, in Python, for machines without it.
 
 Supported: ``resources`` (files and folders), ``components``, ``namespace``, ``images``
-(``newName``/``newTag`` on container images) and ``patches`` — a strategic-merge patch
+(``newName``/``newTag`` on container images), ``configMapGenerator`` (``files`` and
+``literals``, ``options.labels``/``annotations``, ``behavior`` create, merge or replace;
+the name gets kustomize's content hash and the pod templates' references to it follow) and
+``patches`` — a strategic-merge patch
 (one document per object, matched by kind and name; lists of named items merge by name) or a
 JSON 6902 patch (a list of ``add``/``replace``/``remove`` operations) applied to the objects
 a ``target`` selects (kind, name, ``labelSelector`` of ``k=v`` pairs). A component adds its
@@ -14,6 +17,8 @@ the tests compare it with ``kubectl kustomize``'s renders, kept in ``tests/deplo
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +26,20 @@ import yaml
 
 Obj = dict[str, Any]
 SUPPORTED = {"apiVersion", "kind", "namespace", "resources", "components", "images", "patches"}
+SUPPORTED.add("configMapGenerator")
+GENERATOR = {"name", "files", "literals", "options", "behavior"}
+GENERATOR_OPTIONS = {"labels", "annotations"}
+_GENERATED = "__generated__"  # marks a generated ConfigMap until its name is hashed
 COMPONENT = SUPPORTED - {"namespace"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
 
 
 def build(folder: Path) -> list[Obj]:
     """The objects ``kustomize build folder`` would print (in no particular order)."""
+    return _hash_generated(_build(folder))
+
+
+def _build(folder: Path) -> list[Obj]:
     spec = _spec(folder, SUPPORTED)
     objects: list[Obj] = []
     _accumulate(objects, folder, spec)
@@ -53,6 +66,8 @@ def _accumulate(objects: list[Obj], folder: Path, spec: dict[str, Any]) -> None:
         objects += _load(folder / entry)
     for entry in spec.get("components", []):
         _accumulate(objects, folder / entry, _spec(folder / entry, COMPONENT))
+    for generator in spec.get("configMapGenerator", []):
+        _generate(objects, folder, generator)
     for patch in spec.get("patches", []):
         _apply_patch(objects, folder, patch)
     for image in spec.get("images", []):
@@ -61,7 +76,7 @@ def _accumulate(objects: list[Obj], folder: Path, spec: dict[str, Any]) -> None:
 
 def _load(path: Path) -> list[Obj]:
     if path.is_dir():
-        return build(path)
+        return _build(path)
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
@@ -155,3 +170,87 @@ def _set_image(objects: list[Obj], image: dict[str, str]) -> None:
                 container["image"] = (
                     f"{name}:{image.get('newTag', tag)}" if tag or "newTag" in image else name
                 )
+
+
+def _generate(objects: list[Obj], folder: Path, generator: dict[str, Any]) -> None:
+    """A ``configMapGenerator`` entry: a new ConfigMap, or (``behavior`` merge or replace)
+    new data for the one of that name a base generated."""
+    unknown = set(generator) - GENERATOR
+    unknown |= {f"options.{k}" for k in set(generator.get("options", {})) - GENERATOR_OPTIONS}
+    if unknown:
+        raise NotImplementedError(f"{folder}: configMapGenerator fields {sorted(unknown)}")
+    data: dict[str, str] = {}
+    for entry in generator.get("files", []):
+        key, _, path = entry.rpartition("=")
+        data[key or Path(path).name] = (folder / path).read_text()
+    for literal in generator.get("literals", []):
+        key, _, value = literal.partition("=")
+        data[key] = value
+    options = generator.get("options", {})
+    behavior = generator.get("behavior", "create")
+    name = generator["name"]
+    existing = [o for o in objects if o.get(_GENERATED) and o["metadata"]["name"] == name]
+    if behavior == "create":
+        if existing:
+            raise ValueError(f"{folder}: configMapGenerator {name} exists (behavior: merge?)")
+        metadata: Obj = {"name": name}
+        for field in ("labels", "annotations"):
+            if options.get(field):
+                metadata[field] = dict(options[field])
+        objects.append(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data,
+             _GENERATED: True}
+        )  # fmt: skip
+        return
+    if behavior not in ("merge", "replace") or len(existing) != 1:
+        raise ValueError(f"{folder}: configMapGenerator {name}: behavior {behavior}")
+    (cm,) = existing
+    cm["data"] = {**cm["data"], **data} if behavior == "merge" else data
+    for field in ("labels", "annotations"):
+        if options.get(field):
+            cm["metadata"][field] = {**cm["metadata"].get(field, {}), **options[field]}
+
+
+def _content_hash(data: dict[str, str]) -> str:
+    """kustomize's suffix (api/hasher): the first 10 hex digits of the SHA-256 of the
+    ConfigMap's JSON (Go's encoding: sorted keys, HTML characters escaped), with 0 1 3 a e
+    spelled g h k m t. Its name is read from a path that is never there: always ""."""
+    text = json.dumps(
+        {"data": data, "kind": "ConfigMap", "name": ""},
+        sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+    )  # fmt: skip
+    for char, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
+                          ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):  # fmt: skip
+        text = text.replace(char, escaped)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    return digest.translate(str.maketrans("013ae", "ghkmt"))
+
+
+def _hash_generated(objects: list[Obj]) -> list[Obj]:
+    """Suffix each generated ConfigMap's name with its content hash and point the pod
+    templates' references (volumes, envFrom, configMapKeyRef) at the new name."""
+    renamed: dict[tuple[str | None, str], str] = {}
+    for obj in objects:
+        if obj.pop(_GENERATED, False):
+            meta = obj["metadata"]
+            new = f"{meta['name']}-{_content_hash(obj['data'])}"
+            renamed[(meta.get("namespace"), meta["name"])] = new
+            meta["name"] = new
+    for obj in objects:
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        namespace = obj.get("metadata", {}).get("namespace")
+
+        def rename(ref: Obj | None, namespace: str | None = namespace) -> None:
+            if ref is not None and (namespace, ref.get("name")) in renamed:
+                ref["name"] = renamed[(namespace, ref["name"])]
+
+        for volume in pod.get("volumes", []):
+            rename(volume.get("configMap"))
+            for source in volume.get("projected", {}).get("sources", []):
+                rename(source.get("configMap"))
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            for entry in container.get("envFrom", []):
+                rename(entry.get("configMapRef"))
+            for entry in container.get("env", []):
+                rename(entry.get("valueFrom", {}).get("configMapKeyRef"))
+    return objects

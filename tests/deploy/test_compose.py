@@ -254,11 +254,51 @@ def test_dockerfile_builds_cpu_and_cuda_as_a_non_root_user_with_a_healthcheck() 
     assert "uninstall" not in stage["torch-cuda"]
     assert re.search(r"^HEALTHCHECK .*\n\s+CMD \[\"qos-healthcheck\"\]", text, re.M)
     assert (ROOT / "deploy" / "healthcheck.py").is_file()
-    joined = text.replace("\\\n", " ")
-    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(re.findall(r"^ENV (.*)$", joined, re.M))))
-    assert "HEALTHCHECK_URL" in env
-    config = load_config(env={k: v for k, v in env.items() if k.startswith("QOS_")})
-    assert config.worker.model == "/opt/qosserve/models/pystd-tiny"
+    assert "HEALTHCHECK_URL" in image_env()
+
+
+def image_env() -> dict[str, str]:
+    """The variables the Dockerfile's ENV (and ARG) lines set, in either form (K=V, K V)."""
+    joined = DOCKERFILE.read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for kind, rest in re.findall(r"^(ENV|ARG)\s+(.*)$", joined, re.M):
+        pairs = re.findall(r"(\w+)=(\S*)", rest)
+        if not pairs and kind == "ENV":  # ENV KEY value
+            key, _, value = rest.partition(" ")
+            pairs = [(key, value.strip())]
+        env.update(pairs or [(rest.strip(), "")])
+    return env
+
+
+def test_the_image_sets_no_configuration_variable() -> None:
+    """A QOS_* variable wins over the QOS_CONFIG file: set in the image, it silently kept
+    the image's worker.model and listen addresses whatever an operator wrote in the
+    Kubernetes ConfigMap. Compose and the ConfigMap set them instead (checked below and in
+    test_k8s.py); the image keeps only variables that are no configuration key."""
+    env = image_env()
+    assert {"HEALTHCHECK_URL", "OMP_NUM_THREADS", "QOSSERVE_IMAGE_VARIANT"} <= set(env)
+    assert not [k for k in env if k.startswith("QOS_")], "the image sets configuration keys"
+
+
+def test_every_qosserve_service_names_its_model_and_listen_addresses(
+    compose: dict[str, Any],
+) -> None:
+    """What the image no longer sets, compose does: the demo model's copy in the image (the
+    gateway tokenizes for the workers: the same one) and 0.0.0.0 for every server that
+    Prometheus, the healthcheck or the published port must reach (loopback by default)."""
+    in_image = re.search(r"cp -r /src/bench/models/\S+ (/\S+)", DOCKERFILE.read_text())
+    assert in_image
+    svc = services(compose)
+
+    def config(name: str) -> Config:
+        return load_config(env={k: v for k, v in env_of(svc[name]).items() if "QOS_" in k})
+
+    assert config("gateway").gateway.host == "0.0.0.0"
+    assert config("gateway").worker.model == in_image[1]
+    assert config("scheduler").scheduler.metrics_host == "0.0.0.0"
+    for group in default_groups():
+        worker = config(f"worker-{group}").worker
+        assert worker.model == in_image[1] and worker.metrics_host == "0.0.0.0", group
 
 
 def _seconds(value: str) -> float:

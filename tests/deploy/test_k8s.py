@@ -10,6 +10,8 @@ KEDA's ScaledObject is a CRD, so its fields are checked here by name.
 
 from __future__ import annotations
 
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,8 +70,20 @@ def by_kind(objects: list[Obj], kind: str) -> dict[str, Obj]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
 
 
+def config_map(objects: list[Obj]) -> Obj:
+    """The ConfigMap every pod mounts at /etc/qosserve (QOS_CONFIG's folder): generated,
+    so named qosserve-config-<hash of its content>, and the same for all of them."""
+    names = set()
+    for deploy, container in containers(objects):
+        volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/etc/qosserve"]
+        names.add(volumes[mount["name"]]["configMap"]["name"])
+    (name,) = names
+    return by_kind(objects, "ConfigMap")[name]
+
+
 def config_of(objects: list[Obj], tmp_path: Path, env: dict[str, str] | None = None) -> Config:
-    data = by_kind(objects, "ConfigMap")["qosserve-config"]["data"]["config.yaml"]
+    data = config_map(objects)["data"]["config.yaml"]
     path = tmp_path / "config.yaml"
     path.write_text(data)
     return load_config(path, env=env or {})
@@ -123,6 +137,60 @@ def test_the_configmap_is_a_config_the_loader_accepts_with_the_default_groups(
     assert config.scheduler.move_replicas is False, "Deployments, not the scheduler, own groups"
     assert config.worker.kv_redis, "the redis Helm release is there for the shared KV tier"
     assert config.nats.replicas == 3, "the nats Helm release runs 3 servers: survive one"
+
+
+def test_an_edit_of_the_config_rolls_every_pod(tmp_path: Path) -> None:
+    """The services read config.yaml once, at start: a ConfigMap edited in place left the
+    running pods on the old config and those started later (scale-ups, restarts) on the new
+    one. Generated, it is named after its content and every pod template names it, so an
+    edit changes every template and ``kubectl apply -k`` rolls the pods."""
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    before = render(copy / "overlays" / "cpu-demo")
+    assert config_of(before, tmp_path).gateway.shutdown_grace_s == 60
+    setting = re.compile(r"^(\s+shutdown_grace_s:) 60$", re.M)
+    (source,) = [f for f in (copy / "base").glob("*.yaml") if setting.search(f.read_text())]
+    source.write_text(setting.sub(r"\1 61", source.read_text()))
+    after = render(copy / "overlays" / "cpu-demo")
+    assert config_of(after, tmp_path).gateway.shutdown_grace_s == 61
+    old, new = config_map(before)["metadata"]["name"], config_map(after)["metadata"]["name"]
+    assert old.startswith("qosserve-config-") and new.startswith("qosserve-config-")
+    assert old != new, "an edited ConfigMap keeps its name: no pod template changes"
+    templates = {d["metadata"]["name"]: d["spec"]["template"] for d, _ in containers(before)}
+    for deploy, _ in containers(after):
+        assert deploy["spec"]["template"] != templates[deploy["metadata"]["name"]]
+
+
+def test_every_pod_names_its_model_and_listen_addresses_in_the_manifests(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    """The image sets no QOS_* variable (an environment variable wins over the ConfigMap, so
+    one there silently overrode an operator's edit; tests/deploy/test_compose.py): the
+    ConfigMap and the Deployments' env say which model each pod serves (the image's copy of
+    the demo model or a mounted one, not ``demo``, which needs a source tree) and listen on
+    0.0.0.0 where the probes and Prometheus reach them (loopback by default)."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    in_image = re.search(r"cp -r /src/bench/models/\S+ (/\S+)", dockerfile)
+    assert in_image
+    for overlay, objects in rendered.items():
+        for deploy, container in containers(objects):
+            env = {k: v for k, v in env_of(container).items()
+                   if k.startswith("QOS_") and k != "QOS_CONFIG"}  # fmt: skip
+            config = config_of(objects, tmp_path, env)
+            component = deploy["metadata"]["labels"]["app.kubernetes.io/component"]
+            where = f"{overlay}: {deploy['metadata']['name']}"
+            listens = {
+                "gateway": config.gateway.host,
+                "worker": config.worker.metrics_host,
+                "scheduler": config.scheduler.metrics_host,
+            }[component]
+            assert listens == "0.0.0.0", f"{where} listens on {listens}"
+            if component in ("gateway", "worker"):
+                mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
+                model = config.worker.model
+                assert model == in_image[1] or any(
+                    model.startswith(f"{m}/") for m in mounts if m != "/etc/qosserve"
+                ), f"{where} serves {model!r}, which is not in its container"
 
 
 @pytest.mark.parametrize("overlay", [*OVERLAYS, "hpa"])

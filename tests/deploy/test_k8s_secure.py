@@ -21,7 +21,15 @@ import yaml
 from common.config import SECRET_KEYS, load_config
 from common.errors import ConfigError
 from tests.deploy import kustomize, renders
-from tests.deploy.test_k8s import K8S, K8S_VERSION, OVERLAYS, by_kind, containers, render
+from tests.deploy.test_k8s import (
+    K8S,
+    K8S_VERSION,
+    OVERLAYS,
+    by_kind,
+    config_map,
+    containers,
+    render,
+)
 
 ROOT = K8S.parents[1]
 SECURE = K8S / "components" / "secure"
@@ -263,7 +271,7 @@ def test_the_services_load_real_secrets_and_stop_on_the_placeholders(
     assert len(PLACEHOLDER) < 16  # what makes the workers' redis.kv_mac_secret refuse it
 
     config_file = tmp_path / "config.yaml"
-    config_file.write_text(by_kind(objects, "ConfigMap")["qosserve-config"]["data"]["config.yaml"])
+    config_file.write_text(config_map(objects)["data"]["config.yaml"])
     digest = hashlib.sha256(b"a client's key").hexdigest()
     real = {key: secrets.token_hex(24) for key in example}
     real["gateway-api-key-sha256"] = f'["{digest}"]'
