@@ -146,6 +146,25 @@ def test_a_prefill_chunk_that_takes_the_budget_sits_the_step_out_rather_than_go(
     assert "low" in ids(run(b))  # and carries on where it was
 
 
+def test_decodes_sit_out_only_when_the_head_would_get_no_token_at_all() -> None:
+    """A decode skipped stalls its stream for a step: worth it only to let the head in."""
+    b = make_batcher(max_batch_size=8, budget=8)
+    for i in range(3):
+        b.add(req(f"low{i}", 3, max_tokens=20, priority=5, arrival=float(i)))
+    run(b)
+    b.add(req("urgent", 10, max_tokens=2, priority=0, arrival=9.0))
+    plan = run(b)  # 3 decodes leave 5 tokens: the head's first chunk
+    assert sorted(ids(plan)) == ["low0", "low1", "low2", "urgent"]
+    assert [len(s.token_ids) for s in plan.seqs if s.request_id == "urgent"] == [5]
+    full = make_batcher(max_batch_size=8, budget=3)
+    for i in range(3):
+        full.add(req(f"low{i}", 1, max_tokens=20, priority=5, arrival=float(i)))
+    run(full)
+    full.add(req("urgent", 10, max_tokens=2, priority=0, arrival=9.0))
+    plan = run(full)  # the decodes took every token: the least urgent, newest sits out
+    assert sorted(ids(plan)) == ["low0", "low1", "urgent"] and not plan.preempted
+
+
 def test_nobody_goes_when_a_lowered_cap_leaves_no_slot_even_without_them() -> None:
     """The worker's cap fell below the running count (a breaker opened): preempting the
     less urgent ones cannot free a slot, so none of them goes."""

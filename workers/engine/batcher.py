@@ -292,13 +292,12 @@ class Batcher:
                 return False
             return free >= pool.blocks_needed(base_tokens + min(todo, budget)) - base_blocks
 
-        # The step's tokens: prefill chunks before decodes (a decode skipped stalls a
-        # stream), least urgent first, until the head's whole prompt has the budget.
+        # The step's tokens, least urgent first: prefill chunks until the head's whole prompt
+        # has the budget; decodes (a decode skipped stalls a stream) only while the head
+        # would get no token at all.
         benched: list[Request] = []
         for victim in sorted(victims, key=lambda r: not r.is_prefilling):
-            if budget >= todo:
-                break
-            if id(victim) in scheduled:
+            if id(victim) in scheduled and budget < (todo if victim.is_prefilling else 1):
                 benched.append(victim)
                 budget += scheduled[id(victim)]
         # Slots and blocks: the fewest victims that make them. A block comes free only when
