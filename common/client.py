@@ -50,6 +50,7 @@ from common.errors import (
 )
 from common.gap_watch import GapWatch
 from common.heartbeat import Heartbeat
+from common.idle_streams import IdleStreams
 from common.nats import barrier, refused_publishes
 from common.protocol import (
     DEFAULT_MAX_PAYLOAD,
@@ -103,6 +104,10 @@ class QosClient:
         # and workers neither reap nor resync this client's requests.
         self.client_id = f"cl-{uuid.uuid4().hex[:16]}"
         self._heartbeat = Heartbeat(nc, self.subjects, self.client_id, heartbeat_interval_s)
+        # Its calls' streams silent for a while, listed in the heartbeat as the gateway's are
+        # (a final chunk lost with nothing after it: common/idle_streams.py).
+        self._heard = IdleStreams()
+        self._heartbeat.idle_streams = self._heard.idle
         self._heartbeat_wanted = heartbeat
         self.origin = ""  # set once the first beat is known to have gone out
         self._started: asyncio.Task[None] | None = None  # what every first request waits for
@@ -313,6 +318,10 @@ class QosClient:
                 fail(exc, chunk.error is not None or chunk.finish_reason == "error")
                 return
             gap.update()
+            if stream.finished:
+                self._heard.forget(rid)
+            else:
+                self._heard.heard(rid)
             for item in chunks:
                 if item.finish_reason == "abort":
                     # The worker gave it up (its origin fell silent, an operator): retryable,
@@ -365,6 +374,7 @@ class QosClient:
         maybe_queued = False
         subs: list[Subscription] = []
         self._live[rid] += 1
+        self._heard.heard(rid)
         self._failers.add(fail)
         try:
             # Inside the try: a subscribe that raised (a closed connection) or was cancelled
@@ -458,6 +468,7 @@ class QosClient:
             self._live[rid] -= 1
             if not self._live[rid]:
                 del self._live[rid]
+                self._heard.forget(rid)
             if queued is not None or maybe_queued:  # ours in the stream (not a duplicate)
                 self._closed.add(rid)
             if not worker_done[0] and (queued is not None or maybe_queued):

@@ -18,6 +18,11 @@ subscription's queue and only reports it) or a stream has held a gap in its chun
 while (a cluster route that flapped without either client reconnecting). The count it
 beats is then the reconnect count plus those requests: a change all the same to workers.
 
+A beat is followed, while the caller has streams silent for a while, by a second message
+on the same subject: ``idle`` and their request ids (:func:`idle_payload`,
+:mod:`common.idle_streams`), for the final chunks lost with nothing after them. A worker
+from before it reads that as a beat with no count: alive, no news.
+
 No beat is published while the link is down. nats-py would buffer it and send it on
 reconnect, ahead of the first beat with the new count: a worker would hear "alive, no
 reconnect" from a gateway that was cut off, stop keeping the streams it finished during
@@ -35,8 +40,9 @@ from collections.abc import Callable
 
 from nats.aio.client import Client
 
+from common.idle_streams import IDLE_LIST_MAX
 from common.protocol import heartbeat_payload
-from common.subjects import Subjects
+from common.subjects import Subjects, is_subject_token
 from common.tasks import cancel_and_wait, watch
 
 log = logging.getLogger(__name__)
@@ -46,6 +52,23 @@ log = logging.getLogger(__name__)
 _RECONNECT_POLL_S = 0.1
 # Resync requests closer together than this are one (each costs a resume query per stream).
 RESYNC_MIN_GAP_S = 1.0
+
+
+_IDLE = b"idle "
+
+
+def idle_payload(request_ids: list[str]) -> bytes:
+    """The message listing a caller's silent streams (request ids are subject tokens)."""
+    return _IDLE + " ".join(request_ids).encode()
+
+
+def idle_request_ids(payload: bytes) -> list[str] | None:
+    """The ids an idle message lists (at most :data:`IDLE_LIST_MAX`, valid ones only);
+    None for a payload that is no idle message (a beat)."""
+    if not payload.startswith(_IDLE):
+        return None
+    ids = payload[len(_IDLE) :].decode("ascii", "replace").split(" ", IDLE_LIST_MAX)
+    return [rid for rid in ids[:IDLE_LIST_MAX] if is_subject_token(rid)]
 
 
 def new_gateway_id() -> str:
@@ -62,6 +85,8 @@ class Heartbeat:
         self._told = 0  # the count of the latest beat
         self._resyncs = 0  # asked for without a reconnect (request_resync)
         self._resync_at = float("-inf")
+        # The caller's streams silent for a while, listed after each beat (module docstring).
+        self.idle_streams: Callable[[], list[str]] | None = None
 
     def request_resync(self) -> None:
         """Have every worker re-send this caller's streams past what it holds (chunks may
@@ -103,7 +128,10 @@ class Heartbeat:
     async def _beat(self) -> None:
         count = self._reconnects()
         self._told = count  # the count workers last heard (sent or not: retried on change)
+        idle = self.idle_streams() if self.idle_streams is not None else []
         try:
             await self._nc.publish(self._subject, heartbeat_payload(count))
+            if idle:
+                await self._nc.publish(self._subject, idle_payload(idle))
         except Exception as exc:  # reconnecting: the next beat goes out once it is back
             log.debug("heartbeat not sent: %s", exc)

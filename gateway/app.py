@@ -182,6 +182,7 @@ def create_app(
         heartbeat = Heartbeat(nc, subjects, gateway_id, config.gateway.heartbeat_interval_s)
         await heartbeat.start(on_failure=state.loop_died)
         dispatcher.on_lost_chunks = heartbeat.request_resync
+        heartbeat.idle_streams = dispatcher.idle_streams
         keeper = StreamKeeper(
             nc, js, config.nats, list(config.groups), config.gateway.jetstream_check_s,
             held_seq=dispatcher.highest_seq, on_replaced=dispatcher.forget_sequences,

@@ -53,6 +53,7 @@ from common.errors import (
     ServiceUnavailableError,
 )
 from common.gap_watch import GapWatch
+from common.idle_streams import IdleStreams
 from common.logging import about
 from common.nats import on_slow_consumer
 from common.protocol import Chunk, Control, ResumeQuery, ResumeReply, TopLogprobs, Usage
@@ -373,6 +374,9 @@ class Dispatcher:
         # recover (the worker acked: no redelivery): the app asks the workers to resync.
         self.on_lost_chunks: Callable[[], None] | None = None
         self._gaps: dict[str, GapWatch] = {}  # open streams that have held a gap
+        # When each open stream last heard from its worker: the silent ones are listed in
+        # the heartbeat, for a final chunk lost with nothing after it (common/idle_streams.py).
+        self._heard = IdleStreams()
 
     def _lost_chunks(self) -> None:
         if self.on_lost_chunks is not None:
@@ -471,7 +475,12 @@ class Dispatcher:
         """Register a stream; call before publishing the request, so no chunk is missed."""
         stream = ResponseStream(request_id, group, decode_tail)
         self._streams[request_id] = stream
+        self._heard.heard(request_id)
         return stream
+
+    def idle_streams(self) -> list[str]:
+        """Open streams silent for a while, the most recently heard first (the heartbeat's)."""
+        return self._heard.idle()
 
     def forget_sequences(self) -> None:
         """The request stream was replaced: the sequences open requests hold name nothing
@@ -493,6 +502,7 @@ class Dispatcher:
         """Forget ``stream`` (resume queries are answered ``closed``); ``abort`` tells the
         worker."""
         self._streams.pop(stream.request_id, None)
+        self._heard.forget(stream.request_id)
         self._closed.add(stream.request_id)
         watch = self._gaps.pop(stream.request_id, None)
         if watch is not None:
@@ -513,6 +523,10 @@ class Dispatcher:
             stream.fail(InternalError(f"undecodable chunk from the worker: {exc.message}"))
             return
         stream.feed(chunk)
+        if stream.finished:
+            self._heard.forget(stream.request_id)
+        else:
+            self._heard.heard(stream.request_id)
         self._watch_gap(stream)
 
     async def _on_resume(self, msg: Msg) -> None:

@@ -45,6 +45,9 @@ KEEP_S = 6.0
 # How long a resync keeps asking a caller that is not reconnected yet.
 WINDOW_S = 10.0
 RETRY_S = 0.2
+# A finished request its caller lists as silent is resynced at most this often (the list
+# comes with every heartbeat while the stream stays open).
+IDLE_RESYNC_GAP_S = 2.0
 
 
 class Resync:
@@ -88,6 +91,7 @@ class Resync:
         self._reconnects = 0
         self._last_down = -float("inf")
         self._tasks: set[asyncio.Task[None]] = set()
+        self._idle_asked: dict[str, float] = {}  # request id -> its last resync for silence
 
     def finished(self, st: Flight) -> None:
         """``st`` sent its final chunk: keep it a while in case that chunk is lost."""
@@ -128,12 +132,33 @@ class Resync:
                     continue
                 del self._recent[rid]
                 self._quiet.pop(rid, None)
+                self._idle_asked.pop(rid, None)
 
     def caller_reconnected(self, nc: Client, origin: str, inflight: Iterable[Flight]) -> None:
         """Gateway ``origin`` reports a reconnect of its own: resync its streams."""
         flights = [st for st in self._flights(inflight) if st.request.origin == origin]
         if flights:
             log.info("gateway %s reconnected: resyncing %d requests", origin, len(flights))
+        self._start(nc, flights)
+
+    def idle_at_caller(self, nc: Client, origin: str, request_ids: Iterable[str]) -> None:
+        """Caller ``origin`` has heard nothing for a while on these streams: those this
+        worker finished lately lost their final chunk on the way (nothing came after it to
+        show a gap), and are resynced. Those still running or never here are not ours to
+        answer: a stream merely slow costs a lookup."""
+        now = time.monotonic()
+        flights = []
+        for rid in request_ids:
+            kept = self._recent.get(rid)
+            if kept is None or kept[1].request.origin != origin:
+                continue
+            if now - self._idle_asked.get(rid, -float("inf")) < IDLE_RESYNC_GAP_S:
+                continue
+            self._idle_asked[rid] = now
+            flights.append(kept[1])
+        if flights:
+            log.info("caller %s heard nothing more of %d finished requests: resyncing them",
+                     origin, len(flights))  # fmt: skip
         self._start(nc, flights)
 
     def _flights(self, inflight: Iterable[Flight]) -> list[Flight]:
@@ -158,6 +183,7 @@ class Resync:
         await cancel_and_wait(list(self._tasks), what="resync tasks")
         self._recent.clear()
         self._quiet.clear()
+        self._idle_asked.clear()
 
     async def _resync(self, nc: Client, st: Flight) -> None:
         reply = await self._ask(nc, st)

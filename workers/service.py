@@ -60,6 +60,7 @@ from common.errors import (
     error_from_code,
 )
 from common.fence import FenceGuard
+from common.heartbeat import idle_request_ids
 from common.liveness import LoopBeat
 from common.logging import about
 from common.models import configured_served_name
@@ -1034,6 +1035,12 @@ class WorkerService:
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         gateway_id = msg.subject.rsplit(".", 1)[-1]
+        idle = idle_request_ids(msg.data)
+        if idle is not None:  # its streams silent for a while (common/idle_streams.py)
+            self._gateways.heard(gateway_id)
+            if self.nc is not None:
+                self._resync.idle_at_caller(self.nc, gateway_id, idle)
+            return
         if self._gateways.heard(gateway_id, heartbeat_reconnects(msg.data)) and self.nc is not None:
             self._resync.caller_reconnected(self.nc, gateway_id, list(self._inflight.values()))
 

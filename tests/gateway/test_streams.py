@@ -17,6 +17,7 @@ import pytest
 from common import nats as qnats
 from common.config import NatsConfig
 from common.errors import DeadlineExceededError, RateLimitError
+from common.heartbeat import idle_request_ids
 from common.protocol import (
     Chunk,
     Control,
@@ -250,6 +251,32 @@ async def test_a_gap_that_stays_open_asks_the_workers_to_resync_and_is_filled(
     reply, waited, _ = await _nine_tokens(nats_config, lose_one_resend_on_resync)
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "abcdefghi"
     assert counts[-1] == 1 and waited < 5  # not the 120 s deadline
+
+
+async def test_a_final_chunk_lost_with_nothing_after_it_is_asked_for_by_name(
+    nats_config: NatsConfig,
+):
+    """The last chunk lost without a reconnect leaves no gap to see: nothing comes after
+    it, and the stream waited for its deadline (two minutes) though its worker had
+    finished. The gateway lists its streams silent for a while after its heartbeat, and a
+    worker that finished one re-sends what the gateway lacks."""
+    subjects = Subjects(nats_config.subject_prefix)
+    ids = alphabet_tokens(9)
+    listed: list[list[str]] = []
+
+    async def lose_the_last_resend_when_listed(job: Job) -> None:
+        beats = await job.worker.nc.subscribe(subjects.gateway_heartbeat_wildcard)
+        await job.send(0, ids[0:6])  # the final chunk, ids[6:9], lost on the way
+        while not listed or job.request.id not in listed[-1]:
+            idle = idle_request_ids((await beats.next_msg(timeout=5)).data)
+            if idle is not None:
+                listed.append(idle)
+        usage = Usage(len(job.request.prompt_token_ids), 9, 0)
+        await job.send(6, ids[6:9], finish_reason="length", usage=usage)
+
+    reply, waited, left_open = await _nine_tokens(nats_config, lose_the_last_resend_when_listed)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "abcdefghi"
+    assert waited < 6 and left_open == 0  # about IDLE_ASK_S, not the 120 s deadline
 
 
 async def test_a_gap_no_resync_fills_ends_the_request_with_a_retryable_503(
