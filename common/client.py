@@ -322,6 +322,15 @@ class QosClient:
                 self._heard.forget(rid)
             else:
                 self._heard.heard(rid)
+            second = stream.take_second_run()
+            if second is not None:  # as the gateway does (its Dispatcher._stop_second_run)
+                stop = Control(
+                    action="supersede", issued_ms=int(time.time() * 1000), group=group,
+                    request_id=rid, attempt=second[0], worker=second[1],
+                    reason="a second run of this delivery",
+                )  # fmt: skip
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(self.subjects.abort(group), stop.to_bytes())
             for item in chunks:
                 if item.finish_reason == "abort":
                     # The worker gave it up (its origin fell silent, an operator): retryable,

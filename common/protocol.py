@@ -632,6 +632,10 @@ class Control(Message):
     # supersede: a later delivery of the request resumed it (this attempt asked its caller
     # where to go on); a replica still serving an earlier delivery stops, unanswered.
     attempt: int | None = None
+    # supersede: only this worker's run of delivery ``attempt`` stops (a second run of one
+    # delivery: common/sequencer.py). None = any earlier delivery's; never encoded then, so
+    # a worker from before the field still decodes the others.
+    worker: str | None = None
     # The scheduler's leadership term as a fencing token (the lease bucket's revision when
     # the term began; rises with every new leader): a worker drops a scheduler's command
     # whose fence is below the highest it has seen, a deposed leader's, sent late. None =

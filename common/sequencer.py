@@ -44,14 +44,24 @@ class ChunkSequencer:
     (text cannot be split by tokens without a tokenizer); overlaps are rare, since a
     resumed worker starts exactly where the caller stands. A chunk with text but no
     tokens is delivered (a detokenizer releasing held-back text).
+
+    One run per attempt: the stream follows the worker whose chunk of the newest attempt
+    came first. Another worker's chunks of that same attempt come
+    from a second run of one delivery (a group consumer deleted and made again delivers
+    its messages afresh, as attempt 1; a request published twice under one id): they are
+    dropped, and :meth:`take_second_run` names that worker once, for the caller to stop
+    it. Without worker names (workers before them) two runs that disagree fail the answer.
     """
 
     __slots__ = (
         "_early",
+        "_stopped",
         "decode_tail",
         "finished",
         "min_attempt",
         "request_id",
+        "run",
+        "second_run",
         "text_len",
         "token_ids",
     )
@@ -64,6 +74,28 @@ class ChunkSequencer:
         self.min_attempt = 1
         self.finished = False
         self._early: dict[int, Chunk] = {}
+        self.run: tuple[int, str] | None = None  # (attempt, worker) the stream follows
+        self.second_run: tuple[int, str] | None = None  # a run to stop, not yet taken
+        self._stopped: set[str] = set()  # workers named as second runs already
+
+    def take_second_run(self) -> tuple[int, str] | None:
+        """(attempt, worker) of a second run seen since the last call, to stop; once each."""
+        found, self.second_run = self.second_run, None
+        return found
+
+    def _follows(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` is of the run this stream follows (the first of its attempt)."""
+        if not chunk.worker:
+            return True  # a worker that names none: the tokens' agreement decides
+        if self.run is None or chunk.attempt > self.run[0]:
+            self.run = (chunk.attempt, chunk.worker)
+            return True
+        if chunk.attempt < self.run[0] or chunk.worker == self.run[1]:
+            return True
+        if chunk.worker not in self._stopped:
+            self._stopped.add(chunk.worker)
+            self.second_run = (chunk.attempt, chunk.worker)
+        return False
 
     @property
     def holding_gap(self) -> bool:
@@ -78,6 +110,8 @@ class ChunkSequencer:
         """
         if self.finished or chunk.attempt < self.min_attempt or chunk.id != self.request_id:
             return []  # a chunk of another request (published here by mistake) is not ours
+        if not self._follows(chunk):
+            return []
         if chunk.error is not None:
             self.finished = True
             raise error_from_code(chunk.error.code, chunk.error.message)

@@ -180,6 +180,10 @@ class ResponseStream:
     def holding_gap(self) -> bool:
         return not self.finished and self._seq.holding_gap
 
+    def take_second_run(self) -> tuple[int, str] | None:
+        """A second run of one delivery whose chunks were dropped: (attempt, worker), once."""
+        return self._seq.take_second_run()
+
     def fail(self, error: QosError) -> None:
         """End the stream with ``error`` (the reader raises or sends it as an SSE event)."""
         if not self.finished:
@@ -528,6 +532,23 @@ class Dispatcher:
         else:
             self._heard.heard(stream.request_id)
         self._watch_gap(stream)
+        second = stream.take_second_run()
+        if second is not None:
+            await self._stop_second_run(stream, *second)
+
+    async def _stop_second_run(self, stream: ResponseStream, attempt: int, worker: str) -> None:
+        """Another worker runs a delivery this stream already follows (common/sequencer.py):
+        it stops without an answer, and its message comes back after ack_wait as a later
+        delivery, which resumes the request only if the run followed here is gone."""
+        log.warning("request %s: worker %s runs delivery %d a second time; stopping it",
+                    stream.request_id, worker, attempt, extra=about(stream.request_id))  # fmt: skip
+        supersede = Control(
+            action="supersede", issued_ms=int(time.time() * 1000), group=stream.group,
+            request_id=stream.request_id, attempt=attempt, worker=worker,
+            reason="a second run of this delivery",
+        )  # fmt: skip
+        with contextlib.suppress(Exception):
+            await self._nc.publish(self._subjects.abort(stream.group), supersede.to_bytes())
 
     async def _on_resume(self, msg: Msg) -> None:
         request_id = msg.subject[self._resume_prefix :]

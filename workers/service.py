@@ -1162,7 +1162,10 @@ class WorkerService:
                     )
                 self._abort_in_engine(st)
         elif action == "supersede" and control.request_id and control.attempt:
-            self._supersede(control.request_id, control.attempt)
+            if control.worker is not None:
+                self._stop_second_run(control.request_id, control.attempt, control.worker)
+            else:
+                self._supersede(control.request_id, control.attempt)
         elif action == "set_batch_cap" and self.bridge is not None:
             if control.group is not None and control.group != self.group:
                 # For the group this replica just left (a reconcile sent before its move):
@@ -1240,6 +1243,20 @@ class WorkerService:
         )
         self._aborted.add(st.request.id)
         self._abort_in_engine(st)
+
+    def _stop_second_run(self, request_id: str, attempt: int, worker: str) -> None:
+        """The caller follows another worker's run of the same delivery ``attempt`` (a
+        group consumer made again delivered it afresh; a request published twice under one
+        id): this one stops without a word, as a superseded one. Its message, neither acked
+        nor nak'd, comes back after ack_wait as a later delivery, whose resume query hears
+        "closed" if the followed run has answered, and resumes the request if it died."""
+        st = self._inflight.get(request_id)
+        if worker != self.worker_id or st is None or st.attempt != attempt:
+            return
+        log.info("request %s: another worker runs delivery %d too and its caller follows "
+                 "that one; stopping ours", request_id, attempt, extra=about_flight(st))  # fmt: skip
+        self._retire(st, "superseded")
+        self._poke()
 
     def _supersede(self, request_id: str, attempt: int) -> None:
         """Delivery ``attempt`` of the request resumed it on another replica, and its caller

@@ -279,6 +279,35 @@ async def test_a_final_chunk_lost_with_nothing_after_it_is_asked_for_by_name(
     assert waited < 6 and left_open == 0  # about IDLE_ASK_S, not the 120 s deadline
 
 
+async def test_a_second_run_of_one_delivery_is_stopped_and_the_first_answers(
+    nats_config: NatsConfig,
+):
+    """A group consumer deleted and made again delivers an unacked request afresh, as the
+    same attempt, to another worker while the first still streams: with sampling the runs
+    disagree and the answer failed; the second run also held a batch slot to its end. The
+    gateway follows the first run, drops the other's chunks and tells that worker to stop."""
+    subjects = Subjects(nats_config.subject_prefix)
+    ids = alphabet_tokens(9)
+    stops: list[Control] = []
+
+    async def a_second_run_joins(job: Job) -> None:
+        controls = await job.worker.nc.subscribe(subjects.abort("short"))
+        await job.send(0, ids[0:3])
+        intruder = Chunk(id=job.request.id, seq=0, token_ids=[90, 91, 92, 93], worker="w-2nd")
+        await job.worker.nc.publish(job.request.reply, intruder.to_bytes())
+        while not stops:
+            control = Control.from_bytes((await controls.next_msg(timeout=5)).data)
+            if control.action == "supersede":
+                stops.append(control)
+        usage = Usage(len(job.request.prompt_token_ids), 9, 0)
+        await job.send(3, ids[3:9], finish_reason="length", usage=usage)
+
+    reply, _, _ = await _nine_tokens(nats_config, a_second_run_joins)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "abcdefghi"
+    (stop,) = stops
+    assert (stop.worker, stop.attempt, stop.request_id) == ("w-2nd", 1, reply.json()["id"])
+
+
 async def test_a_gap_no_resync_fills_ends_the_request_with_a_retryable_503(
     nats_config: NatsConfig, monkeypatch: pytest.MonkeyPatch
 ):

@@ -52,6 +52,32 @@ def test_two_runs_of_one_attempt_that_disagree_fail_the_stream_rather_than_splic
     assert stream.finished and stream.feed(chunk(3, [4], final=True)) == []
 
 
+def test_a_second_workers_run_of_the_same_attempt_is_dropped_and_named_once() -> None:
+    """Two runs of one delivery (a consumer made again; an id published twice) each
+    streamed into the answer: identical greedy runs were deduplicated by luck, sampled ones
+    failed it. The first run is followed; the other's chunks are dropped, and its worker is
+    named once, for the caller to stop."""
+    stream = ResponseStream("r")
+
+    def by(worker: str, c: Chunk) -> Chunk:
+        c.worker = worker
+        return c
+
+    assert delivered(stream, by("a", chunk(0, [1, 2]))) == [1, 2]
+    assert delivered(stream, by("b", chunk(0, [7, 8, 9]))) == []
+    assert stream.take_second_run() == (1, "b") and stream.take_second_run() is None
+    assert delivered(stream, by("b", chunk(3, [9], final=True))) == []
+    assert stream.take_second_run() is None and not stream.finished
+    assert delivered(stream, by("a", chunk(2, [3], final=True))) == [3] and stream.finished
+    # A later delivery takes over, and its first worker's chunks are followed.
+    later = ResponseStream("r")
+    delivered(later, by("a", chunk(0, [1])))
+    later.resume(ResumeQuery(id="r", attempt=2, worker="c"))
+    assert delivered(later, by("c", chunk(1, [2], attempt=2))) == [2]
+    assert delivered(later, by("d", chunk(2, [3], attempt=2))) == []
+    assert later.take_second_run() == (2, "d")
+
+
 def test_resume_answers_what_was_delivered_and_silences_older_attempts() -> None:
     stream = ResponseStream("r")
     delivered(stream, chunk(0, [1, 2]))
