@@ -13,9 +13,10 @@ request's body has all arrived (an early 401, 413 or 408) gives the rest of the 
 head's time to arrive, unread, and then closes the connection: uvicorn kept such a
 connection alive and stopped timing it, so a client trickling a chunked body held it for
 ever (enough of them took every slot of ``gateway.max_connections``). Closing at once
-would reset a connection whose client is still sending, losing the answer it has not read
-yet; a request that sent none of its body (``Expect: 100-continue``) is closed at once,
-or its next request would be read as that body. uvicorn's own 400 for a malformed
+would reset a connection whose client is still sending (httpx sends the head and the body
+apart: the body is in flight or unread in the kernel), and the reset loses the answer it
+has not read yet; a request waiting on ``Expect: 100-continue`` that sent none of its body
+is closed at once, or its next request would be read as that body. uvicorn's own 400 for a malformed
 request is in OpenAI's error shape too.
 
 ``/health`` and ``/metrics`` are answered past ``gateway.max_connections``: uvicorn
@@ -113,8 +114,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if unread and not self.transport.is_closing():
             # Answered before its body was all in (module docstring).
             super().on_response_complete()
-            if not self._body_seen:
-                self.transport.close()
+            if not self._body_seen and self.expect_100_continue:
+                self.transport.close()  # it waits for a 100 Continue: no body is coming
             else:
                 self._draining = True
                 self._cancel_head_timer()
@@ -184,9 +185,16 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._reading_head = False
         self._cancel_head_timer()
         log.warning("refused a request from %s: %s", _peer(self.client), message)
-        if self.cycle is not None and not self.cycle.response_complete:
-            # A pipelined request's head went wrong while the response before it is still
-            # being written: an answer now would land inside that response. Just close.
+        cycle = self.cycle
+        if (
+            cycle is not None
+            and not cycle.response_complete
+            and not (cycle.more_body and not cycle.response_started)
+        ):
+            # A pipelined request's head went wrong while the one before it is answered
+            # (an answer now would land inside that response, or be read as its answer).
+            # Just close. A refusal of the request still being read (its body malformed),
+            # before its own answer began, is its answer.
             self.transport.close()
             return
         body = json.dumps(

@@ -59,7 +59,10 @@ class CircuitBreaker:
     before the breaker opened must not close it (nor keep it open longer), and while it is
     half-open only the probe decides. Failures of calls that were in flight together count
     once: one stall of the server (a fork, a slow command) failed every call it held, and
-    two writer threads' sub-batches opened the breaker, which one failure does not.
+    two writer threads' sub-batches opened the breaker, which one failure does not. A
+    failure ``failure_memory_s`` after the last one starts the count again: successful
+    stores do not clear it (module's ``success``), and two stalls hours apart in a group
+    that rarely loads are no outage.
 
     Thread-safe: :class:`kvstore.tiers.KVTiers` calls it from the engine thread (lookups,
     loads) and its writer threads (stores); :class:`RedisTier` from its event loop."""
@@ -72,8 +75,10 @@ class CircuitBreaker:
         open_s: float = 2.0,
         max_open_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        failure_memory_s: float = 30.0,
     ) -> None:
         self.failures_to_open = failures_to_open
+        self.failure_memory_s = failure_memory_s
         self.base_open_s = open_s
         self.max_open_s = max_open_s
         self.clock = clock
@@ -158,7 +163,10 @@ class CircuitBreaker:
             self._failure(cause)
 
     def _failure(self, cause: object = None) -> None:
-        self._failed_at = self.clock()
+        now = self.clock()
+        if now - self._failed_at > self.failure_memory_s:
+            self._failures = 0  # long after the last: a failure on its own
+        self._failed_at = now
         self._failures += 1
         if self.state == self.HALF_OPEN or self._failures >= self.failures_to_open:
             if self.state == self.HALF_OPEN:

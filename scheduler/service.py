@@ -415,7 +415,7 @@ class SchedulerService:
             p99_ms=p99,
             requests=sample.requests,
             errors=sample.errors,
-            reported_at=sample.oldest_report_at,
+            reported_at=sample.e2e_p99_at if kind == "e2e" else sample.ttft_p99_at,
         )
 
     def _cap_for(self, group: str, state: State) -> int:

@@ -80,9 +80,11 @@ class GroupSample:
     tokens_per_s: float
     busy_ratio: float
     queue_depth: int  # JetStream pending + ack pending; -1 when unknown
-    # When the oldest report in it arrived: members that did not report this tick still
-    # count with their last report, whose latency window ends then, not now.
-    oldest_report_at: float | None = None
+    # When the report that gives e2e_p99_ms / ttft_p99_ms arrived (None: no report gives
+    # it): members that did not report this tick count with their last report, whose
+    # latency window ends then, not now.
+    e2e_p99_at: float | None = None
+    ttft_p99_at: float | None = None
 
     @property
     def latency_ms(self) -> float:
@@ -270,6 +272,14 @@ def _combine(members: list[_Worker], now: float, queue_depth: int) -> GroupSampl
             return 0.0
         return sum(getattr(r, attr) * r.samples for r in with_samples) / weight
 
+    # The slowest worker's p99 is the group's (with samples, for E2E); the newest report
+    # among equals, so that one just made is not judged by when an older one was.
+    e2e_top = max(
+        (w for w in members if w.report.samples > 0),
+        key=lambda w: (w.report.e2e_p99_ms, w.seen_at),
+        default=None,
+    )
+    ttft_top = max(members, key=lambda w: (w.report.ttft_p99_ms, w.seen_at), default=None)
     # Up to each worker's latest report, not to now: between reports nothing is known, and
     # a busy replica whose report fell in the previous tick would read as stalled.
     stalls = [w.seen_at - w.stall_from for w in members if w.stall_from is not None]
@@ -285,9 +295,9 @@ def _combine(members: list[_Worker], now: float, queue_depth: int) -> GroupSampl
         replicas=sum(1 for r in reports if r.state == "serving"),
         workers=len(reports),
         e2e_p50_ms=p50("e2e_p50_ms"),
-        e2e_p99_ms=max((r.e2e_p99_ms for r in with_samples), default=0.0),
+        e2e_p99_ms=e2e_top.report.e2e_p99_ms if e2e_top is not None else 0.0,
         ttft_p50_ms=p50("ttft_p50_ms"),
-        ttft_p99_ms=max((r.ttft_p99_ms for r in reports), default=0.0),
+        ttft_p99_ms=ttft_top.report.ttft_p99_ms if ttft_top is not None else 0.0,
         stall_ms=max(stalls, default=0.0) * 1e3,
         requests=requests,
         errors=errors,
@@ -298,5 +308,6 @@ def _combine(members: list[_Worker], now: float, queue_depth: int) -> GroupSampl
         tokens_per_s=sum(r.tokens_per_s for r in reports),
         busy_ratio=sum(r.busy_ratio for r in reports) / len(reports) if reports else 0.0,
         queue_depth=queue_depth,
-        oldest_report_at=min((w.seen_at for w in members), default=None),
+        e2e_p99_at=e2e_top.seen_at if e2e_top is not None else None,
+        ttft_p99_at=ttft_top.seen_at if ttft_top is not None else None,
     )

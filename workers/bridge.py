@@ -133,6 +133,15 @@ def apply_batch_cap(engine: Any, cap: int) -> int:
     return cap
 
 
+def apply_group_scheduling(engine: Any, priority_preemption: bool, delay_factor: float) -> None:
+    """A group's batcher settings (its policy stays the engine's own): the project's engine
+    has them, the sim engine none."""
+    batcher = getattr(engine, "batcher", None)
+    if batcher is not None:
+        batcher.priority_preemption = priority_preemption
+        batcher.prefill_delay_factor = delay_factor
+
+
 def running_ids(engine: Any) -> list[str]:
     """Ids of the requests in the engine's running batch."""
     if hasattr(engine, "running_ids"):
@@ -219,6 +228,10 @@ class EngineBridge:
         self.seq_limit = max(2, min(int(limit), self.built_max_seq_len))
         self._queue.put(("seq_limit", self.seq_limit))
         return self.seq_limit
+
+    def set_group_scheduling(self, priority_preemption: bool, delay_factor: float) -> None:
+        """The group's priority preemption and prefill delay, from the next step on."""
+        self._queue.put(("scheduling", (priority_preemption, delay_factor)))
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; await its result.
@@ -326,6 +339,8 @@ class EngineBridge:
                 apply_batch_cap(self.engine, arg)
             elif kind == "seq_limit":  # both engines check max_seq_len at add_request
                 self.engine.max_seq_len = arg
+            elif kind == "scheduling":
+                apply_group_scheduling(self.engine, *arg)
             elif kind == "call":
                 fn, future = arg
                 try:

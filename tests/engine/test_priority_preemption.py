@@ -126,11 +126,11 @@ def test_blocks_shared_with_a_more_urgent_request_are_not_counted_as_room() -> N
     assert not plan.preempted and "urgent" not in ids(plan)
 
 
-def test_a_prefill_chunk_that_takes_the_budget_sits_the_step_out_rather_than_go() -> None:
+def test_a_prefill_chunk_that_takes_the_budget_gives_the_head_what_it_lacks() -> None:
     """The head lacked only the step's tokens, which a less urgent prompt's chunk had
     taken: that request was preempted (its progress lost) and still the head did not get
-    in, since the running ones were planned after the preemption. Now the chunk sits the
-    step out, keeping its blocks, and the head takes its tokens."""
+    in, since the running ones were planned after the preemption. Now the chunk gives up
+    the tokens the head lacks, no more, and keeps its blocks and progress."""
     b = make_batcher(max_batch_size=4, budget=8)
     b.add(req("mid", 3, max_tokens=20, priority=0, arrival=1.0))
     run(b)
@@ -139,9 +139,13 @@ def test_a_prefill_chunk_that_takes_the_budget_sits_the_step_out_rather_than_go(
     low = next(r for r in b.running if r.request_id == "low")
     done = low.num_computed_tokens
     b.add(req("urgent", 6, max_tokens=2, priority=-1, arrival=3.0))
+    b.add(req("later", 5, max_tokens=2, priority=9, arrival=4.0))
     plan = run(b)
-    assert sorted(ids(plan)) == ["mid", "urgent"] and not plan.preempted
-    assert low.status == RequestStatus.RUNNING and low.num_computed_tokens == done
+    chunks = {s.request_id: len(s.token_ids) for s in plan.seqs}
+    # 8 tokens: mid's decode, urgent's 6, low's 1 (of its 7); "later", less urgent than low,
+    # takes nothing the head was given room for.
+    assert chunks == {"mid": 1, "urgent": 6, "low": 1} and not plan.preempted
+    assert low.status == RequestStatus.RUNNING and low.num_computed_tokens == done + 1
     assert b.num_priority_preemptions == b.num_preemptions == 0
     assert "low" in ids(run(b))  # and carries on where it was
 
@@ -176,6 +180,15 @@ def test_nobody_goes_when_a_lowered_cap_leaves_no_slot_even_without_them() -> No
     b.add(req("urgent", 3, max_tokens=2, priority=0, arrival=9.0))
     plan = run(b)
     assert not plan.preempted and "urgent" not in ids(plan)
+    # All less urgent: preempting down to a slot under the cap would take three for one
+    # arrival, in a group its breaker is degrading. The cap is reached as they end.
+    crowd = make_batcher(max_batch_size=4)
+    for i in range(4):
+        crowd.add(req(f"low{i}", 3, max_tokens=20, priority=5, arrival=float(i)))
+    run(crowd)
+    crowd.max_batch_size = 2
+    crowd.add(req("urgent", 3, max_tokens=2, priority=0, arrival=9.0))
+    assert not run(crowd).preempted and crowd.num_preemptions == 0
 
 
 def test_a_request_whose_last_token_is_on_its_way_back_is_no_victim() -> None:

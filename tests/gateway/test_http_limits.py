@@ -218,17 +218,42 @@ async def test_the_rest_of_a_body_answered_early_is_timed_then_the_connection_cl
 async def test_a_body_answered_early_that_ends_leaves_the_connection_serving(
     nats_config: NatsConfig,
 ) -> None:
-    """Drained to its end, the connection is in step again: the next request is served."""
+    """Drained to its end, the connection is in step again: the next request is served;
+    so is one whose head alone had arrived when it was answered (httpx writes the head and
+    the body apart: closing then reset the connection under the answer)."""
     config = gateway_config(nats_config, api_key_sha256=["0" * 64])
     async with serve(config) as gw:
+        for head, rest in (
+            (b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n", b"1\r\n}\r\n0\r\n\r\n"),
+            (b"Content-Length: 2\r\n\r\n", b"{}"),
+        ):
+            reader, writer = await _connect(gw.url)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head)
+            status, _ = await _answer(reader)
+            assert status == b"HTTP/1.1 401 Unauthorized"
+            writer.write(rest + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, _ = await _answer(reader)
+            assert status.startswith(b"HTTP/1.1 ") and b"401" not in status  # /health is open
+            writer.close()
+        # The openai SDK's transport: a large body refused by its key gets its 401.
+        async with httpx.AsyncClient(base_url=gw.url) as http:
+            reply = await http.post("/v1/completions", content=b" " * 2_000_000,
+                                    headers={"content-type": "application/json"})  # fmt: skip
+        assert reply.status_code == 401
+
+
+async def test_a_malformed_body_of_the_request_being_read_gets_its_400(
+    nats_config: NatsConfig,
+) -> None:
+    config = gateway_config(nats_config)
+    async with serve(config) as gw:
         reader, writer = await _connect(gw.url)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")  # fmt: skip
-        status, _ = await _answer(reader)
-        assert status == b"HTTP/1.1 401 Unauthorized"
-        writer.write(b"1\r\n}\r\n0\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        status, _ = await _answer(reader)
-        assert status.startswith(b"HTTP/1.1 ") and b"401" not in status  # /health is open
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")  # fmt: skip
+        line, body = await _answer(reader)
+        assert line == b"HTTP/1.1 400 Bad Request"
+        assert body["error"]["code"] == "invalid_http_request"
+        assert await _closed(reader)
         writer.close()
 
 

@@ -622,3 +622,18 @@ def test_stores_that_go_through_do_not_clear_the_failures_of_loads_too_slow() ->
     assert b.state == "half_open" and probe is not None
     b.success(probe, write=True)
     assert b.state == "closed"
+
+
+def test_two_failures_far_apart_do_not_open_the_breaker() -> None:
+    """Stores that go through do not clear the failure count (loads too slow must still
+    open it), so in a group that rarely loads, two stalls of the server hours apart (two
+    snapshot forks) opened it, dropping stores and lookups for nothing."""
+    now = [0.0]
+    b = CircuitBreaker(failures_to_open=2, open_s=1.0, clock=lambda: now[0])
+    b.failure(b.allow())
+    now[0] += 3600.0
+    b.failure(b.allow())
+    assert b.state == "closed"
+    now[0] += 1.0
+    b.failure(b.allow())  # soon after: the same trouble
+    assert b.state == "open"

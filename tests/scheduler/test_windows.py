@@ -27,15 +27,18 @@ def test_group_p99_is_the_slowest_worker_with_samples_and_p50_is_weighted():
     assert s.workers == 3 and s.replicas == 3
 
 
-def test_a_sample_says_when_its_oldest_report_was_made():
+def test_a_sample_says_when_the_report_giving_its_p99_was_made():
     """For the breaker's half-open: a worker that did not report this tick counts with its
-    last report, whose latency window ended then."""
+    last report, whose latency window ended then; only the report that gives the group's
+    p99 matters (a silent worker's old report with a low p99 must not hold the judgement)."""
     w = windows()
-    w.observe(tel("a", e2e_p99_ms=300, samples=3), 0.2)
-    w.observe(tel("b", e2e_p99_ms=900, samples=3), 0.7)
-    assert w.sample(0.8, {})["short"].oldest_report_at == 0.2
-    w.observe(tel("a", e2e_p99_ms=300, samples=3), 1.2)
-    assert w.sample(1.3, {})["short"].oldest_report_at == 0.7
+    w.observe(tel("a", e2e_p99_ms=300, ttft_p99_ms=50, samples=3), 0.2)
+    w.observe(tel("b", e2e_p99_ms=900, ttft_p99_ms=20, samples=3), 0.7)
+    s = w.sample(0.8, {})["short"]
+    assert (s.e2e_p99_at, s.ttft_p99_at) == (0.7, 0.2)
+    w.observe(tel("a", e2e_p99_ms=1200, ttft_p99_ms=50, samples=3), 1.2)
+    s = w.sample(1.3, {})["short"]
+    assert (s.e2e_p99_at, s.ttft_p99_at) == (1.2, 1.2)
 
 
 def test_a_workers_report_weighs_in_one_sample_not_every_tick_until_its_next():

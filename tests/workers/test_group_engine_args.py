@@ -64,3 +64,26 @@ def test_a_kv_cache_shorter_than_the_longest_group_serves_what_it_holds() -> Non
     engine = build_engine(config, build_parser().parse_args(["--group", "short"]))
     capacity = (engine.pool.num_blocks - engine.pool.watermark_blocks) * engine.pool.block_size
     assert engine.max_seq_len == capacity < max(g.max_seq_len for g in config.groups.values())
+
+
+async def test_a_replica_moved_to_another_group_takes_its_batcher_settings() -> None:
+    """Priority preemption and the prefill delay were read once, from the first group: a
+    replica the rebalancer moved served its new group by the old one's settings."""
+    import asyncio
+
+    from workers.bridge import EngineBridge
+
+    torch.set_num_threads(1)
+    config = Config(worker=WorkerConfig(model="dummy:tiny", device="cpu", kv_cache_gib=0.05))
+    engine = build_engine(config, build_parser().parse_args(["--group", "short"]))
+    assert (engine.batcher.priority_preemption, engine.batcher.prefill_delay_factor) == (True, 1.0)
+    bridge = EngineBridge(engine, lambda events: None, asyncio.get_running_loop())
+    bridge.start()
+    try:
+        bridge.set_group_scheduling(False, 0.0)  # what WorkerService._apply_group_limits sends
+        settings = await bridge.call(
+            lambda e: (e.batcher.priority_preemption, e.batcher.prefill_delay_factor)
+        )
+    finally:
+        await bridge.stop()
+    assert settings == (False, 0.0)

@@ -48,7 +48,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -216,9 +216,13 @@ class Batcher:
             self._schedule_running(plan, budget=self.max_num_batched_tokens)
             if not plan.preempted:  # else blocks ran short for the running ones: admit nobody
                 made_way = self._make_way(plan) if self.priority_preemption else 0
-                # A head that others made way for does not wait out a prefill delay.
-                if made_way or not self._delaying_prefills():
-                    self._admit(plan, self.waiting, self.max_num_batched_tokens - plan.num_tokens)
+                left = self.max_num_batched_tokens - plan.num_tokens
+                if made_way:
+                    # The room was made for the head alone, and it waits out no prefill
+                    # delay: what is left of it is no less urgent request's to take.
+                    self._admit(plan, self.waiting[:1], left)
+                elif not self._delaying_prefills():
+                    self._admit(plan, self.waiting, left)
             return self._formed(plan)
         candidates = self._admission_candidates()
         if candidates:
@@ -255,13 +259,13 @@ class Batcher:
 
     def _make_way(self, plan: BatchPlan) -> int:
         """Make room in this step for the queue head, once the running requests are
-        scheduled (module docstring, "Priority preemption"): the step's tokens of less
-        urgent requests first (they sit this step out, keeping their blocks), then, for a
+        scheduled (module docstring, "Priority preemption"): tokens of less urgent
+        requests' chunks first (trimmed, or sat out, keeping their blocks), then, for a
         batch slot or blocks, the fewest of them preempted. Nothing moves unless the head
         then fits: a slot, a token of the budget, and the blocks of the chunk it gets.
-        Returns how many made way (sat out or preempted)."""
-        if not self.waiting or not self.running:
-            return 0
+        Returns how many made way (trimmed or preempted)."""
+        if not self.waiting or not self.running or len(self.running) > self.max_batch_size:
+            return 0  # over a lowered cap, slots come back as requests end, not by preemption
         head = self.waiting[0]
         victims = sorted(
             # One whose last token is on its way back is finishing anyway.
@@ -292,14 +296,16 @@ class Batcher:
                 return False
             return free >= pool.blocks_needed(base_tokens + min(todo, budget)) - base_blocks
 
-        # The step's tokens, least urgent first: prefill chunks until the head's whole prompt
-        # has the budget; decodes (a decode skipped stalls a stream) only while the head
-        # would get no token at all.
-        benched: list[Request] = []
+        # The step's tokens, least urgent first: from prefill chunks as many as the head's
+        # prompt lacks; decodes (one skipped stalls a stream) only while the head would get
+        # no token at all.
+        taken: dict[int, int] = {}  # id(victim) -> tokens taken from its chunk
         for victim in sorted(victims, key=lambda r: not r.is_prefilling):
-            if id(victim) in scheduled and budget < (todo if victim.is_prefilling else 1):
-                benched.append(victim)
-                budget += scheduled[id(victim)]
+            chunk = scheduled.get(id(victim), 0)
+            want = todo - budget if victim.is_prefilling else 1 - budget
+            if chunk and want > 0:
+                taken[id(victim)] = min(chunk, want)
+                budget += taken[id(victim)]
         # Slots and blocks: the fewest victims that make them. A block comes free only when
         # every holder goes (a prefix shared with one that stays does not), and a hit block
         # freed is the head's again, not room.
@@ -310,21 +316,23 @@ class Batcher:
                 break
             went.append(victim)
             slots += 1
-            if victim not in benched:
-                budget += scheduled.get(id(victim), 0)
+            budget += scheduled.get(id(victim), 0) - taken.get(id(victim), 0)
             for b in victim.block_table:
                 holders[b] = holders.get(b, 0) + 1
                 if holders[b] == pool.blocks[b].ref_count and b not in hits:
                     free += 1
         if not fits():
             return 0
-        for victim in benched + [v for v in went if v not in benched]:
-            if id(victim) in scheduled:
-                self._unschedule(plan, victim)
-        for victim in went:
-            self._preempt(victim, plan)
+        gone = {id(v) for v in went}
+        for victim in victims:
+            if id(victim) in gone:
+                if id(victim) in scheduled:
+                    self._unschedule(plan, victim)
+                self._preempt(victim, plan)
+            elif id(victim) in taken:
+                self._trim(plan, victim, scheduled[id(victim)] - taken[id(victim)])
         self.num_priority_preemptions += len(went)
-        return len(went) + len(benched)
+        return len(gone | taken.keys())
 
     def _admission_candidates(self) -> list[Request]:
         """Who may join now, in order, under the whole-prompt policies."""
@@ -545,6 +553,18 @@ class Batcher:
         """Tokens ``req`` could compute now in its blocks and the free ones."""
         blocks = len(req.block_table) + self.pool.num_free_blocks
         return blocks * self.pool.block_size - req.num_computed_tokens
+
+    @staticmethod
+    def _trim(plan: BatchPlan, req: Request, keep: int) -> None:
+        """Cut ``req``'s chunk in this step to its first ``keep`` tokens (0: out of the
+        step); it keeps its blocks and goes on from there next step."""
+        if keep <= 0:
+            Batcher._unschedule(plan, req)
+            return
+        i = next(i for i, r in enumerate(plan.requests) if r is req)
+        seq = plan.seqs[i]
+        # Shorter, it no longer reaches the last known token: nothing to sample.
+        plan.seqs[i] = replace(seq, token_ids=seq.token_ids[:keep], sample=False)
 
     @staticmethod
     def _unschedule(plan: BatchPlan, req: Request) -> int:
