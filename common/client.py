@@ -327,6 +327,7 @@ class QosClient:
                 stop = Control(
                     action="supersede", issued_ms=int(time.time() * 1000), group=group,
                     request_id=rid, attempt=second[0], worker=second[1],
+                    stream_seq=queued[1] if queued is not None else None,
                     reason="a second run of this delivery",
                 )  # fmt: skip
                 with contextlib.suppress(Exception):

@@ -636,6 +636,10 @@ class Control(Message):
     # delivery: common/sequencer.py). None = any earlier delivery's; never encoded then, so
     # a worker from before the field still decodes the others.
     worker: str | None = None
+    # With ``worker``: the stream sequence of the message the caller follows, when known. A
+    # run of another message (the same id published twice) is terminated there; one of the
+    # same message (its consumer made again) is left to come back if the followed run dies.
+    stream_seq: int | None = None
     # The scheduler's leadership term as a fencing token (the lease bucket's revision when
     # the term began; rises with every new leader): a worker drops a scheduler's command
     # whose fence is below the highest it has seen, a deposed leader's, sent late. None =

@@ -76,7 +76,7 @@ class ChunkSequencer:
         self._early: dict[int, Chunk] = {}
         self.run: tuple[int, str] | None = None  # (attempt, worker) the stream follows
         self.second_run: tuple[int, str] | None = None  # a run to stop, not yet taken
-        self._stopped: set[str] = set()  # workers named as second runs already
+        self._stopped: set[tuple[int, str]] = set()  # runs named to stop already
 
     def take_second_run(self) -> tuple[int, str] | None:
         """(attempt, worker) of a second run seen since the last call, to stop; once each."""
@@ -84,17 +84,21 @@ class ChunkSequencer:
         return found
 
     def _follows(self, chunk: Chunk) -> bool:
-        """Whether ``chunk`` is of the run this stream follows (the first of its attempt)."""
+        """Whether ``chunk`` is of the run this stream follows: the first worker's of the
+        newest attempt. Another run's worker is named once (:meth:`take_second_run`),
+        whatever its attempt: a delivery made afresh by a consumer made again may come
+        with a lower one than a resume raised the stream to."""
         if not chunk.worker:
             return True  # a worker that names none: the tokens' agreement decides
-        if self.run is None or chunk.attempt > self.run[0]:
+        if chunk.attempt >= self.min_attempt and (self.run is None or chunk.attempt > self.run[0]):
             self.run = (chunk.attempt, chunk.worker)
             return True
-        if chunk.attempt < self.run[0] or chunk.worker == self.run[1]:
+        if (chunk.attempt, chunk.worker) == self.run:
             return True
-        if chunk.worker not in self._stopped:
-            self._stopped.add(chunk.worker)
-            self.second_run = (chunk.attempt, chunk.worker)
+        run = (chunk.attempt, chunk.worker)
+        if run not in self._stopped:
+            self._stopped.add(run)
+            self.second_run = run
         return False
 
     @property
@@ -108,9 +112,9 @@ class ChunkSequencer:
         Raises the chunk's error as a :class:`~common.errors.QosError` (the stream is then
         finished); ``finish_reason="error"`` without details is an internal error.
         """
-        if self.finished or chunk.attempt < self.min_attempt or chunk.id != self.request_id:
+        if self.finished or chunk.id != self.request_id:
             return []  # a chunk of another request (published here by mistake) is not ours
-        if not self._follows(chunk):
+        if not self._follows(chunk) or chunk.attempt < self.min_attempt:
             return []
         if chunk.error is not None:
             self.finished = True

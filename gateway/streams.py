@@ -537,15 +537,17 @@ class Dispatcher:
             await self._stop_second_run(stream, *second)
 
     async def _stop_second_run(self, stream: ResponseStream, attempt: int, worker: str) -> None:
-        """Another worker runs a delivery this stream already follows (common/sequencer.py):
-        it stops without an answer, and its message comes back after ack_wait as a later
-        delivery, which resumes the request only if the run followed here is gone."""
+        """Another worker runs the request besides the one this stream follows
+        (common/sequencer.py): it stops without an answer. A run of another message (the
+        id published twice) terminates that message; one of the followed message (its
+        consumer made again) leaves it to come back after ack_wait as a later delivery,
+        which resumes the request if the followed run is gone."""
         log.warning("request %s: worker %s runs delivery %d a second time; stopping it",
                     stream.request_id, worker, attempt, extra=about(stream.request_id))  # fmt: skip
         supersede = Control(
             action="supersede", issued_ms=int(time.time() * 1000), group=stream.group,
             request_id=stream.request_id, attempt=attempt, worker=worker,
-            reason="a second run of this delivery",
+            stream_seq=stream.stream_seq, reason="a second run of this delivery",
         )  # fmt: skip
         with contextlib.suppress(Exception):
             await self._nc.publish(self._subjects.abort(stream.group), supersede.to_bytes())

@@ -1163,7 +1163,9 @@ class WorkerService:
                 self._abort_in_engine(st)
         elif action == "supersede" and control.request_id and control.attempt:
             if control.worker is not None:
-                self._stop_second_run(control.request_id, control.attempt, control.worker)
+                self._stop_second_run(
+                    control.request_id, control.attempt, control.worker, control.stream_seq
+                )
             else:
                 self._supersede(control.request_id, control.attempt)
         elif action == "set_batch_cap" and self.bridge is not None:
@@ -1244,18 +1246,27 @@ class WorkerService:
         self._aborted.add(st.request.id)
         self._abort_in_engine(st)
 
-    def _stop_second_run(self, request_id: str, attempt: int, worker: str) -> None:
-        """The caller follows another worker's run of the same delivery ``attempt`` (a
-        group consumer made again delivered it afresh; a request published twice under one
-        id): this one stops without a word, as a superseded one. Its message, neither acked
-        nor nak'd, comes back after ack_wait as a later delivery, whose resume query hears
-        "closed" if the followed run has answered, and resumes the request if it died."""
+    def _stop_second_run(
+        self, request_id: str, attempt: int, worker: str, followed_seq: int | None
+    ) -> None:
+        """The caller follows another worker's run of the request, and this run (delivery
+        ``attempt`` here) is a second one: it stops without a word. A message other than the
+        followed one (``followed_seq``: the request published twice under one id) is
+        terminated, never to come back; the followed message itself (a group consumer made
+        again delivered it afresh), neither acked nor nak'd, comes back after ack_wait as a
+        later delivery, whose resume query hears "closed" if the followed run has answered
+        and resumes the request if it died."""
         st = self._inflight.get(request_id)
         if worker != self.worker_id or st is None or st.attempt != attempt:
             return
-        log.info("request %s: another worker runs delivery %d too and its caller follows "
-                 "that one; stopping ours", request_id, attempt, extra=about_flight(st))  # fmt: skip
+        duplicate = followed_seq is not None and _stream_seq(st.msg) not in (None, followed_seq)
+        log.info("request %s: its caller follows another worker's run; stopping ours "
+                 "(delivery %d%s)", request_id, attempt,
+                 ", a duplicate message: terminated" if duplicate else "",
+                 extra=about_flight(st))  # fmt: skip
         self._retire(st, "superseded")
+        if duplicate:
+            self._spawn(settle(st.msg.term), "term-duplicate")
         self._poke()
 
     def _supersede(self, request_id: str, attempt: int) -> None:

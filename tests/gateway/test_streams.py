@@ -306,6 +306,7 @@ async def test_a_second_run_of_one_delivery_is_stopped_and_the_first_answers(
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "abcdefghi"
     (stop,) = stops
     assert (stop.worker, stop.attempt, stop.request_id) == ("w-2nd", 1, reply.json()["id"])
+    assert stop.stream_seq is not None  # the message followed: another one is terminated
 
 
 async def test_a_gap_no_resync_fills_ends_the_request_with_a_retryable_503(

@@ -76,6 +76,10 @@ def test_a_second_workers_run_of_the_same_attempt_is_dropped_and_named_once() ->
     assert delivered(later, by("c", chunk(1, [2], attempt=2))) == [2]
     assert delivered(later, by("d", chunk(2, [3], attempt=2))) == []
     assert later.take_second_run() == (2, "d")
+    # A consumer made again delivers it afresh as attempt 1, below the stream's 2: that run
+    # is named too (the resume's supersede went out before it began).
+    assert delivered(later, by("e", chunk(0, [1, 2, 3], attempt=1))) == []
+    assert later.take_second_run() == (1, "e")
 
 
 def test_resume_answers_what_was_delivered_and_silences_older_attempts() -> None:
