@@ -154,3 +154,38 @@ def test_preemption_by_recompute_gives_transformers_tokens(policy: str, root: st
             assert engine.stats().num_preemptions > 0
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
         assert [outputs[str(i)] for i in range(len(batch))] == expected(path, batch, 16)
+
+
+def test_priority_preemption_mid_run_gives_transformers_tokens(root: str) -> None:
+    """Urgent arrivals trim, sit out and preempt less urgent requests at every stage
+    (prefill chunks, decodes), in a cache that also forces preemption by recompute: every
+    request still ends with transformers' tokens and nothing is left held."""
+    path = checkpoint("llama", root)
+    batch = [p for p in prompts(BS, seed=8) + prompts(BS, seed=9) if len(p) > 2]
+    long_greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    for caching in (True, False):
+        engine = LLMEngine(
+            EngineArgs(
+                str(path),
+                dtype="float32",
+                policy="hybrid",
+                block_size=BS,
+                num_kv_blocks=14,
+                max_batch_size=3,
+                max_num_batched_tokens=12,
+                max_wait_ms=0,
+                enable_prefix_caching=caching,
+            )  # fmt: skip
+        )
+        outputs: dict[str, list[int]] = {}
+        pending = list(enumerate(batch))
+        while pending or engine.has_unfinished():
+            if pending:  # one arrival a step, more urgent as the run goes on
+                i, p = pending.pop(0)
+                engine.add_request(str(i), prompt_token_ids=p, params=long_greedy, priority=-i)
+            for d in engine.step():
+                if d.output is not None:
+                    outputs[d.request_id] = d.output.token_ids
+        assert engine.stats().num_priority_preemptions > 0
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+        assert [outputs[str(i)] for i in range(len(batch))] == expected(path, batch, 16)
