@@ -175,7 +175,7 @@ def test_priority_preemption_mid_run_gives_transformers_tokens(root: str) -> Non
                 max_num_batched_tokens=12,
                 max_wait_ms=0,
                 enable_prefix_caching=caching,
-            )  # fmt: skip
+            )
         )
         outputs: dict[str, list[int]] = {}
         pending = list(enumerate(batch))
