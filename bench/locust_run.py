@@ -62,7 +62,15 @@ def summary(rows: list[dict[str, str]]) -> dict[str, Any]:
         "requests": total,
         "failures": sum(v["failures"] for v in posts.values()),
         "req_s": round(sum(v["req_s"] for v in posts.values()), 2),
-        "valid_req_s": round(sum(v["req_s"] for k, v in posts.items() if k not in invalid), 2),
+        # Answered: neither the invalid kind (refused on purpose) nor failures (their rows).
+        "valid_req_s": round(
+            sum(
+                v["req_s"]
+                for k, v in posts.items()
+                if k not in invalid and not k.endswith("(failed)")
+            ),
+            2,
+        ),
         "invalid_requests": sum(v["requests"] for v in invalid.values()),
         "retried_after_429": sum(v["requests"] for v in shed.values()),
         # None sent proves nothing: "all of none" read True.

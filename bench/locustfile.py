@@ -282,16 +282,24 @@ class FieldMixUser(HttpUser):
         return None
 
     def _stream(self, resp: Any, name: str, started: float) -> str | None:
-        """Read one streamed answer; fire TTFT/ITL events; its text, or None on failure."""
+        """Read one streamed answer; fire TTFT/ITL events; its text, or None on failure.
+        A failure goes to a row of its own (``<name> (failed)``): locust puts failed
+        requests in their row's percentiles and rate, and a long document's final 429s
+        (~2 s: two Retry-After waits) pulled its E2E p50 a second below its TTFT p50."""
         if resp.status_code != 200:
+            resp.request_meta["name"] = f"{name} (failed)"
             resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
             return None
+        text = None
         try:
-            return self._read_stream(resp, name, StreamClock(started))
+            text = self._read_stream(resp, name, StreamClock(started))
+            return text
         finally:
-            # The row's time is the whole stream, also when it fails part-way (locust puts
-            # failed requests in the row's percentiles: a broken 30 s stream read ~20 ms).
+            # The row's time is the whole stream, also when it fails part-way (a broken 30 s
+            # stream read ~20 ms).
             resp.request_meta["response_time"] = (time.perf_counter() - started) * 1e3
+            if text is None:
+                resp.request_meta["name"] = f"{name} (failed)"
 
     def _read_stream(self, resp: Any, name: str, clock: StreamClock) -> str | None:
         """:meth:`_stream`'s reading: events fired as ``clock`` times them, the text or None."""

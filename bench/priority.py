@@ -1,14 +1,20 @@
 """Urgent requests into a full engine, with and without priority preemption, side by side.
 
 A ``hybrid`` engine is kept full by background requests of low priority (a closed loop:
-each one that finishes is replaced at once, so every slot stays taken), while urgent
-requests arrive on a fixed schedule. Without priority preemption an urgent arrival waits
-for a background request to finish, up to a whole background generation; with it, it
-preempts the least urgent and newest one and starts at the next step. Both runs take the
-same prompts and arrival times, each on a fresh engine; reported per run: the urgent
-requests' TTFT and E2E (p50/p99), the background's output tok/s over the same window, the
-preemptions; then the ratios (off / on for the urgent latencies, on / off for the
-background throughput: what the urgent ones cost the rest).
+each one that finishes is replaced at once, so every slot stays taken; their output
+lengths are drawn uniformly up to twice ``--background-tokens``, so they finish spread out,
+as a served group's do: equal lengths finished together and made the wait for a free slot
+the wait for a whole generation), while urgent requests arrive on a fixed schedule.
+Without priority preemption an urgent arrival waits for a background request to finish;
+with it, it takes the tokens, slot or blocks it needs from less urgent ones at once.
+
+Runs alternate off, on, on, off (``--rounds`` pairs), each on a fresh engine with the same
+prompts, lengths and arrival times. Reported per run and per mode: the urgent requests'
+TTFT and E2E from their due time (p50, p90, max), the background's output tokens per step
+and per second over the same window, the steps, positions computed and preemptions; then
+the ratios of the modes' means (off / on for urgent latency, on / off for the background:
+what the urgent ones cost the rest). Per step is the sturdier cost figure on a shared host,
+where the seconds move between runs.
 
     python -m bench.priority --out bench/results/cpu/priority.json
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,22 +51,27 @@ def run(ns: argparse.Namespace, preemption: bool) -> dict[str, Any]:
         max_num_batched_tokens=ns.token_budget,
         priority_preemption=preemption,
         dtype=ns.dtype,
-        device="cpu" if ns.device == "cpu" else ns.device,
+        device=ns.device,
         seed=ns.seed,
     )
     engine = LLMEngine(args)
     vocab = engine.model_config.vocab_size
-    rng = random.Random(ns.seed)  # the same prompts in both runs
-    background = SamplingParams(temperature=0.0, max_tokens=ns.background_tokens, ignore_eos=True)
+    rng = random.Random(ns.seed)  # the same prompts and lengths in every run
     urgent = SamplingParams(temperature=0.0, max_tokens=ns.urgent_tokens, ignore_eos=True)
     urgent_prompts = [_prompt(rng, ns.urgent_prompt, vocab) for _ in range(ns.urgent)]
+    backgrounds = [
+        (_prompt(rng, ns.background_prompt, vocab), rng.randint(1, 2 * ns.background_tokens))
+        for _ in range(4 * ns.max_batch + ns.urgent)
+    ]
     n_background = 0
 
     def add_background() -> None:
         nonlocal n_background
+        prompt, length = backgrounds[n_background % len(backgrounds)]
         n_background += 1
-        engine.add_request(f"bg-{n_background}", params=background, priority=BACKGROUND_PRIORITY,
-                           prompt_token_ids=_prompt(rng, ns.background_prompt, vocab))  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
+        engine.add_request(f"bg-{n_background}", params=params, priority=BACKGROUND_PRIORITY,
+                           prompt_token_ids=prompt)  # fmt: skip
 
     for _ in range(ns.max_batch):
         add_background()
@@ -67,50 +79,58 @@ def run(ns: argparse.Namespace, preemption: bool) -> dict[str, Any]:
     while engine.stats().num_running < ns.max_batch or any(
         r.is_prefilling for r in engine.batcher.running
     ):
-        engine.step()
+        for d in engine.step():
+            if d.finished:
+                add_background()
     start = time.perf_counter()
     due = [start + ns.warmup_s + i * ns.urgent_every_s for i in range(ns.urgent)]
-    added: dict[str, float] = {}
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    added = 0
     background_tokens = 0
-    before = engine.stats()
-    steps_before = before.num_steps
+    before = None  # the engine's counters at the first arrival: one window for every figure
     while len(done) < ns.urgent:
         now = time.perf_counter()
-        while len(added) < ns.urgent and due[len(added)] <= now:
-            rid = f"urgent-{len(added)}"
-            engine.add_request(rid, params=urgent, priority=URGENT_PRIORITY,
-                               prompt_token_ids=urgent_prompts[len(added)])  # fmt: skip
-            added[rid] = now
+        while added < ns.urgent and due[added] <= now:
+            if before is None:
+                before = engine.stats()
+            engine.add_request(f"urgent-{added}", params=urgent, priority=URGENT_PRIORITY,
+                               prompt_token_ids=urgent_prompts[added])  # fmt: skip
+            added += 1
         if not engine.has_unfinished():
-            time.sleep(max(0.0, due[len(added)] - now))
+            time.sleep(max(0.0, due[added] - now))
             continue
         deltas = engine.step()
         now = time.perf_counter()
         for d in deltas:
             if d.request_id.startswith("urgent-"):
-                if d.token_ids and d.request_id not in first:
-                    first[d.request_id] = now
+                i = int(d.request_id.removeprefix("urgent-"))
+                if d.token_ids and i not in first:
+                    first[i] = now
                 if d.finished:
-                    done[d.request_id] = now
+                    done[i] = now
             else:
-                if added:  # counted from the first urgent arrival on
+                if before is not None:
                     background_tokens += len(d.token_ids)
                 if d.finished:
                     add_background()
-    window = max(done.values()) - min(added.values())
-    ttft = sorted((first[r] - added[r]) * 1e3 for r in added)
-    e2e = sorted((done[r] - added[r]) * 1e3 for r in added)
+    assert before is not None
     stats = engine.stats()
+    window = max(done.values()) - due[0]
+    steps = stats.num_steps - before.num_steps
+    # From each one's due time: one that fell due during a step waited for it too.
+    ttft = sorted((first[i] - due[i]) * 1e3 for i in range(ns.urgent))
+    e2e = sorted((done[i] - due[i]) * 1e3 for i in range(ns.urgent))
     return {
         "priority_preemption": preemption,
-        "urgent": len(added),
-        "urgent_ttft_ms": _percentiles(ttft) | {"max": round(ttft[-1], 1)},
+        "urgent": ns.urgent,
+        "urgent_ttft_ms": _percentiles(ttft),
         "urgent_e2e_ms": _percentiles(e2e),
+        "background_tokens_per_step": round(background_tokens / max(1, steps), 3),
         "background_tok_s": round(background_tokens / window, 1),
         "window_s": round(window, 2),
-        "steps": stats.num_steps - steps_before,
+        "steps": steps,
+        "step_ms": round(window / max(1, steps) * 1e3, 2),
         # Positions computed in the window: a token per decode, plus prompts (the urgent
         # ones', and what victims recompute past their prefix-cache hits).
         "tokens_computed": stats.num_tokens_computed - before.num_tokens_computed,
@@ -120,7 +140,18 @@ def run(ns: argparse.Namespace, preemption: bool) -> dict[str, Any]:
 
 
 def _percentiles(sorted_ms: list[float]) -> dict[str, float]:
-    return {"p50": round(pct(sorted_ms, 50), 1), "p99": round(pct(sorted_ms, 99), 1)}
+    return {"p50": round(pct(sorted_ms, 50), 1), "p90": round(pct(sorted_ms, 90), 1),
+            "max": round(sorted_ms[-1], 1)}  # fmt: skip
+
+
+def _mean(runs: list[dict[str, Any]], *keys: str) -> float:
+    values = []
+    for r in runs:
+        value: Any = r
+        for key in keys:
+            value = value[key]
+        values.append(float(value))
+    return statistics.fmean(values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,31 +162,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--background-prompt", type=int, default=128)
-    p.add_argument("--background-tokens", type=int, default=384)
-    p.add_argument("--urgent", type=int, default=20)
+    p.add_argument("--background-tokens", type=int, default=384, help="mean output length")
+    p.add_argument("--urgent", type=int, default=40)
     p.add_argument("--urgent-prompt", type=int, default=32)
     p.add_argument("--urgent-tokens", type=int, default=16)
-    p.add_argument("--urgent-every-s", type=float, default=0.5)
+    p.add_argument("--urgent-every-s", type=float, default=0.25)
     p.add_argument("--warmup-s", type=float, default=0.5, help="before the first urgent one")
+    p.add_argument("--rounds", type=int, default=1, help="pairs of runs: off, on, on, off, …")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     ns = p.parse_args(argv)
-    off, on = run(ns, preemption=False), run(ns, preemption=True)
+    order = [False, True, True, False] * ((ns.rounds + 1) // 2)
+    runs = [run(ns, preemption=on) for on in order[: 2 * ns.rounds]]
+    off = [r for r in runs if not r["priority_preemption"]]
+    on = [r for r in runs if r["priority_preemption"]]
 
-    def ratio(a: dict[str, Any], b: dict[str, Any], *keys: str) -> float:
-        for key in keys:
-            a, b = a[key], b[key]
-        return round(a / b, 2) if b else float("nan")  # type: ignore[operator]
+    def ratio(a: list[dict[str, Any]], b: list[dict[str, Any]], *keys: str) -> float:
+        den = _mean(b, *keys)
+        return round(_mean(a, *keys) / den, 2) if den else float("nan")
 
     result = {
         "benchmark": "priority",
         "git": git_state(),
         "args": {k: v for k, v in vars(ns).items() if k != "out"},
-        "runs": [off, on],
+        "runs": runs,
         "ratios": {
             "urgent_ttft_p50_off_over_on": ratio(off, on, "urgent_ttft_ms", "p50"),
-            "urgent_ttft_p99_off_over_on": ratio(off, on, "urgent_ttft_ms", "p99"),
-            "urgent_e2e_p99_off_over_on": ratio(off, on, "urgent_e2e_ms", "p99"),
+            "urgent_ttft_p90_off_over_on": ratio(off, on, "urgent_ttft_ms", "p90"),
+            "urgent_e2e_p90_off_over_on": ratio(off, on, "urgent_e2e_ms", "p90"),
+            "background_tokens_per_step_on_over_off": ratio(on, off, "background_tokens_per_step"),
             "background_tok_s_on_over_off": ratio(on, off, "background_tok_s"),
         },
     }

@@ -81,11 +81,12 @@ def test_the_summary_gives_each_kinds_share_and_the_valid_rate() -> None:
     got = summary([
         row("conversation turn 1", 10, 1.0), row("conversation turn 2", 10, 1.0),
         row("short", 25, 2.5), row("invalid wrong_type", 5, 0.5),
-        row("short (429, retried)", 3, 0.3),
+        row("short (429, retried)", 3, 0.3), row("short (failed)", 2, 0.2),
     ])  # fmt: skip
-    assert got["request_share_pct"] == {"conversation": 40.0, "short": 50.0, "invalid": 10.0}
-    assert (got["req_s"], got["valid_req_s"]) == (5.0, 4.5)
-    assert got["retried_after_429"] == 3 and got["requests"] == 50
+    assert got["request_share_pct"] == {"conversation": 38.5, "short": 51.9, "invalid": 9.6}
+    # Failed requests are sent (in the mix) but not answered (not in the valid rate).
+    assert (got["req_s"], got["valid_req_s"]) == (5.2, 4.5)
+    assert got["retried_after_429"] == 3 and got["requests"] == 52
     # A row nothing was sent on has "N/A" percentiles (the run's summary died on them).
     idle = {**row("idle", 0, 0.0), "Type": "GET", "50%": "N/A", "95%": "N/A", "99%": "N/A"}
     assert summary([idle])["by_request"]["GET idle"]["p50_ms"] is None
