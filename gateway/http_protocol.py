@@ -23,7 +23,8 @@ request is in OpenAI's error shape too.
 answered every request 503 once that many connections were open, idle keep-alives
 included, so a gateway saturated by long streams failed its liveness probe (Kubernetes
 restarted it, cutting every stream it held) and went dark to Prometheus when it was most
-worth watching. Everything else still gets the 503.
+worth watching. Everything else still gets the 503, in OpenAI's error shape with a
+``Retry-After`` (uvicorn's was plain text).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import logging
 from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from common.errors import ServiceUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +87,21 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._refuse_large_head()
             raise _HeadTooLarge  # the parser stops; send_400_response sees it closed
         limit = self.limit_concurrency
-        if limit is not None and self.url.split(b"?", 1)[0] in PROBE_PATHS:
-            self.limit_concurrency = None  # read by uvicorn for this request only
-            try:
-                super().on_headers_complete()
-            finally:
-                self.limit_concurrency = limit
-            return
+        if limit is not None:
+            probe = self.url.split(b"?", 1)[0] in PROBE_PATHS
+            over = len(self.connections) >= limit or len(self.tasks) >= limit
+            if probe or over:
+                # uvicorn's own check answers a plain-text 503: probes pass it, the rest
+                # get OpenAI's shape with a Retry-After (the openai SDK retries on it).
+                app = self.app
+                self.limit_concurrency = None  # both read by uvicorn for this request only
+                if not probe:
+                    self.app = _over_capacity
+                try:
+                    super().on_headers_complete()
+                finally:
+                    self.limit_concurrency, self.app = limit, app
+                return
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -209,6 +220,21 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             + body
         )
         self.transport.close()
+
+
+async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
+    """The answer past ``gateway.max_connections``: a 503 in OpenAI's shape, and close."""
+    error = ServiceUnavailableError(
+        "the gateway is at its limit of open connections (gateway.max_connections); retry",
+        code="too_many_connections",
+        retry_after_s=1,
+    )
+    body = json.dumps(error.to_openai()).encode()
+    headers = [(k.lower().encode(), v.encode()) for k, v in error.headers().items()]
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"), *headers]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _peer(client: tuple[str, int] | None) -> str:

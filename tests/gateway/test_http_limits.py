@@ -161,7 +161,8 @@ async def test_connections_past_the_cap_get_503(nats_config: NatsConfig) -> None
             health = await http.get("/health?verbose=1")
         for _, writer in held:
             writer.close()
-    assert refused.status_code == 503
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "too_many_connections"  # OpenAI's shape
     assert metrics.status_code == 200 and "qos_" in metrics.text
     assert health.status_code != 503 or "Exceeded concurrency limit" not in health.text
 
