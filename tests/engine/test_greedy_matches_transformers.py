@@ -34,6 +34,25 @@ def run_llm(path: Path, batch: list[list[int]], **kw: object) -> list[list[int]]
     return [o.token_ids for o in llm.generate(prompt_token_ids=batch, sampling_params=GREEDY)]
 
 
+def tight_engine(
+    path: Path, policy: str, caching: bool, max_batch_size: int = 8, budget: int = 16
+) -> LLMEngine:
+    """An engine whose 14 blocks of 4 force preemption by recompute."""
+    return LLMEngine(
+        EngineArgs(
+            str(path),
+            dtype="float32",
+            policy=policy,
+            block_size=BS,
+            num_kv_blocks=14,
+            max_batch_size=max_batch_size,
+            max_num_batched_tokens=budget,
+            max_wait_ms=0,
+            enable_prefix_caching=caching,
+        )
+    )
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_architecture_matches_transformers_across_block_boundaries(
     kind: str, root: str
@@ -128,19 +147,7 @@ def test_preemption_by_recompute_gives_transformers_tokens(policy: str, root: st
     batch = [p for p in prompts(BS, seed=6) + prompts(BS, seed=7) if len(p) > 2]
     long_greedy = SamplingParams(temperature=0.0, max_tokens=16)
     for caching in (True, False):
-        engine = LLMEngine(
-            EngineArgs(
-                str(path),
-                dtype="float32",
-                policy=policy,
-                block_size=BS,
-                num_kv_blocks=14,
-                max_batch_size=8,
-                max_num_batched_tokens=16,
-                max_wait_ms=0,
-                enable_prefix_caching=caching,
-            )
-        )
+        engine = tight_engine(path, policy, caching)
         for i, p in enumerate(batch):
             engine.add_request(str(i), prompt_token_ids=p, params=long_greedy)
         outputs = {}
@@ -164,19 +171,7 @@ def test_priority_preemption_mid_run_gives_transformers_tokens(root: str) -> Non
     batch = [p for p in prompts(BS, seed=8) + prompts(BS, seed=9) if len(p) > 2]
     long_greedy = SamplingParams(temperature=0.0, max_tokens=16)
     for caching in (True, False):
-        engine = LLMEngine(
-            EngineArgs(
-                str(path),
-                dtype="float32",
-                policy="hybrid",
-                block_size=BS,
-                num_kv_blocks=14,
-                max_batch_size=3,
-                max_num_batched_tokens=12,
-                max_wait_ms=0,
-                enable_prefix_caching=caching,
-            )
-        )
+        engine = tight_engine(path, "hybrid", caching, max_batch_size=3, budget=12)
         outputs: dict[str, list[int]] = {}
         pending = list(enumerate(batch))
         while pending or engine.has_unfinished():

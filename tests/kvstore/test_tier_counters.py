@@ -7,26 +7,18 @@ import threading
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import pytest
 
 from common.config import RedisConfig
 from kvstore.bulk_io import BulkConnection
-from kvstore.identity import KVLayout
 from kvstore.tiers import KVTiers
+from tests.kvstore.test_tiers import HASHES, LAYOUT, blocks, looked_up_then_lost_by_the_host
 from workers.engine.batcher import Batcher
 from workers.engine.block_pool import BlockPool
 from workers.engine.request import Request
 from workers.engine.sampling_params import SamplingParams
 
-BS = 4
-LAYOUT = KVLayout(block_size=BS, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
-HASHES = [bytes([i]) * 16 for i in range(6)]
-
-
-def blocks(n: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (n, LAYOUT.block_bytes), dtype=np.uint8)
+BS = LAYOUT.block_size
 
 
 def make(config: RedisConfig | None, **kw: object) -> KVTiers:
@@ -92,12 +84,7 @@ def test_a_load_that_starts_inside_a_lookups_host_prefix_counts_what_the_host_lo
     the host lost meanwhile were loaded from Redis without being queried there (Redis hits
     above its queries), and the answer stayed to be counted by a later load."""
     with make(redis_config, host_capacity_bytes=4 * LAYOUT.block_bytes, pin_host=False) as tiers:
-        data = blocks(6)
-        tiers.store_async(HASHES, data)
-        assert tiers.flush()
-        tiers.offload(HASHES[:4], data[:4])
-        assert tiers.lookup(HASHES) == 6  # four in host memory, the last two in Redis
-        tiers.offload([bytes([9, i]) * 8 for i in range(4)], blocks(4, seed=1))  # host lost all
+        data = looked_up_then_lost_by_the_host(tiers)
         loaded = tiers.load(HASHES[2:])  # the first two are on the device by now
         assert [bytes(v) for v in loaded] == [bytes(r) for r in data[2:]]
         s = tiers.stats().redis

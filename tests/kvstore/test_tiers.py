@@ -545,16 +545,23 @@ def test_a_block_the_host_tier_holds_already_is_refreshed_not_counted_as_stored(
     assert (host.store_blocks, host.store_bytes) == (2, 2 * LAYOUT.block_bytes)
 
 
+def looked_up_then_lost_by_the_host(tiers: KVTiers) -> np.ndarray:
+    """Six blocks stored, four of them in host memory when looked up, then pushed out of it
+    by other blocks: the blocks' data."""
+    data = blocks(6)
+    tiers.store_async(HASHES, data)
+    assert tiers.flush()
+    tiers.offload(HASHES[:4], data[:4])
+    assert tiers.lookup(HASHES) == 6  # four in host memory, the last two in Redis
+    tiers.offload([bytes([9, i]) * 8 for i in range(4)], blocks(4, seed=1))  # host lost all
+    return data
+
+
 def test_blocks_the_host_lost_between_lookup_and_load_count_as_queried_at_redis(
     redis_config: RedisConfig,
 ) -> None:
     with make(redis_config, host_capacity_bytes=4 * LAYOUT.block_bytes, pin_host=False) as tiers:
-        data = blocks(6)
-        tiers.store_async(HASHES, data)
-        assert tiers.flush()
-        tiers.offload(HASHES[:4], data[:4])
-        assert tiers.lookup(HASHES) == 6  # four in host memory, the last two in Redis
-        tiers.offload([bytes([9, i]) * 8 for i in range(4)], blocks(4, seed=1))  # host lost all
+        data = looked_up_then_lost_by_the_host(tiers)
         loaded = tiers.load(HASHES)
         assert [bytes(v) for v in loaded] == [bytes(r) for r in data]
         s = tiers.stats()
