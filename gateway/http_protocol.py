@@ -16,8 +16,8 @@ ever (enough of them took every slot of ``gateway.max_connections``). Closing at
 would reset a connection whose client is still sending (httpx sends the head and the body
 apart: the body is in flight or unread in the kernel), and the reset loses the answer it
 has not read yet; a request waiting on ``Expect: 100-continue`` that sent none of its body
-is closed at once, or its next request would be read as that body. uvicorn's own 400 for a malformed
-request is in OpenAI's error shape too.
+is closed at once, or its next request would be read as that body. uvicorn's own 400 for a
+malformed request is in OpenAI's error shape too.
 
 ``/health`` and ``/metrics`` are answered past ``gateway.max_connections``: uvicorn
 answered every request 503 once that many connections were open, idle keep-alives
