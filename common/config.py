@@ -931,7 +931,8 @@ class WorkerConfig(_Strict):
         "127.0.0.1",
         description=(
             "Address the worker's /metrics and /livez server listens on; 0.0.0.0 lets "
-            "Prometheus and probes on other machines reach it (compose and the Kubernetes config set it)."
+            "Prometheus and probes on other machines reach it (compose and the Kubernetes "
+            "config set it)."
         ),
     )
     # KV tiers below the device cache (DESIGN §5): host memory (G2) and the shared Redis
@@ -1003,7 +1004,8 @@ class SchedulerConfig(_Strict):
         "127.0.0.1",
         description=(
             "Address the scheduler's /metrics and /livez server listens on; 0.0.0.0 lets "
-            "Prometheus and probes on other machines reach it (compose and the Kubernetes config set it)."
+            "Prometheus and probes on other machines reach it (compose and the Kubernetes "
+            "config set it)."
         ),
     )
     # Breakers are sampled and evaluated every tick: a transition acts within one tick.
