@@ -62,12 +62,22 @@ def test_client_disconnect_mid_stream_aborts_and_frees_the_kv_cache(real_stack: 
             if events == 3:
                 break
         busy = real_stack.engine_stats("long-0")
-        # Should this fail, say what became of the request (a finish reason, a redelivery).
+        if busy.num_running != 1:
+            # Seen once in CI (2026-12-02; 7 runs of tests/e2e since passed): the engine idle
+            # after 4 tokens, no final chunk recorded yet, nothing logged at WARNING. Say what
+            # became of the request: its last chunks a moment later, the worker's books.
+            time.sleep(0.5)
         seen = [
-            (c.attempt, len(c.token_ids), c.finish_reason)
+            (c.attempt, len(c.token_ids), c.finish_reason, c.error)
             for c in real_stack.chunks.get(request_id, [])
         ]
-        assert busy.num_running == 1 and busy.num_free_blocks < busy.num_blocks, (busy, seen)
+        worker = real_stack.workers["long-0"]
+        assert busy.num_running == 1 and busy.num_free_blocks < busy.num_blocks, (
+            busy,
+            seen,
+            sorted(worker.inflight_ids),
+            getattr(worker, "_aborted", None),
+        )
     # Leaving the block closed the connection: the gateway must abort the worker.
 
     after = wait_idle(real_stack, "long-0")
