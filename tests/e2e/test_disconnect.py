@@ -57,27 +57,21 @@ def test_client_disconnect_mid_stream_aborts_and_frees_the_kv_cache(real_stack: 
     ):
         assert response.status_code == 200
         request_id = response.headers["x-request-id"]
-        for line in response.iter_lines():
+        lines = response.iter_lines()
+        for line in lines:
             events += line.startswith("data: ")
             if events == 3:
                 break
+        # Read while ``lines`` still holds the stream open: once the iterator is dropped,
+        # httpcore may close the connection, the gateway aborts the request, and an abort
+        # that beat this read left the engine idle after 4 tokens (a flake seen in CI).
         busy = real_stack.engine_stats("long-0")
-        if busy.num_running != 1:
-            # Seen once in CI (2026-12-02; 7 runs of tests/e2e since passed): the engine idle
-            # after 4 tokens, no final chunk recorded yet, nothing logged at WARNING. Say what
-            # became of the request: its last chunks a moment later, the worker's books.
-            time.sleep(0.5)
         seen = [
-            (c.attempt, len(c.token_ids), c.finish_reason, c.error)
+            (c.attempt, len(c.token_ids), c.finish_reason)
             for c in real_stack.chunks.get(request_id, [])
         ]
-        worker = real_stack.workers["long-0"]
-        assert busy.num_running == 1 and busy.num_free_blocks < busy.num_blocks, (
-            busy,
-            seen,
-            sorted(worker.inflight_ids),
-            getattr(worker, "_aborted", None),
-        )
+        assert busy.num_running == 1 and busy.num_free_blocks < busy.num_blocks, (busy, seen)
+        del lines
     # Leaving the block closed the connection: the gateway must abort the worker.
 
     after = wait_idle(real_stack, "long-0")
