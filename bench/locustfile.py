@@ -1,9 +1,10 @@
 """Locust stress test of the OpenAI API with the field study's mix (``bench/field_mix.py``).
 
-Of the requests the users send, long-document QA makes 19 %, the turns of multi-turn
-conversations that resend their whole history every turn 28 %, short generations 48 % and
-invalid requests 5 % (locust picks tasks: a conversation task, ``--turns`` requests, is
-weighted down by its turns, ``bench.field_mix.task_weights``): malformed JSON, wrong types, unknown parameters, out-of-range values, empty
+Of the requests the users send, invalid ones make 5 %, and of the valid ones long-document
+QA makes 20 %, the turns of multi-turn conversations that resend their whole history every
+turn 30 %, short generations 50 % (19 / 28.5 / 47.5 % of all; locust picks tasks: a
+conversation task, ``--turns`` requests, is weighted down by its turns,
+``bench.field_mix.task_weights``): malformed JSON, wrong types, unknown parameters, out-of-range values, empty
 messages, over-long prompts. Valid requests stream; invalid ones must get a 4xx — a 5xx, a
 2xx or a hang (``--invalid-timeout-s``) is a failure. Besides each request's end-to-end time
 (its own row), TTFT and inter-token latency are recorded as custom events, so they show up

@@ -15,9 +15,9 @@ batch mid-run), then runs, with the same seeds for every policy:
    ``slo_ttft_ms``, or under 99 % of requests complete) and the saturation throughput (the
    most req/s any step sustained).
 
-Sessions are the field mix by request (``bench/policies_load.py``): of the valid 95 in 100,
-19 long-document questions on the ``long`` group, 28 turns of three-turn conversations
-resending their history, 48 short generations (the locust file's 5 % invalid requests are
+Sessions are the field mix by request (``bench/policies_load.py``): of the valid requests,
+20 % long-document questions on the ``long`` group, 30 % turns of three-turn conversations
+resending their history, 50 % short generations (the locust file's 5 % invalid requests are
 left out: they measure robustness). Runs before 2026-12-01 drew sessions in those
 proportions instead: 13 / 56 / 31 % by request.
 Ratios are against two baselines. The field study reports 2.9x req/s at the same SLO from
@@ -364,8 +364,8 @@ def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str,
         "model": args.model,
         "device": args.device,
         "workload": {
-            "mix": "by request, of 95: 19 long-document QA (long group), 28 turns of 3-turn "
-            "conversations, 48 short (before 2026-12-01: sessions in those proportions)",
+            "mix": "by request: 20 % long-document QA (long group), 30 % turns of 3-turn "
+            "conversations, 50 % short (before 2026-12-01: sessions in those proportions)",
             "rate_sessions_s": args.rate,
             "duration_s": args.duration_s,
             "sweep_factors": args.sweep,
