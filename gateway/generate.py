@@ -37,6 +37,7 @@ from common.errors import (
     PayloadTooLargeError,
     QosError,
     RequestTimeoutError,
+    ServiceUnavailableError,
 )
 from common.logging import bind_request
 from common.protocol import GenerateRequest
@@ -209,10 +210,25 @@ class Generator:
             left_s = deadline_ms / 1000 - (time.monotonic() - started)
             if left_s <= 0:
                 raise DeadlineExceededError("the request's deadline passed before it was admitted")
-            route = await self._admission.admit(
-                classified.group, len(prompt_ids) + classified.max_tokens, left_s, grant.groups
-            )
+            try:
+                route = await self._admission.admit(
+                    classified.group, len(prompt_ids) + classified.max_tokens, left_s,
+                    grant.groups,
+                )  # fmt: skip
+            except ServiceUnavailableError:
+                if time.monotonic() - started >= deadline_ms / 1000:
+                    # The wait ended at the client's own deadline: a 503 invited the openai
+                    # client to retry into the same deadline; a 504 says not to.
+                    raise DeadlineExceededError(
+                        "the request's deadline passed while it waited for a worker"
+                    ) from None
+                raise
             group_label = route.group
+            if time.monotonic() - started >= deadline_ms / 1000:
+                # Admitted on the wait's last look, past the deadline: publishing it cost a
+                # JetStream write, an abort and a delete for a 504 all the same.
+                self._admission.release(route.group)
+                raise DeadlineExceededError("the request's deadline passed before it was admitted")
             if route.group != classified.group and max_tokens is None:
                 # Settled for the group it asked for (realtime's 1,024 left a long prompt 24
                 # tokens); the group serving it may leave more.

@@ -74,6 +74,20 @@ async def test_group_without_worker_answers_503_after_a_short_wait(nats_config: 
     assert 0.25 <= waited < 2.0
 
 
+async def test_a_wait_for_a_worker_cut_by_the_clients_deadline_is_a_504(nats_config: NatsConfig):
+    """It was a 503, which the openai client retries automatically, into the same deadline
+    each time; a 504 carries x-should-retry: false."""
+    async with (
+        serve(gateway_config(nats_config), admission_wait_s=2.0) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        response = await http.post(
+            "/v1/completions", json=BODY, headers={"X-QoS-Deadline-Ms": "300"}
+        )
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+
+
 async def test_request_waits_for_a_worker_that_appears(nats_config: NatsConfig):
     async with (
         serve(gateway_config(nats_config), admission_wait_s=3.0) as gw,
