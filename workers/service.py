@@ -636,7 +636,7 @@ class WorkerService:
         if remaining <= 0:  # everything was delivered but the final chunk
             if resumed:
                 self.observer.resumed(st)
-            await self._end_resumed(st)
+            await self._end_resumed(st, held=False)  # not in the books yet: no check
             return
         try:
             params = sampling_params(req, remaining)
@@ -789,7 +789,8 @@ class WorkerService:
                 # Resumed right at the context limit: the first attempt would have ended here.
                 # Its own task: rebuilding the held text detokenizes the whole output, and
                 # every other stream's chunks wait behind the pump meanwhile.
-                self._spawn(self._end_resumed(st), "end-resumed")
+                held = self._inflight.get(st.request.id) is st  # the engine refused it: ours
+                self._spawn(self._end_resumed(st, held), "end-resumed")
             else:
                 await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
             return
@@ -807,11 +808,12 @@ class WorkerService:
             st.flush_at = asyncio.get_running_loop().time() + self._coalesce_s
             self._coalescing[st.request.id] = st
 
-    async def _end_resumed(self, st: Flight) -> None:
+    async def _end_resumed(self, st: Flight, held: bool) -> None:
         """End a resumed request with nothing left to generate as its first attempt would
         have ended there: with the text that attempt held back (a possible stop-string
-        start, an unfinished character), which the caller does not have yet."""
-        held = self._inflight.get(st.request.id) is st  # the engine refused it: still ours
+        start, an unfinished character), which the caller does not have yet. ``held``:
+        ours when the task was started (judged then: a supersede or hand-back between the
+        start and this task's first step must stop it too)."""
         text, matched = "", None
         tokenizer = getattr(self.engine, "tokenizer", None)
         if tokenizer is not None:
@@ -914,7 +916,14 @@ class WorkerService:
         # Mid-answer: stop it in the engine and end it (its own task: this may run inside
         # the flush loop over every flight).
         self._abort_in_engine(st)
-        self._spawn(self._send_error(st, error), "too-big")
+        self._spawn(self._send_error_if_ours(st, error), "too-big")
+
+    async def _send_error_if_ours(self, st: Flight, error: QosError) -> None:
+        """:meth:`_send_error` from a task of its own, unless ``st`` left the books before
+        the task ran: handed back (a drain's flush found the chunk too big), its caller
+        waits for the next delivery, and superseded, its message is another replica's."""
+        if self._inflight.get(st.request.id) is st:
+            await self._send_error(st, error)
 
     # --- periodic work -------------------------------------------------------------------
 
@@ -1191,7 +1200,10 @@ class WorkerService:
                     "resume ignored: not bound to group %s (see the move's error)", self.group
                 )
             elif self._switch_lock.locked():  # mid-move: the intake is halted, the move resumes
-                log.info("resume ignored: moving between groups (it serves once moved)")
+                # Undrained now, so the move's end turns serving back on (it kept a drain
+                # given before it, and a resume sent meanwhile was lost: it served nothing).
+                self._drained = False
+                log.info("resume during a move between groups: it serves once moved")
             else:
                 self._drained = False
                 self._set_serving(True)

@@ -11,6 +11,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -477,6 +478,46 @@ async def test_a_drained_replica_stays_drained_through_a_move_until_resumed(
         group="realtime", prompt_token_ids=[3], params=RequestParams(max_tokens=2)
     )
     assert ids == expected_tokens(1, 2) and final.worker == "w0"
+
+
+async def test_a_resume_sent_during_a_move_serves_once_the_move_ends(
+    start_worker: Any, nc: Client, subjects: Subjects
+) -> None:
+    """A resume that came while a move held the switch was ignored and the drain before it
+    kept: the moved replica fetched nothing until someone resumed it again."""
+    service = await start_worker()
+    own = subjects.control("w0")
+    await nc.publish(own, Control(action="drain").to_bytes())
+    await eventually(lambda: service.state == "draining")
+    async with service._switch_lock:  # a move under way (it waits for requests to end)
+        await nc.publish(own, Control(action="resume").to_bytes())
+        await nc.flush()
+        await eventually(lambda: not service._drained)
+        assert service.state == "draining"  # the intake stays halted until the move ends
+    await service.assign_group("realtime")
+    assert service.group == "realtime" and service.state == "serving"
+
+
+async def test_a_too_big_ending_started_for_a_request_no_longer_held_sends_nothing(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    """A drain's flush found the chunk too big and started a task to end the request with
+    an error, then handed the message back: the task answered it 500 anyway (and acked a
+    message that was no longer this replica's), and the resume heard "closed"."""
+    from common.errors import InternalError
+    from workers.outbox import Flight
+
+    service = await start_worker()
+    acked: list[str] = []
+    rid = new_id()
+    msg = SimpleNamespace(ack=lambda: acked.append("ack"), nak=lambda **_: None)
+    req = GenerateRequest(id=rid, group="short", reply=subjects.out(rid))
+    st = Flight(req, msg=msg, attempt=1, start=0.0)
+    chunks = await nc.subscribe(subjects.out(rid))
+    await service._send_error_if_ours(st, InternalError("too big"))  # not in the books
+    with pytest.raises(nats.errors.TimeoutError):
+        await chunks.next_msg(timeout=0.3)
+    assert acked == []
 
 
 async def test_a_replica_built_for_short_serves_long_requests_once_moved_there(
