@@ -224,6 +224,7 @@ class WorkerService:
         self._cap_set_at: float | None = None  # when a cap below the group max was last set
         self._inflight: dict[str, Flight] = {}
         self._starting: dict[asyncio.Task[None], Msg] = {}  # fetched, not in the engine yet
+        self._completing: set[Flight] = set()  # answered, the final chunk or ack under way
         # Their flights, once made (by message id): an admission that fails or is cancelled
         # before the flight is in flight still ends its attempt's span.
         self._admitting: dict[int, Flight] = {}
@@ -396,7 +397,7 @@ class WorkerService:
 
     async def _wait_idle(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
-        while self._inflight or self._starting:
+        while self._inflight or self._starting or self._completing:
             left = deadline - time.monotonic()
             if left <= 0 or self.exit_code:  # an engine that failed meanwhile finishes nothing
                 break
@@ -415,6 +416,8 @@ class WorkerService:
             await self._hand_back(msg)
         for st in list(self._inflight.values()):
             await self._flush(st)  # what was generated reaches the caller; the next replica resumes
+            if self._inflight.get(st.request.id) is not st:
+                continue  # answered while the flush waited on a full buffer: nothing to hand back
             self._forget(st)
             self._abort_in_engine(st)
             await self._hand_back(st.msg)
@@ -867,8 +870,14 @@ class WorkerService:
         """Publish the last chunk, then ack: the request is answered (no redelivery)."""
         self._forget(st)
         self._count(st, chunk)
-        await self._publish(st, chunk)
-        await settle(st.msg.ack)
+        # Out of the books but not settled yet: a drain waits for it (a publish pauses while
+        # the client's buffer is full, and the stop cancelled the pump before the ack).
+        self._completing.add(st)
+        try:
+            await self._publish(st, chunk)
+            await settle(st.msg.ack)
+        finally:
+            self._completing.discard(st)
         self._resync.finished(st)
         if error and chunk.error is not None and _caller_error(chunk.error):
             pass  # a bad parameter, a prompt too long: the breakers must not see an outage

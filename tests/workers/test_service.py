@@ -520,6 +520,35 @@ async def test_a_too_big_ending_started_for_a_request_no_longer_held_sends_nothi
     assert acked == []
 
 
+async def test_a_drain_waits_for_an_answer_whose_final_chunk_is_still_going_out(
+    start_worker: Any, client: QosClient
+) -> None:
+    """A request leaves the books before its final chunk and ack go out: a publish that
+    paused on a full client buffer let the drain read the replica as idle, and the stop
+    cancelled the pump before the ack (redelivered after ack_wait)."""
+    service = await start_worker()
+    gate = asyncio.Event()
+    publish = service._publish
+
+    async def slow_ending(st: Any, chunk: Any) -> None:
+        if chunk.finish_reason is not None:
+            await gate.wait()
+        await publish(st, chunk)
+
+    service._publish = slow_ending
+    answer = asyncio.create_task(
+        client.collect(group="short", prompt_token_ids=[3], params=RequestParams(max_tokens=2))
+    )
+    await eventually(lambda: bool(service._completing))
+    waiting = asyncio.create_task(service._wait_idle(5.0))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # the answer is not out yet
+    gate.set()
+    await asyncio.wait_for(waiting, 5)
+    ids, _, final = await asyncio.wait_for(answer, 5)
+    assert ids == expected_tokens(1, 2) and final.finish_reason == "length"
+
+
 async def test_a_replica_built_for_short_serves_long_requests_once_moved_there(
     start_worker: Any, client: QosClient, nc: Client, subjects: Subjects, worker_config: Config
 ) -> None:
