@@ -69,6 +69,7 @@ from common.sequencer import (
     ChunkSequencer,
     DecodeTail,
     gap_given_up,
+    second_run_stop,
 )
 from common.subjects import Subjects
 
@@ -318,18 +319,10 @@ class QosClient:
                 fail(exc, chunk.error is not None or chunk.finish_reason == "error")
                 return
             gap.update()
-            if stream.finished:
-                self._heard.forget(rid)
-            else:
-                self._heard.heard(rid)
+            self._heard.took_chunk(rid, stream.finished)
             second = stream.take_second_run()
             if second is not None:  # as the gateway does (its Dispatcher._stop_second_run)
-                stop = Control(
-                    action="supersede", issued_ms=int(time.time() * 1000), group=group,
-                    request_id=rid, attempt=second[0], worker=second[1],
-                    stream_seq=queued[1] if queued is not None else None,
-                    reason="a second run of this delivery",
-                )  # fmt: skip
+                stop = second_run_stop(group, rid, second, queued[1] if queued else None)
                 with contextlib.suppress(Exception):
                     await self.nc.publish(self.subjects.abort(group), stop.to_bytes())
             for item in chunks:

@@ -39,6 +39,13 @@ class IdleStreams:
     def forget(self, request_id: str) -> None:
         self._heard.pop(request_id, None)
 
+    def took_chunk(self, request_id: str, ended: bool) -> None:
+        """A chunk came: the stream is heard now, or, ``ended``, no longer watched."""
+        if ended:
+            self.forget(request_id)
+        else:
+            self.heard(request_id)
+
     def __len__(self) -> int:
         return len(self._heard)
 

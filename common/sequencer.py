@@ -9,11 +9,12 @@ deliverable now; :meth:`ChunkSequencer.resume` answers a worker's resume query.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from common.errors import InternalError, ServiceUnavailableError, error_from_code
-from common.protocol import Chunk, ResumeQuery, ResumeReply
+from common.protocol import Chunk, Control, ResumeQuery, ResumeReply
 
 # Out-of-order chunks held while a gap fills; a worker never needs more than a few.
 MAX_EARLY_CHUNKS = 256
@@ -31,6 +32,19 @@ def gap_given_up() -> ServiceUnavailableError:
         "part of the answer was lost on the way and could not be recovered; retry",
         retry_after_s=1,
     )
+
+
+def second_run_stop(
+    group: str, request_id: str, run: tuple[int, str], followed_seq: int | None
+) -> Control:
+    """The ``supersede`` a caller publishes on ``P.abort.<group>`` to stop a second run
+    (:meth:`ChunkSequencer.take_second_run`): ``run`` is its (attempt, worker),
+    ``followed_seq`` the stream sequence of the message the caller follows, when known."""
+    return Control(
+        action="supersede", issued_ms=int(time.time() * 1000), group=group,
+        request_id=request_id, attempt=run[0], worker=run[1], stream_seq=followed_seq,
+        reason="a second run of this delivery",
+    )  # fmt: skip
 
 
 # (ids already delivered, new ids) -> text of the new ids; for chunks trimmed after an overlap.

@@ -207,7 +207,8 @@ class Generator:
             )
             group_label = classified.group
             # The deadline runs from arrival: reading and tokenizing the body spent some.
-            left_s = deadline_ms / 1000 - (time.monotonic() - started)
+            ends_at = started + deadline_ms / 1000
+            left_s = ends_at - time.monotonic()
             if left_s <= 0:
                 raise DeadlineExceededError("the request's deadline passed before it was admitted")
             try:
@@ -216,7 +217,7 @@ class Generator:
                     grant.groups,
                 )  # fmt: skip
             except ServiceUnavailableError:
-                if time.monotonic() - started >= deadline_ms / 1000:
+                if time.monotonic() >= ends_at:
                     # The wait ended at the client's own deadline: a 503 invited the openai
                     # client to retry into the same deadline; a 504 says not to.
                     raise DeadlineExceededError(
@@ -224,7 +225,7 @@ class Generator:
                     ) from None
                 raise
             group_label = route.group
-            if time.monotonic() - started >= deadline_ms / 1000:
+            if time.monotonic() >= ends_at:
                 # Admitted on the wait's last look, past the deadline: publishing it cost a
                 # JetStream write, an abort and a delete for a 504 all the same.
                 self._admission.release(route.group)

@@ -64,6 +64,7 @@ from common.sequencer import (
     ChunkSequencer,
     DecodeTail,
     gap_given_up,
+    second_run_stop,
 )
 from common.subjects import Subjects
 from common.tasks import watch
@@ -527,28 +528,21 @@ class Dispatcher:
             stream.fail(InternalError(f"undecodable chunk from the worker: {exc.message}"))
             return
         stream.feed(chunk)
-        if stream.finished:
-            self._heard.forget(stream.request_id)
-        else:
-            self._heard.heard(stream.request_id)
+        self._heard.took_chunk(stream.request_id, stream.finished)
         self._watch_gap(stream)
         second = stream.take_second_run()
         if second is not None:
-            await self._stop_second_run(stream, *second)
+            await self._stop_second_run(stream, second)
 
-    async def _stop_second_run(self, stream: ResponseStream, attempt: int, worker: str) -> None:
+    async def _stop_second_run(self, stream: ResponseStream, run: tuple[int, str]) -> None:
         """Another worker runs the request besides the one this stream follows
         (common/sequencer.py): it stops without an answer. A run of another message (the
         id published twice) terminates that message; one of the followed message (its
         consumer made again) leaves it to come back after ack_wait as a later delivery,
         which resumes the request if the followed run is gone."""
         log.warning("request %s: worker %s runs delivery %d a second time; stopping it",
-                    stream.request_id, worker, attempt, extra=about(stream.request_id))  # fmt: skip
-        supersede = Control(
-            action="supersede", issued_ms=int(time.time() * 1000), group=stream.group,
-            request_id=stream.request_id, attempt=attempt, worker=worker,
-            stream_seq=stream.stream_seq, reason="a second run of this delivery",
-        )  # fmt: skip
+                    stream.request_id, run[1], run[0], extra=about(stream.request_id))  # fmt: skip
+        supersede = second_run_stop(stream.group, stream.request_id, run, stream.stream_seq)
         with contextlib.suppress(Exception):
             await self._nc.publish(self._subjects.abort(stream.group), supersede.to_bytes())
 

@@ -62,8 +62,8 @@ class BreakerSample:
     p99_ms: float
     requests: int = 0  # finished, errors included
     errors: int = 0
-    # When the oldest report behind ``p99_ms`` was made (None: now): its latency window
-    # ends then, so it is stale for half-open until stale_p99_s after the half-open began.
+    # When the report that gives ``p99_ms`` was made (None: now): its latency window ends
+    # then, so it is stale for half-open until stale_p99_s after the half-open began.
     reported_at: float | None = None
 
 

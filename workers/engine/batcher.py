@@ -377,8 +377,6 @@ class Batcher:
         for req in list(candidates):
             if len(self.running) >= self.max_batch_size or budget <= 0:
                 break
-            if req.status is RequestStatus.PREEMPTED and req in plan.preempted:
-                break  # preempted by this step (to make way): not back in the same one
             hit_blocks, hit_tokens = self.pool.get_computed_blocks(req)
             tier_tokens = self._tier_lookup(req, len(hit_blocks))
             remaining = req.num_tokens - hit_tokens - tier_tokens
