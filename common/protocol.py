@@ -397,6 +397,9 @@ MAX_STOP_TOKEN_IDS = 64
 # Per stop string: the engine matches every one against each token's text (cost grows with
 # their length, for the whole batch on its thread).
 MAX_STOP_CHARS = 1024
+# Token ids one request may bias: each biased row adds its entries to the step's logits.
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range, either way
 MAX_CACHE_SALT_CHARS = 512  # the gateway's key part (64) plus a caller's salt (<= 256)
 
 
@@ -425,6 +428,13 @@ class RequestParams:
     # The caller reads Chunk.stop_reason: a worker sends it only then, so a gateway of an
     # earlier release (which refuses unknown chunk fields) never gets one.
     want_stop_reason: bool | None = None
+    # OpenAI's logit_bias as two parallel packed lists (token id, bias added to its logit;
+    # ids unique). Empty is left out on the wire, as None is above.
+    logit_bias_ids: list[int] = packed_i32()
+    logit_bias_values: list[float] = packed_f32()
+
+    def logit_bias(self) -> dict[int, float] | None:
+        return dict(zip(self.logit_bias_ids, self.logit_bias_values, strict=True)) or None
 
 
 @dataclass
@@ -475,6 +485,21 @@ class GenerateRequest(Message):
             raise ProtocolError(f"request.params.stop: at most {MAX_STOP_CHARS} characters each")
         if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise ProtocolError(f"request.cache_salt: at most {MAX_CACHE_SALT_CHARS} characters")
+        _check_logit_bias(self.params)
+
+
+def _check_logit_bias(params: RequestParams) -> None:
+    ids, values = params.logit_bias_ids, params.logit_bias_values
+    if len(ids) != len(values):
+        raise ProtocolError(
+            "request.params.logit_bias_ids and logit_bias_values must have equal lengths"
+        )
+    if len(ids) > MAX_LOGIT_BIAS:
+        raise ProtocolError(f"request.params.logit_bias_ids: at most {MAX_LOGIT_BIAS} token ids")
+    if ids and (min(ids) < 0 or len(set(ids)) != len(ids)):
+        raise ProtocolError("request.params.logit_bias_ids: must be unique non-negative ids")
+    if any(not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT for v in values):
+        raise ProtocolError("request.params.logit_bias_values: must be in [-100, 100]")
 
 
 @dataclass

@@ -6,7 +6,7 @@ extensions users expect (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_
 strict: an unknown parameter, a wrong type or an out-of-range value is a 400 naming the parameter,
 never a silent coercion, because a client that misspells ``max_tokens`` deserves to know.
 OpenAI parameters of features this gateway does not serve are known, not unknown: sent with
-a value that asks for nothing (``logit_bias: null``, ``tools: []``, ``response_format:
+a value that asks for nothing (``tools: []``, ``response_format:
 {"type": "text"}``, ``n: 1`` …, as LangChain and the openai client do) they are accepted
 and ignored; a value that asks for the feature is a 400 saying it is not supported.
 """
@@ -22,11 +22,18 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.errors import InvalidRequestError
-from common.protocol import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, RequestParams
+from common.protocol import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    RequestParams,
+)
 from common.sampling_defaults import SamplingDefaults
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 MAX_MESSAGES = 4096  # a conversation's turns: beyond any context window, bounded work
 # "function": a function call's result in the deprecated functions API's history.
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -161,8 +168,9 @@ class _SamplingBody(_Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
-    # Known, not served: accepted only with a value that asks for nothing (see _NEUTRAL).
-    logit_bias: Any = None
+    # OpenAI's: token id (a JSON key, so a string) -> a bias in [-100, 100] added to its
+    # logit. Ids outside the model's vocabulary are the worker's 400 (it knows the model).
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -187,6 +195,27 @@ class _SamplingBody(_Strict):
         if value is not None and len(value) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids may be biased")
+        for key, bias in value.items():
+            if not _TOKEN_ID.fullmatch(key) or int(key) >= 2**31:
+                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"token {key}: the bias must be in [-100, 100], got {bias}")
+        if len({int(key) for key in value}) != len(value):  # "7" and "007"
+            raise ValueError("a token id is named twice")
+        return value
+
+    def logit_bias_lists(self) -> tuple[list[int], list[float]]:
+        """``logit_bias`` as the wire carries it: ids ascending, and their biases."""
+        pairs = sorted((int(key), bias) for key, bias in (self.logit_bias or {}).items())
+        return [t for t, _ in pairs], [b for _, b in pairs]
 
     @field_validator("n")
     @classmethod
@@ -219,6 +248,7 @@ class _SamplingBody(_Strict):
             # top_p 0" for determinism): greedy, as temperature 0 is.
             temperature, top_p = 0.0, 1.0
         top_k = given(self.top_k, d.top_k, 0)
+        bias_ids, bias_values = self.logit_bias_lists()
         return RequestParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -243,6 +273,8 @@ class _SamplingBody(_Strict):
             # but asking in every request would stop any worker of an earlier release, so
             # the rollout order, workers first, matters only for these requests).
             want_stop_reason=True if self.stop or self.stop_token_ids else None,
+            logit_bias_ids=bias_ids,
+            logit_bias_values=bias_values,
         )
 
     def include_usage(self) -> bool:
@@ -345,7 +377,6 @@ Body = TypeVar("Body", bound=BaseModel)
 # 400 for any other value says. vLLM serves some of these (tools with a parser, guided
 # decoding); here they are refused rather than half served.
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (lambda v: v in (None, {}), "logit_bias is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (only 1)"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
     "tools": (lambda v: v in (None, []), "tool calling is not supported"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import struct
 
 import msgpack
 import pytest
@@ -36,6 +37,15 @@ def _raw(**fields) -> bytes:
     return msgpack.packb({"v": WIRE_VERSION, **fields}, use_bin_type=True)
 
 
+def _biased(ids: list[int], values: list[float]) -> bytes:
+    """A request whose logit_bias lists are packed as sent."""
+    params = {
+        "logit_bias_ids": struct.pack(f"<{len(ids)}i", *ids),
+        "logit_bias_values": struct.pack(f"<{len(values)}f", *values),
+    }
+    return _raw(id="a", group="g", reply="r", prompt="x", params=params)
+
+
 MESSAGES = [
     _request(),
     _request(prompt=None, prompt_token_ids=[0, 1, 2**31 - 1], priority=-3, deadline_ms=123),
@@ -48,6 +58,8 @@ MESSAGES = [
             stop_token_ids=[2],
             ignore_eos=True,
             logprobs=3,
+            logit_bias_ids=[3, 50256],
+            logit_bias_values=[-100.0, 2.5],
         )
     ),
     Chunk(id="req-1", seq=4, attempt=2, token_ids=[9, 8], text="é🙂", worker="w1"),
@@ -132,6 +144,13 @@ def test_token_id_beyond_int32_is_refused_when_encoding() -> None:
             "cache_salt: at most 512 characters",
         ),
         (msgpack.packb({1: 2}), "not valid msgpack"),
+        (_biased([1, 2], [1.0]), "equal lengths"),
+        (_biased([1, 1], [1.0, 2.0]), "unique non-negative"),
+        (_biased([-1], [1.0]), "unique non-negative"),
+        (_biased([1], [100.5]), r"\[-100, 100\]"),
+        (_biased([1], [float("inf")]), r"\[-100, 100\]"),
+        (_biased([1], [float("nan")]), "NaN"),
+        (_biased(list(range(1025)), [1.0] * 1025), "at most 1024 token ids"),
     ],
 )
 def test_malformed_request_is_rejected_with_a_reason(payload: bytes, reason: str) -> None:
@@ -442,6 +461,7 @@ def test_fields_added_since_the_last_release_are_not_sent_unless_set() -> None:
     # to a caller that asked for it (a gateway of this release, for a request with stops).
     assert "stop_reason" not in msgpack.unpackb(Chunk(id="r", finish_reason="stop").to_bytes())
     params = msgpack.unpackb(GenerateRequest(id="r", group="g", reply="o.r").to_bytes())["params"]
+    assert "logit_bias_ids" not in params and "logit_bias_values" not in params
     assert "want_stop_reason" not in params and "attempt" not in msgpack.unpackb(
         Control(action="abort", request_id="r").to_bytes()
     )

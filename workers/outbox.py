@@ -134,6 +134,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams
         ignore_eos=p.ignore_eos, logprobs=p.logprobs, min_tokens=min_tokens or 0,
         skip_special_tokens=p.skip_special_tokens is not False,
         include_stop_str_in_output=bool(p.include_stop_str_in_output),
+        logit_bias=p.logit_bias(),
     )  # fmt: skip
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import InvalidRequestError
-from workers.engine.admission_checks import checked_prompt_ids
+from workers.engine.admission_checks import check_logit_bias, checked_prompt_ids
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.stopping import primary_eos, settle_token
@@ -87,6 +87,8 @@ class _SimRequest:
     finish_time: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Token ids its logit_bias bans (-100): the sim draws without logits to add a bias to.
+    banned: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -208,6 +210,7 @@ class SimEngine:
             request_id, self.requests, prompt, prompt_token_ids, self.encode, self.max_seq_len,
             self.vocab_size,
         )  # fmt: skip
+        check_logit_bias(params.logit_bias, self.vocab_size)
         if params.stop and self.tokenizer is None:  # as the engine: silently ignored, else
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         req = _SimRequest(
@@ -219,6 +222,7 @@ class SimEngine:
             prompt=prompt,
             max_total_tokens=min(len(ids) + params.max_tokens, self.max_seq_len),
             seed=params.seed if params.seed is not None else 0,
+            banned=frozenset(t for t, b in (params.logit_bias or {}).items() if b <= -100),
         )
         if self.tokenizer is not None:
             from common.detokenizer import attach_text_state
@@ -291,9 +295,12 @@ class SimEngine:
     def _emit(self, req: _SimRequest, now: float) -> RequestDelta:
         token = sim_token(req.seed, req.num_tokens, self.vocab_size)
         params = req.params
+        # Drawn without logits, the sim honours only the bans of logit_bias (-100), as it
+        # honours min_tokens: no EOS or stop id before them (another draw instead).
+        banned = req.banned
         if len(req.output_token_ids) < params.min_tokens:
-            # As the sampler: no EOS or stop id before min_tokens (another draw instead).
-            banned = self.eos_token_ids | set(params.stop_token_ids)
+            banned = banned | self.eos_token_ids | set(params.stop_token_ids)
+        if banned:
             redraw = 0
             while token in banned and redraw < 16:
                 redraw += 1

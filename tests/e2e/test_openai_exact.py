@@ -128,3 +128,30 @@ def test_reference_outputs_are_not_trivial(offline_llm: LLM, tokenizer: BaseToke
     }
     assert all(len(o.token_ids) >= 4 and o.text for o in outs.values())
     assert len({o.text for o in outs.values()}) == len(outs)
+
+
+def test_logit_bias_reaches_the_engine_and_a_foreign_token_id_is_a_400(
+    real_stack: Stack, offline_llm: LLM, tokenizer: BaseTokenizer
+) -> None:
+    """The openai client's ``logit_bias`` (string keys) steers the served greedy output
+    exactly as the engine's own ``logit_bias`` does; an id the model lacks is a 400."""
+    ids = prompt_ids(tokenizer, "completion")
+    plain = reference(offline_llm, ids, "greedy")
+    bias = {plain.token_ids[0]: -100.0, plain.token_ids[2]: -100.0, 5: 3.0}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logit_bias=bias)
+    expected = offline_llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    assert expected.token_ids != plain.token_ids
+    client = openai.OpenAI(base_url=real_stack.base_url, api_key="unused", max_retries=0)
+    wire_bias = {str(t): b for t, b in bias.items()}
+    for stream in (False, True):
+        result: Any = client.completions.create(
+            model=real_stack.model, logit_bias=wire_bias,  # type: ignore[arg-type]
+            **request_kwargs("completion", stream, "greedy"),
+        )  # fmt: skip
+        check(list(result) if stream else result, "completion", stream, expected, len(ids))
+    vocab = offline_llm.engine.model_config.vocab_size
+    with pytest.raises(openai.BadRequestError, match=f"logit_bias .* vocabulary .*: {vocab}"):
+        client.completions.create(
+            model=real_stack.model, prompt=PROMPT, max_tokens=4,
+            logit_bias={str(vocab): -100},
+        )  # fmt: skip

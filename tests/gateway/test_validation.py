@@ -85,7 +85,13 @@ BAD_PARAMETERS = [
     ("completions", {"priority": "high"}, "priority"),
     ("completions", {"user": 7}, "user"),
     ("completions", {"best_of": 2}, "best_of"),
-    ("completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("completions", {"logit_bias": {"x1": -100}}, "logit_bias"),
+    ("completions", {"logit_bias": {"-1": 5}}, "logit_bias"),
+    ("completions", {"logit_bias": {"7": 101}}, "logit_bias"),
+    ("completions", {"logit_bias": {"7": "5"}}, "logit_bias"),
+    ("completions", {"logit_bias": {"7": 1, "007": 2}}, "logit_bias"),
+    ("completions", {"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ("completions", {"logit_bias": {"2147483648": 1}}, "logit_bias"),
     ("completions", {"suffix": "x"}, "suffix"),
     (
         "completions",
@@ -174,6 +180,16 @@ async def test_openai_parameters_that_ask_for_nothing_are_accepted(fields: dict[
     ]}  # fmt: skip
     result = parse_body(ChatCompletionRequest, json.dumps(history).encode()).messages[1]
     assert result.for_template() == {"role": "tool", "name": "weather", "content": "sunny"}
+
+
+def test_logit_bias_travels_as_ascending_ids_and_their_biases() -> None:
+    body = {**OK_CHAT, "logit_bias": {"50256": -100, "7": 2.5, "0": 1}}  # ints for floats too
+    params = parse_body(ChatCompletionRequest, json.dumps(body).encode()).wire_params(4, None)
+    assert params.logit_bias_ids == [0, 7, 50256]
+    assert params.logit_bias_values == [1.0, 2.5, -100.0]
+    assert params.logit_bias() == {0: 1.0, 7: 2.5, 50256: -100.0}
+    unbiased = parse_body(ChatCompletionRequest, json.dumps(OK_CHAT).encode()).wire_params(4, None)
+    assert unbiased.logit_bias_ids == [] and unbiased.logit_bias() is None
 
 
 async def test_tool_call_arguments_reach_the_template_as_objects() -> None:

@@ -231,3 +231,14 @@ def test_the_sim_refuses_and_withholds_what_the_engine_does() -> None:
     engine.add_request("r", params=params, prompt_token_ids=[5])
     tokens = [t for d in run(engine)["r"] for t in d.token_ids]
     assert tokens[:3] == [42, 42, 42] and tokens[3] in eos and len(tokens) == 4
+    # logit_bias: an id past the vocabulary is refused, and a ban (-100) is never drawn.
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("far", params=SamplingParams(logit_bias={100: 1}), prompt_token_ids=[5])
+    assert info.value.param == "logit_bias"
+    banned = {t: -100.0 for t in range(100) if t % 10}
+    engine.add_request(
+        "ban", params=SamplingParams(max_tokens=20, ignore_eos=True, logit_bias=banned),
+        prompt_token_ids=[5],
+    )  # fmt: skip
+    tokens = [t for d in run(engine)["ban"] for t in d.token_ids]
+    assert len(tokens) == 20 and all(t % 10 == 0 for t in tokens)

@@ -43,3 +43,16 @@ def checked_prompt_ids(
             param="prompt",
         )
     return ids
+
+
+def check_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> None:
+    """An :class:`InvalidRequestError` (HTTP 400) for a ``logit_bias`` token id outside the
+    model's vocabulary (vLLM refuses them too): the caller meant another model's ids."""
+    outside = sorted(t for t in bias or () if t >= vocab_size)
+    if outside:
+        shown = ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")
+        raise InvalidRequestError(
+            f"logit_bias names token ids outside this model's vocabulary [0, {vocab_size}): "
+            f"{shown}",
+            param="logit_bias",
+        )

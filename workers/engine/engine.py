@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from common.errors import ConfigError, InvalidRequestError
-from workers.engine.admission_checks import checked_prompt_ids
+from workers.engine.admission_checks import check_logit_bias, checked_prompt_ids
 from workers.engine.args import (
     DEFAULT_CPU_KV_CACHE_GIB,
     EngineArgs,
@@ -286,6 +286,7 @@ class LLMEngine:
             request_id, self.requests, prompt, prompt_token_ids, encode,
             self.max_seq_len, self.model_config.vocab_size,
         )  # fmt: skip
+        check_logit_bias(params.logit_bias, self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         req = Request(

@@ -1,7 +1,8 @@
 """Logits in, next tokens out, for a batch whose requests each sample their own way.
 
 Order, as in vLLM v1: logprobs are read from the raw model distribution
-``log_softmax(logits)``; then penalties (repetition, then presence/frequency); greedy rows
+``log_softmax(logits)``; then min_tokens holds the stop ids, ``logit_bias`` is added,
+penalties apply (repetition, then presence/frequency); greedy rows
 (temperature below 1e-5) take the argmax; the others are divided by their temperature, filtered by min-p, top-k and
 top-p, and sampled by an exponential race ``argmax(probs / E)``, ``E ~ Exp(1)``. A seeded
 request draws ``E`` from its own generator, reseeded at each step from its seed and output
@@ -156,6 +157,9 @@ class Sampler:
         early = [i for i, r in enumerate(batch) if len(r.output_token_ids) < r.params.min_tokens]
         if early:
             logits = _hold_stops(logits, [batch[i] for i in early], early)
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            logits = _add_logit_bias(logits, [batch[i] for i in biased], biased)
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             logits = logits.float()
@@ -208,6 +212,30 @@ def _hold_stops(
     # the device as a tensor first, and that blocking copy waited for the step.
     held.view(-1).index_fill_(0, flat, float("-inf"))
     return held
+
+
+def _add_logit_bias(
+    logits: torch.Tensor, batch: Sequence[SamplerInput], rows: Sequence[int]
+) -> torch.Tensor:
+    """``logits`` (widened to fp32, a new tensor) with each of ``rows``' ``logit_bias``
+    added: one ``index_add_`` for the batch. A held stop id (-inf) stays held."""
+    vocab = logits.shape[-1]
+    flat: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    for row, r in zip(rows, batch, strict=True):
+        ids, bias = r.params.bias_arrays()
+        inside = ids < vocab  # the engine refuses others; off the row, one would bias the next
+        flat.append(ids[inside] + row * vocab)
+        values.append(bias[inside])
+    index, added = np.concatenate(flat), np.concatenate(values)
+    if not index.size:
+        return logits
+    out = logits.float()
+    out = out.contiguous().clone() if out is logits else out.contiguous()
+    out.view(-1).index_add_(
+        0, to_device(index, out.device, torch.long), to_device(added, out.device, torch.float32)
+    )
+    return out
 
 
 def _is_greedy(params: SamplingParams) -> bool:

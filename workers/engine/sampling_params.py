@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 MAX_STOP_TOKEN_IDS = 64  # as the wire allows (common.protocol): the engine is used alone too
 MAX_STOP_CHARS = 1024  # likewise, per stop string
+MAX_LOGIT_BIAS = 1024  # likewise, token ids a request may bias
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
 class SamplingParamsError(ValueError):
@@ -23,6 +27,8 @@ class SamplingParams:
 
     ``seed`` fixes the request's random stream: the same seed gives the same tokens whatever
     else shares the batch. ``logprobs=k`` returns the chosen token's logprob and the top k.
+    ``logit_bias`` (OpenAI's): token id -> a number in [-100, 100] added to its logit before
+    penalties, filters and the draw (logprobs stay those of the model's own distribution).
     """
 
     max_tokens: int = 16
@@ -43,13 +49,29 @@ class SamplingParams:
     # vLLM's: EOS and stop_token_ids cannot be sampled, and stop strings do not end the
     # output, before this many tokens (max_tokens still ends it).
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if not self.logit_bias:
+            self.logit_bias = None  # {} asks for nothing: the sampler skips None rows
         self.validate()
+
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``logit_bias`` as (token ids int64, biases float32), built once per request:
+        the sampler reads them at every step."""
+        cached: tuple[np.ndarray, np.ndarray] | None = self.__dict__.get("_bias_arrays")
+        if cached is None:
+            bias = self.logit_bias or {}
+            cached = (
+                np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
+                np.fromiter(bias.values(), dtype=np.float32, count=len(bias)),
+            )
+            self.__dict__["_bias_arrays"] = cached
+        return cached
 
     @property
     def has_penalties(self) -> bool:
@@ -113,3 +135,26 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             # Each generated token is looked up in them on the engine thread, for the batch.
             raise SamplingParamsError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
+
+
+def _check_logit_bias(bias: object) -> None:
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias", "must map token ids to numbers")
+    if len(bias) > MAX_LOGIT_BIAS:
+        # Each biased row adds its entries to the step's logits on the engine thread.
+        raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids")
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise SamplingParamsError(
+                "logit_bias", f"keys must be non-negative token ids, got {token!r}"
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT
+        ):
+            raise SamplingParamsError(
+                "logit_bias", f"token {token}: the bias must be in [-100, 100], got {value!r}"
+            )
