@@ -113,7 +113,7 @@ def redact(message: str) -> str:
     if "://" in message:
         message = _URL_CREDENTIALS.sub(r"\1***@", message)
         message = _QUERY_SECRET.sub(r"\1***", message)
-    if "earer" in message:
+    if "bearer" in message.lower():  # the scheme's case is free
         message = _BEARER.sub(r"\1***", message)
     return message
 

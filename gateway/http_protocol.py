@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -58,6 +59,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     max_head_bytes: ClassVar[int] = DEFAULT_MAX_HEAD_BYTES
     head_timeout_s: ClassVar[float] = DEFAULT_HEAD_TIMEOUT_S
+    # Told the status of each request refused here, before the app (and its metrics) ran:
+    # a 503 past max_connections, a 408/431/400 head. The gateway counts them under group
+    # "-", as its other refusals before classification: under overload they were missing
+    # from the request and 5xx panels just when those mattered.
+    on_refused: ClassVar[Callable[[int], None] | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -97,6 +103,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                 self.limit_concurrency = None  # both read by uvicorn for this request only
                 if not probe:
                     self.app = _over_capacity
+                    self._count_refusal(503)
                 try:
                     super().on_headers_complete()
                 finally:
@@ -185,6 +192,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             f"the request's headers exceed {self.max_head_bytes} bytes (gateway.max_header_bytes)",
         )
 
+    def _count_refusal(self, status: int) -> None:
+        count = type(self).on_refused
+        if count is not None:
+            count(status)
+
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a malformed request, in OpenAI's error shape; nothing when the
         connection is closing already (a refusal stopped the parser)."""
@@ -208,6 +220,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             # before its own answer began, is its answer.
             self.transport.close()
             return
+        self._count_refusal(status)
         body = json.dumps(
             {"error": {"message": message, "type": "invalid_request_error", "param": None,
                        "code": code}}
@@ -241,11 +254,14 @@ def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "an unknown peer"
 
 
-def bounded_head_protocol(max_head_bytes: int, head_timeout_s: float) -> type[HttpToolsProtocol]:
+def bounded_head_protocol(
+    max_head_bytes: int,
+    head_timeout_s: float,
+    on_refused: Callable[[int], None] | None = None,
+) -> type[HttpToolsProtocol]:
     """A :class:`BoundedHeadProtocol` with these bounds, for ``uvicorn.Config(http=...)``
     (uvicorn builds the protocol itself, one per connection)."""
-    return type(
-        "BoundedHeadProtocol",
-        (BoundedHeadProtocol,),
-        {"max_head_bytes": max_head_bytes, "head_timeout_s": head_timeout_s},
-    )
+    bounds = {"max_head_bytes": max_head_bytes, "head_timeout_s": head_timeout_s}
+    # staticmethod: a plain function as a class attribute would be bound to the instance.
+    refused = {"on_refused": staticmethod(on_refused) if on_refused is not None else None}
+    return type("BoundedHeadProtocol", (BoundedHeadProtocol,), bounds | refused)

@@ -12,6 +12,7 @@ aborted on the workers as for any stream the gateway ends itself.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from types import FrameType
@@ -34,11 +35,17 @@ def uvicorn_config(app: Any, config: Config, **overrides: Any) -> uvicorn.Config
     (:mod:`gateway.http_protocol`), open connections capped (uvicorn answers 503 past
     ``gateway.max_connections``), our logging, the graceful period of ``shutdown_grace_s``."""
     gateway = config.gateway
+    # The gateway app's own metrics count what the protocol refuses before the app runs.
+    state = getattr(getattr(app, "state", None), "gateway", None)
+    metrics = getattr(state, "metrics", None)
+    on_refused = None if metrics is None else functools.partial(metrics.finished, "-")
     settings: dict[str, Any] = {
         "host": gateway.host,
         "port": gateway.port,
         "loop": "uvloop",
-        "http": bounded_head_protocol(gateway.max_header_bytes, gateway.header_timeout_s),
+        "http": bounded_head_protocol(
+            gateway.max_header_bytes, gateway.header_timeout_s, on_refused
+        ),
         "limit_concurrency": gateway.max_connections,
         "log_level": config.log.level,
         "log_config": None,  # our handlers (common.logging), not uvicorn's

@@ -874,10 +874,12 @@ class WorkerService:
         # the client's buffer is full, and the stop cancelled the pump before the ack).
         self._completing.add(st)
         try:
-            await self._publish(st, chunk)
+            sent = await self._publish(st, chunk)
             await settle(st.msg.ack)
         finally:
             self._completing.discard(st)
+        if sent is not chunk:  # too big to carry: the caller got an error ending instead
+            chunk, error = sent, True
         self._resync.finished(st)
         if error and chunk.error is not None and _caller_error(chunk.error):
             pass  # a bad parameter, a prompt too long: the breakers must not see an outage
@@ -888,13 +890,15 @@ class WorkerService:
         self.observer.answered(st, chunk, error=error)
         self._poke()
 
-    async def _publish(self, st: Flight, chunk: Chunk) -> None:
+    async def _publish(self, st: Flight, chunk: Chunk) -> Chunk:
+        """Send ``chunk``; returns what went out in its place: ``chunk`` itself, or the
+        error ending that replaced a final chunk too big to carry (see :meth:`_too_big`)."""
         assert self.nc is not None
         st.sent_chunks.append(chunk)
         try:
             await self.nc.publish(st.request.reply, chunk.to_bytes())
         except nats.errors.MaxPayloadError:
-            await self._too_big(st, chunk)
+            return await self._too_big(st, chunk)
         except Exception as exc:
             log.warning(
                 "request %s: publishing a chunk failed: %s",
@@ -902,11 +906,14 @@ class WorkerService:
                 exc,
                 extra=about_flight(st),
             )
+        return chunk
 
-    async def _too_big(self, st: Flight, chunk: Chunk) -> None:
+    async def _too_big(self, st: Flight, chunk: Chunk) -> Chunk:
         """A chunk over the server's max_payload (many top logprobs, a long coalesced run)
         is never carried: its caller waited to its deadline for it while the request was
-        acked here. The answer ends with an error instead, small enough to go."""
+        acked here. The answer ends with an error instead, small enough to go; a final
+        chunk's ending is returned, so that metrics, breakers and the span see the error
+        the caller got, not the success that was not delivered."""
         assert self.nc is not None
         log.error("request %s: a chunk of %d tokens is over NATS max_payload (%d bytes); "
                   "ending the request", st.request.id, len(chunk.token_ids),
@@ -921,11 +928,12 @@ class WorkerService:
             st.sent_chunks.append(ending)
             with contextlib.suppress(Exception):
                 await self.nc.publish(st.request.reply, ending.to_bytes())
-            return
+            return ending
         # Mid-answer: stop it in the engine and end it (its own task: this may run inside
         # the flush loop over every flight).
         self._abort_in_engine(st)
         self._spawn(self._send_error_if_ours(st, error), "too-big")
+        return chunk
 
     async def _send_error_if_ours(self, st: Flight, error: QosError) -> None:
         """:meth:`_send_error` from a task of its own, unless ``st`` left the books before

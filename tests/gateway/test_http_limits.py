@@ -164,6 +164,8 @@ async def test_connections_past_the_cap_get_503(nats_config: NatsConfig) -> None
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "too_many_connections"  # OpenAI's shape
     assert metrics.status_code == 200 and "qos_" in metrics.text
+    # Counted, under group "-" as the gateway's other refusals before classification.
+    assert _refusals(metrics.text, "503") == 1
     assert health.status_code != 503 or "Exceeded concurrency limit" not in health.text
 
 
@@ -183,6 +185,21 @@ async def test_a_head_over_the_limit_that_arrives_in_one_read_gets_431(
                 "request_header_fields_too_large", "gateway.max_header_bytes",
             )  # fmt: skip
             writer.close()
+        async with httpx.AsyncClient(base_url=gw.url) as http:
+            assert _refusals((await http.get("/metrics")).text, "431") == 2
+
+
+def _refusals(metrics_text: str, status: str) -> float:
+    """``qos_gateway_requests_total`` under group "-" for ``status``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        for sample in family.samples
+        if sample.name == "qos_gateway_requests_total"
+        and sample.labels == {"group": "-", "status": status}
+    )
 
 
 async def test_the_rest_of_a_body_answered_early_is_timed_then_the_connection_closed(

@@ -163,6 +163,7 @@ def test_credentials_and_bearer_tokens_are_masked_in_every_format() -> None:
         "redis://redis:6379/0?password=***&db=1"
     )
     assert "qpw" not in redact("tier at redis://redis/0?db=1&Password=qpw down")
+    assert "sk-up" not in redact("AUTHORIZATION: BEARER sk-up")  # the scheme's case is free
     record = logging.LogRecord("x", logging.ERROR, __file__, 1, "%s", (message,), None)
     assert "hunter2" not in JsonFormatter("gw").format(record)
     assert "hunter2" not in TextFormatter().format(record)

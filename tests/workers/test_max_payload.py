@@ -14,6 +14,7 @@ from common.errors import InternalError
 from common.protocol import RequestParams
 from common.services import NatsServer
 from tests.workers.conftest import expected_tokens
+from tests.workers.test_abort import _total
 from workers.sim import SimCost, SimEngine
 
 
@@ -48,3 +49,8 @@ async def test_a_chunk_over_the_servers_max_payload_ends_the_request_with_an_err
             group="short", prompt_token_ids=[5, 6], params=RequestParams(max_tokens=3)
         )
     assert ids == expected_tokens(2, 3)
+    # Counted as the caller heard it: an error, never a success that was not delivered.
+    registry = service.observer.registry
+    assert _total(registry, "qos_request_errors_total", code="internal_error") == 1
+    assert _total(registry, "qos_request_success_total") == 1  # the second request
+    assert service.telemetry.errors == 1
