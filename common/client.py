@@ -28,6 +28,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -76,6 +77,9 @@ from common.subjects import Subjects
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
+# How often a call waiting for chunks looks whether a connection the caller owns has closed
+# for good (one made by connect() says so at once, through its closed callback).
+CLOSED_CHECK_S = 1.0
 HEARTBEAT_INTERVAL_S = 1.0  # gateway.heartbeat_interval_s's default: workers judge by it
 
 
@@ -146,8 +150,18 @@ class QosClient:
             if isinstance(config, Config)
             else HEARTBEAT_INTERVAL_S
         )
-        nc = await connect(cfg, name, service=service)
-        return cls(
+        # The connection may close for good (credentials refused after a rotation, reconnect
+        # attempts spent): the calls in flight then fail at once, not at their deadline.
+        # Weak: the client is made after the connection, which must not keep it alive.
+        client_ref: weakref.ref[Self] | None = None
+
+        def closed() -> None:
+            client = client_ref() if client_ref is not None else None
+            if client is not None:
+                client._connection_closed()
+
+        nc = await connect(cfg, name, service=service, on_closed=closed)
+        client = cls(
             nc,
             Subjects(cfg.subject_prefix),
             max_payload_bytes=cfg.max_payload_bytes,
@@ -157,6 +171,14 @@ class QosClient:
             heartbeat=heartbeat,
             groups=frozenset(config.groups) if isinstance(config, Config) else None,
         )
+        client_ref = weakref.ref(client)
+        return client
+
+    def _connection_closed(self) -> None:
+        """The NATS connection ended for good: no chunk can come, so every call in flight
+        ends now with a retryable error (it waited out its whole deadline)."""
+        for fail in list(self._failers):
+            fail(_connection_lost(), False)
 
     async def close(self) -> None:
         """End the calls still in flight (``ServiceUnavailableError``; each aborts its
@@ -292,6 +314,8 @@ class QosClient:
         )
         request.validate()
         self._check_group(group)
+        if self.nc.is_closed:  # nats-py's raw ConnectionClosedError from a subscribe else
+            raise _connection_lost()
         await self._start()
         request.origin = self.origin
         stream = ChunkSequencer(rid, decode_tail)
@@ -382,8 +406,11 @@ class QosClient:
         try:
             # Inside the try: a subscribe that raised (a closed connection) or was cancelled
             # left the first subscription and the live count behind for good.
-            subs.append(await self.nc.subscribe(self.subjects.out(rid), cb=on_chunk))
-            subs.append(await self.nc.subscribe(self.subjects.resume(rid), cb=on_resume))
+            try:
+                subs.append(await self.nc.subscribe(self.subjects.out(rid), cb=on_chunk))
+                subs.append(await self.nc.subscribe(self.subjects.resume(rid), cb=on_resume))
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+                raise _connection_lost() from None  # closed since the check above
             payload = request.to_bytes()
             maybe_queued = True
             try:
@@ -451,9 +478,15 @@ class QosClient:
                     item = (
                         ready.get_nowait()
                         if not ready.empty()
-                        else await asyncio.wait_for(ready.get(), max(left, 0.0))
+                        else await asyncio.wait_for(
+                            ready.get(), max(min(left, CLOSED_CHECK_S), 0.0)
+                        )
                     )
                 except TimeoutError:
+                    if self.nc.is_closed:  # a connection the caller made: no callback told us
+                        raise _connection_lost() from None
+                    if left > CLOSED_CHECK_S:
+                        continue
                     raise DeadlineExceededError(
                         f"request {rid} passed its deadline", param="deadline_ms"
                     ) from None
@@ -509,3 +542,12 @@ class QosClient:
             final = chunk
         assert final is not None
         return ids, text, final
+
+
+def _connection_lost() -> ServiceUnavailableError:
+    """A call's error once the client's NATS connection has closed for good."""
+    return ServiceUnavailableError(
+        "this client's NATS connection is closed (credentials refused, reconnect attempts "
+        "spent, or closed)",
+        retry_after_s=2,
+    )

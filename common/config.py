@@ -497,6 +497,30 @@ class NatsConfig(_Strict):
         """``url`` as a server list: a cluster's seeds, comma-separated, tried in turn."""
         return _split_urls(self.url)
 
+    def plain_websocket_tls(self) -> str | None:
+        """Why these TLS settings cannot hold (a ws:// URL with nats.tls_* set), or None.
+
+        nats-py never starts TLS on a ws:// link, whatever the server asks: the settings
+        would be ignored and credentials sent in clear. Also checked at connect time (a
+        ``model_copy(update=...)`` skips the validator)."""
+        keys = [key for key in _NATS_TLS_KEYS if getattr(self, key)]
+        if keys and any(url.startswith("ws://") for url in self.servers):
+            return (
+                f"nats.{', nats.'.join(keys)} set with a ws:// URL, which never uses TLS "
+                "(credentials would go in clear): use wss:// URLs"
+            )
+        return None
+
+    @model_validator(mode="after")
+    def _tls_needs_wss(self) -> NatsConfig:
+        reason = self.plain_websocket_tls()
+        if reason is not None:
+            raise ValueError(reason)
+        return self
+
+
+_NATS_TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_handshake_first")
+
 
 def _split_urls(value: str) -> list[str]:
     return [url.strip() for url in value.split(",") if url.strip()]

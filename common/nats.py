@@ -46,6 +46,9 @@ def _show(value: object) -> str:
 
 
 def _tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
+    reason = cfg.plain_websocket_tls()  # a config made by model_copy was never validated
+    if reason is not None:
+        raise ConfigError(reason)
     if not (cfg.tls_ca_file or cfg.tls_cert_file or cfg.tls_key_file):
         if cfg.tls_handshake_first:  # the system's CAs then
             return ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
@@ -82,8 +85,9 @@ class _TlsRequiredClient(Client):
 def must_see_tls_required(cfg: NatsConfig, tls: ssl.SSLContext | None) -> bool:
     """Whether the server's greeting must ask for TLS: the settings ask for it (a context,
     or tls://, for which nats-py builds a default one) and nothing encrypts before the
-    greeting (handshake first). Not over websockets: nats-py never upgrades a ws:// link,
-    and a wss:// one is TLS already while its INFO speaks for the main listener."""
+    greeting (handshake first). Not over websockets: nats-py never upgrades a ws:// link
+    (TLS settings with one are refused: :func:`_tls_context`), and a wss:// one is TLS
+    already while its INFO speaks for the main listener."""
     servers = cfg.servers
     if cfg.tls_handshake_first or servers[0].startswith(("ws://", "wss://")):
         return False  # (a list mixes no websocket URL with others: nats.url refuses it)

@@ -28,6 +28,7 @@ from common.errors import ProtocolError
 WIRE_VERSION = 1
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 _INT32 = np.dtype("<i4")
+_UINT32 = np.dtype("<u4")
 _FLOAT32 = np.dtype("<f4")
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -45,11 +46,29 @@ def packed_f32() -> Any:
 
 
 def pack_ints(values: typing.Sequence[int]) -> bytes:
-    """Token ids → packed little-endian int32 bytes (range-checked)."""
-    arr = np.asarray(values, dtype=np.int64)
-    if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
-        raise ProtocolError("token id out of int32 range")
-    return arr.astype(_INT32).tobytes()
+    """Token ids → packed little-endian int32 bytes; anything but an int in int32 range
+    (a float, a string, a bool) is a :class:`ProtocolError`."""
+    # struct at every length: it refuses floats, strings and out-of-range ints, where
+    # numpy's int64 cast truncated 1.9 to 1, read '7' as 7 and overflowed on 2**70; it is
+    # also no slower than numpy on long lists.
+    try:
+        data = struct.pack(f"<{len(values)}i", *values)
+    except struct.error as exc:
+        raise ProtocolError(f"token id is not an integer in int32 range ({exc})") from None
+    # bool, an int subclass, is the one non-int struct takes, as 0 or 1. A long list's types
+    # are scanned only when it packed a 0 or 1 (rare ids): a prompt's pack stays one pass.
+    if (len(values) <= 64 or bool((np.frombuffer(data, _UINT32) <= 1).any())) and (
+        bool in map(type, values)
+    ):
+        raise ProtocolError("token id is a bool, not an integer")
+    return data
+
+
+def per_item_of(packed_field: str) -> Any:
+    """A ``list[<dataclass>]`` field with at most one item per element of the packed field
+    ``packed_field``, which must come before it: checked before any item is decoded, so a
+    small payload of many empty maps cannot make as many objects."""
+    return field(default_factory=list, metadata={"per_item_of": packed_field})
 
 
 def unpack_ints(data: bytes) -> list[int]:
@@ -101,7 +120,8 @@ class Message:
         if not isinstance(obj, dict):
             raise ProtocolError(f"{cls.KIND}: top level must be a map")
         version = obj.get("v")
-        if version != WIRE_VERSION:
+        # An int, exactly: True and 1.0 compare equal to 1.
+        if type(version) is not int or version != WIRE_VERSION:
             raise ProtocolError(
                 f"{cls.KIND}: unsupported version v={version!r} (want {WIRE_VERSION})"
             )
@@ -126,11 +146,6 @@ Checker = typing.Callable[[Any, str], Any]
 
 def _pack(values: typing.Sequence[Any], dtype: np.dtype) -> bytes:
     if dtype is _INT32:
-        if len(values) <= 64:  # struct beats numpy's set-up cost for short lists
-            try:
-                return struct.pack(f"<{len(values)}i", *values)
-            except struct.error:
-                raise ProtocolError("token id out of int32 range") from None
         return pack_ints(values)
     return np.asarray(values, dtype=_FLOAT32).tobytes()
 
@@ -158,14 +173,20 @@ class _FieldPlan:
     required: bool
     nested: bool
     hint: Any
+    per_item_of: str | None  # the packed field bounding this list's length (per_item_of)
 
 
 @cache
 def _plan(cls: type) -> tuple[_FieldPlan, ...]:
     hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
-    plan = []
+    plan: list[_FieldPlan] = []
     for f in fields(cls):
         hint = hints[f.name]
+        per = f.metadata.get("per_item_of")
+        if per is not None and not any(p.name == per and p.packed for p in plan):
+            # The decoder bounds the list by that field's decoded length: it must be before.
+            raise TypeError(f"{cls.__name__}.{f.name}: per_item_of({per!r}) needs an earlier "
+                            "packed field")  # fmt: skip
         plan.append(
             _FieldPlan(
                 name=f.name,
@@ -174,6 +195,7 @@ def _plan(cls: type) -> tuple[_FieldPlan, ...]:
                 required=f.default is MISSING and f.default_factory is MISSING,
                 nested=_mentions_dataclass(hint),
                 hint=hint,
+                per_item_of=per,
             )
         )
     return tuple(plan)
@@ -356,6 +378,8 @@ def _decoder(cls: type, top: bool = False) -> typing.Callable[[dict[str, Any], s
     )
     allowed = _names(cls) | {"v"} if top else _names(cls)
     isfinite = math.isfinite
+    # Lists bounded by an earlier packed field's length: looked up on the slow path only.
+    bounds = {f.name: f.per_item_of for f in _plan(cls) if f.per_item_of is not None}
 
     def decode(obj: dict[str, Any], where: str) -> Any:
         if not allowed.issuperset(obj):
@@ -377,6 +401,11 @@ def _decoder(cls: type, top: bool = False) -> typing.Callable[[dict[str, Any], s
             ):
                 kwargs[name] = value
             else:
+                per = bounds.get(name) if bounds else None
+                if per is not None and isinstance(value, list):
+                    limit = len(kwargs.get(per, ()))
+                    if len(value) > limit:  # before its items become objects
+                        raise ProtocolError(f"{where}.{name}: {len(value)} items for {limit} {per}")
                 kwargs[name] = check(value, f"{where}.{name}")
         return cls(**kwargs)
 
@@ -537,7 +566,8 @@ class Chunk(Message):
     usage: Usage | None = None
     error: ErrorInfo | None = None
     logprobs: list[float] = packed_f32()
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # One entry per token id, or none: bounded before decoding (a payload of empty maps).
+    top_logprobs: list[TopLogprobs] = per_item_of("token_ids")
     worker: str = ""
     # vLLM's: on a final chunk ended by "stop", the stop string or stop token id that ended
     # it (None: EOS). Only for a request with params.want_stop_reason; absent when None.
@@ -552,6 +582,11 @@ class Chunk(Message):
             raise ProtocolError("chunk: seq must be >= 0 and attempt >= 1")
         if self.logprobs and len(self.logprobs) != len(self.token_ids):
             raise ProtocolError("chunk.logprobs: one per token id")
+        if self.top_logprobs:  # the worker sends one per token id (k of them each), or none
+            if len(self.top_logprobs) != len(self.token_ids):
+                raise ProtocolError("chunk.top_logprobs: one entry per token id")
+            if any(len(top.token_ids) != len(top.logprobs) for top in self.top_logprobs):
+                raise ProtocolError("chunk.top_logprobs: one logprob per token id in each entry")
 
 
 @dataclass

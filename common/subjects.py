@@ -9,14 +9,16 @@ from common.errors import ProtocolError
 from common.protocol import DEFAULT_MAX_PAYLOAD, Telemetry
 
 # Request ids and worker ids become subject tokens: no dots, wildcards or spaces.
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# Matched whole (fullmatch): ``$`` also matches before a final newline, which let
+# "short\n" through into a subject.
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # A worker's heartbeat key in the state bucket: workers.<worker id>.
 HEARTBEAT_KEY_PREFIX = "workers."
 
 
 def is_subject_token(value: str) -> bool:
     """True when ``value`` can stand as one token of a subject."""
-    return bool(_TOKEN.match(value))
+    return _TOKEN.fullmatch(value) is not None
 
 
 def read_telemetry(

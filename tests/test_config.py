@@ -125,6 +125,23 @@ def test_a_redis_ca_file_needs_a_tls_url() -> None:
     assert load_config(None, env=tls).redis.tls_ca_file == "/ca.pem"
 
 
+def test_nats_tls_settings_need_wss_not_ws_urls() -> None:
+    """nats-py never starts TLS on a ws:// link: a CA file or a client certificate there
+    was ignored, and the password went in clear."""
+    from common.config import NatsConfig
+
+    with pytest.raises(ConfigError, match=r"nats.tls_ca_file.*use wss://") as info:
+        load_config(None, env={"QOS_NATS__URL": "ws://svc:s3cret@n:80",
+                               "QOS_NATS__TLS_CA_FILE": "/ca.pem"})  # fmt: skip
+    assert "s3cret" not in info.value.message
+    with pytest.raises(ValueError, match=r"nats\.tls_cert_file, nats\.tls_key_file set"):
+        NatsConfig(url="ws://n:80", tls_cert_file="/c.pem", tls_key_file="/k.pem")
+    ok = NatsConfig(url="wss://n:443,wss://m:443", tls_ca_file="/ca.pem", tls_handshake_first=True)
+    assert ok.tls_ca_file == "/ca.pem"
+    assert NatsConfig(url="ws://n:80").plain_websocket_tls() is None  # no TLS asked: fine
+    assert NatsConfig(url="nats://n:4222", tls_ca_file="/ca.pem").plain_websocket_tls() is None
+
+
 def test_group_names_are_ascii_tokens():
     """A Cyrillic name passed isalnum() and then broke every streamed response (its
     X-QoS-Group header is latin-1) after the request had taken its slot."""
@@ -155,6 +172,10 @@ def test_group_names_are_ascii_tokens():
         ({"QOS_WORKER__DTYPE": "fp8"}, "worker.dtype"),
         ({"QOS_GROUPS": "[short]"}, "groups must be a mapping"),
         ({"QOS_NATS__URL": "ws://a:80,nats://b:4222"}, "cannot mix websocket"),
+        # nats-py never starts TLS on ws://: the password went in clear.
+        ({"QOS_NATS__URL": "wss://a:443,ws://b:80", "QOS_NATS__TLS_CA_FILE": "/ca.pem"},
+         "nats.tls_ca_file set with a ws:// URL"),
+        ({"QOS_NATS__URL": "ws://a:80", "QOS_NATS__TLS_HANDSHAKE_FIRST": "true"}, "use wss://"),
     ],
 )  # fmt: skip
 def test_settings_that_cannot_work_together_are_refused_with_one_line(

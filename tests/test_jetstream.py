@@ -292,6 +292,31 @@ async def test_credentials_are_sent_and_a_wrong_password_fails_fast(
     assert time.monotonic() - started < 2
 
 
+@pytest.mark.parametrize(
+    "tls", [{"tls_ca_file": "/ca.pem"}, {"tls_cert_file": "/c.pem", "tls_key_file": "/k.pem"},
+            {"tls_handshake_first": True}],
+)  # fmt: skip
+async def test_tls_settings_with_a_ws_url_are_refused_before_anything_is_sent(
+    nats_config: NatsConfig, tls: dict[str, object]
+):
+    """nats-py never starts TLS on a ws:// link: the settings were ignored and the password
+    went in clear. A config made by model_copy (no validation) is refused at connect too."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        url = f"ws://127.0.0.1:{port + 1}, ws://127.0.0.1:{port}"  # any ws:// URL in the list
+        cfg = nats_config.model_copy(update={"url": url, "user": "svc", "password": "pw", **tls})
+        with pytest.raises(ConfigError, match="use wss://") as info:
+            await qnats.connect(cfg, "ws-tls", initial_timeout_s=1)
+        assert "pw" not in info.value.message
+        with pytest.raises(BlockingIOError):  # no connection was attempted
+            listener.accept()
+
+
 async def test_each_service_gets_replies_on_its_own_inbox_unless_one_is_configured(
     nats_config: NatsConfig,
 ):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import time
 
 import msgpack
 import pytest
@@ -12,12 +13,14 @@ from hypothesis import strategies as st
 
 from common.errors import ProtocolError
 from common.protocol import (
+    DEFAULT_MAX_PAYLOAD,
     WIRE_VERSION,
     Chunk,
     Control,
     ErrorInfo,
     GenerateRequest,
     KvEvent,
+    Message,
     RequestParams,
     ResumeQuery,
     ResumeReply,
@@ -233,6 +236,99 @@ def test_telemetry_outside_sane_ranges_is_rejected(fields: dict, reason: str | N
         Telemetry.from_bytes(payload)
 
 
+def _top(token_ids: list[int], logprobs: list[float]) -> dict[str, bytes]:
+    """A top_logprobs entry as sent."""
+    return {
+        "token_ids": struct.pack(f"<{len(token_ids)}i", *token_ids),
+        "logprobs": struct.pack(f"<{len(logprobs)}f", *logprobs),
+    }
+
+
+_TWO_IDS = struct.pack("<2i", 7, 8)
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"top_logprobs": [{}, {}]}, "2 items for 0 token_ids"),
+        ({"token_ids": _TWO_IDS, "top_logprobs": [{}, {}, {}]}, "3 items for 2 token_ids"),
+        ({"token_ids": _TWO_IDS, "top_logprobs": [{}]}, "one entry per token id"),
+        ({"token_ids": _TWO_IDS, "top_logprobs": [_top([1, 2], [-0.5]), {}]},
+         "one logprob per token id"),
+        # What a worker sends: an entry per token id, k alternatives each (k=0: empty ones).
+        ({"token_ids": _TWO_IDS, "top_logprobs": [_top([1, 2], [-0.5, -1.0]), _top([3], [-2.0])]},
+         None),
+        ({"token_ids": _TWO_IDS, "top_logprobs": [{}, {}]}, None),
+        ({"token_ids": _TWO_IDS}, None),
+    ],
+)  # fmt: skip
+def test_top_logprobs_are_one_entry_per_token_id_or_none(fields: dict, reason: str | None) -> None:
+    """Unbounded, a 1 MB chunk of a million empty maps decoded into a million objects; the
+    gateway read entries by position, for tokens they did not belong to."""
+    payload = _raw(id="a", **fields)
+    if reason is None:
+        chunk = Chunk.from_bytes(payload)
+        assert len(chunk.top_logprobs) in (0, len(chunk.token_ids))
+        return
+    with pytest.raises(ProtocolError, match=reason):
+        Chunk.from_bytes(payload)
+
+
+def test_a_chunk_of_a_million_empty_top_logprobs_is_refused_before_decoding_them() -> None:
+    payload = _raw(id="a", token_ids=_TWO_IDS, top_logprobs=[{}] * 1_000_000)
+    assert len(payload) < DEFAULT_MAX_PAYLOAD
+    t0 = time.perf_counter()
+    with pytest.raises(ProtocolError, match="1000000 items for 2 token_ids"):
+        Chunk.from_bytes(payload)
+    # Only msgpack's own unpacking (~0.1 s); decoding the items took over 2 s.
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1", 2, None])
+@pytest.mark.parametrize("cls", [GenerateRequest, Chunk, Control])
+def test_the_version_must_be_the_integer_it_is(cls: type[Message], version: object) -> None:
+    """True and 1.0 compare equal to 1, and passed for it."""
+    with pytest.raises(ProtocolError, match="unsupported version"):
+        cls.from_bytes(msgpack.packb({"v": version, "id": "a", "group": "g", "reply": "r",
+                                      "prompt": "x", "action": "drain"}))  # fmt: skip
+
+
+@pytest.mark.parametrize("length", [3, 64, 65, 1000])
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (1.9, "not an integer"),  # numpy's int64 cast truncated it to 1
+        ("7", "not an integer"),  # ... and read it as 7
+        (2**70, "int32 range"),  # ... and raised a raw OverflowError
+        (2**31, "int32 range"),
+        (-(2**31) - 1, "int32 range"),
+        (True, "bool"),
+        (None, "not an integer"),
+    ],
+)
+def test_token_ids_that_are_no_int32_are_refused_at_any_length(
+    length: int, bad: object, reason: str
+) -> None:
+    """Up to 64 ids were packed by struct, longer lists by numpy: each took other things."""
+    for at in (0, length - 1):
+        ids: list = [5] * length
+        ids[at] = bad
+        with pytest.raises(ProtocolError, match=reason):
+            _request(prompt=None, prompt_token_ids=ids).to_bytes()
+        with pytest.raises(ProtocolError, match=reason):
+            Chunk(id="a", token_ids=ids).to_bytes()
+
+
+@pytest.mark.parametrize("length", [1, 64, 65, 5000])
+def test_token_ids_at_any_length_round_trip(length: int) -> None:
+    ids = [(i * 7919) % 2**31 for i in range(length)]
+    ids[:3] = [0, 1, 2**31 - 1][:length]  # 0 and 1 are ids, not bools
+    request = _request(prompt=None, prompt_token_ids=ids)
+    assert GenerateRequest.from_bytes(request.to_bytes()).prompt_token_ids == ids
+    chunk = Chunk(id="a", token_ids=[-(2**31), *ids])
+    assert Chunk.from_bytes(chunk.to_bytes()).token_ids == chunk.token_ids
+
+
 def test_control_action_is_an_enum() -> None:
     with pytest.raises(ProtocolError, match="not one of"):
         Control.from_bytes(_raw(action="self_destruct"))
@@ -301,7 +397,8 @@ _tokens = st.from_regex(r"[A-Za-z0-9_-]{1,16}", fullmatch=True)  # a subject tok
 _reply = st.lists(_tokens, min_size=1, max_size=3).map(".".join)
 _i64 = st.integers(-(2**63), 2**63 - 1)
 _u = st.integers(0, 2**64 - 1)  # what a wire integer field takes
-_i32s = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=6)
+_i32 = st.integers(-(2**31), 2**31 - 1)
+_i32s = st.lists(_i32, max_size=6)
 _token_ids = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=6)
 _finite = st.floats(allow_nan=False, allow_infinity=False)
 _ratio = st.floats(0.0, 1.0)
@@ -346,8 +443,15 @@ def _requests(draw: st.DrawFn) -> GenerateRequest:
 @st.composite
 def _chunks(draw: st.DrawFn) -> Chunk:
     token_ids = draw(_i32s)
-    # Logprobs are one per token id, or none.
-    logprobs = draw(st.just([]) | st.lists(_f32, min_size=len(token_ids), max_size=len(token_ids)))
+    # Logprobs are one per token id, or none; so are top_logprobs entries, each with as many
+    # logprobs as token ids.
+    n = len(token_ids)
+    logprobs = draw(st.just([]) | st.lists(_f32, min_size=n, max_size=n))
+    top = st.lists(_f32, max_size=3).flatmap(
+        lambda lps: st.builds(TopLogprobs, st.lists(_i32, min_size=len(lps), max_size=len(lps)),
+                              st.just(lps))
+    )  # fmt: skip
+    top_logprobs = draw(st.just([]) | st.lists(top, min_size=n, max_size=n))
     return Chunk(
         id=draw(st.text(max_size=8)), seq=draw(_u), attempt=draw(st.integers(1, 2**64 - 1)),
         token_ids=token_ids, text=draw(st.text(max_size=12)),
@@ -355,8 +459,7 @@ def _chunks(draw: st.DrawFn) -> Chunk:
         usage=draw(_opt(st.builds(Usage, _u, _u, _u))),
         error=draw(_opt(st.builds(ErrorInfo, st.text(max_size=8), st.text(max_size=8)))),
         logprobs=logprobs,
-        top_logprobs=draw(st.lists(st.builds(TopLogprobs, _i32s, st.lists(_f32, max_size=3)),
-                                   max_size=2)),
+        top_logprobs=top_logprobs,
         worker=draw(st.text(max_size=8)),
         stop_reason=draw(_opt(_i64 | st.text(max_size=8))),
     )  # fmt: skip

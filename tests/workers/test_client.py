@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,6 +37,7 @@ from common.protocol import (
     Usage,
     heartbeat_reconnects,
 )
+from common.services import NatsServer
 from common.subjects import Subjects
 
 
@@ -398,6 +400,100 @@ async def test_closing_the_client_ends_its_calls_in_flight_and_aborts_them(
     assert "closed" in errors[0].message
     await _wait_for(lambda: any(c.action == "abort" for c in played["controls"]))
     assert any(c.action == "abort" for c in played["controls"])
+
+
+async def _call_waiting_for_chunks(
+    client: QosClient, next_request: Callable[[], Awaitable[Msg]], worker_nc: Client
+) -> asyncio.Future[BaseException]:
+    """One call (60 s deadline) past its publish, waiting for chunks (the worker played by
+    ``worker_nc`` sent it one): its error once it ends."""
+    first = asyncio.Event()
+
+    async def read() -> BaseException:
+        try:
+            async for _ in client.generate(group="long", prompt_token_ids=[1, 2], timeout_s=60):
+                first.set()
+        except BaseException as exc:
+            return exc
+        raise AssertionError("the call ended without an error")
+
+    call = asyncio.ensure_future(read())
+    rid = GenerateRequest.from_bytes((await asyncio.wait_for(next_request(), 5)).data).id
+    await worker_nc.publish(client.subjects.out(rid), Chunk(id=rid, token_ids=[7]).to_bytes())
+    await asyncio.wait_for(first.wait(), 5)  # read: the publish is acked, the call waits
+    return call
+
+
+async def _refused_at_once(client: QosClient) -> None:
+    with pytest.raises(ServiceUnavailableError, match="connection is closed"):
+        async for _ in client.generate(group="long", prompt_token_ids=[1, 2], timeout_s=60):
+            pass
+
+
+async def test_a_connection_closed_for_good_ends_the_calls_in_flight_at_once(
+    worker_config: Config, nc: Client, played: dict[str, Any]
+) -> None:
+    """nats-py closing the connection for good (credentials refused after a rotation,
+    reconnect attempts spent) left each call waiting out its deadline (120 s by default),
+    and a later generate() raised nats-py's raw ConnectionClosedError."""
+    client = await QosClient.connect(worker_config, "test-client")
+    try:
+        call = await _call_waiting_for_chunks(client, played["requests"].get, nc)
+        t0 = time.monotonic()
+        await client.nc.close()  # what nats-py does when it gives up: its closed callback
+        error = await asyncio.wait_for(call, 5)
+        assert isinstance(error, ServiceUnavailableError), error
+        assert error.retry_after_s and time.monotonic() - t0 < 0.5  # not a 1 s look either
+        await _refused_at_once(client)
+        assert not client._failers and not client._live
+    finally:
+        await client.close()
+
+
+async def test_a_nats_server_gone_for_good_ends_the_calls_in_flight(
+    worker_config: Config, fresh_nats_server: Callable[..., NatsServer]
+) -> None:
+    """The same when the reconnect attempts run out on a server that stays down."""
+    server = fresh_nats_server()
+    cfg = worker_config.nats.model_copy(
+        update={"url": server.url, "max_reconnect_attempts": 1, "reconnect_wait_s": 0.1}
+    )
+    config = worker_config.model_copy(update={"nats": cfg})
+    setup = await qnats.connect(cfg, "setup")
+    await qnats.ensure_jetstream(setup.jetstream(), cfg, config.groups)
+    requests = await setup.subscribe(Subjects(cfg.subject_prefix).request("long"))
+    await qnats.barrier(setup)
+    client = await QosClient.connect(config, "test-client")
+    try:
+        call = await _call_waiting_for_chunks(client, requests.next_msg, setup)
+        t0 = time.monotonic()
+        server.stop()
+        error = await asyncio.wait_for(call, 15)
+        assert isinstance(error, ServiceUnavailableError), error
+        assert client.nc.is_closed and time.monotonic() - t0 < 10  # not the 60 s deadline
+        await _refused_at_once(client)
+    finally:
+        await client.close()
+        await setup.close()
+
+
+async def test_a_connection_the_caller_owns_closing_ends_the_calls_in_flight_too(
+    worker_config: Config, nc: Client, played: dict[str, Any]
+) -> None:
+    """QosClient(nc) cannot hear nc's closed callback: its calls look once a second."""
+    own = await qnats.connect(worker_config.nats, "callers-own")
+    client = QosClient(own, Subjects(worker_config.nats.subject_prefix),
+                       stream=worker_config.nats.stream)  # fmt: skip
+    try:
+        call = await _call_waiting_for_chunks(client, played["requests"].get, nc)
+        t0 = time.monotonic()
+        await own.close()
+        error = await asyncio.wait_for(call, 5)
+        assert isinstance(error, ServiceUnavailableError), error
+        assert time.monotonic() - t0 < client_module.CLOSED_CHECK_S + 0.5
+        await _refused_at_once(client)
+    finally:
+        await client.close()
 
 
 async def test_a_group_the_configuration_lacks_is_refused_before_it_is_published(
