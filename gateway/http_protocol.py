@@ -169,6 +169,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             "request_timeout",
             f"the request's headers did not arrive within {self.head_timeout_s:g} s "
             "(gateway.header_timeout_s)",
+            # A connection that sent nothing (a pool's or a browser's preconnect) held no
+            # request: answered, not counted as one.
+            count=self._head_bytes > 0,
         )
 
     # -- the head's size ------------------------------------------------------------------
@@ -203,7 +206,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             self._refuse(400, "invalid_http_request", msg)
 
-    def _refuse(self, status: int, code: str, message: str) -> None:
+    def _refuse(self, status: int, code: str, message: str, *, count: bool = True) -> None:
         """Answer ``status`` in OpenAI's error shape and close the connection."""
         self._reading_head = False
         self._cancel_head_timer()
@@ -220,7 +223,16 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             # before its own answer began, is its answer.
             self.transport.close()
             return
-        self._count_refusal(status)
+        if self._draining:
+            # The rest of a body answered early went wrong: that request has its answer, and
+            # a second one would be read as the next request's.
+            self.transport.close()
+            return
+        # Counted only for a request the app never saw: one whose body went wrong while the
+        # app read it counts its own 499.
+        app_saw_it = cycle is not None and not cycle.response_complete
+        if count and not app_saw_it:
+            self._count_refusal(status)
         body = json.dumps(
             {"error": {"message": message, "type": "invalid_request_error", "param": None,
                        "code": code}}

@@ -275,6 +275,51 @@ async def test_a_malformed_body_of_the_request_being_read_gets_its_400(
         writer.close()
 
 
+async def test_refusals_count_each_request_once_and_an_unused_connection_none(
+    nats_config: NatsConfig,
+) -> None:
+    """What the HTTP layer refuses counts under group "-" only for requests the app never
+    saw: a body malformed while the app read it is the app's own 499, a drained body after
+    an early answer closes with no second answer, and a connection that sent nothing
+    (a pool's preconnect) timed out holding no request."""
+    config = gateway_config(nats_config, api_key_sha256=["0" * 64], header_timeout_s=0.3)
+    async with serve(config) as gw:
+        reader, writer = await _connect(gw.url)  # never sends a byte
+        status, _ = await _answer(reader)
+        assert status == b"HTTP/1.1 408 Request Timeout"
+        writer.close()
+        reader, writer = await _connect(gw.url)  # an early 401, then a malformed chunk
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")  # fmt: skip
+        status, _ = await _answer(reader)
+        assert status == b"HTTP/1.1 401 Unauthorized"
+        writer.write(b"zz\r\nbad\r\n")
+        assert await _closed(reader)  # closed, no second answer
+        writer.close()
+        async with httpx.AsyncClient(base_url=gw.url) as http:
+            text = (await http.get("/metrics")).text
+    assert _refusals(text, "408") == 0
+    assert _refusals(text, "400") == 0
+    assert _refusals(text, "401") == 1  # the app's own
+
+
+async def test_a_malformed_body_the_app_was_reading_counts_once(nats_config: NatsConfig) -> None:
+    config = gateway_config(nats_config)
+    async with serve(config) as gw:
+        reader, writer = await _connect(gw.url)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")  # fmt: skip
+        await asyncio.sleep(0.2)  # the app is reading the body
+        writer.write(b"zz\r\nbad\r\n")
+        line, _ = await _answer(reader)
+        assert line == b"HTTP/1.1 400 Bad Request"
+        writer.close()
+        await asyncio.sleep(0.2)  # the app's read ends (the client went)
+        async with httpx.AsyncClient(base_url=gw.url) as http:
+            text = (await http.get("/metrics")).text
+    assert _refusals(text, "400") + _refusals(text, "499") == 1
+
+
 async def test_a_pipelined_request_whose_body_comes_later_is_still_answered(
     nats_config: NatsConfig,
 ) -> None:
