@@ -8,7 +8,6 @@ character, so a client never sees U+FFFD for a character whose bytes are still c
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -21,6 +20,9 @@ _CONTEXT_TOKENS = 5
 # as the output (quadratic work on the engine thread, which every request waits for).
 _MAX_HELD_TOKENS = 8
 _MAX_CHAR_TOKENS = 4
+# How far back from a resumed prompt's end to look for a token its first attempt released
+# everything at; past it (a stream of stray bytes) that attempt is replayed whole.
+_RESUME_SCAN_TOKENS = 2 * _MAX_HELD_TOKENS
 
 
 class Decoder(Protocol):
@@ -37,6 +39,12 @@ class IncrementalDetokenizer:
     of a text. For byte-level BPE the deltas add up to ``tokenizer.decode(output_ids)``;
     call :meth:`flush` when the request ends to get any incomplete tail held back (after
     ``flush``, ``add`` is not meant to be called again).
+
+    ``resumed_tokens``: the prompt ends with that many output tokens of an earlier attempt
+    (a redelivered request). The deltas go on as that attempt's would have: what it held
+    back at the cut (an unfinished character, stray bytes) comes out with the next text.
+    A new request's prompt is context only: bytes of a character it leaves unfinished are
+    not the output's, which decodes as ``decode(output_ids)`` does.
     """
 
     def __init__(
@@ -44,50 +52,61 @@ class IncrementalDetokenizer:
         tokenizer: Decoder,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        resumed_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        start, end, context = self._context(prompt_token_ids)
-        self._tokens = context[start:]
+        self._tokens: list[int] = []
         self._prefix = 0  # window start: decoded only as context for the next delta
-        self._read = end - start  # tokens before this have been emitted as text
+        self._read = 0  # tokens before this have been emitted as text
+        self._silent: dict[int, bool] = {}  # token id -> decodes to nothing
+        cut = len(prompt_token_ids) - min(max(resumed_tokens, 0), len(prompt_token_ids))
+        self._resume(prompt_token_ids, cut)
 
-    def _context(self, prompt_token_ids: Sequence[int]) -> tuple[int, int, list[int]]:
-        """The prompt's last tokens as left context, cut on character boundaries: (start,
-        end, tokens), ``tokens[start:end]`` the context and ``tokens[end:]`` a character the
-        prompt leaves unfinished (a resumed request's), to be emitted whole as output.
+    def _resume(self, ids: Sequence[int], cut: int) -> None:
+        """Take the state the attempt that started after ``ids[:cut]`` had after ``ids``.
+
+        The held-back text depends only on the tokens since the last step that released
+        everything, so the replay starts there: the latest output token that, decoded
+        after its own context, ends in a whole character (its bytes cannot be part of an
+        earlier one, so that attempt released everything at it too). Without one close
+        to the end, the attempt is replayed from ``cut``: linear, once per redelivery."""
+        for sync in range(len(ids), max(cut, len(ids) - _RESUME_SCAN_TOKENS), -1):
+            self._start(ids[: sync - 1])
+            if self.add(ids[sync - 1]):
+                break
+        else:
+            sync = cut
+            self._start(ids[:cut])
+        for token in ids[sync:]:
+            self.add(token)
+
+    def _start(self, prompt_token_ids: Sequence[int]) -> None:
+        self._tokens = self._context(prompt_token_ids)
+        self._prefix, self._read = 0, len(self._tokens)
+
+    def _context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt's last tokens as left context, cut on character boundaries.
 
         A byte-fallback decoder (Llama 2, Mistral, Gemma) turns a whole run of byte tokens
         into U+FFFD if any byte in it is invalid: a context starting or ending inside a
         character corrupted the output's own bytes decoded with it (mojibake, lost
-        characters, a resumed request's character sent twice)."""
+        characters). Bytes of a character the prompt leaves unfinished are left out, not
+        owed: as in vLLM, the output's text is its own tokens' (``decode(output_ids)``)."""
         n = _MAX_CHAR_TOKENS
         tokens = list(prompt_token_ids[-(_CONTEXT_TOKENS + 2 * n) :])
-        # Only bytes that leave a character unfinished are held as output; a U+FFFD the
-        # prompt really ends with is text like any other.
-        for pending in range(n) if self._ends_unfinished(tokens) else (0,):
-            end = len(tokens) - pending
+        for end in range(len(tokens), len(tokens) - n, -1):
             for drop in range(n):
                 start = max(0, end - _CONTEXT_TOKENS) + drop
                 if start >= end:
                     break
                 text = self._tokenizer.decode(tokens[start:end], skip_special_tokens=self._skip)
                 if not text.startswith(_REPLACEMENT) and not text.endswith(_REPLACEMENT):
-                    return start, end, tokens
-        # Every window starts or ends in invalid bytes (a token prompt ending in a stray
-        # byte): no context. Decoded with the output, the stray byte's run took the
+                    return tokens[start:end]
+        # Every window starts or ends in invalid bytes (a token prompt ending in stray
+        # bytes): no context. Decoded with the output, a stray byte's run took the
         # output's first character into U+FFFD.
-        return len(tokens), len(tokens), tokens
-
-    def _ends_unfinished(self, tokens: Sequence[int]) -> bool:
-        """Whether the bytes of ``tokens`` end inside a character (False when the
-        tokenizer cannot tell its tokens' bytes)."""
-        token_bytes = getattr(self._tokenizer, "token_bytes", None)
-        if token_bytes is None or not tokens:
-            return False
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        utf8.decode(b"".join(token_bytes(t) for t in tokens[-_MAX_CHAR_TOKENS:]))
-        return bool(utf8.getstate()[0])
+        return []
 
     def add(self, token_id: int) -> str:
         """Append one output token; return the text it completes (often ``""``)."""
@@ -103,8 +122,8 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._prefix, len(self._tokens))
         start = len(prefix_text)
         if prefix_text.endswith(_REPLACEMENT):
-            # Only a prompt ends so (a resumed request cut inside a character the client
-            # never got): emit that character whole once its bytes complete it.
+            # Stray bytes released by a cut end so; a byte-fallback decoder may turn them
+            # into other text once later bytes join their run: go on from where they differ.
             start = _common_prefix_length(prefix_text, full_text)
         end = len(self._tokens)
         if len(full_text) <= start:
@@ -114,6 +133,10 @@ class IncrementalDetokenizer:
         if full_text.endswith(_REPLACEMENT) and not final:
             if end - self._read <= _MAX_HELD_TOKENS:
                 return ""  # its bytes may still be coming
+            if self._drop_silent_held(full_text):
+                end = len(self._tokens)
+                if end - self._read <= _MAX_HELD_TOKENS:
+                    return ""
             cut = self._settled_cut(full_text, start)
             if cut is None:
                 return ""
@@ -131,12 +154,37 @@ class IncrementalDetokenizer:
         if self._decode(self._prefix, keep_from) == prefix_text:
             del self._tokens[self._read : keep_from]
 
+    def _drop_silent_held(self, full_text: str) -> bool:
+        """Drop held tokens that decode to nothing (skipped specials, ids past the
+        vocabulary), if the window's text stays the same without them. Kept inside a
+        character, they took the place of its bytes among the last few tokens a cut holds:
+        the character went out as U+FFFD, then again whole."""
+        held = self._tokens[self._read :]
+        kept = [t for t in held if not self._is_silent(t)]
+        if len(kept) == len(held):
+            return False
+        window = [*self._tokens[self._prefix : self._read], *kept]
+        if self._tokenizer.decode(window, skip_special_tokens=self._skip) != full_text:
+            return False  # a piece with text only beside others (a SentencePiece space)
+        del self._tokens[self._read :]
+        self._tokens += kept
+        return True
+
+    def _is_silent(self, token: int) -> bool:
+        # Remembered: a stream of stray bytes asks this for every token it holds.
+        silent = self._silent.get(token)
+        if silent is None:
+            silent = not self._tokenizer.decode([token], skip_special_tokens=self._skip)
+            self._silent[token] = silent
+        return silent
+
     def _settled_cut(self, full_text: str, start: int) -> tuple[int, str] | None:
         """(tokens, text) of the longest head of the window, short of its last few tokens,
         that decodes to a prefix of the whole window's text: what later bytes can no
         longer change. None if no such head adds text."""
         # A character that later tokens can still complete has at most 3 of its bytes here,
-        # so it starts in one of the last 3 tokens: holding the last 4 never splits it.
+        # and no silent token among them (dropped first), so it starts in one of the last 3
+        # tokens: holding the last 4 never splits it.
         last = len(self._tokens) - _MAX_CHAR_TOKENS
         for end in range(last, max(self._read, last - _MAX_CHAR_TOKENS), -1):
             head = self._decode(self._prefix, end)
@@ -253,17 +301,21 @@ def attach_text_state(
     has, with ``delivered_text_len`` characters of their text: the rest of that text, which
     the first attempt was holding back as a possible stop-string prefix, starts out held in
     the new matcher, so it is sent (or cut at a stop string) as if nothing had happened.
+    The detokenizer goes on as the first attempt's would have (see
+    :class:`IncrementalDetokenizer`'s ``resumed_tokens``).
     """
-    req.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+    skip = params.skip_special_tokens
+    if resumed_tokens > 0 and params.stop:
+        # The held text needs the first attempt's deltas anyway: one replay gives both.
+        cut = len(prompt_ids) - resumed_tokens
+        detok, text = _replay(tokenizer, prompt_ids[:cut], prompt_ids[cut:], skip)
+        req.detokenizer = detok
+        req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        req.stop_matcher.hold(text[delivered_text_len:])
+        return
+    req.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip, resumed_tokens)
     if params.stop:
         req.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
-        if resumed_tokens > 0:
-            cut = len(prompt_ids) - resumed_tokens
-            held = held_back_text(
-                tokenizer, prompt_ids[:cut], prompt_ids[cut:], delivered_text_len,
-                params.skip_special_tokens,
-            )  # fmt: skip
-            req.stop_matcher.hold(held)
 
 
 def held_back_text(
@@ -276,9 +328,19 @@ def held_back_text(
     """The text of ``output_ids`` past the first ``delivered_text_len`` characters, as the
     streamed deltas give it (an unfinished character at the end stays out: the detokenizer
     of the resumed prompt emits it whole)."""
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
-    text = "".join(detok.add(token) for token in output_ids)
+    _, text = _replay(tokenizer, prompt_ids, output_ids, skip_special_tokens)
     return text[delivered_text_len:]
+
+
+def _replay(
+    tokenizer: Decoder,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    skip_special_tokens: bool,
+) -> tuple[IncrementalDetokenizer, str]:
+    """An attempt's detokenizer after ``output_ids``, and the text its deltas gave."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    return detok, "".join(detok.add(token) for token in output_ids)
 
 
 def resumed_ending(
@@ -295,8 +357,8 @@ def resumed_ending(
     string that text completes, if any (``params``: ``stop``,
     ``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``, as on
     :class:`SamplingParams`)."""
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-    held = "".join(detok.add(token) for token in output_ids)[delivered_text_len:]
+    detok, text = _replay(tokenizer, prompt_ids, output_ids, params.skip_special_tokens)
+    held = text[delivered_text_len:]
     last = detok.flush()
     if not params.stop:
         return held + last, None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +15,7 @@ from common.detokenizer import (
     IncrementalDetokenizer,
     StopCheck,
     StopStringMatcher,
+    attach_text_state,
     held_back_text,
 )
 from common.tokenizer import ByteTokenizer, Tokenizer
@@ -103,7 +106,7 @@ def test_resumed_prompt_cut_inside_a_character_emits_that_character_whole() -> N
     # the first bytes of a character the client never received.
     tok = ByteTokenizer()
     emoji = "🙂".encode()
-    detok = IncrementalDetokenizer(tok, [*tok.encode("ok "), *emoji[:2]])
+    detok = IncrementalDetokenizer(tok, [*tok.encode("ok "), *emoji[:2]], resumed_tokens=2)
     assert stream(detok, [*emoji[2:], ord("!")]) == ["", "🙂", "!"]
 
 
@@ -338,7 +341,7 @@ def test_a_byte_fallback_prompt_cut_inside_a_character_corrupts_no_output(
     for k in range(1, len(answer)):
         first = IncrementalDetokenizer(tok, byte_ids("Tell me"))
         sent = "".join(stream(first, answer[:k]))
-        resumed = IncrementalDetokenizer(tok, byte_ids("Tell me") + answer[:k])
+        resumed = IncrementalDetokenizer(tok, byte_ids("Tell me") + answer[:k], True, k)
         rest = "".join(stream(resumed, answer[k:])) + resumed.flush()
         assert sent + rest == " 你好 😀", k
 
@@ -394,3 +397,121 @@ def test_a_hidden_eos_after_held_back_bytes_releases_them_as_decode_shows_them(
         piece, reason = settle_token(req, token, {tok.EOS}, False, primary_eos=tok.EOS)
         text += piece
     assert reason == "stop" and text == tok.decode(ids, skip_special_tokens=True)
+
+
+# ---- prompts that end inside a character, silent tokens, redelivered requests ----------
+
+
+def text_state(
+    tok: ByteTokenizer,
+    prompt: list[int],
+    stop: list[str] | None = None,
+    skip: bool = True,
+    **resume: int,
+) -> SimpleNamespace:
+    """A request as the engine (or sim) sets it up: its detokenizer and stop matcher."""
+    params = SimpleNamespace(
+        stop=stop or [], include_stop_str_in_output=False, skip_special_tokens=skip
+    )
+    req = SimpleNamespace(stop_matcher=None)
+    attach_text_state(req, tok, prompt, params, **resume)
+    return req
+
+
+def sent_text(req: SimpleNamespace, ids: Sequence[int], *, end: bool = False) -> str:
+    """The text a request sends for ``ids`` (and, with ``end``, as it finishes)."""
+    text = ""
+    for delta in [*map(req.detokenizer.add, ids), *([req.detokenizer.flush()] if end else [])]:
+        text += delta if req.stop_matcher is None else req.stop_matcher.feed(delta).text
+    if end and req.stop_matcher is not None:
+        text += req.stop_matcher.flush()
+    return text
+
+
+def test_a_new_requests_prompt_ending_inside_a_character_is_context_only() -> None:
+    """The prompt's unfinished last character was emitted as if owed output: its lead
+    byte took the output's stray continuation bytes into an emoji the output never had,
+    and a stray byte before it came out as U+FFFD."""
+    tok = ByteTokenizer()
+    out = [0x9F, 0x98, 0x80, ord("b")]
+    for prompt in ([tok.BOS, ord("x"), 0x61, 0xF0], [tok.BOS, ord("x"), 0x80, 0xF0]):
+        assert sent_text(text_state(tok, prompt), out, end=True) == tok.decode(out) == "���b"
+        detok = IncrementalDetokenizer(tok, prompt)
+        assert "".join(stream(detok, [ord("b")])) + detok.flush() == "b"
+    # Redelivered, the prompt's last tokens are output: only those are owed.
+    prompt = [tok.BOS, ord("x"), 0x61, 0xF0]
+    req = text_state(tok, prompt, resumed_tokens=1, delivered_text_len=0)
+    assert sent_text(req, out, end=True) == "😀b"
+    req = text_state(tok, [tok.BOS, ord("x"), 0x80, 0xF0], resumed_tokens=1)
+    assert sent_text(req, [ord("b")], end=True) == "�b"
+
+
+@pytest.mark.parametrize(("silent", "skip"), [(ByteTokenizer.PAD, True), (300, False)])
+def test_tokens_without_text_inside_a_character_do_not_split_it(silent: int, skip: bool) -> None:
+    """Skipped specials (or ids past a padded vocabulary) took the place of the
+    character's bytes among the last few tokens a cut holds: it went out as U+FFFD, then
+    whole."""
+    tok = ByteTokenizer()
+    ids = [0x61, 0xC3, *[silent] * 8, 0xA9, 0x62]
+    detok = IncrementalDetokenizer(tok, [tok.BOS, ord("x")], skip_special_tokens=skip)
+    deltas = stream(detok, ids)
+    assert "".join(deltas) + detok.flush() == tok.decode(ids, skip_special_tokens=skip) == "aéb"
+    assert not any(FFFD in d for d in deltas)
+
+
+@pytest.mark.parametrize("stop", [None, ["zz"]])
+def test_a_redelivered_request_sends_the_stray_byte_its_first_attempt_held(
+    stop: list[str] | None,
+) -> None:
+    """The first attempt sent "a" and held 0xFF (its text ends in U+FFFD); redelivered
+    with both tokens, that U+FFFD was taken for the prompt's own and never sent."""
+    tok = ByteTokenizer()
+    prompt, first = [tok.BOS, ord("x")], [ord("a"), 0xFF]
+    assert sent_text(text_state(tok, prompt, stop), first) == "a"
+    req = text_state(tok, prompt + first, stop, resumed_tokens=2, delivered_text_len=1)
+    rest = sent_text(req, list(b"bc"), end=True)
+    assert "a" + rest == tok.decode([*first, *b"bc"]) == "a�bc"
+
+
+# Tokens of every kind a byte stream can hold: text, continuation and lead bytes, bytes
+# never valid, whole characters, specials, and an id past the vocabulary.
+_PIECES = [
+    *([b] for b in b"ab \x80\x9f\xa9\xbf\xc3\xe2\xe6\xf0\xf4\xff\xc0"),
+    *(list(c.encode()) for c in "é日🙂€"),
+    [ByteTokenizer.BOS], [ByteTokenizer.EOS], [ByteTokenizer.PAD], [300],
+]  # fmt: skip
+
+
+# Only bytes that never end a character, and silent tokens: text held back for long.
+_GARBAGE = [p for p in _PIECES if len(p) == 1 and p[0] not in set(b"ab ")]
+
+
+def _random_ids(rng: random.Random, most: int, pieces: list[list[int]]) -> list[int]:
+    ids = [t for _ in range(rng.randint(0, most)) for t in rng.choice(pieces)]
+    return ids[:most]
+
+
+def test_random_byte_streams_new_and_redelivered_at_every_cut_add_up_to_the_decode() -> None:
+    """New requests with prompts ending anywhere (inside a character too) give
+    ``decode(output)``; a request redelivered after any of its tokens gives the very
+    deltas the first attempt would have gone on with, and with stop strings holding text
+    back, the same text in all."""
+    tok = ByteTokenizer()
+    rng = random.Random(1234)
+    for case in range(1000):
+        skip = rng.random() < 0.7
+        pieces = _GARBAGE if case % 4 == 0 else _PIECES
+        prompt, ids = [tok.BOS, *_random_ids(rng, 6, _PIECES)], _random_ids(rng, 24, pieces)
+        whole = tok.decode(ids, skip_special_tokens=skip)
+        detok = IncrementalDetokenizer(tok, prompt, skip)
+        deltas = stream(detok, ids)
+        assert "".join(deltas) + detok.flush() == whole, (prompt, ids, skip)
+        stop = rng.choice([None, ["ab\x00"], [f"{FFFD}a\x00", "b\x00"]])
+        for k in range(len(ids) + 1):
+            resumed = IncrementalDetokenizer(tok, prompt + ids[:k], skip, resumed_tokens=k)
+            assert stream(resumed, ids[k:]) == deltas[k:], (prompt, ids, skip, k)
+            sent = sent_text(text_state(tok, prompt, stop, skip), ids[:k])
+            req = text_state(
+                tok, prompt + ids[:k], stop, skip, resumed_tokens=k, delivered_text_len=len(sent)
+            )
+            assert sent + sent_text(req, ids[k:], end=True) == whole, (prompt, ids, stop, k)
