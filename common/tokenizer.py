@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property, lru_cache
@@ -22,7 +23,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 # Named special tokens, in transformers' order; chat templates see them by these names.
 SPECIAL_TOKEN_NAMES = (
@@ -53,6 +54,21 @@ class ChatTemplateError(ValueError):
     def __init__(self, message: str, param: str = "messages") -> None:
         super().__init__(message)
         self.param = param
+
+
+class BrokenChatTemplateError(ValueError):
+    """A chat template that does not compile: the model folder's fault, not a client's."""
+
+
+# Steps one render may take (template attribute and item reads, calls, range elements): a
+# template that scans the conversation per message (Gemma 4 looks back over every earlier
+# message for each one) does quadratic work, 27 s of CPU for 4,096 messages on a thread
+# nothing can stop. At about 2 us a step this bounds a render to seconds; linear templates
+# take 3 to 15 steps a message (Qwen 3, Gemma 3), so the longest chat served (4,096
+# messages) stays far below it, and Gemma 4 still renders some 2,000 messages.
+RENDER_STEP_BUDGET = 4_000_000
+# What transformers appends to the final message to find where it ends in the rendered text.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class BaseTokenizer(ABC):
@@ -156,12 +172,17 @@ class BaseTokenizer(ABC):
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: object = False,
         **template_kwargs: Any,
     ) -> str:
         """Render ``messages`` into the prompt string, as transformers' ``tokenize=False``.
 
         ``template_kwargs`` reach the template as variables (``enable_thinking=False``...).
-        Raises :class:`ChatTemplateError` when there is no template or it refuses the input.
+        ``continue_final_message`` (True, or the name of the field to continue) ends the
+        prompt inside the final message, for the model to go on with it, as transformers.
+        Raises :class:`ChatTemplateError` when there is no template or it refuses the input
+        (or the render would take more than :data:`RENDER_STEP_BUDGET` steps), and
+        :class:`BrokenChatTemplateError` for a template that does not compile.
         """
         if not messages:
             raise ChatTemplateError("cannot apply a chat template to an empty conversation")
@@ -171,20 +192,42 @@ class BaseTokenizer(ABC):
         documents = variables.pop("documents", None)
         _check_objects(documents, "documents")
         source = self._select_template(tools)
+        template = _compiled(source, "the chat template")  # a syntax error is no client's
         chat = [_normalize_message(m) for m in messages]
+        final = None
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError(
+                    "continue_final_message continues the final message, add_generation_prompt "
+                    "starts a new one: set add_generation_prompt to false",
+                    param="continue_final_message",
+                )
+            final = _tag_final_message(chat, continue_final_message, source)
+        budget = _RENDER_BUDGET.set([RENDER_STEP_BUDGET])
         try:
-            return _compile(source).render(
+            rendered = template.render(
                 messages=chat,
                 tools=[dict(t) for t in tools] if tools is not None else None,
                 documents=[dict(d) for d in documents] if documents is not None else None,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError, RecursionError) as e:
+        except _RenderBudgetSpent:
+            raise ChatTemplateError(
+                f"this conversation is too costly for the model's chat template to render "
+                f"(over {RENDER_STEP_BUDGET:,} template steps); send fewer messages"
+            ) from None
+        except (
+            jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError,
+            ArithmeticError, RecursionError,
+        ) as e:  # fmt: skip
             # The messages' shape meeting the template (content a list where it concatenates
-            # strings, a format spec it applies to client text, a key it expects): bad
-            # input, not a server fault.
+            # strings, a format spec it applies to client text, a key it expects, dictsort
+            # on a string, a range() past the sandbox's bound): bad input, not a server fault.
             raise ChatTemplateError(f"chat template: {e}") from e
+        finally:
+            _RENDER_BUDGET.reset(budget)
+        return rendered if final is None else _cut_after_final_message(rendered, final)
 
     def _select_template(self, tools: object) -> str:
         templates = self.chat_templates
@@ -248,7 +291,9 @@ class Tokenizer(BaseTokenizer):
             if name.endswith("_token") and (text := _token_text(value)) is not None
         } | self.special_tokens
         self.chat_templates = chat_templates
-        self._add_missing_special_tokens(_listed_special_tokens(config))
+        self._add_missing_special_tokens(
+            [*_model_specific_tokens(config), *_listed_special_tokens(config)]
+        )
 
         self.bos_token_id = self._named_id("bos_token", model_bos_id)
         self.pad_token_id = self._named_id("pad_token", model_pad_id)
@@ -362,9 +407,10 @@ class Tokenizer(BaseTokenizer):
         return token_id if token_id is not None else fallback
 
     def _add_missing_special_tokens(self, listed: Sequence[str] = ()) -> None:
-        # transformers adds the special tokens tokenizer.json lacks, named then listed
-        # (additional_special_tokens, a list of extra_special_tokens): ids must agree, or
-        # "<|tool_call|>" is split into pieces and its id decodes to nothing.
+        # transformers adds the special tokens tokenizer.json lacks, named (the standard
+        # names, then a model's own: image_token...) then listed (additional_special_tokens,
+        # a list of extra_special_tokens): ids must agree, or "<|tool_call|>" is split into
+        # pieces and its id decodes to nothing.
         from tokenizers import AddedToken
 
         # Missing: not among tokenizer.json's added tokens, as transformers decides. A token
@@ -452,21 +498,43 @@ def _with_legacy_special_tokens(
         if key == "extra_special_tokens" and isinstance(value, list):
             existing = merged.get(key)
             merged[key] = [*(existing if isinstance(existing, list) else []), *value]
+        elif isinstance(value, dict) and key != "extra_special_tokens":
+            # transformers reads the map's objects as AddedTokens (see _model_specific_tokens).
+            merged[key] = {**value, "__type": "AddedToken"}
         else:
             merged[key] = value
     return merged
 
 
+def _model_specific_tokens(config: Mapping[str, Any]) -> list[str]:
+    """tokenizer_config's model-specific named tokens, in the order transformers 5
+    registers them: any ``*_token`` key besides the standard names (Gemma 3's
+    ``image_token``) holding an AddedToken object, then those holding a string, then an
+    ``extra_special_tokens`` map's. A plain object (no ``__type``) names no token there."""
+    custom = [
+        value
+        for key, value in config.items()
+        if key.endswith("_token") and key not in SPECIAL_TOKEN_NAMES
+    ]
+    objects = [
+        t
+        for v in custom
+        if isinstance(v, dict) and v.get("__type") == "AddedToken" and (t := _token_text(v))
+    ]
+    strings = [v for v in custom if isinstance(v, str)]
+    extra = config.get("extra_special_tokens")
+    mapped = [t for v in extra.values() if (t := _token_text(v))] if isinstance(extra, dict) else []
+    return [*objects, *strings, *mapped]
+
+
 def _listed_special_tokens(config: Mapping[str, Any]) -> list[str]:
     """tokenizer_config's special tokens by list: ``additional_special_tokens`` and an
-    ``extra_special_tokens`` given as a list (a dict names them: see template_tokens)."""
+    ``extra_special_tokens`` given as a list (a map names them: _model_specific_tokens)."""
     listed: list[str] = []
     for key in ("additional_special_tokens", "extra_special_tokens"):
         value = config.get(key)
         if isinstance(value, list):
             listed += [t for v in value if (t := _token_text(v)) is not None]
-        elif key == "extra_special_tokens" and isinstance(value, dict):
-            listed += [t for v in value.values() if (t := _token_text(v)) is not None]
     return listed
 
 
@@ -598,13 +666,73 @@ def _load_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, s
     elif isinstance(raw, list):
         templates.update({t["name"]: t["template"] for t in raw if isinstance(t, dict)})
     from_files: dict[str, str] = {}
+    where: dict[str, str] = {}
     if (folder / "chat_template.jinja").is_file():
         from_files["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        where["default"] = str(folder / "chat_template.jinja")
     extra = folder / "additional_chat_templates"
     if extra.is_dir():
         for f in sorted(extra.glob("*.jinja")):
             from_files[f.stem] = f.read_text(encoding="utf-8")
-    return from_files or templates
+            where[f.stem] = str(f)
+    chosen = from_files or templates
+    # Compiled now: a broken template failed every chat request later, each a 400 that
+    # blamed the client; at load the error names the file while completions never start.
+    for name, source in chosen.items():
+        origin = where.get(name, f"{folder / 'tokenizer_config.json'} chat_template {name!r}")
+        _compiled(source, origin)
+    return chosen
+
+
+def _tag_final_message(chat: list[dict[str, Any]], field: object, source: str) -> str:
+    """Mark the end of the final message's ``field`` (``content`` for True) with
+    ``_CONTINUE_TAG``, as transformers' ``continue_final_message`` does; the text tagged."""
+    if not isinstance(field, bool | str):
+        raise ChatTemplateError(
+            "continue_final_message must be a boolean or the name of a message field",
+            param="continue_final_message",
+        )
+    name = field if isinstance(field, str) else "content"
+    last = chat[-1]
+    value = last.get(name)
+    if value is None:
+        raise ChatTemplateError(f"continue_final_message: the final message has no {name!r}")
+    names = [name]
+    if name in _REASONING_FIELDS:  # copied under every name: tag the copies the template reads
+        names = [n for n in _REASONING_FIELDS if last.get(n) == value]
+    if not any(n in source for n in names):
+        raise ChatTemplateError(
+            f"continue_final_message: the chat template does not read {name!r}",
+            param="continue_final_message",
+        )
+    if isinstance(value, list):  # content parts: the last one with text
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in value]
+        for part in reversed(parts):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                text: str = part["text"]
+                part["text"] = text + _CONTINUE_TAG
+                last[name] = parts
+                return text
+        raise ChatTemplateError("continue_final_message: the final message has no text")
+    if not isinstance(value, str):
+        raise ChatTemplateError(f"continue_final_message: the final message's {name!r} is no text")
+    for n in names:
+        last[n] = value + _CONTINUE_TAG
+    return value
+
+
+def _cut_after_final_message(rendered: str, final: str) -> str:
+    """The rendered chat up to the end of the final message, found by its tag."""
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ChatTemplateError(
+            "continue_final_message: the chat template does not print the final message "
+            "as sent, so the prompt cannot end inside it"
+        )
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message: so is its end here
 
 
 def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -687,10 +815,108 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# The steps the render on this thread (or task) may still take; None outside a render.
+_RENDER_BUDGET: ContextVar[list[int] | None] = ContextVar("chat_template_budget", default=None)
+
+
+class _RenderBudgetSpent(Exception):
+    """Raised inside a render past its step budget; no template can catch it."""
+
+
+def _spend(steps: int) -> None:
+    budget = _RENDER_BUDGET.get()
+    if budget is not None:
+        budget[0] -= steps
+        if budget[0] < 0:
+            raise _RenderBudgetSpent
+
+
+class _CountedRange:
+    """``range()`` for templates: the sandbox's bounded range, each element it yields one
+    step of the render's budget (counted as yielded: a scan that stops early costs little)."""
+
+    def __init__(self, *args: int) -> None:
+        self._range = safe_range(*args)
+
+    @property
+    def start(self) -> int:
+        return self._range.start
+
+    @property
+    def stop(self) -> int:
+        return self._range.stop
+
+    @property
+    def step(self) -> int:
+        return self._range.step
+
+    def __iter__(self) -> Iterator[int]:
+        for i in self._range:
+            _spend(1)
+            yield i
+
+    def __reversed__(self) -> Iterator[int]:
+        for i in reversed(self._range):
+            _spend(1)
+            yield i
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._range
+
+    def __getitem__(self, index: int | slice) -> Any:
+        item = self._range[index]
+        if isinstance(item, range):
+            return _CountedRange(item.start, item.stop, item.step)
+        return item
+
+    def __eq__(self, other: object) -> bool:
+        inner = other._range if isinstance(other, _CountedRange) else other
+        return self._range == inner
+
+    def __hash__(self) -> int:
+        return hash(self._range)
+
+    def __repr__(self) -> str:
+        return repr(self._range)
+
+
+class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, counting each attribute or item read and each call against the render's
+    step budget: whatever a template loops over, its loop bodies do these."""
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _spend(1)
+        return super().getitem(obj, argument)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _spend(1)
+        return super().getattr(obj, attribute)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        _spend(1)
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _compiled(source: str, origin: str) -> jinja2.Template:
+    """:func:`_compile`, a template that does not compile a :class:`BrokenChatTemplateError`
+    naming ``origin`` (its file) and the line."""
+    try:
+        return _compile(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise BrokenChatTemplateError(
+            f"{origin} does not compile: line {e.lineno}: {e.message}"
+        ) from e
+    except (jinja2.TemplateError, RecursionError) as e:
+        raise BrokenChatTemplateError(f"{origin} does not compile: {e}") from e
+
+
 @lru_cache(maxsize=32)
 def _compile(source: str) -> jinja2.Template:
     """Compile a chat template in a sandbox: templates come from model repos, untrusted."""
-    env = ImmutableSandboxedEnvironment(
+    env = _BudgetedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -700,4 +926,5 @@ def _compile(source: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
+    env.globals["range"] = _CountedRange
     return env.from_string(source)

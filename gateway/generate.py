@@ -66,6 +66,9 @@ DEADLINE_HEADER = "X-QoS-Deadline-Ms"
 MAX_DEADLINE_MS = 24 * 3600 * 1000
 # Prompts longer than this are tokenized in a thread, so the event loop keeps streaming.
 INLINE_TOKENIZE_CHARS = 16_384
+# Conversations of more messages are rendered in a thread, however small their body: a
+# template's work grows with the messages, for some (Gemma 4's) with their square.
+INLINE_RENDER_MESSAGES = 32
 # How often a request in flight checks whether its client left.
 DISCONNECT_POLL_S = 1.0
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -353,29 +356,36 @@ class Generator:
         chat_special_tokens: bool = False,
     ) -> tuple[list[int], str]:
         """Prompt token ids and the parameter to blame if they are too many. ``big``: the
-        request body is large, so a conversation is prepared and rendered on a thread.
+        request body is large, so a conversation is prepared and rendered on a thread (as
+        is one of more than ``INLINE_RENDER_MESSAGES`` messages).
         ``chat_special_tokens``: a rendered conversation is encoded with the tokenizer's
         own BOS/EOS too (``/tokenize``'s ``add_special_tokens``; the template has its own)."""
         if isinstance(body, ChatCompletionRequest):
             if self._config.gateway.reject_control_tokens:
                 self._refuse_control_tokens(body)
+            # chat_template_kwargs may set add_generation_prompt (as vLLM lets them) and
+            # continue_final_message (transformers' own, handled by the tokenizer).
+            kwargs = {
+                "add_generation_prompt": body.add_generation_prompt,
+                **(body.chat_template_kwargs or {}),
+            }
 
             def render() -> str:
                 parts = self._tok.content_parts  # the template loops over content parts
                 developer = self._tok.knows_developer_role
                 messages = [m.for_template(parts, developer) for m in body.messages]
-                return self._tok.apply_chat_template(
-                    messages, add_generation_prompt=body.add_generation_prompt,
-                    **(body.chat_template_kwargs or {}),
-                )  # fmt: skip
+                return self._tok.apply_chat_template(messages, **kwargs)
 
             try:
                 # A big conversation (by its body: tool arguments and template kwargs count
-                # too, not only contents) renders on a thread, as big prompts are tokenized:
-                # the event loop serves every other stream meanwhile.
-                text = await asyncio.to_thread(render) if big else render()
+                # too, not only contents; or by its messages, which a template's loops go
+                # over) renders on a thread, as big prompts are tokenized: the event loop
+                # serves every other stream meanwhile.
+                off_loop = big or len(body.messages) > INLINE_RENDER_MESSAGES
+                text = await asyncio.to_thread(render) if off_loop else render()
             except ChatTemplateError as exc:
-                if exc.param in ("tools", "documents"):  # through chat_template_kwargs
+                if exc.param in ("tools", "documents", "continue_final_message"):
+                    # given in chat_template_kwargs
                     raise InvalidRequestError(
                         f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
                     ) from None
@@ -519,7 +529,7 @@ class Generator:
             pattern = special if m.role == "assistant" else every
             fields.append((f"messages[{i}]", [m.model_dump(), m.for_template()], pattern))
             if isinstance(m.content, list):
-                fields.append((f"messages[{i}].content", "".join(m.texts()), pattern))
+                fields.append((f"messages[{i}].content", _joined_parts(m.texts()), pattern))
         fields.append(("chat_template_kwargs", body.chat_template_kwargs or {}, every))
         for param, value, pattern in fields:
             if pattern is None:
@@ -662,8 +672,19 @@ class Generator:
         that overlaps them), as the worker's detokenizer streams it: with the delivered
         tokens as context, cut on character boundaries (decoding them with a few tokens of
         context started U+FFFD when that context began inside a character)."""
-        detokenizer = IncrementalDetokenizer(self._tok, delivered, skip_special_tokens)
+        detokenizer = IncrementalDetokenizer(
+            self._tok, delivered, skip_special_tokens, resumed_tokens=len(delivered)
+        )
         return "".join(detokenizer.add(t) for t in new) + detokenizer.flush()
+
+
+def _joined_parts(texts: list[str]) -> list[str]:
+    """Content parts as templates run them together: joined as they are, and each trimmed
+    first (Gemma 3's and Llama 4's ``item['text'] | trim``): "<end_of_ " and " turn>" pass
+    a check of each part and of their plain join, and trimmed they are a turn's end. (A
+    token without spaces found after lstrip, rstrip or a separator between the parts is
+    found in one of these too; the newline join is the message's own, checked as vLLM's.)"""
+    return ["".join(texts), "".join(t.strip() for t in texts)]
 
 
 def _strings(value: Any) -> Iterator[str]:

@@ -121,9 +121,15 @@ class ChatMessage(BaseModel):
 
 def _decoded_call(call: Any) -> Any:
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+    if not isinstance(function, dict):
         return call
-    arguments = function["arguments"]
+    arguments = function.get("arguments")
+    if arguments is None or arguments == "":
+        # A call without arguments (null, "" or left out) takes none: {} as vLLM passes it;
+        # "" reached a template's tojson as '""', and null left it undefined.
+        return {**call, "function": {**function, "arguments": {}}}
+    if not isinstance(arguments, str):
+        return call
     try:
         decoded = json.loads(arguments)
     except (ValueError, RecursionError):  # not JSON, or nested beyond the parser's reach
@@ -485,6 +491,8 @@ def _to_invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestErro
         message = chosen["msg"].removeprefix("Value error, ")
     else:
         message = _UNION_HINTS.get(re.sub(r"\[\d+\]", "[]", param or ""), first["msg"])
+    if param is None:  # a rule across fields (a model validator): no one field to name
+        return InvalidRequestError(message, code="invalid_value")
     return InvalidRequestError(
         f"Invalid value for '{param}': {message}", param=param, code="invalid_value"
     )

@@ -48,8 +48,10 @@ class TokenizeRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
+        if self.prompt is None and self.messages is None:
             raise ValueError("give either prompt or messages")
+        if self.prompt is not None and self.messages is not None:
+            raise ValueError("give either prompt or messages, not both")
         return self
 
 

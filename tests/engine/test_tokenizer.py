@@ -587,3 +587,244 @@ def test_a_special_token_in_the_vocabulary_but_not_registered_is_one_id_as_in_tr
     assert ref.convert_tokens_to_ids(EOS) in ref.encode(text)
     ids = ref.encode(text)
     assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+
+
+GEMMA4_LIKE_SCAN = (
+    "{% for message in messages %}{% set prev = namespace(role=none, found=false) %}"
+    "{% for j in range(loop.index0 - 1, -1, -1) %}{% if not prev.found %}"
+    "{% if messages[j]['role'] != 'tool' %}{% set prev.role = messages[j]['role'] %}"
+    "{% set prev.found = true %}{% endif %}{% endif %}{% endfor %}"
+    "{% if not (message['role'] == 'assistant' and prev.role == 'assistant') %}"
+    "<|{{ message['role'] }}|>{% endif %}{{ message['content'] }}<|eot|>{% endfor %}"
+)
+
+
+def _long_chat(n: int) -> list[dict[str, Any]]:
+    return [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}"} for i in range(n)]
+
+
+def test_a_template_doing_quadratic_work_is_refused_within_the_step_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 4 looks back over every earlier message for each one: 4,096 messages took
+    27 s of CPU on a thread nothing could stop. A render now stops past its step budget
+    (lowered here, so the test stays fast) with a ChatTemplateError (a 400 on messages)."""
+    import time
+
+    import common.tokenizer as tokenizer_module
+
+    folder = write_hf_folder(tmp_path, config={"chat_template": GEMMA4_LIKE_SCAN})
+    ours = Tokenizer.from_pretrained(folder)
+    monkeypatch.setattr(tokenizer_module, "RENDER_STEP_BUDGET", 100_000)
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="too costly") as info:
+        ours.apply_chat_template(_long_chat(2000))
+    assert info.value.param == "messages"
+    assert time.monotonic() - started < 5
+    # A short chat renders, as transformers renders it.
+    chat = _long_chat(5)
+    expected = hf_auto_tokenizer(folder).apply_chat_template(chat, tokenize=False)
+    assert ours.apply_chat_template(chat, add_generation_prompt=False) == expected
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, GEMMA3_LIKE, QWEN_LIKE])
+def test_the_longest_chat_of_a_linear_template_is_far_within_the_step_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str
+) -> None:
+    """4,096 messages (the most a request may send) render with a twentieth of the budget."""
+    import common.tokenizer as tokenizer_module
+
+    folder = write_hf_folder(tmp_path, config={"chat_template": template})
+    ours = Tokenizer.from_pretrained(folder)
+    chat = [{"role": "system", "content": "be brief"}, *_long_chat(4095)]
+    full = ours.apply_chat_template(chat)
+    monkeypatch.setattr(
+        tokenizer_module, "RENDER_STEP_BUDGET", tokenizer_module.RENDER_STEP_BUDGET // 20
+    )
+    assert ours.apply_chat_template(chat) == full
+
+
+def test_range_in_a_template_behaves_as_in_transformers(tmp_path: Path) -> None:
+    """range() is counted against the step budget; templates see it as the sandbox's."""
+    body = (
+        "{{ range(3) | list }}|{{ range(5) | length }}|{{ range(4) | reverse | join(',') }}|"
+        "{{ 2 in range(3) }}|{{ range(4) | last }}|{{ range(10)[2:5] | list }}|"
+        "{{ range(0) | list }}|{% for i in range(2) %}{{ loop.last }}{% endfor %}|"
+        "{{ range(6)[-1] }}|{% if range(0) %}x{% else %}empty{% endif %}|"
+        "{{ range(1, 9, 2).stop }}|{{ range(3) }}|{{ range(2) == range(0, 2) }}|"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    folder = write_hf_folder(tmp_path, config={"chat_template": body})
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    chat = [{"role": "user", "content": "hi"}]
+    expected = ref.apply_chat_template(chat, tokenize=False)
+    assert ours.apply_chat_template(chat, add_generation_prompt=False) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "kwargs"),
+    [
+        # dictsort on a client's string (a tool's "function"): AttributeError in jinja.
+        (
+            "{% for t in tools %}{{ t.function | dictsort }}{% endfor %}",
+            {"tools": [{"function": "x"}]},
+        ),
+        # xmlattr on a client's string: AttributeError too.
+        ("{{ attrs | xmlattr }}{{ messages[0].content }}", {"attrs": "x"}),
+        # Arithmetic on client data: ZeroDivisionError.
+        ("{{ 10 // (messages | length - 1) }}", {}),
+        # range() past the sandbox's bound: OverflowError.
+        ("{% for i in range(n) %}{% endfor %}", {"n": 10**6}),
+    ],
+)
+def test_a_template_error_on_client_data_is_a_chat_template_error_not_a_server_fault(
+    tmp_path: Path, body: str, kwargs: dict[str, Any]
+) -> None:
+    """AttributeError and ArithmeticError from built-in filters and operators meeting
+    client data escaped as 500s."""
+    folder = write_hf_folder(tmp_path, config={"chat_template": body})
+    with pytest.raises(ChatTemplateError, match="chat template"):
+        Tokenizer.from_pretrained(folder).apply_chat_template(
+            [{"role": "user", "content": "x"}], **kwargs
+        )
+
+
+@pytest.mark.parametrize(
+    "where", ["tokenizer_config.json", "chat_template.jinja", "tool_use.jinja"]
+)
+def test_a_chat_template_that_does_not_compile_fails_the_load_naming_its_file(
+    tmp_path: Path, where: str
+) -> None:
+    """A syntax error loaded silently, and then every chat request got a 400 blaming it."""
+    from common.tokenizer import BrokenChatTemplateError
+
+    broken = "{% for m in messages %}{{ m.content }}"  # no endfor
+    folder = write_hf_folder(tmp_path)
+    if where == "tokenizer_config.json":
+        folder = write_hf_folder(tmp_path / "cfg", config={"chat_template": broken})
+    elif where == "chat_template.jinja":
+        (folder / "chat_template.jinja").write_text(broken)
+    else:
+        (folder / "additional_chat_templates").mkdir()
+        (folder / "additional_chat_templates" / "tool_use.jinja").write_text(broken)
+    with pytest.raises(BrokenChatTemplateError, match=rf"{where}.*line 1") as info:
+        Tokenizer.from_pretrained(folder)
+    assert not isinstance(info.value, ChatTemplateError)  # not the client's fault (a 400)
+    assert isinstance(info.value, ValueError)  # the gateway's start reports it and exits
+
+
+def test_a_broken_template_overridden_by_a_file_does_not_fail_the_load(tmp_path: Path) -> None:
+    """transformers reads chat_template.jinja instead of the config's: so does the check."""
+    folder = write_hf_folder(tmp_path, config={"chat_template": "{% if %}"})
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    assert Tokenizer.from_pretrained(folder).apply_chat_template(CONVERSATIONS[0])
+
+
+def test_a_broken_template_given_directly_is_no_clients_fault(tmp_path: Path) -> None:
+    from common.tokenizer import BrokenChatTemplateError
+
+    base = Tokenizer.from_pretrained(write_hf_folder(tmp_path))
+    tok = Tokenizer(base._tok, {"eos_token": EOS}, {"default": "{% for %}"})
+    with pytest.raises(BrokenChatTemplateError, match="line 1"):
+        tok.apply_chat_template(CONVERSATIONS[0])
+
+
+NO_TRIM_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m.reasoning_content %}<think>"
+    "{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] }}<|eot|>{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "final", "field"),
+    [
+        (CHAT_TEMPLATE, {"role": "assistant", "content": "The answer is"}, True),
+        (CHAT_TEMPLATE, {"role": "assistant", "content": "The answer is "}, True),  # trimmed
+        (NO_TRIM_TEMPLATE, {"role": "assistant", "content": "The answer is "}, True),
+        (NO_TRIM_TEMPLATE, {"role": "user", "content": "Finish this: "}, "content"),
+        (GEMMA3_LIKE, {"role": "assistant", "content": [
+            {"type": "text", "text": "One"}, {"type": "text", "text": "two "}]}, True),
+        (REASONING_TEMPLATE, {"role": "assistant", "content": "x",
+                              "reasoning_content": "Let me think"}, "reasoning_content"),
+    ],
+)  # fmt: skip
+def test_continue_final_message_ends_the_prompt_inside_it_as_transformers(
+    tmp_path: Path, template: str, final: dict[str, Any], field: bool | str
+) -> None:
+    """It reached the template as a variable no template reads: the prompt closed the final
+    message and the model started a new one."""
+    folder = write_hf_folder(tmp_path, config={"chat_template": template})
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    chat = [{"role": "user", "content": "Question?"}, final]
+    expected = ref.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=False, continue_final_message=field
+    )
+    got = ours.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=field)
+    assert got == expected
+    assert not got.endswith("<|eot|>\n") and not got.endswith("<|eot|>")
+    ids = ref.apply_chat_template(
+        chat, add_generation_prompt=False, continue_final_message=field, return_dict=False
+    )
+    assert ours.encode(got, add_special_tokens=False) == list(ids)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"add_generation_prompt": True}, "add_generation_prompt"),
+        ({"add_generation_prompt": False, "continue_final_message": "reasoning_content"},
+         "does not read"),
+        ({"add_generation_prompt": False, "continue_final_message": "name"}, "has no"),
+        ({"add_generation_prompt": False, "continue_final_message": 3}, "boolean"),
+    ],
+)  # fmt: skip
+def test_continue_final_message_refusals_are_chat_template_errors(
+    tmp_path: Path, kwargs: dict[str, Any], match: str
+) -> None:
+    ours = Tokenizer.from_pretrained(write_hf_folder(tmp_path))
+    chat = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Hel", "reasoning_content": "r"}]  # fmt: skip
+    kwargs.setdefault("continue_final_message", True)
+    with pytest.raises(ChatTemplateError, match=match):
+        ours.apply_chat_template(chat, **kwargs)
+
+
+def test_a_template_that_drops_the_final_message_cannot_continue_it(tmp_path: Path) -> None:
+    folder = write_hf_folder(tmp_path, config={"chat_template": QWEN_LIKE})  # no tool role
+    chat = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]
+    with pytest.raises(ChatTemplateError, match="does not print the final message"):
+        Tokenizer.from_pretrained(folder).apply_chat_template(
+            chat, add_generation_prompt=False, continue_final_message=True
+        )
+
+
+def test_model_specific_named_tokens_missing_from_tokenizer_json_are_registered(
+    tmp_path: Path,
+) -> None:
+    """transformers 5 registers every ``*_token`` key of tokenizer_config (a string, or an
+    AddedToken object) as a special token: "a<|img|>b" was split into pieces here, and the
+    id transformers gives <|img|> was past our vocabulary."""
+    img = {"__type": "AddedToken", "content": "<|aud|>", "lstrip": False, "rstrip": False,
+           "normalized": False, "single_word": False, "special": True}  # fmt: skip
+    folder = write_hf_folder(tmp_path, config={
+        "image_token": "<|img|>",
+        "audio_token": img,
+        "plain_token": {"content": "<|plain|>"},  # no __type: no token in transformers
+        "add_image_token": True,  # not a token
+        "extra_special_tokens": {"video_token": "<|vid|>"},
+        "additional_special_tokens": ["<|extra|>"],
+    })  # fmt: skip
+    ours, ref = Tokenizer.from_pretrained(folder), hf_auto_tokenizer(folder)
+    text = "a<|img|>b<|aud|>c<|vid|>d<|extra|>e<|plain|>f"
+    assert ours.encode(text) == ref.encode(text)
+    assert ours.vocab_size == len(ref)
+    ids = ref.encode(text)
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(
+            ids, skip_special_tokens=skip
+        )
+    assert set(ref.all_special_ids) <= set(ours.all_special_ids)

@@ -206,6 +206,43 @@ async def test_tool_call_arguments_reach_the_template_as_objects() -> None:
     assert calls[1] == raw  # not JSON: passed through as sent
 
 
+@pytest.mark.parametrize("arguments", ["", None, "absent"])
+async def test_a_tool_call_without_arguments_reaches_the_template_with_an_empty_object(
+    arguments: str | None,
+) -> None:
+    """Arguments "" and null reached the template as they came (tojson printed '""'; null
+    was left out, undefined there); vLLM passes {}, a call that takes no arguments."""
+    function: dict[str, Any] = {"name": "now"}
+    if arguments != "absent":
+        function["arguments"] = arguments
+    call = {"id": "c1", "type": "function", "function": function}
+    body = {**OK_CHAT, "messages": [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]}  # fmt: skip
+    parsed = parse_body(ChatCompletionRequest, json.dumps(body).encode())
+    [sent] = parsed.messages[1].for_template()["tool_calls"]
+    assert sent == {"id": "c1", "type": "function", "function": {"name": "now", "arguments": {}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "give either prompt or messages"),
+        ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
+         "give either prompt or messages, not both"),
+    ],
+)  # fmt: skip
+async def test_tokenize_with_neither_or_both_inputs_names_no_parameter_none(
+    client: httpx.AsyncClient, fields: dict[str, Any], message: str
+) -> None:
+    """A rule across fields read "Invalid value for 'None': give either prompt or messages"."""
+    response = await client.post("/v1/tokenize", json={"model": MODEL, **fields})
+    error = _assert_openai_error(response, 400, None)
+    assert error["message"] == message
+    assert error["code"] == "invalid_value"
+
+
 async def test_missing_prompt_is_400_naming_it(client: httpx.AsyncClient):
     response = await client.post("/v1/completions", json={"model": MODEL})
     _assert_openai_error(response, 400, "prompt")
@@ -366,6 +403,24 @@ async def test_a_big_body_renders_off_the_loop_even_when_its_contents_are_short(
         {"role": "tool", "tool_call_id": "c1", "content": "ok"},
     ]}  # fmt: skip
     await client.post("/v1/chat/completions", json=body)
+    assert "render" in threaded
+
+
+async def test_a_chat_of_many_short_messages_renders_off_the_loop(
+    client: httpx.AsyncClient, threaded: list[str]
+):
+    """The choice went by the body's size only: a template's work grows with the messages
+    (for Gemma 4's with their square), and 520 short ones (15 KB) took half a second of
+    the event loop, every stream waiting."""
+    from gateway.generate import INLINE_RENDER_MESSAGES
+
+    turn = {"role": "user", "content": "x"}
+    few = {**OK_CHAT, "messages": [turn] * INLINE_RENDER_MESSAGES}
+    await client.post("/v1/chat/completions", json=few)
+    assert "render" not in threaded  # a short chat stays inline
+    many = {**OK_CHAT, "messages": [turn] * (INLINE_RENDER_MESSAGES + 1)}
+    assert len(json.dumps(many)) < 16_384  # small: its body alone kept it inline
+    await client.post("/v1/chat/completions", json=many)
     assert "render" in threaded
 
 
