@@ -48,7 +48,13 @@ from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
 from gateway import tracing as traced
 from gateway.admission import Admission, Route
 from gateway.auth import OPEN_GRANT, KeyGrant
-from gateway.classifier import GROUP_HEADER, classify, permitted_group, settle_max_tokens
+from gateway.classifier import (
+    GROUP_HEADER,
+    Classification,
+    classify,
+    permitted_group,
+    settle_max_tokens,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.responses import Kind, Shaper, merge, usage_dict
@@ -71,7 +77,7 @@ INLINE_TOKENIZE_CHARS = 16_384
 INLINE_RENDER_MESSAGES = 32
 # How often a request in flight checks whether its client left.
 DISCONNECT_POLL_S = 1.0
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 log = logging.getLogger(__name__)
 
 
@@ -102,6 +108,9 @@ class Flight:
     finish_reason: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     trace: traced.Decided = None  # the server span, or Unsampled, while tracing is on
+    # One choice of several (OpenAI's n): the HTTP request's own accounting (its status,
+    # E2E, TTFT, the server span's usage) is done once, by gateway.choices.
+    quiet: bool = False
 
 
 class Generator:
@@ -211,38 +220,12 @@ class Generator:
             group_label = classified.group
             # The deadline runs from arrival: reading and tokenizing the body spent some.
             ends_at = started + deadline_ms / 1000
-            left_s = ends_at - time.monotonic()
-            if left_s <= 0:
-                raise DeadlineExceededError("the request's deadline passed before it was admitted")
-            try:
-                route = await self._admission.admit(
-                    classified.group, len(prompt_ids) + classified.max_tokens, left_s,
-                    grant.groups,
-                )  # fmt: skip
-            except ServiceUnavailableError:
-                if time.monotonic() >= ends_at:
-                    # The wait ended at the client's own deadline: a 503 invited the openai
-                    # client to retry into the same deadline; a 504 says not to.
-                    raise DeadlineExceededError(
-                        "the request's deadline passed while it waited for a worker"
-                    ) from None
-                raise
-            group_label = route.group
-            if time.monotonic() >= ends_at:
-                # Admitted on the wait's last look, past the deadline: publishing it cost a
-                # JetStream write, an abort and a delete for a 504 all the same.
-                self._admission.release(route.group)
-                raise DeadlineExceededError("the request's deadline passed before it was admitted")
-            if route.group != classified.group and max_tokens is None:
-                # Settled for the group it asked for (realtime's 1,024 left a long prompt 24
-                # tokens); the group serving it may leave more.
-                wider = settle_max_tokens(
-                    len(prompt_ids),
-                    max(self._config.gateway.default_max_tokens, body.min_tokens or 0),
-                    self._admission.seq_limit(route.group),
+            choices = body.choices()
+            if choices == 1:
+                route, classified = await self.admit(
+                    classified, len(prompt_ids), body, max_tokens, grant, ends_at
                 )
-                if wider is not None and wider > classified.max_tokens:
-                    classified = replace(classified, max_tokens=wider)
+                group_label = route.group
         except QosError as exc:
             self._metrics.finished(group_label, exc.http_status)
             if self._tracer is not None:
@@ -257,6 +240,16 @@ class Generator:
         except Exception:  # a bug: the app's handler answers 500, counted here
             self._metrics.finished(group_label, 500)
             raise
+        salt = prefix_cache_salt(grant.cache_namespace, body.cache_salt)
+        if choices > 1:  # it admits, answers and accounts for itself
+            from gateway.choices import serve_choices  # it builds on this module
+
+            if self._log_prompts:
+                log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
+            return await serve_choices(
+                self, kind, request, body, classified, prompt_ids, logprobs, priority, grant,
+                started, deadline_ms, max_tokens, salt,
+            )  # fmt: skip
         try:
             flight = self._take_off(kind, body, route, prompt_ids, logprobs, started, deadline_ms)
         except BaseException as exc:
@@ -275,7 +268,6 @@ class Generator:
                 )  # fmt: skip
             if self._log_prompts:
                 log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
-            salt = prefix_cache_salt(grant.cache_namespace, body.cache_salt)
             await self._publish(
                 flight, body, prompt_ids, classified.max_tokens, request, salt, priority
             )
@@ -286,7 +278,7 @@ class Generator:
                 return await self._collect(flight, first, request)
             response = SseResponse(
                 self._sse(flight, first),
-                headers={**flight.headers, **_SSE_HEADERS},
+                headers={**flight.headers, **SSE_HEADERS},
                 on_disconnect=flight.stream.hang_up,
                 on_close=lambda status: self._land(flight, status=status),
                 # The events end the stream at its deadline themselves (an error event), after
@@ -315,6 +307,49 @@ class Generator:
         finally:
             if not streaming:
                 self._land(flight, status=500)  # a no-op unless something unexpected broke
+
+    async def admit(
+        self,
+        classified: Classification,
+        prompt_tokens: int,
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        grant: KeyGrant,
+        ends_at: float,
+    ) -> tuple[Route, Classification]:
+        """A slot for one request (or one choice) in the group serving it, by ``ends_at``
+        (``time.monotonic()``); ``classified`` with ``max_tokens`` widened where the group
+        serving it leaves more than the one asked for. Raises 429/503/504."""
+        left_s = ends_at - time.monotonic()
+        if left_s <= 0:
+            raise DeadlineExceededError("the request's deadline passed before it was admitted")
+        need = prompt_tokens + classified.max_tokens
+        try:
+            route = await self._admission.admit(classified.group, need, left_s, grant.groups)
+        except ServiceUnavailableError:
+            if time.monotonic() >= ends_at:
+                # The wait ended at the client's own deadline: a 503 invited the openai
+                # client to retry into the same deadline; a 504 says not to.
+                raise DeadlineExceededError(
+                    "the request's deadline passed while it waited for a worker"
+                ) from None
+            raise
+        if time.monotonic() >= ends_at:
+            # Admitted on the wait's last look, past the deadline: publishing it cost a
+            # JetStream write, an abort and a delete for a 504 all the same.
+            self._admission.release(route.group)
+            raise DeadlineExceededError("the request's deadline passed before it was admitted")
+        if route.group != classified.group and max_tokens is None:
+            # Settled for the group it asked for (realtime's 1,024 left a long prompt 24
+            # tokens); the group serving it may leave more.
+            wider = settle_max_tokens(
+                prompt_tokens,
+                max(self._config.gateway.default_max_tokens, body.min_tokens or 0),
+                self._admission.seq_limit(route.group),
+            )
+            if wider is not None and wider > classified.max_tokens:
+                classified = replace(classified, max_tokens=wider)
+        return route, classified
 
     # -- before NATS -----------------------------------------------------------------------
 
@@ -428,21 +463,27 @@ class Generator:
         logprobs: int | None,
         started: float,
         deadline_ms: int,
+        choice: tuple[int, str, int] | None = None,
     ) -> Flight:
+        """``choice``: (index, the response's id, its created time) for one of ``n``
+        choices, a request of its own on NATS; else the request is the response."""
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        bind_request(request_id)
+        index, response_id, created = choice or (0, request_id, int(time.time()))
+        if choice is None:
+            bind_request(request_id)
         shaper = Shaper(
             kind,
-            request_id,
+            response_id,
             self._model,
-            int(time.time()),
+            created,
             self.token_bytes,
             logprobs=logprobs,
             include_usage=body.include_usage(),
             silent_ids=frozenset() if body.skip_special_tokens is False else self._special_ids,
+            index=index,
         )
-        headers = {"X-Request-Id": request_id, GROUP_HEADER: route.group}
+        headers = {"X-Request-Id": response_id, GROUP_HEADER: route.group}
         if route.is_fallback:
             headers["X-QoS-Fallback-From"] = route.requested
             self._metrics.fallbacks.labels(route.requested, route.group, route.reason or "").inc()
@@ -455,7 +496,7 @@ class Generator:
         self._metrics.series(route.group, self._model).in_flight.inc()
         return Flight(
             route, stream, shaper, len(prompt_ids), started, started + deadline_ms / 1000,
-            headers=headers,
+            headers=headers, quiet=choice is not None,
         )  # fmt: skip
 
     async def _publish(
@@ -471,7 +512,9 @@ class Generator:
         now_ms = int(time.time() * 1000)
         # The worker's deadline is the gateway's, not a fresh one from now.
         deadline_at_ms = now_ms + max(1, int((flight.deadline - time.monotonic()) * 1000))
-        params = body.wire_params(max_tokens, flight.shaper.logprobs, self._sampling_defaults)
+        params = body.wire_params(
+            max_tokens, flight.shaper.logprobs, self._sampling_defaults, flight.shaper.index
+        )
         request_id = flight.stream.request_id
         message = GenerateRequest(
             id=request_id,
@@ -568,8 +611,9 @@ class Generator:
                     flight.first_token_at = time.monotonic()
                     # Observed now, not at the end: a long answer would report it late, one
                     # that fails afterwards never.
-                    series = self._metrics.series(flight.route.group, self._model)
-                    series.ttft.observe(flight.first_token_at - flight.started)
+                    if not flight.quiet:
+                        series = self._metrics.series(flight.route.group, self._model)
+                        series.ttft.observe(flight.first_token_at - flight.started)
                 flight.completion_tokens += len(delivery.token_ids)
                 if delivery.usage is not None:
                     flight.worker_usage = delivery.usage
@@ -647,23 +691,33 @@ class Generator:
         self._dispatcher.close(stream, abort=not stream.worker_done, reason=reason)
         group = flight.route.group
         self._admission.release(group)
+        series = self._metrics.series(group, self._model)
+        series.in_flight.dec()
+        if flight.completion_tokens:
+            series.tokens.inc(flight.completion_tokens)
+        if flight.quiet:
+            return  # one choice of several: the request is accounted for once, as a whole
         if flight.trace is not None:
             traced.landed(
                 flight.trace, status=status, prompt_tokens=flight.prompt_tokens,
                 completion_tokens=flight.completion_tokens, finish_reason=flight.finish_reason,
             )  # fmt: skip
+        self.account(group, status, flight.started, flight.first_token_at)
+
+    def account(
+        self, group: str, status: int, started: float, first_token_at: float | None
+    ) -> None:
+        """One HTTP generation request answered ``status``: counted, and its E2E (or the
+        TTFT it waited out) observed."""
         series = self._metrics.series(group, self._model)
-        series.in_flight.dec()
         self._metrics.finished(group, status)
-        if flight.completion_tokens:
-            series.tokens.inc(flight.completion_tokens)
         if status == 200:
-            series.e2e.observe(time.monotonic() - flight.started)
-        elif flight.first_token_at is None and status in WAITED_OUT:
+            series.e2e.observe(time.monotonic() - started)
+        elif first_token_at is None and status in WAITED_OUT:
             # It waited this long and got no token: its TTFT is at least that. Left out, the
             # requests an overload hurt most vanished from the histogram, and its p99 read
             # best exactly when a queue ran past the deadlines.
-            series.ttft.observe(time.monotonic() - flight.started)
+            series.ttft.observe(time.monotonic() - started)
 
     def _decode_tail(
         self, delivered: Sequence[int], new: Sequence[int], skip_special_tokens: bool = True

@@ -7,7 +7,7 @@ strict: an unknown parameter, a wrong type or an out-of-range value is a 400 nam
 never a silent coercion, because a client that misspells ``max_tokens`` deserves to know.
 OpenAI parameters of features this gateway does not serve are known, not unknown: sent with
 a value that asks for nothing (``tools: []``, ``response_format:
-{"type": "text"}``, ``n: 1`` …, as LangChain and the openai client do) they are accepted
+{"type": "text"}`` …, as LangChain and the openai client do) they are accepted
 and ignored; a value that asks for the feature is a 400 saying it is not supported.
 """
 
@@ -33,6 +33,7 @@ from common.sampling_defaults import SamplingDefaults
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # OpenAI's n
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 MAX_MESSAGES = 4096  # a conversation's turns: beyond any context window, bounded work
 # "function": a function call's result in the deprecated functions API's history.
@@ -226,9 +227,14 @@ class _SamplingBody(_Strict):
     @field_validator("n")
     @classmethod
     def _n(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError("only n=1 is supported")
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            # Each choice is a request of its own on a worker: a bound keeps one client's
+            # call from taking a group's every slot.
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}]")
         return value
+
+    def choices(self) -> int:
+        return self.n or 1
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -236,10 +242,15 @@ class _SamplingBody(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def wire_params(
-        self, max_tokens: int, logprobs: int | None, defaults: SamplingDefaults | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        defaults: SamplingDefaults | None = None,
+        choice: int = 0,
     ) -> RequestParams:
         """The sampling parameters as they travel to the worker: fields left out take the
-        model's ``defaults`` (its generation_config.json), else OpenAI's."""
+        model's ``defaults`` (its generation_config.json), else OpenAI's. ``choice``: which
+        of ``n`` choices; a seeded request's choice ``i`` draws with ``seed + i``, as vLLM's."""
         d = defaults or SamplingDefaults()
 
         def given(value: Any, default: Any, neutral: Any) -> Any:
@@ -265,7 +276,7 @@ class _SamplingBody(_Strict):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             # A seed for every request: its sampling is reproducible and traceable.
-            seed=self.seed % 2**63 if self.seed is not None else secrets.randbits(63),
+            seed=(self.seed + choice) % 2**63 if self.seed is not None else secrets.randbits(63),
             stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
@@ -484,7 +495,7 @@ def _to_invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestErro
         )
     # Unions report one error per alternative: the last is usually the closest match, but
     # a validator's own wording (ValueError) says what is wrong best: the named field's own
-    # (another field's read "Invalid value for 'temperature': only n=1 is supported").
+    # (another field's read "Invalid value for 'temperature': n must be in [1, 16]").
     head = first["loc"][:1]
     chosen = next((e for e in errors if e["type"] == "value_error" and e["loc"][:1] == head), None)
     if chosen is not None:

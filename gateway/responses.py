@@ -71,8 +71,10 @@ class Shaper:
         logprobs: int | None = None,
         include_usage: bool = False,
         silent_ids: frozenset[int] = frozenset(),
+        index: int = 0,
     ) -> None:
         self.kind = kind
+        self.index = index  # the choice's index (OpenAI's n: one Shaper per choice)
         # Tokens whose text the output leaves out (special tokens under skip_special_tokens):
         # they take no room in text_offset, which indexes the returned text.
         self._silent_ids = silent_ids
@@ -94,11 +96,11 @@ class Shaper:
             ',"usage":null' if include_usage else ""
         )
         if kind == "completion":
-            self._fast_prefix = f'data: {head[:-1]},"choices":[{{"index":0,"text":'.encode()
+            self._fast_prefix = f'data: {head[:-1]},"choices":[{{"index":{index},"text":'.encode()
             self._fast_suffix = (tail + "}\n\n").encode()
         else:
             self._fast_prefix = (
-                f'data: {head[:-1]},"choices":[{{"index":0,"delta":{{"content":'.encode()
+                f'data: {head[:-1]},"choices":[{{"index":{index},"delta":{{"content":'.encode()
             )
             self._fast_suffix = ("}" + tail + "}\n\n").encode()
 
@@ -109,7 +111,7 @@ class Shaper:
         return sse_event(
             self._chunk(
                 {
-                    "index": 0,
+                    "index": self.index,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
@@ -123,9 +125,12 @@ class Shaper:
             return self._fast_prefix + _dumps(delivery.text).encode() + self._fast_suffix
         logprobs = self._logprobs(delivery) if self.logprobs is not None else None
         if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": delivery.text}
+            choice: dict[str, Any] = {"index": self.index, "text": delivery.text}
         else:
-            choice = {"index": 0, "delta": {"content": delivery.text} if delivery.text else {}}
+            choice = {
+                "index": self.index,
+                "delta": {"content": delivery.text} if delivery.text else {},
+            }
         choice["logprobs"] = logprobs
         choice["finish_reason"] = delivery.finish_reason
         if delivery.finish_reason is not None:
@@ -178,7 +183,7 @@ class Shaper:
         )
         if self.kind == "completion":
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self.index,
                 "text": text,
                 "logprobs": lp,
                 "finish_reason": finish_reason,
@@ -188,7 +193,7 @@ class Shaper:
         else:
             message = {"role": "assistant", "content": text}
             choice = {
-                "index": 0,
+                "index": self.index,
                 "message": message,
                 "logprobs": lp,
                 "finish_reason": finish_reason,

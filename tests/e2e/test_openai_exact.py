@@ -155,3 +155,58 @@ def test_logit_bias_reaches_the_engine_and_a_foreign_token_id_is_a_400(
             model=real_stack.model, prompt=PROMPT, max_tokens=4,
             logit_bias={str(vocab): -100},
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_n_choices_are_the_engines_outputs_for_seed_plus_index(
+    real_stack: Stack,
+    offline_llm: LLM,
+    tokenizer: BaseTokenizer,
+    kind: str,
+    stream: bool,
+) -> None:
+    """OpenAI's ``n``: choice ``i`` of a request seeded ``s`` is the engine's output for seed
+    ``s + i`` (vLLM's rule); the prompt counts once in usage, every choice's output counts."""
+    n, seed = 3, 1234
+    ids = prompt_ids(tokenizer, kind)
+    sampling = SAMPLING["seeded"]
+    expected = [
+        offline_llm.generate(
+            prompt_token_ids=[ids],
+            sampling_params=SamplingParams(max_tokens=MAX_TOKENS, **{**sampling, "seed": seed + i}),
+        )[0]
+        for i in range(n)
+    ]
+    assert len({e.text for e in expected}) == n  # distinct draws: the index is checked
+    client = openai.OpenAI(base_url=real_stack.base_url, api_key="unused", max_retries=0)
+    api = client.completions if kind == "completion" else client.chat.completions
+    result: Any = api.create(model=real_stack.model, n=n, **request_kwargs(kind, stream, "seeded"))
+    if stream:
+        chunks = list(result)
+        assert len({c.id for c in chunks}) == 1
+        texts = ["" for _ in range(n)]
+        finishes: list[str | None] = [None] * n
+        roles = [0] * n
+        for c in chunks:
+            for choice in c.choices:
+                if kind == "completion":
+                    texts[choice.index] += choice.text
+                else:
+                    texts[choice.index] += choice.delta.content or ""
+                    roles[choice.index] += choice.delta.role == "assistant"
+                finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+        usage = chunks[-1].usage
+        if kind == "chat":
+            assert roles == [1] * n  # each choice's first chunk carries its role, once
+    else:
+        assert [c.index for c in result.choices] == list(range(n))
+        texts = [
+            c.text if kind == "completion" else c.message.content or "" for c in result.choices
+        ]
+        finishes = [c.finish_reason for c in result.choices]
+        usage = result.usage
+    assert texts == [e.text for e in expected]
+    assert finishes == [e.finish_reason for e in expected]
+    assert usage is not None and usage.prompt_tokens == len(ids)
+    assert usage.completion_tokens == sum(len(e.token_ids) for e in expected)

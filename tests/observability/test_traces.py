@@ -477,3 +477,27 @@ async def test_a_stream_that_fails_after_its_first_token_is_an_error_span(
     assert server.attributes["http.response.status_code"] == 200
     assert server.status.status_code == StatusCode.ERROR
     assert server.attributes["error.type"] == "503"
+
+
+async def test_n_choices_are_one_trace_with_a_publish_and_a_worker_span_each(
+    config: Config, start_worker: StartWorker, traced: Traced
+) -> None:
+    await start_worker("w-trace", tracer_provider=traced.provider)
+    async with (
+        serve(config, tracer_provider=traced.provider) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        await wait_live(http, "short")
+        events = await stream_completion(
+            http, "/v1/short/completions", prompt="hello", max_tokens=4, n=3
+        )
+    assert events[-1] == "[DONE]"
+    spans = await traced.wait_for(lambda s: len(by_kind(s, SpanKind.CONSUMER)) == 3)
+    assert {s.context.trace_id for s in spans} == {spans[0].context.trace_id}
+    (server,) = by_kind(spans, SpanKind.SERVER)
+    publishes = by_kind(spans, SpanKind.PRODUCER)
+    workers = by_kind(spans, SpanKind.CONSUMER)
+    assert len(publishes) == 3 and all(parent_id(p) == server.context.span_id for p in publishes)
+    assert {parent_id(w) for w in workers} == {p.context.span_id for p in publishes}
+    assert server.attributes["gen_ai.usage.output_tokens"] == 12  # every choice's
+    assert server.attributes["http.response.status_code"] == 200

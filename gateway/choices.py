@@ -1,0 +1,336 @@
+"""OpenAI's ``n``: one response of ``n`` choices, each generated as a request of its own.
+
+Each choice is published and streamed like any request (its own worker slot, resume and
+redelivery; a seeded request's choice ``i`` draws with ``seed + i``, as in vLLM), and a
+worker's prefix cache shares their prompt's blocks. All ``n`` are admitted before any is
+published: a group without room for them all answers 429 (or 503) with nothing started,
+where choices admitted one by one would have run and been thrown away. The response is
+accounted for once (its status, E2E, TTFT, the server span's usage); any choice failing
+fails the response and stops the others, as vLLM answers. Streamed, each choice's chunks
+carry its ``index`` (its first chat chunk its role), interleaved as they come.
+
+This is the other half of :class:`gateway.generate.Generator`: it drives that class's
+admission, take-off, publish, delivery and landing steps for every choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from common.errors import DeadlineExceededError, InternalError, QosError
+from common.logging import bind_request
+from gateway import tracing as traced
+from gateway.admission import Route
+from gateway.auth import KeyGrant
+from gateway.classifier import Classification
+from gateway.generate import DISCONNECT_POLL_S, SSE_HEADERS, ClientGone, Flight, Generator
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from gateway.responses import Kind, Shaper, merge, usage_dict
+from gateway.streams import SSE_DONE, WRITE_STALL_S, ClientClosedRequest, Delivery, SseResponse
+
+log = logging.getLogger(__name__)
+
+Event = tuple[int, Delivery]  # a choice's index and its next delivery
+
+
+class ChoiceRun:
+    """The ``n`` choices of one request in flight."""
+
+    def __init__(
+        self,
+        gen: Generator,
+        kind: Kind,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        classified: Classification,
+        prompt_ids: list[int],
+        logprobs: int | None,
+        started: float,
+        deadline_ms: int,
+    ) -> None:
+        self.gen, self.kind, self.request, self.body = gen, kind, request, body
+        self.classified, self.prompt_ids, self.logprobs = classified, prompt_ids, logprobs
+        self.started, self.deadline_ms = started, deadline_ms
+        self.ends_at = started + deadline_ms / 1000
+        self.n = body.choices()
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        self.response_id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.flights: list[Flight | None] = [None] * self.n
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.trace: traced.Decided = None
+        self.first_token_at: float | None = None
+        self.landed = False
+
+    # -- each choice ----------------------------------------------------------------------
+
+    async def admit_all(
+        self, grant: KeyGrant, max_tokens: int | None
+    ) -> list[tuple[Route, Classification]]:
+        """A slot for every choice, or none: the first refusal, the others released."""
+        gen = self.gen
+        prompt_tokens = len(self.prompt_ids)
+        one = (self.classified, prompt_tokens, self.body, max_tokens, grant, self.ends_at)
+        tries = await asyncio.gather(
+            *(gen.admit(*one) for _ in range(self.n)), return_exceptions=True
+        )
+        admitted = [t for t in tries if not isinstance(t, BaseException)]
+        refused = [t for t in tries if isinstance(t, BaseException)]
+        if refused:
+            for route, _ in admitted:
+                gen._admission.release(route.group)
+            raise refused[0]
+        return admitted
+
+    def start(self, admitted: list[tuple[Route, Classification]], salt: str, priority: int) -> None:
+        gen = self.gen
+        if gen._tracer is not None:
+            self.trace = traced.admitted(
+                gen._tracer, self.request.scope, kind=self.kind, model=gen._model,
+                group=self.classified.group, request_id=self.response_id, body=self.body,
+                max_tokens=self.classified.max_tokens, prompt_tokens=len(self.prompt_ids),
+            )  # fmt: skip
+        for i, (route, classified) in enumerate(admitted):
+            try:
+                flight = gen._take_off(
+                    self.kind, self.body, route, self.prompt_ids, self.logprobs, self.started,
+                    self.deadline_ms, choice=(i, self.response_id, self.created),
+                )  # fmt: skip
+            except BaseException:
+                for later, _ in admitted[i:]:  # nothing else holds their slots yet
+                    gen._admission.release(later.group)
+                raise
+            flight.trace = self.trace
+            self.flights[i] = flight  # from here, landing the run lands it
+            run = self._run(i, flight, classified.max_tokens, salt, priority)
+            self.tasks.append(asyncio.create_task(run, name=f"{self.response_id}-choice-{i}"))
+
+    async def _run(self, i: int, flight: Flight, max_tokens: int, salt: str, priority: int) -> None:
+        """Publish and stream choice ``i`` into :attr:`events`, its end or error too."""
+        gen = self.gen
+        try:
+            await gen._publish(
+                flight, self.body, self.prompt_ids, max_tokens, self.request, salt, priority,
+            )  # fmt: skip
+            while True:
+                delivery = await gen._next(flight, None)
+                if delivery.token_ids and self.first_token_at is None:
+                    self.first_token_at = flight.first_token_at
+                    series = gen._metrics.series(flight.route.group, gen._model)
+                    series.ttft.observe((self.first_token_at or time.monotonic()) - self.started)
+                self.events.put_nowait((i, delivery))
+                if delivery.error is not None or delivery.finish_reason is not None:
+                    return
+        except QosError as exc:
+            self.events.put_nowait((i, Delivery(error=exc)))
+        except Exception:
+            log.exception("choice %d of %s failed", i, self.response_id)
+            error = InternalError("a choice of this request failed in the gateway")
+            self.events.put_nowait((i, Delivery(error=error)))
+
+    def hang_up(self) -> None:
+        """The client left: wake every choice's reader (and so the response's)."""
+        self.events.put_nowait((0, Delivery(error=ClientClosedRequest("the client left"))))
+
+    async def next_event(self, poll_disconnect: bool) -> Event:
+        """The next delivery of any choice; :class:`ClientGone` when ``poll_disconnect``
+        finds the client gone (a whole response has no other way to notice)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if time.monotonic() >= self.ends_at + WRITE_STALL_S:
+                    # Every choice ends itself at the deadline; this is a backstop.
+                    raise DeadlineExceededError(
+                        "the request's deadline passed before it finished"
+                    ) from None
+                if poll_disconnect and await self.request.is_disconnected():
+                    raise ClientGone from None
+
+    # -- the end --------------------------------------------------------------------------
+
+    def land(self, status: int, finish_reason: str | None = None) -> None:
+        """End every choice (aborting those still running) and account for the response,
+        once."""
+        if self.landed:
+            return
+        self.landed = True
+        for task in self.tasks:
+            task.cancel()
+        flights = [f for f in self.flights if f is not None]
+        for flight in flights:
+            self.gen._land(flight, status=status)
+        if not flights:  # refused at admission: counted as a request refused there is
+            self.gen._metrics.finished(self.classified.group, status)
+            return
+        group = flights[0].route.group
+        completion = sum(f.completion_tokens for f in flights)
+        if self.trace is not None:
+            traced.landed(
+                self.trace, status=status, prompt_tokens=len(self.prompt_ids),
+                completion_tokens=completion, finish_reason=finish_reason,
+            )  # fmt: skip
+        self.gen.account(group, status, self.started, self.first_token_at)
+
+    def usage(self) -> dict[str, object]:
+        """The response's usage: the prompt once (as OpenAI counts it), every choice's
+        output; cached tokens as the first choice's worker reported them."""
+        flights = [f for f in self.flights if f is not None]
+        worker = next((f.worker_usage for f in flights if f.worker_usage is not None), None)
+        completion = sum(f.completion_tokens for f in flights)
+        return usage_dict(len(self.prompt_ids), completion, worker)
+
+    def headers(self, i: int) -> dict[str, str]:
+        flight = self.flights[i]
+        return dict(flight.headers) if flight is not None else {"X-Request-Id": self.response_id}
+
+    def failed(self, error: QosError) -> QosError:
+        """``error`` as the answer (a copy naming this response's id), all landed."""
+        self.land(error.http_status)
+        gen = self.gen
+        if gen._tracer is not None:
+            traced.rejected(
+                gen._tracer, self.request.scope, kind=self.kind, model=gen._model,
+                group=self.classified.group, error=error.code,
+            )  # fmt: skip
+        answer = copy.copy(error)
+        answer.request_headers = {"X-Request-Id": self.response_id}
+        return answer
+
+
+async def serve_choices(
+    gen: Generator,
+    kind: Kind,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    classified: Classification,
+    prompt_ids: list[int],
+    logprobs: int | None,
+    priority: int,
+    grant: KeyGrant,
+    started: float,
+    deadline_ms: int,
+    max_tokens: int | None,
+    salt: str,
+) -> Response:
+    """Answer a request for ``n`` > 1 choices (see the module docstring)."""
+    run = ChoiceRun(gen, kind, request, body, classified, prompt_ids, logprobs, started,
+                    deadline_ms)  # fmt: skip
+    bind_request(run.response_id)
+    streaming = False
+    try:
+        run.start(await run.admit_all(grant, max_tokens), salt, priority)
+        first = await run.next_event(poll_disconnect=True)
+        if first[1].error is not None:
+            raise first[1].error
+        if not body.stream:
+            return await _whole(run, first)
+        response = SseResponse(
+            _events(run, first),
+            headers={**run.headers(first[0]), **SSE_HEADERS},
+            on_disconnect=run.hang_up,
+            on_close=run.land,
+            deadline=run.ends_at + WRITE_STALL_S,
+        )
+        streaming = True  # the response lands the run from here on
+        return response
+    except ClientGone:
+        run.land(499)
+        return Response(status_code=499, headers={"X-Request-Id": run.response_id})
+    except QosError as exc:
+        raise run.failed(exc) from None
+    finally:
+        if not streaming:
+            run.land(500)  # a no-op unless something unexpected broke
+
+
+async def _whole(run: ChoiceRun, first: Event) -> Response:
+    """Every choice whole, in one body."""
+    deliveries: list[list[Delivery]] = [[] for _ in range(run.n)]
+    event, done = first, 0
+    while True:
+        i, delivery = event
+        if delivery.error is not None:
+            raise delivery.error
+        deliveries[i].append(delivery)
+        if delivery.finish_reason is not None:
+            done += 1
+            if done == run.n:
+                break
+        event = await run.next_event(poll_disconnect=True)
+    usage = run.usage()
+    choices = []
+    reasons = []
+    for i, parts in enumerate(deliveries):
+        flight = run.flights[i]
+        assert flight is not None  # it delivered
+        whole = merge(parts)
+        reasons.append(whole.finish_reason)
+        body = flight.shaper.body(
+            whole.text, whole.finish_reason, usage, whole, stop_reason=whole.stop_reason
+        )
+        choices.extend(body["choices"])
+    answer = {**body, "choices": choices, "usage": usage}
+    run.land(200, reasons[0])
+    content = json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
+    return Response(content, media_type="application/json", headers=run.headers(0))
+
+
+async def _events(run: ChoiceRun, first: Event) -> AsyncIterator[bytes]:
+    """The choices' chunks as they come; a chat choice's first one carries its role."""
+    status = 500
+    roles_sent: set[int] = set()
+    done = 0
+    reason: str | None = None
+    try:
+        i, delivery = first
+        while True:
+            if isinstance(delivery.error, ClientClosedRequest):
+                status = 499
+                return  # nobody to tell; landing aborts the workers
+            if delivery.error is not None:
+                status = delivery.error.http_status
+                yield Shaper.error_event(delivery.error) + SSE_DONE
+                return
+            flight = run.flights[i]
+            assert flight is not None  # it delivered
+            shaper = flight.shaper
+            out = b""
+            if shaper.kind == "chat" and i not in roles_sent:
+                roles_sent.add(i)
+                out += shaper.role_event()
+            if delivery.finish_reason is not None:
+                done += 1
+                reason = reason or delivery.finish_reason
+                out += shaper.delta_event(delivery)
+                if done == run.n:
+                    if shaper.include_usage:
+                        out += shaper.usage_event(run.usage())
+                    status = 200
+                    yield out + SSE_DONE
+                    return
+            elif delivery.text or (shaper.logprobs is not None and delivery.token_ids):
+                out += shaper.delta_event(delivery)
+            if out:
+                yield out
+            try:
+                i, delivery = await run.next_event(poll_disconnect=False)
+            except DeadlineExceededError as exc:
+                status = exc.http_status
+                yield Shaper.error_event(exc) + SSE_DONE
+                return
+    except (GeneratorExit, asyncio.CancelledError):
+        status = 499  # the response stopped reading: nothing may await here
+        raise
+    finally:
+        run.land(status, reason)

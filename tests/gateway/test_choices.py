@@ -1,0 +1,169 @@
+"""OpenAI's ``n`` through the gateway (``gateway/choices.py``): each choice a request of its
+own on NATS, one response; a failure or a client leaving ends them all and leaks nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from common.config import NatsConfig
+from common.protocol import Control
+from common.subjects import Subjects
+from tests.gateway.conftest import MODEL, Served, gateway_config, serve
+from tests.gateway.fake_worker import (
+    FakeWorker,
+    Job,
+    echo_alphabet,
+    expected_reply,
+    fail_with,
+    never_answer,
+    running_worker,
+)
+
+pytestmark = pytest.mark.timeout(60)
+BODY = {"model": MODEL, "prompt": "hello", "max_tokens": 5}
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def _released(gw: Served) -> bool:
+    state = gw.app.state.gateway
+    return state.admission.in_flight("short") == 0 and state.dispatch.dispatcher.open_streams == 0
+
+
+async def _aborts(worker: FakeWorker, nats_config: NatsConfig) -> list[Control]:
+    controls: list[Control] = []
+
+    async def on_msg(msg: Any) -> None:
+        controls.append(Control.from_bytes(msg.data))
+
+    await worker.nc.subscribe(Subjects(nats_config.subject_prefix).abort("short"), cb=on_msg)
+    return controls
+
+
+def _requests_total(metrics: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("qos_gateway_requests_total{")
+    )
+
+
+async def test_n_choices_are_n_requests_and_one_response(nats_config: NatsConfig) -> None:
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        whole = (await http.post("/v1/completions", json={**BODY, "n": 3, "seed": 7})).json()
+        async with http.stream(
+            "POST", "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 5, "n": 2, "stream": True,
+                  "stream_options": {"include_usage": True}},
+        ) as response:  # fmt: skip
+            lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        metrics = (await http.get("/metrics")).text
+        await _until(lambda: _released(gw))
+    text, finish = expected_reply(5)
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert all(c["text"] == text and c["finish_reason"] == finish for c in whole["choices"])
+    assert whole["usage"]["completion_tokens"] == 15
+    assert whole["usage"]["prompt_tokens"] == len(worker.jobs[0].request.prompt_token_ids)
+    # Each choice its own request, seeded seed + index.
+    seeds = sorted(j.request.params.seed for j in worker.jobs[:3])
+    assert seeds == [7, 8, 9] and len({j.request.id for j in worker.jobs}) == 5
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]" and len({e["id"] for e in events}) == 1
+    streamed = ["", ""]
+    for event in events:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice["delta"].get("content") or ""
+    assert streamed == [text, text]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 10
+    assert _requests_total(metrics) == 2  # one per HTTP request, not per choice
+
+
+async def test_a_failing_choice_fails_the_response_and_stops_the_others(
+    nats_config: NatsConfig,
+) -> None:
+    answered = 0
+
+    async def one_fails(job: Job) -> None:
+        nonlocal answered
+        answered += 1
+        if answered == 2:
+            await fail_with(job, "invalid_request")
+        else:
+            await never_answer(job)
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=one_fails) as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        aborts = await _aborts(worker, nats_config)
+        reply = await http.post("/v1/completions", json={**BODY, "n": 3})
+        await _until(lambda: _released(gw) and len(aborts) == 2)
+        assert reply.status_code == 400 and "worker says" in reply.json()["error"]["message"]
+        assert reply.headers["x-request-id"].startswith("cmpl-")
+        assert len({c.request_id for c in aborts}) == 2  # the two still running
+
+
+async def test_a_streaming_client_that_leaves_aborts_every_choice(nats_config: NatsConfig) -> None:
+    async def slow(job: Job) -> None:
+        await echo_alphabet(job, chunk_size=1, delay_s=0.2)
+
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=slow) as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        aborts = await _aborts(worker, nats_config)
+        body = {**BODY, "max_tokens": 26, "n": 3, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break  # one event, then hang up
+        await _until(lambda: _released(gw) and len(aborts) == 3)
+        assert {c.request_id for c in aborts} == {j.request.id for j in worker.jobs}
+
+
+async def test_choices_a_group_has_no_room_for_are_refused_with_nothing_started(
+    nats_config: NatsConfig,
+) -> None:
+    """All choices are admitted before any is published: choices started one by one would
+    have run, and been thrown away, for a response answered 429 in the end."""
+    config = gateway_config(nats_config, short__max_pending=2)
+    async with (
+        serve(config) as gw,
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        refused = await http.post("/v1/completions", json={**BODY, "n": 3})
+        assert _released(gw)
+        served = await http.post("/v1/completions", json={**BODY, "n": 2})
+        metrics = (await http.get("/metrics")).text
+        await _until(lambda: _released(gw))
+    assert refused.status_code == 429 and "retry-after" in refused.headers
+    assert served.status_code == 200 and len(served.json()["choices"]) == 2
+    assert len(worker.jobs) == 2  # the served request's two; nothing of the refused one
+    assert 'qos_gateway_requests_total{group="short",status="429"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("n", [0, 17, -1])
+async def test_n_out_of_range_is_a_400(gateway: Served, n: int) -> None:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        reply = await http.post("/v1/completions", json={**BODY, "n": n})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"
