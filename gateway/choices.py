@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from common.errors import DeadlineExceededError, InternalError, QosError
+from common.errors import DeadlineExceededError, InternalError, InvalidRequestError, QosError
 from common.logging import bind_request
 from gateway import tracing as traced
 from gateway.admission import Route
@@ -71,6 +71,7 @@ class ChoiceRun:
         self.trace: traced.Decided = None
         self.first_token_at: float | None = None
         self.landed = False
+        self.disconnect_check_at = time.monotonic() + DISCONNECT_POLL_S
 
     # -- each choice ----------------------------------------------------------------------
 
@@ -79,6 +80,13 @@ class ChoiceRun:
     ) -> list[tuple[Route, Classification]]:
         """A slot for every choice, or none: the first refusal, the others released."""
         gen = self.gen
+        limit = gen._config.groups[self.classified.group].max_pending
+        if self.n > limit:  # never servable: a 429 would invite retries for ever
+            raise InvalidRequestError(
+                f"n={self.n} choices exceed instance group {self.classified.group!r}'s "
+                f"limit of {limit} pending requests",
+                param="n",
+            )
         prompt_tokens = len(self.prompt_ids)
         one = (self.classified, prompt_tokens, self.body, max_tokens, grant, self.ends_at)
         tries = await asyncio.gather(
@@ -146,6 +154,12 @@ class ChoiceRun:
         """The next delivery of any choice; :class:`ClientGone` when ``poll_disconnect``
         finds the client gone (a whole response has no other way to notice)."""
         while True:
+            now = time.monotonic()
+            if poll_disconnect and now >= self.disconnect_check_at:
+                # Also while events keep coming (n choices rarely fall silent together).
+                self.disconnect_check_at = now + DISCONNECT_POLL_S
+                if await self.request.is_disconnected():
+                    raise ClientGone
             try:
                 return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
             except TimeoutError:
