@@ -10,7 +10,7 @@ import torch
 
 from common.errors import InvalidRequestError
 from tests.engine.test_sampler import random_logits, req
-from tests.engine.tiny_checkpoints import EOS, VOCAB, checkpoint, hf_greedy, prompts
+from tests.engine.tiny_checkpoints import EOS, VOCAB, _hf_model, checkpoint, hf_greedy, prompts
 from workers.engine import LLM, EngineArgs, LLMEngine, SamplingParams
 from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParamsError
@@ -96,9 +96,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def hf_biased_greedy(path: Path, prompt: list[int], bias: dict[int, float]) -> list[int]:
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _hf_model(str(path))  # loaded once per checkpoint, as hf_greedy's
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
