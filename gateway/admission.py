@@ -93,13 +93,16 @@ class Admission:
         need_tokens: int,
         time_left_s: float,
         allowed: Collection[str] | None = None,
+        count: int = 1,
     ) -> Route:
         """Choose the group for a request needing ``need_tokens`` of context, and take a
         slot in it; release it with :meth:`release`. Raises 429/503 errors. ``allowed``:
-        the groups the caller's key may use (a fallback outside them is not taken)."""
+        the groups the caller's key may use (a fallback outside them is not taken).
+        ``count``: slots taken together, in one group (a response's choices and prompts:
+        admitted one by one they could land in different groups, or half of them)."""
         # A half-open group's turn is decided once per request, however often it is asked.
         turns: dict[str, bool] = {}
-        route = self._pick(group, need_tokens, turns, allowed)
+        route = self._pick(group, need_tokens, turns, allowed, count)
         if route is None:
             try:  # a waiter holds a slot of its own kind: waiting is bounded by max_pending
                 self._take(group, self._waiting)
@@ -115,16 +118,18 @@ class Admission:
                 # Full of requests stuck since its workers went away: no worker is the news.
                 raise self._unavailable(group) from None
             try:
-                route = await self._wait_for_route(group, need_tokens, turns, allowed, time_left_s)
+                route = await self._wait_for_route(
+                    group, need_tokens, turns, allowed, time_left_s, count
+                )
             finally:
                 self._waiting[group] -= 1
             if route is None:
                 # A last look: only workers coming live wake the wait, and a breaker that
                 # closed (or a record gone stale) meanwhile would have lost its request.
-                route = self._pick(group, need_tokens, turns, allowed)
+                route = self._pick(group, need_tokens, turns, allowed, count)
             if route is None:
                 raise self._unavailable(group)
-        self._take(route.group)
+        self._take(route.group, count=count)
         return route
 
     async def _wait_for_route(
@@ -134,6 +139,7 @@ class Admission:
         turns: dict[str, bool],
         allowed: Collection[str] | None,
         time_left_s: float,
+        count: int = 1,
     ) -> Route | None:
         """Pick again as the chain's groups come live, until min(deadline, wait) passes.
         Waits only on groups the key may use and that are not live yet: a live group this
@@ -148,7 +154,7 @@ class Admission:
             ]
             if not pending or not await self._view.wait_live(pending, left):
                 return None
-            route = self._pick(group, need_tokens, turns, allowed)
+            route = self._pick(group, need_tokens, turns, allowed, count)
             if route is not None:
                 return route
         return None
@@ -169,19 +175,20 @@ class Admission:
             return RETRY_AFTER_UNAVAILABLE_S
         return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_UNAVAILABLE_S, min(known)))
 
-    def release(self, group: str) -> None:
-        self._in_flight[group] -= 1
+    def release(self, group: str, count: int = 1) -> None:
+        self._in_flight[group] -= count
 
-    def _take(self, group: str, counts: dict[str, int] | None = None) -> None:
-        """A slot of ``group`` in ``counts`` (the admitted ones by default), or a 429."""
+    def _take(self, group: str, counts: dict[str, int] | None = None, count: int = 1) -> None:
+        """``count`` slots of ``group`` in ``counts`` (the admitted ones by default), or a
+        429."""
         counts = self._in_flight if counts is None else counts
         limit = self._groups[group].max_pending
-        if counts[group] >= limit:
+        if counts[group] + count > limit:
             raise RateLimitError(
                 f"instance group {group!r} is at its limit of {limit} pending requests",
                 retry_after_s=RETRY_AFTER_FULL_S,
             )
-        counts[group] += 1
+        counts[group] += count
 
     def _pick(
         self,
@@ -189,8 +196,9 @@ class Admission:
         need_tokens: int,
         turns: dict[str, bool],
         allowed: Collection[str] | None = None,
+        count: int = 1,
     ) -> Route | None:
-        """The group to serve the request, or None."""
+        """The group to serve the request (``count`` slots of it), or None."""
         reason: str | None = None
         for candidate in self._chains[group]:
             if allowed is not None and candidate not in allowed:
@@ -210,7 +218,7 @@ class Admission:
             # Last: only a request the half-open group could serve spends one of its turns,
             # and not when the group is full (the probe would be a 429, not a probe).
             if state == "half_open":
-                if self._in_flight[candidate] >= self._groups[candidate].max_pending:
+                if self._in_flight[candidate] + count > self._groups[candidate].max_pending:
                     reason = reason or "full"
                     continue
                 if candidate not in turns:

@@ -1,13 +1,17 @@
-"""OpenAI's ``n``: one response of ``n`` choices, each generated as a request of its own.
+"""A response of several choices: OpenAI's ``n``, and a batch of prompts on
+``/v1/completions`` (``n`` choices for each), each choice generated as a request of its own.
 
 Each choice is published and streamed like any request (its own worker slot, resume and
-redelivery; a seeded request's choice ``i`` draws with ``seed + i``, as in vLLM), and a
-worker's prefix cache shares their prompt's blocks. All ``n`` are admitted before any is
-published: a group without room for them all answers 429 (or 503) with nothing started,
-where choices admitted one by one would have run and been thrown away. The response is
-accounted for once (its status, E2E, TTFT, the server span's usage); any choice failing
-fails the response and stops the others, as vLLM answers. Streamed, each choice's chunks
-carry its ``index`` (its first chat chunk its role), interleaved as they come.
+redelivery; a seeded request's choice ``i`` of a prompt draws with ``seed + i``, as in
+vLLM), and a worker's prefix cache shares their prompt's blocks. Choice ``p * n + i`` is
+choice ``i`` of prompt ``p``, as OpenAI and vLLM number them. All are admitted at once, in
+one group (the one the longest prompt needs): a group without room for them all answers
+429 (or 503) with nothing started, where choices admitted one by one would have run and
+been thrown away, or landed in different groups under a half-open breaker. The response
+is accounted for once (its status, E2E, TTFT, one fallback, the server span's usage); any
+choice failing fails the response and stops the others, as vLLM answers. Streamed, each
+choice's chunks carry its ``index`` (its first chat chunk its role), interleaved as they
+come.
 
 This is the other half of :class:`gateway.generate.Generator`: it drives that class's
 admission, take-off, publish, delivery and landing steps for every choice.
@@ -28,6 +32,7 @@ from starlette.responses import Response
 
 from common.errors import DeadlineExceededError, InternalError, InvalidRequestError, QosError
 from common.logging import bind_request
+from common.protocol import Usage
 from gateway import tracing as traced
 from gateway.admission import Route
 from gateway.auth import KeyGrant
@@ -43,7 +48,7 @@ Event = tuple[int, Delivery]  # a choice's index and its next delivery
 
 
 class ChoiceRun:
-    """The ``n`` choices of one request in flight."""
+    """The choices of one request in flight: ``n`` for each of its prompts."""
 
     def __init__(
         self,
@@ -52,20 +57,23 @@ class ChoiceRun:
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
         classified: Classification,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         logprobs: int | None,
         started: float,
         deadline_ms: int,
     ) -> None:
         self.gen, self.kind, self.request, self.body = gen, kind, request, body
-        self.classified, self.prompt_ids, self.logprobs = classified, prompt_ids, logprobs
+        self.classified, self.prompts, self.logprobs = classified, prompts, logprobs
         self.started, self.deadline_ms = started, deadline_ms
         self.ends_at = started + deadline_ms / 1000
-        self.n = body.choices()
+        self.n = body.choices()  # for each prompt
+        self.count = self.n * len(prompts)
+        # Each prompt once, as OpenAI counts them, however many choices it has.
+        self.prompt_tokens = sum(len(ids) for ids in prompts)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         self.response_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.flights: list[Flight | None] = [None] * self.n
+        self.flights: list[Flight | None] = [None] * self.count
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
         self.trace: traced.Decided = None
@@ -73,62 +81,59 @@ class ChoiceRun:
         self.landed = False
         self.disconnect_check_at = time.monotonic() + DISCONNECT_POLL_S
 
+    def prompt_of(self, index: int) -> list[int]:
+        return self.prompts[index // self.n]
+
     # -- each choice ----------------------------------------------------------------------
 
     async def admit_all(
         self, grant: KeyGrant, max_tokens: int | None
-    ) -> list[tuple[Route, Classification]]:
-        """A slot for every choice, or none: the first refusal, the others released."""
-        gen = self.gen
-        limit = gen._config.groups[self.classified.group].max_pending
-        if self.n > limit:  # never servable: a 429 would invite retries for ever
+    ) -> tuple[Route, Classification]:
+        """A slot for every choice, all in one group, or none (429/503/504)."""
+        limit = self.gen._config.groups[self.classified.group].max_pending
+        if self.count > limit:  # never servable: a 429 would invite retries for ever
+            asked = f"n={self.n} choices" if len(self.prompts) == 1 else (
+                f"{len(self.prompts)} prompts x n={self.n} choices"
+            )  # fmt: skip
             raise InvalidRequestError(
-                f"n={self.n} choices exceed instance group {self.classified.group!r}'s "
-                f"limit of {limit} pending requests",
-                param="n",
+                f"{asked} exceed instance group {self.classified.group!r}'s limit of "
+                f"{limit} pending requests",
+                param="n" if len(self.prompts) == 1 else "prompt",
             )
-        prompt_tokens = len(self.prompt_ids)
-        one = (self.classified, prompt_tokens, self.body, max_tokens, grant, self.ends_at)
-        tries = await asyncio.gather(
-            *(gen.admit(*one) for _ in range(self.n)), return_exceptions=True
+        longest = max(len(ids) for ids in self.prompts)
+        return await self.gen.admit(
+            self.classified, longest, self.body, max_tokens, grant, self.ends_at, self.count
         )
-        admitted = [t for t in tries if not isinstance(t, BaseException)]
-        refused = [t for t in tries if isinstance(t, BaseException)]
-        if refused:
-            for route, _ in admitted:
-                gen._admission.release(route.group)
-            raise refused[0]
-        return admitted
 
-    def start(self, admitted: list[tuple[Route, Classification]], salt: str, priority: int) -> None:
+    def start(self, route: Route, classified: Classification, salt: str, priority: int) -> None:
         gen = self.gen
         if gen._tracer is not None:
             self.trace = traced.admitted(
                 gen._tracer, self.request.scope, kind=self.kind, model=gen._model,
-                group=self.classified.group, request_id=self.response_id, body=self.body,
-                max_tokens=self.classified.max_tokens, prompt_tokens=len(self.prompt_ids),
+                group=route.group, request_id=self.response_id, body=self.body,
+                max_tokens=classified.max_tokens, prompt_tokens=self.prompt_tokens,
             )  # fmt: skip
-        for i, (route, classified) in enumerate(admitted):
+        for k in range(self.count):
             try:
                 flight = gen._take_off(
-                    self.kind, self.body, route, self.prompt_ids, self.logprobs, self.started,
-                    self.deadline_ms, choice=(i, self.response_id, self.created),
+                    self.kind, self.body, route, self.prompt_of(k), self.logprobs, self.started,
+                    self.deadline_ms, choice=(k, self.response_id, self.created),
                 )  # fmt: skip
             except BaseException:
-                for later, _ in admitted[i:]:  # nothing else holds their slots yet
-                    gen._admission.release(later.group)
+                # Nothing else holds the slots of those not taken off yet.
+                gen._admission.release(route.group, self.count - k)
                 raise
             flight.trace = self.trace
-            self.flights[i] = flight  # from here, landing the run lands it
-            run = self._run(i, flight, classified.max_tokens, salt, priority)
-            self.tasks.append(asyncio.create_task(run, name=f"{self.response_id}-choice-{i}"))
+            self.flights[k] = flight  # from here, landing the run lands it
+            run = self._run(k, flight, classified.max_tokens, salt, priority)
+            self.tasks.append(asyncio.create_task(run, name=f"{self.response_id}-choice-{k}"))
 
     async def _run(self, i: int, flight: Flight, max_tokens: int, salt: str, priority: int) -> None:
         """Publish and stream choice ``i`` into :attr:`events`, its end or error too."""
         gen = self.gen
         try:
             await gen._publish(
-                flight, self.body, self.prompt_ids, max_tokens, self.request, salt, priority,
+                flight, self.body, self.prompt_of(i), max_tokens, self.request, salt, priority,
             )  # fmt: skip
             while True:
                 delivery = await gen._next(flight, None)
@@ -191,20 +196,26 @@ class ChoiceRun:
         completion = sum(f.completion_tokens for f in flights)
         if self.trace is not None:
             traced.landed(
-                self.trace, status=status, prompt_tokens=len(self.prompt_ids),
+                self.trace, status=status, prompt_tokens=self.prompt_tokens,
                 completion_tokens=completion, finish_reason=finish_reason,
             )  # fmt: skip
         self.gen.account(group, status, self.started, self.first_token_at)
 
     def usage(self) -> dict[str, object]:
-        """The response's usage: the prompt once (as OpenAI counts it), every choice's
-        output; cached tokens as the first choice's worker reported them."""
-        flights = [f for f in self.flights if f is not None]
-        worker = next((f.worker_usage for f in flights if f.worker_usage is not None), None)
-        completion = sum(f.completion_tokens for f in flights)
-        return usage_dict(len(self.prompt_ids), completion, worker)
+        """The response's usage: each prompt once (as OpenAI counts it), every choice's
+        output; cached tokens as each prompt's first reporting choice's worker saw them."""
+        cached: Usage | None = None
+        for p in range(len(self.prompts)):
+            flights = self.flights[p * self.n : (p + 1) * self.n]
+            worker = next((f.worker_usage for f in flights if f and f.worker_usage), None)
+            if worker is not None:
+                cached = cached or Usage()
+                cached.cached_tokens += worker.cached_tokens
+        completion = sum(f.completion_tokens for f in self.flights if f is not None)
+        return usage_dict(self.prompt_tokens, completion, cached)
 
-    def headers(self, i: int) -> dict[str, str]:
+    def headers(self, i: int = 0) -> dict[str, str]:
+        """Choice ``i``'s headers (the response's id, group, fallback), once it took off."""
         flight = self.flights[i]
         return dict(flight.headers) if flight is not None else {"X-Request-Id": self.response_id}
 
@@ -215,10 +226,11 @@ class ChoiceRun:
         if gen._tracer is not None:
             traced.rejected(
                 gen._tracer, self.request.scope, kind=self.kind, model=gen._model,
-                group=self.classified.group, error=error.code,
+                group=self.flights[0].route.group if self.flights[0] else self.classified.group,
+                error=error.code,
             )  # fmt: skip
         answer = copy.copy(error)
-        answer.request_headers = {"X-Request-Id": self.response_id}
+        answer.request_headers = self.headers()
         return answer
 
 
@@ -228,7 +240,7 @@ async def serve_choices(
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
     classified: Classification,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     logprobs: int | None,
     priority: int,
     grant: KeyGrant,
@@ -237,13 +249,13 @@ async def serve_choices(
     max_tokens: int | None,
     salt: str,
 ) -> Response:
-    """Answer a request for ``n`` > 1 choices (see the module docstring)."""
-    run = ChoiceRun(gen, kind, request, body, classified, prompt_ids, logprobs, started,
+    """Answer a request of more than one choice (see the module docstring)."""
+    run = ChoiceRun(gen, kind, request, body, classified, prompts, logprobs, started,
                     deadline_ms)  # fmt: skip
     bind_request(run.response_id)
     streaming = False
     try:
-        run.start(await run.admit_all(grant, max_tokens), salt, priority)
+        run.start(*await run.admit_all(grant, max_tokens), salt, priority)
         first = await run.next_event(poll_disconnect=True)
         if first[1].error is not None:
             raise first[1].error
@@ -260,7 +272,7 @@ async def serve_choices(
         return response
     except ClientGone:
         run.land(499)
-        return Response(status_code=499, headers={"X-Request-Id": run.response_id})
+        return Response(status_code=499, headers=run.headers())
     except QosError as exc:
         raise run.failed(exc) from None
     finally:
@@ -270,7 +282,7 @@ async def serve_choices(
 
 async def _whole(run: ChoiceRun, first: Event) -> Response:
     """Every choice whole, in one body."""
-    deliveries: list[list[Delivery]] = [[] for _ in range(run.n)]
+    deliveries: list[list[Delivery]] = [[] for _ in range(run.count)]
     event, done = first, 0
     while True:
         i, delivery = event
@@ -279,7 +291,7 @@ async def _whole(run: ChoiceRun, first: Event) -> Response:
         deliveries[i].append(delivery)
         if delivery.finish_reason is not None:
             done += 1
-            if done == run.n:
+            if done == run.count:
                 break
         event = await run.next_event(poll_disconnect=True)
     usage = run.usage()
@@ -301,9 +313,10 @@ async def _whole(run: ChoiceRun, first: Event) -> Response:
 
 
 async def _events(run: ChoiceRun, first: Event) -> AsyncIterator[bytes]:
-    """The choices' chunks as they come; a chat choice's first one carries its role."""
+    """The choices' chunks as they come; a chat choice's first one carries its role, an
+    echoing completion's its prompt."""
     status = 500
-    roles_sent: set[int] = set()
+    opened: set[int] = set()  # choices whose opening chunk (role, echo) went out
     done = 0
     reason: str | None = None
     try:
@@ -320,14 +333,14 @@ async def _events(run: ChoiceRun, first: Event) -> AsyncIterator[bytes]:
             assert flight is not None  # it delivered
             shaper = flight.shaper
             out = b""
-            if shaper.kind == "chat" and i not in roles_sent:
-                roles_sent.add(i)
-                out += shaper.role_event()
+            if i not in opened:
+                opened.add(i)
+                out += shaper.opening_events()
             if delivery.finish_reason is not None:
                 done += 1
                 reason = reason or delivery.finish_reason
                 out += shaper.delta_event(delivery)
-                if done == run.n:
+                if done == run.count:
                     if shaper.include_usage:
                         out += shaper.usage_event(run.usage())
                     status = 200

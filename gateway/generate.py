@@ -193,14 +193,14 @@ class Generator:
             self.check_model(body.model)
             priority = grant.priority(body.priority)
             logprobs = body.top_logprobs_count()
-            prompt_ids, prompt_param = await self.prompt_ids(
-                body, big=len(raw) > INLINE_TOKENIZE_CHARS
-            )
+            prompts, prompt_param = await self.prompts(body, big=len(raw) > INLINE_TOKENIZE_CHARS)
             max_tokens = (
                 body.requested_max_tokens()
                 if isinstance(body, ChatCompletionRequest)
                 else body.max_tokens
             )
+            # A batch goes to one group, the one its longest prompt needs.
+            prompt_ids = max(prompts, key=len)
             classified = classify(
                 self._config,
                 prompt_tokens=len(prompt_ids),
@@ -220,7 +220,9 @@ class Generator:
             group_label = classified.group
             # The deadline runs from arrival: reading and tokenizing the body spent some.
             ends_at = started + deadline_ms / 1000
-            choices = body.choices()
+            # One request on NATS per prompt and choice: more than one is a response of
+            # several choices, which gateway.choices serves.
+            choices = body.choices() * len(prompts)
             if choices == 1:
                 route, classified = await self.admit(
                     classified, len(prompt_ids), body, max_tokens, grant, ends_at
@@ -247,7 +249,7 @@ class Generator:
             if self._log_prompts:
                 log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
             return await serve_choices(
-                self, kind, request, body, classified, prompt_ids, logprobs, priority, grant,
+                self, kind, request, body, classified, prompts, logprobs, priority, grant,
                 started, deadline_ms, max_tokens, salt,
             )  # fmt: skip
         try:
@@ -316,16 +318,20 @@ class Generator:
         max_tokens: int | None,
         grant: KeyGrant,
         ends_at: float,
+        count: int = 1,
     ) -> tuple[Route, Classification]:
-        """A slot for one request (or one choice) in the group serving it, by ``ends_at``
-        (``time.monotonic()``); ``classified`` with ``max_tokens`` widened where the group
-        serving it leaves more than the one asked for. Raises 429/503/504."""
+        """A slot for one request (``count`` slots, in one group, for a response of several
+        choices or prompts) in the group serving it, by ``ends_at`` (``time.monotonic()``);
+        ``classified`` with ``max_tokens`` widened where the group serving it leaves more
+        than the one asked for. Raises 429/503/504."""
         left_s = ends_at - time.monotonic()
         if left_s <= 0:
             raise DeadlineExceededError("the request's deadline passed before it was admitted")
         need = prompt_tokens + classified.max_tokens
         try:
-            route = await self._admission.admit(classified.group, need, left_s, grant.groups)
+            route = await self._admission.admit(
+                classified.group, need, left_s, grant.groups, count=count
+            )
         except ServiceUnavailableError:
             if time.monotonic() >= ends_at:
                 # The wait ended at the client's own deadline: a 503 invited the openai
@@ -337,7 +343,7 @@ class Generator:
         if time.monotonic() >= ends_at:
             # Admitted on the wait's last look, past the deadline: publishing it cost a
             # JetStream write, an abort and a delete for a 504 all the same.
-            self._admission.release(route.group)
+            self._admission.release(route.group, count)
             raise DeadlineExceededError("the request's deadline passed before it was admitted")
         if route.group != classified.group and max_tokens is None:
             # Settled for the group it asked for (realtime's 1,024 left a long prompt 24
@@ -383,68 +389,76 @@ class Generator:
             ) from None
         return b"".join(parts)
 
-    async def prompt_ids(
-        self,
-        body: CompletionRequest | ChatCompletionRequest,
-        *,
-        big: bool = False,
-        chat_special_tokens: bool = False,
-    ) -> tuple[list[int], str]:
-        """Prompt token ids and the parameter to blame if they are too many. ``big``: the
-        request body is large, so a conversation is prepared and rendered on a thread (as
-        is one of more than ``INLINE_RENDER_MESSAGES`` messages).
-        ``chat_special_tokens``: a rendered conversation is encoded with the tokenizer's
-        own BOS/EOS too (``/tokenize``'s ``add_special_tokens``; the template has its own)."""
+    async def prompts(
+        self, body: CompletionRequest | ChatCompletionRequest, *, big: bool = False
+    ) -> tuple[list[list[int]], str]:
+        """Each prompt's token ids (a conversation is one; a completions batch several) and
+        the parameter to blame if they are too many. ``big``: see :meth:`prompt_ids`."""
         if isinstance(body, ChatCompletionRequest):
-            if self._config.gateway.reject_control_tokens:
-                self._refuse_control_tokens(body)
-            # chat_template_kwargs may set add_generation_prompt (as vLLM lets them) and
-            # continue_final_message (transformers' own, handled by the tokenizer).
-            kwargs = {
-                "add_generation_prompt": body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}),
-            }
-
-            def render() -> str:
-                parts = self._tok.content_parts  # the template loops over content parts
-                developer = self._tok.knows_developer_role
-                messages = [m.for_template(parts, developer) for m in body.messages]
-                return self._tok.apply_chat_template(messages, **kwargs)
-
-            try:
-                # A big conversation (by its body: tool arguments and template kwargs count
-                # too, not only contents; or by its messages, which a template's loops go
-                # over) renders on a thread, as big prompts are tokenized: the event loop
-                # serves every other stream meanwhile.
-                off_loop = big or len(body.messages) > INLINE_RENDER_MESSAGES
-                text = await asyncio.to_thread(render) if off_loop else render()
-            except ChatTemplateError as exc:
-                if exc.param in ("tools", "documents", "continue_final_message"):
-                    # given in chat_template_kwargs
+            ids, param = await self.prompt_ids(body, big=big)
+            return [ids], param
+        batch = body.prompt_inputs()
+        out = []
+        for j, prompt in enumerate(batch):
+            where = "the prompt" if len(batch) == 1 else f"prompt {j}"
+            if isinstance(prompt, str):
+                ids = await self.encode(prompt, add_special_tokens=True)
+            else:
+                ids = prompt
+                if self._check_vocab and max(ids) >= self._tok.vocab_size:
                     raise InvalidRequestError(
-                        f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
-                    ) from None
-                raise InvalidRequestError(str(exc), param=exc.param) from None
-            except TypeError as exc:  # a chat_template_kwargs key that shadows an argument
+                        f"{where}: token id {max(ids)} is outside the vocabulary "
+                        f"(size {self._tok.vocab_size})",
+                        param="prompt",
+                    )
+            if not ids:
+                raise InvalidRequestError(f"{where} is empty", param="prompt")
+            out.append(ids)
+        return out, "prompt"
+
+    async def prompt_ids(
+        self, body: ChatCompletionRequest, *, big: bool = False, chat_special_tokens: bool = False
+    ) -> tuple[list[int], str]:
+        """A conversation's token ids and the parameter to blame if they are too many.
+        ``big``: the request body is large, so the conversation is prepared and rendered on
+        a thread (as is one of more than ``INLINE_RENDER_MESSAGES`` messages).
+        ``chat_special_tokens``: it is encoded with the tokenizer's own BOS/EOS too
+        (``/tokenize``'s ``add_special_tokens``; the template has its own)."""
+        if self._config.gateway.reject_control_tokens:
+            self._refuse_control_tokens(body)
+        # chat_template_kwargs may set add_generation_prompt (as vLLM lets them) and
+        # continue_final_message (transformers' own, handled by the tokenizer).
+        kwargs = {
+            "add_generation_prompt": body.add_generation_prompt,
+            **(body.chat_template_kwargs or {}),
+        }
+
+        def render() -> str:
+            parts = self._tok.content_parts  # the template loops over content parts
+            developer = self._tok.knows_developer_role
+            messages = [m.for_template(parts, developer) for m in body.messages]
+            return self._tok.apply_chat_template(messages, **kwargs)
+
+        try:
+            # A big conversation (by its body: tool arguments and template kwargs count
+            # too, not only contents; or by its messages, which a template's loops go
+            # over) renders on a thread, as big prompts are tokenized: the event loop
+            # serves every other stream meanwhile.
+            off_loop = big or len(body.messages) > INLINE_RENDER_MESSAGES
+            text = await asyncio.to_thread(render) if off_loop else render()
+        except ChatTemplateError as exc:
+            if exc.param in ("tools", "documents", "continue_final_message"):
+                # given in chat_template_kwargs
                 raise InvalidRequestError(
                     f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
                 ) from None
-            ids = await self.encode(text, add_special_tokens=chat_special_tokens)
-            return ids, "messages"
-        prompt = body.prompt_input()
-        if isinstance(prompt, str):
-            ids = await self.encode(prompt, add_special_tokens=True)
-        else:
-            ids = prompt
-            if self._check_vocab and max(ids) >= self._tok.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token id {max(ids)} is outside the vocabulary "
-                    f"(size {self._tok.vocab_size})",
-                    param="prompt",
-                )
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        return ids, "prompt"
+            raise InvalidRequestError(str(exc), param=exc.param) from None
+        except TypeError as exc:  # a chat_template_kwargs key that shadows an argument
+            raise InvalidRequestError(
+                f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
+            ) from None
+        ids = await self.encode(text, add_special_tokens=chat_special_tokens)
+        return ids, "messages"
 
     async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """``text``'s token ids; a long text on a thread, so the event loop keeps streaming."""
@@ -482,11 +496,14 @@ class Generator:
             include_usage=body.include_usage(),
             silent_ids=frozenset() if body.skip_special_tokens is False else self._special_ids,
             index=index,
+            echo=self._echo_text(body, index, prompt_ids),
         )
         headers = {"X-Request-Id": response_id, GROUP_HEADER: route.group}
         if route.is_fallback:
             headers["X-QoS-Fallback-From"] = route.requested
-            self._metrics.fallbacks.labels(route.requested, route.group, route.reason or "").inc()
+            if index == 0:  # one HTTP request, one fallback, however many choices it has
+                labels = (route.requested, route.group, route.reason or "")
+                self._metrics.fallbacks.labels(*labels).inc()
         decode_tail = self._decode_tail
         if body.skip_special_tokens is False:  # the worker's text keeps them: so must ours
             decode_tail = partial(self._decode_tail, skip_special_tokens=False)
@@ -498,6 +515,20 @@ class Generator:
             route, stream, shaper, len(prompt_ids), started, started + deadline_ms / 1000,
             headers=headers, quiet=choice is not None,
         )  # fmt: skip
+
+    def _echo_text(
+        self, body: CompletionRequest | ChatCompletionRequest, index: int, prompt_ids: list[int]
+    ) -> str:
+        """Choice ``index``'s prompt as ``echo`` returns it: its text as sent, or its token
+        ids decoded (special tokens as the output shows them)."""
+        if not isinstance(body, CompletionRequest) or not body.echo:
+            return ""
+        prompt = body.prompt_inputs()[index // body.choices()]
+        if isinstance(prompt, str):
+            return prompt
+        return self._tok.decode(
+            prompt_ids, skip_special_tokens=body.skip_special_tokens is not False
+        )
 
     async def _publish(
         self,
@@ -512,9 +543,11 @@ class Generator:
         now_ms = int(time.time() * 1000)
         # The worker's deadline is the gateway's, not a fresh one from now.
         deadline_at_ms = now_ms + max(1, int((flight.deadline - time.monotonic()) * 1000))
+        # Choice ``index`` of a batch is choice ``index % n`` of its prompt (its seed's offset).
         params = body.wire_params(
-            max_tokens, flight.shaper.logprobs, self._sampling_defaults, flight.shaper.index
-        )
+            max_tokens, flight.shaper.logprobs, self._sampling_defaults,
+            flight.shaper.index % body.choices(),
+        )  # fmt: skip
         request_id = flight.stream.request_id
         message = GenerateRequest(
             id=request_id,
@@ -641,8 +674,9 @@ class Generator:
         shaper = flight.shaper
         status = 500
         try:
-            if shaper.kind == "chat":
-                yield shaper.role_event()
+            opening = shaper.opening_events()
+            if opening:
+                yield opening
             delivery = first
             while True:
                 if isinstance(delivery.error, ClientClosedRequest):

@@ -34,6 +34,9 @@ from common.sampling_defaults import SamplingDefaults
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
 MAX_CHOICES = 16  # OpenAI's n
+# Prompts in one /v1/completions call (a batch): each is a request of its own on a worker,
+# and prompts x n must also fit the group's max_pending.
+MAX_BATCH_PROMPTS = 64
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 MAX_MESSAGES = 4096  # a conversation's turns: beyond any context window, bounded work
 # "function": a function call's result in the deprecated functions API's history.
@@ -326,28 +329,31 @@ class CompletionRequest(_SamplingBody):
         if isinstance(value, list):
             if len(value) == 0:
                 raise ValueError("prompt must not be empty")
-            if isinstance(value[0], str | list) and len(value) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            ids = value[0] if isinstance(value[0], list) else value  # [[ids]]: one prompt
-            if ids and isinstance(ids[0], int) and any(not 0 <= t < 2**31 for t in ids):
-                raise ValueError("token ids must be non-negative int32 values")
+            batch = value if isinstance(value[0], str | list) else [value]
+            if len(batch) > MAX_BATCH_PROMPTS:
+                raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts may be sent in one request")
+            for ids in batch:
+                if isinstance(ids, list) and not ids:
+                    raise ValueError("a prompt must not be empty")
+                if isinstance(ids, list) and any(not 0 <= t < 2**31 for t in ids):
+                    raise ValueError("token ids must be non-negative int32 values")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError(
+                "echo with logprobs is not supported (the prompt's logprobs are not served)",
+                param="echo",
+            )
 
-    def prompt_input(self) -> str | list[int]:
-        """The one prompt: its text, or its token ids."""
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """Each prompt (a batch has several, one choice each, or ``n``): its text, or its
+        token ids."""
         value = self.prompt
         if isinstance(value, list) and value and isinstance(value[0], str | list):
-            value = value[0]
-        if isinstance(value, list) and not value:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        return value  # type: ignore[return-value]
+            return list(value)
+        return [value]  # type: ignore[list-item]
 
     def top_logprobs_count(self) -> int | None:
         return self.logprobs
@@ -437,7 +443,7 @@ def _check_neutral(body: BaseModel) -> None:
 
 # Parameters that accept several shapes: one sentence beats one error per alternative.
 _UNION_HINTS = {
-    "prompt": "must be a string, a list with one string, or a list of token ids",
+    "prompt": "must be a string, a list of token ids, or a list of either (a batch)",
     "stop": "must be a string or a list of strings",
     "messages[].content": 'must be a string or a list of {"type": "text", "text": ...} parts',
 }

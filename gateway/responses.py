@@ -72,9 +72,12 @@ class Shaper:
         include_usage: bool = False,
         silent_ids: frozenset[int] = frozenset(),
         index: int = 0,
+        echo: str = "",
     ) -> None:
         self.kind = kind
         self.index = index  # the choice's index (OpenAI's n: one Shaper per choice)
+        # A completion's ``echo``: its prompt's text, before the generated text.
+        self.echo = echo
         # Tokens whose text the output leaves out (special tokens under skip_special_tokens):
         # they take no room in text_offset, which indexes the returned text.
         self._silent_ids = silent_ids
@@ -84,7 +87,8 @@ class Shaper:
         self.token_bytes = token_bytes
         self.logprobs = logprobs
         self.include_usage = include_usage
-        self._text_offset = 0  # completions' logprobs.text_offset runs across chunks
+        # Completions' logprobs.text_offset runs across chunks, in the text returned.
+        self._text_offset = len(echo)
         # The tokens' bytes so far, as text: a character split over tokens counts once,
         # when its last byte comes, so text_offset indexes the text the client got.
         self._offset_text = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -118,6 +122,16 @@ class Shaper:
                 }
             )
         )
+
+    def echo_event(self) -> bytes:
+        """A completion's first chunk under ``echo``: its prompt's text, as vLLM sends it."""
+        return self._fast_prefix + _dumps(self.echo).encode() + self._fast_suffix
+
+    def opening_events(self) -> bytes:
+        """What a stream sends before its first delivery: a chat's role, an echo."""
+        if self.kind == "chat":
+            return self.role_event()
+        return self.echo_event() if self.echo else b""
 
     def delta_event(self, delivery: Delivery) -> bytes:
         """One SSE chunk with the delivery's text (and logprobs / finish reason)."""
@@ -184,7 +198,7 @@ class Shaper:
         if self.kind == "completion":
             choice: dict[str, Any] = {
                 "index": self.index,
-                "text": text,
+                "text": self.echo + text,
                 "logprobs": lp,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,

@@ -210,3 +210,36 @@ def test_n_choices_are_the_engines_outputs_for_seed_plus_index(
     assert finishes == [e.finish_reason for e in expected]
     assert usage is not None and usage.prompt_tokens == len(ids)
     assert usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_batch_of_prompts_echoed_is_the_engines_outputs_after_each_prompt(
+    real_stack: Stack, offline_llm: LLM, tokenizer: BaseTokenizer, stream: bool
+) -> None:
+    """A list of prompts on /v1/completions: choice ``p * n + i`` is the engine's output
+    for prompt ``p`` and seed ``s + i``; ``echo`` puts each prompt's text before it."""
+    prompts, n, seed = [PROMPT, "Hello world, said the"], 2, 99
+    sampling = {**SAMPLING["seeded"], "seed": seed}
+    ids = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    expected = [
+        prompt + offline_llm.generate(
+            prompt_token_ids=[ids[p]],
+            sampling_params=SamplingParams(max_tokens=MAX_TOKENS, **{**sampling, "seed": seed + i}),
+        )[0].text
+        for p, prompt in enumerate(prompts)
+        for i in range(n)
+    ]  # fmt: skip
+    client = openai.OpenAI(base_url=real_stack.base_url, api_key="unused", max_retries=0)
+    result: Any = client.completions.create(
+        model=real_stack.model, prompt=prompts, n=n, echo=True, max_tokens=MAX_TOKENS,
+        stream=stream, **sampling,
+    )  # fmt: skip
+    if stream:
+        texts = ["" for _ in expected]
+        for chunk in result:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+    else:
+        texts = [c.text for c in result.choices]
+        assert result.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert texts == expected

@@ -571,3 +571,27 @@ async def test_a_503_for_open_breakers_says_when_they_probe():
     with pytest.raises(ServiceUnavailableError) as capped:
         await admission.admit("long", 10, 5.0)
     assert capped.value.headers()["Retry-After"] == "60"  # the most the openai client waits
+
+
+async def test_slots_taken_together_go_to_one_group_and_spend_one_half_open_turn():
+    """A response's choices are admitted at once: a half-open group takes all or none."""
+    config = Config()
+    view = _all_live(config)
+    view.set_breaker("short", "half_open")  # default half_open_share = 0.25
+    admission = Admission(config, view)
+    routes = [await admission.admit("short", 10, 1.0, count=3) for _ in range(4)]
+    assert [r.group for r in routes] == ["long", "long", "long", "short"]
+    assert admission.in_flight("short") == 3 and admission.in_flight("long") == 9
+    admission.release("short", 3)
+    assert admission.in_flight("short") == 0
+
+
+async def test_slots_taken_together_need_room_for_all_of_them():
+    config = gateway_config(NatsConfig(), short__max_pending=4)
+    admission = Admission(config, _all_live(config))
+    await admission.admit("short", 10, 1.0, count=3)
+    with pytest.raises(RateLimitError):
+        await admission.admit("short", 10, 1.0, count=2)
+    assert admission.in_flight("short") == 3
+    await admission.admit("short", 10, 1.0)
+    assert admission.in_flight("short") == 4

@@ -164,3 +164,124 @@ async def test_n_out_of_range_is_a_400(gateway: Served, n: int) -> None:
     async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
         reply = await http.post("/v1/completions", json={**BODY, "n": n})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"
+
+
+async def test_a_batch_of_prompts_is_one_response_of_n_choices_each(
+    nats_config: NatsConfig,
+) -> None:
+    """OpenAI and vLLM number them: choice ``p * n + i`` is choice ``i`` of prompt ``p``."""
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        batch = {**BODY, "prompt": ["hello", "hi"], "n": 2, "seed": 7}
+        whole = (await http.post("/v1/completions", json=batch)).json()
+        async with http.stream(
+            "POST", "/v1/completions", json={**batch, "stream": True, "n": 1}
+        ) as response:
+            lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        await _until(lambda: _released(gw))
+    text, finish = expected_reply(5)
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    assert all(c["text"] == text and c["finish_reason"] == finish for c in whole["choices"])
+    # Each prompt once however many choices it has (ByteTokenizer: BOS, then a byte a token).
+    assert whole["usage"]["prompt_tokens"] == (1 + len("hello")) + (1 + len("hi"))
+    assert whole["usage"]["completion_tokens"] == 4 * 5
+    sent = sorted(
+        (bytes(j.request.prompt_token_ids[1:]), j.request.params.seed) for j in worker.jobs[:4]
+    )
+    assert sent == [(b"hello", 7), (b"hello", 8), (b"hi", 7), (b"hi", 8)]
+    # Streamed with n=1: one choice a prompt, indexed by its prompt.
+    streamed = ["", ""]
+    for line in lines[:-1]:
+        for choice in json.loads(line[6:])["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert streamed == [text, text] and lines[-1] == "data: [DONE]"
+
+
+async def test_every_choice_is_admitted_into_one_group_and_counted_as_one_fallback(
+    nats_config: NatsConfig,
+) -> None:
+    """Admitted one by one, a half-open group took some choices and passed the others on,
+    and each choice counted a fallback of its own."""
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        reply = await http.post(
+            "/v1/realtime/completions", json={**BODY, "prompt": ["a", "b"], "n": 2}
+        )
+        metrics = (await http.get("/metrics")).text
+        await _until(lambda: _released(gw))
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 4
+    assert reply.headers["X-QoS-Group"] == "short"
+    assert reply.headers["X-QoS-Fallback-From"] == "realtime"
+    assert {j.request.group for j in worker.jobs} == {"short"}
+    assert (
+        'qos_gateway_fallbacks_total{from_group="realtime",reason="no_worker",to_group="short"} 1.0'
+        in metrics
+    )  # one for the HTTP request, not one for each of its four choices
+
+
+async def test_a_refused_choice_answers_with_the_group_that_served_it(
+    nats_config: NatsConfig,
+) -> None:
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short", behaviour=fail_with) as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        reply = await http.post("/v1/realtime/completions", json={**BODY, "n": 2})
+        await _until(lambda: _released(gw))
+    assert reply.status_code == 400 and worker.jobs
+    assert reply.headers["X-QoS-Group"] == "short"
+    assert reply.headers["X-QoS-Fallback-From"] == "realtime"
+
+
+async def test_prompts_times_n_beyond_the_group_is_a_400_naming_the_prompt(
+    nats_config: NatsConfig,
+) -> None:
+    config = gateway_config(nats_config, short__max_pending=3)
+    async with (
+        serve(config) as gw,
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        reply = await http.post("/v1/completions", json={**BODY, "prompt": ["a", "b"], "n": 2})
+        assert _released(gw)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+    assert "2 prompts x n=2" in reply.json()["error"]["message"] and not worker.jobs
+
+
+async def test_echo_returns_each_prompt_before_its_completion(nats_config: NatsConfig) -> None:
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short"),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        echo = {**BODY, "echo": True}
+        one = (await http.post("/v1/completions", json=echo)).json()
+        batch = await http.post("/v1/completions", json={**echo, "prompt": [[97, 98], [99, 100]]})
+        streams = []
+        for body in ({**echo, "stream": True}, {**echo, "stream": True, "n": 2}):
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                streams.append(
+                    [
+                        json.loads(line[6:])["choices"][0]
+                        async for line in response.aiter_lines()
+                        if line.startswith("data: {")
+                    ]
+                )
+        await _until(lambda: _released(gw))
+    text, _ = expected_reply(5)
+    assert one["choices"][0]["text"] == "hello" + text
+    assert [c["text"] for c in batch.json()["choices"]] == ["ab" + text, "cd" + text]
+    for choices in streams:
+        by_index: dict[int, list[str]] = {}
+        for choice in choices:
+            by_index.setdefault(choice["index"], []).append(choice["text"])
+        # The prompt is a chunk of its own, each choice's first.
+        assert all(texts[0] == "hello" for texts in by_index.values())
+        assert all("".join(texts) == "hello" + text for texts in by_index.values())

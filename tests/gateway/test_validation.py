@@ -68,12 +68,14 @@ BAD_PARAMETERS = [
     ("completions", {"stop_token_ids": list(range(65))}, "stop_token_ids"),
     ("completions", {"n": 17}, "n"),
     ("completions", {"n": 0}, "n"),
-    ("completions", {"echo": True}, "echo"),
+    ("completions", {"echo": "yes"}, "echo"),
     ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"presence_penalty": 3}, "presence_penalty"),
     ("completions", {"frequency_penalty": -2.5}, "frequency_penalty"),
     ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": ["a", [1, 2]]}, "prompt"),  # a batch of one kind of prompt
+    ("completions", {"prompt": [[1], []]}, "prompt"),  # an empty prompt in a batch
+    ("completions", {"prompt": ["a"] * 65}, "prompt"),  # more than MAX_BATCH_PROMPTS
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": [1, -5]}, "prompt"),
     ("completions", {"prompt": [[1, -5]]}, "prompt"),  # the nested form too
