@@ -78,9 +78,9 @@ class BulkConnection:
             # both clients must log in as the same user.
             password = url.get("password") or config.password
             username = url.get("username") or config.username
-            if password:
+            if password or username:  # an ACL user without a password logs in with ""
                 auth = [username.encode()] if username else []
-                self._simple(_command(b"AUTH", *auth, password.encode()))
+                self._simple(_command(b"AUTH", *auth, (password or "").encode()))
             if url.get("db"):
                 self._simple(_command(b"SELECT", str(url["db"]).encode()))
         except BaseException:

@@ -311,6 +311,29 @@ def test_the_kv_tier_authenticates_to_redis_and_a_wrong_password_only_costs_hits
             assert t.stats().redis.errors >= 1
 
 
+def test_the_kv_tier_logs_in_as_an_acl_user_that_has_no_password(
+    fresh_redis_server: Callable[..., RedisServer],
+) -> None:
+    """Redis ACL's ``nopass`` user, with the default user switched off: both of the tier's
+    clients must log in as it (redis-py sends AUTH with an empty password; the bulk reader
+    sent nothing and every load was refused)."""
+    import redis
+
+    server = fresh_redis_server()
+    admin = redis.Redis.from_url(server.url)
+    admin.execute_command("ACL", "SETUSER", "qos-kv", "on", "nopass", "~*", "&*", "+@all")
+    admin.execute_command("ACL", "SETUSER", "default", "off")
+    admin.close()
+    data = np.random.default_rng(1).integers(0, 256, (3, LAYOUT.block_bytes), dtype=np.uint8)
+    with KVTiers(RedisConfig(url=server.url, username="qos-kv")) as tiers:
+        tiers.bind("dummy:tiny", 0, LAYOUT)
+        tiers.store_async(HASHES, data)
+        assert tiers.flush()
+        assert tiers.lookup(HASHES) == 3
+        assert [bytes(v) for v in tiers.load(HASHES)] == [bytes(r) for r in data]
+        assert tiers.stats().redis.errors == 0
+
+
 class _TlsTerminator:
     """TLS in front of a plain redis-server (the bundled one is built without TLS), asking
     each client for a certificate its CA signed, as redis-server's own TLS does by default
