@@ -52,15 +52,18 @@ async def scrape_targets(
         try:
             entry = await kv.get(key)
             beat = json.loads(entry.value or b"{}")
-        except (nats.js.errors.KeyNotFoundError, ValueError):
+            # A value of another shape (another release's, a hand-written one) is skipped,
+            # not the end of the process: one bad heartbeat froze every target.
+            port = int(beat.get("metrics_port") or 0)
+            fresh = now_ms - float(beat.get("ts_ms", 0)) <= max_age_s * 1000
+            worker, host = str(beat["worker"]), beat.get("host")
+        except (nats.js.errors.KeyNotFoundError, ValueError, TypeError, KeyError, AttributeError):
             continue  # gone (deleted), or not a heartbeat: nothing to scrape
-        port = int(beat.get("metrics_port") or 0)
-        fresh = now_ms - float(beat.get("ts_ms", 0)) <= max_age_s * 1000
-        if port and fresh and beat.get("state") != "stopped" and beat.get("host"):
+        if port and fresh and beat.get("state") != "stopped" and host:
             found.append(
                 {
-                    "targets": [f"{beat['host']}:{port}"],
-                    "labels": {"group": str(beat.get("group", "")), "worker": str(beat["worker"])},
+                    "targets": [f"{host}:{port}"],
+                    "labels": {"group": str(beat.get("group", "")), "worker": worker},
                 }
             )
     return found
@@ -81,9 +84,15 @@ async def run(config_path: str | None, out: Path, interval_s: float, max_age_s: 
         js = nc.jetstream()
         await ensure_kv(js, config.nats)
         while True:
-            targets = await scrape_targets(js, config.nats.kv_bucket, max_age_s)
-            write_atomically(out, targets)
-            log.info("%d worker targets written to %s", len(targets), out)
+            try:
+                targets = await scrape_targets(js, config.nats.kv_bucket, max_age_s)
+            except Exception as exc:  # a timeout on a loaded server: the next round retries
+                if interval_s <= 0:
+                    raise
+                log.warning("reading the heartbeats failed (%s); the targets file stays", exc)
+            else:
+                write_atomically(out, targets)
+                log.info("%d worker targets written to %s", len(targets), out)
             if interval_s <= 0:
                 return
             await asyncio.sleep(interval_s)

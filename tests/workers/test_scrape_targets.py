@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from nats.js import JetStreamContext
 
 from common.config import NatsConfig
@@ -37,6 +38,13 @@ async def test_live_workers_with_a_port_are_targets_and_the_rest_are_not(
     await kv.put("workers.f", beat("f"))
     await kv.delete("workers.f")  # gone: its delete marker is still a subject
     await kv.put("breaker.short", b'{"state": "open"}')  # not a heartbeat
+    # Heartbeats of other shapes: skipped, the rest still listed.
+    await kv.put("workers.g", b"[1, 2]")
+    await kv.put("workers.h", beat("h", metrics_port="nine"))
+    await kv.put("workers.i", beat("i", ts_ms=None))
+    await kv.put(
+        "workers.j", json.dumps({"host": "h", "metrics_port": 1, "ts_ms": now_ms}).encode()
+    )
     targets = await scrape_targets(js, nats_config.kv_bucket)
     assert targets == [
         {"targets": ["h:9400"], "labels": {"group": "short", "worker": "a"}},
@@ -66,3 +74,31 @@ async def test_a_container_stop_sigterm_ends_the_loop_at_once(
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_a_round_that_fails_leaves_the_file_and_the_next_one_writes_it(
+    nats_config: NatsConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timeout reading the bucket ended the process: the file froze where nothing
+    restarts it, and new workers were never scraped."""
+    import workers.scrape_targets as module
+
+    calls = 0
+    real = module.scrape_targets
+
+    async def flaky(*args: object) -> list[dict[str, object]]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise TimeoutError("nats: timeout")
+        if calls == 3:
+            raise asyncio.CancelledError  # ends the loop for the test
+        return await real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "scrape_targets", flaky)
+    monkeypatch.setenv("QOS_NATS__URL", nats_config.url)
+    monkeypatch.setenv("QOS_NATS__KV_BUCKET", nats_config.kv_bucket)
+    out = tmp_path / "targets.json"
+    with pytest.raises(asyncio.CancelledError):
+        await module.run(None, out, interval_s=0.01, max_age_s=30)
+    assert calls == 3 and json.loads(out.read_text()) == []
