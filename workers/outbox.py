@@ -85,20 +85,27 @@ class Flight:
         self.ids, self.text, self.logprobs, self.tops, self.flush_at = [], "", [], [], None
         return chunk
 
-    def final_chunk(self, worker: str, reason: str, delta: RequestDelta | None = None) -> Chunk:
+    def final_chunk(
+        self,
+        worker: str,
+        reason: str,
+        delta: RequestDelta | None = None,
+        prompt_tokens: int | None = None,
+    ) -> Chunk:
         """The last chunk: what is buffered, ``finish_reason`` and ``usage``.
 
         Usage counts the original prompt (a resumed attempt's engine prompt also holds the
-        ``base`` tokens) and every output token, resumed ones included.
+        ``base`` tokens) and every output token, resumed ones included. Without the
+        engine's word (a resumed request that had nothing left to generate), the prompt is
+        ``prompt_tokens`` (a text prompt's, as encoded), else the request's own token ids.
         """
         output = delta.output if delta is not None else None
-        # Without the engine's word (a resumed request that had nothing left to generate),
-        # the request's own token ids: its usage read 0 prompt tokens.
-        prompt = (
-            len(output.prompt_token_ids) - self.base
-            if output is not None
-            else len(self.request.prompt_token_ids)
-        )
+        if output is not None:
+            prompt = len(output.prompt_token_ids) - self.base
+        elif prompt_tokens is not None:
+            prompt = prompt_tokens
+        else:
+            prompt = len(self.request.prompt_token_ids)
         cached = min(output.num_cached_tokens, prompt) if output is not None else 0
         chunk = self.take_chunk(worker)
         chunk.finish_reason = cast(FinishReason, reason)

@@ -817,11 +817,13 @@ class WorkerService:
         start, an unfinished character), which the caller does not have yet. ``held``:
         ours when the task was started (judged then: a supersede or hand-back between the
         start and this task's first step must stop it too)."""
-        text, matched = "", None
+        text, matched, prompt_tokens = "", None, None
         tokenizer = getattr(self.engine, "tokenizer", None)
         if tokenizer is not None:
             try:
-                text, matched = await asyncio.to_thread(self._resumed_ending, st, tokenizer)
+                text, matched, prompt_tokens = await asyncio.to_thread(
+                    self._resumed_ending, st, tokenizer
+                )
             except Exception:  # the tail costs its text, never the answer
                 log.exception(
                     "request %s: could not rebuild the held-back text",
@@ -831,12 +833,15 @@ class WorkerService:
         if held and self._inflight.get(st.request.id) is not st:
             return  # superseded or handed back meanwhile: its message is not ours to ack
         st.text += text
-        chunk = st.final_chunk(self.worker_id, "length" if matched is None else "stop")
+        reason = "length" if matched is None else "stop"
+        chunk = st.final_chunk(self.worker_id, reason, prompt_tokens=prompt_tokens)
         if matched is not None and st.request.params.want_stop_reason:
             chunk.stop_reason = matched
         await self._complete(st, chunk, error=False)
 
-    def _resumed_ending(self, st: Flight, tokenizer: Any) -> tuple[str, str | None]:
+    def _resumed_ending(self, st: Flight, tokenizer: Any) -> tuple[str, str | None, int]:
+        """The held-back text, the stop string it matched, and the prompt's length (a
+        text prompt's, encoded: the request carries no ids to count)."""
         req = st.request
         prompt_ids = (
             list(req.prompt_token_ids)
@@ -844,7 +849,10 @@ class WorkerService:
             else encode_prompt(self.engine, req.prompt)
         )
         params = sampling_params(req, req.params.max_tokens)
-        return resumed_ending(tokenizer, prompt_ids, st.resume_ids, st.resume_text_len, params)
+        text, matched = resumed_ending(
+            tokenizer, prompt_ids, st.resume_ids, st.resume_text_len, params
+        )
+        return text, matched, len(prompt_ids)
 
     def _count(self, st: Flight, chunk: Chunk) -> None:
         """Telemetry for a chunk about to go out."""

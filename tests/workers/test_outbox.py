@@ -16,3 +16,13 @@ def test_a_final_chunk_without_an_engine_delta_still_counts_the_prompt():
     assert final.usage is not None
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (3, 4)
     assert final.finish_reason == "length" and final.seq == 4
+
+
+def test_a_text_prompts_final_chunk_without_an_engine_delta_counts_it_as_encoded():
+    """A text prompt (a direct NATS caller's) carries no ids: the service passes the
+    length it encoded, else usage read 0 prompt tokens."""
+    req = GenerateRequest(id="r", group="short", reply="o.r", prompt="hello there")
+    st = Flight(req, msg=None, attempt=2, start=0.0)
+    st.resumed_at([5, 6], 2)
+    final = st.final_chunk("w0", "length", prompt_tokens=3)
+    assert final.usage is not None and final.usage.prompt_tokens == 3
