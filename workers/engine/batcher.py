@@ -39,6 +39,10 @@ its full blocks are usually still in the prefix cache.
 With a KV tier (host memory, Redis), admission extends the device cache's prefix hit with
 the tier's: those blocks are allocated like computed ones and their bytes ride in the plan
 (``kv_loads``) for the engine to copy in before the step runs.
+
+A request that asked for prompt logprobs takes no hit, from either cache, over the prompt
+positions whose logits it has not had yet (``Request.max_hit_tokens``): it computes them.
+Once it has them all (a preempted one), its hits are anyone's.
 """
 
 from __future__ import annotations
@@ -426,7 +430,8 @@ class Batcher:
         if self.kv_tier is None or not self.pool.enable_prefix_caching or req.skip_kv_tier:
             return 0
         bs = self.pool.block_size
-        limit = (req.num_tokens - 1) // bs
+        # Nothing past what a request owing prompt logprobs has: those positions need logits.
+        limit = min(req.num_tokens - 1, req.max_hit_tokens) // bs
         if first >= limit:
             return 0
         seen = self._tier_seen.get(req.request_id)

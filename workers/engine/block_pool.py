@@ -202,13 +202,18 @@ class BlockPool:
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of a request that has nothing computed: (block ids, tokens).
 
-        At least one token is always left to compute, since the step must produce logits.
-        Touches nothing: pass the ids to :meth:`allocate_slots` before any other allocation.
+        At least one token is always left to compute, since the step must produce logits;
+        a request owing prompt logprobs hits none of the positions it still owes
+        (``Request.max_hit_tokens``). Touches nothing: pass the ids to
+        :meth:`allocate_slots` before any other allocation.
         """
         if not self.enable_prefix_caching or req.num_computed_tokens or req.block_table:
             return [], 0
+        if req.max_hit_tokens < self.block_size:  # a fresh request owing prompt logprobs
+            return [], 0
         hashes = self.update_hashes(req)
         limit = min(len(hashes), (req.num_tokens - 1) // self.block_size)
+        limit = min(limit, req.max_hit_tokens // self.block_size)
         hits: list[int] = []
         for i in range(limit):
             block_id = self._by_hash.get(hashes[i])
@@ -284,9 +289,10 @@ class BlockPool:
             req.block_table.append(block_id)
         for _ in range(num_new_blocks):
             req.block_table.append(self._take_free())
-        if admission and req.num_cached_tokens < 0:
+        if admission and req.num_cached_tokens < 0 and not req.prompt_lp_pending:
             # Its first admission only: one preempted comes back to its own freed blocks,
-            # hits that said nothing about the cache's use and inflated its hit rate.
+            # hits that said nothing about the cache's use and inflated its hit rate. One
+            # owing prompt logprobs looked nothing up.
             self.count_prefix_query(req.num_tokens, len(computed_blocks) * self.block_size)
         return True
 

@@ -36,7 +36,7 @@ from workers.engine.loader import (
     is_dummy,
     load_model_config,
 )
-from workers.engine.model_runner import GiB, ModelRunner, TokenFeed
+from workers.engine.model_runner import GiB, ModelRunner, PromptLogprobs, PromptRows, TokenFeed
 from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from workers.engine.request import PLACEHOLDER, Request
 from workers.engine.sampling_params import SamplingParams
@@ -154,6 +154,9 @@ class LLMEngine:
         if self.tokenizer is None and self.model_config.eos_token_ids:
             self.primary_eos = self.model_config.eos_token_ids[0]
         self.requests: dict[str, Request] = {}
+        # Requests that still owe prompt logprobs: a step looks for prompt rows only while
+        # there are any, so others pay nothing for the feature.
+        self._prompt_lp_owed: set[Request] = set()
         self._pending: list[RequestDelta] = []
         self.async_output = (
             self.device.type == "cuda" if args.async_output is None else args.async_output
@@ -312,6 +315,8 @@ class LLMEngine:
                 resumed_tokens=resumed_tokens, delivered_text_len=delivered_text_len,
             )  # fmt: skip
         self.requests[request_id] = req
+        if req.prompt_lp_pending:
+            self._prompt_lp_owed.add(req)
         self.batcher.add(req)
 
     def pending_finished_ids(self) -> set[str]:
@@ -327,6 +332,7 @@ class LLMEngine:
             return False
         req.drop_placeholder()
         self.batcher.finish(req, "abort")
+        self._prompt_lp_owed.discard(req)
         req.finish_time = time.time()
         self._pending.append(
             RequestDelta(
@@ -386,7 +392,14 @@ class LLMEngine:
             self._read_back(deltas)
             self._hand_over_exports(wait=True)
             return
-        logits = self.runner.execute(plan, self._feed(plan))
+        wanted = self._prompt_rows(plan) if self._prompt_lp_owed else None
+        if wanted:
+            logits, parts = self.runner.execute_with_prompt_logprobs(
+                plan, self._feed(plan), [w for w, _ in wanted]
+            )
+            self._record_prompt_logprobs(wanted, parts)
+        else:
+            logits = self.runner.execute(plan, self._feed(plan))
         sampling = [r for r, s in zip(plan.requests, plan.seqs, strict=True) if s.sample]
         launched = self._launch(logits, sampling) if self._can_defer(sampling) else None
         self._read_back(deltas)  # the previous step's tokens: on the host by now
@@ -418,6 +431,53 @@ class LLMEngine:
                 failed = failed or exc
         if failed is not None:
             raise failed
+
+    def _prompt_rows(self, plan: BatchPlan) -> list[tuple[PromptRows, Request]]:
+        """The prompt positions of this step whose logprobs their requests still owe: those
+        of the chunk before the prompt's last token (whose logits sample the first output
+        token) from the first one not computed yet (a chunk recomputed after a preemption
+        computes no position twice)."""
+        wanted = []
+        for i, (seq, req) in enumerate(zip(plan.seqs, plan.requests, strict=True)):
+            if not req.prompt_lp_pending:
+                continue
+            first = req.prompt_lp_done
+            end = min(seq.start_pos + len(seq.token_ids), req.num_prompt_tokens - 1)
+            # Request.max_hit_tokens: no hit skips a position the request still owes.
+            assert seq.start_pos <= first, (req.request_id, seq.start_pos, first)
+            if first < end:
+                k = req.params.prompt_logprobs or 0
+                targets = req.prompt_token_ids[first + 1 : end + 1]
+                wanted.append((PromptRows(i, first - seq.start_pos, targets, k), req))
+        return wanted
+
+    def _record_prompt_logprobs(
+        self, wanted: list[tuple[PromptRows, Request]], parts: list[PromptLogprobs]
+    ) -> None:
+        """Keep each request's new prompt logprobs (on their way to the host) in order."""
+        for (rows, req), part in zip(wanted, parts, strict=True):
+            req.prompt_lp_parts.append(part)
+            req.prompt_lp_done += len(rows.targets)
+            if not req.prompt_lp_pending:
+                self._prompt_lp_owed.discard(req)
+
+    @staticmethod
+    def _join_prompt_logprobs(req: Request) -> None:
+        """The prompt logprobs as lists, entry 0 None (nothing precedes the first token).
+        Called at the first token: the step that sampled it has synchronised by then, and
+        every part's copy to the host was queued before its tokens'."""
+        k = req.params.prompt_logprobs or 0
+        chosen: list[float | None] = [None]
+        tops: list[list[tuple[int, float]] | None] = [None]
+        for part in req.prompt_lp_parts:
+            chosen += part.chosen.tolist()
+            if k and part.top_ids is not None and part.top_values is not None:
+                ids, values = part.top_ids[:, :k].tolist(), part.top_values[:, :k].tolist()
+                tops += [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+            else:
+                tops += [[] for _ in range(len(part.chosen))]
+        req.prompt_logprobs, req.prompt_top_logprobs = chosen, tops
+        req.prompt_lp_parts = []
 
     def _commit(self, plan: BatchPlan) -> None:
         """The step's tokens are in the cache: name full blocks, write them through, count."""
@@ -671,6 +731,8 @@ class LLMEngine:
         first = req.first_token_time is None
         if first:
             req.first_token_time = now
+            if params.prompt_logprobs is not None:
+                self._join_prompt_logprobs(req)
         asked = params.logprobs is not None
         if asked:
             lp = float(logprob) if logprob is not None else 0.0
@@ -701,10 +763,13 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             first_token_metrics=RequestMetrics.of(req) if first else None,
             at=now,
+            prompt_logprobs=req.prompt_logprobs if first else None,
+            prompt_top_logprobs=req.prompt_top_logprobs if first else None,
         )
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         self.batcher.finish(req, reason)
+        self._prompt_lp_owed.discard(req)
         req.finish_time = now
         self.requests.pop(req.request_id, None)
 

@@ -24,13 +24,17 @@ from workers.engine.block_pool import KVCacheLayout
 from workers.engine.kernels.kv_quant import SCALE_DTYPE, is_quantized
 from workers.engine.loader import load_model
 from workers.engine.models.llama import KVCache, ModelConfig
-from workers.engine.transfer import to_device
+from workers.engine.sampler import pick_logprobs
+from workers.engine.transfer import to_device, to_host
 
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 # Bytes staged per copy of KV blocks between host and device (tier loads, evictions).
 COPY_CHUNK_BYTES = 128 << 20
+# Prompt positions whose logits are computed at once for prompt logprobs: a long prompt never
+# holds [prompt_len, vocab] logits (a 32k-token prompt over a 150k vocabulary: 19 GB in fp32).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def graph_buckets(max_batch_size: int) -> list[int]:
@@ -55,6 +59,28 @@ class TokenFeed:
 
     tokens: torch.Tensor  # [rows] int64, on the device
     rows: np.ndarray  # [num seqs] int64
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Prompt positions of ``plan.seqs[seq]`` whose next-token logprobs are wanted: tokens
+    ``first .. first + len(targets) - 1`` of its chunk, token ``first + i`` predicting
+    ``targets[i]``, with the top ``k`` alternatives."""
+
+    seq: int
+    first: int
+    targets: list[int]
+    k: int
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """One :class:`PromptRows`' results, copied to the host without waiting (pinned on
+    CUDA): read them once the step has synchronised, as its sampled tokens are."""
+
+    chosen: torch.Tensor  # [n] fp32: the logprob of each target
+    top_values: torch.Tensor | None  # [n, k of the step's largest ask]; None when that is 0
+    top_ids: torch.Tensor | None
 
 
 @dataclass
@@ -369,15 +395,76 @@ class ModelRunner:
 
     # --- running -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, plan: BatchPlan, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one step; logits ``[num sampling seqs, vocab]`` (model dtype) in plan order."""
+        return self.execute_with_prompt_logprobs(plan, feed)[0]
+
+    @torch.inference_mode()
+    def execute_with_prompt_logprobs(
+        self,
+        plan: BatchPlan,
+        feed: TokenFeed | None = None,
+        prompt_rows: Sequence[PromptRows] = (),
+    ) -> tuple[torch.Tensor, list[PromptLogprobs]]:
+        """:meth:`execute`, and the logprobs of ``prompt_rows`` (one result each), from the
+        same hidden states: only those rows get logits, a slice at a time."""
         decode = plan.is_decode
         inputs = self.build_inputs(plan.seqs, decode, feed)
-        if decode and self._graphs and inputs.num_seqs <= self.max_batch_size:
-            return self._replay(inputs)
+        # A graph keeps only the hidden states of the last tokens, and all-decode steps are
+        # where prompt rows are rare (a one-token chunk): those run eagerly.
+        if decode and self._graphs and inputs.num_seqs <= self.max_batch_size and not prompt_rows:
+            return self._replay(inputs), []
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-        return self.model.compute_logits(hidden[inputs.logits_idx])
+        logits = self.model.compute_logits(hidden[inputs.logits_idx])
+        if not prompt_rows:
+            return logits, []
+        return logits, self._prompt_logprobs(hidden, plan.seqs, prompt_rows)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, seqs: Sequence[ScheduledSeq], wanted: Sequence[PromptRows]
+    ) -> list[PromptLogprobs]:
+        """fp32 ``log_softmax`` of the LM head over ``wanted``'s rows of ``hidden`` (as the
+        sampler reads generated tokens' logprobs), :data:`PROMPT_LOGPROBS_ROWS` rows at a
+        time; the results go to the host without waiting for the device."""
+        offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum([len(s.token_ids) for s in seqs], out=offsets[1:])
+        rows = np.concatenate(
+            [offsets[w.seq] + w.first + np.arange(len(w.targets), dtype=np.int64) for w in wanted]
+        )
+        targets = np.fromiter(
+            itertools.chain.from_iterable(w.targets for w in wanted),
+            dtype=np.int64,
+            count=len(rows),
+        )
+        rows_d, targets_d = self._stage([rows, targets])
+        n, k = len(rows), max(w.k for w in wanted)
+        dev = hidden.device
+        chosen = torch.empty(n, dtype=torch.float32, device=dev)
+        values = torch.empty(n, k, dtype=torch.float32, device=dev) if k else None
+        ids = torch.empty(n, k, dtype=torch.int64, device=dev) if k else None
+        for start in range(0, n, PROMPT_LOGPROBS_ROWS):
+            end = min(n, start + PROMPT_LOGPROBS_ROWS)
+            logits = self.model.compute_logits(hidden[rows_d[start:end]])
+            raw = torch.log_softmax(logits.float(), dim=-1)
+            c, v, i = pick_logprobs(raw, targets_d[start:end], k)
+            chosen[start:end] = c
+            if values is not None and ids is not None and v is not None and i is not None:
+                values[start:end], ids[start:end] = v, i
+        chosen_h = to_host(chosen)
+        values_h = to_host(values) if values is not None else None
+        ids_h = to_host(ids) if ids is not None else None
+        out, at = [], 0
+        for w in wanted:
+            part = slice(at, at + len(w.targets))
+            at = part.stop
+            out.append(
+                PromptLogprobs(
+                    chosen_h[part],
+                    values_h[part] if values_h is not None else None,
+                    ids_h[part] if ids_h is not None else None,
+                )
+            )
+        return out
 
     # --- CUDA graphs ---------------------------------------------------------------------
 

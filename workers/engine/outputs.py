@@ -41,7 +41,12 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A request's result. ``logprobs[i]`` is the logprob of ``token_ids[i]`` (when asked)."""
+    """A request's result. ``logprobs[i]`` is the logprob of ``token_ids[i]`` (when asked).
+
+    ``prompt_logprobs[j]`` (``params.prompt_logprobs``) is the logprob of prompt token ``j``
+    given those before it, with the top k there in ``prompt_top_logprobs[j]``; entry 0 is
+    None. None when not asked, or when the request ended before its first token.
+    """
 
     request_id: str
     prompt: str | None
@@ -54,6 +59,8 @@ class RequestOutput:
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
     metrics: RequestMetrics
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -81,6 +88,8 @@ class RequestOutput:
             logprobs=req.logprobs if asked else None,
             top_logprobs=req.top_logprobs if asked else None,
             metrics=RequestMetrics.of(req),
+            prompt_logprobs=req.prompt_logprobs,
+            prompt_top_logprobs=req.prompt_top_logprobs,
         )
 
 
@@ -102,6 +111,9 @@ class RequestDelta:
     # time.time() its tokens reached the host (0.0: not said): inter-token latency is the
     # engine's pace, not that of a loop that handles several steps' output at once.
     at: float = 0.0
+    # Set, when asked, on the delta that carries the first token (see RequestOutput).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from workers.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine.model_runner import PromptLogprobs
 
 # Stands for a sampled token still on the device; never a real id (those are >= 0).
 PLACEHOLDER = -1
@@ -83,6 +86,15 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
+    # Prompt logprobs (``params.prompt_logprobs``): positions 0 .. prompt_lp_done - 1 have
+    # had their next-token logprobs computed, in ``prompt_lp_parts`` (host tensors, read only
+    # once the step that samples the first token has synchronised); joined into the lists
+    # at the first token. Kept through a preemption: recomputing never redoes them.
+    prompt_lp_done: int = 0
+    prompt_lp_parts: list[PromptLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
     first_scheduled_time: float | None = None
     kv_load_start: float | None = None  # its first KV-tier load began (batcher clock)
     kv_load_s: float = 0.0  # spent reading KV-tier blocks, every admission's load summed
@@ -124,6 +136,21 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while the prompt (or, after preemption, prompt + output) is not all computed."""
         return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def prompt_lp_pending(self) -> bool:
+        """It asked for prompt logprobs and some prompt positions still lack them."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.prompt_lp_done < self.num_prompt_tokens - 1
+        )
+
+    @property
+    def max_hit_tokens(self) -> int:
+        """Tokens a prefix hit (device cache or KV tier) may cover: positions skipped that
+        way produce no logits, so a request owing prompt logprobs takes none past the ones
+        it already has."""
+        return self.prompt_lp_done if self.prompt_lp_pending else self.num_tokens
 
     @property
     def out_of_budget(self) -> bool:

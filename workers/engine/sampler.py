@@ -136,12 +136,8 @@ class Sampler:
         for the largest ``k`` any row asked, or None when that is 0)."""
         raw = torch.log_softmax(logits.float(), dim=-1)
         tokens = self.choose(logits, batch, pending)
-        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k_max = max((r.params.logprobs or 0) for r in batch)
-        if k_max == 0:
-            return tokens, chosen, None, None
-        top = raw.topk(k_max, dim=-1)
-        return tokens, chosen, top.values, top.indices
+        return (tokens, *pick_logprobs(raw, tokens, k_max))
 
     def choose(
         self,
@@ -185,6 +181,19 @@ class Sampler:
             tokens[fast[1]] = _sample_fused(logits[fast[1]], [batch[i] for i in fast[0]])
             tokens[rest[1]] = _sample_torch(logits[rest[1]], [batch[i] for i in rest[0]], fused)
         return tokens
+
+
+def pick_logprobs(
+    raw: torch.Tensor, ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """From raw logprobs ``[n, V]`` (fp32 ``log_softmax`` of the model's logits): each
+    row's logprob of ``ids[row]``, and its top ``k`` values and ids (None when ``k`` is 0),
+    left on the device. Generated tokens' and prompt tokens' logprobs both come from here."""
+    chosen = raw.gather(1, ids.unsqueeze(1)).squeeze(1)
+    if k == 0:
+        return chosen, None, None
+    top = raw.topk(k, dim=-1)
+    return chosen, top.values, top.indices
 
 
 def _hold_stops(

@@ -27,6 +27,9 @@ class SamplingParams:
 
     ``seed`` fixes the request's random stream: the same seed gives the same tokens whatever
     else shares the batch. ``logprobs=k`` returns the chosen token's logprob and the top k.
+    ``prompt_logprobs=k`` (vLLM's) returns, per prompt token, its logprob given the tokens
+    before it and the top k there (the first token has none): the request then computes its
+    whole prompt, taking no prefix-cache or KV-tier hit.
     ``logit_bias`` (OpenAI's): token id -> a number in [-100, 100] added to its logit before
     penalties, filters and the draw (logprobs stay those of the model's own distribution).
     """
@@ -44,6 +47,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's: EOS and stop_token_ids cannot be sampled, and stop strings do not end the
@@ -121,6 +125,12 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
             raise SamplingParamsError("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise SamplingParamsError("prompt_logprobs", "must be an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop", "must be non-empty strings")
         if len(self.stop) > 16:
