@@ -461,6 +461,9 @@ class RequestParams:
     # ids unique). Empty is left out on the wire, as None is above.
     logit_bias_ids: list[int] = packed_i32()
     logit_bias_values: list[float] = packed_f32()
+    # vLLM's prompt_logprobs (OpenAI's echo with logprobs): each prompt token's logprob and
+    # this many alternatives, on the first chunk. None is left out on the wire.
+    prompt_logprobs: int | None = None
 
     def logit_bias(self) -> dict[int, float] | None:
         return dict(zip(self.logit_bias_ids, self.logit_bias_values, strict=True)) or None
@@ -572,6 +575,13 @@ class Chunk(Message):
     # vLLM's: on a final chunk ended by "stop", the stop string or stop token id that ended
     # it (None: EOS). Only for a request with params.want_stop_reason; absent when None.
     stop_reason: int | str | None = None
+    # For params.prompt_logprobs, on the chunk of the first token (seq 0): the logprob of
+    # prompt tokens 1.. given those before (token 0 has none), and their alternatives (none
+    # for prompt_logprobs 0). Absent otherwise: a gateway of an earlier release refuses it.
+    prompt_logprobs: list[float] = packed_f32()
+    prompt_top_logprobs: list[TopLogprobs] | None = field(
+        default=None, metadata={"per_item_of": "prompt_logprobs"}
+    )
 
     @property
     def final(self) -> bool:
@@ -587,6 +597,14 @@ class Chunk(Message):
                 raise ProtocolError("chunk.top_logprobs: one entry per token id")
             if any(len(top.token_ids) != len(top.logprobs) for top in self.top_logprobs):
                 raise ProtocolError("chunk.top_logprobs: one logprob per token id in each entry")
+        tops = self.prompt_top_logprobs
+        if tops is not None:
+            if len(tops) != len(self.prompt_logprobs):
+                raise ProtocolError("chunk.prompt_top_logprobs: one entry per prompt logprob")
+            if any(len(top.token_ids) != len(top.logprobs) for top in tops):
+                raise ProtocolError(
+                    "chunk.prompt_top_logprobs: one logprob per token id in each entry"
+                )
 
 
 @dataclass

@@ -175,6 +175,9 @@ class ChunkSequencer:
                 text=text,
                 logprobs=chunk.logprobs[skip:],
                 top_logprobs=chunk.top_logprobs[skip:],
+                # Those came with the first chunk, which was delivered.
+                prompt_logprobs=[],
+                prompt_top_logprobs=None,
             )
         if not chunk.token_ids and not chunk.text and chunk.finish_reason is None:
             return []  # nothing new: delivered already

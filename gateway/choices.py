@@ -137,7 +137,7 @@ class ChoiceRun:
             )  # fmt: skip
             while True:
                 delivery = await gen._next(flight, None)
-                if delivery.token_ids and self.first_token_at is None:
+                if flight.first_token_at is not None and self.first_token_at is None:
                     self.first_token_at = flight.first_token_at
                     series = gen._metrics.series(flight.route.group, gen._model)
                     series.ttft.observe((self.first_token_at or time.monotonic()) - self.started)
@@ -335,7 +335,7 @@ async def _events(run: ChoiceRun, first: Event) -> AsyncIterator[bytes]:
             out = b""
             if i not in opened:
                 opened.add(i)
-                out += shaper.opening_events()
+                out += shaper.opening_events(delivery)
             if delivery.finish_reason is not None:
                 done += 1
                 reason = reason or delivery.finish_reason

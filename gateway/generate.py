@@ -111,6 +111,8 @@ class Flight:
     # One choice of several (OpenAI's n): the HTTP request's own accounting (its status,
     # E2E, TTFT, the server span's usage) is done once, by gateway.choices.
     quiet: bool = False
+    # The prompt's scores only (echo, max_tokens 0): the token generated is dropped.
+    scores_only: bool = False
 
 
 class Generator:
@@ -197,6 +199,8 @@ class Generator:
             max_tokens = (
                 body.requested_max_tokens()
                 if isinstance(body, ChatCompletionRequest)
+                else 1  # generated and dropped: see CompletionRequest.scores_only
+                if body.scores_only()
                 else body.max_tokens
             )
             # A batch goes to one group, the one its longest prompt needs.
@@ -497,6 +501,7 @@ class Generator:
             silent_ids=frozenset() if body.skip_special_tokens is False else self._special_ids,
             index=index,
             echo=self._echo_text(body, index, prompt_ids),
+            echo_ids=prompt_ids,
         )
         headers = {"X-Request-Id": response_id, GROUP_HEADER: route.group}
         if route.is_fallback:
@@ -514,15 +519,16 @@ class Generator:
         return Flight(
             route, stream, shaper, len(prompt_ids), started, started + deadline_ms / 1000,
             headers=headers, quiet=choice is not None,
+            scores_only=isinstance(body, CompletionRequest) and body.scores_only(),
         )  # fmt: skip
 
     def _echo_text(
         self, body: CompletionRequest | ChatCompletionRequest, index: int, prompt_ids: list[int]
-    ) -> str:
-        """Choice ``index``'s prompt as ``echo`` returns it: its text as sent, or its token
-        ids decoded (special tokens as the output shows them)."""
+    ) -> str | None:
+        """Choice ``index``'s prompt as ``echo`` returns it (None: not asked): its text as
+        sent, or its token ids decoded (special tokens as the output shows them)."""
         if not isinstance(body, CompletionRequest) or not body.echo:
-            return ""
+            return None
         prompt = body.prompt_inputs()[index // body.choices()]
         if isinstance(prompt, str):
             return prompt
@@ -546,7 +552,7 @@ class Generator:
         # Choice ``index`` of a batch is choice ``index % n`` of its prompt (its seed's offset).
         params = body.wire_params(
             max_tokens, flight.shaper.logprobs, self._sampling_defaults,
-            flight.shaper.index % body.choices(),
+            flight.shaper.index % body.choices(), body.prompt_logprobs_count(),
         )  # fmt: skip
         request_id = flight.stream.request_id
         message = GenerateRequest(
@@ -647,6 +653,8 @@ class Generator:
                     if not flight.quiet:
                         series = self._metrics.series(flight.route.group, self._model)
                         series.ttft.observe(flight.first_token_at - flight.started)
+                if flight.scores_only and delivery.error is None:
+                    delivery = _scores_of(delivery)
                 flight.completion_tokens += len(delivery.token_ids)
                 if delivery.usage is not None:
                     flight.worker_usage = delivery.usage
@@ -674,7 +682,7 @@ class Generator:
         shaper = flight.shaper
         status = 500
         try:
-            opening = shaper.opening_events()
+            opening = shaper.opening_events(first)
             if opening:
                 yield opening
             delivery = first
@@ -764,6 +772,17 @@ class Generator:
             self._tok, delivered, skip_special_tokens, resumed_tokens=len(delivered)
         )
         return "".join(detokenizer.add(t) for t in new) + detokenizer.flush()
+
+
+def _scores_of(delivery: Delivery) -> Delivery:
+    """``delivery`` without the tokens generated (the prompt's scores only): its prompt
+    logprobs, and the end ("length": the max_tokens of 0 asked for)."""
+    return Delivery(
+        finish_reason=None if delivery.finish_reason is None else "length",
+        usage=delivery.usage,
+        prompt_logprobs=delivery.prompt_logprobs,
+        prompt_top_logprobs=delivery.prompt_top_logprobs,
+    )
 
 
 def _joined_parts(texts: list[str]) -> list[str]:

@@ -250,6 +250,7 @@ class _SamplingBody(_Strict):
         logprobs: int | None,
         defaults: SamplingDefaults | None = None,
         choice: int = 0,
+        prompt_logprobs: int | None = None,
     ) -> RequestParams:
         """The sampling parameters as they travel to the worker: fields left out take the
         model's ``defaults`` (its generation_config.json), else OpenAI's. ``choice``: which
@@ -295,7 +296,12 @@ class _SamplingBody(_Strict):
             want_stop_reason=True if self.stop or self.stop_token_ids else None,
             logit_bias_ids=bias_ids,
             logit_bias_values=bias_values,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def prompt_logprobs_count(self) -> int | None:
+        """How many alternatives each prompt token's logprob comes with, when asked."""
+        return None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -318,6 +324,7 @@ class CompletionRequest(_SamplingBody):
     """``POST /v1/completions``: a string, one-string list, or token ids."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt's scores only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
     best_of: Any = None
@@ -341,11 +348,20 @@ class CompletionRequest(_SamplingBody):
 
     def check_fields(self) -> None:
         super().check_fields()
-        if self.echo and self.logprobs is not None:
+        if self.max_tokens == 0 and not self.echo:
             raise InvalidRequestError(
-                "echo with logprobs is not supported (the prompt's logprobs are not served)",
-                param="echo",
+                "max_tokens must be at least 1 (0 only with echo, to score the prompt)",
+                param="max_tokens",
             )
+
+    def scores_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0 (lm-evaluation-harness's loglikelihood): the
+        prompt and its logprobs, nothing generated. One token is generated all the same
+        (the prompt's logprobs come with it) and dropped."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def prompt_logprobs_count(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def prompt_inputs(self) -> list[str | list[int]]:
         """Each prompt (a batch has several, one choice each, or ``n``): its text, or its

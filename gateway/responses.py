@@ -72,12 +72,14 @@ class Shaper:
         include_usage: bool = False,
         silent_ids: frozenset[int] = frozenset(),
         index: int = 0,
-        echo: str = "",
+        echo: str | None = None,
+        echo_ids: Sequence[int] = (),
     ) -> None:
         self.kind = kind
         self.index = index  # the choice's index (OpenAI's n: one Shaper per choice)
-        # A completion's ``echo``: its prompt's text, before the generated text.
-        self.echo = echo
+        # A completion's ``echo``: its prompt's text before the generated text, and (with
+        # logprobs) its tokens' logprobs before theirs.
+        self.echo, self.echo_ids = echo, echo_ids
         # Tokens whose text the output leaves out (special tokens under skip_special_tokens):
         # they take no room in text_offset, which indexes the returned text.
         self._silent_ids = silent_ids
@@ -88,7 +90,7 @@ class Shaper:
         self.logprobs = logprobs
         self.include_usage = include_usage
         # Completions' logprobs.text_offset runs across chunks, in the text returned.
-        self._text_offset = len(echo)
+        self._text_offset = len(echo or "")
         # The tokens' bytes so far, as text: a character split over tokens counts once,
         # when its last byte comes, so text_offset indexes the text the client got.
         self._offset_text = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -123,15 +125,24 @@ class Shaper:
             )
         )
 
-    def echo_event(self) -> bytes:
-        """A completion's first chunk under ``echo``: its prompt's text, as vLLM sends it."""
-        return self._fast_prefix + _dumps(self.echo).encode() + self._fast_suffix
+    def echo_event(self, first: Delivery) -> bytes:
+        """A completion's first chunk under ``echo``: its prompt's text (and logprobs, from
+        the ``first`` delivery), as vLLM sends it."""
+        if self.logprobs is None:
+            return self._fast_prefix + _dumps(self.echo or "").encode() + self._fast_suffix
+        choice = {
+            "index": self.index,
+            "text": self.echo or "",
+            "logprobs": self._prompt_logprobs(first),
+            "finish_reason": None,
+        }
+        return sse_event(self._chunk(choice))
 
-    def opening_events(self) -> bytes:
-        """What a stream sends before its first delivery: a chat's role, an echo."""
+    def opening_events(self, first: Delivery) -> bytes:
+        """What a stream sends before its ``first`` delivery: a chat's role, an echo."""
         if self.kind == "chat":
             return self.role_event()
-        return self.echo_event() if self.echo else b""
+        return self.echo_event(first) if self.echo is not None else b""
 
     def delta_event(self, delivery: Delivery) -> bytes:
         """One SSE chunk with the delivery's text (and logprobs / finish reason)."""
@@ -195,10 +206,12 @@ class Shaper:
         lp = (
             self._logprobs(logprobs) if logprobs is not None and self.logprobs is not None else None
         )
+        if self.echo is not None and logprobs is not None and self.logprobs is not None:
+            lp = _joined(self._prompt_logprobs(logprobs), lp)
         if self.kind == "completion":
             choice: dict[str, Any] = {
                 "index": self.index,
-                "text": self.echo + text,
+                "text": (self.echo or "") + text,
                 "logprobs": lp,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
@@ -279,6 +292,41 @@ class Shaper:
             "text_offset": offsets,
         }
 
+    def _prompt_logprobs(self, delivery: Delivery) -> dict[str, Any]:
+        """The legacy logprobs of the echoed prompt's tokens: the first has none (nothing
+        precedes it), nor has any the worker did not send (a simulated engine's); offsets
+        index the echoed text."""
+        ids = self.echo_ids
+        values: Sequence[float | None] = delivery.prompt_logprobs or []
+        tops: Sequence[TopLogprobs] = delivery.prompt_top_logprobs or []
+        tokens: list[str] = []
+        offsets: list[int] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        offset, text = 0, codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for j, token_id in enumerate(ids):
+            data = self.token_bytes(token_id)
+            token = _completion_token(data)
+            tokens.append(token)
+            offsets.append(offset)
+            if token_id not in self._silent_ids:
+                offset += len(text.decode(data))
+            value = values[j - 1] if 0 < j <= len(values) else None
+            token_logprobs.append(None if value is None else _clamp(value))
+            if value is None:
+                top.append(None)
+            else:
+                pairs = self._top(tops, j - 1)
+                top.append(
+                    {_completion_token(t): _clamp(v) for t, v in pairs} | {token: _clamp(value)}
+                )
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
     def _top(self, tops: Sequence[TopLogprobs], i: int) -> list[tuple[bytes, float]]:
         """Position ``i``'s alternatives as (token bytes, logprob), best first."""
         if not self.logprobs or i >= len(tops):
@@ -286,6 +334,13 @@ class Shaper:
         alternatives = tops[i]
         pairs = zip(alternatives.token_ids, alternatives.logprobs, strict=False)
         return [(self.token_bytes(t), v) for t, v in list(pairs)[: self.logprobs]]
+
+
+def _joined(prompt: dict[str, Any], output: dict[str, Any] | None) -> dict[str, Any]:
+    """The echoed prompt's legacy logprobs followed by the output's, one object."""
+    if output is None:
+        return prompt
+    return {key: prompt[key] + output[key] for key in prompt}
 
 
 def merge(deliveries: Sequence[Delivery]) -> Delivery:
@@ -298,5 +353,10 @@ def merge(deliveries: Sequence[Delivery]) -> Delivery:
         merged.finish_reason = d.finish_reason or merged.finish_reason
         merged.stop_reason = d.stop_reason if d.stop_reason is not None else merged.stop_reason
         merged.usage = d.usage or merged.usage
+        if d.prompt_logprobs:
+            merged.prompt_logprobs, merged.prompt_top_logprobs = (
+                d.prompt_logprobs,
+                d.prompt_top_logprobs,
+            )
     merged.text = "".join(d.text for d in deliveries)
     return merged

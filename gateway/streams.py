@@ -111,6 +111,9 @@ class Delivery:
     usage: Usage | None = None
     error: QosError | None = None
     stop_reason: int | str | None = None  # what ended a "stop" (None: EOS), as vLLM says
+    # With the first tokens, when asked (echo with logprobs): prompt tokens 1.. (see Chunk).
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 class ResponseStream:
@@ -175,6 +178,9 @@ class ResponseStream:
                 self.finished = self.worker_done = True
             delivery = Delivery(c.token_ids, c.text, c.logprobs, c.top_logprobs, c.finish_reason)
             delivery.usage, delivery.stop_reason = c.usage, c.stop_reason
+            if c.prompt_logprobs:
+                delivery.prompt_logprobs = c.prompt_logprobs
+                delivery.prompt_top_logprobs = c.prompt_top_logprobs
             self._push(delivery)
 
     @property

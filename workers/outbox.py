@@ -39,6 +39,9 @@ class Flight:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     tops: list[TopLogprobs] = field(default_factory=list)
+    # params.prompt_logprobs' values (prompt tokens 1..), sent once, on the next chunk.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_tops: list[TopLogprobs] | None = None
     flush_at: float | None = None  # loop time the buffered tokens are due
     first_sent: bool = False
     error: QosError | None = None  # why it was aborted here (deadline), if it was
@@ -71,6 +74,17 @@ class Flight:
                 TopLogprobs([t for t, _ in top], [lp for _, lp in top])
                 for top in delta.top_logprobs
             )
+        if delta.prompt_logprobs is not None:
+            # Entry 0 is None (no token precedes the first): the wire starts at token 1.
+            self.prompt_logprobs = [
+                lp if lp is not None else float("-inf") for lp in delta.prompt_logprobs[1:]
+            ]
+            tops = (delta.prompt_top_logprobs or [])[1:]
+            if any(tops):  # prompt_logprobs 0 asks for no alternatives
+                self.prompt_tops = [
+                    TopLogprobs([t for t, _ in top or ()], [lp for _, lp in top or ()])
+                    for top in tops
+                ]
 
     def take_chunk(self, worker: str) -> Chunk:
         """A chunk of everything buffered (possibly nothing); advances ``sent``."""
@@ -80,6 +94,12 @@ class Flight:
             text=self.text, logprobs=self.logprobs if len(self.logprobs) == n else [],
             top_logprobs=self.tops if len(self.tops) == n else [], worker=worker,
         )  # fmt: skip
+        if self.prompt_logprobs:
+            chunk.prompt_logprobs, chunk.prompt_top_logprobs = (
+                self.prompt_logprobs,
+                self.prompt_tops,
+            )
+            self.prompt_logprobs, self.prompt_tops = [], None
         self.first_sent = self.first_sent or n > 0
         self.sent += n
         self.ids, self.text, self.logprobs, self.tops, self.flush_at = [], "", [], [], None
@@ -139,6 +159,8 @@ def sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos, logprobs=p.logprobs, min_tokens=min_tokens or 0,
+        # A resumed attempt's caller has the first chunk, which carried them.
+        prompt_logprobs=p.prompt_logprobs if resumed == 0 else None,
         skip_special_tokens=p.skip_special_tokens is not False,
         include_stop_str_in_output=bool(p.include_stop_str_in_output),
         logit_bias=p.logit_bias(),

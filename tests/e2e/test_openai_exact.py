@@ -243,3 +243,37 @@ def test_a_batch_of_prompts_echoed_is_the_engines_outputs_after_each_prompt(
         texts = [c.text for c in result.choices]
         assert result.usage.prompt_tokens == sum(len(i) for i in ids)
     assert texts == expected
+
+
+def test_echo_with_logprobs_and_no_tokens_scores_each_prompt_as_the_engine_does(
+    real_stack: Stack, offline_llm: LLM, tokenizer: BaseTokenizer
+) -> None:
+    """lm-evaluation-harness's loglikelihood call: a batch of token-id prompts, ``echo``,
+    ``max_tokens`` 0, ``logprobs`` 1. Each prompt token's logprob (and its best
+    alternative) is the engine's ``prompt_logprobs``; nothing is generated."""
+    prompts = [tokenizer.encode(p, add_special_tokens=True) for p in (PROMPT, "Hello world")]
+    offline = [
+        offline_llm.generate(
+            prompt_token_ids=[ids],
+            sampling_params=SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+        )[0]
+        for ids in prompts
+    ]
+    client = openai.OpenAI(base_url=real_stack.base_url, api_key="unused", max_retries=0)
+    result = client.completions.create(
+        model=real_stack.model, prompt=prompts, echo=True, max_tokens=0, logprobs=1,
+        temperature=0.0,
+    )  # fmt: skip
+    assert result.usage is not None and result.usage.completion_tokens == 0
+    for choice, ids, expected in zip(result.choices, prompts, offline, strict=True):
+        assert choice.finish_reason == "length"
+        assert choice.text == tokenizer.decode(ids)
+        lp = choice.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None
+        assert expected.prompt_logprobs is not None and expected.prompt_top_logprobs is not None
+        assert lp.token_logprobs[1:] == pytest.approx(expected.prompt_logprobs[1:], abs=1e-5)
+        for got, top in zip(lp.top_logprobs[1:], expected.prompt_top_logprobs[1:], strict=True):
+            assert top is not None
+            # The best alternative, and the prompt's own token: the best is the largest.
+            assert max(got.values()) == pytest.approx(top[0][1], abs=1e-5)

@@ -94,6 +94,14 @@ async def echo_alphabet(job: Job, *, chunk_size: int = 3, delay_s: float = 0.0) 
         if last:
             extra["finish_reason"] = finish
             extra["usage"] = job.usage(len(ids))
+        asked = job.request.params.prompt_logprobs
+        if start == 0 and asked is not None:  # prompt token j scores -j / 4
+            prompt = job.request.prompt_token_ids
+            extra["prompt_logprobs"] = [-j / 4 for j in range(1, len(prompt))]
+            if asked:
+                extra["prompt_top_logprobs"] = [
+                    TopLogprobs([ord("?")], [-9.0]) for _ in range(1, len(prompt))
+                ]
         await job.send(start, part, **extra)
 
 

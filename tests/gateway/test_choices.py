@@ -285,3 +285,46 @@ async def test_echo_returns_each_prompt_before_its_completion(nats_config: NatsC
         # The prompt is a chunk of its own, each choice's first.
         assert all(texts[0] == "hello" for texts in by_index.values())
         assert all("".join(texts) == "hello" + text for texts in by_index.values())
+
+
+async def test_echo_with_logprobs_scores_the_prompt_first(nats_config: NatsConfig) -> None:
+    """As vLLM answers (and lm-evaluation-harness reads): the prompt's tokens head the
+    legacy logprobs, the first with none; ``max_tokens`` 0 scores the prompt alone."""
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        body = {**BODY, "prompt": [[104, 105, 33]], "echo": True, "logprobs": 1, "max_tokens": 2}
+        whole = (await http.post("/v1/completions", json=body)).json()
+        scored = (await http.post("/v1/completions", json={**body, "max_tokens": 0})).json()
+        async with http.stream(
+            "POST", "/v1/completions", json={**body, "max_tokens": 0, "stream": True}
+        ) as response:
+            events = [
+                json.loads(line[6:])["choices"][0]
+                async for line in response.aiter_lines()
+                if line.startswith("data: {")
+            ]
+        no_echo = await http.post("/v1/completions", json={**BODY, "max_tokens": 0})
+        await _until(lambda: _released(gw))
+    assert [j.request.params.prompt_logprobs for j in worker.jobs] == [1, 1, 1]
+    assert [j.request.params.max_tokens for j in worker.jobs] == [2, 1, 1]
+    choice = whole["choices"][0]
+    assert choice["text"] == "hi!ab"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["h", "i", "!", "a", "b"]
+    assert lp["token_logprobs"] == [None, -0.25, -0.5, -0.5, -0.5]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"?": -9.0, "i": -0.25}
+    assert lp["text_offset"] == [0, 1, 2, 3, 4]
+    expected = {"tokens": ["h", "i", "!"], "token_logprobs": [None, -0.25, -0.5],
+                "top_logprobs": [None, {"?": -9.0, "i": -0.25}, {"?": -9.0, "!": -0.5}],
+                "text_offset": [0, 1, 2]}  # fmt: skip
+    only = scored["choices"][0]
+    assert only["text"] == "hi!" and only["finish_reason"] == "length"
+    assert only["logprobs"] == expected
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == 3
+    assert events[0]["text"] == "hi!" and events[0]["logprobs"] == expected
+    assert "".join(e["text"] for e in events) == "hi!"
+    assert events[-1]["finish_reason"] == "length"
+    assert no_echo.status_code == 400 and no_echo.json()["error"]["param"] == "max_tokens"

@@ -89,7 +89,7 @@ async def test_a_slow_reader_still_gets_what_came_before_the_deadline() -> None:
     stream.feed(_chunk(2, "c", finish_reason="stop"))
     flight = types.SimpleNamespace(
         deadline=time.monotonic() - 1.0, stream=stream, first_token_at=1.0, completion_tokens=0,
-        worker_usage=None, finish_reason=None, disconnect_check_at=0.0,
+        worker_usage=None, finish_reason=None, disconnect_check_at=0.0, scores_only=False,
     )  # fmt: skip
     first = await Generator._next(None, flight, None)  # type: ignore[arg-type]
     last = await Generator._next(None, flight, None)  # type: ignore[arg-type]

@@ -26,3 +26,24 @@ def test_a_text_prompts_final_chunk_without_an_engine_delta_counts_it_as_encoded
     st.resumed_at([5, 6], 2)
     final = st.final_chunk("w0", "length", prompt_tokens=3)
     assert final.usage is not None and final.usage.prompt_tokens == 3
+
+
+def test_prompt_logprobs_ride_once_on_the_first_chunk_and_not_into_a_resumed_attempt():
+    from common.protocol import RequestParams
+    from workers.engine.outputs import RequestDelta
+    from workers.outbox import sampling_params
+
+    params = RequestParams(max_tokens=4, prompt_logprobs=1)
+    req = GenerateRequest(id="r", group="short", reply="o.r", prompt_token_ids=[1, 2, 3],
+                          params=params)  # fmt: skip
+    st = Flight(req, msg=None, attempt=1, start=0.0)
+    st.absorb(RequestDelta("r", [7], "x", prompt_logprobs=[None, -1.0, -2.0],
+                           prompt_top_logprobs=[None, [(5, -0.5)], [(6, -0.25)]]))  # fmt: skip
+    first = st.take_chunk("w0")
+    assert first.prompt_logprobs == [-1.0, -2.0]
+    assert first.prompt_top_logprobs is not None
+    assert [t.token_ids for t in first.prompt_top_logprobs] == [[5], [6]]
+    st.absorb(RequestDelta("r", [8], "y"))
+    assert st.take_chunk("w0").prompt_logprobs == []
+    assert sampling_params(req, 4).prompt_logprobs == 1
+    assert sampling_params(req, 2).prompt_logprobs is None  # the caller has the first chunk

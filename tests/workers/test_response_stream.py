@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from common.errors import ContextLengthExceededError, InternalError
@@ -38,6 +40,14 @@ def test_overlap_after_a_redelivery_is_trimmed() -> None:
     (out,) = stream.feed(chunk(1, [2, 3, 4], attempt=2))
     assert (out.seq, out.token_ids, out.text) == (3, [4], "+")
     assert stream.feed(chunk(0, [1, 2], attempt=2)) == []  # nothing new
+
+
+def test_a_redelivered_first_chunk_brings_no_second_copy_of_the_prompt_logprobs() -> None:
+    stream = ResponseStream("r", decode_tail=lambda have, new: "+" * len(new))
+    (first,) = stream.feed(replace(chunk(0, [1, 2]), prompt_logprobs=[-1.0]))
+    assert first.prompt_logprobs == [-1.0]
+    (again,) = stream.feed(replace(chunk(0, [1, 2, 3]), attempt=2, prompt_logprobs=[-1.0]))
+    assert again.token_ids == [3] and again.prompt_logprobs == []
 
 
 def test_two_runs_of_one_attempt_that_disagree_fail_the_stream_rather_than_splice() -> None:
