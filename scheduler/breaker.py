@@ -27,7 +27,12 @@ service acts on it (batch cap, KV state, alert).
   evidence, and one whose probes mostly failed breaks the row (failed requests stay out
   of the latency windows, so their p99 reads as 0). For its first ``stale_p99_s`` (the
   workers' latency window) a sample's p99 is not judged: it still holds requests that
-  finished before half-open began (a backlog drained while open).
+  finished before half-open began (a backlog drained while open). A half-open state that
+  reaches ``max_half_open_s`` undecided (no traffic: its probes never came) is judged on all
+  the probes of the spell, however few: closed when their error rate is within the limit
+  (none failed, or none came: nothing says the group is broken), re-opened otherwise.
+  Left half-open, an idle group kept its open cap and its replicas for good (a group gives
+  up a replica only with its breaker closed).
 
 Every transition empties the window, so no state judges data from before its start.
 
@@ -53,6 +58,9 @@ LEGAL: frozenset[tuple[State, State]] = frozenset(
 )
 # qos_breaker_state values (DESIGN §7).
 STATE_GAUGE: dict[State, int] = {"closed": 0, "half_open": 1, "open": 2}
+# The longest a half-open state waits for probe evidence by default (a long group's probe
+# takes up to its 60 s SLO); BreakerConfig.max_half_open_s sets it.
+MAX_HALF_OPEN_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +101,7 @@ class BreakerSettings:
     max_age_s: float = 10.0
     error_window_s: float = 60.0
     stale_p99_s: float = 0.0
+    max_half_open_s: float = MAX_HALF_OPEN_S
 
     @classmethod
     def for_group(
@@ -112,6 +121,7 @@ class BreakerSettings:
             max_age_s=max_age_s,
             error_window_s=max(b.error_window_s, max_age_s),
             stale_p99_s=stale_p99_s,
+            max_half_open_s=max(b.max_half_open_s, stale_p99_s),
         )
 
 
@@ -136,6 +146,7 @@ class Breaker:
         # (when, finished, failed) of the state's samples of the last error_window_s.
         self._outcomes: deque[tuple[float, int, int]] = deque()
         self.healthy_in_row = 0
+        self.probes = self.failed_probes = 0  # finished, failed since half-open began
         self.reopens = 0  # opens in a row that came soon after the last (the wait doubles)
         self._closed_at: float | None = None  # when it last closed from half-open
 
@@ -185,12 +196,25 @@ class Breaker:
             outcomes.append((now, sample.requests, sample.errors))
         if self.state == "closed":
             return self._judge_closed(now)
+        self.probes += sample.requests
+        self.failed_probes += sample.errors
         return self._judge_half_open(sample, now)
 
     def tick(self, now: float) -> Transition | None:
-        """Let time pass: OPEN becomes HALF_OPEN after :attr:`wait_s`."""
+        """Let time pass: OPEN becomes HALF_OPEN after :attr:`wait_s`; HALF_OPEN undecided
+        after ``max_half_open_s`` is judged on every probe of the spell."""
         if self.state == "open" and now - self.since >= self.wait_s:
             return self._move("half_open", now, f"probing after {self.wait_s:g}s open")
+        spell_s = now - self.since
+        if self.state == "half_open" and spell_s >= self.settings.max_half_open_s:
+            done, failed = self.probes, self.failed_probes
+            if failed and failed / max(done, 1) > self.settings.error_rate_threshold:
+                return self._move(
+                    "open", now, f"{failed} of {done} probes failed in {spell_s:.0f}s half-open"
+                )
+            return self._move(
+                "closed", now, f"{failed} of {done} probes failed in {spell_s:.0f}s half-open"
+            )
         return None
 
     def recall(self, samples: Iterable[tuple[float, BreakerSample]], now: float) -> None:
@@ -301,3 +325,4 @@ class Breaker:
         self._window_at.clear()
         self._outcomes.clear()
         self.healthy_in_row = 0
+        self.probes = self.failed_probes = 0

@@ -2,8 +2,10 @@
 
 The order goes over core NATS and nothing acknowledges it; a worker may drop it (the
 message lost, its clock reading it as stale, a group it was not configured with, a bind
-that failed and went back). A move is done once a report shows the worker in its
-destination. One not seen there by its deadline, its replica not still draining in its
+that failed and went back). A move is done once a report shows the worker *serving* in
+its destination: a worker names its new group as it starts binding, and reports it while
+still draining, so a bind that failed and went back read as done. One not seen serving there
+by its deadline, its replica not still draining in its
 source group (a request it held runs to its end), failed: the cooldowns it set on its two
 groups are lifted and its worker is kept out of moves for a cooldown, so the next idle
 replica gets the turn. Before, the move counted as made, and once the cooldown ran out the
@@ -44,7 +46,7 @@ class PendingMoves:
     def settle(
         self, reports: Mapping[str, tuple[str, str]], now: float
     ) -> tuple[list[PendingMove], list[PendingMove]]:
-        """(done, failed): the moves whose worker now reports from its destination
+        """(done, failed): the moves whose worker now reports serving in its destination
         (``reports``: worker -> (group, state) of its latest report), and those past their
         deadline without that. A worker still draining in its source group is not past it:
         a request it held runs to its end (the long group drains for a minute), and a move
@@ -53,7 +55,7 @@ class PendingMoves:
         done, failed = [], []
         for p in self._pending.values():
             group, state = reports.get(p.move.worker, ("", ""))
-            if group == p.move.dst:
+            if group == p.move.dst and state == "serving":
                 done.append(p)
             elif now >= p.deadline and not (group == p.move.src and state == "draining"):
                 failed.append(p)

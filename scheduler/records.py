@@ -21,6 +21,13 @@ is not kept out of service by a scheduler that died while its breaker was open.
 
     {"v": 1, "replicas": int, "current": int, "why": str, "ts_ms": int}
 
+``served.<group>`` — written once by the leader when it first sees the group with a live
+replica, read by every scheduler as it starts and takes over: a group that lost its last
+replica is refilled to its minimum (a group never served may be meant empty), even when it
+lost it before this scheduler started::
+
+    {"v": 1, "since_ms": int, "scheduler": str}
+
 ``history.<group>`` is :mod:`scheduler.history`'s; ``sched.lease`` is :mod:`scheduler.lease`'s.
 """
 
@@ -40,6 +47,7 @@ BREAKER_RENEW_S = 5.0
 # scheduler that starts after an outage must read it so too, not revive it.
 BREAKER_STALE_S = 30.0
 DESIRED_PREFIX = "desired."
+SERVED_PREFIX = "served."
 
 
 def breaker_key(group: str) -> str:
@@ -48,6 +56,10 @@ def breaker_key(group: str) -> str:
 
 def desired_key(group: str) -> str:
     return DESIRED_PREFIX + group
+
+
+def served_key(group: str) -> str:
+    return SERVED_PREFIX + group
 
 
 def _dump(obj: dict[str, Any]) -> bytes:
@@ -108,6 +120,15 @@ class DesiredRecord:
     current: int
     why: str
     ts_ms: int
+
+    def to_bytes(self) -> bytes:
+        return _dump(asdict(self))
+
+
+@dataclass(frozen=True, slots=True)
+class ServedRecord:
+    since_ms: int  # when a leader first saw the group served
+    scheduler: str
 
     def to_bytes(self) -> bytes:
         return _dump(asdict(self))

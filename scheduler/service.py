@@ -6,17 +6,21 @@
   tick into one sample per group, feeds the breakers (:mod:`scheduler.breaker`) and acts on
   each transition at once: ``breaker.<group>`` in the state bucket (gateways divert on
   it), ``set_batch_cap`` on ``<prefix>.ctl.group.<group>`` (``open_batch_cap`` when it
-  opens, ``max_batch`` when it closes), an alert (:mod:`scheduler.alerts`) and metrics.
+  opens, ``max_batch`` when it closes), an alert (:mod:`scheduler.alerts`, sent once the
+  record is stored: one never stored never took effect) and metrics.
   A worker whose reported cap disagrees with its group's breaker (it restarted, or moved
   into the group) gets ``set_batch_cap`` on ``<prefix>.ctl.<worker>``.
 - Every ``scheduler.rebalance_interval_s`` (5 s): the rebalancer (:mod:`scheduler.rebalancer`)
   sets desired replicas (``desired.<group>``, ``qos_desired_replicas``) and may move an idle
   replica with ``assign_group`` on ``<prefix>.ctl.<worker>``, done once the replica reports
-  from its new group (a move not seen done in time counts failed, :mod:`scheduler.moves`);
+  serving in its new group (a move not seen done in time counts failed,
+  :mod:`scheduler.moves`);
   the hour-of-week history (:mod:`scheduler.history`) learns the demand.
 - Only the holder of the lease (:mod:`scheduler.lease`) acts; a standby keeps its windows
   warm and its breakers in step with the bucket, and taking over it fills each closed
   breaker's window from its group's samples, so it takes over where the leader stood.
+  Once synced, a new leader sends every group its breaker's cap (``set_batch_cap``), which
+  stamps its fence on every worker: a deposed leader's order sent late is dropped then.
   A scheduler that starts continues each breaker from ``breaker.<group>``. Nothing is
   deleted on exit: with no scheduler, workers keep their last batch cap and gateways the
   last breaker state, until an open or half-open one goes unrenewed (the leader rewrites
@@ -80,8 +84,10 @@ from scheduler.records import (
     BREAKER_STALE_S,
     BreakerRecord,
     DesiredRecord,
+    ServedRecord,
     breaker_key,
     desired_key,
+    served_key,
 )
 from scheduler.windows import GroupSample, TelemetryWindows, backlog
 
@@ -92,6 +98,8 @@ CAP_RESEND_S = 2.0
 CAP_CLOSED_TRIES = 2  # times a closed group's cap is sent to a worker that stays at the open cap
 HISTORY_SAVE_S = 60.0
 QUEUE_POLL_TIMEOUT_S = 0.5
+TERM_START_REASON = "a new scheduler term"  # the cap each group gets as a term begins
+STALE_RECORD_REASON = "stale record"
 RECENT_ACTIONS = 1000  # transitions and moves kept in memory
 
 
@@ -155,12 +163,16 @@ class SchedulerService:
         self.histories: dict[str, DemandHistory] = {g: DemandHistory() for g in self.groups}
         self.queue_depths: dict[str, int] = dict.fromkeys(self.groups, -1)
         self._closed_checked: dict[str, float] = {}  # group -> when its record was read back
-        # Groups seen with a live replica since this process began, leader or standby (one
-        # that lost its last is refilled to its minimum; one never served may be meant empty).
+        # Groups seen with a live replica, leader or standby, or by any scheduler before
+        # (``served.<group>``; one that lost its last is refilled to its minimum; one never
+        # served may be meant empty).
         self.served_groups: set[str] = set()
+        self._served_saved: set[str] = set()  # those whose record is in the bucket
         self.desired: dict[str, int] = {}
         # As leader: the breakers are loaded from the bucket since this term began.
         self._leader_synced = False
+        # As leader: every group was sent this term's fence (the term-start caps).
+        self._term_announced = False
         # The latest transitions this replica acted on and moves it ordered (a flapping
         # breaker makes ~115k transitions a week): for tests and debugging.
         self.acted: deque[Transition] = deque(maxlen=RECENT_ACTIONS)
@@ -177,6 +189,9 @@ class SchedulerService:
         # started with --max-batch at the open cap stays there, and was told every 2 s.
         self._cap_unheeded: dict[str, int] = {}
         self._unsaved: dict[str, BreakerRecord] = {}  # breaker states the bucket lacks
+        # group -> alerts waiting for its record to be stored: a transition whose record
+        # never was (a failed write, then the lease lost) was undone by the reload.
+        self._alerts: dict[str, list[dict[str, Any]]] = {}
         self._breaker_written: dict[str, float] = {}  # group -> when this replica last wrote it
         self._history_saved = 0.0
         self._stop_requested = asyncio.Event()
@@ -234,6 +249,7 @@ class SchedulerService:
         _, _, self.kv = await qnats.ensure_jetstream(self.js, self.config.nats, self.groups)
         self._sub = await self.nc.subscribe(self.subjects.telemetry_wildcard, cb=self._on_telemetry)
         await self._load_breakers()
+        await self._load_served()
         await self._load_histories()
         self.lease = Lease(self.kv, self.id, self.cfg.lease_ttl_s)
         await self._refresh_lease()
@@ -406,7 +422,16 @@ class SchedulerService:
                 log.warning("breaker %s: the bucket says %s (scheduler %s, fence %d); "
                             "rewriting closed", group, record.state, record.scheduler or "?",
                             record.fence)  # fmt: skip
-                self._unsaved[group] = self._record(group, "closed", breaker.since, breaker.reason)
+                closed = self._record(group, "closed", breaker.since, breaker.reason)
+                self._unsaved[group] = closed
+                # Whoever wrote it alerted its opening: this resolves it, once stored.
+                age_ms = closed.written_ms - (record.written_ms or record.since_ms)
+                why = (
+                    STALE_RECORD_REASON
+                    if age_ms > BREAKER_STALE_S * 1000
+                    else f"record of scheduler {record.scheduler or '?'} (fence {record.fence})"
+                )
+                self._alert(group, record.state, "closed", why, closed)
 
     def _breaker_sample(self, group: str, sample: GroupSample) -> BreakerSample:
         kind = self.config.groups[group].breaker.p99_kind
@@ -423,15 +448,16 @@ class SchedulerService:
         return gc.max_batch if state == "closed" else min(gc.breaker.open_batch_cap, gc.max_batch)
 
     async def _act(self, t: Transition) -> None:
-        """Publish a transition: bucket first (gateways divert), then workers, then alert."""
+        """Publish a transition: bucket first (gateways divert; its alert goes once it is
+        stored), then workers."""
         assert self.nc is not None and self.kv is not None
-        gc = self.config.groups[t.group]
         record = self._record(t.group, t.target, t.at, t.reason)
-        cap, since_ms = record.batch_cap, record.since_ms
+        cap = record.batch_cap
         self.acted.append(t)
         self.metrics.transition(t.group, t.source, t.target)
         self.metrics.set_breaker(t.group, t.target)
         self._unsaved[t.group] = record
+        self._alert(t.group, t.source, t.target, t.reason, record)
         await self._save_breakers()
         if t.target in ("open", "closed"):  # half-open keeps the open cap while probing
             control = Control(
@@ -444,18 +470,28 @@ class SchedulerService:
             await self._publish(self.subjects.control_group(t.group), control)
             for report in self.windows.workers(t.group):
                 self._cap_sent[report.worker] = self._clock()
-        self.alerter.breaker(
+
+    def _alert(
+        self, group: str, source: State, target: State, reason: str, record: BreakerRecord
+    ) -> None:
+        """Queue the alert of ``group``'s move to ``record``; sent once the record is stored."""
+        self._alerts.setdefault(group, []).append(
             {
-                "group": t.group,
-                "from": t.source,
-                "to": t.target,
-                "reason": t.reason,
-                "fallback": gc.fallback,
-                "batch_cap": cap,
-                "ts_ms": since_ms,
+                "group": group,
+                "from": source,
+                "to": target,
+                "reason": reason,
+                "fallback": self.config.groups[group].fallback,
+                "batch_cap": record.batch_cap,
+                "ts_ms": record.since_ms,
                 "scheduler": self.id,
             }
         )
+
+    def _drop_unsaved(self) -> None:
+        """Forget the records not stored and their alerts: the bucket's word counts now."""
+        self._unsaved.clear()
+        self._alerts.clear()
 
     def _record(self, group: str, state: State, since: float, reason: str) -> BreakerRecord:
         """The bucket's record of ``group``'s breaker in ``state`` since ``since`` (our clock)."""
@@ -475,12 +511,21 @@ class SchedulerService:
         for group, record in list(self._unsaved.items()):
             if not self.acts:
                 return  # kept unsaved: a new term reloads the bucket and starts over
+            events = list(self._alerts.get(group, ()))  # this record's, for now
             try:
                 await self.kv.put(breaker_key(group), record.to_bytes())
-                del self._unsaved[group]
-                self._breaker_written[group] = self._clock()
             except Exception as exc:
                 log.error("breaker %s: writing the state failed (retrying): %s", group, exc)
+                continue
+            self._breaker_written[group] = self._clock()
+            # Stored, so it took effect: alerted even if the lease went meanwhile (which
+            # dropped what was unsaved).
+            if self._unsaved.get(group) is record:
+                del self._unsaved[group]
+            if left := self._alerts.pop(group, [])[len(events) :]:
+                self._alerts[group] = left  # a later record's
+            for event in events:
+                self.alerter.breaker(event)
 
     async def _reconcile_caps(self, now: float) -> None:
         """Tell a worker whose cap disagrees with its group's breaker (joined, restarted)."""
@@ -581,6 +626,7 @@ class SchedulerService:
             )
             if views[-1].serving:
                 self.served_groups.add(group)
+        await self._save_served()
         decision = decide(views, self.rebalancer_state, self.rebalance_settings, now)
         self.rebalancer_state = decision.state
         for view in views:
@@ -624,7 +670,7 @@ class SchedulerService:
             self.rebalancer_state = after_failure(self.rebalancer_state, failed, self._clock(), 0.0)
             return
         self.moves.append(move)
-        # Counted as moved once a report shows it in ``dst`` (see scheduler.moves).
+        # Counted as moved once a report shows it serving in ``dst`` (see scheduler.moves).
         self.pending_moves.ordered(move, self._clock(), until)
         log.info("moving worker %s from %s to %s: %s", move.worker, move.src, move.dst, move.reason)
 
@@ -675,17 +721,24 @@ class SchedulerService:
             self.pending_moves.clear()
             self.desired.clear()
             self._breaker_written.clear()
+            # Records of the earlier term, written now, would overwrite a newer leader's.
+            self._drop_unsaved()
             self._history_saved = self._clock()  # a history is saved only once it is loaded
-            self._leader_synced = False
-        if held and not self._leader_synced:
-            # A failure (a JetStream timeout) retries at the next refresh. The histories too:
-            # a standby learns no demand, and its first save would overwrite the bucket's.
-            await self._load_breakers()
-            await self._load_histories()
-            self._recall_breaker_windows()
-            self._leader_synced = True
-        elif not held:
-            self._unsaved.clear()  # the leader's word counts now, not ours
+            self._leader_synced = self._term_announced = False
+        if held:
+            if not self._leader_synced:
+                # A failure (a JetStream timeout) retries at the next refresh. The histories
+                # too: a standby learns no demand, and its first save would overwrite the
+                # bucket's.
+                await self._load_breakers()
+                await self._load_served()
+                await self._load_histories()
+                self._recall_breaker_windows()
+                self._leader_synced = True
+            if not self._term_announced:
+                await self._announce_term()
+        else:
+            self._drop_unsaved()  # the leader's word counts now, not ours
             # Only the leader's figure may reach autoscalers (they take the max over replicas).
             self.metrics.desired_replicas.clear()
             await self._load_breakers()  # a standby follows the leader's decisions
@@ -723,6 +776,25 @@ class SchedulerService:
                 breaker.restore(record.state, since, record.reason, record.reopens)
             self.metrics.set_breaker(group, breaker.state)
 
+    async def _announce_term(self) -> None:
+        """Send every group its breaker's cap, stamped with this term's fence: a worker
+        learns a new leader only from a command, and one that heard none would still take
+        a deposed leader's move sent late (under ``CONTROL_STALE_S`` old), emptying a group.
+        The cap is the one the breaker holds the group to anyway: no worker changes."""
+        sent = True
+        for group, breaker in self.breakers.items():
+            control = Control(
+                action="set_batch_cap",
+                issued_ms=int(self._wall() * 1000),
+                group=group,
+                batch_cap=self._cap_for(group, breaker.state),
+                reason=TERM_START_REASON,
+            )
+            sent = await self._publish(self.subjects.control_group(group), control) and sent
+            for report in self.windows.workers(group):
+                self._cap_sent[report.worker] = self._clock()
+        self._term_announced = sent  # else again at the next refresh
+
     def _recall_breaker_windows(self) -> None:
         """A standby feeds no breaker (it would judge what it cannot act on): taking over,
         each closed one gets the samples its group's window holds, so a group the old
@@ -731,6 +803,29 @@ class SchedulerService:
         for group, breaker in self.breakers.items():
             samples = self.windows.windows[group].items(now)
             breaker.recall(((s.at, self._breaker_sample(group, s)) for s in samples), now)
+
+    async def _load_served(self) -> None:
+        """The groups a scheduler saw served (``served.<group>``), this one's or another's."""
+        assert self.kv is not None
+        for group in self.groups:
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                await self.kv.get(served_key(group))
+                self.served_groups.add(group)
+                self._served_saved.add(group)
+
+    async def _save_served(self) -> None:
+        """Leader only: a group seen served for the first time is recorded for good."""
+        assert self.kv is not None
+        for group in sorted(self.served_groups - self._served_saved):
+            if not self.acts:
+                return
+            record = ServedRecord(int(self._wall() * 1000), self.id)
+            try:
+                await self.kv.put(served_key(group), record.to_bytes())
+            except Exception as exc:
+                log.warning("served.%s: write failed (retrying): %s", group, exc)
+                continue
+            self._served_saved.add(group)
 
     async def _load_histories(self) -> None:
         assert self.kv is not None

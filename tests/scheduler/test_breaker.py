@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from common.config import BreakerConfig, default_groups
 from gateway import workers_view
 from scheduler import records
-from scheduler.breaker import LEGAL, Breaker, BreakerSample, BreakerSettings
+from scheduler.breaker import LEGAL, MAX_HALF_OPEN_S, Breaker, BreakerSample, BreakerSettings
 
 S = BreakerSettings(
     window_samples=10,
@@ -178,6 +178,35 @@ def test_half_open_does_not_close_on_samples_in_which_no_probe_succeeded():
     # Judged from close_after_healthy (3) finished requests, not min_requests (10).
     assert [(m.source, m.target) for m in moves] == [("half_open", "open")]
     assert moves[0].at == 11.5 and "error rate" in moves[0].reason
+
+
+def test_a_half_open_breaker_that_no_probe_reaches_closes_after_max_half_open_s():
+    """With no traffic no probe ever finished: the breaker stayed half-open for good, the
+    group at the open cap and kept from giving up an idle replica (sources must be closed)."""
+    b = opened()
+    b.tick(10.0)
+    assert feed(b, [IDLE] * 5, start=11.0) == []
+    end = 10.0 + S.max_half_open_s
+    assert b.tick(end - 0.1) is None and b.state == "half_open"
+    t = b.tick(end)
+    assert t is not None and (t.source, t.target) == ("half_open", "closed")
+    assert "0 of 0 probes failed" in t.reason
+
+
+def test_a_half_open_breaker_whose_few_probes_failed_reopens_after_max_half_open_s():
+    b = opened()
+    b.tick(10.0)
+    one_failed = BreakerSample(0, requests=1, errors=1)  # too few to judge (3 needed)
+    assert feed(b, [one_failed, IDLE], start=11.0) == [] and b.state == "half_open"
+    t = b.tick(10.0 + S.max_half_open_s)
+    assert t is not None and (t.source, t.target) == ("half_open", "open")
+    assert b.reopens == 1  # a failed probe: the next wait doubles
+
+
+def test_every_groups_breaker_has_the_max_half_open_time():
+    for group in default_groups().values():
+        settings = BreakerSettings.for_group(group, stale_p99_s=10.0)
+        assert settings.max_half_open_s == MAX_HALF_OPEN_S > settings.stale_p99_s
 
 
 def test_every_transition_resets_the_window():

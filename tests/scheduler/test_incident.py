@@ -19,6 +19,7 @@ from typing import ClassVar
 import pytest
 
 from gateway.workers_view import decode_breaker
+from scheduler.service import TERM_START_REASON
 from tests.scheduler.conftest import MAX_TOKENS, Load, make_config, until
 
 SLOWDOWN_S = 0.15  # per step: 8 tokens take > 1 s against a 400 ms threshold
@@ -95,7 +96,13 @@ async def test_latency_spike_opens_then_recovery_closes_with_nothing_lost_and_on
     await until(lambda: standby.breakers["short"].state == "closed", 2, "the standby to follow")
     acted = [(t.source, t.target) for t in leader.acted if t.group == "short"]
     assert len(acted) == len(states)
-    caps = observer.caps(".ctl.group.short")
+    caps = [  # each term also begins with the group's cap (its fence for the workers)
+        c.batch_cap
+        for s, c in observer.controls
+        if s.endswith(".ctl.group.short")
+        and c.action == "set_batch_cap"
+        and c.reason != TERM_START_REASON
+    ]
     assert caps == [4 if t == "open" else 8 for _, t in acted if t in ("open", "closed")]
     await until(lambda: len(posts) >= len(acted), 5, "the webhook alerts")
     assert [(p["from"], p["to"]) for p in posts if p["group"] == "short"] == acted

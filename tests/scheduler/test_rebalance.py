@@ -206,3 +206,21 @@ async def test_a_standby_that_saw_a_group_served_refills_it_when_it_takes_over(n
             service.windows.sample(now[0], service.queue_depths)
             await service.rebalance()
         assert [(m.worker, m.src, m.dst) for m in service.moves] == [("a", "short", "long")]
+
+
+async def test_a_move_whose_bind_failed_is_not_counted_done(nats_config):
+    """A moving worker names its new group as it starts binding, and reports it there while
+    still draining: one report settled the move as done, though the bind then failed and
+    the worker went back to short. No failure counted, the groups stayed held by the
+    move's cooldown, and long got no replica."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        assert await long_backlog_rounds(service, now, ("a", "b")) == ["a"]
+        binding = Telemetry(worker="a", group="long", ts_ms=0, state="draining")
+        service.windows.observe(binding, now[0])
+        await service.rebalance()
+        assert moves_counted(service, "qos_rebalance_moves_total") == 0
+        assert len(service.pending_moves) == 1  # still under way
+        now[0] += service.pending_moves.deadline_s  # the bind failed: a serves short again
+        await long_backlog_rounds(service, now, ("a", "b"), rounds=1)
+        assert moves_counted(service, "qos_rebalance_moves_failed_total") == 1
+        assert moves_counted(service, "qos_rebalance_moves_total") == 0

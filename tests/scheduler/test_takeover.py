@@ -1,0 +1,94 @@
+"""A new term, by a standby or by a restarted scheduler: nothing of an earlier term acts in it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from common.nats import barrier
+from common.protocol import Control, Telemetry
+from scheduler.records import BreakerRecord, breaker_key
+from tests.scheduler.conftest import hand_driven, make_config, until
+
+
+async def test_a_deposed_leaders_late_move_is_dropped_once_a_new_leader_took_over(
+    start_worker, start_scheduler, observer
+):
+    """A worker learns a scheduler term only from a command, and with every breaker closed
+    and every cap right a new leader sent none: a move the old leader had queued while cut
+    off, arriving after the takeover (under CONTROL_STALE_S old), still moved the replica,
+    and could take a group's last one. Each term now begins with a command to every group."""
+    worker = await start_worker("w1")
+    old = await start_scheduler("sched-old")
+    assert old.is_leader and old.lease is not None
+    await until(lambda: "w1" in old.windows.worker_ids(), 5, "w1 reporting")
+    old_fence, ordered_ms = old.lease.fence, int(time.time() * 1000)  # while it still led
+    await old.crash()
+    new = await start_scheduler("sched-new")
+    await until(lambda: new.acts, 5, "the new leader to take over the stale lease")
+    assert new.lease is not None and new.lease.fence > old_fence and new.nc is not None
+    await barrier(new.nc)
+    await asyncio.sleep(0.3)  # its term's first commands reach the worker
+    late = Control(action="assign_group", issued_ms=ordered_ms, group="long",
+                   reason="rebalance: queued while cut off", fence=old_fence)  # fmt: skip
+    await observer.nc.publish(new.subjects.control("w1"), late.to_bytes())
+    with contextlib.suppress(AssertionError):  # it moves within a second when taken
+        await until(lambda: worker.group != "short", 3, "a move")
+    assert worker.group == "short" and worker.state == "serving"
+
+
+async def test_a_new_term_while_holding_the_lease_drops_the_earlier_terms_unsaved_records(
+    nats_config, monkeypatch
+):
+    """A holder whose calls stalled renews over another replica's term: its records not
+    yet stored (a write that timed out) were kept, and written over what the other
+    leader decided since (here: an old 'open' over the group's newer 'closed')."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        assert service.kv is not None and service.lease is not None
+        lease, renew = service.lease, service.lease.refresh
+        service.breakers["short"].restore("open", now[0], "an incident")
+        service._unsaved["short"] = service._record("short", "open", now[0], "an incident")
+        wall_ms = int(time.time() * 1000)
+        newer = BreakerRecord("closed", wall_ms, "3 healthy samples", "long", 8, "other",
+                              written_ms=wall_ms, fence=lease.fence + 1)  # fmt: skip
+        await service.kv.put(breaker_key("short"), newer.to_bytes())
+
+        async def renewed_over_another_term() -> bool:
+            held = await renew()
+            lease.term += 1
+            return held
+
+        monkeypatch.setattr(lease, "refresh", renewed_over_another_term)
+        await service._refresh_lease()
+        assert service.acts and service.breakers["short"].state == "closed"
+        await service.tick()
+        stored = BreakerRecord.from_bytes((await service.kv.get(breaker_key("short"))).value)
+        assert stored == newer
+
+
+async def test_a_restarted_scheduler_refills_a_group_that_lost_its_last_replica_before(
+    nats_config,
+):
+    """The groups seen served lived in the scheduler's memory: long's only worker died
+    while the schedulers restarted (a rollout), and the new ones, which never saw long
+    served, took it for a group meant empty and left it so for good (no backlog builds
+    while the gateway answers it 503)."""
+    config = make_config(nats_config)
+    async with hand_driven(config) as (first, now):
+        now[0] += 0.6
+        for worker, group in (("l1", "long"), ("a", "short")):
+            first.windows.observe(Telemetry(worker=worker, group=group, ts_ms=0), now[0])
+        first.queue_depths.update(short=0, long=0)
+        await first.rebalance()
+        assert "long" in first.served_groups
+    async with hand_driven(config) as (second, now):  # l1 is gone
+        assert second.acts
+        for _ in range(5):
+            now[0] += 0.6
+            for worker in ("a", "b", "c"):
+                second.windows.observe(Telemetry(worker=worker, group="short", ts_ms=0), now[0])
+            second.queue_depths.update(short=0, long=0)
+            second.windows.sample(now[0], second.queue_depths)
+            await second.rebalance()
+        assert [(m.worker, m.src, m.dst) for m in second.moves] == [("a", "short", "long")]
