@@ -127,6 +127,10 @@ class ChoiceRun:
             self.flights[k] = flight  # from here, landing the run lands it
             run = self._run(k, flight, classified.max_tokens, salt, priority)
             self.tasks.append(asyncio.create_task(run, name=f"{self.response_id}-choice-{k}"))
+        # The workers log each choice under its own request id: this ties them to the
+        # response's id, the one the client got.
+        ids = [f.stream.request_id for f in self.flights if f is not None]
+        log.info("%d choices in group %s, as requests %s", self.count, route.group, " ".join(ids))
 
     async def _run(self, i: int, flight: Flight, max_tokens: int, salt: str, priority: int) -> None:
         """Publish and stream choice ``i`` into :attr:`events`, its end or error too."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -167,9 +168,10 @@ async def test_n_out_of_range_is_a_400(gateway: Served, n: int) -> None:
 
 
 async def test_a_batch_of_prompts_is_one_response_of_n_choices_each(
-    nats_config: NatsConfig,
+    nats_config: NatsConfig, caplog: pytest.LogCaptureFixture
 ) -> None:
     """OpenAI and vLLM number them: choice ``p * n + i`` is choice ``i`` of prompt ``p``."""
+    caplog.set_level(logging.INFO, logger="gateway.choices")
     async with (
         serve(gateway_config(nats_config)) as gw,
         running_worker(nats_config, "short") as worker,
@@ -192,6 +194,9 @@ async def test_a_batch_of_prompts_is_one_response_of_n_choices_each(
         (bytes(j.request.prompt_token_ids[1:]), j.request.params.seed) for j in worker.jobs[:4]
     )
     assert sent == [(b"hello", 7), (b"hello", 8), (b"hi", 7), (b"hi", 8)]
+    # The log ties the requests the workers saw to the response's id.
+    (line,) = [r for r in caplog.records if r.getMessage().startswith("4 choices")]
+    assert set(line.getMessage().split()[-4:]) == {j.request.id for j in worker.jobs[:4]}
     # Streamed with n=1: one choice a prompt, indexed by its prompt.
     streamed = ["", ""]
     for line in lines[:-1]:
