@@ -801,6 +801,17 @@ class GatewayConfig(_Strict):
             "on for untrusted users."
         ),
     )
+    # How a chat answer's tool calls are read: "hermes" (<tool_call>{json}</tool_call>, the
+    # format of Qwen 2.5/3 and Hermes models), "auto" (hermes when the chat template writes
+    # those tags), "none" (tools refused with a 400).
+    tool_call_parser: Literal["auto", "hermes", "none"] = Field(
+        "auto",
+        description=(
+            "How tool calls are read from chat answers: auto = hermes when the model's chat "
+            "template writes <tool_call> tags (Qwen 2.5/3, Hermes), else tools are refused; "
+            "hermes = always; none = tools are refused (400)."
+        ),
+    )
     # "shared": every request may reuse every cached prompt prefix (system prompts, RAG
     # documents: the cheap path). "api_key": each key's requests reuse only their own key's
     # prefixes, on the workers and in the Redis tier, so no team can tell from a fast first

@@ -67,6 +67,7 @@ from gateway.streams import (
     ResponseStream,
     SseResponse,
 )
+from gateway.tool_calls import ToolCallStream, tool_format
 
 DEADLINE_HEADER = "X-QoS-Deadline-Ms"
 MAX_DEADLINE_MS = 24 * 3600 * 1000
@@ -152,6 +153,10 @@ class Generator:
         # Logprobs show each token's own bytes: decoding one piece of a character gives U+FFFD.
         self.token_bytes: Callable[[int], bytes] = lru_cache(maxsize=65536)(tokenizer.token_bytes)
         self._special_ids = frozenset(tokenizer.all_special_ids)
+        # How tool calls are read from this model's answers (None: it has no format).
+        self.tool_format = tool_format(
+            config.gateway.tool_call_parser, "\n".join(tokenizer.chat_templates.values())
+        )
 
     def check_model(self, model: str | None) -> None:
         """404 for a model name this gateway does not serve (None: the served one)."""
@@ -436,6 +441,20 @@ class Generator:
             "add_generation_prompt": body.add_generation_prompt,
             **(body.chat_template_kwargs or {}),
         }
+        tools = body.tool_dicts()
+        if tools is not None:
+            if self.tool_format is None:
+                raise InvalidRequestError(
+                    "this model has no tool-call format the gateway reads (its chat template "
+                    "writes no <tool_call> tags; gateway.tool_call_parser names one)",
+                    param="tools",
+                )
+            if "tools" in kwargs:
+                raise InvalidRequestError(
+                    "give tools once: in tools, or in chat_template_kwargs",
+                    param="chat_template_kwargs",
+                )
+            kwargs["tools"] = tools
 
         def render() -> str:
             parts = self._tok.content_parts  # the template loops over content parts
@@ -502,6 +521,7 @@ class Generator:
             index=index,
             echo=self._echo_text(body, index, prompt_ids),
             echo_ids=prompt_ids,
+            tool_calls=_tool_calls(body),
         )
         headers = {"X-Request-Id": response_id, GROUP_HEADER: route.group}
         if route.is_fallback:
@@ -613,6 +633,7 @@ class Generator:
             if isinstance(m.content, list):
                 fields.append((f"messages[{i}].content", _joined_parts(m.texts()), pattern))
         fields.append(("chat_template_kwargs", body.chat_template_kwargs or {}, every))
+        fields.append(("tools", body.tool_dicts() or [], every))
         for param, value, pattern in fields:
             if pattern is None:
                 continue
@@ -706,7 +727,9 @@ class Generator:
                     yield last + SSE_DONE
                     return
                 if delivery.text or (shaper.logprobs is not None and delivery.token_ids):
-                    yield shaper.delta_event(delivery)
+                    event = shaper.delta_event(delivery)
+                    if event:  # all held back (what may begin a tool call's tag)
+                        yield event
                 try:
                     delivery = await self._next(flight, None)
                 except DeadlineExceededError as exc:
@@ -772,6 +795,13 @@ class Generator:
             self._tok, delivered, skip_special_tokens, resumed_tokens=len(delivered)
         )
         return "".join(detokenizer.add(t) for t in new) + detokenizer.flush()
+
+
+def _tool_calls(body: CompletionRequest | ChatCompletionRequest) -> ToolCallStream | None:
+    """How a chat answer's tool calls are read (None: it is text only)."""
+    if not isinstance(body, ChatCompletionRequest) or not body.calls_tools():
+        return None
+    return ToolCallStream(parallel=body.parallel_tool_calls is not False)
 
 
 def _scores_of(delivery: Delivery) -> Delivery:

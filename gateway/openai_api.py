@@ -375,6 +375,40 @@ class CompletionRequest(_SamplingBody):
         return self.logprobs
 
 
+MAX_TOOLS = 128  # OpenAI's limit on one request's tools
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class FunctionDef(_Strict):
+    """A tool's function, as OpenAI declares one (``parameters``: a JSON Schema)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # a schema guarantee only guided decoding gives: see below
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _FUNCTION_NAME.fullmatch(value):
+            raise ValueError("a function name is 1-64 letters, digits, '_', '.' or '-'")
+        return value
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingBody):
     """``POST /v1/chat/completions``: rendered with the model's chat template."""
 
@@ -385,8 +419,8 @@ class ChatCompletionRequest(_SamplingBody):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     parallel_tool_calls: bool | None = None  # no effect without tools
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
@@ -401,6 +435,49 @@ class ChatCompletionRequest(_SamplingBody):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def calls_tools(self) -> bool:
+        """Tools the model may call: rendered into the prompt, calls read from its answer.
+        ``tool_choice: "none"`` declines them (agent frameworks bind their tools to every
+        call and switch them off this way): not rendered, as vLLM's
+        ``--exclude-tools-when-tool-choice-none``."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template renders them, when :meth:`calls_tools`."""
+        if not self.calls_tools():
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if (
+            self.tool_choice is not None
+            and self.tool_choice not in ("none", "auto")
+            and (self.tools)
+        ):
+            # Forcing a call (or a named one) takes guided decoding to keep its promise.
+            raise InvalidRequestError(
+                "Unsupported value for 'tool_choice': only 'auto' and 'none' are served "
+                "(forcing a call needs guided decoding, which this gateway does not do)",
+                param="tool_choice", code="unsupported_value",
+            )  # fmt: skip
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise InvalidRequestError(
+                "tool_choice names a tool to call, but no tools were given", param="tool_choice"
+            )
+        if self.calls_tools() and self.logprobs:
+            raise InvalidRequestError(
+                "logprobs are not served with tools (the answer's text is rewritten into "
+                "tool calls)",
+                param="logprobs",
+            )
+        if self.calls_tools() and any(t.function.strict for t in self.tools or ()):
+            raise InvalidRequestError(
+                "Unsupported value for 'tools': strict function schemas need guided "
+                "decoding, which this gateway does not do",
+                param="tools", code="unsupported_value",
+            )  # fmt: skip
 
     def top_logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -418,9 +495,6 @@ Body = TypeVar("Body", bound=BaseModel)
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (only 1)"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
-    "tools": (lambda v: v in (None, []), "tool calling is not supported"),
-    # "auto" with no tools asks for nothing; the check on tools refuses any tools.
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported"),
     "functions": (lambda v: v in (None, []), "function calling is not supported"),
     "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not supported"),
     "response_format": (
@@ -443,7 +517,7 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
 # Tools a request declines to have called ("none"): agent frameworks bind their tools to
 # every call and switch them off this way. OpenAI answers in plain text; so does this
 # gateway, without rendering them (vLLM's --exclude-tools-when-tool-choice-none).
-_DECLINED_BY = {"tools": "tool_choice", "functions": "function_call"}
+_DECLINED_BY = {"functions": "function_call"}
 
 
 def _check_neutral(body: BaseModel) -> None:

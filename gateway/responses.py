@@ -20,6 +20,7 @@ from typing import Any, Literal
 from common.errors import QosError
 from common.protocol import TopLogprobs, Usage
 from gateway.streams import Delivery, sse_event
+from gateway.tool_calls import ToolCallStream, split_calls
 
 Kind = Literal["completion", "chat"]
 # OpenAI's stand-in for -inf: JSON has no infinity.
@@ -74,12 +75,15 @@ class Shaper:
         index: int = 0,
         echo: str | None = None,
         echo_ids: Sequence[int] = (),
+        tool_calls: ToolCallStream | None = None,
     ) -> None:
         self.kind = kind
         self.index = index  # the choice's index (OpenAI's n: one Shaper per choice)
         # A completion's ``echo``: its prompt's text before the generated text, and (with
         # logprobs) its tokens' logprobs before theirs.
         self.echo, self.echo_ids = echo, echo_ids
+        # A chat answer's tool calls, read from its text as it streams (None: text only).
+        self.tool_calls = tool_calls
         # Tokens whose text the output leaves out (special tokens under skip_special_tokens):
         # they take no room in text_offset, which indexes the returned text.
         self._silent_ids = silent_ids
@@ -145,7 +149,10 @@ class Shaper:
         return self.echo_event(first) if self.echo is not None else b""
 
     def delta_event(self, delivery: Delivery) -> bytes:
-        """One SSE chunk with the delivery's text (and logprobs / finish reason)."""
+        """One SSE chunk with the delivery's text (and logprobs / finish reason); with tool
+        calls read, the chunks of what can be told apart so far (maybe none)."""
+        if self.tool_calls is not None:
+            return self._tool_events(delivery, self.tool_calls)
         if delivery.finish_reason is None and self.logprobs is None:
             return self._fast_prefix + _dumps(delivery.text).encode() + self._fast_suffix
         logprobs = self._logprobs(delivery) if self.logprobs is not None else None
@@ -161,6 +168,37 @@ class Shaper:
         if delivery.finish_reason is not None:
             choice["stop_reason"] = delivery.stop_reason
         return sse_event(self._chunk(choice))
+
+    def _tool_events(self, delivery: Delivery, stream: ToolCallStream) -> bytes:
+        """The content and whole tool calls in ``delivery``'s text, one chunk each (a call's
+        arguments in one piece, as OpenAI's deltas may carry them); the end's reason is
+        ``tool_calls`` once a call was made, as vLLM answers."""
+        pieces = stream.feed(delivery.text)
+        if delivery.finish_reason is not None:
+            pieces += stream.finish()
+        out = b""
+        for kind, value in pieces:
+            if kind == "content":
+                out += self._fast_prefix + _dumps(value).encode() + self._fast_suffix
+            else:
+                call = {"index": stream.calls_sent, **value}
+                stream.calls_sent += 1
+                out += sse_event(
+                    self._chunk(
+                        {
+                            "index": self.index,
+                            "delta": {"tool_calls": [call]},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
+                )
+        if delivery.finish_reason is not None:
+            reason = "tool_calls" if stream.calls else delivery.finish_reason
+            choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+            choice["stop_reason"] = delivery.stop_reason
+            out += sse_event(self._chunk(choice))
+        return out
 
     def usage_event(self, usage: dict[str, Any]) -> bytes:
         """The ``include_usage`` chunk: empty choices, the whole request's usage."""
@@ -218,7 +256,12 @@ class Shaper:
             }
             obj = "text_completion"
         else:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tool_calls is not None:
+                content, calls = split_calls(text, self.tool_calls.parallel)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish_reason = "tool_calls"
             choice = {
                 "index": self.index,
                 "message": message,

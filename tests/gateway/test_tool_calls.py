@@ -1,0 +1,175 @@
+"""Tool calls read from a chat model's answer (Hermes format): whole and as it streams,
+and through the gateway to the official openai client."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from common.config import NatsConfig
+from common.tokenizer import ByteTokenizer
+from gateway.tool_calls import ToolCallStream, split_calls, tool_format
+from tests.gateway.conftest import MODEL, gateway_config, serve
+from tests.gateway.fake_worker import Job, running_worker
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Zürich"}}'
+TIME = '{"name": "get_time", "arguments": {}}'
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                      "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]  # fmt: skip
+ANSWERS = [
+    "Plain text, no call.",
+    f"<tool_call>\n{WEATHER}\n</tool_call>",
+    f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>",
+    f"<tool_call>\n{WEATHER}",  # the model stopped before its closing tag
+    "<tool_call>\nnot json\n</tool_call> and text after",
+    "a < b and <tool_ca is not a tag",
+]
+
+
+def _names(calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_a_whole_answer_splits_into_content_and_calls() -> None:
+    assert split_calls(ANSWERS[0]) == (ANSWERS[0], [])
+    content, calls = split_calls(ANSWERS[1])
+    assert content is None and _names(calls) == [("get_weather", {"city": "Zürich"})]
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    content, calls = split_calls(ANSWERS[2])
+    assert content == "Let me look." and [n for n, _ in _names(calls)] == [
+        "get_weather",
+        "get_time",
+    ]
+    assert _names(split_calls(ANSWERS[2], parallel=False)[1]) == [
+        ("get_weather", {"city": "Zürich"})
+    ]
+    assert _names(split_calls(ANSWERS[3])[1]) == [("get_weather", {"city": "Zürich"})]
+    assert split_calls(ANSWERS[4]) == (ANSWERS[4], [])  # not a call: the text it was
+    assert split_calls(ANSWERS[5]) == (ANSWERS[5], [])
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_the_streamed_reading_equals_the_whole_one_however_the_text_is_cut(answer: str) -> None:
+    rng = random.Random(answer)
+    content, calls = split_calls(answer)
+    for _ in range(50):
+        stream = ToolCallStream()
+        pieces: list[tuple[str, Any]] = []
+        at = 0
+        while at < len(answer):
+            step = rng.randint(1, 6)
+            pieces += stream.feed(answer[at : at + step])
+            at += step
+        pieces += stream.finish()
+        streamed = "".join(v for k, v in pieces if k == "content")
+        assert _names([v for k, v in pieces if k == "call"]) == _names(calls)
+        # Content streams as it comes (no strip): the same text, less the calls' blanks.
+        assert streamed.strip() == (content or "").strip()
+
+
+def test_the_format_comes_from_the_setting_or_the_chat_template() -> None:
+    assert tool_format("auto", "{{ '<tool_call>' }}") == "hermes"
+    assert tool_format("auto", "{{ messages }}") is None
+    assert tool_format("hermes", "") == "hermes"
+    assert tool_format("none", "<tool_call>") is None
+
+
+class HermesByteTokenizer(ByteTokenizer):
+    """Bytes as tokens, with a chat template that renders tools as Qwen's does."""
+
+    CHAT_TEMPLATE = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+        'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>\n{% endif %}'
+        + ByteTokenizer.CHAT_TEMPLATE
+    )
+
+
+def _answers(text: str) -> Any:
+    async def behaviour(job: Job) -> None:
+        ids = list(text.encode())
+        half = len(ids) // 2
+        await job.send(0, ids[:half])
+        await job.send(half, ids[half:], finish_reason="stop", usage=job.usage(len(ids)))
+
+    return behaviour
+
+
+async def test_the_openai_client_gets_tool_calls_whole_and_streamed(
+    nats_config: NatsConfig,
+) -> None:
+    """The format found in the model's chat template (``auto``), the tools rendered by it."""
+    answer = ANSWERS[2]
+    async with (
+        serve(gateway_config(nats_config, short__max_seq_len=2048), HermesByteTokenizer()) as gw,
+        running_worker(nats_config, "short", behaviour=_answers(answer)) as worker,
+    ):
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        ask: dict[str, Any] = {"model": MODEL, "max_tokens": 200, "tools": TOOLS,
+                               "messages": [{"role": "user", "content": "Weather and time?"}]}  # fmt: skip
+        whole = await client.chat.completions.create(**ask)
+        stream = await client.chat.completions.create(**ask, stream=True)
+        chunks = [c async for c in stream]
+        single = await client.chat.completions.create(**ask, parallel_tool_calls=False)
+        declined = await client.chat.completions.create(**ask, tool_choice="none")
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Zürich"}),
+        ("get_time", {}),
+    ]
+    assert len({c.id for c in calls}) == 2
+    # Streamed: content as it comes, each call whole in a delta of its own, indexed.
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert content.strip() == "Let me look."
+    assert [(d.index, d.function.name if d.function else None) for d in deltas] == [
+        (0, "get_weather"),
+        (1, "get_time"),
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert len(single.choices[0].message.tool_calls or []) == 1
+    # The template rendered the tools, unless declined: then the answer is text as it came.
+    prompts = [bytes(t for t in j.request.prompt_token_ids if t < 256) for j in worker.jobs]
+    assert all(b'<tools>{"type": "function", "function": {"name": "get_weather"' in p
+               for p in prompts[:3])  # fmt: skip
+    assert b"<tools>" not in prompts[3]
+    assert declined.choices[0].message.content == answer
+    assert declined.choices[0].message.tool_calls is None
+    assert declined.choices[0].finish_reason == "stop"
+
+
+async def test_tools_are_refused_clearly_where_they_cannot_be_served(
+    nats_config: NatsConfig,
+) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    strict = [{"type": "function", "function": {"name": "f", "strict": True}}]
+    async with (
+        serve(gateway_config(nats_config, tool_call_parser="hermes")) as gw,
+        serve(gateway_config(nats_config)) as plain,  # a model with no tool format
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+        url = f"{gw.url}/v1/chat/completions"
+        replies = {
+            "tool_choice": await http.post(url, json={**chat, "tool_choice": "required"}),
+            "tool_choice named": await http.post(url, json={**chat, "tool_choice": named}),
+            "tools": await http.post(url, json={**chat, "tools": strict}),
+            "logprobs": await http.post(url, json={**chat, "logprobs": True}),
+            "tools shape": await http.post(url, json={**chat, "tools": [{"type": "custom"}]}),
+            "no format": await http.post(f"{plain.url}/v1/chat/completions", json=chat),
+        }
+    params = {name: r.json()["error"]["param"] for name, r in replies.items()}
+    assert all(r.status_code == 400 for r in replies.values()), params
+    assert params == {"tool_choice": "tool_choice", "tool_choice named": "tool_choice",
+                      "tools": "tools", "logprobs": "logprobs", "tools shape": "tools",
+                      "no format": "tools"}  # fmt: skip
+    assert "guided decoding" in replies["tool_choice"].json()["error"]["message"]
