@@ -420,3 +420,32 @@ def test_preemption_by_recompute_in_a_tight_cache_keeps_every_entry_once(
         assert out.token_ids == hf_greedy(path, p, 16)
         assert_prompt_logprobs(path, p, out.prompt_logprobs, out.prompt_top_logprobs, 2)
         assert_delivered_once(deltas[str(i)], out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_with_graphs_and_async_output_the_values_are_transformers(root: str) -> None:
+    """The device paths: the logprobs copied to pinned host memory without a sync of their
+    own, and read at the first token; a prompt joining while others decode (their steps
+    replay CUDA graphs, a step with prompt rows runs eagerly)."""
+    path = checkpoint("llama", root)
+    eng = engine(path, device="cuda", backend="triton", async_output=True, max_batch_size=8,
+                 num_kv_blocks=256)  # fmt: skip
+    background = prompts(BS, seed=4)
+    for i, ids in enumerate(background):
+        eng.add_request(f"bg{i}", prompt_token_ids=ids, params=GREEDY)
+    for _ in range(3):  # they decode now
+        eng.step()
+    asked = prompts(BS, seed=5)
+    for i, ids in enumerate(asked):
+        eng.add_request(f"ask{i}", prompt_token_ids=ids, params=asking(3))
+    outputs, deltas = drain(eng)
+    for i, ids in enumerate(asked):
+        out = outputs[f"ask{i}"]
+        assert_delivered_once(deltas[f"ask{i}"], out)
+        values, tops = out.prompt_logprobs, out.prompt_top_logprobs
+        assert values is not None and tops is not None and values[0] is None
+        ref = hf_logprobs(path, ids)
+        want = [float(ref[j - 1, ids[j]]) for j in range(1, len(ids))]
+        assert values[1:] == pytest.approx(want, abs=2e-3)  # TF32 matmuls on the device
+        assert all(top is not None and len(top) == 3 for top in tops[1:])
+    assert all(outputs[f"bg{i}"].prompt_logprobs is None for i in range(len(background)))
