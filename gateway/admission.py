@@ -16,7 +16,11 @@ appear, holding a waiter's slot of ``g`` (at most ``max_pending`` waiters, count
 from admitted requests: counted with them, waiters for a dead fallback filled a half-open
 group and left its probes no room); then **503** with
 ``Retry-After``. A route that is not ``g`` records why (``no_worker``, ``breaker_open``,
-``breaker_half_open``) for the response header and the fallback counter.
+``breaker_half_open``, ``too_many``) for the response header and the fallback counter.
+
+A response of several choices (OpenAI's ``n``, a batch of prompts) takes its slots at once,
+in one group: one whose ``max_pending`` could never hold them is passed over, and a
+half-open group takes it only with a turn for each choice (so, at a share under 1, never).
 """
 
 from __future__ import annotations
@@ -215,6 +219,11 @@ class Admission:
             if need_tokens > self.seq_limit(candidate):
                 reason = reason or "too_long"
                 continue
+            # A response of more choices than a (fallback) group ever holds: its 429 would
+            # never clear.
+            if count > self._groups[candidate].max_pending:
+                reason = reason or "too_many"
+                continue
             # Last: only a request the half-open group could serve spends one of its turns,
             # and not when the group is full (the probe would be a 429, not a probe).
             if state == "half_open":
@@ -222,16 +231,19 @@ class Admission:
                     reason = reason or "full"
                     continue
                 if candidate not in turns:
-                    turns[candidate] = self._half_open_turn(candidate)
+                    turns[candidate] = self._half_open_turn(candidate, count)
                 if not turns[candidate]:
                     reason = reason or "breaker_half_open"
                     continue
             return Route(candidate, group, None if candidate == group else reason)
         return None
 
-    def _half_open_turn(self, group: str) -> bool:
-        # Deterministic share: request i is admitted when floor(i * share) steps up.
+    def _half_open_turn(self, group: str, count: int = 1) -> bool:
+        """Deterministic share: request i is admitted when floor(i * share) steps up. A
+        response of ``count`` choices counts as ``count`` requests and needs a turn for
+        each: at a share under 1 it is never a probe (one turn let a batch of hundreds
+        into a group still recovering), and goes down the chain or waits."""
         share = self._groups[group].breaker.half_open_share
         seen = self._half_open_seen[group]
-        self._half_open_seen[group] = seen + 1
-        return int((seen + 1) * share) > int(seen * share)
+        self._half_open_seen[group] = seen + count
+        return int((seen + count) * share) - int(seen * share) >= count

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import time
 import uuid
@@ -37,12 +36,28 @@ from gateway import tracing as traced
 from gateway.admission import Route
 from gateway.auth import KeyGrant
 from gateway.classifier import Classification
-from gateway.generate import DISCONNECT_POLL_S, SSE_HEADERS, ClientGone, Flight, Generator
+from gateway.generate import (
+    DISCONNECT_POLL_S,
+    INLINE_LOGPROB_ENTRIES,
+    SSE_HEADERS,
+    ClientGone,
+    Flight,
+    Generator,
+    json_bytes,
+    logprob_entries,
+    opening_events,
+    shaped,
+)
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest
-from gateway.responses import Kind, Shaper, merge, usage_dict
+from gateway.responses import Echo, Kind, Shaper, merge, usage_dict
 from gateway.streams import SSE_DONE, WRITE_STALL_S, ClientClosedRequest, Delivery, SseResponse
 
 log = logging.getLogger(__name__)
+
+
+def scores_only(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return isinstance(body, CompletionRequest) and body.scores_only()
+
 
 Event = tuple[int, Delivery]  # a choice's index and its next delivery
 
@@ -58,12 +73,14 @@ class ChoiceRun:
         body: CompletionRequest | ChatCompletionRequest,
         classified: Classification,
         prompts: list[list[int]],
+        echoes: list[Echo | None],
         logprobs: int | None,
         started: float,
         deadline_ms: int,
     ) -> None:
         self.gen, self.kind, self.request, self.body = gen, kind, request, body
         self.classified, self.prompts, self.logprobs = classified, prompts, logprobs
+        self.echoes = echoes
         self.started, self.deadline_ms = started, deadline_ms
         self.ends_at = started + deadline_ms / 1000
         self.n = body.choices()  # for each prompt
@@ -111,13 +128,15 @@ class ChoiceRun:
             self.trace = traced.admitted(
                 gen._tracer, self.request.scope, kind=self.kind, model=gen._model,
                 group=route.group, request_id=self.response_id, body=self.body,
-                max_tokens=classified.max_tokens, prompt_tokens=self.prompt_tokens,
+                max_tokens=0 if scores_only(self.body) else classified.max_tokens,
+                prompt_tokens=self.prompt_tokens,
             )  # fmt: skip
         for k in range(self.count):
             try:
                 flight = gen._take_off(
                     self.kind, self.body, route, self.prompt_of(k), self.logprobs, self.started,
                     self.deadline_ms, choice=(k, self.response_id, self.created),
+                    echo=self.echoes[k // self.n],
                 )  # fmt: skip
             except BaseException:
                 # Nothing else holds the slots of those not taken off yet.
@@ -245,6 +264,7 @@ async def serve_choices(
     body: CompletionRequest | ChatCompletionRequest,
     classified: Classification,
     prompts: list[list[int]],
+    echoes: list[Echo | None],
     logprobs: int | None,
     priority: int,
     grant: KeyGrant,
@@ -254,7 +274,7 @@ async def serve_choices(
     salt: str,
 ) -> Response:
     """Answer a request of more than one choice (see the module docstring)."""
-    run = ChoiceRun(gen, kind, request, body, classified, prompts, logprobs, started,
+    run = ChoiceRun(gen, kind, request, body, classified, prompts, echoes, logprobs, started,
                     deadline_ms)  # fmt: skip
     bind_request(run.response_id)
     streaming = False
@@ -301,18 +321,19 @@ async def _whole(run: ChoiceRun, first: Event) -> Response:
     usage = run.usage()
     choices = []
     reasons = []
+    entries = 0
     for i, parts in enumerate(deliveries):
         flight = run.flights[i]
         assert flight is not None  # it delivered
         whole = merge(parts)
         reasons.append(whole.finish_reason)
-        body = flight.shaper.body(
-            whole.text, whole.finish_reason, usage, whole, stop_reason=whole.stop_reason
-        )
+        heavy = logprob_entries(flight.shaper, whole) > INLINE_LOGPROB_ENTRIES
+        body = await shaped(flight.shaper, whole, usage, heavy)
+        entries += logprob_entries(flight.shaper, whole)
         choices.extend(body["choices"])
     answer = {**body, "choices": choices, "usage": usage}
     run.land(200, reasons[0])
-    content = json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
+    content = await json_bytes(answer, entries > INLINE_LOGPROB_ENTRIES)
     return Response(content, media_type="application/json", headers=run.headers(0))
 
 
@@ -339,7 +360,7 @@ async def _events(run: ChoiceRun, first: Event) -> AsyncIterator[bytes]:
             out = b""
             if i not in opened:
                 opened.add(i)
-                out += shaper.opening_events(delivery)
+                out += await opening_events(shaper, delivery)
             if delivery.finish_reason is not None:
                 done += 1
                 reason = reason or delivery.finish_reason

@@ -57,7 +57,7 @@ from gateway.classifier import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
-from gateway.responses import Kind, Shaper, merge, usage_dict
+from gateway.responses import Echo, Kind, Shaper, merge, usage_dict
 from gateway.streams import (
     SSE_DONE,
     WRITE_STALL_S,
@@ -76,6 +76,13 @@ INLINE_TOKENIZE_CHARS = 16_384
 # Conversations of more messages are rendered in a thread, however small their body: a
 # template's work grows with the messages, for some (Gemma 4's) with their square.
 INLINE_RENDER_MESSAGES = 32
+# Logprob entries (tokens x alternatives) a whole body builds on the event loop; more, on a
+# thread (an echoed 8k-token prompt with 20 alternatives took ~0.2 s of the loop).
+INLINE_LOGPROB_ENTRIES = 20_000
+# Room in a chunk carrying prompt logprobs for everything else it holds.
+PROMPT_LOGPROBS_SLACK = 16_384
+# Prompt tokens of more than this, echoed, are decoded on a thread.
+INLINE_ECHO_TOKENS = 4096
 # How often a request in flight checks whether its client left.
 DISCONNECT_POLL_S = 1.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -210,6 +217,9 @@ class Generator:
             )
             # A batch goes to one group, the one its longest prompt needs.
             prompt_ids = max(prompts, key=len)
+            if isinstance(body, CompletionRequest):
+                self._check_prompt_logprobs(body, len(prompt_ids))
+            echoes = await self.echoes(body, prompts)
             classified = classify(
                 self._config,
                 prompt_tokens=len(prompt_ids),
@@ -258,11 +268,13 @@ class Generator:
             if self._log_prompts:
                 log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
             return await serve_choices(
-                self, kind, request, body, classified, prompts, logprobs, priority, grant,
-                started, deadline_ms, max_tokens, salt,
+                self, kind, request, body, classified, prompts, echoes, logprobs, priority,
+                grant, started, deadline_ms, max_tokens, salt,
             )  # fmt: skip
         try:
-            flight = self._take_off(kind, body, route, prompt_ids, logprobs, started, deadline_ms)
+            flight = self._take_off(
+                kind, body, route, prompt_ids, logprobs, started, deadline_ms, echo=echoes[0]
+            )
         except BaseException as exc:
             self._admission.release(route.group)  # nothing else holds the slot yet
             self._metrics.finished(
@@ -275,7 +287,8 @@ class Generator:
                 flight.trace = traced.admitted(
                     self._tracer, request.scope, kind=kind, model=self._model, group=route.group,
                     request_id=flight.stream.request_id, body=body,
-                    max_tokens=classified.max_tokens, prompt_tokens=len(prompt_ids),
+                    max_tokens=0 if flight.scores_only else classified.max_tokens,
+                    prompt_tokens=len(prompt_ids),
                 )  # fmt: skip
             if self._log_prompts:
                 log.debug("request body: %s", raw[:4096].decode("utf-8", "replace"))
@@ -489,6 +502,66 @@ class Generator:
             return self._tok.encode(text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self._tok.encode, text, add_special_tokens)
 
+    def _check_prompt_logprobs(self, body: CompletionRequest, longest: int) -> None:
+        """400 for what could never be answered: ``n`` identical scorings, or a prompt's
+        logprobs over the bus's message size (they ride in one chunk: the worker would
+        compute the whole prompt, then fail it, and its group's breaker would count it)."""
+        if body.scores_only() and body.choices() > 1:
+            raise InvalidRequestError(
+                "n > 1 with max_tokens 0 would return the same scores n times; send n=1",
+                param="n",
+            )
+        k = body.prompt_logprobs_count()
+        if k is None:
+            return
+        # Per prompt token: its logprob (f32) and k alternatives (i32 + f32, map keys).
+        size = longest * (4 + (24 + 8 * k if k else 0)) + PROMPT_LOGPROBS_SLACK
+        limit = self._config.nats.max_payload_bytes
+        if size > limit:
+            raise InvalidRequestError(
+                f"echo with logprobs={k} over a prompt of {longest} tokens is larger (about "
+                f"{size} bytes) than one message carries ({limit}, nats.max_payload_bytes): "
+                "ask for fewer logprobs or send a shorter prompt",
+                param="logprobs",
+            )
+
+    async def echoes(
+        self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]]
+    ) -> list[Echo | None]:
+        """Each prompt as a completion's ``echo`` returns it (None: not asked); big ones
+        on a thread, as big prompts are tokenized."""
+        if not isinstance(body, CompletionRequest) or not body.echo:
+            return [None] * len(prompts)
+        work = partial(self._echoes, body, prompts)
+        if sum(len(ids) for ids in prompts) <= INLINE_ECHO_TOKENS:
+            return list(work())
+        return list(await asyncio.to_thread(work))
+
+    def _echoes(self, body: CompletionRequest, prompts: list[list[int]]) -> list[Echo]:
+        """A text prompt echoes as sent; token ids as decoded (special tokens as the output
+        shows them). Offsets (for logprobs) are where each token's text begins, decoded
+        in order: a SentencePiece prompt's first word has no leading space there, as in
+        the text (its token's own bytes had one, and every offset after it was off)."""
+        out = []
+        for prompt, ids in zip(body.prompt_inputs(), prompts, strict=True):
+            # The text as sent holds no special token the tokenizer added (its BOS).
+            skip = isinstance(prompt, str) or body.skip_special_tokens is not False
+            offsets: list[int] = []
+            if body.logprobs is not None or not isinstance(prompt, str):
+                detokenizer = IncrementalDetokenizer(self._tok, [], skip)
+                pieces: list[str] = []
+                at = 0
+                for token_id in ids:
+                    offsets.append(at)
+                    piece = detokenizer.add(token_id)
+                    pieces.append(piece)
+                    at += len(piece)
+                pieces.append(detokenizer.flush())
+                decoded = "".join(pieces)
+            text = prompt if isinstance(prompt, str) else decoded
+            out.append(Echo(text, ids, offsets if body.logprobs is not None else ()))
+        return out
+
     # -- over NATS -------------------------------------------------------------------------
 
     def _take_off(
@@ -501,9 +574,11 @@ class Generator:
         started: float,
         deadline_ms: int,
         choice: tuple[int, str, int] | None = None,
+        echo: Echo | None = None,
     ) -> Flight:
         """``choice``: (index, the response's id, its created time) for one of ``n``
-        choices, a request of its own on NATS; else the request is the response."""
+        choices, a request of its own on NATS; else the request is the response. ``echo``:
+        its prompt, for a completion's ``echo``."""
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         index, response_id, created = choice or (0, request_id, int(time.time()))
@@ -519,8 +594,7 @@ class Generator:
             include_usage=body.include_usage(),
             silent_ids=frozenset() if body.skip_special_tokens is False else self._special_ids,
             index=index,
-            echo=self._echo_text(body, index, prompt_ids),
-            echo_ids=prompt_ids,
+            echo=echo,
             tool_calls=_tool_calls(body),
         )
         headers = {"X-Request-Id": response_id, GROUP_HEADER: route.group}
@@ -541,20 +615,6 @@ class Generator:
             headers=headers, quiet=choice is not None,
             scores_only=isinstance(body, CompletionRequest) and body.scores_only(),
         )  # fmt: skip
-
-    def _echo_text(
-        self, body: CompletionRequest | ChatCompletionRequest, index: int, prompt_ids: list[int]
-    ) -> str | None:
-        """Choice ``index``'s prompt as ``echo`` returns it (None: not asked): its text as
-        sent, or its token ids decoded (special tokens as the output shows them)."""
-        if not isinstance(body, CompletionRequest) or not body.echo:
-            return None
-        prompt = body.prompt_inputs()[index // body.choices()]
-        if isinstance(prompt, str):
-            return prompt
-        return self._tok.decode(
-            prompt_ids, skip_special_tokens=body.skip_special_tokens is not False
-        )
 
     async def _publish(
         self,
@@ -692,18 +752,17 @@ class Generator:
             deliveries.append(delivery)
         whole = merge(deliveries)
         usage = usage_dict(flight.prompt_tokens, flight.completion_tokens, flight.worker_usage)
-        body = flight.shaper.body(
-            whole.text, whole.finish_reason, usage, whole, stop_reason=whole.stop_reason
-        )
+        heavy = logprob_entries(flight.shaper, whole) > INLINE_LOGPROB_ENTRIES
+        body = await shaped(flight.shaper, whole, usage, heavy)
         self._land(flight, status=200)
-        content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        content = await json_bytes(body, heavy)
         return Response(content, media_type="application/json", headers=flight.headers)
 
     async def _sse(self, flight: Flight, first: Delivery) -> AsyncIterator[bytes]:
         shaper = flight.shaper
         status = 500
         try:
-            opening = shaper.opening_events(first)
+            opening = await opening_events(shaper, first)
             if opening:
                 yield opening
             delivery = first
@@ -795,6 +854,44 @@ class Generator:
             self._tok, delivered, skip_special_tokens, resumed_tokens=len(delivered)
         )
         return "".join(detokenizer.add(t) for t in new) + detokenizer.flush()
+
+
+def logprob_entries(shaper: Shaper, whole: Delivery) -> int:
+    """How many logprob entries a whole answer's body holds (0 when none are asked)."""
+    if shaper.logprobs is None:
+        return 0
+    tokens = len(whole.token_ids) + (len(shaper.echo.ids) if shaper.echo is not None else 0)
+    return tokens * (shaper.logprobs + 1)
+
+
+async def shaped(
+    shaper: Shaper, whole: Delivery, usage: dict[str, Any], heavy: bool
+) -> dict[str, Any]:
+    """A whole answer's body; a ``heavy`` one (tens of thousands of logprob entries: an
+    echoed prompt's) built on a thread, so the event loop keeps every other stream going."""
+    work = partial(
+        shaper.body, whole.text, whole.finish_reason, usage, whole, stop_reason=whole.stop_reason
+    )
+    return await asyncio.to_thread(work) if heavy else work()
+
+
+async def opening_events(shaper: Shaper, first: Delivery) -> bytes:
+    """:meth:`Shaper.opening_events`; an echoed prompt's many logprobs built on a thread."""
+    echo = shaper.echo
+    heavy = (
+        echo is not None
+        and shaper.logprobs is not None
+        and len(echo.ids) * (shaper.logprobs + 1) > INLINE_LOGPROB_ENTRIES
+    )
+    if heavy:
+        return await asyncio.to_thread(shaper.opening_events, first)
+    return shaper.opening_events(first)
+
+
+async def json_bytes(body: Any, heavy: bool) -> bytes:
+    """``body`` as compact JSON; a ``heavy`` one encoded on a thread."""
+    work = partial(json.dumps, body, ensure_ascii=False, separators=(",", ":"))
+    return (await asyncio.to_thread(work) if heavy else work()).encode()
 
 
 def _tool_calls(body: CompletionRequest | ChatCompletionRequest) -> ToolCallStream | None:

@@ -15,6 +15,7 @@ import codecs
 import json
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from common.errors import QosError
@@ -46,6 +47,16 @@ def _completion_token(data: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """A completion's prompt as ``echo`` returns it: its text (as sent, or its token ids
+    decoded), its token ids, and, for logprobs, where each token's text starts in it."""
+
+    text: str
+    ids: Sequence[int]
+    offsets: Sequence[int] = ()
+
+
 def usage_dict(prompt_tokens: int, completion_tokens: int, worker: Usage | None) -> dict[str, Any]:
     """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when the worker reported it."""
     usage: dict[str, Any] = {
@@ -73,15 +84,14 @@ class Shaper:
         include_usage: bool = False,
         silent_ids: frozenset[int] = frozenset(),
         index: int = 0,
-        echo: str | None = None,
-        echo_ids: Sequence[int] = (),
+        echo: Echo | None = None,
         tool_calls: ToolCallStream | None = None,
     ) -> None:
         self.kind = kind
         self.index = index  # the choice's index (OpenAI's n: one Shaper per choice)
         # A completion's ``echo``: its prompt's text before the generated text, and (with
         # logprobs) its tokens' logprobs before theirs.
-        self.echo, self.echo_ids = echo, echo_ids
+        self.echo = echo
         # A chat answer's tool calls, read from its text as it streams (None: text only).
         self.tool_calls = tool_calls
         # Tokens whose text the output leaves out (special tokens under skip_special_tokens):
@@ -94,7 +104,7 @@ class Shaper:
         self.logprobs = logprobs
         self.include_usage = include_usage
         # Completions' logprobs.text_offset runs across chunks, in the text returned.
-        self._text_offset = len(echo or "")
+        self._text_offset = len(echo.text) if echo is not None else 0
         # The tokens' bytes so far, as text: a character split over tokens counts once,
         # when its last byte comes, so text_offset indexes the text the client got.
         self._offset_text = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -132,11 +142,12 @@ class Shaper:
     def echo_event(self, first: Delivery) -> bytes:
         """A completion's first chunk under ``echo``: its prompt's text (and logprobs, from
         the ``first`` delivery), as vLLM sends it."""
+        text = self.echo.text if self.echo is not None else ""
         if self.logprobs is None:
-            return self._fast_prefix + _dumps(self.echo or "").encode() + self._fast_suffix
+            return self._fast_prefix + _dumps(text).encode() + self._fast_suffix
         choice = {
             "index": self.index,
-            "text": self.echo or "",
+            "text": text,
             "logprobs": self._prompt_logprobs(first),
             "finish_reason": None,
         }
@@ -249,7 +260,7 @@ class Shaper:
         if self.kind == "completion":
             choice: dict[str, Any] = {
                 "index": self.index,
-                "text": (self.echo or "") + text,
+                "text": (self.echo.text if self.echo is not None else "") + text,
                 "logprobs": lp,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
@@ -338,36 +349,29 @@ class Shaper:
     def _prompt_logprobs(self, delivery: Delivery) -> dict[str, Any]:
         """The legacy logprobs of the echoed prompt's tokens: the first has none (nothing
         precedes it), nor has any the worker did not send (a simulated engine's); offsets
-        index the echoed text."""
-        ids = self.echo_ids
+        index the echoed text (see :class:`Echo`)."""
+        assert self.echo is not None
+        ids, offsets = self.echo.ids, self.echo.offsets
         values: Sequence[float | None] = delivery.prompt_logprobs or []
         tops: Sequence[TopLogprobs] = delivery.prompt_top_logprobs or []
         tokens: list[str] = []
-        offsets: list[int] = []
         token_logprobs: list[float | None] = []
         top: list[dict[str, float] | None] = []
-        offset, text = 0, codecs.getincrementaldecoder("utf-8")(errors="replace")
         for j, token_id in enumerate(ids):
-            data = self.token_bytes(token_id)
-            token = _completion_token(data)
+            token = _completion_token(self.token_bytes(token_id))
             tokens.append(token)
-            offsets.append(offset)
-            if token_id not in self._silent_ids:
-                offset += len(text.decode(data))
             value = values[j - 1] if 0 < j <= len(values) else None
             token_logprobs.append(None if value is None else _clamp(value))
             if value is None:
                 top.append(None)
-            else:
-                pairs = self._top(tops, j - 1)
-                top.append(
-                    {_completion_token(t): _clamp(v) for t, v in pairs} | {token: _clamp(value)}
-                )
+                continue
+            pairs = self._top(tops, j - 1)
+            top.append({_completion_token(t): _clamp(v) for t, v in pairs} | {token: _clamp(value)})
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
             "top_logprobs": top,
-            "text_offset": offsets,
+            "text_offset": list(offsets),
         }
 
     def _top(self, tops: Sequence[TopLogprobs], i: int) -> list[tuple[bytes, float]]:

@@ -271,6 +271,8 @@ def test_echo_with_logprobs_and_no_tokens_scores_each_prompt_as_the_engine_does(
         lp = choice.logprobs
         assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
         assert len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None
+        # Each token's offset indexes the echoed text: where its decoded text begins.
+        assert lp.text_offset == [len(tokenizer.decode(ids[:j])) for j in range(len(ids))]
         assert expected.prompt_logprobs is not None and expected.prompt_top_logprobs is not None
         assert lp.token_logprobs[1:] == pytest.approx(expected.prompt_logprobs[1:], abs=1e-5)
         for got, top in zip(lp.top_logprobs[1:], expected.prompt_top_logprobs[1:], strict=True):

@@ -573,17 +573,40 @@ async def test_a_503_for_open_breakers_says_when_they_probe():
     assert capped.value.headers()["Retry-After"] == "60"  # the most the openai client waits
 
 
-async def test_slots_taken_together_go_to_one_group_and_spend_one_half_open_turn():
-    """A response's choices are admitted at once: a half-open group takes all or none."""
+async def test_slots_taken_together_go_to_one_group_and_need_a_half_open_turn_each():
+    """A response's choices are admitted at once: a half-open group takes all or none, and
+    only with a turn for each (one turn let a batch of hundreds into a recovering group)."""
     config = Config()
     view = _all_live(config)
     view.set_breaker("short", "half_open")  # default half_open_share = 0.25
     admission = Admission(config, view)
     routes = [await admission.admit("short", 10, 1.0, count=3) for _ in range(4)]
-    assert [r.group for r in routes] == ["long", "long", "long", "short"]
-    assert admission.in_flight("short") == 3 and admission.in_flight("long") == 9
-    admission.release("short", 3)
-    assert admission.in_flight("short") == 0
+    assert [r.group for r in routes] == ["long"] * 4
+    assert {r.reason for r in routes} == {"breaker_half_open"}
+    assert admission.in_flight("short") == 0 and admission.in_flight("long") == 12
+    # Single requests still get their share: 12 turns went by, the 16th is one.
+    singles = [await admission.admit("short", 10, 1.0) for _ in range(4)]
+    assert [r.group for r in singles] == ["long", "long", "long", "short"]
+    short = config.groups["short"]
+    share = short.breaker.model_copy(update={"half_open_share": 1.0})
+    groups = {**config.groups, "short": short.model_copy(update={"breaker": share})}
+    full_share = Admission(config.model_copy(update={"groups": groups}), view)
+    assert (await full_share.admit("short", 10, 1.0, count=3)).group == "short"
+    full_share.release("short", 3)
+    assert full_share.in_flight("short") == 0
+
+
+async def test_more_slots_than_a_fallback_ever_holds_pass_it_over():
+    """Its 429 would never clear: a batch for a group whose breaker is open skips a
+    fallback too small for it, and with nowhere else to go it is a 503."""
+    config = gateway_config(NatsConfig(), long__max_pending=2)
+    view = _all_live(config)
+    view.set_breaker("short", "open")
+    admission = Admission(config, view, wait_s=0.01)
+    with pytest.raises(ServiceUnavailableError):
+        await admission.admit("short", 10, 1.0, count=3)
+    route = await admission.admit("short", 10, 1.0, count=2)
+    assert (route.group, route.reason) == ("long", "breaker_open")
 
 
 async def test_slots_taken_together_need_room_for_all_of_them():

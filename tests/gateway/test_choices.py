@@ -333,3 +333,49 @@ async def test_echo_with_logprobs_scores_the_prompt_first(nats_config: NatsConfi
     assert "".join(e["text"] for e in events) == "hi!"
     assert events[-1]["finish_reason"] == "length"
     assert no_echo.status_code == 400 and no_echo.json()["error"]["param"] == "max_tokens"
+
+
+async def test_scorings_that_could_never_be_answered_are_400s(nats_config: NatsConfig) -> None:
+    """n identical scorings, and a prompt whose logprobs would not fit in one message (the
+    worker would run the whole prompt, then fail it, and its breaker would count that)."""
+    nats = nats_config.model_copy(update={"max_payload_bytes": 64 * 1024})
+    async with (
+        serve(gateway_config(nats)) as gw,
+        running_worker(nats_config, "short") as worker,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        score = {**BODY, "echo": True, "max_tokens": 0, "logprobs": 1}
+        twice = await http.post("/v1/completions", json={**score, "n": 2})
+        # 200 tokens x 20 alternatives ~ 37 KB: fits; 600 ~ 110 KB: does not.
+        fits = await http.post("/v1/completions", json={**score, "prompt": [[97] * 200],
+                                                        "logprobs": 20})  # fmt: skip
+        too_big = await http.post("/v1/completions", json={**score, "prompt": [[97] * 600],
+                                                           "logprobs": 20})  # fmt: skip
+        await _until(lambda: _released(gw))
+    assert twice.status_code == 400 and twice.json()["error"]["param"] == "n"
+    assert fits.status_code == 200, fits.text
+    assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "logprobs"
+    assert "nats.max_payload_bytes" in too_big.json()["error"]["message"]
+    assert len(worker.jobs) == 1  # the one that fits
+
+
+async def test_echoed_prompt_offsets_index_its_text_under_a_sentencepiece_vocabulary(
+    nats_config: NatsConfig,
+) -> None:
+    """Llama 2's "▁ok" is b" ok" on its own but "ok" at the start of a text: offsets from
+    each token's bytes ran one past the echo for every token after the first."""
+    from tests.engine.test_tokenizer import sentencepiece_byte_fallback
+
+    tok = sentencepiece_byte_fallback()
+    async with (
+        serve(gateway_config(nats_config), tok) as gw,
+        running_worker(nats_config, "short"),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        body = {**BODY, "prompt": "ok ok", "echo": True, "max_tokens": 0, "logprobs": 0}
+        reply = (await http.post("/v1/completions", json=body)).json()
+        await _until(lambda: _released(gw))
+    choice = reply["choices"][0]
+    assert choice["text"] == "ok ok"
+    assert choice["logprobs"]["tokens"] == [" ok", " ok"]
+    assert choice["logprobs"]["text_offset"] == [0, 2]  # bytes gave [0, 3]
