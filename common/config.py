@@ -802,14 +802,15 @@ class GatewayConfig(_Strict):
         ),
     )
     # How a chat answer's tool calls are read: "hermes" (<tool_call>{json}</tool_call>, the
-    # format of Qwen 2.5/3 and Hermes models), "auto" (hermes when the chat template writes
-    # those tags), "none" (tools refused with a 400).
-    tool_call_parser: Literal["auto", "hermes", "none"] = Field(
+    # format of Qwen 2.5/3 and Hermes models), "llama3_json" (Llama 3.1-3.3's JSON answer),
+    # "auto" (the one the chat template writes), "none" (tools refused with a 400).
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "none"] = Field(
         "auto",
         description=(
-            "How tool calls are read from chat answers: auto = hermes when the model's chat "
-            "template writes <tool_call> tags (Qwen 2.5/3, Hermes), else tools are refused; "
-            "hermes = always; none = tools are refused (400)."
+            "How tool calls are read from chat answers: auto = the format the model's chat "
+            "template writes (hermes for <tool_call> tags: Qwen 2.5/3, Hermes; llama3_json "
+            "for <|python_tag|>: Llama 3.1-3.3), else tools are refused; hermes or "
+            "llama3_json = that one; none = tools are refused (400)."
         ),
     )
     # "shared": every request may reuse every cached prompt prefix (system prompts, RAG

@@ -67,7 +67,7 @@ from gateway.streams import (
     ResponseStream,
     SseResponse,
 )
-from gateway.tool_calls import ToolCallStream, tool_format
+from gateway.tool_calls import Format, ToolCallStream, tool_call_stream, tool_format
 
 DEADLINE_HEADER = "X-QoS-Deadline-Ms"
 MAX_DEADLINE_MS = 24 * 3600 * 1000
@@ -459,7 +459,8 @@ class Generator:
             if self.tool_format is None:
                 raise InvalidRequestError(
                     "this model has no tool-call format the gateway reads (its chat template "
-                    "writes no <tool_call> tags; gateway.tool_call_parser names one)",
+                    "writes neither <tool_call> tags nor Llama 3.1's <|python_tag|>; "
+                    "gateway.tool_call_parser names one)",
                     param="tools",
                 )
             if "tools" in kwargs:
@@ -595,7 +596,7 @@ class Generator:
             silent_ids=frozenset() if body.skip_special_tokens is False else self._special_ids,
             index=index,
             echo=echo,
-            tool_calls=_tool_calls(body),
+            tool_calls=_tool_calls(body, self.tool_format),
         )
         headers = {"X-Request-Id": response_id, GROUP_HEADER: route.group}
         if route.is_fallback:
@@ -894,11 +895,13 @@ async def json_bytes(body: Any, heavy: bool) -> bytes:
     return (await asyncio.to_thread(work) if heavy else work()).encode()
 
 
-def _tool_calls(body: CompletionRequest | ChatCompletionRequest) -> ToolCallStream | None:
+def _tool_calls(
+    body: CompletionRequest | ChatCompletionRequest, fmt: Format | None
+) -> ToolCallStream | None:
     """How a chat answer's tool calls are read (None: it is text only)."""
-    if not isinstance(body, ChatCompletionRequest) or not body.calls_tools():
+    if fmt is None or not isinstance(body, ChatCompletionRequest) or not body.calls_tools():
         return None
-    return ToolCallStream(parallel=body.parallel_tool_calls is not False)
+    return tool_call_stream(fmt, parallel=body.parallel_tool_calls is not False)
 
 
 def _scores_of(delivery: Delivery) -> Delivery:

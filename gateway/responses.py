@@ -21,7 +21,7 @@ from typing import Any, Literal
 from common.errors import QosError
 from common.protocol import TopLogprobs, Usage
 from gateway.streams import Delivery, sse_event
-from gateway.tool_calls import ToolCallStream, split_calls
+from gateway.tool_calls import ToolCallStream
 
 Kind = Literal["completion", "chat"]
 # OpenAI's stand-in for -inf: JSON has no infinity.
@@ -269,7 +269,7 @@ class Shaper:
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.tool_calls is not None:
-                content, calls = split_calls(text, self.tool_calls.parallel)
+                content, calls = self.tool_calls.split(text)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish_reason = "tool_calls"

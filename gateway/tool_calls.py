@@ -1,19 +1,23 @@
 """Tool calls in a model's output: OpenAI's ``tool_calls`` from the text a chat model writes.
 
-Models trained on the Hermes format (Qwen 2.5 and 3, Hermes 2 and 3, and the others whose
-chat template renders tools with it) answer a call as JSON between tags, one block per
-call, possibly after some text::
+Two formats, the ones the engine's model families are trained on:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- ``hermes`` (Qwen 2.5 and 3, Hermes 2 and 3): JSON between tags, one block per call,
+  possibly after some text::
 
-:func:`split_calls` reads a whole answer into its content and its calls (vLLM's
-``hermes`` parser answers the same); :class:`ToolCallStream` does it as the text streams,
-holding back only what may be the start of a tag, and sends each call whole once its
-block closes (OpenAI's streamed ``tool_calls`` deltas may carry the arguments in one
-piece). A block that is not a call (bad JSON, no name) stays text: nothing the model
-wrote is lost. Which models: :func:`tool_format`.
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+- ``llama3_json`` (Llama 3.1, 3.2, 3.3): the whole answer is the call, a JSON object with
+  ``name`` and ``parameters`` (several joined by ``;``), maybe after ``<|python_tag|>``.
+
+A whole answer is split into its content and its calls as vLLM's parsers of those names
+split it. Streamed, hermes content flows as it comes, holding back only what may be the
+start of a tag, and each call is sent whole once its block closes (OpenAI's streamed
+``tool_calls`` deltas may carry the arguments in one piece); a llama3_json answer that
+begins with ``{`` is held to its end, then read. Whatever is not a call (bad JSON, no name)
+stays text: nothing the model wrote is lost. Which format: :func:`tool_format`.
 """
 
 from __future__ import annotations
@@ -26,19 +30,29 @@ from typing import Any, Literal
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what follows is a call
 
-ToolParser = Literal["auto", "hermes", "none"]
+ToolParser = Literal["auto", "hermes", "llama3_json", "none"]
+Format = Literal["hermes", "llama3_json"]
 
 
-def tool_format(setting: ToolParser, template_source: str) -> str | None:
-    """The format tool calls are read in: ``hermes``, or None when the model has none
-    (``auto``: hermes when the chat template writes its tags, as the templates of models
-    trained on it do)."""
+def tool_format(setting: ToolParser, template_source: str) -> Format | None:
+    """The format tool calls are read in, or None when the model has none. ``auto``: the
+    one its chat template writes (hermes tags, or Llama 3.1's python tag)."""
     if setting == "none":
         return None
-    if setting == "hermes" or OPEN in template_source:
+    if setting != "auto":
+        return setting
+    if OPEN in template_source:
         return "hermes"
+    if PYTHON_TAG in template_source:
+        return "llama3_json"
     return None
+
+
+def tool_call_stream(fmt: Format, parallel: bool = True) -> ToolCallStream:
+    """A reader of one answer's tool calls in ``fmt``."""
+    return HermesCalls(parallel) if fmt == "hermes" else Llama3JsonCalls(parallel)
 
 
 def call_id() -> str:
@@ -51,6 +65,10 @@ def _call(block: str) -> dict[str, Any] | None:
         obj = json.loads(block)
     except (ValueError, RecursionError):
         return None
+    return _as_call(obj)
+
+
+def _as_call(obj: object) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
@@ -64,8 +82,8 @@ def _call(block: str) -> dict[str, Any] | None:
 
 
 def split_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole answer's content (None when only calls) and its calls; ``parallel`` False
-    keeps the first call only (OpenAI's ``parallel_tool_calls``)."""
+    """A whole hermes answer's content (None when only calls) and its calls; ``parallel``
+    False keeps the first call only (OpenAI's ``parallel_tool_calls``)."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     at = 0
@@ -84,25 +102,116 @@ def split_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict
     return content or None, calls
 
 
+def split_llama3_json(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole llama3_json answer: calls when all of it is calls (JSON objects joined by
+    ``;``, maybe after the python tag), else all of it content, as vLLM reads it."""
+    body = text.strip().removeprefix(PYTHON_TAG).lstrip()
+    if not body.startswith("{"):
+        return text, []
+    decoder = json.JSONDecoder()
+    calls: list[dict[str, Any]] = []
+    at = 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except (ValueError, RecursionError):
+            return text, []
+        call = _as_call(obj)
+        if call is None:
+            return text, []
+        if parallel or not calls:
+            calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return None, calls
+
+
 @dataclass
 class ToolCallStream:
-    """:func:`split_calls` as the text streams: :meth:`feed` and, at the end,
+    """An answer's tool calls, read as its text streams: :meth:`feed` and, at the end,
     :meth:`finish` return the pieces ready to send, ``("content", text)`` or
-    ``("call", call)``."""
+    ``("call", call)``; :meth:`split` reads a whole answer."""
 
     parallel: bool = True
     calls: int = 0  # calls read so far
     calls_sent: int = 0  # of those, sent (each call's ``index`` in the stream)
-    _pending: str = ""  # text not sent yet: a possible tag start, or a block still open
-    _in_block: bool = False
+    _pending: str = ""  # text not sent yet
     _pieces: list[tuple[str, Any]] = field(default_factory=list)
+
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        raise NotImplementedError
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        raise NotImplementedError
+
+    def finish(self) -> list[tuple[str, Any]]:
+        raise NotImplementedError
+
+    def _content(self, text: str) -> None:
+        if not text:
+            return
+        if self.calls and not text.strip():
+            return  # the newlines between calls: no content of their own
+        self._pieces.append(("content", text))
+
+    def _taken(self) -> list[tuple[str, Any]]:
+        out, self._pieces = self._pieces, []
+        return out
+
+
+@dataclass
+class Llama3JsonCalls(ToolCallStream):
+    """llama3_json: an answer that begins (after blanks) with ``{`` or the python tag is
+    held to its end and read whole; any other streams as content from its first word."""
+
+    _decided: bool = False
+    _held: bool = False
+
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        return split_llama3_json(text, self.parallel)
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        if self._decided and not self._held:
+            self._content(text)
+            return self._taken()
+        self._pending += text
+        head = self._pending.lstrip()
+        if not self._decided and head:
+            if head.startswith("{") or head.startswith(PYTHON_TAG):
+                self._decided = self._held = True
+            elif not PYTHON_TAG.startswith(head):  # not the tag's first characters either
+                self._decided = True
+                self._content(self._pending)
+                self._pending = ""
+        return self._taken()
+
+    def finish(self) -> list[tuple[str, Any]]:
+        content, calls = self.split(self._pending) if self._pending else (None, [])
+        self._pending = ""
+        for call in calls:
+            self._pieces.append(("call", call))
+            self.calls += 1
+        if content:
+            self._content(content)
+        return self._taken()
+
+
+@dataclass
+class HermesCalls(ToolCallStream):
+    """hermes: content streams, a tag's possible start is held, each block is read once it
+    closes (or at the end, unclosed, as vLLM reads it)."""
+
+    _in_block: bool = False
+
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        return split_calls(text, self.parallel)
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self._pending += text
         while self._step():
             pass
-        out, self._pieces = self._pieces, []
-        return out
+        return self._taken()
 
     def finish(self) -> list[tuple[str, Any]]:
         """What is left: a block the model ended without its closing tag is read as one
@@ -112,8 +221,7 @@ class ToolCallStream:
         elif self._pending:
             self._content(self._pending)
         self._pending, self._in_block = "", False
-        out, self._pieces = self._pieces, []
-        return out
+        return self._taken()
 
     def _step(self) -> bool:
         """Consume what can be decided now; True when it should be called again."""
@@ -142,13 +250,6 @@ class ToolCallStream:
         elif self.parallel or not self.calls:
             self._pieces.append(("call", call))
             self.calls += 1
-
-    def _content(self, text: str) -> None:
-        if not text:
-            return
-        if self.calls and not text.strip():
-            return  # the newlines between calls: no content of their own
-        self._pieces.append(("content", text))
 
 
 def _partial_tag(text: str) -> int:

@@ -13,7 +13,14 @@ import pytest
 
 from common.config import NatsConfig
 from common.tokenizer import ByteTokenizer
-from gateway.tool_calls import ToolCallStream, split_calls, tool_format
+from gateway.tool_calls import (
+    HermesCalls,
+    Llama3JsonCalls,
+    ToolCallStream,
+    split_calls,
+    split_llama3_json,
+    tool_format,
+)
 from tests.gateway.conftest import MODEL, gateway_config, serve
 from tests.gateway.fake_worker import Job, running_worker
 
@@ -56,12 +63,39 @@ def test_a_whole_answer_splits_into_content_and_calls() -> None:
     assert split_calls(ANSWERS[5]) == (ANSWERS[5], [])
 
 
-@pytest.mark.parametrize("answer", ANSWERS)
-def test_the_streamed_reading_equals_the_whole_one_however_the_text_is_cut(answer: str) -> None:
+LLAMA_WEATHER = '{"name": "get_weather", "parameters": {"city": "Zürich"}}'
+LLAMA_ANSWERS = [
+    "Plain text, no call.",
+    LLAMA_WEATHER,
+    f"<|python_tag|>{LLAMA_WEATHER}; {TIME}",
+    '{"not": "a call"}',
+    f"{LLAMA_WEATHER} and then some words",
+    "  <|python_ta is only the start of a word",
+]
+
+
+def test_a_whole_llama3_json_answer_is_calls_only_when_all_of_it_is() -> None:
+    assert split_llama3_json(LLAMA_ANSWERS[0]) == (LLAMA_ANSWERS[0], [])
+    content, calls = split_llama3_json(LLAMA_ANSWERS[1])
+    assert content is None and _names(calls) == [("get_weather", {"city": "Zürich"})]
+    content, calls = split_llama3_json(LLAMA_ANSWERS[2])
+    assert content is None and [n for n, _ in _names(calls)] == ["get_weather", "get_time"]
+    assert len(split_llama3_json(LLAMA_ANSWERS[2], parallel=False)[1]) == 1
+    for text in LLAMA_ANSWERS[3:]:
+        assert split_llama3_json(text) == (text, [])
+
+
+CASES = [(HermesCalls, a) for a in ANSWERS] + [(Llama3JsonCalls, a) for a in LLAMA_ANSWERS]
+
+
+@pytest.mark.parametrize(("kind", "answer"), CASES)
+def test_the_streamed_reading_equals_the_whole_one_however_the_text_is_cut(
+    kind: type[ToolCallStream], answer: str
+) -> None:
     rng = random.Random(answer)
-    content, calls = split_calls(answer)
+    content, calls = kind().split(answer)
     for _ in range(50):
-        stream = ToolCallStream()
+        stream = kind()
         pieces: list[tuple[str, Any]] = []
         at = 0
         while at < len(answer):
@@ -80,6 +114,8 @@ def test_the_format_comes_from_the_setting_or_the_chat_template() -> None:
     assert tool_format("auto", "{{ messages }}") is None
     assert tool_format("hermes", "") == "hermes"
     assert tool_format("none", "<tool_call>") is None
+    assert tool_format("auto", "{{ '<|python_tag|>' }}") == "llama3_json"
+    assert tool_format("llama3_json", "") == "llama3_json"
 
 
 class HermesByteTokenizer(ByteTokenizer):
@@ -173,3 +209,34 @@ async def test_tools_are_refused_clearly_where_they_cannot_be_served(
                       "tools": "tools", "logprobs": "logprobs", "tools shape": "tools",
                       "no format": "tools"}  # fmt: skip
     assert "guided decoding" in replies["tool_choice"].json()["error"]["message"]
+
+
+class Llama31ByteTokenizer(ByteTokenizer):
+    """Bytes as tokens, with a template that names Llama 3.1's python tag."""
+
+    CHAT_TEMPLATE = (
+        "{% if tools %}Environment: ipython<|python_tag|>{% for t in tools %}"
+        "{{ t | tojson }}{% endfor %}\n{% endif %}" + ByteTokenizer.CHAT_TEMPLATE
+    )
+
+
+async def test_a_llama31_answer_that_is_a_call_comes_back_as_one(nats_config: NatsConfig) -> None:
+    async with (
+        serve(gateway_config(nats_config, short__max_seq_len=2048), Llama31ByteTokenizer()) as gw,
+        running_worker(nats_config, "short", behaviour=_answers(LLAMA_ANSWERS[2])),
+    ):
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        ask: dict[str, Any] = {"model": MODEL, "max_tokens": 200, "tools": TOOLS,
+                               "messages": [{"role": "user", "content": "Weather and time?"}]}  # fmt: skip
+        whole = await client.chat.completions.create(**ask)
+        chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert [c.function.name for c in message.tool_calls or []] == ["get_weather", "get_time"]
+    assert json.loads((message.tool_calls or [])[0].function.arguments) == {"city": "Zürich"}
+    deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name if d.function else None) for d in deltas] == [
+        (0, "get_weather"),
+        (1, "get_time"),
+    ]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
