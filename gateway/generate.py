@@ -593,6 +593,8 @@ class Generator:
             self.token_bytes,
             logprobs=logprobs,
             include_usage=body.include_usage(),
+            continuous_usage=body.continuous_usage(),
+            prompt_tokens=len(prompt_ids),
             silent_ids=frozenset() if body.skip_special_tokens is False else self._special_ids,
             index=index,
             echo=echo,
@@ -738,6 +740,7 @@ class Generator:
                 if flight.scores_only and delivery.error is None:
                     delivery = _scores_of(delivery)
                 flight.completion_tokens += len(delivery.token_ids)
+                delivery.completion_tokens = flight.completion_tokens
                 if delivery.usage is not None:
                     flight.worker_usage = delivery.usage
                 if delivery.finish_reason is not None:

@@ -49,15 +49,9 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    # vLLM's: with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool | None = None
     include_obfuscation: bool | None = None  # padding against side channels: not needed here
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _continuous(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("usage on every chunk is not supported; use include_usage")
-        return value
 
 
 class _Part(BaseModel):
@@ -305,6 +299,12 @@ class _SamplingBody(_Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: usage on every chunk (with include_usage)."""
+        return self.include_usage() and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
     def check_fields(self) -> None:
         """Rules across fields, checked before the request is routed."""

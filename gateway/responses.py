@@ -82,6 +82,8 @@ class Shaper:
         *,
         logprobs: int | None = None,
         include_usage: bool = False,
+        continuous_usage: bool = False,
+        prompt_tokens: int = 0,
         silent_ids: frozenset[int] = frozenset(),
         index: int = 0,
         echo: Echo | None = None,
@@ -103,6 +105,9 @@ class Shaper:
         self.token_bytes = token_bytes
         self.logprobs = logprobs
         self.include_usage = include_usage
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        self.continuous_usage = include_usage and continuous_usage
+        self.prompt_tokens = prompt_tokens
         # Completions' logprobs.text_offset runs across chunks, in the text returned.
         self._text_offset = len(echo.text) if echo is not None else 0
         # The tokens' bytes so far, as text: a character split over tokens counts once,
@@ -115,16 +120,32 @@ class Shaper:
         tail = ',"logprobs":null,"finish_reason":null}]' + (
             ',"usage":null' if include_usage else ""
         )
+        close = "" if kind == "completion" else "}"  # a chat chunk's delta
         if kind == "completion":
             self._fast_prefix = f'data: {head[:-1]},"choices":[{{"index":{index},"text":'.encode()
-            self._fast_suffix = (tail + "}\n\n").encode()
         else:
             self._fast_prefix = (
                 f'data: {head[:-1]},"choices":[{{"index":{index},"delta":{{"content":'.encode()
             )
-            self._fast_suffix = ("}" + tail + "}\n\n").encode()
+        self._fast_suffix = (close + tail + "}\n\n").encode()
+        self._usage_head = (close + ',"logprobs":null,"finish_reason":null}],"usage":').encode()
 
     # -- streaming -------------------------------------------------------------------------
+
+    def _text_event(self, text: str, done: int) -> bytes:
+        """The common chunk: text only (chat: as ``delta.content``), not the last; ``done``:
+        the tokens generated so far (for continuous usage)."""
+        if self.continuous_usage:
+            usage = _dumps(self.usage_so_far(done)).encode()
+            return self._fast_prefix + _dumps(text).encode() + self._usage_head + usage + b"}\n\n"
+        return self._fast_prefix + _dumps(text).encode() + self._fast_suffix
+
+    def usage_so_far(self, done: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_tokens + done,
+        }
 
     def role_event(self) -> bytes:
         """The first chat chunk: the assistant's role and empty content, as OpenAI sends."""
@@ -144,7 +165,7 @@ class Shaper:
         the ``first`` delivery), as vLLM sends it."""
         text = self.echo.text if self.echo is not None else ""
         if self.logprobs is None:
-            return self._fast_prefix + _dumps(text).encode() + self._fast_suffix
+            return self._text_event(text, 0)  # before anything generated
         choice = {
             "index": self.index,
             "text": text,
@@ -165,7 +186,7 @@ class Shaper:
         if self.tool_calls is not None:
             return self._tool_events(delivery, self.tool_calls)
         if delivery.finish_reason is None and self.logprobs is None:
-            return self._fast_prefix + _dumps(delivery.text).encode() + self._fast_suffix
+            return self._text_event(delivery.text, delivery.completion_tokens)
         logprobs = self._logprobs(delivery) if self.logprobs is not None else None
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": self.index, "text": delivery.text}
@@ -178,7 +199,7 @@ class Shaper:
         choice["finish_reason"] = delivery.finish_reason
         if delivery.finish_reason is not None:
             choice["stop_reason"] = delivery.stop_reason
-        return sse_event(self._chunk(choice))
+        return sse_event(self._chunk(choice, delivery.completion_tokens))
 
     def _tool_events(self, delivery: Delivery, stream: ToolCallStream) -> bytes:
         """The content and whole tool calls in ``delivery``'s text, one chunk each (a call's
@@ -190,7 +211,7 @@ class Shaper:
         out = b""
         for kind, value in pieces:
             if kind == "content":
-                out += self._fast_prefix + _dumps(value).encode() + self._fast_suffix
+                out += self._text_event(value, delivery.completion_tokens)
             else:
                 call = {"index": stream.calls_sent, **value}
                 stream.calls_sent += 1
@@ -201,14 +222,15 @@ class Shaper:
                             "delta": {"tool_calls": [call]},
                             "logprobs": None,
                             "finish_reason": None,
-                        }
+                        },
+                        delivery.completion_tokens,
                     )
                 )
         if delivery.finish_reason is not None:
             reason = "tool_calls" if stream.calls else delivery.finish_reason
             choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}
             choice["stop_reason"] = delivery.stop_reason
-            out += sse_event(self._chunk(choice))
+            out += sse_event(self._chunk(choice, delivery.completion_tokens))
         return out
 
     def usage_event(self, usage: dict[str, Any]) -> bytes:
@@ -229,7 +251,7 @@ class Shaper:
         """An error after the stream started: OpenAI's error object as one event."""
         return sse_event(error.to_openai())
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+    def _chunk(self, choice: dict[str, Any], done: int = 0) -> dict[str, Any]:
         chunk = {
             "id": self.request_id,
             "object": self._object,
@@ -238,7 +260,7 @@ class Shaper:
             "choices": [choice],
         }
         if self.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.usage_so_far(done) if self.continuous_usage else None
         return chunk
 
     # -- whole responses -------------------------------------------------------------------

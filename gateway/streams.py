@@ -114,6 +114,7 @@ class Delivery:
     # With the first tokens, when asked (echo with logprobs): prompt tokens 1.. (see Chunk).
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[TopLogprobs] | None = None
+    completion_tokens: int = 0  # the request's tokens so far, these included (usage)
 
 
 class ResponseStream:

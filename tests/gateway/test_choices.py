@@ -379,3 +379,35 @@ async def test_echoed_prompt_offsets_index_its_text_under_a_sentencepiece_vocabu
     assert choice["text"] == "ok ok"
     assert choice["logprobs"]["tokens"] == [" ok", " ok"]
     assert choice["logprobs"]["text_offset"] == [0, 2]  # bytes gave [0, 3]
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
+    nats_config: NatsConfig,
+) -> None:
+    """vLLM's stream option: each chunk (with include_usage) carries the usage so far, each
+    choice's own; the last, usage-only chunk the whole response's."""
+    async with (
+        serve(gateway_config(nats_config)) as gw,
+        running_worker(nats_config, "short"),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        streams = []
+        for extra in ({"stream_options": options}, {"stream_options": options, "n": 2},
+                      {"stream_options": {"continuous_usage_stats": True}}):  # fmt: skip
+            body = {**BODY, "max_tokens": 7, "stream": True, **extra}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = [line async for line in response.aiter_lines()]
+                streams.append([json.loads(x[6:]) for x in lines if x.startswith("data: {")])
+        await _until(lambda: _released(gw))
+    one, two, without = streams
+    prompt = 1 + len("hello")
+    counts = [c["usage"]["completion_tokens"] for c in one[:-1]]
+    assert counts == [3, 6, 7]  # the fake worker's chunks of 3 letters
+    assert all(c["usage"]["prompt_tokens"] == prompt for c in one)
+    assert one[-1]["choices"] == [] and one[-1]["usage"]["completion_tokens"] == 7
+    for index in (0, 1):
+        ours = [c for c in two[:-1] if c["choices"][0]["index"] == index]
+        assert [c["usage"]["completion_tokens"] for c in ours] == [3, 6, 7]
+    assert two[-1]["usage"]["completion_tokens"] == 14
+    assert all("usage" not in c for c in without)  # it needs include_usage, as in vLLM

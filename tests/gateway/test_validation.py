@@ -98,7 +98,7 @@ BAD_PARAMETERS = [
     ("completions", {"suffix": "x"}, "suffix"),
     (
         "completions",
-        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+        {"stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
         "stream_options.continuous_usage_stats",
     ),
     ("completions", {"frobnicate": True}, "frobnicate"),
