@@ -67,6 +67,7 @@ from gateway.streams import (
     ResponseStream,
     SseResponse,
 )
+from gateway.tool_calls import OPEN as TOOL_CALL_OPEN
 from gateway.tool_calls import Format, ToolCallStream, tool_call_stream, tool_format
 
 DEADLINE_HEADER = "X-QoS-Deadline-Ms"
@@ -164,6 +165,10 @@ class Generator:
         self.tool_format = tool_format(
             config.gateway.tool_call_parser, "\n".join(tokenizer.chat_templates.values())
         )
+        # A model whose call tags are special tokens (some Hermes checkpoints): the worker's
+        # text must keep them for the calls to be read, as vLLM's hermes parser asks.
+        tag = tokenizer.token_to_id(TOOL_CALL_OPEN) if self.tool_format == "hermes" else None
+        self._tool_tags_special = tag is not None and tag in self._special_ids
 
     def check_model(self, model: str | None) -> None:
         """404 for a model name this gateway does not serve (None: the served one)."""
@@ -565,6 +570,17 @@ class Generator:
 
     # -- over NATS -------------------------------------------------------------------------
 
+    def _keeps_special(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
+        """Whether the answer's text keeps special tokens: asked, or its tool calls' tags
+        are special tokens (read, they are no content)."""
+        if body.skip_special_tokens is False:
+            return True
+        return (
+            self._tool_tags_special
+            and isinstance(body, ChatCompletionRequest)
+            and body.calls_tools()
+        )
+
     def _take_off(
         self,
         kind: Kind,
@@ -595,7 +611,7 @@ class Generator:
             include_usage=body.include_usage(),
             continuous_usage=body.continuous_usage(),
             prompt_tokens=len(prompt_ids),
-            silent_ids=frozenset() if body.skip_special_tokens is False else self._special_ids,
+            silent_ids=frozenset() if self._keeps_special(body) else self._special_ids,
             index=index,
             echo=echo,
             tool_calls=_tool_calls(body, self.tool_format),
@@ -607,7 +623,7 @@ class Generator:
                 labels = (route.requested, route.group, route.reason or "")
                 self._metrics.fallbacks.labels(*labels).inc()
         decode_tail = self._decode_tail
-        if body.skip_special_tokens is False:  # the worker's text keeps them: so must ours
+        if self._keeps_special(body):  # the worker's text keeps them: so must ours
             decode_tail = partial(self._decode_tail, skip_special_tokens=False)
         # Registered last: the caller's failure path frees the admission slot, not a stream
         # (one opened before a failing step stayed registered for good).
@@ -637,6 +653,8 @@ class Generator:
             max_tokens, flight.shaper.logprobs, self._sampling_defaults,
             flight.shaper.index % body.choices(), body.prompt_logprobs_count(),
         )  # fmt: skip
+        if self._keeps_special(body):
+            params.skip_special_tokens = False
         request_id = flight.stream.request_id
         message = GenerateRequest(
             id=request_id,

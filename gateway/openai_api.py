@@ -385,7 +385,9 @@ class FunctionDef(_Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # a schema guarantee only guided decoding gives: see below
+    # A schema guarantee only guided decoding gives: accepted and not enforced, as vLLM
+    # without structured outputs (the OpenAI Agents SDK sends true on every tool).
+    strict: bool | None = None
 
     @field_validator("name")
     @classmethod
@@ -472,12 +474,6 @@ class ChatCompletionRequest(_SamplingBody):
                 "tool calls)",
                 param="logprobs",
             )
-        if self.calls_tools() and any(t.function.strict for t in self.tools or ()):
-            raise InvalidRequestError(
-                "Unsupported value for 'tools': strict function schemas need guided "
-                "decoding, which this gateway does not do",
-                param="tools", code="unsupported_value",
-            )  # fmt: skip
 
     def top_logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -55,6 +55,13 @@ def tool_call_stream(fmt: Format, parallel: bool = True) -> ToolCallStream:
     return HermesCalls(parallel) if fmt == "hermes" else Llama3JsonCalls(parallel)
 
 
+def tool_finish_reason(reason: str | None, calls: int) -> str | None:
+    """``tool_calls`` once a call was made, as vLLM answers; but an answer cut by
+    ``max_tokens`` stays ``length`` (OpenAI's: its last call may be missing, and clients
+    raise on it rather than run half the calls)."""
+    return "tool_calls" if calls and reason != "length" else reason
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -138,6 +145,10 @@ class ToolCallStream:
     calls_sent: int = 0  # of those, sent (each call's ``index`` in the stream)
     _pending: str = ""  # text not sent yet
     _pieces: list[tuple[str, Any]] = field(default_factory=list)
+    # Content's trailing blanks, held: sent with the next words, dropped before a call (the
+    # lines around calls are no content of their own) and, after one, at the end.
+    _blank: str = ""
+    _worded: bool = False  # some content was sent
 
     def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         raise NotImplementedError
@@ -149,11 +160,28 @@ class ToolCallStream:
         raise NotImplementedError
 
     def _content(self, text: str) -> None:
-        if not text:
-            return
-        if self.calls and not text.strip():
-            return  # the newlines between calls: no content of their own
-        self._pieces.append(("content", text))
+        text = self._blank + text
+        if self.calls and not self._worded:
+            text = text.lstrip()  # the line after a call, before any content
+        words = text.rstrip()
+        self._blank = text[len(words) :]
+        if words:
+            self._pieces.append(("content", words))
+            self._worded = True
+
+    def _call_found(self, call: dict[str, Any]) -> None:
+        self._blank = ""
+        if self.parallel or not self.calls:
+            self._pieces.append(("call", call))
+            self.calls += 1
+
+    def _end(self) -> list[tuple[str, Any]]:
+        """The last pieces: blanks held at the end are the answer's own when it made no
+        call (its text is returned as it came)."""
+        if self._blank and not self.calls:
+            self._pieces.append(("content", self._blank))
+        self._blank = ""
+        return self._taken()
 
     def _taken(self) -> list[tuple[str, Any]]:
         out, self._pieces = self._pieces, []
@@ -190,11 +218,10 @@ class Llama3JsonCalls(ToolCallStream):
         content, calls = self.split(self._pending) if self._pending else (None, [])
         self._pending = ""
         for call in calls:
-            self._pieces.append(("call", call))
-            self.calls += 1
+            self._call_found(call)
         if content:
             self._content(content)
-        return self._taken()
+        return self._end()
 
 
 @dataclass
@@ -221,7 +248,7 @@ class HermesCalls(ToolCallStream):
         elif self._pending:
             self._content(self._pending)
         self._pending, self._in_block = "", False
-        return self._taken()
+        return self._end()
 
     def _step(self) -> bool:
         """Consume what can be decided now; True when it should be called again."""
@@ -247,9 +274,8 @@ class HermesCalls(ToolCallStream):
         call = _call(block)
         if call is None:
             self._content(OPEN + block + tail)  # not a call: the text it was
-        elif self.parallel or not self.calls:
-            self._pieces.append(("call", call))
-            self.calls += 1
+        else:
+            self._call_found(call)
 
 
 def _partial_tag(text: str) -> int:
