@@ -803,14 +803,16 @@ class GatewayConfig(_Strict):
     )
     # How a chat answer's tool calls are read: "hermes" (<tool_call>{json}</tool_call>, the
     # format of Qwen 2.5/3 and Hermes models), "llama3_json" (Llama 3.1-3.3's JSON answer),
-    # "auto" (the one the chat template writes), "none" (tools refused with a 400).
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "none"] = Field(
+    # "mistral" ([TOOL_CALLS] and a JSON list), "auto" (the one the chat template writes),
+    # "none" (tools refused with a 400).
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "none"] = Field(
         "auto",
         description=(
             "How tool calls are read from chat answers: auto = the format the model's chat "
             "template writes (hermes for <tool_call> tags: Qwen 2.5/3, Hermes; llama3_json "
-            "for <|python_tag|>: Llama 3.1-3.3), else tools are refused; hermes or "
-            "llama3_json = that one; none = tools are refused (400)."
+            "for <|python_tag|>: Llama 3.1-3.3; mistral for [TOOL_CALLS]: Mistral 7B v0.3, "
+            "Nemo), else tools are refused; hermes, llama3_json or mistral = that one; "
+            "none = tools are refused (400)."
         ),
     )
     # "shared": every request may reuse every cached prompt prefix (system prompts, RAG

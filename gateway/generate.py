@@ -67,8 +67,13 @@ from gateway.streams import (
     ResponseStream,
     SseResponse,
 )
-from gateway.tool_calls import OPEN as TOOL_CALL_OPEN
-from gateway.tool_calls import Format, ToolCallStream, tool_call_stream, tool_format
+from gateway.tool_calls import (
+    CALL_TAGS,
+    Format,
+    ToolCallStream,
+    tool_call_stream,
+    tool_format,
+)
 
 DEADLINE_HEADER = "X-QoS-Deadline-Ms"
 MAX_DEADLINE_MS = 24 * 3600 * 1000
@@ -167,7 +172,8 @@ class Generator:
         )
         # A model whose call tags are special tokens (some Hermes checkpoints): the worker's
         # text must keep them for the calls to be read, as vLLM's hermes parser asks.
-        tag = tokenizer.token_to_id(TOOL_CALL_OPEN) if self.tool_format == "hermes" else None
+        tag_text = CALL_TAGS.get(self.tool_format or "")
+        tag = tokenizer.token_to_id(tag_text) if tag_text is not None else None
         self._tool_tags_special = tag is not None and tag in self._special_ids
 
     def check_model(self, model: str | None) -> None:
@@ -464,8 +470,8 @@ class Generator:
             if self.tool_format is None:
                 raise InvalidRequestError(
                     "this model has no tool-call format the gateway reads (its chat template "
-                    "writes neither <tool_call> tags nor Llama 3.1's <|python_tag|>; "
-                    "gateway.tool_call_parser names one)",
+                    "writes no <tool_call> tags, Llama 3.1's <|python_tag|> or Mistral's "
+                    "[TOOL_CALLS]; gateway.tool_call_parser names one)",
                     param="tools",
                 )
             if "tools" in kwargs:

@@ -11,12 +11,16 @@ Two formats, the ones the engine's model families are trained on:
 
 - ``llama3_json`` (Llama 3.1, 3.2, 3.3): the whole answer is the call, a JSON object with
   ``name`` and ``parameters`` (several joined by ``;``), maybe after ``<|python_tag|>``.
+- ``mistral`` (Mistral 7B v0.3, Nemo; tokenizer v3): ``[TOOL_CALLS]`` then a JSON list of
+  ``{"name", "arguments"}``, maybe after some text. The tag is a special token: the
+  worker's text keeps special tokens for these requests. Call ids are 9 letters and digits,
+  the only ids Mistral's templates take back in the next turn.
 
 A whole answer is split into its content and its calls as vLLM's parsers of those names
 split it. Streamed, hermes content flows as it comes, holding back only what may be the
 start of a tag, and each call is sent whole once its block closes (OpenAI's streamed
 ``tool_calls`` deltas may carry the arguments in one piece); a llama3_json answer that
-begins with ``{`` is held to its end, then read. Whatever is not a call (bad JSON, no name)
+begins with ``{`` is held to its end, then read, as is a mistral answer from its tag. Whatever is not a call (bad JSON, no name)
 stays text: nothing the model wrote is lost. Which format: :func:`tool_format`.
 """
 
@@ -24,16 +28,24 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what follows is a call
+MISTRAL_TAG = "[TOOL_CALLS]"
+_ALNUM = string.ascii_letters + string.digits
 
-ToolParser = Literal["auto", "hermes", "llama3_json", "none"]
-Format = Literal["hermes", "llama3_json"]
+ToolParser = Literal["auto", "hermes", "llama3_json", "mistral", "none"]
+Format = Literal["hermes", "llama3_json", "mistral"]
+# The token each format's calls begin with: a special token in some tokenizers, which the
+# worker's text must keep for the calls to be read.
+CALL_TAGS: dict[str, str] = {"hermes": OPEN, "mistral": MISTRAL_TAG}
 
 
 def tool_format(setting: ToolParser, template_source: str) -> Format | None:
@@ -47,12 +59,16 @@ def tool_format(setting: ToolParser, template_source: str) -> Format | None:
         return "hermes"
     if PYTHON_TAG in template_source:
         return "llama3_json"
+    if MISTRAL_TAG in template_source:
+        return "mistral"
     return None
 
 
 def tool_call_stream(fmt: Format, parallel: bool = True) -> ToolCallStream:
     """A reader of one answer's tool calls in ``fmt``."""
-    return HermesCalls(parallel) if fmt == "hermes" else Llama3JsonCalls(parallel)
+    if fmt == "hermes":
+        return HermesCalls(parallel)
+    return Llama3JsonCalls(parallel) if fmt == "llama3_json" else MistralCalls(parallel)
 
 
 def tool_finish_reason(reason: str | None, calls: int) -> str | None:
@@ -75,14 +91,18 @@ def _call(block: str) -> dict[str, Any] | None:
     return _as_call(obj)
 
 
-def _as_call(obj: object) -> dict[str, Any] | None:
+def mistral_call_id() -> str:
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+def _as_call(obj: object, new_id: Callable[[], str] = call_id) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(arguments, str):  # OpenAI's arguments are a JSON string
         arguments = json.dumps(arguments, ensure_ascii=False)
     return {
-        "id": call_id(),
+        "id": new_id(),
         "type": "function",
         "function": {"name": obj["name"], "arguments": arguments},
     }
@@ -278,9 +298,64 @@ class HermesCalls(ToolCallStream):
             self._call_found(call)
 
 
-def _partial_tag(text: str) -> int:
-    """The length of the longest end of ``text`` that begins the opening tag."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def _partial_tag(text: str, tag: str = OPEN) -> int:
+    """The length of the longest end of ``text`` that begins ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def split_mistral(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole mistral answer: the text before the tag, and the calls of the JSON list
+    after it (as vLLM's mistral parser reads it); all text when that is not calls."""
+    head, tag, rest = text.partition(MISTRAL_TAG)
+    if not tag:
+        return text, []
+    try:
+        listed = json.loads(rest.replace(MISTRAL_TAG, "").strip())
+    except (ValueError, RecursionError):
+        return text, []
+    objs = listed if isinstance(listed, list) else [listed]
+    calls = [_as_call(obj, mistral_call_id) for obj in objs]
+    if not calls or any(call is None for call in calls):
+        return text, []
+    kept = [call for call in calls if call is not None]
+    return head.strip() or None, kept if parallel else kept[:1]
+
+
+@dataclass
+class MistralCalls(ToolCallStream):
+    """mistral: content streams until the tag (a possible start of it held), then all is
+    held to the end and read."""
+
+    _held: bool = False
+
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        return split_mistral(text, self.parallel)
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self._pending += text
+        if not self._held:
+            at = self._pending.find(MISTRAL_TAG)
+            if at >= 0:
+                self._content(self._pending[:at])
+                self._pending, self._held = self._pending[at:], True
+            else:
+                keep = _partial_tag(self._pending, MISTRAL_TAG)
+                self._content(self._pending[: len(self._pending) - keep])
+                self._pending = self._pending[len(self._pending) - keep :]
+        return self._taken()
+
+    def finish(self) -> list[tuple[str, Any]]:
+        if self._held:
+            _, calls = self.split(self._pending)  # the content before went out already
+            if calls:
+                for call in calls:
+                    self._call_found(call)
+            else:
+                self._content(self._pending)  # not calls: the text it was
+        elif self._pending:
+            self._content(self._pending)
+        self._pending = ""
+        return self._end()

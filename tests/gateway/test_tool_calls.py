@@ -16,9 +16,11 @@ from common.tokenizer import ByteTokenizer
 from gateway.tool_calls import (
     HermesCalls,
     Llama3JsonCalls,
+    MistralCalls,
     ToolCallStream,
     split_calls,
     split_llama3_json,
+    split_mistral,
     tool_format,
 )
 from tests.gateway.conftest import MODEL, gateway_config, serve
@@ -88,7 +90,33 @@ def test_a_whole_llama3_json_answer_is_calls_only_when_all_of_it_is() -> None:
         assert split_llama3_json(text) == (text, [])
 
 
-CASES = [(HermesCalls, a) for a in ANSWERS] + [(Llama3JsonCalls, a) for a in LLAMA_ANSWERS]
+MISTRAL_ANSWERS = [
+    "Plain text, no call.",
+    f"[TOOL_CALLS][{WEATHER}, {TIME}]",
+    f"Let me look.[TOOL_CALLS] [{WEATHER}]",
+    "[TOOL_CALLS][not json",
+    "a [TOOL_CA is not the tag",
+]
+
+
+def test_a_whole_mistral_answer_is_its_text_and_the_calls_after_the_tag() -> None:
+    assert split_mistral(MISTRAL_ANSWERS[0]) == (MISTRAL_ANSWERS[0], [])
+    content, calls = split_mistral(MISTRAL_ANSWERS[1])
+    assert content is None and [n for n, _ in _names(calls)] == ["get_weather", "get_time"]
+    # Mistral's templates take back only ids of 9 letters and digits.
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    content, calls = split_mistral(MISTRAL_ANSWERS[2])
+    assert content == "Let me look." and _names(calls) == [("get_weather", {"city": "Zürich"})]
+    assert len(split_mistral(MISTRAL_ANSWERS[1], parallel=False)[1]) == 1
+    for text in MISTRAL_ANSWERS[3:]:
+        assert split_mistral(text) == (text, [])
+
+
+CASES = (
+    [(HermesCalls, a) for a in ANSWERS]
+    + [(Llama3JsonCalls, a) for a in LLAMA_ANSWERS]
+    + [(MistralCalls, a) for a in MISTRAL_ANSWERS]
+)
 
 
 @pytest.mark.parametrize(("kind", "answer"), CASES)
@@ -118,6 +146,7 @@ def test_the_format_comes_from_the_setting_or_the_chat_template() -> None:
     assert tool_format("none", "<tool_call>") is None
     assert tool_format("auto", "{{ '<|python_tag|>' }}") == "llama3_json"
     assert tool_format("llama3_json", "") == "llama3_json"
+    assert tool_format("auto", "{{ '[TOOL_CALLS]' }}") == "mistral"
 
 
 class HermesByteTokenizer(ByteTokenizer):
@@ -291,3 +320,40 @@ def test_an_answer_cut_by_max_tokens_stays_length_with_the_calls_it_made() -> No
         events = streamed.delta_event(Delivery(text=cut, finish_reason=reason)).decode()
         last = json.loads(events.strip().split("\n\n")[-1].removeprefix("data: "))
         assert last["choices"][0]["finish_reason"] == expected
+
+
+class MistralByteTokenizer(ByteTokenizer):
+    """Bytes as tokens; [TOOL_CALLS] a special token its template names, as Mistral's v3."""
+
+    TAG_ID = 300
+    _SPECIALS: ClassVar[dict[int, str]] = {**ByteTokenizer._SPECIALS, TAG_ID: "[TOOL_CALLS]"}
+    CHAT_TEMPLATE = (
+        "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+        "{# an assistant's calls: [TOOL_CALLS][...] #}" + ByteTokenizer.CHAT_TEMPLATE
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.all_special_ids = sorted(self._SPECIALS)
+
+
+async def test_a_mistral_answer_keeps_its_special_tag_and_gets_nine_character_ids(
+    nats_config: NatsConfig,
+) -> None:
+    async with (
+        serve(gateway_config(nats_config, short__max_seq_len=2048), MistralByteTokenizer()) as gw,
+        running_worker(nats_config, "short", behaviour=_answers(MISTRAL_ANSWERS[2])) as worker,
+    ):
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        ask: dict[str, Any] = {"model": MODEL, "max_tokens": 200, "tools": TOOLS,
+                               "messages": [{"role": "user", "content": "Weather?"}]}  # fmt: skip
+        whole = await client.chat.completions.create(**ask)
+        chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+    message = whole.choices[0].message
+    assert message.content == "Let me look." and whole.choices[0].finish_reason == "tool_calls"
+    (call,) = message.tool_calls or []
+    assert call.function.name == "get_weather" and len(call.id) == 9 and call.id.isalnum()
+    assert all(j.request.params.skip_special_tokens is False for j in worker.jobs)
+    deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [d.function.name for d in deltas if d.function] == ["get_weather"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Let me look."
