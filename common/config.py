@@ -107,13 +107,15 @@ class BreakerConfig(_Strict):
         ),
     )
     max_half_open_s: float = Field(
-        120.0,
+        180.0,
         gt=0,
         description=(
             "Longest the breaker stays half-open undecided (its probes never came: no "
             "traffic). Then it is judged on every probe of the spell: closed when their "
             "error rate is within error_rate_threshold (none at all counts as healthy), "
-            "re-opened otherwise. Never shorter than the workers' latency window."
+            "re-opened otherwise. Keep it over the requests' deadline (120 s by default), "
+            "so probes that run to it are counted; never shorter than the workers' latency "
+            "window."
         ),
     )
     half_open_share: float = Field(

@@ -58,9 +58,10 @@ LEGAL: frozenset[tuple[State, State]] = frozenset(
 )
 # qos_breaker_state values (DESIGN §7).
 STATE_GAUGE: dict[State, int] = {"closed": 0, "half_open": 1, "open": 2}
-# The longest a half-open state waits for probe evidence by default (a long group's probe
-# takes up to its 60 s SLO); BreakerConfig.max_half_open_s sets it.
-MAX_HALF_OPEN_S = 120.0
+# The longest a half-open state waits for probe evidence by default: longer than the
+# gateway's default deadline (120 s), so probes that run to it report before the judgment;
+# BreakerConfig.max_half_open_s sets it.
+MAX_HALF_OPEN_S = 180.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,8 @@ class Breaker:
         self._outcomes: deque[tuple[float, int, int]] = deque()
         self.healthy_in_row = 0
         self.probes = self.failed_probes = 0  # finished, failed since half-open began
+        # Since when ``probes`` counts (None: from the next look, after a restore).
+        self._probes_since: float | None = since
         self.reopens = 0  # opens in a row that came soon after the last (the wait doubles)
         self._closed_at: float | None = None  # when it last closed from half-open
 
@@ -181,6 +184,10 @@ class Breaker:
 
     def observe(self, sample: BreakerSample, now: float) -> Transition | None:
         """Take one sample; returns the transition it caused, if any."""
+        probing = self.state == "half_open"
+        if probing:  # counted before a judgment at the time limit, which would drop it
+            self.probes += sample.requests
+            self.failed_probes += sample.errors
         moved = self.tick(now)  # a due OPEN → HALF_OPEN happens before judging the sample
         if moved is not None or self.state == "open":
             return moved
@@ -196,8 +203,6 @@ class Breaker:
             outcomes.append((now, sample.requests, sample.errors))
         if self.state == "closed":
             return self._judge_closed(now)
-        self.probes += sample.requests
-        self.failed_probes += sample.errors
         return self._judge_half_open(sample, now)
 
     def tick(self, now: float) -> Transition | None:
@@ -205,7 +210,9 @@ class Breaker:
         after ``max_half_open_s`` is judged on every probe of the spell."""
         if self.state == "open" and now - self.since >= self.wait_s:
             return self._move("half_open", now, f"probing after {self.wait_s:g}s open")
-        spell_s = now - self.since
+        if self.state == "half_open" and self._probes_since is None:
+            self._probes_since = now  # restored (a new leader): its own count starts now
+        spell_s = now - (self._probes_since if self._probes_since is not None else now)
         if self.state == "half_open" and spell_s >= self.settings.max_half_open_s:
             done, failed = self.probes, self.failed_probes
             if failed and failed / max(done, 1) > self.settings.error_rate_threshold:
@@ -318,6 +325,7 @@ class Breaker:
         transition = Transition(self.group, self.state, target, now, reason)
         self.state, self.since, self.reason = target, now, reason
         self._clear()  # no state judges samples from before it began
+        self._probes_since = now
         return transition
 
     def _clear(self) -> None:
@@ -326,3 +334,4 @@ class Breaker:
         self._outcomes.clear()
         self.healthy_in_row = 0
         self.probes = self.failed_probes = 0
+        self._probes_since = None

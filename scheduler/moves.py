@@ -33,6 +33,11 @@ class PendingMove:
     cooldown_until: float  # what the order set on its worker and both groups
 
 
+# A worker seen in its destination but still binding there, past the move's deadline: how
+# much longer it has to come up serving before the move counts failed.
+BIND_GRACE_S = 30.0
+
+
 class PendingMoves:
     """The moves ordered and not yet settled, one per worker."""
 
@@ -50,14 +55,21 @@ class PendingMoves:
         (``reports``: worker -> (group, state) of its latest report), and those past their
         deadline without that. A worker still draining in its source group is not past it:
         a request it held runs to its end (the long group drains for a minute), and a move
-        counted failed then let a second replica leave the same group. Both leave the
+        counted failed then let a second replica leave the same group. Nor, for
+        :data:`BIND_GRACE_S` more, is one already in its destination, still binding (its
+        binds retry with backoff) after draining to near the deadline. Both leave the
         pending set."""
         done, failed = [], []
         for p in self._pending.values():
             group, state = reports.get(p.move.worker, ("", ""))
+            binding = group == p.move.dst and state == "draining"
             if group == p.move.dst and state == "serving":
                 done.append(p)
-            elif now >= p.deadline and not (group == p.move.src and state == "draining"):
+            elif (
+                now >= p.deadline
+                and not (group == p.move.src and state == "draining")
+                and not (binding and now < p.deadline + BIND_GRACE_S)
+            ):
                 failed.append(p)
         for p in (*done, *failed):
             del self._pending[p.move.worker]

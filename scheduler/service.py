@@ -191,7 +191,10 @@ class SchedulerService:
         self._unsaved: dict[str, BreakerRecord] = {}  # breaker states the bucket lacks
         # group -> alerts waiting for its record to be stored: a transition whose record
         # never was (a failed write, then the lease lost) was undone by the reload.
-        self._alerts: dict[str, list[dict[str, Any]]] = {}
+        self._alerts: dict[str, list[tuple[BreakerRecord, dict[str, Any]]]] = {}
+        # Alerts of records whose write failed as this replica's term ended: one may have
+        # been stored all the same (its acknowledgement lost), which the next load tells.
+        self._unconfirmed: dict[str, list[tuple[BreakerRecord, dict[str, Any]]]] = {}
         self._breaker_written: dict[str, float] = {}  # group -> when this replica last wrote it
         self._history_saved = 0.0
         self._stop_requested = asyncio.Event()
@@ -431,7 +434,9 @@ class SchedulerService:
                     if age_ms > BREAKER_STALE_S * 1000
                     else f"record of scheduler {record.scheduler or '?'} (fence {record.fence})"
                 )
-                self._alert(group, record.state, "closed", why, closed)
+                # Stamped now: the closed state's start (this breaker's) may be older than
+                # the record it resolves, and a receiver ordering by time kept that open.
+                self._alert(group, record.state, "closed", why, closed, closed.written_ms)
 
     def _breaker_sample(self, group: str, sample: GroupSample) -> BreakerSample:
         kind = self.config.groups[group].breaker.p99_kind
@@ -472,26 +477,47 @@ class SchedulerService:
                 self._cap_sent[report.worker] = self._clock()
 
     def _alert(
-        self, group: str, source: State, target: State, reason: str, record: BreakerRecord
+        self,
+        group: str,
+        source: State,
+        target: State,
+        reason: str,
+        record: BreakerRecord,
+        ts_ms: int | None = None,
     ) -> None:
-        """Queue the alert of ``group``'s move to ``record``; sent once the record is stored."""
-        self._alerts.setdefault(group, []).append(
-            {
-                "group": group,
-                "from": source,
-                "to": target,
-                "reason": reason,
-                "fallback": self.config.groups[group].fallback,
-                "batch_cap": record.batch_cap,
-                "ts_ms": record.since_ms,
-                "scheduler": self.id,
-            }
-        )
+        """Queue the alert of ``group``'s move to ``record``; sent once the record is stored.
+        ``ts_ms``: when it happened (default: when the record's state began)."""
+        event = {
+            "group": group,
+            "from": source,
+            "to": target,
+            "reason": reason,
+            "fallback": self.config.groups[group].fallback,
+            "batch_cap": record.batch_cap,
+            "ts_ms": record.since_ms if ts_ms is None else ts_ms,
+            "scheduler": self.id,
+        }
+        self._alerts.setdefault(group, []).append((record, event))
 
     def _drop_unsaved(self) -> None:
-        """Forget the records not stored and their alerts: the bucket's word counts now."""
+        """Forget the records not stored: the bucket's word counts now. Their alerts wait
+        for the next load, which tells whether one was stored after all."""
         self._unsaved.clear()
+        for group, queued in self._alerts.items():
+            self._unconfirmed.setdefault(group, []).extend(queued)
         self._alerts.clear()
+
+    def _confirm_alerts(self, group: str, record: BreakerRecord | None) -> None:
+        """Send the alerts that led to ``record``, the one the bucket holds, if this replica
+        wrote it (its write took effect though its acknowledgement was lost); drop the rest."""
+        queued = self._unconfirmed.pop(group, [])
+        stored = next(
+            (i for i, (r, _) in enumerate(queued) if record is not None and r == record), None
+        )
+        if stored is None:
+            return
+        for _, event in queued[: stored + 1]:
+            self.alerter.breaker(event)
 
     def _record(self, group: str, state: State, since: float, reason: str) -> BreakerRecord:
         """The bucket's record of ``group``'s breaker in ``state`` since ``since`` (our clock)."""
@@ -511,7 +537,7 @@ class SchedulerService:
         for group, record in list(self._unsaved.items()):
             if not self.acts:
                 return  # kept unsaved: a new term reloads the bucket and starts over
-            events = list(self._alerts.get(group, ()))  # this record's, for now
+            events = [event for _, event in self._alerts.get(group, ())]  # up to this record
             try:
                 await self.kv.put(breaker_key(group), record.to_bytes())
             except Exception as exc:
@@ -578,6 +604,7 @@ class SchedulerService:
         for key, until in self._seen_move_cooldowns(now).items():
             cooldown[key] = max(cooldown.get(key, 0.0), until)
         self.rebalancer_state = replace(self.rebalancer_state, cooldown_until=cooldown)
+        await self._load_served()
         views = []
         for group, gc in self.config.groups.items():
             stats = self.windows.stats(group, now, self.queue_depths[group])
@@ -753,6 +780,7 @@ class SchedulerService:
                 record = BreakerRecord.from_bytes(entry.value)
             except nats.js.errors.KeyNotFoundError:
                 record = None
+            self._confirm_alerts(group, record)
             written_ms = record.written_ms or record.since_ms if record is not None else 0
             if (
                 record is not None
@@ -805,13 +833,24 @@ class SchedulerService:
             breaker.recall(((s.at, self._breaker_sample(group, s)) for s in samples), now)
 
     async def _load_served(self) -> None:
-        """The groups a scheduler saw served (``served.<group>``), this one's or another's."""
+        """The groups a scheduler saw served (``served.<group>``, this one's or another's)
+        and those live now: rebuilt each time, so a key an operator deleted (a group meant
+        to stay empty) is forgotten by every scheduler, not only by one restarted."""
         assert self.kv is not None
+        present: set[str] = set()
         for group in self.groups:
-            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            try:
                 await self.kv.get(served_key(group))
-                self.served_groups.add(group)
-                self._served_saved.add(group)
+                present.add(group)
+            except nats.js.errors.KeyNotFoundError:
+                pass
+            except Exception as exc:  # unread: as it was
+                log.warning("served.%s: reading it failed: %s", group, exc)
+                if group in self._served_saved:
+                    present.add(group)
+        live = {g for g in self.groups if self.windows.replicas(g)}
+        self.served_groups = present | live
+        self._served_saved = present
 
     async def _save_served(self) -> None:
         """Leader only: a group seen served for the first time is recorded for good."""

@@ -264,6 +264,7 @@ class DictTier:
     def __init__(self) -> None:
         self.blocks: dict[bytes, np.ndarray] = {}
         self.lookups = 0
+        self.stored = 0  # blocks offered
 
     def bind(self, model: str, seed: int, layout: object, weights_device: str = "") -> None:
         pass
@@ -279,6 +280,7 @@ class DictTier:
         return [self.blocks[h].data for h in self._held(hashes)]
 
     def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
+        self.stored += len(hashes)
         for h, row in zip(hashes, data, strict=True):
             self.blocks[h] = row.copy()
 
@@ -317,6 +319,25 @@ def test_the_kv_tier_is_not_asked_for_a_prompt_that_owes_logprobs(root: str) -> 
     third.add_request("plain", prompt_token_ids=prompt, params=GREEDY)
     drain(third)
     assert third.stats().kv_tier_hits == 24
+
+
+def test_a_prompt_recomputed_for_its_logprobs_is_not_written_through_again(root: str) -> None:
+    """Its blocks are copies of blocks another request named (and wrote through): offered
+    again, they were copied off the device and stored twice, using up the budget."""
+    path = checkpoint("llama", root)
+    prompt = prompts(BS, seed=7)[-1] * 2  # 28 tokens: 7 full blocks
+    tier = DictTier()
+    eng = LLMEngine(
+        EngineArgs(str(path), dtype="float32", block_size=BS, num_kv_blocks=64),
+        kv_tier=tier,
+    )
+    eng.add_request("warm", prompt_token_ids=prompt, params=GREEDY)
+    drain(eng)
+    written = tier.stored
+    assert written >= 7
+    eng.add_request("asks", prompt_token_ids=prompt, params=asking(0))
+    drain(eng)
+    assert tier.stored - written <= 1  # at most the block its first token completed
 
 
 # --- preemption ---------------------------------------------------------------------------

@@ -70,6 +70,39 @@ async def test_a_transition_whose_record_was_never_stored_sends_no_alert(nats_co
         assert sent == [] and not service._unsaved
 
 
+async def test_a_record_stored_whose_acknowledgement_was_lost_still_gets_its_alert(
+    nats_config, monkeypatch
+):
+    """The put reached the server, its answer did not, and the lease went: the bucket holds
+    the open record (traffic is diverted) but the alert was dropped with the unsaved ones."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        sent = recorded(service, monkeypatch)
+        assert service.kv is not None
+        real_put = service.kv.put
+
+        async def stored_then_timed_out(key: str, value: bytes, *a: Any, **kw: Any) -> int:
+            revision = await real_put(key, value, *a, **kw)
+            if key.startswith("breaker."):
+                raise TimeoutError("JetStream timed out")
+            return revision
+
+        with monkeypatch.context() as acking:
+            acking.setattr(service.kv, "put", stored_then_timed_out)
+            await open_short(service, now)
+            assert sent == [] and "short" in service._unsaved
+            assert service.lease is not None
+
+            async def lost() -> bool:
+                assert service.lease is not None
+                service.lease.held = False
+                return False
+
+            acking.setattr(service.lease, "refresh", lost)
+            await service._refresh_lease()
+        assert service.breakers["short"].state == "open"  # the bucket's word: stored
+        assert [(e["from"], e["to"]) for e in sent] == [("closed", "open")]
+
+
 async def test_an_alert_goes_once_its_record_is_stored(nats_config, monkeypatch):
     async with hand_driven(make_config(nats_config)) as (service, now):
         sent = recorded(service, monkeypatch)
@@ -106,5 +139,8 @@ async def test_a_stale_open_record_read_as_closed_gets_its_resolving_alert(
         assert [(a["group"], a["from"], a["to"], a["reason"]) for a in sent] == [
             ("long", "open", "closed", STALE_RECORD_REASON)
         ]
+        # Stamped when it resolved, after the opening it resolves (a receiver ordering by
+        # time kept an earlier-stamped close behind the open).
+        assert sent[0]["ts_ms"] > stale.since_ms and sent[0]["ts_ms"] >= wall_ms
         record = BreakerRecord.from_bytes((await kv.get(breaker_key("long"))).value)
         assert record is not None and record.state == "closed"

@@ -193,6 +193,26 @@ def test_a_half_open_breaker_that_no_probe_reaches_closes_after_max_half_open_s(
     assert "0 of 0 probes failed" in t.reason
 
 
+def test_the_sample_that_arrives_at_the_time_limit_is_judged_too():
+    """It was judged without its own probes, then dropped with the window: the probes that
+    failed in it read as none, and the breaker closed."""
+    b = opened()
+    b.tick(10.0)
+    failed = BreakerSample(0, requests=2, errors=2)
+    t = b.observe(failed, 10.0 + S.max_half_open_s)
+    assert t is not None and (t.source, t.target) == ("half_open", "open")
+
+
+def test_a_restored_half_open_breaker_counts_its_time_from_the_restore():
+    """A new leader restores the state and its start, not the probes the old one counted:
+    judged at once on its few seconds of evidence, it closed a group still failing."""
+    b = Breaker("short", S)
+    b.restore("half_open", since=0.0)
+    assert b.tick(S.max_half_open_s + 5.0) is None  # its own count starts here
+    t = b.tick(2 * S.max_half_open_s + 5.0)
+    assert t is not None and t.target == "closed"
+
+
 def test_a_half_open_breaker_whose_few_probes_failed_reopens_after_max_half_open_s():
     b = opened()
     b.tick(10.0)

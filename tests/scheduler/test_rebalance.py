@@ -208,6 +208,23 @@ async def test_a_standby_that_saw_a_group_served_refills_it_when_it_takes_over(n
         assert [(m.worker, m.src, m.dst) for m in service.moves] == [("a", "short", "long")]
 
 
+def test_a_worker_still_binding_in_its_destination_has_a_grace_past_the_deadline():
+    """It drained in its source to near the deadline, then its binds retried: counted
+    failed, though it served a moment later."""
+    from scheduler.moves import BIND_GRACE_S, PendingMoves
+    from scheduler.rebalancer import Move
+
+    moves = PendingMoves(deadline_s=30.0)
+    moves.ordered(Move("a", "short", "long", "backlog"), 0.0, 60.0)
+    binding = {"a": ("long", "draining")}
+    assert moves.settle(binding, 31.0) == ([], []) and len(moves) == 1
+    done, failed = moves.settle({"a": ("long", "serving")}, 35.0)
+    assert [p.move.worker for p in done] == ["a"] and not failed
+    moves.ordered(Move("a", "short", "long", "backlog"), 0.0, 60.0)
+    _, failed = moves.settle(binding, 30.0 + BIND_GRACE_S)
+    assert [p.move.worker for p in failed] == ["a"]
+
+
 async def test_a_move_whose_bind_failed_is_not_counted_done(nats_config):
     """A moving worker names its new group as it starts binding, and reports it there while
     still draining: one report settled the move as done, though the bind then failed and

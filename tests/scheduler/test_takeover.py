@@ -8,7 +8,7 @@ import time
 
 from common.nats import barrier
 from common.protocol import Control, Telemetry
-from scheduler.records import BreakerRecord, breaker_key
+from scheduler.records import BreakerRecord, breaker_key, served_key
 from tests.scheduler.conftest import hand_driven, make_config, until
 
 
@@ -92,3 +92,31 @@ async def test_a_restarted_scheduler_refills_a_group_that_lost_its_last_replica_
             second.windows.sample(now[0], second.queue_depths)
             await second.rebalance()
         assert [(m.worker, m.src, m.dst) for m in second.moves] == [("a", "short", "long")]
+
+
+async def test_deleting_a_groups_served_record_stops_its_refill_without_a_restart(
+    nats_config,
+):
+    """The README's way to keep a group empty: delete ``served.<group>``. The leader (and
+    every standby) kept the group in memory, and refilled it until all were restarted."""
+    config = make_config(nats_config)
+    async with hand_driven(config) as (sched, now):
+        now[0] += 0.6
+        for worker, group in (("l1", "long"), ("a", "short")):
+            sched.windows.observe(Telemetry(worker=worker, group=group, ts_ms=0), now[0])
+        sched.queue_depths.update(short=0, long=0)
+        await sched.rebalance()
+        assert "long" in sched.served_groups
+        assert sched.kv is not None
+        # long emptied on purpose (its worker stopped), and its record deleted
+        stopped = Telemetry(worker="l1", group="long", ts_ms=0, state="stopped")
+        sched.windows.observe(stopped, now[0])
+        await sched.kv.delete(served_key("long"))
+        for _ in range(5):
+            now[0] += 0.6
+            for worker in ("a", "b", "c"):
+                sched.windows.observe(Telemetry(worker=worker, group="short", ts_ms=0), now[0])
+            sched.queue_depths.update(short=0, long=0)
+            sched.windows.sample(now[0], sched.queue_depths)
+            await sched.rebalance()
+        assert "long" not in sched.served_groups and not sched.moves

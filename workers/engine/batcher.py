@@ -195,15 +195,20 @@ class Batcher:
             self.pool.cache_full_blocks(req, seq.start_pos)
             first, last = seq.start_pos // bs, req.num_computed_tokens // bs
             if stores and first < last:
-                n = last - first if budget is None else min(last - first, budget)
-                if n:
-                    hashes = self.pool.update_hashes(req)
-                    plan.kv_stores += [
-                        (hashes[i], req.block_table[i]) for i in range(first, first + n)
-                    ]
+                hashes = self.pool.update_hashes(req)
+                # Only the blocks that took their names: another block named the same was
+                # offered by whoever computed it first (a request that computes its whole
+                # prompt for its logprobs wrote a shared prefix again, using up the budget).
+                blocks = self.pool.blocks
+                named = [
+                    i for i in range(first, last)
+                    if blocks[req.block_table[i]].block_hash == hashes[i]
+                ]  # fmt: skip
+                n = len(named) if budget is None else min(len(named), budget)
+                plan.kv_stores += [(hashes[i], req.block_table[i]) for i in named[:n]]
                 if budget is not None:
                     budget -= n
-                skipped += last - first - n
+                skipped += len(named) - n
             elif write_through and first < last:
                 skipped += last - first
         if skipped and tier is not None:

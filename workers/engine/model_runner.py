@@ -445,7 +445,7 @@ class ModelRunner:
         for start in range(0, n, PROMPT_LOGPROBS_ROWS):
             end = min(n, start + PROMPT_LOGPROBS_ROWS)
             logits = self.model.compute_logits(hidden[rows_d[start:end]])
-            raw = torch.log_softmax(logits.float(), dim=-1)
+            raw = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # one fp32 copy
             c, v, i = pick_logprobs(raw, targets_d[start:end], k)
             chosen[start:end] = c
             if values is not None and ids is not None and v is not None and i is not None:
