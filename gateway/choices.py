@@ -24,7 +24,6 @@ import copy
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -41,25 +40,23 @@ from gateway.generate import (
     INLINE_LOGPROB_ENTRIES,
     SSE_HEADERS,
     ClientGone,
+    Event,
     Flight,
     Generator,
     json_bytes,
     logprob_entries,
-    opening_events,
     shaped,
+    sse_events,
 )
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from gateway.responses import Echo, Kind, Shaper, merge, usage_dict
-from gateway.streams import SSE_DONE, WRITE_STALL_S, ClientClosedRequest, Delivery, SseResponse
+from gateway.streams import WRITE_STALL_S, ClientClosedRequest, Delivery, SseResponse
 
 log = logging.getLogger(__name__)
 
 
 def scores_only(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return isinstance(body, CompletionRequest) and body.scores_only()
-
-
-Event = tuple[int, Delivery]  # a choice's index and its next delivery
 
 
 class ChoiceRun:
@@ -237,6 +234,15 @@ class ChoiceRun:
         completion = sum(f.completion_tokens for f in self.flights if f is not None)
         return usage_dict(self.prompt_tokens, completion, cached)
 
+    async def next_streamed(self) -> Event:
+        """:meth:`next_event` for a streamed response (its own task notices the client)."""
+        return await self.next_event(poll_disconnect=False)
+
+    def shaper(self, i: int) -> Shaper:
+        flight = self.flights[i]
+        assert flight is not None  # it delivered
+        return flight.shaper
+
     def headers(self, i: int = 0) -> dict[str, str]:
         """Choice ``i``'s headers (the response's id, group, fallback), once it took off."""
         flight = self.flights[i]
@@ -286,7 +292,7 @@ async def serve_choices(
         if not body.stream:
             return await _whole(run, first)
         response = SseResponse(
-            _events(run, first),
+            sse_events(first, run.next_streamed, run.shaper, run.count, run.usage, run.land),
             headers={**run.headers(first[0]), **SSE_HEADERS},
             on_disconnect=run.hang_up,
             on_close=run.land,
@@ -335,54 +341,3 @@ async def _whole(run: ChoiceRun, first: Event) -> Response:
     run.land(200, reasons[0])
     content = await json_bytes(answer, entries > INLINE_LOGPROB_ENTRIES)
     return Response(content, media_type="application/json", headers=run.headers(0))
-
-
-async def _events(run: ChoiceRun, first: Event) -> AsyncIterator[bytes]:
-    """The choices' chunks as they come; a chat choice's first one carries its role, an
-    echoing completion's its prompt."""
-    status = 500
-    opened: set[int] = set()  # choices whose opening chunk (role, echo) went out
-    done = 0
-    reason: str | None = None
-    try:
-        i, delivery = first
-        while True:
-            if isinstance(delivery.error, ClientClosedRequest):
-                status = 499
-                return  # nobody to tell; landing aborts the workers
-            if delivery.error is not None:
-                status = delivery.error.http_status
-                yield Shaper.error_event(delivery.error) + SSE_DONE
-                return
-            flight = run.flights[i]
-            assert flight is not None  # it delivered
-            shaper = flight.shaper
-            out = b""
-            if i not in opened:
-                opened.add(i)
-                out += await opening_events(shaper, delivery)
-            if delivery.finish_reason is not None:
-                done += 1
-                reason = reason or delivery.finish_reason
-                out += shaper.delta_event(delivery)
-                if done == run.count:
-                    if shaper.include_usage:
-                        out += shaper.usage_event(run.usage())
-                    status = 200
-                    yield out + SSE_DONE
-                    return
-            elif delivery.text or (shaper.logprobs is not None and delivery.token_ids):
-                out += shaper.delta_event(delivery)
-            if out:
-                yield out
-            try:
-                i, delivery = await run.next_event(poll_disconnect=False)
-            except DeadlineExceededError as exc:
-                status = exc.http_status
-                yield Shaper.error_event(exc) + SSE_DONE
-                return
-    except (GeneratorExit, asyncio.CancelledError):
-        status = 499  # the response stopped reading: nothing may await here
-        raise
-    finally:
-        run.land(status, reason)

@@ -18,7 +18,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from typing import Any
@@ -786,50 +786,17 @@ class Generator:
         content = await json_bytes(body, heavy)
         return Response(content, media_type="application/json", headers=flight.headers)
 
-    async def _sse(self, flight: Flight, first: Delivery) -> AsyncIterator[bytes]:
-        shaper = flight.shaper
-        status = 500
-        try:
-            opening = await opening_events(shaper, first)
-            if opening:
-                yield opening
-            delivery = first
-            while True:
-                if isinstance(delivery.error, ClientClosedRequest):
-                    status = 499
-                    return  # nobody to tell; landing aborts the worker
-                if delivery.error is not None:
-                    status = delivery.error.http_status
-                    yield shaper.error_event(delivery.error) + SSE_DONE
-                    return
-                if delivery.finish_reason is not None:
-                    # The last events leave in one write: SseResponse ends the body with it.
-                    last = shaper.delta_event(delivery)
-                    if shaper.include_usage:
-                        usage = usage_dict(
-                            flight.prompt_tokens, flight.completion_tokens, flight.worker_usage
-                        )
-                        last += shaper.usage_event(usage)
-                    status = 200
-                    yield last + SSE_DONE
-                    return
-                if delivery.text or (shaper.logprobs is not None and delivery.token_ids):
-                    event = shaper.delta_event(delivery)
-                    if event:  # all held back (what may begin a tool call's tag)
-                        yield event
-                try:
-                    delivery = await self._next(flight, None)
-                except DeadlineExceededError as exc:
-                    status = exc.http_status
-                    yield shaper.error_event(exc) + SSE_DONE
-                    return
-        except (GeneratorExit, asyncio.CancelledError):
-            # The response stopped reading (client gone, its deadline) or the server is
-            # shutting down: nothing may await here.
-            status = 499
-            raise
-        finally:
-            self._land(flight, status=status)
+    def _sse(self, flight: Flight, first: Delivery) -> AsyncIterator[bytes]:
+        async def next_event() -> Event:
+            return 0, await self._next(flight, None)
+
+        def usage() -> dict[str, Any]:
+            return usage_dict(flight.prompt_tokens, flight.completion_tokens, flight.worker_usage)
+
+        return sse_events(
+            (0, first), next_event, lambda _: flight.shaper, 1, usage,
+            lambda status, _: self._land(flight, status=status),
+        )  # fmt: skip
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -901,6 +868,71 @@ async def shaped(
         shaper.body, whole.text, whole.finish_reason, usage, whole, stop_reason=whole.stop_reason
     )
     return await asyncio.to_thread(work) if heavy else work()
+
+
+Event = tuple[int, Delivery]  # a choice's index and its next delivery
+
+
+async def sse_events(
+    first: Event,
+    next_event: Callable[[], Awaitable[Event]],
+    shaper_of: Callable[[int], Shaper],
+    choices: int,
+    usage: Callable[[], dict[str, Any]],
+    land: Callable[[int, str | None], None],
+) -> AsyncIterator[bytes]:
+    """The SSE body of a response of ``choices`` choices, from its ``first`` delivery on
+    (``next_event`` the next, of any choice): each choice's chunks as they come, its first
+    with its opening (a chat's role, an echo); the usage chunk and ``[DONE]`` once every
+    choice finished; an error event ends it. ``land(status, finish_reason)`` runs however
+    it ends."""
+    status = 500
+    reason: str | None = None
+    done = 0
+    opened: set[int] = set()
+    try:
+        i, delivery = first
+        while True:
+            if isinstance(delivery.error, ClientClosedRequest):
+                status = 499
+                return  # nobody to tell; landing aborts the workers
+            if delivery.error is not None:
+                status = delivery.error.http_status
+                yield Shaper.error_event(delivery.error) + SSE_DONE
+                return
+            shaper = shaper_of(i)
+            out = b""
+            if i not in opened:
+                opened.add(i)
+                out += await opening_events(shaper, delivery)
+            if delivery.finish_reason is not None:
+                done += 1
+                reason = reason or delivery.finish_reason
+                out += shaper.delta_event(delivery)
+                if done == choices:
+                    if shaper.include_usage:
+                        out += shaper.usage_event(usage())
+                    status = 200
+                    # The last events leave in one write: SseResponse ends the body with it.
+                    yield out + SSE_DONE
+                    return
+            elif delivery.text or (shaper.logprobs is not None and delivery.token_ids):
+                out += shaper.delta_event(delivery)  # maybe nothing: a tool call's tag held
+            if out:
+                yield out
+            try:
+                i, delivery = await next_event()
+            except DeadlineExceededError as exc:
+                status = exc.http_status
+                yield Shaper.error_event(exc) + SSE_DONE
+                return
+    except (GeneratorExit, asyncio.CancelledError):
+        # The response stopped reading (client gone, its deadline) or the server is
+        # shutting down: nothing may await here.
+        status = 499
+        raise
+    finally:
+        land(status, reason)
 
 
 async def opening_events(shaper: Shaper, first: Delivery) -> bytes:
