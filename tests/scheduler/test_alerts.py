@@ -40,6 +40,19 @@ def breaker_writes_fail(service: SchedulerService, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(service.kv, "put", put)
 
 
+async def lose_the_lease(service: SchedulerService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease is lost at the next refresh, which runs now."""
+    assert service.lease is not None
+
+    async def lost() -> bool:
+        assert service.lease is not None
+        service.lease.held = False
+        return False
+
+    monkeypatch.setattr(service.lease, "refresh", lost)
+    await service._refresh_lease()
+
+
 async def open_short(service: SchedulerService, now: list[float]) -> None:
     for done in (5, 10, 15):  # the minimum of samples, all slow
         now[0] += 0.25
@@ -57,15 +70,7 @@ async def test_a_transition_whose_record_was_never_stored_sends_no_alert(nats_co
         await open_short(service, now)
         assert service.breakers["short"].state == "open" and "short" in service._unsaved
         assert sent == []
-        assert service.lease is not None
-
-        async def lost() -> bool:
-            assert service.lease is not None
-            service.lease.held = False
-            return False
-
-        monkeypatch.setattr(service.lease, "refresh", lost)
-        await service._refresh_lease()
+        await lose_the_lease(service, monkeypatch)
         assert service.breakers["short"].state == "closed"  # the bucket's word
         assert sent == [] and not service._unsaved
 
@@ -90,15 +95,7 @@ async def test_a_record_stored_whose_acknowledgement_was_lost_still_gets_its_ale
             acking.setattr(service.kv, "put", stored_then_timed_out)
             await open_short(service, now)
             assert sent == [] and "short" in service._unsaved
-            assert service.lease is not None
-
-            async def lost() -> bool:
-                assert service.lease is not None
-                service.lease.held = False
-                return False
-
-            acking.setattr(service.lease, "refresh", lost)
-            await service._refresh_lease()
+            await lose_the_lease(service, acking)
         assert service.breakers["short"].state == "open"  # the bucket's word: stored
         assert [(e["from"], e["to"]) for e in sent] == [("closed", "open")]
 

@@ -9,6 +9,7 @@ import time
 from common.nats import barrier
 from common.protocol import Control, Telemetry
 from scheduler.records import BreakerRecord, breaker_key, served_key
+from scheduler.service import SchedulerService
 from tests.scheduler.conftest import hand_driven, make_config, until
 
 
@@ -67,6 +68,27 @@ async def test_a_new_term_while_holding_the_lease_drops_the_earlier_terms_unsave
         assert stored == newer
 
 
+async def long_served_once(sched: SchedulerService, now: list[float]) -> None:
+    """long's one worker (l1) and short's (a) report; a rebalance sees long served."""
+    now[0] += 0.6
+    for worker, group in (("l1", "long"), ("a", "short")):
+        sched.windows.observe(Telemetry(worker=worker, group=group, ts_ms=0), now[0])
+    sched.queue_depths.update(short=0, long=0)
+    await sched.rebalance()
+    assert "long" in sched.served_groups
+
+
+async def short_only_rounds(sched: SchedulerService, now: list[float], rounds: int = 5) -> None:
+    """Rebalances with three short workers reporting, and none of long."""
+    for _ in range(rounds):
+        now[0] += 0.6
+        for worker in ("a", "b", "c"):
+            sched.windows.observe(Telemetry(worker=worker, group="short", ts_ms=0), now[0])
+        sched.queue_depths.update(short=0, long=0)
+        sched.windows.sample(now[0], sched.queue_depths)
+        await sched.rebalance()
+
+
 async def test_a_restarted_scheduler_refills_a_group_that_lost_its_last_replica_before(
     nats_config,
 ):
@@ -76,21 +98,10 @@ async def test_a_restarted_scheduler_refills_a_group_that_lost_its_last_replica_
     while the gateway answers it 503)."""
     config = make_config(nats_config)
     async with hand_driven(config) as (first, now):
-        now[0] += 0.6
-        for worker, group in (("l1", "long"), ("a", "short")):
-            first.windows.observe(Telemetry(worker=worker, group=group, ts_ms=0), now[0])
-        first.queue_depths.update(short=0, long=0)
-        await first.rebalance()
-        assert "long" in first.served_groups
+        await long_served_once(first, now)
     async with hand_driven(config) as (second, now):  # l1 is gone
         assert second.acts
-        for _ in range(5):
-            now[0] += 0.6
-            for worker in ("a", "b", "c"):
-                second.windows.observe(Telemetry(worker=worker, group="short", ts_ms=0), now[0])
-            second.queue_depths.update(short=0, long=0)
-            second.windows.sample(now[0], second.queue_depths)
-            await second.rebalance()
+        await short_only_rounds(second, now)
         assert [(m.worker, m.src, m.dst) for m in second.moves] == [("a", "short", "long")]
 
 
@@ -101,22 +112,11 @@ async def test_deleting_a_groups_served_record_stops_its_refill_without_a_restar
     every standby) kept the group in memory, and refilled it until all were restarted."""
     config = make_config(nats_config)
     async with hand_driven(config) as (sched, now):
-        now[0] += 0.6
-        for worker, group in (("l1", "long"), ("a", "short")):
-            sched.windows.observe(Telemetry(worker=worker, group=group, ts_ms=0), now[0])
-        sched.queue_depths.update(short=0, long=0)
-        await sched.rebalance()
-        assert "long" in sched.served_groups
+        await long_served_once(sched, now)
         assert sched.kv is not None
         # long emptied on purpose (its worker stopped), and its record deleted
         stopped = Telemetry(worker="l1", group="long", ts_ms=0, state="stopped")
         sched.windows.observe(stopped, now[0])
         await sched.kv.delete(served_key("long"))
-        for _ in range(5):
-            now[0] += 0.6
-            for worker in ("a", "b", "c"):
-                sched.windows.observe(Telemetry(worker=worker, group="short", ts_ms=0), now[0])
-            sched.queue_depths.update(short=0, long=0)
-            sched.windows.sample(now[0], sched.queue_depths)
-            await sched.rebalance()
+        await short_only_rounds(sched, now)
         assert "long" not in sched.served_groups and not sched.moves
