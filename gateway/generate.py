@@ -85,6 +85,9 @@ INLINE_RENDER_MESSAGES = 32
 # Logprob entries (tokens x alternatives) a whole body builds on the event loop; more, on a
 # thread (an echoed 8k-token prompt with 20 alternatives took ~0.2 s of the loop).
 INLINE_LOGPROB_ENTRIES = 20_000
+# An event this big (an echoed prompt's logprobs) goes out as a write of its own, not copied
+# into one with the events after it.
+BIG_EVENT_BYTES = 64 * 1024
 # Room in a chunk carrying prompt logprobs for everything else it holds.
 PROMPT_LOGPROBS_SLACK = 16_384
 # Prompt tokens of more than this, echoed, are decoded on a thread.
@@ -901,23 +904,28 @@ async def sse_events(
                 yield Shaper.error_event(delivery.error) + SSE_DONE
                 return
             shaper = shaper_of(i)
-            out = b""
+            parts: list[bytes] = []
             if i not in opened:
                 opened.add(i)
-                out += await opening_events(shaper, delivery)
+                opening = await opening_events(shaper, delivery)
+                if len(opening) > BIG_EVENT_BYTES:
+                    yield opening  # an echoed prompt's logprobs: not copied into the rest
+                else:
+                    parts.append(opening)
             if delivery.finish_reason is not None:
                 done += 1
                 reason = reason or delivery.finish_reason
-                out += shaper.delta_event(delivery)
+                parts.append(shaper.delta_event(delivery))
                 if done == choices:
                     if shaper.include_usage:
-                        out += shaper.usage_event(usage())
+                        parts.append(shaper.usage_event(usage()))
                     status = 200
                     # The last events leave in one write: SseResponse ends the body with it.
-                    yield out + SSE_DONE
+                    yield b"".join((*parts, SSE_DONE))
                     return
             elif delivery.text or (shaper.logprobs is not None and delivery.token_ids):
-                out += shaper.delta_event(delivery)  # maybe nothing: a tool call's tag held
+                parts.append(shaper.delta_event(delivery))  # maybe b"": a tool call's tag held
+            out = b"".join(parts)  # one part: that part, not a copy
             if out:
                 yield out
             try:
