@@ -55,10 +55,6 @@ from gateway.streams import WRITE_STALL_S, ClientClosedRequest, Delivery, SseRes
 log = logging.getLogger(__name__)
 
 
-def scores_only(body: CompletionRequest | ChatCompletionRequest) -> bool:
-    return isinstance(body, CompletionRequest) and body.scores_only()
-
-
 class ChoiceRun:
     """The choices of one request in flight: ``n`` for each of its prompts."""
 
@@ -125,7 +121,7 @@ class ChoiceRun:
             self.trace = traced.admitted(
                 gen._tracer, self.request.scope, kind=self.kind, model=gen._model,
                 group=route.group, request_id=self.response_id, body=self.body,
-                max_tokens=0 if scores_only(self.body) else classified.max_tokens,
+                max_tokens=0 if self.body.scores_only() else classified.max_tokens,
                 prompt_tokens=self.prompt_tokens,
             )  # fmt: skip
         for k in range(self.count):

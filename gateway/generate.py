@@ -223,10 +223,10 @@ class Generator:
             logprobs = body.top_logprobs_count()
             prompts, prompt_param = await self.prompts(body, big=len(raw) > INLINE_TOKENIZE_CHARS)
             max_tokens = (
-                body.requested_max_tokens()
-                if isinstance(body, ChatCompletionRequest)
-                else 1  # generated and dropped: see CompletionRequest.scores_only
+                1  # generated and dropped: see CompletionRequest.scores_only
                 if body.scores_only()
+                else body.requested_max_tokens()
+                if isinstance(body, ChatCompletionRequest)
                 else body.max_tokens
             )
             # A batch goes to one group, the one its longest prompt needs.
@@ -641,7 +641,7 @@ class Generator:
         return Flight(
             route, stream, shaper, len(prompt_ids), started, started + deadline_ms / 1000,
             headers=headers, quiet=choice is not None,
-            scores_only=isinstance(body, CompletionRequest) and body.scores_only(),
+            scores_only=body.scores_only(),
         )  # fmt: skip
 
     async def _publish(

@@ -297,6 +297,10 @@ class _SamplingBody(_Strict):
         """How many alternatives each prompt token's logprob comes with, when asked."""
         return None
 
+    def scores_only(self) -> bool:
+        """Whether only the prompt's scores are asked (a completion's; see there)."""
+        return False
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
