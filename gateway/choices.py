@@ -329,9 +329,9 @@ async def _whole(run: ChoiceRun, first: Event) -> Response:
         assert flight is not None  # it delivered
         whole = merge(parts)
         reasons.append(whole.finish_reason)
-        heavy = logprob_entries(flight.shaper, whole) > INLINE_LOGPROB_ENTRIES
-        body = await shaped(flight.shaper, whole, usage, heavy)
-        entries += logprob_entries(flight.shaper, whole)
+        mine = logprob_entries(flight.shaper, len(whole.token_ids))
+        body = await shaped(flight.shaper, whole, usage, mine > INLINE_LOGPROB_ENTRIES)
+        entries += mine
         choices.extend(body["choices"])
     answer = {**body, "choices": choices, "usage": usage}
     run.land(200, reasons[0])

@@ -783,7 +783,7 @@ class Generator:
             deliveries.append(delivery)
         whole = merge(deliveries)
         usage = usage_dict(flight.prompt_tokens, flight.completion_tokens, flight.worker_usage)
-        heavy = logprob_entries(flight.shaper, whole) > INLINE_LOGPROB_ENTRIES
+        heavy = logprob_entries(flight.shaper, len(whole.token_ids)) > INLINE_LOGPROB_ENTRIES
         body = await shaped(flight.shaper, whole, usage, heavy)
         self._land(flight, status=200)
         content = await json_bytes(body, heavy)
@@ -854,11 +854,12 @@ class Generator:
         return "".join(detokenizer.add(t) for t in new) + detokenizer.flush()
 
 
-def logprob_entries(shaper: Shaper, whole: Delivery) -> int:
-    """How many logprob entries a whole answer's body holds (0 when none are asked)."""
+def logprob_entries(shaper: Shaper, generated: int) -> int:
+    """How many logprob entries a body with ``generated`` tokens (and the echoed prompt's)
+    holds: 0 when none are asked."""
     if shaper.logprobs is None:
         return 0
-    tokens = len(whole.token_ids) + (len(shaper.echo.ids) if shaper.echo is not None else 0)
+    tokens = generated + (len(shaper.echo.ids) if shaper.echo is not None else 0)
     return tokens * (shaper.logprobs + 1)
 
 
@@ -945,13 +946,7 @@ async def sse_events(
 
 async def opening_events(shaper: Shaper, first: Delivery) -> bytes:
     """:meth:`Shaper.opening_events`; an echoed prompt's many logprobs built on a thread."""
-    echo = shaper.echo
-    heavy = (
-        echo is not None
-        and shaper.logprobs is not None
-        and len(echo.ids) * (shaper.logprobs + 1) > INLINE_LOGPROB_ENTRIES
-    )
-    if heavy:
+    if logprob_entries(shaper, 0) > INLINE_LOGPROB_ENTRIES:
         return await asyncio.to_thread(shaper.opening_events, first)
     return shaper.opening_events(first)
 

@@ -357,8 +357,7 @@ class Shaper:
         # The chosen token's entry too, whether or not it is among the best (OpenAI: "up to
         # logprobs+1 elements"; with logprobs 0, that entry alone).
         top = [
-            {_completion_token(t): _clamp(v) for t, v in self._top(delivery.top_logprobs, i)}
-            | {token: token_logprobs[i]}
+            self._legacy_top(delivery.top_logprobs, i, token, token_logprobs[i])
             for i, token in enumerate(tokens[: len(token_logprobs)])
         ]
         return {
@@ -387,14 +386,20 @@ class Shaper:
             if value is None:
                 top.append(None)
                 continue
-            pairs = self._top(tops, j - 1)
-            top.append({_completion_token(t): _clamp(v) for t, v in pairs} | {token: _clamp(value)})
+            top.append(self._legacy_top(tops, j - 1, token, _clamp(value)))
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
             "top_logprobs": top,
             "text_offset": list(offsets),
         }
+
+    def _legacy_top(
+        self, tops: Sequence[TopLogprobs], i: int, token: str, logprob: float
+    ) -> dict[str, float]:
+        """Position ``i``'s legacy ``top_logprobs`` entry: its alternatives, and the chosen
+        ``token`` too, whether or not among the best (OpenAI: "up to logprobs+1 elements")."""
+        return {_completion_token(t): _clamp(v) for t, v in self._top(tops, i)} | {token: logprob}
 
     def _top(self, tops: Sequence[TopLogprobs], i: int) -> list[tuple[bytes, float]]:
         """Position ``i``'s alternatives as (token bytes, logprob), best first."""
