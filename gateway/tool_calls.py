@@ -203,6 +203,17 @@ class ToolCallStream:
         self._blank = ""
         return self._taken()
 
+    def _content_until(self, tag: str) -> bool:
+        """Send the pending content up to ``tag``, or, without it yet, all but what may be
+        its start; True (the pending text then begins with the tag) when it was found."""
+        pending = self._pending
+        at = pending.find(tag)
+        if at < 0:
+            at = len(pending) - _partial_tag(pending, tag)  # held: what may become the tag
+        self._content(pending[:at])
+        self._pending = pending[at:]
+        return self._pending.startswith(tag)
+
     def _taken(self) -> list[tuple[str, Any]]:
         out, self._pieces = self._pieces, []
         return out
@@ -280,15 +291,10 @@ class HermesCalls(ToolCallStream):
             self._close_block(pending[:end], tail=CLOSE)
             self._pending, self._in_block = pending[end + len(CLOSE) :], False
             return True
-        start = pending.find(OPEN)
-        if start >= 0:
-            self._content(pending[:start])
-            self._pending, self._in_block = pending[start + len(OPEN) :], True
-            return True
-        keep = _partial_tag(pending)  # hold back what may become "<tool_call>"
-        self._content(pending[: len(pending) - keep])
-        self._pending = pending[len(pending) - keep :]
-        return False
+        if not self._content_until(OPEN):
+            return False
+        self._pending, self._in_block = self._pending[len(OPEN) :], True
+        return True
 
     def _close_block(self, block: str, tail: str = "") -> None:
         call = _call(block)
@@ -337,14 +343,7 @@ class MistralCalls(ToolCallStream):
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self._pending += text
         if not self._held:
-            at = self._pending.find(MISTRAL_TAG)
-            if at >= 0:
-                self._content(self._pending[:at])
-                self._pending, self._held = self._pending[at:], True
-            else:
-                keep = _partial_tag(self._pending, MISTRAL_TAG)
-                self._content(self._pending[: len(self._pending) - keep])
-                self._pending = self._pending[len(self._pending) - keep :]
+            self._held = self._content_until(MISTRAL_TAG)
         return self._taken()
 
     def finish(self) -> list[tuple[str, Any]]:
