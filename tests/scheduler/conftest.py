@@ -169,13 +169,6 @@ class Observer:
         states = self.states(group)
         return states[-1] if states else "closed"
 
-    def caps(self, subject_suffix: str) -> list[int | None]:
-        return [
-            c.batch_cap
-            for s, c in self.controls
-            if c.action == "set_batch_cap" and s.endswith(subject_suffix)
-        ]
-
 
 async def until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
     """Wait for ``predicate``; returns the seconds it took; fails naming ``what``."""
@@ -218,6 +211,30 @@ class Load:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pacer
         return await asyncio.gather(*self.requests, return_exceptions=True)
+
+    async def abort(self) -> None:
+        """Cancel what is still running and read every outcome (a failed test's leftovers
+        would otherwise log "exception was never retrieved" into a later test)."""
+        for task in [self._pacer, *self.requests]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(
+            *[t for t in [self._pacer, *self.requests] if t], return_exceptions=True
+        )
+
+
+@pytest.fixture
+async def start_load(client: QosClient) -> AsyncIterator[Callable[[str, float], Load]]:
+    """``start_load(group, per_s)``: a started :class:`Load`, aborted at teardown."""
+    loads: list[Load] = []
+
+    def start(group: str, per_s: float) -> Load:
+        loads.append(Load(client, group, per_s).start())
+        return loads[-1]
+
+    yield start
+    for load in loads:
+        await load.abort()
 
 
 @contextlib.asynccontextmanager

@@ -20,7 +20,7 @@ import pytest
 
 from gateway.workers_view import decode_breaker
 from scheduler.service import TERM_START_REASON
-from tests.scheduler.conftest import MAX_TOKENS, Load, make_config, until
+from tests.scheduler.conftest import MAX_TOKENS, make_config, until
 
 SLOWDOWN_S = 0.15  # per step: 8 tokens take > 1 s against a 400 ms threshold
 
@@ -50,7 +50,7 @@ def webhook() -> Iterator[tuple[str, list[dict]]]:
 
 
 async def test_latency_spike_opens_then_recovery_closes_with_nothing_lost_and_one_leader(
-    nats_config, start_worker, start_scheduler, client, observer, webhook
+    nats_config, start_worker, start_scheduler, start_load, observer, webhook
 ):
     url, posts = webhook
     config = make_config(nats_config, alert_webhook_url=url)
@@ -58,7 +58,7 @@ async def test_latency_spike_opens_then_recovery_closes_with_nothing_lost_and_on
     first = await start_scheduler("sched-a", config)
     second = await start_scheduler("sched-b", config)
     await until(lambda: first.is_leader or second.is_leader, 5, "a leader")
-    load = Load(client, "short", per_s=6).start()
+    load = start_load("short", 6)
     await until(lambda: first.windows.replicas("short") == 2, 5, "both workers reporting")
     await until(lambda: len(load.requests) >= 8, 5, "some healthy traffic")
     assert observer.state("short") == "closed"

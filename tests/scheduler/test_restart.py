@@ -26,7 +26,7 @@ from scheduler.history import DemandHistory
 from scheduler.lease import LEASE_KEY, Lease, LeaseRecord
 from scheduler.rebalancer import Move
 from scheduler.records import BREAKER_RENEW_S, BreakerRecord, breaker_key
-from tests.scheduler.conftest import MAX_TOKENS, Load, hand_driven, make_config, until
+from tests.scheduler.conftest import MAX_TOKENS, hand_driven, make_config, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,14 +51,14 @@ def scrape(port: int) -> str:
 
 
 async def test_scheduler_killed_mid_incident_resumes_from_the_bucket(
-    nats_config, start_worker, start_scheduler, client, observer, tmp_path
+    nats_config, start_worker, start_scheduler, start_load, observer, tmp_path
 ):
     port = free_port()
     config = make_config(nats_config, metrics_port=port)
     workers = [await start_worker("w1"), await start_worker("w2")]
     child = spawn_scheduler(config, tmp_path, "sched-old")
     try:
-        load = Load(client, "short", per_s=5).start()
+        load = start_load("short", 5)
         await _wait_for_holder(observer.kv, "sched-old", 15)
         for w in workers:
             w.engine.set_slowdown(0.15)
@@ -81,10 +81,11 @@ async def test_scheduler_killed_mid_incident_resumes_from_the_bucket(
     assert new.breakers["short"].state in ("open", "half_open")  # read at start
     await until(lambda: new.is_leader, 5, "the new scheduler to take over the stale lease")
     took_over_s = time.monotonic() - killed
-    # A replica joining the open group is told the open cap on its own subject.
+    # A replica joining the open group gets the open cap: on its own subject once it
+    # reports, or first by the term-start cap or a renewal on the group's subject
+    # (test_caps.py pins the own-subject path).
     workers.append(await start_worker("w3"))
     await until(lambda: workers[2].bridge.batch_cap == 4, 5, "the joiner to get the open cap")
-    assert 4 in observer.caps(".ctl.w3")
     assert observer.state("short") != "closed"  # still slow: it must not close
     for w in workers:
         w.engine.set_slowdown(0.0)
