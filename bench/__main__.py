@@ -12,6 +12,7 @@ COMMANDS: dict[str, str] = {
     "eager_step": "a prefill step that is no graph replay: host vs device time, kernels",
     "warmup": "a fresh replica's first requests with and without the engine's warm-up",
     "host_step": "host work per step from kept arrays vs lists rebuilt (block tables, penalties)",
+    "guided": "guided decoding's cost: output tok/s guided vs not, a row's mask time",
     "priority": "urgent requests into a full engine with and without priority preemption",
     "serve": "serving benchmark through the gateway (like vllm bench serve)",
     "replicas": "capacity by worker replica count: the most req/s within the SLO for 1, 2, 4 …",

@@ -464,6 +464,11 @@ class RequestParams:
     # vLLM's prompt_logprobs (OpenAI's echo with logprobs): each prompt token's logprob and
     # this many alternatives, on the first chunk. None is left out on the wire.
     prompt_logprobs: int | None = None
+    # Guided decoding (common.guided): the output must match this JSON schema, regex,
+    # choice or grammar. None is left out on the wire; a worker of an earlier release
+    # refuses a request that has them instead of answering it unguided.
+    guided_kind: str | None = None
+    guided_spec: str | None = None
 
     def logit_bias(self) -> dict[int, float] | None:
         return dict(zip(self.logit_bias_ids, self.logit_bias_values, strict=True)) or None
@@ -518,6 +523,22 @@ class GenerateRequest(Message):
         if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise ProtocolError(f"request.cache_salt: at most {MAX_CACHE_SALT_CHARS} characters")
         _check_logit_bias(self.params)
+        _check_guided(self.params)
+
+
+def _check_guided(params: RequestParams) -> None:
+    """The shape only: whether the spec compiles is the worker's to answer (an error chunk)."""
+    from common.guided import GUIDED_KINDS, MAX_GUIDED_SPEC_CHARS
+
+    kind, spec = params.guided_kind, params.guided_spec
+    if (kind is None) != (spec is None):
+        raise ProtocolError("request.params.guided_kind and guided_spec go together")
+    if kind is not None and kind not in GUIDED_KINDS:
+        raise ProtocolError(f"request.params.guided_kind: one of {', '.join(GUIDED_KINDS)}")
+    if spec is not None and len(spec) > MAX_GUIDED_SPEC_CHARS:
+        raise ProtocolError(
+            f"request.params.guided_spec: at most {MAX_GUIDED_SPEC_CHARS} characters"
+        )
 
 
 def _check_logit_bias(params: RequestParams) -> None:

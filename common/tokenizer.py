@@ -359,6 +359,10 @@ class Tokenizer(BaseTokenizer):
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """The Rust tokenizer as ``tokenizer.json`` text (guided decoding reads it)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > GIL_FREE_CHARS:
             # encode() holds the GIL for the whole Rust call; encode_batch() lets it go, so

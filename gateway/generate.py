@@ -55,6 +55,7 @@ from gateway.classifier import (
     permitted_group,
     settle_max_tokens,
 )
+from gateway.forced_calls import ForcedCalls
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.responses import Echo, Kind, Shaper, merge, usage_dict
@@ -71,6 +72,8 @@ from gateway.tool_calls import (
     CALL_TAGS,
     Format,
     ToolCallStream,
+    call_id,
+    mistral_call_id,
     tool_call_stream,
     tool_format,
 )
@@ -218,6 +221,8 @@ class Generator:
                 else parse_body(ChatCompletionRequest, raw)
             )
             body.check_fields()
+            if body.guided() is not None:  # compiled off the loop: tens of ms for a grammar
+                await asyncio.to_thread(body.check_guided)
             self.check_model(body.model)
             priority = grant.priority(body.priority)
             logprobs = body.top_logprobs_count()
@@ -470,7 +475,7 @@ class Generator:
         }
         tools = body.tool_dicts()
         if tools is not None:
-            if self.tool_format is None:
+            if self.tool_format is None and not body.forces_call():
                 raise InvalidRequestError(
                     "this model has no tool-call format the gateway reads (its chat template "
                     "writes no <tool_call> tags, Llama 3.1's <|python_tag|> or Mistral's "
@@ -961,9 +966,13 @@ def _tool_calls(
     body: CompletionRequest | ChatCompletionRequest, fmt: Format | None
 ) -> ToolCallStream | None:
     """How a chat answer's tool calls are read (None: it is text only)."""
-    if fmt is None or not isinstance(body, ChatCompletionRequest) or not body.calls_tools():
+    if not isinstance(body, ChatCompletionRequest) or not body.calls_tools():
         return None
-    return tool_call_stream(fmt, parallel=body.parallel_tool_calls is not False)
+    parallel = body.parallel_tool_calls is not False
+    if body.forces_call():
+        new_id = mistral_call_id if fmt == "mistral" else call_id  # its templates' ids
+        return ForcedCalls(parallel, function=body.forced_function(), new_id=new_id)
+    return tool_call_stream(fmt, parallel=parallel) if fmt is not None else None
 
 
 def _scores_of(delivery: Delivery) -> Delivery:

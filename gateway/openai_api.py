@@ -2,7 +2,9 @@
 
 The models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` plus the vLLM
 extensions users expect (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``priority``, ``chat_template_kwargs``, ``cache_salt``). Validation is
+``stop_token_ids``, ``priority``, ``chat_template_kwargs``, ``cache_salt``, and guided
+decoding as ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar`` or
+``structured_outputs``, beside OpenAI's ``response_format``). Validation is
 strict: an unknown parameter, a wrong type or an out-of-range value is a 400 naming the parameter,
 never a silent coercion, because a client that misspells ``max_tokens`` deserves to know.
 OpenAI parameters of features this gateway does not serve are known, not unknown: sent with
@@ -22,6 +24,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.errors import InvalidRequestError
+from common.guided import JSON_OBJECT_SCHEMA, GuidedSpec, problem
 from common.protocol import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGIT_BIAS,
@@ -138,6 +141,39 @@ def _decoded_call(call: Any) -> Any:
 MAX_CLIENT_CACHE_SALT = 256  # characters; vLLM suggests 43 (256 random bits, base64)
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's structured outputs."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # "schema" is a BaseModel attribute: the field is named otherwise, read as "schema".
+    # Left out (OpenAI's type allows it): any JSON value.
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # always kept here: the output matches the schema
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    strict: bool | None = None  # LangChain sends it with "text"
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (its guided_* parameters, gathered): one of them."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's switches that change nothing here: JSON never takes free whitespace, and there
+    # is no other backend to fall back to.
+    disable_any_whitespace: bool | None = None
+    disable_fallback: bool | None = None
+
+
 class _SamplingBody(_Strict):
     """Parameters both endpoints share."""
 
@@ -175,6 +211,14 @@ class _SamplingBody(_Strict):
     # OpenAI's: token id (a JSON key, so a string) -> a bias in [-100, 100] added to its
     # logit. Ids outside the model's vocabulary are the worker's 400 (it knows the model).
     logit_bias: dict[str, float] | None = None
+    # Guided decoding (structured output), one source at most: OpenAI's response_format,
+    # vLLM's guided_* parameters, or its structured_outputs.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -233,6 +277,64 @@ class _SamplingBody(_Strict):
     def choices(self) -> int:
         return self.n or 1
 
+    def guided(self) -> GuidedSpec | None:
+        """What the output must match (checked by :meth:`check_fields`), or None."""
+        given = self._guided_sources()
+        return given[0][1] if given else None
+
+    def _guided_sources(self) -> list[tuple[str, GuidedSpec]]:
+        """(the parameter, its spec) for each source of guided decoding the body names."""
+        out: list[tuple[str, GuidedSpec]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            out.append(("response_format", GuidedSpec("json_schema", JSON_OBJECT_SCHEMA)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise InvalidRequestError(
+                    "response_format of type json_schema needs a json_schema "
+                    '({"name": ..., "schema": {...}})',
+                    param="response_format",
+                )
+            schema = json.dumps(rf.json_schema.schema_)
+            out.append(("response_format", GuidedSpec("json_schema", schema)))
+        so = self.structured_outputs
+        sources: list[tuple[str, str, Any]] = [
+            ("guided_json", "json_schema", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice),
+            ("guided_grammar", "grammar", self.guided_grammar),
+        ]
+        if so is not None:
+            sources += [
+                ("structured_outputs.json", "json_schema", so.json_),
+                ("structured_outputs.regex", "regex", so.regex),
+                ("structured_outputs.choice", "choice", so.choice),
+                ("structured_outputs.grammar", "grammar", so.grammar),
+                ("structured_outputs.json_object", "json_schema",
+                 JSON_OBJECT_SCHEMA if so.json_object else None),
+            ]  # fmt: skip
+        for param, kind, value in sources:
+            if value is None:
+                continue
+            text = value if isinstance(value, str) and kind != "choice" else json.dumps(value)
+            out.append((param, GuidedSpec(kind, text)))
+        return out
+
+    def check_guided(self) -> None:
+        """The guided-decoding source, compiled: a 400 naming it when it cannot guide.
+        Apart from :meth:`check_fields`: a grammar can take tens of milliseconds to compile,
+        which the caller spends off its event loop."""
+        given = self._guided_sources()
+        if len(given) > 1:
+            names = ", ".join(param for param, _ in given)
+            raise InvalidRequestError(
+                f"give one kind of guided decoding, not several ({names})", param=given[1][0]
+            )
+        for param, spec in given:
+            why = problem(spec.kind, spec.spec)
+            if why is not None:
+                raise InvalidRequestError(f"{param}: {why}", param=param.split(".")[0])
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -264,6 +366,7 @@ class _SamplingBody(_Strict):
             temperature, top_p = 0.0, 1.0
         top_k = given(self.top_k, d.top_k, 0)
         bias_ids, bias_values = self.logit_bias_lists()
+        guided = self.guided()
         return RequestParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -291,6 +394,8 @@ class _SamplingBody(_Strict):
             logit_bias_ids=bias_ids,
             logit_bias_values=bias_values,
             prompt_logprobs=prompt_logprobs,
+            guided_kind=guided.kind if guided is not None else None,
+            guided_spec=guided.spec if guided is not None else None,
         )
 
     def prompt_logprobs_count(self) -> int | None:
@@ -429,7 +534,6 @@ class ChatCompletionRequest(_SamplingBody):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     reasoning_effort: Any = None
     modalities: Any = None
     audio: Any = None
@@ -455,23 +559,70 @@ class ChatCompletionRequest(_SamplingBody):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools or ()]
 
+    def forced_function(self) -> str | None:
+        """The function ``tool_choice`` names (a call to it is the whole answer), if any."""
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    def forces_call(self) -> bool:
+        """``tool_choice`` "required" or a named function: guided decoding writes the
+        call(s) as JSON, whatever the model's own tool-call format."""
+        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
+    def _guided_sources(self) -> list[tuple[str, GuidedSpec]]:
+        out = super()._guided_sources()
+        if self.forces_call():
+            out.insert(0, ("tool_choice", GuidedSpec("json_schema", self._call_schema())))
+        return out
+
+    def _call_schema(self) -> str:
+        """The JSON a forced answer must be: the named function's arguments, or (required)
+        a list of calls, ``[{"name": ..., "parameters": {...}}]``, as vLLM asks for them."""
+        tools = [t.function for t in self.tools or ()]
+        named = self.forced_function()
+        if named is not None:
+            function = next(f for f in tools if f.name == named)  # checked: it is there
+            return json.dumps(function.parameters or {"type": "object"})
+        defs: dict[str, Any] = {}
+        options = []
+        for f in tools:
+            parameters = dict(f.parameters or {"type": "object"})
+            # A tool's "#/$defs/X" pointers name its own root; nested in the list schema
+            # they must find its definitions at the new root (pydantic writes them so).
+            for key in ("$defs", "definitions"):
+                for name, definition in (parameters.pop(key, None) or {}).items():
+                    if defs.setdefault(f"{key}/{name}", definition) != definition:
+                        raise InvalidRequestError(
+                            f"tools define {key} {name!r} twice, differently: tool_choice "
+                            '"required" needs one definition per name',
+                            param="tool_choice",
+                        )
+            options.append({
+                "type": "object",
+                "properties": {"name": {"enum": [f.name]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            })  # fmt: skip
+        calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+        if self.parallel_tool_calls is False:
+            calls["maxItems"] = 1
+        for path, definition in defs.items():
+            key, name = path.split("/", 1)
+            calls.setdefault(key, {})[name] = definition
+        return json.dumps(calls)
+
     def check_fields(self) -> None:
-        super().check_fields()
-        if (
-            self.tool_choice is not None
-            and self.tool_choice not in ("none", "auto")
-            and (self.tools)
-        ):
-            # Forcing a call (or a named one) takes guided decoding to keep its promise.
-            raise InvalidRequestError(
-                "Unsupported value for 'tool_choice': only 'auto' and 'none' are served "
-                "(forcing a call needs guided decoding, which this gateway does not do)",
-                param="tool_choice", code="unsupported_value",
-            )  # fmt: skip
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise InvalidRequestError(
                 "tool_choice names a tool to call, but no tools were given", param="tool_choice"
             )
+        named = self.forced_function()
+        if named is not None and named not in {t.function.name for t in self.tools or ()}:
+            raise InvalidRequestError(
+                f"tool_choice names the function {named!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        super().check_fields()
         if self.calls_tools() and self.logprobs:
             raise InvalidRequestError(
                 "logprobs are not served with tools (the answer's text is rewritten into "
@@ -490,17 +641,12 @@ class ChatCompletionRequest(_SamplingBody):
 Body = TypeVar("Body", bound=BaseModel)
 
 # OpenAI features this gateway does not serve: the values that ask for nothing, and what the
-# 400 for any other value says. vLLM serves some of these (tools with a parser, guided
-# decoding); here they are refused rather than half served.
+# 400 for any other value says: refused rather than half served.
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (only 1)"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
     "functions": (lambda v: v in (None, []), "function calling is not supported"),
     "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not supported"),
-    "response_format": (
-        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-        "response_format other than text is not supported",
-    ),
     "reasoning_effort": (
         lambda v: v is None,
         "reasoning_effort is not supported (not a reasoning model)",

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from common.errors import QosError
 from common.protocol import TopLogprobs, Usage
 from gateway.streams import Delivery, sse_event
-from gateway.tool_calls import ToolCallStream, tool_finish_reason
+from gateway.tool_calls import ToolCallStream
 
 Kind = Literal["completion", "chat"]
 # OpenAI's stand-in for -inf: JSON has no infinity.
@@ -227,7 +227,7 @@ class Shaper:
                     )
                 )
         if delivery.finish_reason is not None:
-            reason = tool_finish_reason(delivery.finish_reason, stream.calls)
+            reason = stream.finish_reason(delivery.finish_reason, stream.calls)
             choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}
             choice["stop_reason"] = delivery.stop_reason
             out += sse_event(self._chunk(choice, delivery.completion_tokens))
@@ -294,7 +294,7 @@ class Shaper:
                 content, calls = self.tool_calls.split(text)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish_reason = tool_finish_reason(finish_reason, len(calls))
+                    finish_reason = self.tool_calls.finish_reason(finish_reason, len(calls))
             choice = {
                 "index": self.index,
                 "message": message,

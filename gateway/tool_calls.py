@@ -179,6 +179,10 @@ class ToolCallStream:
     def finish(self) -> list[tuple[str, Any]]:
         raise NotImplementedError
 
+    def finish_reason(self, reason: str | None, calls: int) -> str | None:
+        """The answer's finish reason once it made ``calls`` calls."""
+        return tool_finish_reason(reason, calls)
+
     def _content(self, text: str) -> None:
         text = self._blank + text
         if self.calls and not self._worded:

@@ -113,6 +113,7 @@ class AddRequest:
     priority: int = 0
     arrival_time: float | None = None
     cache_salt: str = ""
+    guide: Any = None  # params.guided's matcher, compiled off the engine thread
 
 
 def engine_max_batch(engine: Any) -> int:
@@ -370,6 +371,8 @@ class EngineBridge:
                 events.append(RequestFailed(arg.request_id, error))
 
     def _add(self, cmd: AddRequest) -> None:
+        # Only engines that guide take one (the sim engine refuses guided requests).
+        extra = {"guide": cmd.guide} if cmd.guide is not None else {}
         if cmd.resume_token_ids:
             base = cmd.prompt_token_ids or encode_prompt(self.engine, cmd.prompt or "")
             self.engine.add_request(
@@ -377,14 +380,14 @@ class EngineBridge:
                 prompt_token_ids=[*base, *cmd.resume_token_ids],
                 priority=cmd.priority, arrival_time=cmd.arrival_time,
                 resumed_tokens=len(cmd.resume_token_ids),
-                delivered_text_len=cmd.resume_text_len, cache_salt=cmd.cache_salt,
+                delivered_text_len=cmd.resume_text_len, cache_salt=cmd.cache_salt, **extra,
             )  # fmt: skip
         else:
             self.engine.add_request(
                 cmd.request_id, cmd.prompt, cmd.params,
                 prompt_token_ids=cmd.prompt_token_ids if cmd.prompt is None else None,
                 priority=cmd.priority, arrival_time=cmd.arrival_time,
-                cache_salt=cmd.cache_salt,
+                cache_salt=cmd.cache_salt, **extra,
             )  # fmt: skip
         self._live.add(cmd.request_id)
 

@@ -16,6 +16,7 @@ from typing import Any, cast
 import msgpack
 
 from common.errors import QosError
+from common.guided import GuidedSpec
 from common.protocol import Chunk, ErrorInfo, FinishReason, GenerateRequest, TopLogprobs, Usage
 from common.subjects import is_subject_token
 from workers.engine.outputs import RequestDelta
@@ -164,6 +165,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams
         skip_special_tokens=p.skip_special_tokens is not False,
         include_stop_str_in_output=bool(p.include_stop_str_in_output),
         logit_bias=p.logit_bias(),
+        guided=GuidedSpec(p.guided_kind, p.guided_spec or "") if p.guided_kind else None,
     )  # fmt: skip
 
 

@@ -661,6 +661,19 @@ class WorkerService:
                 await settle(msg.ack)
                 self.observer.abandoned(st, "aborted")
                 return
+        guide = None
+        if params.guided is not None and hasattr(self.engine, "guide"):
+            # Compiled here, on a thread: a grammar takes up to tens of milliseconds, which
+            # on the engine thread every running request would wait out.
+            try:
+                guide = await asyncio.to_thread(self.engine.guide, params.guided, resume)
+            except InvalidRequestError as exc:
+                await self._send_error(st, exc)
+                return
+            if req.id in self._aborted:  # aborted while it compiled
+                await settle(msg.ack)
+                self.observer.abandoned(st, "aborted")
+                return
         twin = self._inflight.get(req.id)
         if twin is not None:
             # Another delivery of this id got in while this one awaited (a resume answer, a
@@ -709,6 +722,7 @@ class WorkerService:
                 priority=req.priority,
                 arrival_time=st.start,
                 cache_salt=req.cache_salt,
+                guide=guide,
             )
         )
 

@@ -213,6 +213,9 @@ class SimEngine:
         check_logit_bias(params.logit_bias, self.vocab_size)
         if params.stop and self.tokenizer is None:  # as the engine: silently ignored, else
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+        if params.guided is not None:  # its tokens are a script, not a model's to mask
+            raise InvalidRequestError("the simulated engine does no guided decoding",
+                                      param="guided")  # fmt: skip
         req = _SimRequest(
             request_id=request_id,
             prompt_token_ids=ids,

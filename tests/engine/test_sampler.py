@@ -19,6 +19,7 @@ class Req:
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_ids_device: torch.Tensor | None = None
     output_ids_cache: Any = None
+    guide: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     resumed_tokens: int = 0
 

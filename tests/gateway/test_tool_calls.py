@@ -218,7 +218,7 @@ async def test_tools_are_refused_clearly_where_they_cannot_be_served(
     nats_config: NatsConfig,
 ) -> None:
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
-    named = {"type": "function", "function": {"name": "get_time"}}
+    named = {"type": "function", "function": {"name": "get_date"}}  # not among the tools
     async with (
         serve(gateway_config(nats_config, tool_call_parser="hermes")) as gw,
         serve(gateway_config(nats_config)) as plain,  # a model with no tool format
@@ -226,7 +226,7 @@ async def test_tools_are_refused_clearly_where_they_cannot_be_served(
     ):
         url = f"{gw.url}/v1/chat/completions"
         replies = {
-            "tool_choice": await http.post(url, json={**chat, "tool_choice": "required"}),
+            "tool_choice": await http.post(url, json={**chat, "tool_choice": "anything"}),
             "tool_choice named": await http.post(url, json={**chat, "tool_choice": named}),
             "logprobs": await http.post(url, json={**chat, "logprobs": True}),
             "tools shape": await http.post(url, json={**chat, "tools": [{"type": "custom"}]}),
@@ -237,7 +237,7 @@ async def test_tools_are_refused_clearly_where_they_cannot_be_served(
     assert params == {"tool_choice": "tool_choice", "tool_choice named": "tool_choice",
                       "logprobs": "logprobs", "tools shape": "tools",
                       "no format": "tools"}  # fmt: skip
-    assert "guided decoding" in replies["tool_choice"].json()["error"]["message"]
+    assert "not among the tools" in replies["tool_choice named"].json()["error"]["message"]
 
 
 class Llama31ByteTokenizer(ByteTokenizer):

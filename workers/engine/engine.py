@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from common.errors import ConfigError, InvalidRequestError
+from common.guided import GuidedSpec, GuidedSpecError
 from workers.engine.admission_checks import check_logit_bias, checked_prompt_ids
 from workers.engine.args import (
     DEFAULT_CPU_KV_CACHE_GIB,
@@ -29,6 +30,7 @@ from workers.engine.args import (
 )
 from workers.engine.batcher import Batcher, BatchPlan
 from workers.engine.block_pool import BlockPool, KVTier
+from workers.engine.guided import Guide, Guides
 from workers.engine.loader import (
     DUMMY_INIT_VERSION,
     DUMMY_SHAPES,
@@ -158,6 +160,7 @@ class LLMEngine:
         # there are any, so others pay nothing for the feature.
         self._prompt_lp_owed: set[Request] = set()
         self._pending: list[RequestDelta] = []
+        self._guides: Guides | None = None  # built for the first guided request
         self.async_output = (
             self.device.type == "cuda" if args.async_output is None else args.async_output
         )
@@ -262,6 +265,7 @@ class LLMEngine:
         resumed_tokens: int = 0,
         delivered_text_len: int = 0,
         cache_salt: str = "",
+        guide: Guide | None = None,
     ) -> None:
         """Queue a request (exactly one of ``prompt`` / ``prompt_token_ids``).
 
@@ -274,6 +278,8 @@ class LLMEngine:
         Requests share cached prefix blocks (here and in the KV tiers) only when their
         ``cache_salt`` is equal, as in vLLM: a tenant's own salt keeps others from reusing,
         and so from timing, its prompts.
+        ``guide``: the matcher of ``params.guided`` from :meth:`guide`, made off this thread
+        (compiling a grammar takes up to tens of milliseconds); else it is made here.
         """
         params = params if params is not None else SamplingParams()
 
@@ -292,6 +298,10 @@ class LLMEngine:
         check_logit_bias(params.logit_bias, self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+        if params.guided is not None and guide is None:
+            guide = self.guide(params.guided, ids[len(ids) - resumed_tokens :])
+        elif params.guided is None:
+            guide = None
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -304,6 +314,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         req.resumed_tokens = resumed_tokens
+        req.guide = guide
         if params.seed is not None:
             # Reseeded per step from the seed and output position (see the sampler).
             req.generator = torch.Generator(device=self.device)
@@ -314,10 +325,36 @@ class LLMEngine:
                 req, self.tokenizer, ids, params,
                 resumed_tokens=resumed_tokens, delivered_text_len=delivered_text_len,
             )  # fmt: skip
+        if guide is not None and guide.done:
+            # Redelivered after its match was complete (the final chunk lost): it ends
+            # now, with nothing more to add.
+            req.finish_time, req.finish_reason = time.time(), "stop"
+            output = RequestOutput.of(req)
+            self._pending.append(RequestDelta(request_id, [], "", finished=True,
+                                              finish_reason="stop", output=output))  # fmt: skip
+            return
         self.requests[request_id] = req
         if req.prompt_lp_pending:
             self._prompt_lp_owed.add(req)
         self.batcher.add(req)
+
+    def guide(self, spec: GuidedSpec, resumed: Sequence[int] = ()) -> Guide:
+        """A matcher for ``spec`` that has read a redelivered request's output so far
+        (``resumed``), for :meth:`add_request`. Safe to call from another thread. Raises
+        :class:`InvalidRequestError` for a spec that cannot compile or output it rejects."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                f"model {self.args.model!r} has no tokenizer: guided decoding needs one",
+                param="guided",
+            )
+        guides = self._guides
+        if guides is None:
+            vocab = self.model_config.vocab_size
+            guides = self._guides = Guides(self.tokenizer, vocab, set(self.eos_token_ids))
+        try:
+            return guides.start(spec, list(resumed))
+        except GuidedSpecError as exc:
+            raise InvalidRequestError(f"guided: {exc}", param="guided") from None
 
     def pending_finished_ids(self) -> set[str]:
         """Requests whose finished delta the next :meth:`step` returns (a step that raised
@@ -559,7 +596,8 @@ class LLMEngine:
     # --- asynchronous output -------------------------------------------------------------
 
     def _can_defer(self, sampling: list[Request]) -> bool:
-        return self.async_output and bool(sampling)
+        # A guided request's mask needs the token before it on the host.
+        return self.async_output and bool(sampling) and all(r.guide is None for r in sampling)
 
     def _launch(self, logits: torch.Tensor, sampling: list[Request]) -> _Inflight:
         """Queue the sampling and the copy of its tokens (and of their logprobs, when a
@@ -744,9 +782,14 @@ class LLMEngine:
         at_limit = (
             req.num_output_tokens >= params.max_tokens or req.num_tokens >= req.max_total_tokens
         )
+        complete = False
+        if req.guide is not None:
+            req.guide.consume(token)
+            complete = req.guide.done
         text, reason = settle_token(
-            req, token, self.eos_token_ids, at_limit, primary_eos=self.primary_eos
-        )
+            req, token, self.eos_token_ids, at_limit, primary_eos=self.primary_eos,
+            complete=complete,
+        )  # fmt: skip
         if text:
             req.text_pieces.append(text)
         if reason is not None:

@@ -58,6 +58,7 @@ class Request:
     output_ids_cache: Any = None
     detokenizer: Any = None
     stop_matcher: Any = None
+    guide: Any = None  # guided decoding's matcher (workers.engine.guided.Guide)
     eos_token_ids: frozenset[int] = frozenset()
 
     status: RequestStatus = RequestStatus.WAITING

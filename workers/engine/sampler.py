@@ -25,11 +25,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from workers.engine.guided import allows_beyond, apply_masks, packed_masks
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.transfer import host_to_device, to_device
 
@@ -48,6 +49,7 @@ class SamplerInput(Protocol):
     # Output tokens a resumed request carries at the end of its prompt (see Request).
     resumed_tokens: int
     eos_token_ids: frozenset[int]  # read for rows short of their min_tokens only
+    guide: Any  # guided decoding's matcher (workers.engine.guided.Guide) or None
 
 
 class OutputIds:
@@ -150,9 +152,19 @@ class Sampler:
         penalties count. ``logits`` may be half precision: the fused kernel widens as it
         reads, the rest widen first."""
         params = [r.params for r in batch]
+        guided = [i for i, r in enumerate(batch) if r.guide is not None]
+        masks = packed_masks([batch[i].guide for i in guided]) if guided else None
         early = [i for i, r in enumerate(batch) if len(r.output_token_ids) < r.params.min_tokens]
+        if early and masks is not None:
+            # A hold the grammar leaves no way around (only EOS or a stop id may come next):
+            # the grammar wins, or the row would have nothing left to draw.
+            at = {row: k for k, row in enumerate(guided)}
+            early = [i for i in early
+                     if i not in at or allows_beyond(masks[at[i]], _held_ids(batch[i]))]  # fmt: skip
         if early:
             logits = _hold_stops(logits, [batch[i] for i in early], early)
+        if masks is not None:
+            logits = apply_masks(logits, masks, guided)
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if biased:
             logits = _add_logit_bias(logits, [batch[i] for i in biased], biased)
@@ -208,8 +220,7 @@ def _hold_stops(
     row_ids: list[int] = []
     col_ids: list[int] = []
     for row, r in zip(rows, batch, strict=True):
-        ids = set(r.params.stop_token_ids) | r.eos_token_ids
-        ids = {t for t in ids if t < vocab}
+        ids = {t for t in _held_ids(r) if t < vocab}
         row_ids += [row] * len(ids)
         col_ids += sorted(ids)
     if not row_ids:
@@ -221,6 +232,11 @@ def _hold_stops(
     # the device as a tensor first, and that blocking copy waited for the step.
     held.view(-1).index_fill_(0, flat, float("-inf"))
     return held
+
+
+def _held_ids(r: SamplerInput) -> set[int]:
+    """What a row short of its min_tokens may not draw: EOS and its stop ids."""
+    return set(r.params.stop_token_ids) | r.eos_token_ids
 
 
 def _add_logit_bias(

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.guided import GuidedSpec, shape_problem
+
 MAX_STOP_TOKEN_IDS = 64  # as the wire allows (common.protocol): the engine is used alone too
 MAX_STOP_CHARS = 1024  # likewise, per stop string
 MAX_LOGIT_BIAS = 1024  # likewise, token ids a request may bias
@@ -32,6 +34,8 @@ class SamplingParams:
     whole prompt, taking no prefix-cache or KV-tier hit.
     ``logit_bias`` (OpenAI's): token id -> a number in [-100, 100] added to its logit before
     penalties, filters and the draw (logprobs stay those of the model's own distribution).
+    ``guided`` (structured output): the output matches this JSON schema, regex, choice or
+    grammar (:mod:`common.guided`); it ends with ``stop`` once nothing more can match.
     """
 
     max_tokens: int = 16
@@ -54,6 +58,7 @@ class SamplingParams:
     # output, before this many tokens (max_tokens still ends it).
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +136,13 @@ class SamplingParams:
             or not 0 <= self.prompt_logprobs <= 20
         ):
             raise SamplingParamsError("prompt_logprobs", "must be an integer in [0, 20]")
+        if self.guided is not None:
+            if not isinstance(self.guided, GuidedSpec):
+                raise SamplingParamsError("guided", "must be a GuidedSpec")
+            # Compiled by the engine (LLMEngine.guide), off the caller's event loop.
+            why = shape_problem(self.guided.kind, self.guided.spec)
+            if why is not None:
+                raise SamplingParamsError("guided", why)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop", "must be non-empty strings")
         if len(self.stop) > 16:

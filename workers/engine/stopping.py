@@ -27,12 +27,14 @@ def settle_token(
     at_limit: bool,
     *,
     primary_eos: int | None,
+    complete: bool = False,
 ) -> tuple[str, str | None]:
     """(text to send, finish reason or None) for ``token``, just appended to ``req``'s
     output. ``req`` has ``params``, ``detokenizer``, ``stop_matcher`` (either may be None),
     ``stop_reason`` (set here) and ``num_output_tokens``; ``at_limit``: its max_tokens or
     max sequence length is reached; ``primary_eos``: the tokenizer's own EOS id (None
-    without a tokenizer: every EOS id is then a secondary one, as in vLLM)."""
+    without a tokenizer: every EOS id is then a secondary one, as in vLLM); ``complete``:
+    the request's guided-decoding grammar is matched and allows nothing more (``stop``)."""
     params = req.params
     reason: str | None = None
     armed = req.num_output_tokens > params.min_tokens
@@ -52,6 +54,8 @@ def settle_token(
         text = _match_stop(req, piece, armed)
         if reason is None and req.stop_matcher is not None and req.stop_matcher.stopped:
             reason = "stop"
+    if reason is None and complete:
+        reason = "stop"
     if reason is None and at_limit:
         reason = "length"
     stopped_by_string = req.stop_matcher is not None and req.stop_matcher.stopped

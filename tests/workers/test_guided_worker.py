@@ -1,0 +1,63 @@
+"""Guided decoding on a worker: the spec travels in RequestParams, the worker compiles it
+off its engine thread, a bad one is an invalid_request error chunk, and the sim engine
+refuses what it cannot do."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import jsonschema
+import pytest
+
+from common.client import QosClient
+from common.errors import InvalidRequestError
+from common.models import demo_model_path
+from common.protocol import RequestParams
+from workers.engine import LLMEngine
+from workers.engine.args import EngineArgs
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0,
+          "maximum": 999}}, "required": ["id"], "additionalProperties": False}  # fmt: skip
+
+
+def guided(kind: str, spec: str, **more: Any) -> RequestParams:
+    return RequestParams(max_tokens=40, seed=3, guided_kind=kind, guided_spec=spec, **more)
+
+
+async def test_a_guided_request_matches_and_its_grammar_compiles_off_the_engine_thread(
+    start_worker: Any, client: QosClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu", max_batch_size=4))
+    compiled_on: list[str] = []
+    real = engine.guide
+
+    def guide(*args: Any) -> Any:
+        compiled_on.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(engine, "guide", guide)
+    await start_worker(engine=engine)
+    ids = engine.tokenizer.encode("def main():\n")
+    _, text, final = await client.collect(
+        group="short", prompt_token_ids=ids, params=guided("json_schema", json.dumps(SCHEMA))
+    )
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert final.finish_reason == "stop"
+    assert compiled_on and all(not n.startswith("engine-") for n in compiled_on)
+    assert threading.main_thread().name not in compiled_on  # nor on the event loop
+    with pytest.raises(InvalidRequestError, match="unclosed group"):
+        await client.collect(group="short", prompt_token_ids=ids, params=guided("regex", "("))
+    # The worker goes on serving.
+    _, text, _ = await client.collect(
+        group="short", prompt_token_ids=ids, params=guided("choice", '["on", "off"]')
+    )
+    assert text in ("on", "off")
+
+
+async def test_the_sim_engine_refuses_guided_requests(start_worker: Any, client: QosClient) -> None:
+    await start_worker()
+    with pytest.raises(InvalidRequestError, match="no guided decoding"):
+        await client.collect(group="short", prompt_token_ids=[1, 2, 3],
+                             params=guided("regex", "[a-z]+"))  # fmt: skip
