@@ -235,3 +235,17 @@ def test_on_cuda_with_graphs_and_async_output_guided_rows_match_and_others_keep_
     assert [o.token_ids for o in mixed[:4]] == [o.token_ids for o in alone]
     for out in mixed[4:]:
         jsonschema.validate(json.loads(out.text), PERSON)
+
+
+def test_guided_steps_keep_asynchronous_output() -> None:
+    """A guided step waits only for the step in flight's sampling, then defers its own
+    tokens like any other step (they used to make every step of their batch synchronous)."""
+    engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu", async_output=True))
+    engine.add_request("g", "def main():\n", sampled(1, spec("json_schema", PERSON)))
+    deferred = 0
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(d.text for d in engine.step())
+        deferred += engine._inflight is not None
+    assert deferred > 5
+    jsonschema.validate(json.loads(text), PERSON)

@@ -438,7 +438,12 @@ class LLMEngine:
         else:
             logits = self.runner.execute(plan, self._feed(plan))
         sampling = [r for r, s in zip(plan.requests, plan.seqs, strict=True) if s.sample]
-        launched = self._launch(logits, sampling) if self._can_defer(sampling) else None
+        defer = self._can_defer(sampling)
+        if defer and any(r.guide is not None for r in sampling):
+            # A guided row's mask needs its token in flight: wait for that step's sampling
+            # only (this step's forward is queued behind it), then queue this one's.
+            self._read_back(deltas)
+        launched = self._launch(logits, sampling) if defer else None
         self._read_back(deltas)  # the previous step's tokens: on the host by now
         self._commit(plan)
         if launched is not None:
@@ -596,8 +601,7 @@ class LLMEngine:
     # --- asynchronous output -------------------------------------------------------------
 
     def _can_defer(self, sampling: list[Request]) -> bool:
-        # A guided request's mask needs the token before it on the host.
-        return self.async_output and bool(sampling) and all(r.guide is None for r in sampling)
+        return self.async_output and bool(sampling)
 
     def _launch(self, logits: torch.Tensor, sampling: list[Request]) -> _Inflight:
         """Queue the sampling and the copy of its tokens (and of their logprobs, when a

@@ -1,9 +1,10 @@
 """Guided decoding in the engine: one llguidance matcher per guided request, a token mask
 per step.
 
-The mask of a step depends on the token the step before chose, so a batch holding a guided
-request samples synchronously (``LLMEngine._can_defer``); the masks are computed on the
-host (tens of microseconds a row; a batch's rows on llguidance's threads), sent packed (one
+The mask of a step depends on the token the step before chose: with asynchronous output,
+a step holding a guided request waits for the step in flight's sampling before queueing
+its own (``LLMEngine._run_step``; its forward is queued already); the masks are computed on
+the host (tens of microseconds a row; a batch's rows on llguidance's threads), sent packed (one
 bit a token) and unpacked on the logits' device, then applied before penalties and
 filters. A matcher that can only end (its grammar is complete) finishes the request with
 ``stop``.
@@ -106,14 +107,23 @@ def packed_masks(guides: list[Guide]) -> np.ndarray:
     global _executor
     words = max(g.words for g in guides)
     out = np.zeros((len(guides), words), dtype=np.int32)
-    if len(guides) == 1:
-        guides[0]._matcher.unsafe_compute_mask_ptr(out.ctypes.data, guides[0].words * 4)
+    # A finished guide's row (its request ended on the token just read back, its row still
+    # in this step's batch, to be thrown away) allows every token: never an empty row.
+    live = [(row, g) for row, g in enumerate(guides) if not g.done]
+    for row, g in enumerate(guides):
+        if g.done:
+            out[row] = -1
+    if not live:
+        return out
+    if len(live) == 1:
+        row, g = live[0]
+        g._matcher.unsafe_compute_mask_ptr(out[row].ctypes.data, g.words * 4)
         return out
     if _executor is None:
         import llguidance
 
         _executor = llguidance.LLExecutor()
-    pairs = [(g._matcher, row) for row, g in enumerate(guides)]
+    pairs = [(g._matcher, row) for row, g in live]
     _executor.unsafe_compute_mask_ptr(pairs, out.ctypes.data, words * 4, len(guides))
     return out
 
