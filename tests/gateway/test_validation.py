@@ -189,7 +189,7 @@ async def test_openai_parameters_that_ask_for_nothing_are_accepted(fields: dict[
     assert result.for_template() == {"role": "tool", "name": "weather", "content": "sunny"}
 
 
-def test_logit_bias_travels_as_ascending_ids_and_their_biases() -> None:
+async def test_logit_bias_travels_as_ascending_ids_and_their_biases() -> None:
     body = {**OK_CHAT, "logit_bias": {"50256": -100, "7": 2.5, "0": 1}}  # ints for floats too
     params = parse_body(ChatCompletionRequest, json.dumps(body).encode()).wire_params(4, None)
     assert params.logit_bias_ids == [0, 7, 50256]
