@@ -52,6 +52,10 @@ step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider \
 # what the warm-up adds to the start.
 step bench_warmup 200 python3 -m bench.warmup --model dummy:llama-1b --dtype bf16 \
   --out "$OUT/warmup.json"
+# Guided decoding's cost where steps are short: the demo model (4,096-token vocabulary) on
+# the GPU, 64 requests guided vs not; a guided step waits for the step in flight's sampling.
+step bench_guided 60 python3 -m bench.guided --device cuda --requests 64 --max-tokens 128 \
+  --out "$OUT/guided.json"
 # Kernel microbenchmark: decode GB/s vs SDPA and a device copy; prefill TFLOP/s.
 step bench_kernels 75 python3 -m bench.kernels --out "$OUT/kernels.json"
 # The issue's headline shape: dummy:llama-8b bf16, B=256, in 512, out 128 (transformers'
