@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import jsonschema
 import pytest
@@ -72,15 +73,21 @@ def test_regex_choice_and_grammar_match_exactly(demo: LLM) -> None:
             assert check(out.text), (s, out.text, out.finish_reason)
 
 
-def test_unguided_neighbours_keep_their_tokens(demo: LLM) -> None:
-    greedy = SamplingParams(temperature=0, max_tokens=24)
-    alone = demo.generate(PROMPTS, greedy)
-    mixed = demo.generate(
-        PROMPTS * 2, [greedy] * 4 + [sampled(i, spec("json_schema", PERSON)) for i in range(4)]
+def neighbours_keep_their_tokens(llm: LLM, plain: SamplingParams, reference: LLM) -> list[Any]:
+    """``PROMPTS`` with ``plain`` beside as many guided requests: the plain ones' tokens are
+    ``reference``'s for them alone, the guided ones validate. Returns the outputs."""
+    alone = reference.generate(PROMPTS, plain)
+    mixed = llm.generate(
+        PROMPTS * 2, [plain] * 4 + [sampled(i, spec("json_schema", PERSON)) for i in range(4)]
     )
     assert [o.token_ids for o in mixed[:4]] == [o.token_ids for o in alone]
     for out in mixed[4:]:
         jsonschema.validate(json.loads(out.text), PERSON)
+    return mixed
+
+
+def test_unguided_neighbours_keep_their_tokens(demo: LLM) -> None:
+    neighbours_keep_their_tokens(demo, SamplingParams(temperature=0, max_tokens=24), demo)
 
 
 def test_greedy_guided_is_the_models_best_allowed_token(demo: LLM) -> None:
@@ -95,21 +102,14 @@ def test_greedy_guided_is_the_models_best_allowed_token(demo: LLM) -> None:
 
 
 def test_asynchronous_output_and_preemption_keep_the_match() -> None:
-    """Async output is kept for steps without a guided request (its mask needs the token
-    before); a tiny cache preempts and recomputes guided requests mid-output."""
+    """With asynchronous output a guided step waits for the token in flight (its mask
+    needs it); a tiny cache preempts and recomputes guided requests mid-output."""
     llm = LLM(str(demo_model_path()), device="cpu", async_output=True, num_kv_blocks=24,
               block_size=4, max_batch_size=8)  # fmt: skip
     plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    outs = llm.generate(
-        PROMPTS * 2, [plain] * 4 + [sampled(i, spec("json_schema", PERSON)) for i in range(4)]
-    )
-    assert sum(o.metrics.num_preemptions for o in outs) > 0
     reference = LLM(str(demo_model_path()), device="cpu", max_batch_size=8)
-    assert [o.token_ids for o in outs[:4]] == [
-        o.token_ids for o in reference.generate(PROMPTS, plain)
-    ]
-    for out in outs[4:]:
-        jsonschema.validate(json.loads(out.text), PERSON)
+    outs = neighbours_keep_their_tokens(llm, plain, reference)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
 
 
 def test_a_redelivered_request_continues_its_match_and_a_wrong_one_is_refused() -> None:
@@ -223,18 +223,11 @@ def test_a_complete_match_ends_the_output_even_when_eos_is_ignored(demo: LLM) ->
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_with_graphs_and_async_output_guided_rows_match_and_others_keep_theirs() -> None:
-    """The device path: the mask copied to the GPU, steps with a guided row synchronous,
-    the others' asynchronous output and CUDA graphs around them."""
+    """The device path: the masks unpacked on the GPU, a guided step waiting for the step in
+    flight's sampling, asynchronous output and CUDA graphs around them."""
     llm = LLM(str(demo_model_path()), device="cuda", backend="triton", async_output=True,
               max_batch_size=8)  # fmt: skip
-    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    alone = llm.generate(PROMPTS, plain)
-    mixed = llm.generate(
-        PROMPTS * 2, [plain] * 4 + [sampled(i, spec("json_schema", PERSON)) for i in range(4)]
-    )
-    assert [o.token_ids for o in mixed[:4]] == [o.token_ids for o in alone]
-    for out in mixed[4:]:
-        jsonschema.validate(json.loads(out.text), PERSON)
+    neighbours_keep_their_tokens(llm, SamplingParams(temperature=0, max_tokens=30), llm)
 
 
 def test_guided_steps_keep_asynchronous_output() -> None:
