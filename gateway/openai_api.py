@@ -19,6 +19,7 @@ import json
 import re
 import secrets
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -153,11 +154,14 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
-    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``. Other
+    keys beside them are ignored, as they were when only ``text`` was served (LangChain
+    sends ``strict`` with it)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
-    strict: bool | None = None  # LangChain sends it with "text"
 
 
 class StructuredOutputs(_Strict):
@@ -278,7 +282,13 @@ class _SamplingBody(_Strict):
         return self.n or 1
 
     def guided(self) -> GuidedSpec | None:
-        """What the output must match (checked by :meth:`check_fields`), or None."""
+        """What the output must match (checked by :meth:`check_guided`), or None."""
+        return self.guided_spec
+
+    @cached_property
+    def guided_spec(self) -> GuidedSpec | None:
+        # Built once per body: every choice of every prompt asks (a forced call's schema
+        # of 128 tools is a json.dumps of up to 256 KiB).
         given = self._guided_sources()
         return given[0][1] if given else None
 

@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from common.errors import InternalError, InvalidRequestError, QosError
@@ -114,6 +114,17 @@ class AddRequest:
     arrival_time: float | None = None
     cache_salt: str = ""
     guide: Any = None  # params.guided's matcher, compiled off the engine thread
+
+
+def _failed_ending(delta: RequestDelta) -> list[BridgeEvent]:
+    """A request the engine ended itself with an error (its guided decoding failed): its
+    last token goes out as any other, then the error."""
+    out: list[BridgeEvent] = []
+    if delta.token_ids or delta.text:
+        out.append(replace(delta, finished=False, finish_reason=None, output=None))
+    why = delta.output.stop_reason if delta.output is not None else None
+    out.append(RequestFailed(delta.request_id, InternalError(str(why or "the engine failed"))))
+    return out
 
 
 def engine_max_batch(engine: Any) -> int:
@@ -422,6 +433,9 @@ class EngineBridge:
                 continue
             if delta.finished:
                 self._live.discard(delta.request_id)
+            if delta.finished and delta.finish_reason == "error":
+                events.extend(_failed_ending(delta))
+                continue
             events.append(delta)
         self._snapshot(force=False)
         if not did_work:

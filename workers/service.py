@@ -809,6 +809,7 @@ class WorkerService:
                 held = self._inflight.get(st.request.id) is st  # the engine refused it: ours
                 self._spawn(self._end_resumed(st, held), "end-resumed")
             else:
+                await self._flush(st)  # tokens it made before failing go out first
                 await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
             return
         st.absorb(event)

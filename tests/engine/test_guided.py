@@ -242,3 +242,63 @@ def test_guided_steps_keep_asynchronous_output() -> None:
         deferred += engine._inflight is not None
     assert deferred > 5
     jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_a_matcher_that_fails_mid_output_ends_with_an_error_not_a_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A parser limit reached mid-output leaves text that matches nothing whole: reported
+    as ``error`` (the worker sends an error chunk), never as a complete ``stop``."""
+    from workers.engine.guided import Guide
+
+    consumed: list[int] = []
+    real = Guide.consume
+    monkeypatch.setattr(Guide, "consume", lambda self, t: (consumed.append(t), real(self, t)))
+    monkeypatch.setattr(
+        Guide, "error", property(lambda self: "limit" if len(consumed) >= 3 else None)
+    )
+    engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu"))
+    engine.add_request("r", "def main():\n", sampled(0, spec("json_schema", PERSON)))
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert deltas[-1].finish_reason == "error" and len(consumed) == 3
+    assert deltas[-1].output is not None
+    assert deltas[-1].output.stop_reason == "guided decoding failed: limit"
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_the_tokenizer_view_is_built_once_and_a_failed_build_is_remembered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+    import time
+
+    import workers.engine.engine as engine_module
+
+    builds: list[int] = []
+
+    class Failing:
+        def __init__(self, *args: Any) -> None:
+            builds.append(1)
+            time.sleep(0.05)  # long enough for the other threads to arrive meanwhile
+            raise RuntimeError("bad tokenizer.json")
+
+    monkeypatch.setattr(engine_module, "Guides", Failing)
+    engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu"))
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            engine.guide(spec("regex", "a"))
+        except InvalidRequestError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ask()
+    assert len(builds) == 1 and len(errors) == 5
+    assert all("unavailable" in str(e) and "bad tokenizer.json" in str(e) for e in errors)

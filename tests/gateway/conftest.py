@@ -92,3 +92,13 @@ async def gateway(nats_config: NatsConfig) -> AsyncIterator[Served]:
     """The gateway with the default test config."""
     async with serve(gateway_config(nats_config)) as served:
         yield served
+
+
+async def until_live(http: Any, group: str, timeout_s: float = 10.0) -> None:
+    """Wait for the gateway (``http``: an httpx client on it) to count a live worker in
+    ``group``: requests sent before its first report would wait for it, or answer 503."""
+    deadline = time.monotonic() + timeout_s
+    while (await http.get("/health")).json()["groups"][group]["live_workers"] < 1:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no live worker of {group!r} after {timeout_s} s")
+        await asyncio.sleep(0.02)

@@ -19,7 +19,7 @@ from gateway.admission import Admission
 from gateway.classifier import classify
 from gateway.workers_view import BREAKER_STALE_S, WorkersView, decode_breaker
 from scheduler.records import BREAKER_RENEW_S
-from tests.gateway.conftest import MODEL, gateway_config, serve
+from tests.gateway.conftest import MODEL, gateway_config, serve, until_live
 from tests.gateway.fake_worker import echo_alphabet, running_worker
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 6}
@@ -47,6 +47,9 @@ async def test_saturated_group_answers_429_with_retry_after(nats_config: NatsCon
         running_worker(nats_config, "short", behaviour=slow),
         httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
     ):
+        # Else all three wait for its first report, and the third finds no waiting slot
+        # with no worker live: a 503 (the slots are for admitted requests then).
+        await until_live(http, "short")
         responses = await asyncio.gather(
             *(http.post("/v1/completions", json=BODY) for _ in range(3))
         )

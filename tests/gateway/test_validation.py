@@ -165,7 +165,7 @@ async def test_openai_parameters_that_ask_for_nothing_are_accepted(fields: dict[
     body = parse_body(CompletionRequest, json.dumps({**OK_COMPLETION, **fields}).encode())
     assert body.wire_params(4, None).seed == (-7) % 2**63
     chat = {**OK_CHAT, "tools": [], "parallel_tool_calls": True,
-            "response_format": {"type": "text", "strict": False}, "logit_bias": {},
+            "response_format": {"type": "text", "strict": False, "x": 1}, "logit_bias": {},
             "modalities": ["text"], "tool_choice": "auto", "moderation": None,
             "prompt_cache_options": {"ttl": "30m"},
             "messages": [{"role": "user", "content": [{"type": "text", "text": "a",

@@ -61,3 +61,27 @@ async def test_the_sim_engine_refuses_guided_requests(start_worker: Any, client:
     with pytest.raises(InvalidRequestError, match="no guided decoding"):
         await client.collect(group="short", prompt_token_ids=[1, 2, 3],
                              params=guided("regex", "[a-z]+"))  # fmt: skip
+
+
+async def test_guided_decoding_that_fails_mid_output_is_an_error_chunk_after_its_tokens(
+    start_worker: Any, client: QosClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from common.errors import InternalError
+    from workers.engine.guided import Guide
+
+    consumed: list[int] = []
+    real = Guide.consume
+    monkeypatch.setattr(Guide, "consume", lambda self, t: (consumed.append(t), real(self, t)))
+    monkeypatch.setattr(
+        Guide, "error", property(lambda self: "limit" if len(consumed) >= 4 else None)
+    )
+    engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu", max_batch_size=4))
+    await start_worker(engine=engine)
+    ids = engine.tokenizer.encode("def main():\n")
+    got: list[int] = []
+    with pytest.raises(InternalError, match="guided decoding failed: limit"):
+        async for chunk in client.generate(
+            group="short", prompt_token_ids=ids, params=guided("json_schema", json.dumps(SCHEMA))
+        ):
+            got += chunk.token_ids
+    assert len(got) == 4  # every token sampled went out, the last one included

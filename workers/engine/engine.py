@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,6 +162,8 @@ class LLMEngine:
         self._prompt_lp_owed: set[Request] = set()
         self._pending: list[RequestDelta] = []
         self._guides: Guides | None = None  # built for the first guided request
+        self._guides_failed: str | None = None  # why it could not be built: every one fails
+        self._guides_lock = threading.Lock()  # worker threads compile side by side
         self.async_output = (
             self.device.type == "cuda" if args.async_output is None else args.async_output
         )
@@ -347,14 +350,30 @@ class LLMEngine:
                 f"model {self.args.model!r} has no tokenizer: guided decoding needs one",
                 param="guided",
             )
-        guides = self._guides
-        if guides is None:
-            vocab = self.model_config.vocab_size
-            guides = self._guides = Guides(self.tokenizer, vocab, set(self.eos_token_ids))
+        guides = self._guides or self._build_guides()
         try:
             return guides.start(spec, list(resumed))
         except GuidedSpecError as exc:
             raise InvalidRequestError(f"guided: {exc}", param="guided") from None
+
+    def _build_guides(self) -> Guides:
+        """The tokenizer as llguidance reads it, built once (a 152k vocabulary takes a
+        second); a build that fails is remembered, not tried again for every request."""
+        with self._guides_lock:
+            if self._guides is None and self._guides_failed is None:
+                vocab = self.model_config.vocab_size
+                try:
+                    self._guides = Guides(self.tokenizer, vocab, set(self.eos_token_ids))
+                except Exception as exc:
+                    log.exception("guided decoding is unavailable for %s", self.args.model)
+                    self._guides_failed = f"{type(exc).__name__}: {exc}"
+            if self._guides is None:
+                raise InvalidRequestError(
+                    "guided decoding is unavailable for this model's tokenizer "
+                    f"({self._guides_failed})",
+                    param="guided",
+                )
+            return self._guides
 
     def pending_finished_ids(self) -> set[str]:
         """Requests whose finished delta the next :meth:`step` returns (a step that raised
@@ -786,14 +805,19 @@ class LLMEngine:
         at_limit = (
             req.num_output_tokens >= params.max_tokens or req.num_tokens >= req.max_total_tokens
         )
-        complete = False
+        complete, failed = False, None
         if req.guide is not None:
             req.guide.consume(token)
-            complete = req.guide.done
+            failed = req.guide.error
+            complete = req.guide.done and failed is None
         text, reason = settle_token(
             req, token, self.eos_token_ids, at_limit, primary_eos=self.primary_eos,
             complete=complete,
         )  # fmt: skip
+        if failed is not None:
+            # Not "stop": what came out matches nothing whole. The worker answers an error.
+            log.warning("request %s: guided decoding failed: %s", req.request_id, failed)
+            reason, req.stop_reason = "error", f"guided decoding failed: {failed}"
         if text:
             req.text_pieces.append(text)
         if reason is not None:

@@ -12,7 +12,6 @@ filters. A matcher that can only end (its grammar is complete) finishes the requ
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
@@ -25,7 +24,6 @@ from common.guided import GuidedSpec, GuidedSpecError
 from common.tokenizer import ByteTokenizer
 from workers.engine.transfer import to_device
 
-log = logging.getLogger(__name__)
 _CACHED_MATCHERS = 64  # fresh matchers kept per distinct spec; a request takes a copy
 _executor: Any = None  # llguidance's thread pool for a batch's masks, made at first use
 
@@ -38,11 +36,14 @@ class Guide:
         self.words = words  # int32 words of its packed mask: one bit per token id
 
     def consume(self, token: int) -> None:
-        """Feed a chosen token (the mask allowed it). A matcher that fails (a parser limit
-        of llguidance's reached mid-output) ends the request: logged, as nothing more
-        can be guided."""
-        if not self._matcher.consume_token(token) and self._matcher.is_error():
-            log.warning("guided decoding stopped: %s", self._matcher.get_error())
+        """Feed a chosen token (the mask allowed it)."""
+        self._matcher.consume_token(token)
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a parser limit of llguidance's reached mid-output: its
+        mask then allows only EOS), or None. The output so far matches nothing whole."""
+        return str(self._matcher.get_error()) if self._matcher.is_error() else None
 
     @property
     def done(self) -> bool:
