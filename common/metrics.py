@@ -97,6 +97,17 @@ ORPHANED = Spec(
 )
 PROMPT_TOKENS = Spec("qos_prompt_tokens", "Prompt tokens of finished requests", REQUEST)
 GENERATION_TOKENS = Spec("qos_generation_tokens", "Tokens generated and sent", REQUEST)
+GUIDED = Spec(
+    "qos_guided_requests",
+    "Guided-decoding requests admitted, by kind (json_schema, regex, choice, grammar)",
+    (*REQUEST, "kind"),
+)
+GUIDED_COMPILE = Spec(
+    "qos_guided_compile_seconds",
+    "Time to make a guided request's matcher (a spec compiled, or a cached one copied)",
+    REQUEST,
+    (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 
 # --- worker: engine state (read from the engine's stats at scrape time) -------------------
 RUNNING = Spec("qos_num_requests_running", "Requests in the engine's running batch", REQUEST)

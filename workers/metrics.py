@@ -80,6 +80,8 @@ class WorkerMetrics:
         self.orphaned = m.counter(m.ORPHANED, r)
         self.prompt_tokens = m.counter(m.PROMPT_TOKENS, r)
         self.generation_tokens = m.counter(m.GENERATION_TOKENS, r)
+        self.guided = m.counter(m.GUIDED, r)
+        self.guided_compile = m.histogram(m.GUIDED_COMPILE, r)
         self._series: dict[str, RequestSeries] = {}
         self._outcomes: dict[tuple[str, str, bool], Any] = {}
         r.register(EngineCollector(model, view))

@@ -133,6 +133,14 @@ class WorkerObserver:
             elif span is not None:
                 context.attach(trace.set_span_in_context(span))
 
+    def guided(self, st: Flight, kind: str, seconds: float) -> None:
+        """A guided request's matcher was made, in ``seconds`` (off the engine thread)."""
+        watch: Watch | None = st.watch
+        if watch is not None:
+            labels = (watch.group, self.metrics.model)
+            self.metrics.guided.labels(*labels, kind).inc()
+            self.metrics.guided_compile.labels(*labels).observe(seconds)
+
     def resumed(self, st: Flight) -> None:
         """A redelivered request's caller answered: it continues here. (Deliveries handed
         back or dropped unanswered are not resumes.)"""

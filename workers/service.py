@@ -665,11 +665,13 @@ class WorkerService:
         if params.guided is not None and hasattr(self.engine, "guide"):
             # Compiled here, on a thread: a grammar takes up to tens of milliseconds, which
             # on the engine thread every running request would wait out.
+            began = time.perf_counter()
             try:
                 guide = await asyncio.to_thread(self.engine.guide, params.guided, resume)
             except InvalidRequestError as exc:
                 await self._send_error(st, exc)
                 return
+            self.observer.guided(st, params.guided.kind, time.perf_counter() - began)
             if req.id in self._aborted:  # aborted while it compiled
                 await settle(msg.ack)
                 self.observer.abandoned(st, "aborted")

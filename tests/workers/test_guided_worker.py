@@ -38,7 +38,7 @@ async def test_a_guided_request_matches_and_its_grammar_compiles_off_the_engine_
         return real(*args)
 
     monkeypatch.setattr(engine, "guide", guide)
-    await start_worker(engine=engine)
+    service = await start_worker(engine=engine)
     ids = engine.tokenizer.encode("def main():\n")
     _, text, final = await client.collect(
         group="short", prompt_token_ids=ids, params=guided("json_schema", json.dumps(SCHEMA))
@@ -54,6 +54,13 @@ async def test_a_guided_request_matches_and_its_grammar_compiles_off_the_engine_
         group="short", prompt_token_ids=ids, params=guided("choice", '["on", "off"]')
     )
     assert text in ("on", "off")
+    # Counted by kind once their matcher is made (a spec that cannot compile is not).
+    registry = service.observer.registry
+    labels = {"group": "short", "model": service.observer.metrics.model}
+    count = [registry.get_sample_value("qos_guided_requests_total", {**labels, "kind": kind})
+             for kind in ("json_schema", "choice", "regex")]  # fmt: skip
+    assert count == [1.0, 1.0, None]
+    assert registry.get_sample_value("qos_guided_compile_seconds_count", labels) == 2.0
 
 
 async def test_the_sim_engine_refuses_guided_requests(start_worker: Any, client: QosClient) -> None:
