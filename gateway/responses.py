@@ -202,9 +202,10 @@ class Shaper:
         return sse_event(self._chunk(choice, delivery.completion_tokens))
 
     def _tool_events(self, delivery: Delivery, stream: ToolCallStream) -> bytes:
-        """The content and whole tool calls in ``delivery``'s text, one chunk each (a call's
-        arguments in one piece, as OpenAI's deltas may carry them); the end's reason is
-        ``tool_calls`` once a call was made, as vLLM answers."""
+        """The content and tool calls in ``delivery``'s text, one chunk each: a call whole
+        (its arguments in one piece, as OpenAI's deltas may carry them), or a forced call's
+        arguments as they come; the end's reason is ``tool_calls`` once a call was made, as
+        vLLM answers."""
         pieces = stream.feed(delivery.text)
         if delivery.finish_reason is not None:
             pieces += stream.finish()
@@ -212,20 +213,15 @@ class Shaper:
         for kind, value in pieces:
             if kind == "content":
                 out += self._text_event(value, delivery.completion_tokens)
+                continue
+            if kind == "arguments":  # more of the last call's arguments
+                piece = {"index": stream.calls_sent - 1, "function": {"arguments": value}}
             else:
-                call = {"index": stream.calls_sent, **value}
+                piece = {"index": stream.calls_sent, **value}
                 stream.calls_sent += 1
-                out += sse_event(
-                    self._chunk(
-                        {
-                            "index": self.index,
-                            "delta": {"tool_calls": [call]},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        },
-                        delivery.completion_tokens,
-                    )
-                )
+            choice = {"index": self.index, "delta": {"tool_calls": [piece]}, "logprobs": None,
+                      "finish_reason": None}  # fmt: skip
+            out += sse_event(self._chunk(choice, delivery.completion_tokens))
         if delivery.finish_reason is not None:
             reason = stream.finish_reason(delivery.finish_reason, stream.calls)
             choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}

@@ -124,13 +124,21 @@ def test_tool_choice_named_and_required_come_back_as_tool_calls(
             return message.content, calls, result.choices[0].finish_reason
         chunks = list(result)
         deltas = [c.choices[0].delta for c in chunks if c.choices]
-        calls = [(t.function.name, json.loads(t.function.arguments))
-                 for d in deltas for t in d.tool_calls or []]  # fmt: skip
-        ids = [t.id for d in deltas for t in d.tool_calls or []]
-        assert all(i and i.startswith("call_") for i in ids)
+        # As clients read them: a call opens with its id and name, arguments append.
+        opened: dict[int, list[str]] = {}
+        pieces: dict[int, list[str]] = {}
+        for t in [t for d in deltas for t in d.tool_calls or []]:
+            if t.id is not None:
+                assert t.id.startswith("call_") and t.function and t.function.name
+                opened[t.index] = [t.function.name]
+            assert t.function is not None and t.index in opened
+            pieces.setdefault(t.index, []).append(t.function.arguments or "")
+        streamed_pieces.append(max(len(p) for p in pieces.values()))
+        calls = [(opened[i][0], json.loads("".join(pieces[i]))) for i in sorted(opened)]
         finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
         return joined(chunks) or None, calls, finish
 
+    streamed_pieces: list[int] = []
     named = {"type": "function", "function": {"name": "get_weather"}}
     content, calls, finish = ask(named)
     assert content is None and finish == "stop"  # OpenAI's reason for a named call
@@ -142,6 +150,8 @@ def test_tool_choice_named_and_required_come_back_as_tool_calls(
         assert name in ("get_weather", "get_time")
         if name == "get_weather":
             assert arguments in ({"city": "Paris"}, {"city": "Oslo"})
+    if stream:  # the named call's arguments flowed in pieces; required's calls came whole
+        assert streamed_pieces[0] > 1 and streamed_pieces[1] == 1
 
 
 def test_specs_that_cannot_guide_are_400s_naming_the_parameter(

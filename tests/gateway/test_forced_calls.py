@@ -57,3 +57,23 @@ def test_two_tools_defining_one_name_differently_are_a_400() -> None:
         body([tool("a"), tool("b", other)], "required").guided()
     assert caught.value.param == "tool_choice"
     assert body([tool("a"), tool("b")], "required").guided() is not None  # same: shared
+
+
+def test_a_named_calls_arguments_stream_as_written_and_equal_the_whole_reading() -> None:
+    text = '{"to": {"city": "Rome"}}'
+    for cut in (1, 3, 7):
+        reader = ForcedCalls(True, function="trip")
+        pieces = [p for i in range(0, len(text), cut) for p in reader.feed(text[i : i + cut])]
+        pieces += reader.finish()
+        assert pieces[0][0] == "call" and pieces[0][1]["function"]["name"] == "trip"
+        assert all(kind == "arguments" for kind, _ in pieces[1:])
+        streamed = pieces[0][1]["function"]["arguments"] + "".join(v for _, v in pieces[1:])
+        _, whole = ForcedCalls(True, function="trip").split(text)
+        assert streamed == whole[0]["function"]["arguments"] == text
+    # Cut by max_tokens: the call keeps what was written (its reason says length).
+    assert (
+        ForcedCalls(True, function="trip").split('{"to": {"ci')[1][0]["function"]["arguments"]
+        == '{"to": {"ci'
+    )
+    # "required"'s list cut short is no JSON: it stays text.
+    assert ForcedCalls(True).split('[{"name": "trip", "para') == ('[{"name": "trip", "para', [])
