@@ -69,6 +69,14 @@ class ContextLengthExceededError(InvalidRequestError):
     default_code = "context_length_exceeded"
 
 
+class GuidedDecodingError(InvalidRequestError):
+    """A request's grammar could not be followed to its end (a parser limit of the guided
+    decoding library reached mid-output): the client's spec, so a 400, which no breaker
+    counts against the group."""
+
+    default_code = "guided_decoding_failed"
+
+
 class ProtocolError(InvalidRequestError):
     """A NATS payload that cannot be decoded: wrong version, types, size or shape."""
 
@@ -164,6 +172,7 @@ _BY_CODE: dict[str, type[QosError]] = {
     for cls in (
         InvalidRequestError,
         ContextLengthExceededError,
+        GuidedDecodingError,
         ProtocolError,
         AuthenticationError,
         NotFoundError,

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
-from common.errors import InternalError, InvalidRequestError, QosError
+from common.errors import GuidedDecodingError, InternalError, InvalidRequestError, QosError
 from workers.engine.outputs import EngineStats, RequestDelta
 from workers.engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -118,13 +118,14 @@ class AddRequest:
 
 def _failed_ending(delta: RequestDelta) -> list[BridgeEvent]:
     """A request the engine ended itself with an error (its guided decoding failed): its
-    last token goes out as any other, then the error."""
-    out: list[BridgeEvent] = []
-    if delta.token_ids or delta.text:
-        out.append(replace(delta, finished=False, finish_reason=None, output=None))
+    last token goes out as any other (with the engine's output, for its trace), then the
+    error, a 400: the client's grammar hit the library's limits."""
     why = delta.output.stop_reason if delta.output is not None else None
-    out.append(RequestFailed(delta.request_id, InternalError(str(why or "the engine failed"))))
-    return out
+    error = GuidedDecodingError(str(why or "guided decoding failed"), param="guided")
+    return [
+        replace(delta, finished=False, finish_reason=None),
+        RequestFailed(delta.request_id, error),
+    ]
 
 
 def engine_max_batch(engine: Any) -> int:

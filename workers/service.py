@@ -661,7 +661,7 @@ class WorkerService:
                 await settle(msg.ack)
                 self.observer.abandoned(st, "aborted")
                 return
-        guide = None
+        guide, guide_s = None, 0.0
         if params.guided is not None and hasattr(self.engine, "guide"):
             # Compiled here, on a thread: a grammar takes up to tens of milliseconds, which
             # on the engine thread every running request would wait out.
@@ -671,7 +671,7 @@ class WorkerService:
             except InvalidRequestError as exc:
                 await self._send_error(st, exc)
                 return
-            self.observer.guided(st, params.guided.kind, time.perf_counter() - began)
+            guide_s = time.perf_counter() - began
             if req.id in self._aborted:  # aborted while it compiled
                 await settle(msg.ack)
                 self.observer.abandoned(st, "aborted")
@@ -711,6 +711,8 @@ class WorkerService:
         if resumed:
             self.observer.resumed(st)
         self._inflight[req.id] = st
+        if guide is not None:
+            self.observer.guided(st, req.params.guided_kind or "", guide_s)
         st.engine_id = f"{req.id}@{next(self._flight_numbers)}"
         assert self.bridge is not None
         self.bridge.add(
@@ -812,6 +814,8 @@ class WorkerService:
                 self._spawn(self._end_resumed(st, held), "end-resumed")
             else:
                 await self._flush(st)  # tokens it made before failing go out first
+                if self._inflight.get(st.request.id) is not st:
+                    return  # retired while the flush waited (superseded, handed back)
                 await self._complete(st, st.error_chunk(self.worker_id, error), error=True)
             return
         st.absorb(event)

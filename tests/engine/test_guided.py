@@ -301,4 +301,8 @@ def test_the_tokenizer_view_is_built_once_and_a_failed_build_is_remembered(
         t.join()
     ask()
     assert len(builds) == 1 and len(errors) == 5
-    assert all("unavailable" in str(e) and "bad tokenizer.json" in str(e) for e in errors)
+    # The details stay in the worker's log (they can name files); tried again later.
+    assert all("unavailable" in str(e) and "tokenizer.json" not in str(e) for e in errors)
+    monkeypatch.setattr(engine_module, "GUIDES_RETRY_S", 0.0)
+    ask()
+    assert len(builds) == 2

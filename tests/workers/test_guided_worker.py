@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from common.client import QosClient
-from common.errors import InvalidRequestError
+from common.errors import DeadlineExceededError, InvalidRequestError
 from common.models import demo_model_path
 from common.protocol import RequestParams
 from workers.engine import LLMEngine
@@ -73,7 +73,7 @@ async def test_the_sim_engine_refuses_guided_requests(start_worker: Any, client:
 async def test_guided_decoding_that_fails_mid_output_is_an_error_chunk_after_its_tokens(
     start_worker: Any, client: QosClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from common.errors import InternalError
+    from common.errors import GuidedDecodingError
     from workers.engine.guided import Guide
 
     consumed: list[int] = []
@@ -86,9 +86,45 @@ async def test_guided_decoding_that_fails_mid_output_is_an_error_chunk_after_its
     await start_worker(engine=engine)
     ids = engine.tokenizer.encode("def main():\n")
     got: list[int] = []
-    with pytest.raises(InternalError, match="guided decoding failed: limit"):
+    # A 400 (the client's grammar hit the library's limits): no breaker counts it.
+    with pytest.raises(GuidedDecodingError, match="guided decoding failed: limit"):
         async for chunk in client.generate(
             group="short", prompt_token_ids=ids, params=guided("json_schema", json.dumps(SCHEMA))
         ):
             got += chunk.token_ids
     assert len(got) == 4  # every token sampled went out, the last one included
+
+
+async def test_a_failed_request_retired_while_its_tokens_flush_is_not_answered(
+    start_worker: Any, client: QosClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its buffered tokens go out before its error chunk; a flush that waits (a full NATS
+    buffer) can let the flight be retired meanwhile (superseded by another replica): it
+    must then not ack the message another replica now serves."""
+    from workers.engine.guided import Guide
+
+    consumed: list[int] = []
+    real = Guide.consume
+    monkeypatch.setattr(Guide, "consume", lambda self, t: (consumed.append(t), real(self, t)))
+    monkeypatch.setattr(
+        Guide, "error", property(lambda self: "limit" if len(consumed) >= 4 else None)
+    )
+    engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu", max_batch_size=4))
+    service = await start_worker(engine=engine)
+    real_flush, completed = service._flush, []
+
+    async def flush(st: Any) -> None:
+        await real_flush(st)
+        if len(consumed) >= 4 and service._inflight.get(st.request.id) is st:
+            service._retire(st, "superseded")
+
+    async def complete(st: Any, chunk: Any, *, error: bool) -> None:
+        completed.append(chunk)
+
+    monkeypatch.setattr(service, "_flush", flush)
+    monkeypatch.setattr(service, "_complete", complete)
+    ids = engine.tokenizer.encode("def main():\n")
+    with pytest.raises(DeadlineExceededError):  # nobody answers: the client gives up
+        await client.collect(group="short", prompt_token_ids=ids, timeout_s=1.5,
+                             params=guided("json_schema", json.dumps(SCHEMA)))  # fmt: skip
+    assert len(consumed) == 4 and completed == []

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from workers.engine.warmup import WarmupReport
 
 log = logging.getLogger(__name__)
+GUIDES_RETRY_S = 60.0  # a failed build of guided decoding's tokenizer view is tried again
 
 # Upper bound of the profile run on CUDA when whole prompts may exceed the token budget.
 _MAX_PROFILE_TOKENS = 32768
@@ -162,7 +163,7 @@ class LLMEngine:
         self._prompt_lp_owed: set[Request] = set()
         self._pending: list[RequestDelta] = []
         self._guides: Guides | None = None  # built for the first guided request
-        self._guides_failed: str | None = None  # why it could not be built: every one fails
+        self._guides_failed_at: float | None = None  # its build failed then: not retried
         self._guides_lock = threading.Lock()  # worker threads compile side by side
         self.async_output = (
             self.device.type == "cuda" if args.async_output is None else args.async_output
@@ -358,19 +359,23 @@ class LLMEngine:
 
     def _build_guides(self) -> Guides:
         """The tokenizer as llguidance reads it, built once (a 152k vocabulary takes a
-        second); a build that fails is remembered, not tried again for every request."""
+        second); a build that fails is tried again only after ``GUIDES_RETRY_S``, not for
+        every request meanwhile. Its details stay in the log (they can name paths)."""
         with self._guides_lock:
-            if self._guides is None and self._guides_failed is None:
+            failed_at = self._guides_failed_at
+            if self._guides is None and (
+                failed_at is None or time.monotonic() - failed_at >= GUIDES_RETRY_S
+            ):
                 vocab = self.model_config.vocab_size
                 try:
                     self._guides = Guides(self.tokenizer, vocab, set(self.eos_token_ids))
-                except Exception as exc:
+                except Exception:
                     log.exception("guided decoding is unavailable for %s", self.args.model)
-                    self._guides_failed = f"{type(exc).__name__}: {exc}"
+                    self._guides_failed_at = time.monotonic()
             if self._guides is None:
                 raise InvalidRequestError(
-                    "guided decoding is unavailable for this model's tokenizer "
-                    f"({self._guides_failed})",
+                    "guided decoding is unavailable for this model's tokenizer (the worker "
+                    "logs why)",
                     param="guided",
                 )
             return self._guides
@@ -809,7 +814,7 @@ class LLMEngine:
         if req.guide is not None:
             req.guide.consume(token)
             failed = req.guide.error
-            complete = req.guide.done and failed is None
+            complete = req.guide.done  # a failed one too: its held-back text is released
         text, reason = settle_token(
             req, token, self.eos_token_ids, at_limit, primary_eos=self.primary_eos,
             complete=complete,

@@ -53,7 +53,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    # "stop" | "length" | "abort" | "error" (guided decoding failed); None while running
+    finish_reason: str | None
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     cumulative_logprob: float | None
     logprobs: list[float] | None
