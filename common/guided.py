@@ -67,17 +67,27 @@ def problem(kind: str, spec: str) -> str | None:
     return None
 
 
-@lru_cache(maxsize=64)  # a spec may be 256 KiB and its grammar several times that
 def _checked_grammar(kind: str, spec: str) -> str:
-    """Compiled and validated once per distinct spec: agents send the same tool schemas on
-    every request."""
+    grammar, error = _compiled(kind, spec)
+    if error is not None:
+        raise GuidedSpecError(error)
+    assert grammar is not None
+    return grammar
+
+
+@lru_cache(maxsize=64)  # a spec may be 256 KiB and its grammar several times that
+def _compiled(kind: str, spec: str) -> tuple[str | None, str | None]:
+    """(grammar, None) or (None, why), once per distinct spec: agents send the same tool
+    schemas on every request, and a client resending a bad one costs one compile, not
+    one each time."""
     import llguidance
 
-    grammar = _grammar(kind, spec)
+    try:
+        grammar = _grammar(kind, spec)
+    except GuidedSpecError as exc:
+        return None, str(exc)
     error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise GuidedSpecError(error.strip())
-    return grammar
+    return (None, error.strip()) if error else (grammar, None)
 
 
 def _grammar(kind: str, spec: str) -> str:
