@@ -447,7 +447,10 @@ async def test_a_request_that_came_without_a_trace_keeps_one_trace_across_its_de
     finally:
         await nc.close()
     attempts = by_kind(spans, SpanKind.CONSUMER)
-    assert sorted(s.attributes["qos.attempt"] for s in attempts) == [1, 2]
+    # The second replica's attempt is 2, or 3 when the stopping one's last pull took the
+    # handed-back delivery and dropped it unserved (no span: it never started there).
+    first_try, served = sorted(s.attributes["qos.attempt"] for s in attempts)
+    assert first_try == 1 and served in (2, 3)
     assert len({s.context.trace_id for s in attempts}) == 1
 
 
