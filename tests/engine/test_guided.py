@@ -244,19 +244,25 @@ def test_guided_steps_keep_asynchronous_output() -> None:
     jsonschema.validate(json.loads(text), PERSON)
 
 
-def test_a_matcher_that_fails_mid_output_ends_with_an_error_not_a_stop(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A parser limit reached mid-output leaves text that matches nothing whole: reported
-    as ``error`` (the worker sends an error chunk), never as a complete ``stop``."""
+def guides_fail_after(monkeypatch: pytest.MonkeyPatch, tokens: int) -> list[int]:
+    """Every matcher reports the error "limit" once ``tokens`` tokens were fed to any (as
+    one reaching a parser limit of llguidance's would); returns those tokens as they come."""
     from workers.engine.guided import Guide
 
     consumed: list[int] = []
     real = Guide.consume
     monkeypatch.setattr(Guide, "consume", lambda self, t: (consumed.append(t), real(self, t)))
-    monkeypatch.setattr(
-        Guide, "error", property(lambda self: "limit" if len(consumed) >= 3 else None)
-    )
+    failing = property(lambda self: "limit" if len(consumed) >= tokens else None)
+    monkeypatch.setattr(Guide, "error", failing)
+    return consumed
+
+
+def test_a_matcher_that_fails_mid_output_ends_with_an_error_not_a_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A parser limit reached mid-output leaves text that matches nothing whole: reported
+    as ``error`` (the worker sends an error chunk), never as a complete ``stop``."""
+    consumed = guides_fail_after(monkeypatch, 3)
     engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu"))
     engine.add_request("r", "def main():\n", sampled(0, spec("json_schema", PERSON)))
     deltas = []

@@ -15,6 +15,7 @@ from common.client import QosClient
 from common.errors import DeadlineExceededError, InvalidRequestError
 from common.models import demo_model_path
 from common.protocol import RequestParams
+from tests.engine.test_guided import guides_fail_after
 from workers.engine import LLMEngine
 from workers.engine.args import EngineArgs
 
@@ -74,14 +75,8 @@ async def test_guided_decoding_that_fails_mid_output_is_an_error_chunk_after_its
     start_worker: Any, client: QosClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from common.errors import GuidedDecodingError
-    from workers.engine.guided import Guide
 
-    consumed: list[int] = []
-    real = Guide.consume
-    monkeypatch.setattr(Guide, "consume", lambda self, t: (consumed.append(t), real(self, t)))
-    monkeypatch.setattr(
-        Guide, "error", property(lambda self: "limit" if len(consumed) >= 4 else None)
-    )
+    guides_fail_after(monkeypatch, 4)
     engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu", max_batch_size=4))
     await start_worker(engine=engine)
     ids = engine.tokenizer.encode("def main():\n")
@@ -101,14 +96,7 @@ async def test_a_failed_request_retired_while_its_tokens_flush_is_not_answered(
     """Its buffered tokens go out before its error chunk; a flush that waits (a full NATS
     buffer) can let the flight be retired meanwhile (superseded by another replica): it
     must then not ack the message another replica now serves."""
-    from workers.engine.guided import Guide
-
-    consumed: list[int] = []
-    real = Guide.consume
-    monkeypatch.setattr(Guide, "consume", lambda self, t: (consumed.append(t), real(self, t)))
-    monkeypatch.setattr(
-        Guide, "error", property(lambda self: "limit" if len(consumed) >= 4 else None)
-    )
+    consumed = guides_fail_after(monkeypatch, 4)
     engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu", max_batch_size=4))
     service = await start_worker(engine=engine)
     real_flush, completed = service._flush, []
