@@ -1,5 +1,6 @@
 """The inference engine: a pure library (no NATS, no asyncio) with an offline and a step API."""
 
+from common.guided import GuidedSpec
 from workers.engine.args import EngineArgs
 from workers.engine.engine import LLMEngine
 from workers.engine.llm import LLM
@@ -10,6 +11,7 @@ __all__ = [
     "LLM",
     "EngineArgs",
     "EngineStats",
+    "GuidedSpec",
     "LLMEngine",
     "RequestDelta",
     "RequestOutput",
