@@ -25,7 +25,7 @@ from bench.provenance import git_state
 from common.guided import GuidedSpec
 from common.models import demo_model_path
 from workers.engine import LLM, SamplingParams
-from workers.engine.guided import Guides, packed_masks
+from workers.engine.guided import packed_masks
 
 NEVER_DONE = GuidedSpec("regex", "[a-z ]{1000}")
 SCHEMA = {
@@ -61,10 +61,9 @@ def throughput(
 def mask_us(llm: LLM, steps: int) -> dict[str, Any]:
     """Host microseconds of one row's mask, median over a JSON output's steps."""
     engine = llm.engine
-    guides = Guides(engine.tokenizer, engine.model_config.vocab_size, set(engine.eos_token_ids))
     text = json.dumps({"name": "a" * 40, "tags": [f"tag number {i}" for i in range(steps)]})
     ids = engine.tokenizer.encode(text, add_special_tokens=False)[:steps]
-    guide = guides.start(GuidedSpec("json_schema", json.dumps(SCHEMA)), [])
+    guide = engine.guide(GuidedSpec("json_schema", json.dumps(SCHEMA)))
     times = []
     for token in ids:
         t0 = time.perf_counter()

@@ -528,17 +528,14 @@ class GenerateRequest(Message):
 
 def _check_guided(params: RequestParams) -> None:
     """The shape only: whether the spec compiles is the worker's to answer (an error chunk)."""
-    from common.guided import GUIDED_KINDS, MAX_GUIDED_SPEC_CHARS
+    from common.guided import shape_problem
 
     kind, spec = params.guided_kind, params.guided_spec
     if (kind is None) != (spec is None):
         raise ProtocolError("request.params.guided_kind and guided_spec go together")
-    if kind is not None and kind not in GUIDED_KINDS:
-        raise ProtocolError(f"request.params.guided_kind: one of {', '.join(GUIDED_KINDS)}")
-    if spec is not None and len(spec) > MAX_GUIDED_SPEC_CHARS:
-        raise ProtocolError(
-            f"request.params.guided_spec: at most {MAX_GUIDED_SPEC_CHARS} characters"
-        )
+    why = shape_problem(kind, spec) if kind is not None and spec is not None else None
+    if why is not None:
+        raise ProtocolError(f"request.params.guided: {why}")
 
 
 def _check_logit_bias(params: RequestParams) -> None:

@@ -283,14 +283,15 @@ class _SamplingBody(_Strict):
 
     def guided(self) -> GuidedSpec | None:
         """What the output must match (checked by :meth:`check_guided`), or None."""
-        return self.guided_spec
+        given = self.guided_sources
+        return given[0][1] if given else None
 
     @cached_property
-    def guided_spec(self) -> GuidedSpec | None:
-        # Built once per body: every choice of every prompt asks (a forced call's schema
-        # of 128 tools is a json.dumps of up to 256 KiB).
-        given = self._guided_sources()
-        return given[0][1] if given else None
+    def guided_sources(self) -> list[tuple[str, GuidedSpec]]:
+        """:meth:`_guided_sources`, built once per body: every choice of every prompt asks,
+        and the check asks again (a forced call's schema of 128 tools is a json.dumps of up
+        to 256 KiB)."""
+        return self._guided_sources()
 
     def _guided_sources(self) -> list[tuple[str, GuidedSpec]]:
         """(the parameter, its spec) for each source of guided decoding the body names."""
@@ -334,7 +335,7 @@ class _SamplingBody(_Strict):
         """The guided-decoding source, compiled: a 400 naming it when it cannot guide.
         Apart from :meth:`check_fields`: a grammar can take tens of milliseconds to compile,
         which the caller spends off its event loop."""
-        given = self._guided_sources()
+        given = self.guided_sources
         if len(given) > 1:
             names = ", ".join(param for param, _ in given)
             raise InvalidRequestError(

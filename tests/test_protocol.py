@@ -568,3 +568,22 @@ def test_fields_added_since_the_last_release_are_not_sent_unless_set() -> None:
     assert "want_stop_reason" not in params and "attempt" not in msgpack.unpackb(
         Control(action="abort", request_id="r").to_bytes()
     )
+
+
+@pytest.mark.parametrize(
+    ("params", "reason"),
+    [
+        ({"guided_kind": "regex"}, "go together"),
+        ({"guided_spec": "a+"}, "go together"),
+        ({"guided_kind": "xml", "guided_spec": "<a/>"}, "unknown kind 'xml'"),
+        ({"guided_kind": "regex", "guided_spec": "a" * (256 * 1024 + 1)}, "longer than"),
+        ({"guided_kind": "regex", "guided_spec": "("}, None),  # compiling is the worker's
+    ],
+)
+def test_guided_decoding_fields_are_checked_for_shape(params: dict, reason: str | None) -> None:
+    payload = _raw(id="a", group="g", reply="r", prompt="x", params=params)
+    if reason is None:
+        assert GenerateRequest.from_bytes(payload).params.guided_spec == "("
+        return
+    with pytest.raises(ProtocolError, match=reason):
+        GenerateRequest.from_bytes(payload)

@@ -215,12 +215,10 @@ class Load:
     async def abort(self) -> None:
         """Cancel what is still running and read every outcome (a failed test's leftovers
         would otherwise log "exception was never retrieved" into a later test)."""
-        for task in [self._pacer, *self.requests]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(
-            *[t for t in [self._pacer, *self.requests] if t], return_exceptions=True
-        )
+        tasks = [t for t in [self._pacer, *self.requests] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @pytest.fixture

@@ -110,10 +110,12 @@ def packed_masks(guides: list[Guide]) -> np.ndarray:
     out = np.zeros((len(guides), words), dtype=np.int32)
     # A finished guide's row (its request ended on the token just read back, its row still
     # in this step's batch, to be thrown away) allows every token: never an empty row.
-    live = [(row, g) for row, g in enumerate(guides) if not g.done]
+    live: list[tuple[int, Guide]] = []
     for row, g in enumerate(guides):
         if g.done:
             out[row] = -1
+        else:
+            live.append((row, g))
     if not live:
         return out
     if len(live) == 1:
@@ -149,10 +151,9 @@ class _ByteVocabulary:
 
     def __init__(self, tokenizer: ByteTokenizer, eos: list[int]) -> None:
         specials = sorted(tokenizer.all_special_ids)
-        names = tokenizer.special_tokens
-        texts = {tokenizer.BOS: names["bos_token"], tokenizer.EOS: names["eos_token"],
-                 tokenizer.PAD: names["pad_token"]}  # fmt: skip
-        self.tokens = [bytes([i]) for i in range(256)] + [texts[i].encode() for i in specials]
+        self.tokens = [bytes([i]) for i in range(256)] + [
+            (tokenizer.id_to_token(i) or "").encode() for i in specials
+        ]
         self.special_token_ids = specials
         self.eos_token_id = eos[0] if eos else tokenizer.EOS
         self.bos_token_id = tokenizer.BOS
