@@ -202,10 +202,9 @@ class Shaper:
         return sse_event(self._chunk(choice, delivery.completion_tokens))
 
     def _tool_events(self, delivery: Delivery, stream: ToolCallStream) -> bytes:
-        """The content and tool calls in ``delivery``'s text, one chunk each: a call whole
-        (its arguments in one piece, as OpenAI's deltas may carry them), or a forced call's
-        arguments as they come; the end's reason is ``tool_calls`` once a call was made, as
-        vLLM answers."""
+        """The content and tool calls in ``delivery``'s text, one chunk each: a call's
+        opening delta (its index, id and name), or more of its arguments as they come;
+        the end's reason is ``tool_calls`` once a call was made, as vLLM answers."""
         pieces = stream.feed(delivery.text)
         if delivery.finish_reason is not None:
             pieces += stream.finish()

@@ -1,6 +1,6 @@
 """Tool calls in a model's output: OpenAI's ``tool_calls`` from the text a chat model writes.
 
-Two formats, the ones the engine's model families are trained on:
+Three formats, the ones the engine's model families are trained on:
 
 - ``hermes`` (Qwen 2.5 and 3, Hermes 2 and 3): JSON between tags, one block per call,
   possibly after some text::
@@ -17,17 +17,17 @@ Two formats, the ones the engine's model families are trained on:
   the only ids Mistral's templates take back in the next turn.
 
 A whole answer is split into its content and its calls as vLLM's parsers of those names
-split it. Streamed, hermes content flows as it comes, holding back only what may be the
-start of a tag, and each call is sent whole once its block closes (OpenAI's streamed
-``tool_calls`` deltas may carry the arguments in one piece); a llama3_json answer that
-begins with ``{`` is held to its end, then read, as is a mistral answer from its tag. Whatever is not a call (bad JSON, no name)
-stays text: nothing the model wrote is lost. Which format: :func:`tool_format`.
+split it, and streamed, read the same (a whole answer is read as one piece of a stream).
+Content flows as it comes, holding back only what may be the start of a tag; calls stream
+as OpenAI streams them: a call's id and name once written, then its arguments as the model
+writes them (:mod:`gateway.call_objects`). A llama3_json answer that begins with ``{`` is
+calls, as is a mistral answer from its tag: the first thing in them that is no call, and
+all after it, is content; with no call before it, the whole answer is (bad JSON, no name:
+nothing the model wrote is lost). Which format: :func:`tool_format`.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import secrets
 import string
 import uuid
@@ -35,8 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.call_objects import CallObjects, Piece
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what follows is a call
 MISTRAL_TAG = "[TOOL_CALLS]"
 _ALNUM = string.ascii_letters + string.digits
@@ -82,85 +83,19 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call(block: str) -> dict[str, Any] | None:
-    """One block's call as OpenAI returns it, or None when it is not one."""
-    try:
-        obj = json.loads(block)
-    except (ValueError, RecursionError):
-        return None
-    return _as_call(obj)
-
-
 def mistral_call_id() -> str:
     return "".join(secrets.choice(_ALNUM) for _ in range(9))
-
-
-def _as_call(obj: object, new_id: Callable[[], str] = call_id) -> dict[str, Any] | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(arguments, str):  # OpenAI's arguments are a JSON string
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {
-        "id": new_id(),
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": arguments},
-    }
-
-
-def split_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole hermes answer's content (None when only calls) and its calls; ``parallel``
-    False keeps the first call only (OpenAI's ``parallel_tool_calls``)."""
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    at = 0
-    for match in _BLOCK.finditer(text):
-        call = _call(match.group(1))
-        if call is None:
-            continue  # not a call: stays in the content
-        kept.append(text[at : match.start()])
-        at = match.end()
-        if parallel or not calls:
-            calls.append(call)
-    if not calls:
-        return text, []
-    kept.append(text[at:])
-    content = "".join(kept).strip()
-    return content or None, calls
-
-
-def split_llama3_json(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole llama3_json answer: calls when all of it is calls (JSON objects joined by
-    ``;``, maybe after the python tag), else all of it content, as vLLM reads it."""
-    body = text.strip().removeprefix(PYTHON_TAG).lstrip()
-    if not body.startswith("{"):
-        return text, []
-    decoder = json.JSONDecoder()
-    calls: list[dict[str, Any]] = []
-    at = 0
-    while at < len(body):
-        try:
-            obj, end = decoder.raw_decode(body, at)
-        except (ValueError, RecursionError):
-            return text, []
-        call = _as_call(obj)
-        if call is None:
-            return text, []
-        if parallel or not calls:
-            calls.append(call)
-        at = end
-        while at < len(body) and body[at] in " \t\r\n;":
-            at += 1
-    return None, calls
 
 
 @dataclass
 class ToolCallStream:
     """An answer's tool calls, read as its text streams: :meth:`feed` and, at the end,
-    :meth:`finish` return the pieces ready to send, ``("content", text)`` or
-    ``("call", call)``; :meth:`split` reads a whole answer."""
+    :meth:`finish` return the pieces ready to send, ``("content", text)``, ``("call",
+    call)`` (its arguments maybe still empty) or ``("arguments", text)`` (more of the last
+    call's); :meth:`split` reads a whole answer."""
 
     parallel: bool = True
+    new_id: Callable[[], str] = call_id
     calls: int = 0  # calls read so far
     calls_sent: int = 0  # of those, sent (each call's ``index`` in the stream)
     _pending: str = ""  # text not sent yet
@@ -169,15 +104,29 @@ class ToolCallStream:
     # lines around calls are no content of their own) and, after one, at the end.
     _blank: str = ""
     _worded: bool = False  # some content was sent
-
-    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        raise NotImplementedError
+    _skipping: bool = False  # the call being read is one parallel_tool_calls=False drops
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         raise NotImplementedError
 
     def finish(self) -> list[tuple[str, Any]]:
         raise NotImplementedError
+
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A whole answer's content (None when it made calls and said nothing else) and its
+        calls, read as if it streamed in one piece: so both readings agree. Uses the reader
+        up."""
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for kind, value in self.feed(text) + self.finish():
+            if kind == "content":
+                content.append(value)
+            elif kind == "call":
+                calls.append(value)
+            else:
+                calls[-1]["function"]["arguments"] += value
+        said = "".join(content)
+        return (said or None, calls) if calls else (said, [])
 
     def finish_reason(self, reason: str | None, calls: int) -> str | None:
         """The answer's finish reason once it made ``calls`` calls."""
@@ -193,11 +142,21 @@ class ToolCallStream:
             self._pieces.append(("content", words))
             self._worded = True
 
-    def _call_found(self, call: dict[str, Any]) -> None:
-        self._blank = ""
-        if self.parallel or not self.calls:
-            self._pieces.append(("call", call))
-            self.calls += 1
+    def _take(self, pieces: list[Piece]) -> None:
+        """A call reader's pieces: calls (the first only, without parallel calls), their
+        arguments, and text as content."""
+        for kind, value in pieces:
+            if kind == "call":
+                self._blank = ""
+                self._skipping = not self.parallel and self.calls > 0
+                if not self._skipping:
+                    self._pieces.append(("call", value))
+                    self.calls += 1
+            elif kind == "arguments":
+                if not self._skipping:
+                    self._pieces.append(("arguments", value))
+            else:
+                self._content(value)
 
     def _end(self) -> list[tuple[str, Any]]:
         """The last pieces: blanks held at the end are the answer's own when it made no
@@ -224,50 +183,85 @@ class ToolCallStream:
 
 
 @dataclass
-class Llama3JsonCalls(ToolCallStream):
+class HeldCalls(ToolCallStream):
+    """A format whose calls follow a marker: after it, a run of call objects is read;
+    until its first call is read, the text after the marker is held, for when it turns out
+    no call (then all of it, the marker too, is content)."""
+
+    _reader: CallObjects | None = None  # reading calls since the marker
+    _held: str = ""  # the text since the marker, while no call was read
+
+    def _begin(self, marker: str, between: str = "", listed: bool = False) -> None:
+        self._reader = CallObjects(self.new_id, between, listed)
+        self._held = marker
+
+    def _read(self, text: str, raw: str | None = None) -> None:
+        """Read ``text`` (``raw``: as the model wrote it, when that differs)."""
+        reader = self._reader
+        assert reader is not None
+        if not reader.read:
+            self._held += text if raw is None else raw
+        self._settle(reader.feed(text))
+
+    def _settle(self, pieces: list[Piece]) -> None:
+        """Send the reader's pieces once a call was read; with none read and the run over,
+        the held text was no call: it is content, and so is all that follows."""
+        reader = self._reader
+        assert reader is not None
+        if reader.read:
+            self._take(pieces)
+        elif reader.run_over:
+            self._content(self._held)
+            self._reader, self._held = None, ""
+
+    def _read_end(self) -> None:
+        """The run ends (its reader's end is always ``run_over``)."""
+        if self._reader is not None:
+            self._settle(self._reader.finish())
+            self._reader, self._held = None, ""
+
+
+@dataclass
+class Llama3JsonCalls(HeldCalls):
     """llama3_json: an answer that begins (after blanks) with ``{`` or the python tag is
-    held to its end and read whole; any other streams as content from its first word."""
+    read as calls joined by ``;``; any other streams as content from its first word."""
 
     _decided: bool = False
-    _held: bool = False
-
-    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        return split_llama3_json(text, self.parallel)
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
-        if self._decided and not self._held:
-            self._content(text)
+        if self._decided:
+            if self._reader is not None:
+                self._read(text)
+            else:
+                self._content(text)
             return self._taken()
         self._pending += text
         head = self._pending.lstrip()
-        if not self._decided and head:
-            if head.startswith("{") or head.startswith(PYTHON_TAG):
-                self._decided = self._held = True
-            elif not PYTHON_TAG.startswith(head):  # not the tag's first characters either
-                self._decided = True
-                self._content(self._pending)
-                self._pending = ""
+        if head.startswith("{") or head.startswith(PYTHON_TAG):
+            self._decided = True
+            body = head.removeprefix(PYTHON_TAG)
+            self._begin(self._pending[: len(self._pending) - len(body)], between=";")
+            self._read(body)
+        elif head and not PYTHON_TAG.startswith(head):  # not the tag's first characters
+            self._decided = True
+            self._content(self._pending)
+        if self._decided:
+            self._pending = ""
         return self._taken()
 
     def finish(self) -> list[tuple[str, Any]]:
-        content, calls = self.split(self._pending) if self._pending else (None, [])
-        self._pending = ""
-        for call in calls:
-            self._call_found(call)
-        if content:
-            self._content(content)
+        self._read_end()
+        if self._pending:
+            self._content(self._pending)
+            self._pending = ""
         return self._end()
 
 
 @dataclass
-class HermesCalls(ToolCallStream):
-    """hermes: content streams, a tag's possible start is held, each block is read once it
-    closes (or at the end, unclosed, as vLLM reads it)."""
-
-    _in_block: bool = False
-
-    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        return split_calls(text, self.parallel)
+class HermesCalls(HeldCalls):
+    """hermes: content streams, a tag's possible start is held; in a block, calls stream as
+    they are written (a block that holds none is the text it was); a block the model ends
+    without its closing tag is read as one, as vLLM reads it."""
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self._pending += text
@@ -276,36 +270,35 @@ class HermesCalls(ToolCallStream):
         return self._taken()
 
     def finish(self) -> list[tuple[str, Any]]:
-        """What is left: a block the model ended without its closing tag is read as one
-        (vLLM's parser does too), else it is text."""
-        if self._in_block:
-            self._close_block(self._pending)
+        if self._reader is not None:
+            self._read(self._pending)
+            self._read_end()
         elif self._pending:
             self._content(self._pending)
-        self._pending, self._in_block = "", False
+        self._pending = ""
         return self._end()
 
     def _step(self) -> bool:
         """Consume what can be decided now; True when it should be called again."""
-        pending = self._pending
-        if self._in_block:
+        if self._reader is not None:
+            pending = self._pending
             end = pending.find(CLOSE)
+            upto = end if end >= 0 else len(pending) - _partial_tag(pending, CLOSE)
+            self._read(pending[:upto])
+            self._pending = pending[upto:]
+            if self._reader is None:
+                return True  # no call: the block was text, and so is its closing tag
             if end < 0:
                 return False
-            self._close_block(pending[:end], tail=CLOSE)
-            self._pending, self._in_block = pending[end + len(CLOSE) :], False
+            self._pending = self._pending[len(CLOSE) :]
+            self._held += CLOSE  # the block's text, if it held no call
+            self._read_end()
             return True
         if not self._content_until(OPEN):
             return False
-        self._pending, self._in_block = self._pending[len(OPEN) :], True
+        self._pending = self._pending[len(OPEN) :]
+        self._begin(OPEN)
         return True
-
-    def _close_block(self, block: str, tail: str = "") -> None:
-        call = _call(block)
-        if call is None:
-            self._content(OPEN + block + tail)  # not a call: the text it was
-        else:
-            self._call_found(call)
 
 
 def _partial_tag(text: str, tag: str = OPEN) -> int:
@@ -316,49 +309,38 @@ def _partial_tag(text: str, tag: str = OPEN) -> int:
     return 0
 
 
-def split_mistral(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole mistral answer: the text before the tag, and the calls of the JSON list
-    after it (as vLLM's mistral parser reads it); all text when that is not calls."""
-    head, tag, rest = text.partition(MISTRAL_TAG)
-    if not tag:
-        return text, []
-    try:
-        listed = json.loads(rest.replace(MISTRAL_TAG, "").strip())
-    except (ValueError, RecursionError):
-        return text, []
-    objs = listed if isinstance(listed, list) else [listed]
-    calls = [_as_call(obj, mistral_call_id) for obj in objs]
-    if not calls or any(call is None for call in calls):
-        return text, []
-    kept = [call for call in calls if call is not None]
-    return head.strip() or None, kept if parallel else kept[:1]
-
-
 @dataclass
-class MistralCalls(ToolCallStream):
-    """mistral: content streams until the tag (a possible start of it held), then all is
-    held to the end and read."""
+class MistralCalls(HeldCalls):
+    """mistral: content streams until the tag (a possible start of it held), then the JSON
+    list of calls after it streams as it is written (more tags inside it are dropped); no
+    list of calls after the tag: all of it is the text it was."""
 
-    _held: bool = False
-
-    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        return split_mistral(text, self.parallel)
+    new_id: Callable[[], str] = mistral_call_id
+    _tagged: bool = False  # the tag was met
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self._pending += text
-        if not self._held:
-            self._held = self._content_until(MISTRAL_TAG)
+        if not self._tagged and self._content_until(MISTRAL_TAG):
+            self._pending = self._pending[len(MISTRAL_TAG) :]
+            self._tagged = True
+            self._begin(MISTRAL_TAG, between=",", listed=True)
+        if self._tagged:
+            self._read_untagged(len(self._pending) - _partial_tag(self._pending, MISTRAL_TAG))
         return self._taken()
 
     def finish(self) -> list[tuple[str, Any]]:
-        if self._held:
-            _, calls = self.split(self._pending)  # the content before went out already
-            if calls:
-                for call in calls:
-                    self._call_found(call)
-            else:
-                self._content(self._pending)  # not calls: the text it was
-        elif self._pending:
-            self._content(self._pending)
+        if self._tagged:
+            self._read_untagged(len(self._pending))
+            self._read_end()
+        self._content(self._pending)
         self._pending = ""
         return self._end()
+
+    def _read_untagged(self, upto: int) -> None:
+        """Read the pending text up to ``upto``, less the tags in it (content as it was,
+        once the calls are over)."""
+        raw, self._pending = self._pending[:upto], self._pending[upto:]
+        if self._reader is None:
+            self._content(raw)
+        else:
+            self._read(raw.replace(MISTRAL_TAG, ""), raw)

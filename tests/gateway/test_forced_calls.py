@@ -75,5 +75,8 @@ def test_a_named_calls_arguments_stream_as_written_and_equal_the_whole_reading()
         ForcedCalls(True, function="trip").split('{"to": {"ci')[1][0]["function"]["arguments"]
         == '{"to": {"ci'
     )
-    # "required"'s list cut short is no JSON: it stays text.
+    # "required"'s list cut before a call's arguments began: text; after, a call with the
+    # arguments written.
     assert ForcedCalls(True).split('[{"name": "trip", "para') == ('[{"name": "trip", "para', [])
+    _, (call,) = ForcedCalls(True).split('[{"name": "trip", "parameters": {"to')
+    assert call["function"] == {"name": "trip", "arguments": '{"to'}

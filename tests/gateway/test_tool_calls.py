@@ -13,14 +13,12 @@ import pytest
 
 from common.config import NatsConfig
 from common.tokenizer import ByteTokenizer
+from gateway.forced_calls import ForcedCalls
 from gateway.tool_calls import (
     HermesCalls,
     Llama3JsonCalls,
     MistralCalls,
     ToolCallStream,
-    split_calls,
-    split_llama3_json,
-    split_mistral,
     tool_format,
 )
 from tests.gateway.conftest import MODEL, gateway_config, serve
@@ -42,7 +40,26 @@ ANSWERS = [
     "<tool_call>\nnot json\n</tool_call> and text after",
     "a < b and <tool_ca is not a tag",
     f"<tool_call>\n{TIME}\n</tool_call>\nA.\n\nB.",  # blank lines after a call are content
+    # Arguments first, or as a JSON string: read whole once the object closes.
+    '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+    # Braces, brackets and quotes inside strings are the arguments' text.
+    '<tool_call>{"name": "f", "arguments": {"q": "} ]\\"{ <", "n": [1, {}]}}</tool_call> done',
+    '<tool_call>{"name": "f", "arguments": {"a": 1}, "id": "x"}</tool_call>',  # more keys
+    '<tool_call>{"name": "f", "arguments": {"a": 1}}{"name": "g", "arguments": {}}</tool_call>',
 ]
+
+
+def split_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
+    return HermesCalls(parallel).split(text)
+
+
+def split_llama3_json(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
+    return Llama3JsonCalls(parallel).split(text)
+
+
+def split_mistral(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
+    return MistralCalls(parallel).split(text)
 
 
 def _names(calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
@@ -79,15 +96,18 @@ LLAMA_ANSWERS = [
 ]
 
 
-def test_a_whole_llama3_json_answer_is_calls_only_when_all_of_it_is() -> None:
+def test_a_whole_llama3_json_answer_is_calls_up_to_the_first_thing_that_is_none() -> None:
     assert split_llama3_json(LLAMA_ANSWERS[0]) == (LLAMA_ANSWERS[0], [])
     content, calls = split_llama3_json(LLAMA_ANSWERS[1])
     assert content is None and _names(calls) == [("get_weather", {"city": "Zürich"})]
     content, calls = split_llama3_json(LLAMA_ANSWERS[2])
     assert content is None and [n for n, _ in _names(calls)] == ["get_weather", "get_time"]
     assert len(split_llama3_json(LLAMA_ANSWERS[2], parallel=False)[1]) == 1
-    for text in LLAMA_ANSWERS[3:]:
+    for text in (LLAMA_ANSWERS[3], LLAMA_ANSWERS[5]):
         assert split_llama3_json(text) == (text, [])
+    # Streamed, a call is out before what follows it is known: the rest is content.
+    content, calls = split_llama3_json(LLAMA_ANSWERS[4])
+    assert content == "and then some words" and len(calls) == 1
 
 
 MISTRAL_ANSWERS = [
@@ -96,6 +116,8 @@ MISTRAL_ANSWERS = [
     f"Let me look.[TOOL_CALLS] [{WEATHER}]",
     "[TOOL_CALLS][not json",
     "a [TOOL_CA is not the tag",
+    f"[TOOL_CALLS] [{WEATHER}][TOOL_CALLS] [{TIME}]",  # a tag and a list per call
+    f'[TOOL_CALLS][{WEATHER}, {{"no": 1}}] after',  # the calls, then text
 ]
 
 
@@ -108,8 +130,12 @@ def test_a_whole_mistral_answer_is_its_text_and_the_calls_after_the_tag() -> Non
     content, calls = split_mistral(MISTRAL_ANSWERS[2])
     assert content == "Let me look." and _names(calls) == [("get_weather", {"city": "Zürich"})]
     assert len(split_mistral(MISTRAL_ANSWERS[1], parallel=False)[1]) == 1
-    for text in MISTRAL_ANSWERS[3:]:
+    for text in MISTRAL_ANSWERS[3:5]:
         assert split_mistral(text) == (text, [])
+    content, calls = split_mistral(MISTRAL_ANSWERS[5])
+    assert content is None and [n for n, _ in _names(calls)] == ["get_weather", "get_time"]
+    content, calls = split_mistral(MISTRAL_ANSWERS[6])
+    assert content == '{"no": 1}] after' and len(calls) == 1
 
 
 CASES = (
@@ -117,6 +143,28 @@ CASES = (
     + [(Llama3JsonCalls, a) for a in LLAMA_ANSWERS]
     + [(MistralCalls, a) for a in MISTRAL_ANSWERS]
 )
+
+
+def _folded(pieces: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """The calls a client rebuilds from streamed pieces: each call's arguments appended."""
+    calls: list[dict[str, Any]] = []
+    for kind, value in pieces:
+        if kind == "call":
+            calls.append({**value, "function": dict(value["function"])})
+        elif kind == "arguments":
+            calls[-1]["function"]["arguments"] += value
+    return calls
+
+
+def _client_calls(chunks: list[Any]) -> list[tuple[int, str, Any]]:
+    """The calls the openai client's user rebuilds from streamed deltas: by index, the
+    name from the first delta, the arguments appended."""
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = calls.setdefault(delta.index, [delta.function.name, ""])
+            entry[1] += delta.function.arguments or ""
+    return [(i, name, json.loads(args)) for i, (name, args) in sorted(calls.items())]
 
 
 @pytest.mark.parametrize(("kind", "answer"), CASES)
@@ -135,8 +183,65 @@ def test_the_streamed_reading_equals_the_whole_one_however_the_text_is_cut(
             at += step
         pieces += stream.finish()
         streamed = "".join(v for k, v in pieces if k == "content")
-        assert _names([v for k, v in pieces if k == "call"]) == _names(calls)
+        assert _names(_folded(pieces)) == _names(calls)
         assert streamed == (content or "")  # less only the blanks around the calls
+
+
+STREAMED_ARGUMENTS = '{"city": "Zürich", "days": [1, {"from": "}\\"{"}]}'
+
+
+@pytest.mark.parametrize(
+    ("kind", "answer"),
+    [
+        (HermesCalls, f'Sure.<tool_call>\n{{"name": "w", "arguments": {STREAMED_ARGUMENTS}}}\n'
+                      "</tool_call>"),
+        (Llama3JsonCalls, f'<|python_tag|>{{"name": "w", "parameters": {STREAMED_ARGUMENTS}}}'),
+        (MistralCalls, f'[TOOL_CALLS][{{"name": "w", "arguments": {STREAMED_ARGUMENTS}}}]'),
+        (ForcedCalls, f'[{{"name": "w", "parameters": {STREAMED_ARGUMENTS}}}]'),
+    ],
+)  # fmt: skip
+def test_a_calls_arguments_stream_as_the_model_writes_them(
+    kind: type[ToolCallStream], answer: str
+) -> None:
+    """OpenAI's way: the call opens (id, name, no arguments yet) once its arguments begin,
+    then each piece of them goes out as it is written, the model's own text."""
+    stream = kind()
+    fed = [stream.feed(char) for char in answer]
+    opened = next(i for i, pieces in enumerate(fed) if any(k == "call" for k, _ in pieces))
+    assert answer[: opened + 1].endswith(": {")  # no later than its arguments' first brace
+    call = next(v for k, v in fed[opened] if k == "call")
+    assert call["function"] == {"name": "w", "arguments": ""}
+    streamed = [(i, v) for i, pieces in enumerate(fed) for k, v in pieces if k == "arguments"]
+    assert "".join(v for _, v in streamed) == STREAMED_ARGUMENTS
+    # Each character as it came (mistral's holds the "[" that may begin its tag).
+    assert len(streamed) >= len(STREAMED_ARGUMENTS) - 1
+    assert answer[: streamed[-1][0] + 1].endswith(STREAMED_ARGUMENTS)  # none held back
+    assert not [p for p in stream.finish() if p[0] != "content"]
+
+
+def test_without_parallel_calls_the_second_calls_arguments_go_nowhere() -> None:
+    first = '{"name": "a", "arguments": {"x": 1}}'
+    answer = f'[TOOL_CALLS][{first}, {{"name": "b", "arguments": {{"y": 2}}}}]'
+    for kind, text in ((HermesCalls, f"<tool_call>{first}</tool_call><tool_call>{TIME}</tool_call>"),
+                       (MistralCalls, answer)):  # fmt: skip
+        stream = kind(parallel=False)
+        pieces = [p for char in text for p in stream.feed(char)] + stream.finish()
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in _folded(pieces)] == [
+            ("a", '{"x": 1}')
+        ]
+        assert stream.calls == 1 and not [v for k, v in pieces if k == "content"]
+
+
+def test_a_call_cut_by_max_tokens_keeps_the_arguments_written() -> None:
+    """As OpenAI's: the arguments written so far (no JSON), the reason ``length``."""
+    cut = '<tool_call>{"name": "f", "arguments": {"a": [1, 2'
+    content, calls = HermesCalls().split(cut)
+    assert content is None and calls[0]["function"]["arguments"] == '{"a": [1, 2'
+    # Cut before its arguments began, it was no call yet: the text it was.
+    assert HermesCalls().split('<tool_call>{"name": "f", "argu') == (
+        '<tool_call>{"name": "f", "argu',
+        [],
+    )
 
 
 def test_the_format_comes_from_the_setting_or_the_chat_template() -> None:
@@ -194,14 +299,16 @@ async def test_the_openai_client_gets_tool_calls_whole_and_streamed(
         ("get_time", {}),
     ]
     assert len({c.id for c in calls}) == 2
-    # Streamed: content as it comes, each call whole in a delta of its own, indexed.
+    # Streamed: content as it comes, each call opened by a delta naming it (id, index),
+    # its arguments in the deltas after it.
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
     assert content.strip() == "Let me look."
-    assert [(d.index, d.function.name if d.function else None) for d in deltas] == [
+    assert [(d.index, d.function.name) for d in deltas if d.id] == [
         (0, "get_weather"),
         (1, "get_time"),
     ]
+    assert _client_calls(chunks) == [(0, "get_weather", {"city": "Zürich"}), (1, "get_time", {})]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert len(single.choices[0].message.tool_calls or []) == 1
     # The template rendered the tools, unless declined: then the answer is text as it came.
@@ -263,11 +370,7 @@ async def test_a_llama31_answer_that_is_a_call_comes_back_as_one(nats_config: Na
     assert whole.choices[0].finish_reason == "tool_calls" and message.content is None
     assert [c.function.name for c in message.tool_calls or []] == ["get_weather", "get_time"]
     assert json.loads((message.tool_calls or [])[0].function.arguments) == {"city": "Zürich"}
-    deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
-    assert [(d.index, d.function.name if d.function else None) for d in deltas] == [
-        (0, "get_weather"),
-        (1, "get_time"),
-    ]
+    assert _client_calls(chunks) == [(0, "get_weather", {"city": "Zürich"}), (1, "get_time", {})]
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
@@ -354,6 +457,5 @@ async def test_a_mistral_answer_keeps_its_special_tag_and_gets_nine_character_id
     (call,) = message.tool_calls or []
     assert call.function.name == "get_weather" and len(call.id) == 9 and call.id.isalnum()
     assert all(j.request.params.skip_special_tokens is False for j in worker.jobs)
-    deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
-    assert [d.function.name for d in deltas if d.function] == ["get_weather"]
+    assert _client_calls(chunks) == [(0, "get_weather", {"city": "Zürich"})]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Let me look."

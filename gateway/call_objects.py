@@ -1,0 +1,201 @@
+"""Tool calls written as JSON objects, read as their text comes.
+
+Every tool-call format the gateway reads writes a call as a JSON object, ``{"name": ...,
+"arguments": {...}}`` (Llama 3.1 and forced calls say ``"parameters"``), several of them
+one after another (Llama 3.1: joined by ``;``) or in a JSON list (Mistral, forced calls).
+:class:`CallObjects` reads such a run as it streams, the way OpenAI streams calls: once a
+call's name and the opening brace of its arguments are written, its id and name go out
+(``("call", {... "arguments": ""})``), then its arguments as the model writes them
+(``("arguments", text)``, the model's own JSON text, unchanged); a cut answer leaves a call
+with the arguments written so far, as OpenAI's do under ``max_tokens``. An object written
+another way (arguments first, or as a JSON string) is read whole when it closes. The first
+thing that is no call ends the run: from there on all is ``("text", ...)``.
+
+A whole answer reads the same, fed at once: whatever the cuts, the calls, their arguments
+and the text come out equal.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# A call's head up to its arguments' opening brace; only then can its arguments stream.
+_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
+)
+BLANKS = " \t\r\n"
+
+Piece = tuple[str, Any]
+
+
+def call_piece(name: str, arguments: str, call_id: str) -> dict[str, Any]:
+    """A call as OpenAI returns (or, streamed, opens) it: ``arguments`` a JSON string."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def read_call(obj: object, new_id: Callable[[], str]) -> dict[str, Any] | None:
+    """A decoded object's call, or None when it is none (no name)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(arguments, str):  # OpenAI's arguments are a JSON string
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return call_piece(obj["name"], arguments, new_id())
+
+
+def _string(literal: str) -> str | None:
+    try:
+        value = json.loads(literal)
+    except ValueError:  # a bad escape: the object is read whole, or is text
+        return None
+    return value if isinstance(value, str) else None
+
+
+@dataclass
+class CallObjects:
+    """A run of call objects (``between`` may separate two; ``listed``: maybe in a JSON
+    list), read as it comes: :meth:`feed` and, at the end, :meth:`finish` return the
+    pieces ready, ``("call", call)``, ``("arguments", text)`` (more of the last call's) and
+    ``("text", text)``."""
+
+    new_id: Callable[[], str]
+    between: str = ""
+    listed: bool = False
+    read: int = 0  # calls read so far
+    _text: str = ""  # not read yet: the object being read begins it
+    _state: str = "between"  # "between" objects, in an "object", or all "text" now
+    _in_list: bool = False
+    _out: list[Piece] = field(default_factory=list)
+    # The object being read: scanned up to _at, its depth then, inside a string or not.
+    _at: int = 0
+    _depth: int = 0
+    _string: bool = False
+    _escape: bool = False
+    _args_from: int = -1  # where its streamed arguments begin (-1: not streaming)
+    _args_sent: int = 0  # sent up to here
+    _args_end: int = -1  # where they end, once written
+
+    @property
+    def run_over(self) -> bool:
+        """Something that is no call was met: all that follows is text."""
+        return self._state == "text"
+
+    def feed(self, text: str) -> list[Piece]:
+        self._text += text
+        while self._step():
+            pass
+        return self._taken()
+
+    def finish(self) -> list[Piece]:
+        """The end: an object cut short is a call when its arguments began to stream
+        (they stay as written), else text; the rest is text."""
+        if self._state == "object" and self._args_from >= 0:
+            self._send_arguments(len(self._text))
+            self._text = ""
+        elif self._state == "between":
+            self._text = self._text.lstrip(BLANKS + self.between)  # no text of its own
+        if self._text:
+            self._out.append(("text", self._text))
+        self._text, self._state = "", "text"
+        return self._taken()
+
+    def _step(self) -> bool:
+        if self._state == "text":
+            if self._text:
+                self._out.append(("text", self._text))
+                self._text = ""
+            return False
+        if self._state == "object":
+            return self._read_object()
+        rest = self._text.lstrip(BLANKS + self.between)
+        if not rest:
+            return False
+        if rest[0] == "{":
+            self._text, self._state = rest, "object"
+            self._at = self._depth = 0
+            self._string = self._escape = False
+            self._args_from = self._args_end = -1
+        elif self.listed and rest[0] == "[" and not self._in_list:  # maybe a list again
+            self._text, self._in_list = rest[1:], True
+        elif self._in_list and rest[0] == "]":
+            self._text, self._in_list = rest[1:], False
+        else:
+            self._state = "text"  # no call: all that follows is text
+        return True
+
+    def _read_object(self) -> bool:
+        """Scan the object's new text; True when it closed (the run goes on after it)."""
+        if self._args_from < 0:
+            head = _HEAD.match(self._text)
+            name = _string(head.group(1)) if head is not None else None
+            if head is not None and name:
+                self._open_call(name, head.end() - 1)
+        end = self._scan()
+        if self._args_from >= 0:
+            self._send_arguments(self._args_end if self._args_end >= 0 else self._at)
+        if end < 0:
+            return False
+        obj_text, self._text = self._text[:end], self._text[end:]
+        self._state = "between"
+        if self._args_from >= 0:
+            return True  # streamed: what follows its arguments is no part of the call
+        try:
+            call = read_call(json.loads(obj_text), self.new_id)
+        except (ValueError, RecursionError):
+            call = None
+        if call is None:
+            self._text, self._state = obj_text + self._text, "text"
+            return True
+        self.read += 1
+        self._out.append(("call", call))
+        return True
+
+    def _open_call(self, name: str, args_from: int) -> None:
+        self.read += 1
+        self._args_from = self._args_sent = args_from
+        self._out.append(("call", call_piece(name, "", self.new_id())))
+
+    def _send_arguments(self, upto: int) -> None:
+        if upto > self._args_sent:
+            self._out.append(("arguments", self._text[self._args_sent : upto]))
+            self._args_sent = upto
+
+    def _scan(self) -> int:
+        """JSON-scan the object's text from where the last scan stopped: the end of the
+        object (just past its closing brace) once written, else -1. Marks where streamed
+        arguments end."""
+        text, depth, string, escape = self._text, self._depth, self._string, self._escape
+        at, end = self._at, -1
+        args_from, args_end = self._args_from, self._args_end
+        while at < len(text):
+            char = text[at]
+            at += 1
+            if string:
+                if escape:
+                    escape = False
+                elif char == "\\":
+                    escape = True
+                elif char == '"':
+                    string = False
+            elif char == '"':
+                string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 1 and args_end < 0 <= args_from < at:
+                    args_end = at
+                if depth == 0:
+                    end = at
+                    break
+        self._at, self._depth, self._string, self._escape = at, depth, string, escape
+        self._args_end = args_end
+        return end
+
+    def _taken(self) -> list[Piece]:
+        out, self._out = self._out, []
+        return out
