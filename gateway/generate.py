@@ -439,11 +439,13 @@ class Generator:
             ids, param = await self.prompt_ids(body, big=big)
             return [ids], param
         batch = body.prompt_inputs()
+        texts = [prompt for prompt in batch if isinstance(prompt, str)]
+        encoded = iter(await self.encode_all(texts))
         out = []
         for j, prompt in enumerate(batch):
             where = "the prompt" if len(batch) == 1 else f"prompt {j}"
             if isinstance(prompt, str):
-                ids = await self.encode(prompt, add_special_tokens=True)
+                ids = next(encoded)
             else:
                 ids = prompt
                 if self._check_vocab and max(ids) >= self._tok.vocab_size:
@@ -521,6 +523,17 @@ class Generator:
         if len(text) <= INLINE_TOKENIZE_CHARS:
             return self._tok.encode(text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self._tok.encode, text, add_special_tokens)
+
+    async def encode_all(self, texts: list[str]) -> list[list[int]]:
+        """A batch's prompts' token ids; on a thread when, together, they are long (many
+        short prompts hold the event loop as long as one long one)."""
+
+        def encode() -> list[list[int]]:
+            return [self._tok.encode(text, add_special_tokens=True) for text in texts]
+
+        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+            return encode()
+        return await asyncio.to_thread(encode)
 
     def _check_prompt_logprobs(self, body: CompletionRequest, longest: int) -> None:
         """400 for what could never be answered: ``n`` identical scorings, or a prompt's

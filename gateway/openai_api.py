@@ -432,8 +432,11 @@ class _SamplingBody(_Strict):
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
-        asked_max = getattr(self, "max_completion_tokens", None) or self.max_tokens
-        if self.min_tokens and asked_max and self.min_tokens > asked_max:
+        asked_max = getattr(self, "max_completion_tokens", None)
+        if asked_max is None:
+            asked_max = self.max_tokens
+        # max_tokens 0 (scores only) counts: no min_tokens fits in it.
+        if self.min_tokens and asked_max is not None and self.min_tokens > asked_max:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({asked_max})",
                 param="min_tokens",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,6 +19,7 @@ import pytest_asyncio
 from common.config import NatsConfig
 from common.errors import InvalidRequestError
 from common.services import NatsServer
+from common.tokenizer import ByteTokenizer
 from gateway import app as gateway_app
 from gateway.generate import ClientGone
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
@@ -104,6 +106,9 @@ BAD_PARAMETERS = [
     ("completions", {"frobnicate": True}, "frobnicate"),
     ("completions", {"max_tokens": 3, "min_tokens": 4}, "min_tokens"),
     ("completions", {"min_tokens": -1}, "min_tokens"),
+    # Scores only: no min_tokens fits in max_tokens 0 (a named group said the prompt was
+    # too long).
+    ("completions", {"echo": True, "max_tokens": 0, "logprobs": 1, "min_tokens": 5}, "min_tokens"),
     ("chat/completions", {"max_completion_tokens": 3, "min_tokens": 4}, "min_tokens"),
     ("chat/completions", {"messages": []}, "messages"),
     # A field that should be an object: named, not "the body must be a JSON object".
@@ -366,6 +371,37 @@ async def test_a_big_conversation_is_rendered_off_the_event_loop_and_measured(
 
 
 @pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
+class ThreadNotingTokenizer(ByteTokenizer):
+    """Bytes as tokens; notes which thread each encode ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        return super().encode(text, add_special_tokens)
+
+
+async def test_a_batch_of_prompts_long_together_is_tokenized_off_the_event_loop(
+    nats_config: NatsConfig,
+) -> None:
+    """64 prompts of 300 characters held the event loop as one of 19,200 would, but were
+    encoded on it, one by one: every stream on the gateway stalled meanwhile."""
+    tokenizer = ThreadNotingTokenizer()
+    loop_thread = threading.current_thread().name
+    async with (
+        serve(gateway_config(nats_config), tokenizer) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        for prompts, off_loop in ((["x" * 300] * 64, True), (["x" * 300] * 2, False)):
+            tokenizer.threads.clear()
+            body = {"model": MODEL, "prompt": prompts, "max_tokens": 1}
+            await http.post("/v1/completions", json=body)  # no worker: a 503 after
+            assert len(tokenizer.threads) == len(prompts)
+            assert all((name != loop_thread) == off_loop for name in tokenizer.threads)
+
+
 async def test_a_completion_too_long_for_every_group_names_the_parameter_the_client_sent(
     client: httpx.AsyncClient, limit: str
 ):
