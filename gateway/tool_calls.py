@@ -211,8 +211,13 @@ class HeldCalls(ToolCallStream):
         if reader.read:
             self._take(pieces)
         elif reader.run_over:
-            self._content(self._held)
+            self._no_calls("".join(text for kind, text in pieces if kind == "text"))
             self._reader, self._held = None, ""
+
+    def _no_calls(self, rest: str) -> None:
+        """The run held no call: what was held is content. ``rest``: the end of it where
+        the reader met text."""
+        self._content(self._held)
 
     def _read_end(self) -> None:
         """The run ends (its reader's end is always ``run_over``)."""
@@ -270,12 +275,16 @@ class HermesCalls(HeldCalls):
         return self._taken()
 
     def finish(self) -> list[tuple[str, Any]]:
-        if self._reader is not None:
-            self._read(self._pending)
-            self._read_end()
-        elif self._pending:
-            self._content(self._pending)
-        self._pending = ""
+        while self._reader is not None or self._pending:
+            if self._reader is not None:  # a block the model left open ends here
+                pending, self._pending = self._pending, ""
+                self._read(pending)
+                self._read_end()
+            while self._step():  # text a block gave back may open another
+                pass
+            if self._reader is None:  # what may begin a tag, and never did
+                self._content(self._pending)
+                self._pending = ""
         return self._end()
 
     def _step(self) -> bool:
@@ -284,21 +293,29 @@ class HermesCalls(HeldCalls):
             pending = self._pending
             end = pending.find(CLOSE)
             upto = end if end >= 0 else len(pending) - _partial_tag(pending, CLOSE)
-            self._read(pending[:upto])
             self._pending = pending[upto:]
+            self._read(pending[:upto])
             if self._reader is None:
-                return True  # no call: the block was text, and so is its closing tag
+                return True  # no call in the block: its text is read again
             if end < 0:
                 return False
-            self._pending = self._pending[len(CLOSE) :]
-            self._held += CLOSE  # the block's text, if it held no call
+            calls = self._reader.read
             self._read_end()
+            if calls:  # else the block's text came back, and its closing tag is text too
+                self._pending = self._pending[len(CLOSE) :]
             return True
         if not self._content_until(OPEN):
             return False
         self._pending = self._pending[len(OPEN) :]
         self._begin(OPEN)
         return True
+
+    def _no_calls(self, rest: str) -> None:
+        """A block's reader met text before any call: the block is text up to there, and
+        what follows is read again, as content or the next block (as it would be had the
+        block ended there)."""
+        self._content(self._held[: len(self._held) - len(rest)])
+        self._pending = rest + self._pending
 
 
 def _partial_tag(text: str, tag: str = OPEN) -> int:

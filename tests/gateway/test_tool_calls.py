@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.config import NatsConfig
 from common.tokenizer import ByteTokenizer
@@ -38,6 +40,8 @@ ANSWERS = [
     f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>",
     f"<tool_call>\n{WEATHER}",  # the model stopped before its closing tag
     "<tool_call>\nnot json\n</tool_call> and text after",
+    # A block with no call is text up to where that shows; the next block is read anew.
+    f"<tool_call>not json<tool_call>{WEATHER}",
     "a < b and <tool_ca is not a tag",
     f"<tool_call>\n{TIME}\n</tool_call>\nA.\n\nB.",  # blank lines after a call are content
     # Arguments first, or as a JSON string: read whole once the object closes.
@@ -81,8 +85,10 @@ def test_a_whole_answer_splits_into_content_and_calls() -> None:
     ]
     assert _names(split_calls(ANSWERS[3])[1]) == [("get_weather", {"city": "Zürich"})]
     assert split_calls(ANSWERS[4]) == (ANSWERS[4], [])  # not a call: the text it was
-    assert split_calls(ANSWERS[5]) == (ANSWERS[5], [])
-    assert split_calls(ANSWERS[6])[0] == "A.\n\nB."
+    content, calls = split_calls(ANSWERS[5])
+    assert content == "<tool_call>not json" and len(calls) == 1
+    assert split_calls(ANSWERS[6]) == (ANSWERS[6], [])
+    assert split_calls(ANSWERS[7])[0] == "A.\n\nB."
 
 
 LLAMA_WEATHER = '{"name": "get_weather", "parameters": {"city": "Zürich"}}'
@@ -459,3 +465,43 @@ async def test_a_mistral_answer_keeps_its_special_tag_and_gets_nine_character_id
     assert all(j.request.params.skip_special_tokens is False for j in worker.jobs)
     assert _client_calls(chunks) == [(0, "get_weather", {"city": "Zürich"})]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Let me look."
+
+
+# Fragments a model's tool-calling answer is made of, valid or broken, for the property
+# below: any sequence of them, cut anywhere, reads the same whole and streamed.
+FRAGMENTS = [
+    "Sure. ", " ", "\n", "<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "[TOOL_",
+    "<|python_tag|>", "{", "}", "[", "]", ",", ";", '"', "\\", ": ", '"name"', '"arguments"',
+    '"parameters"', '"f"', '"g\\"x"', '{"a": 1}', '"}{]["', "not json", WEATHER, TIME,
+    LLAMA_WEATHER, '{"name": "f", "arguments": ', '[{"name": "g", "parameters": {', "}}",
+]  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from([HermesCalls, Llama3JsonCalls, MistralCalls, ForcedCalls]),
+    st.booleans(),
+    st.lists(st.sampled_from(FRAGMENTS), max_size=14),
+    st.lists(st.integers(1, 9), min_size=1, max_size=20),
+)
+def test_any_answer_reads_the_same_whole_and_streamed_and_loses_no_call_text(
+    kind: type[ToolCallStream], parallel: bool, fragments: list[str], cuts: list[int]
+) -> None:
+    answer = "".join(fragments)
+    content, calls = kind(parallel).split(answer)
+    stream = kind(parallel)
+    pieces: list[tuple[str, Any]] = []
+    at = step = 0
+    while at < len(answer):
+        size = cuts[step % len(cuts)]
+        pieces += stream.feed(answer[at : at + size])
+        at, step = at + size, step + 1
+    pieces += stream.finish()
+    folded = _folded(pieces)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in folded] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]
+    assert "".join(v for k, v in pieces if k == "content") == (content or "")
+    assert len(calls) <= 1 or parallel
+    if not calls:  # no call: the answer comes back as it was written
+        assert content == answer
