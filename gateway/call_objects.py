@@ -66,7 +66,7 @@ class CallObjects:
     between: str = ""
     listed: bool = False
     read: int = 0  # calls read so far
-    _text: str = ""  # not read yet: the object being read begins it
+    _text: str = ""  # not read yet: the object being read begins it (less arguments sent)
     _state: str = "between"  # "between" objects, in an "object", or all "text" now
     _in_list: bool = False
     _out: list[Piece] = field(default_factory=list)
@@ -75,9 +75,8 @@ class CallObjects:
     _depth: int = 0
     _string: bool = False
     _escape: bool = False
-    _args_from: int = -1  # where its streamed arguments begin (-1: not streaming)
-    _args_sent: int = 0  # sent up to here
-    _args_end: int = -1  # where they end, once written
+    _streaming: bool = False  # its arguments stream: the text sent is cut from _text
+    _args_end: int = -1  # where they end in _text, once written
 
     @property
     def run_over(self) -> bool:
@@ -92,12 +91,11 @@ class CallObjects:
 
     def finish(self) -> list[Piece]:
         """The end: an object cut short is a call when its arguments began to stream
-        (they stay as written), else text; the rest is text."""
-        if self._state == "object" and self._args_from >= 0:
-            self._send_arguments(len(self._text))
+        (they stay as written, up to their closing brace if it came), else text; the rest
+        is text."""
+        if self._state == "object" and self._streaming:
+            self._send_arguments(self._args_end if self._args_end >= 0 else len(self._text))
             self._text = ""
-        elif self._state == "between":
-            self._text = self._text.lstrip(BLANKS + self.between)  # no text of its own
         if self._text:
             self._out.append(("text", self._text))
         self._text, self._state = "", "text"
@@ -111,16 +109,26 @@ class CallObjects:
             return False
         if self._state == "object":
             return self._read_object()
-        rest = self._text.lstrip(BLANKS + self.between)
+        # Blanks and separators between objects are no text: dropped as they come (a long
+        # run of them, fed a token at a time, costs no more than its length).
+        rest = self._text = self._text.lstrip(BLANKS + self.between)
         if not rest:
             return False
         if rest[0] == "{":
-            self._text, self._state = rest, "object"
+            self._state = "object"
             self._at = self._depth = 0
-            self._string = self._escape = False
-            self._args_from = self._args_end = -1
-        elif self.listed and rest[0] == "[" and not self._in_list:  # maybe a list again
-            self._text, self._in_list = rest[1:], True
+            self._string = self._escape = self._streaming = False
+            self._args_end = -1
+        elif self.listed and rest[0] == "[" and not self._in_list:
+            # A list, or (after calls) another one, as a tag per call writes them; after
+            # calls, a "[" that opens no object is text.
+            inside = rest[1:].lstrip(BLANKS)
+            if self.read and not inside:
+                return False  # not known yet
+            if self.read and inside[0] != "{":
+                self._state = "text"
+            else:
+                self._text, self._in_list = rest[1:], True
         elif self._in_list and rest[0] == "]":
             self._text, self._in_list = rest[1:], False
         else:
@@ -129,19 +137,20 @@ class CallObjects:
 
     def _read_object(self) -> bool:
         """Scan the object's new text; True when it closed (the run goes on after it)."""
-        if self._args_from < 0:
+        if not self._streaming:
             head = _HEAD.match(self._text)
             name = _string(head.group(1)) if head is not None else None
             if head is not None and name:
                 self._open_call(name, head.end() - 1)
         end = self._scan()
-        if self._args_from >= 0:
-            self._send_arguments(self._args_end if self._args_end >= 0 else self._at)
+        if self._streaming:
+            sent = self._send_arguments(self._args_end if self._args_end >= 0 else self._at)
+            end -= sent if end >= 0 else 0
         if end < 0:
             return False
         obj_text, self._text = self._text[:end], self._text[end:]
         self._state = "between"
-        if self._args_from >= 0:
+        if self._streaming:
             return True  # streamed: what follows its arguments is no part of the call
         try:
             call = read_call(json.loads(obj_text), self.new_id)
@@ -155,22 +164,33 @@ class CallObjects:
         return True
 
     def _open_call(self, name: str, args_from: int) -> None:
+        """The head is read: the call goes out, and the text before its arguments is cut."""
         self.read += 1
-        self._args_from = self._args_sent = args_from
+        self._streaming = True
         self._out.append(("call", call_piece(name, "", self.new_id())))
+        # The scan had not reached the arguments' brace (else the head had matched then):
+        # it goes on from there, inside the object, outside any string.
+        self._text = self._text[args_from:]
+        self._at, self._depth, self._string, self._escape = 0, 1, False, False
 
-    def _send_arguments(self, upto: int) -> None:
-        if upto > self._args_sent:
-            self._out.append(("arguments", self._text[self._args_sent : upto]))
-            self._args_sent = upto
+    def _send_arguments(self, upto: int) -> int:
+        """Send the arguments' text up to ``upto`` and cut it from the text held; how
+        much was cut."""
+        if upto <= 0:
+            return 0
+        self._out.append(("arguments", self._text[:upto]))
+        self._text = self._text[upto:]
+        self._at -= upto
+        if self._args_end >= 0:
+            self._args_end -= upto
+        return upto
 
     def _scan(self) -> int:
         """JSON-scan the object's text from where the last scan stopped: the end of the
         object (just past its closing brace) once written, else -1. Marks where streamed
         arguments end."""
         text, depth, string, escape = self._text, self._depth, self._string, self._escape
-        at, end = self._at, -1
-        args_from, args_end = self._args_from, self._args_end
+        at, end, args_end = self._at, -1, self._args_end
         while at < len(text):
             char = text[at]
             at += 1
@@ -187,7 +207,7 @@ class CallObjects:
                 depth += 1
             elif char in "}]":
                 depth -= 1
-                if depth == 1 and args_end < 0 <= args_from < at:
+                if depth == 1 and self._streaming and args_end < 0:
                     args_end = at
                 if depth == 0:
                     end = at

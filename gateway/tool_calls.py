@@ -102,7 +102,7 @@ class ToolCallStream:
     _pieces: list[tuple[str, Any]] = field(default_factory=list)
     # Content's trailing blanks, held: sent with the next words, dropped before a call (the
     # lines around calls are no content of their own) and, after one, at the end.
-    _blank: str = ""
+    _blanks: list[str] = field(default_factory=list)
     _worded: bool = False  # some content was sent
     _skipping: bool = False  # the call being read is one parallel_tool_calls=False drops
 
@@ -133,11 +133,14 @@ class ToolCallStream:
         return tool_finish_reason(reason, calls)
 
     def _content(self, text: str) -> None:
-        text = self._blank + text
+        if not text or text.isspace():  # held as parts: a long run costs its length
+            self._blanks.append(text)
+            return
+        text = "".join(self._blanks) + text
         if self.calls and not self._worded:
             text = text.lstrip()  # the line after a call, before any content
         words = text.rstrip()
-        self._blank = text[len(words) :]
+        self._blanks = [text[len(words) :]]
         if words:
             self._pieces.append(("content", words))
             self._worded = True
@@ -147,7 +150,7 @@ class ToolCallStream:
         arguments, and text as content."""
         for kind, value in pieces:
             if kind == "call":
-                self._blank = ""
+                self._blanks.clear()
                 self._skipping = not self.parallel and self.calls > 0
                 if not self._skipping:
                     self._pieces.append(("call", value))
@@ -161,9 +164,10 @@ class ToolCallStream:
     def _end(self) -> list[tuple[str, Any]]:
         """The last pieces: blanks held at the end are the answer's own when it made no
         call (its text is returned as it came)."""
-        if self._blank and not self.calls:
-            self._pieces.append(("content", self._blank))
-        self._blank = ""
+        blank = "".join(self._blanks)
+        if blank and not self.calls:
+            self._pieces.append(("content", blank))
+        self._blanks.clear()
         return self._taken()
 
     def _content_until(self, tag: str) -> bool:
@@ -189,18 +193,18 @@ class HeldCalls(ToolCallStream):
     no call (then all of it, the marker too, is content)."""
 
     _reader: CallObjects | None = None  # reading calls since the marker
-    _held: str = ""  # the text since the marker, while no call was read
+    _held: list[str] = field(default_factory=list)  # the text since the marker, no call read
 
     def _begin(self, marker: str, between: str = "", listed: bool = False) -> None:
         self._reader = CallObjects(self.new_id, between, listed)
-        self._held = marker
+        self._held = [marker]
 
     def _read(self, text: str, raw: str | None = None) -> None:
         """Read ``text`` (``raw``: as the model wrote it, when that differs)."""
         reader = self._reader
         assert reader is not None
         if not reader.read:
-            self._held += text if raw is None else raw
+            self._held.append(text if raw is None else raw)
         self._settle(reader.feed(text))
 
     def _settle(self, pieces: list[Piece]) -> None:
@@ -212,18 +216,18 @@ class HeldCalls(ToolCallStream):
             self._take(pieces)
         elif reader.run_over:
             self._no_calls("".join(text for kind, text in pieces if kind == "text"))
-            self._reader, self._held = None, ""
+            self._reader, self._held = None, []
 
     def _no_calls(self, rest: str) -> None:
         """The run held no call: what was held is content. ``rest``: the end of it where
         the reader met text."""
-        self._content(self._held)
+        self._content("".join(self._held))
 
     def _read_end(self) -> None:
         """The run ends (its reader's end is always ``run_over``)."""
         if self._reader is not None:
             self._settle(self._reader.finish())
-            self._reader, self._held = None, ""
+            self._reader, self._held = None, []
 
 
 @dataclass
@@ -232,6 +236,7 @@ class Llama3JsonCalls(HeldCalls):
     read as calls joined by ``;``; any other streams as content from its first word."""
 
     _decided: bool = False
+    _lead: list[str] = field(default_factory=list)  # the blanks before its first word
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         if self._decided:
@@ -240,25 +245,28 @@ class Llama3JsonCalls(HeldCalls):
             else:
                 self._content(text)
             return self._taken()
+        if not self._pending:  # blanks so far: kept apart, so a long run costs its length
+            words = text.lstrip()
+            self._lead.append(text[: len(text) - len(words)])
+            text = words
         self._pending += text
-        head = self._pending.lstrip()
+        head = self._pending
         if head.startswith("{") or head.startswith(PYTHON_TAG):
             self._decided = True
             body = head.removeprefix(PYTHON_TAG)
-            self._begin(self._pending[: len(self._pending) - len(body)], between=";")
+            self._begin("".join(self._lead) + head[: len(head) - len(body)], between=";")
             self._read(body)
         elif head and not PYTHON_TAG.startswith(head):  # not the tag's first characters
             self._decided = True
-            self._content(self._pending)
+            self._content("".join(self._lead) + head)
         if self._decided:
-            self._pending = ""
+            self._pending, self._lead = "", []
         return self._taken()
 
     def finish(self) -> list[tuple[str, Any]]:
         self._read_end()
-        if self._pending:
-            self._content(self._pending)
-            self._pending = ""
+        self._content("".join(self._lead) + self._pending)
+        self._pending, self._lead = "", []
         return self._end()
 
 
@@ -290,9 +298,13 @@ class HermesCalls(HeldCalls):
     def _step(self) -> bool:
         """Consume what can be decided now; True when it should be called again."""
         if self._reader is not None:
+            # A block ends at its closing tag, or where the next block opens (the model
+            # left out the closing tag between two calls).
             pending = self._pending
-            end = pending.find(CLOSE)
-            upto = end if end >= 0 else len(pending) - _partial_tag(pending, CLOSE)
+            ends = [at for at in (pending.find(CLOSE), pending.find(OPEN)) if at >= 0]
+            end = min(ends, default=-1)
+            held = max(_partial_tag(pending, CLOSE), _partial_tag(pending, OPEN))
+            upto = end if end >= 0 else len(pending) - held
             self._pending = pending[upto:]
             self._read(pending[:upto])
             if self._reader is None:
@@ -301,7 +313,7 @@ class HermesCalls(HeldCalls):
                 return False
             calls = self._reader.read
             self._read_end()
-            if calls:  # else the block's text came back, and its closing tag is text too
+            if calls and self._pending.startswith(CLOSE):  # else: text, or the next block
                 self._pending = self._pending[len(CLOSE) :]
             return True
         if not self._content_until(OPEN):
@@ -314,7 +326,8 @@ class HermesCalls(HeldCalls):
         """A block's reader met text before any call: the block is text up to there, and
         what follows is read again, as content or the next block (as it would be had the
         block ended there)."""
-        self._content(self._held[: len(self._held) - len(rest)])
+        held = "".join(self._held)
+        self._content(held[: len(held) - len(rest)])
         self._pending = rest + self._pending
 
 

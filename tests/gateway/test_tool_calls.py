@@ -250,6 +250,31 @@ def test_a_call_cut_by_max_tokens_keeps_the_arguments_written() -> None:
     )
 
 
+def test_what_follows_a_calls_arguments_is_no_part_of_them() -> None:
+    """Keys after the arguments (Nemo writes an id), or an object left open: the
+    arguments end at their own closing brace."""
+    for kind, text in (
+        (HermesCalls, '<tool_call>{"name": "f", "arguments": {"a": 1}, "x": 2</tool_call>'),
+        (HermesCalls, '<tool_call>{"name": "f", "arguments": {"a": 1}\n</tool_call>'),
+        (MistralCalls, '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}, "id": "abc'),
+    ):
+        _, (call,) = kind().split(text)
+        assert call["function"]["arguments"] == '{"a": 1}', text
+
+
+def test_text_after_a_list_of_calls_keeps_its_brackets() -> None:
+    done = '[TOOL_CALLS][{"name": "f", "arguments": {}}]'
+    assert MistralCalls().split(f"{done} [see note]")[0] == "[see note]"
+    assert MistralCalls().split(f"{done}\n\n[1] Source: x")[0] == "[1] Source: x"
+    assert len(MistralCalls().split(f"{done}[TOOL_CALLS] [{TIME}]")[1]) == 2  # a list again
+
+
+def test_a_hermes_call_whose_closing_tag_is_left_out_ends_where_the_next_opens() -> None:
+    text = f"<tool_call>{WEATHER}\n<tool_call>\n{TIME}\n</tool_call>"
+    content, calls = HermesCalls().split(text)
+    assert content is None and [n for n, _ in _names(calls)] == ["get_weather", "get_time"]
+
+
 def test_the_format_comes_from_the_setting_or_the_chat_template() -> None:
     assert tool_format("auto", "{{ '<tool_call>' }}") == "hermes"
     assert tool_format("auto", "{{ messages }}") is None
