@@ -78,6 +78,7 @@ CLOSED_TTL_S = 600.0
 CLOSED_MAX = 100_000
 MAX_QUEUED_DELETES = 10_000  # aborted requests' stream messages waiting to be deleted
 ABORT_FLUSH_S = 2.0  # how long a stopping gateway waits for its queued aborts to go out
+ACK_WAIT_FOR_STOP_S = 2.0  # how long a second run's stop waits to name the message followed
 # A streaming client whose socket takes nothing for this long is cut off, whatever its
 # deadline (a day at most, its own to choose): it held an admission slot all that time.
 WRITE_STALL_S = 30.0
@@ -374,6 +375,7 @@ class Dispatcher:
         # service): a sequence held from the old one would name, and delete, a new request.
         self._epoch = 0
         self._abort_task: asyncio.Task[None] | None = None
+        self._stopping: set[asyncio.Task[None]] = set()  # second runs' stops awaiting an ack
         # Bounded: with JetStream slow and clients leaving in a crowd it grew without end; a
         # delete left out costs a replica fetching a request nobody waits for.
         self._deletes: asyncio.Queue[tuple[int, int]] = asyncio.Queue(MAX_QUEUED_DELETES)
@@ -467,6 +469,8 @@ class Dispatcher:
             self._abort_task.cancel()
         if self._delete_task is not None:
             self._delete_task.cancel()
+        for task in self._stopping:
+            task.cancel()
         self.fail_all(ServiceUnavailableError("the gateway is shutting down", retry_after_s=1))
         self._streams.clear()
         for gap in self._gaps.values():
@@ -549,6 +553,23 @@ class Dispatcher:
         which resumes the request if the followed run is gone."""
         log.warning("request %s: worker %s runs delivery %d a second time; stopping it",
                     stream.request_id, run[1], run[0], extra=about(stream.request_id))  # fmt: skip
+        if stream.stream_seq is None:
+            # The publish's ack is still on its way (the runs began first): the stop waits
+            # for it in a task of its own (this callback serves every stream's chunks), so
+            # that it names the message followed and a duplicate is terminated.
+            task = asyncio.create_task(self._stop_once_acked(stream, run), name="second-run")
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+            return
+        await self._publish_stop(stream, run)
+
+    async def _stop_once_acked(self, stream: ResponseStream, run: tuple[int, str]) -> None:
+        deadline = time.monotonic() + ACK_WAIT_FOR_STOP_S
+        while stream.stream_seq is None and time.monotonic() < deadline and not stream.finished:
+            await asyncio.sleep(0.01)
+        await self._publish_stop(stream, run)
+
+    async def _publish_stop(self, stream: ResponseStream, run: tuple[int, str]) -> None:
         supersede = second_run_stop(stream.group, stream.request_id, run, stream.stream_seq)
         with contextlib.suppress(Exception):
             await self._nc.publish(self._subjects.abort(stream.group), supersede.to_bytes())

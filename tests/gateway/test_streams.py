@@ -28,7 +28,7 @@ from common.protocol import (
     heartbeat_reconnects,
 )
 from common.subjects import Subjects
-from gateway import streams
+from gateway import generate, streams
 from gateway.streams import Delivery, Dispatcher, ResponseStream, SseResponse
 from tests.gateway.conftest import MODEL, gateway_config, serve
 from tests.gateway.fake_worker import Job, alphabet_tokens, running_worker
@@ -279,13 +279,25 @@ async def test_a_final_chunk_lost_with_nothing_after_it_is_asked_for_by_name(
     assert waited < 6 and left_open == 0  # about IDLE_ASK_S, not the 120 s deadline
 
 
+@pytest.mark.parametrize("ack_late", [False, True])
 async def test_a_second_run_of_one_delivery_is_stopped_and_the_first_answers(
-    nats_config: NatsConfig,
+    nats_config: NatsConfig, monkeypatch: pytest.MonkeyPatch, ack_late: bool
 ):
     """A group consumer deleted and made again delivers an unacked request afresh, as the
     same attempt, to another worker while the first still streams: with sampling the runs
     disagree and the answer failed; the second run also held a batch slot to its end. The
-    gateway follows the first run, drops the other's chunks and tells that worker to stop."""
+    gateway follows the first run, drops the other's chunks and tells that worker to stop,
+    naming the message it follows even when the runs began before its publish was acked
+    (the stop went out naming none, and a duplicate message was not terminated)."""
+    if ack_late:
+        publish = generate.publish_request
+
+        async def acked_late(*args: Any, **kwargs: Any) -> Any:
+            ack = await publish(*args, **kwargs)
+            await asyncio.sleep(0.3)
+            return ack
+
+        monkeypatch.setattr(generate, "publish_request", acked_late)
     subjects = Subjects(nats_config.subject_prefix)
     ids = alphabet_tokens(9)
     stops: list[Control] = []
