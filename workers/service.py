@@ -878,7 +878,7 @@ class WorkerService:
     def _count(self, st: Flight, chunk: Chunk) -> None:
         """Telemetry for a chunk about to go out."""
         n = len(chunk.token_ids)
-        if n and chunk.seq == st.base and st.base == 0:
+        if n and chunk.seq == st.base and st.base == 0 and st.attempt == 1:
             self.telemetry.first_token(time.time() - st.start)
         self.telemetry.tokens(n)
         self.observer.chunk(st, chunk)
@@ -915,7 +915,8 @@ class WorkerService:
         elif error or chunk.finish_reason != "abort":
             # A request its caller cancelled (or whose gateway went silent) says nothing
             # about this group's latency or health: the breakers do not see it.
-            self.telemetry.finished(time.time() - st.start, error=error)
+            first = st.attempt == 1  # a redelivery's clock ran through the wait for it
+            self.telemetry.finished(time.time() - st.start if first else None, error=error)
         self.observer.answered(st, chunk, error=error)
         self._poke()
 

@@ -10,8 +10,11 @@ that finished within the last ``worker.latency_window_s`` seconds (default 3 s).
 purpose: the scheduler's breaker averages its own window of samples, and a long worker window
 would keep reporting a healed group as slow and re-open the breaker while it probes. Both are measured from the
 request's ``created_ms`` (when the caller set it), so time spent queued in JetStream
-counts: a backlog is exactly what the scheduler's breakers must see. A resumed request
-(redelivery) contributes no TTFT sample: its first token went out on an earlier attempt.
+counts: a backlog is exactly what the scheduler's breakers must see. A redelivered request
+contributes no latency sample (it still counts as done): its clock ran through the wait
+for the redelivery (``ack_wait`` after a replica died), which says nothing of how fast the
+group serves now, and one replica's crash opened the breaker of a group whose other
+replicas were healthy (the users' view, crash included, is the gateway's histograms).
 """
 
 from __future__ import annotations
@@ -109,13 +112,15 @@ class WorkerTelemetry:
     def tokens(self, n: int) -> None:
         self.tokens_out += n
 
-    def finished(self, e2e_s: float, *, error: bool) -> None:
-        """A request ended; errors count apart and stay out of the latency window."""
+    def finished(self, e2e_s: float | None, *, error: bool) -> None:
+        """A request ended; errors count apart and stay out of the latency window, as does
+        a request with no sample (``None``: a redelivery)."""
         if error:
             self.errors += 1
             return
         self.requests_done += 1
-        self.e2e.add(e2e_s)
+        if e2e_s is not None:
+            self.e2e.add(e2e_s)
 
     def build(
         self,

@@ -370,7 +370,6 @@ async def test_a_big_conversation_is_rendered_off_the_event_loop_and_measured(
     assert _assert_openai_error(response, 400, "messages")["code"] == "context_length_exceeded"
 
 
-@pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
 class ThreadNotingTokenizer(ByteTokenizer):
     """Bytes as tokens; notes which thread each encode ran on."""
 
@@ -402,6 +401,7 @@ async def test_a_batch_of_prompts_long_together_is_tokenized_off_the_event_loop(
             assert all((name != loop_thread) == off_loop for name in tokenizer.threads)
 
 
+@pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
 async def test_a_completion_too_long_for_every_group_names_the_parameter_the_client_sent(
     client: httpx.AsyncClient, limit: str
 ):

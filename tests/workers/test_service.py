@@ -725,6 +725,31 @@ async def test_a_redelivery_whose_heartbeatless_caller_is_slow_to_answer_gets_an
     assert chunk.error is not None and chunk.error.code == "request_given_up", chunk
 
 
+async def test_a_redelivered_request_counts_as_done_but_gives_no_latency_sample(
+    start_worker: Any, nc: Client, subjects: Subjects, worker_config: Config
+) -> None:
+    """Its clock ran from the first publish, through the wait for the redelivery
+    (ack_wait after a replica died): one crash opened the breaker of a group whose other
+    replicas served fast. A first delivery's sample is taken as before."""
+    rid, chunks = await _redelivered(nc, subjects, worker_config, "gw-live")
+
+    async def answer(msg: Any) -> None:  # nothing was delivered before
+        await msg.respond(ResumeReply(id=rid).to_bytes())
+
+    await nc.subscribe(subjects.resume(rid), cb=answer)
+    service = await start_worker()
+    assert (await read_until_final(chunks))[-1]["attempt"] == 2
+    await eventually(lambda: service.telemetry.requests_done == 1)
+    assert service.telemetry.e2e.percentiles_ms()[2] == 0
+    assert service.telemetry.ttft.percentiles_ms()[2] == 0
+    _, first = await _queued(nc, subjects, worker_config, prompt_token_ids=[3],
+                             params=RequestParams(max_tokens=2))  # fmt: skip
+    await read_until_final(first)
+    await eventually(lambda: service.telemetry.requests_done == 2)
+    assert service.telemetry.e2e.percentiles_ms()[2] == 1
+    assert service.telemetry.ttft.percentiles_ms()[2] == 1
+
+
 async def _queued(
     nc: Client, subjects: Subjects, worker_config: Config, **fields: Any
 ) -> tuple[str, Any]:
