@@ -35,6 +35,9 @@ _CHUNK = 1 << 16  # reads of reply headers; whatever payload they catch is copie
 # Reply lengths that are not a value of the expected size.
 MISSING = -1  # nil: no such key (or not a string)
 TOO_LONG = -2  # a value larger than a row: skipped on the wire, a corrupt block to callers
+# The longest reply line read (a header: "$<length>", "*<count>", an error's text): a peer
+# that sends bytes without a line's end must not grow the buffer without bound.
+MAX_LINE = 1 << 16
 
 
 def _bulk(arg: bytes) -> bytes:
@@ -120,7 +123,12 @@ class BulkConnection:
         self._pending += memoryview(self._scratch)[:n]
 
     def _line(self) -> bytes:
-        while (end := self._pending.find(b"\r\n")) < 0:
+        searched = 0
+        while (end := self._pending.find(b"\r\n", max(0, searched - 1))) < 0:
+            searched = len(self._pending)
+            if searched > MAX_LINE:  # no reply header is this long: not Redis speaking
+                self._spoiled = True
+                raise ResponseError(f"a reply line over {MAX_LINE} bytes without its end")
             self._fill()
         line = bytes(self._pending[:end])
         del self._pending[: end + 2]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.engine.batcher import Batcher, BatchPlan
+from workers.engine.batcher import TIER_LOADS_PER_STEP_S, Batcher, BatchPlan
 from workers.engine.block_pool import BlockPool
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
@@ -406,7 +406,7 @@ class ShortLoadingTier:
     def lookup(self, hashes: list[bytes], count: bool = True) -> int:
         return len(hashes)
 
-    def load(self, hashes: list[bytes]) -> list[memoryview]:
+    def load(self, hashes: list[bytes], budget_s: float | None = None) -> list[memoryview]:
         return []
 
     def skipped(self, blocks: int) -> None:
@@ -426,6 +426,46 @@ def test_a_tier_load_that_comes_back_short_does_not_take_the_step_past_its_budge
     assert [r.request_id for r in b.waiting] == ["b"] and pool.num_used_blocks == 3
     second = run(b)  # a step of its own: the first prompt of a step may exceed the budget
     assert ids(second) == ["b"] and second.num_tokens == 100
+
+
+class SlowLoadingTier:
+    """A KV tier that holds every block and whose loads take ``load_s`` of the batcher's
+    clock each (less when the budget it is handed is less, as KVTiers keeps to it)."""
+
+    accepts_stores = accepts_offloads = False
+
+    def __init__(self, clock: Clock, load_s: float) -> None:
+        self.clock, self.load_s = clock, load_s
+        self.budgets: list[float | None] = []
+
+    def lookup(self, hashes: list[bytes], count: bool = True) -> int:
+        return len(hashes)
+
+    def load(self, hashes: list[bytes], budget_s: float | None = None) -> list[memoryview]:
+        self.budgets.append(budget_s)
+        self.clock.now += min(self.load_s, budget_s if budget_s is not None else self.load_s)
+        return [memoryview(b"\0")] * len(hashes)
+
+    def skipped(self, blocks: int) -> None:
+        pass
+
+
+def test_one_steps_tier_loads_keep_to_a_budget_together() -> None:
+    """Each load kept to its own budget, but seven in one step held every decode for a
+    minute, past the worker's stuck-engine limit. A load gets what the step has left; once
+    spent, the next request with a tier hit waits for the next step, first in line."""
+    clock = Clock()
+    tier = SlowLoadingTier(clock, load_s=6.0)
+    b = Batcher(BlockPool(64, BS, watermark=0.0), "continuous", 4, 256, 0.0, clock,
+                kv_tier=tier)  # fmt: skip
+    for name in ("a", "b", "c"):
+        b.add(req(name, 21))
+    first = run(b)
+    assert ids(first) == ["a", "b"] and [r.request_id for r in b.waiting] == ["c"]
+    assert tier.budgets == [TIER_LOADS_PER_STEP_S, TIER_LOADS_PER_STEP_S - 6.0]
+    assert all(s.start_pos == 20 for s in first.seqs)  # loaded, not recomputed
+    second = run(b)
+    assert "c" in ids(second) and tier.budgets[-1] == TIER_LOADS_PER_STEP_S
 
 
 def test_a_whole_prompt_whose_step_failed_is_computed_whole_at_the_next_step() -> None:

@@ -276,7 +276,7 @@ class DictTier:
         self.lookups += 1
         return sum(1 for _ in self._held(hashes))
 
-    def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
+    def load(self, hashes: Sequence[bytes], budget_s: float | None = None) -> list[memoryview]:
         return [self.blocks[h].data for h in self._held(hashes)]
 
     def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:

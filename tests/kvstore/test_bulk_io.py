@@ -4,6 +4,7 @@ credentials, database and dead connections are handled like redis-py would."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ from redis.exceptions import ResponseError
 
 from common.config import RedisConfig
 from common.services import RedisServer
-from kvstore.bulk_io import MISSING, TOO_LONG, Borrowers, BulkConnection, BulkPool
+from kvstore.bulk_io import MAX_LINE, MISSING, TOO_LONG, Borrowers, BulkConnection, BulkPool
 from kvstore.identity import KVLayout
 from kvstore.resolver import AddrInfo, Resolver
 from kvstore.tiers import KVTiers
@@ -217,3 +218,31 @@ def test_abandon_never_aborts_a_connection_its_job_has_already_given_back() -> N
     borrowers.abandon()
     threads[0].join(5)  # the job's leave, once abandon lets it
     assert events == ["aborted", "left"]
+
+
+def test_a_reply_line_that_never_ends_is_an_error_not_a_growing_buffer() -> None:
+    """A peer that is not Redis (or one tampered with on a plaintext link) streaming bytes
+    without a line's end grew the buffer until the worker ran out of memory, rescanning it
+    all at every read."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def babble() -> None:
+        peer, _ = listener.accept()
+        with peer:
+            peer.recv(1024)
+            with contextlib.suppress(OSError):
+                for _ in range(64):  # 4 MiB at most, 64 KiB a read
+                    peer.sendall(b"*" + b"9" * (1 << 16))
+
+    talker = threading.Thread(target=babble, daemon=True)
+    talker.start()
+    conn = BulkConnection(RedisConfig(url=f"redis://127.0.0.1:{port}/0", socket_timeout_s=2))
+    try:
+        with pytest.raises(ResponseError, match="without its end"):
+            conn.mget_into([b"k"], np.zeros((1, 8), dtype=np.uint8))
+        assert conn.spoiled and len(conn._pending) < 4 * MAX_LINE
+    finally:
+        conn.close()
+        listener.close()
+        talker.join(timeout=5)

@@ -158,7 +158,7 @@ class VanishingTier:
         self.counted.append(count)
         return len(hashes) if self.claims else 0
 
-    def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
+    def load(self, hashes: Sequence[bytes], budget_s: float | None = None) -> list[memoryview]:
         return []
 
     def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
@@ -245,7 +245,7 @@ class RaisingTier(VanishingTier):
             raise ConnectionError("injected: lookup")
         return found
 
-    def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
+    def load(self, hashes: Sequence[bytes], budget_s: float | None = None) -> list[memoryview]:
         raise ConnectionError("injected: load")
 
 

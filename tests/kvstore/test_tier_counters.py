@@ -36,7 +36,7 @@ class HostLosingTail(KVTiers):
                          pin_host=False)  # fmt: skip
         self.lose = lose
 
-    def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
+    def load(self, hashes: Sequence[bytes], budget_s: float | None = None) -> list[memoryview]:
         # A lookup left the prefix's head the most recently used: its tail goes first.
         others = [bytes([200, i]) * 8 for i in range(self.lose)]
         self.offload(others, blocks(self.lose, seed=1))

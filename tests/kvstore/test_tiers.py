@@ -437,6 +437,42 @@ def test_a_load_slower_than_its_budget_is_given_up_and_frees_its_reader(
         proxy.close()
 
 
+def test_a_load_cut_by_its_engine_steps_time_is_no_redis_failure(
+    redis_config: RedisConfig,
+) -> None:
+    """The step's other loads took their time (the engine hands a load what is left): the
+    load keeps to it, keeps what came, and frees its readers, but Redis was not slower
+    than redis.load_min_gbps: no error, no breaker failure. Its time is counted with the
+    loads, as every load's is, found something or not."""
+    from tests.reliability.tcp_proxy import TcpProxy
+
+    host, port = redis_config.url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = TcpProxy(host, int(port)).start()
+    slow = redis_config.model_copy(
+        update={"url": f"redis://127.0.0.1:{proxy.port}/0", "load_min_gbps": 1e-4}
+    )
+    hashes = [bytes([8, i]) * 8 for i in range(32)]
+    try:
+        with make(redis_config) as writer:
+            writer.store_async(hashes, blocks(32, seed=4))
+            assert writer.flush()
+        with make(slow) as tiers:
+            assert tiers.lookup(hashes) == 32
+            proxy.throttle(8 * 1024)  # 32 KiB of values would take 4 s; its own budget ~0.9
+            t0 = time.monotonic()
+            loaded = tiers.load(hashes, budget_s=0.2)
+            took = time.monotonic() - t0
+            assert took < 0.2 + 0.6 and len(loaded) < 32  # margins for a loaded CI machine
+            stats = tiers.stats().redis
+            assert stats.errors == 0 and tiers.breaker._failures == 0
+            assert stats.loads == 1 and stats.load_s >= 0.2
+            t0 = time.monotonic()
+        # Its readers were freed: the close waits for no trickle to end (~3 s more).
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        proxy.close()
+
+
 def test_stores_the_server_refuses_pause_storing_and_say_why_while_reads_go_on(
     fresh_redis_server: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -102,6 +102,11 @@ class BatchPlan:
 
 # How long a waiting request's KV-tier lookup answer is reused (Batcher._tier_seen).
 TIER_LOOKUP_REUSE_S = 1.0
+# The longest one step's KV-tier loads may take together: each load is bounded by the
+# tier, but seven 20k-token prefixes at 0.3 GB/s in one step held every decode for a
+# minute, past the worker's stuck-engine limit (60 s). Once spent, the next request with
+# a tier hit waits for the next step, first in line.
+TIER_LOADS_PER_STEP_S = 10.0
 
 
 class Batcher:
@@ -148,6 +153,7 @@ class Batcher:
         self._members: set[str] = set()
         self.prefill_delay_factor = prefill_delay_factor
         self._admitted = False  # the plan being formed admitted a request
+        self._step_load_s = 0.0  # time the plan being formed spent on KV-tier loads
         self._admitted_at: float | None = None  # when the last plan that admitted was formed
         self._admit_step_s = 0.0  # from that plan to the next scheduling decision
 
@@ -218,6 +224,7 @@ class Batcher:
 
     def schedule(self) -> BatchPlan:
         """Decide the next step. An empty plan means nothing can run now."""
+        self._step_load_s = 0.0
         if self.prefill_delay_factor > 0:
             self._time_admitting_step()
         plan = BatchPlan()
@@ -388,6 +395,10 @@ class Batcher:
                 break
             hit_blocks, hit_tokens = self.pool.get_computed_blocks(req)
             tier_tokens = self._tier_lookup(req, len(hit_blocks))
+            if tier_tokens and self._step_load_s >= TIER_LOADS_PER_STEP_S:
+                # The step's loads took their time: this one waits for the next step,
+                # first in line (its lookup kept in _tier_seen), not recomputed.
+                break
             remaining = req.num_tokens - hit_tokens - tier_tokens
             if whole and remaining > budget and not plan.is_empty:
                 break
@@ -475,10 +486,12 @@ class Batcher:
         try:
             # The request is out of the waiting queue and holds its blocks by now: a load
             # that raised here left it in neither queue, its blocks held for good.
-            data = self.kv_tier.load(req.block_hashes[first : first + want])[:want]
+            left_s = TIER_LOADS_PER_STEP_S - self._step_load_s
+            data = self.kv_tier.load(req.block_hashes[first : first + want], left_s)[:want]
         except Exception:
             log.warning("KV tier load failed; computing the prefix", exc_info=True)
             data = []
+        self._step_load_s += self.timer() - t0
         # The request's "kv load" phase in its trace (a preempted request may load again).
         if req.kv_load_start is None:
             req.kv_load_start = started

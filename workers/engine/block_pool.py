@@ -91,8 +91,9 @@ class KVTier(Protocol):
         same question asked again (a waiting request), not counted as queried tokens."""
         ...
 
-    def load(self, hashes: Sequence[bytes]) -> list[memoryview]:
-        """The bytes of a prefix of ``hashes`` (maybe shorter than asked, never longer)."""
+    def load(self, hashes: Sequence[bytes], budget_s: float | None = None) -> list[memoryview]:
+        """The bytes of a prefix of ``hashes`` (maybe shorter than asked, never longer);
+        ``budget_s``: how long it may take at most (the engine step's time for loads)."""
         ...
 
     def store_async(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
