@@ -27,6 +27,12 @@ from typing import Any
 _HEAD = re.compile(
     r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
 )
+# Mistral's tokenizers from v11 (Mistral Small 3.1+, Devstral, Magistral) write a call as
+# ``[TOOL_CALLS]name[ARGS]{...}``, maybe with ``[CALL_ID]id`` before ``[ARGS]`` (the tags
+# come out of the tag-dropping reader as the name's neighbours): the head up to the brace.
+_NAMED = re.compile(r"([\w.\-]+)(?:\[CALL_ID\][\w\-]*)?\[ARGS\]\s*\{")
+_NAMED_SO_FAR = re.compile(r"[\w.\-]+(?:\[CALL_ID\][\w\-]*)?")
+MAX_NAMED_HEAD = 256
 BLANKS = " \t\r\n"
 
 Piece = tuple[str, Any]
@@ -55,6 +61,21 @@ def _string(literal: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _may_be_named(text: str) -> bool:
+    """Whether ``text`` may still become the head of a ``name[ARGS]{`` call (a name as
+    OpenAI's, at most 64 characters, and a call id, within a bound: no head grows without
+    end, each piece matched again)."""
+    if len(text) > MAX_NAMED_HEAD:
+        return False
+    so_far = _NAMED_SO_FAR.match(text)
+    if so_far is None:
+        return False
+    rest = text[so_far.end() :]
+    if rest.startswith("[ARGS]"):
+        return not rest[len("[ARGS]") :].strip(BLANKS)  # blanks, then its brace
+    return "[ARGS]".startswith(rest) or "[CALL_ID]".startswith(rest)
+
+
 @dataclass
 class CallObjects:
     """A run of call objects (``between`` may separate two; ``listed``: maybe in a JSON
@@ -65,6 +86,7 @@ class CallObjects:
     new_id: Callable[[], str]
     between: str = ""
     listed: bool = False
+    named: bool = False  # calls may be Mistral v11's name[ARGS]{...}
     read: int = 0  # calls read so far
     _text: str = ""  # not read yet: the object being read begins it (less arguments sent)
     _state: str = "between"  # "between" objects, in an "object", or all "text" now
@@ -76,6 +98,7 @@ class CallObjects:
     _string: bool = False
     _escape: bool = False
     _streaming: bool = False  # its arguments stream: the text sent is cut from _text
+    _bare: bool = False  # its arguments are all of it (name[ARGS]{...})
     _args_end: int = -1  # where they end in _text, once written
 
     @property
@@ -114,11 +137,20 @@ class CallObjects:
         rest = self._text = self._text.lstrip(BLANKS + self.between)
         if not rest:
             return False
-        if rest[0] == "{":
+        if rest[0] == "{" or (self.named and (rest[0].isalnum() or rest[0] in "_.-")):
+            named = _NAMED.match(rest) if rest[0] != "{" else None
+            if rest[0] != "{" and named is None:
+                if _may_be_named(rest):
+                    return False  # not known yet
+                self._state = "text"
+                return True
             self._state = "object"
             self._at = self._depth = 0
             self._string = self._escape = self._streaming = False
             self._args_end = -1
+            self._bare = named is not None
+            if named is not None:
+                self._open_call(named.group(1), named.end() - 1)
         elif self.listed and rest[0] == "[" and not self._in_list:
             # A list, or (after calls) another one, as a tag per call writes them; after
             # calls, a "[" that opens no object is text.
@@ -209,6 +241,9 @@ class CallObjects:
                 depth -= 1
                 if depth == 1 and self._streaming and args_end < 0:
                     args_end = at
+                    if self._bare:  # the arguments were the whole call
+                        end = at
+                        break
                 if depth == 0:
                     end = at
                     break

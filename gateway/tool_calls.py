@@ -11,10 +11,11 @@ Three formats, the ones the engine's model families are trained on:
 
 - ``llama3_json`` (Llama 3.1, 3.2, 3.3): the whole answer is the call, a JSON object with
   ``name`` and ``parameters`` (several joined by ``;``), maybe after ``<|python_tag|>``.
-- ``mistral`` (Mistral 7B v0.3, Nemo; tokenizer v3): ``[TOOL_CALLS]`` then a JSON list of
-  ``{"name", "arguments"}``, maybe after some text. The tag is a special token: the
-  worker's text keeps special tokens for these requests. Call ids are 9 letters and digits,
-  the only ids Mistral's templates take back in the next turn.
+- ``mistral`` (Mistral 7B v0.3, Nemo: tokenizer v3): ``[TOOL_CALLS]`` then a JSON list of
+  ``{"name", "arguments"}``, maybe after some text; from tokenizer v11 (Mistral Small 3.1
+  and later, Devstral, Magistral) ``[TOOL_CALLS]name[ARGS]{...}``, a tag per call. The
+  tags are special tokens: the worker's text keeps special tokens for these requests. Call
+  ids are 9 letters and digits, the only ids Mistral's templates take back in the next turn.
 
 A whole answer is split into its content and its calls as vLLM's parsers of those names
 split it, and streamed, read the same (a whole answer is read as one piece of a stream).
@@ -195,8 +196,10 @@ class HeldCalls(ToolCallStream):
     _reader: CallObjects | None = None  # reading calls since the marker
     _held: list[str] = field(default_factory=list)  # the text since the marker, no call read
 
-    def _begin(self, marker: str, between: str = "", listed: bool = False) -> None:
-        self._reader = CallObjects(self.new_id, between, listed)
+    def _begin(
+        self, marker: str, between: str = "", listed: bool = False, named: bool = False
+    ) -> None:
+        self._reader = CallObjects(self.new_id, between, listed, named)
         self._held = [marker]
 
     def _read(self, text: str, raw: str | None = None) -> None:
@@ -341,9 +344,11 @@ def _partial_tag(text: str, tag: str = OPEN) -> int:
 
 @dataclass
 class MistralCalls(HeldCalls):
-    """mistral: content streams until the tag (a possible start of it held), then the JSON
-    list of calls after it streams as it is written (more tags inside it are dropped); no
-    list of calls after the tag: all of it is the text it was."""
+    """mistral: content streams until the tag (a possible start of it held), then the calls
+    after it stream as they are written: a JSON list of them (tokenizers v3 to v7), or
+    ``name[ARGS]{...}`` after a tag each (v11 and later, maybe with ``[CALL_ID]id`` before
+    ``[ARGS]``); more tags are dropped. No call after the tag: all of it is the text it
+    was."""
 
     new_id: Callable[[], str] = mistral_call_id
     _tagged: bool = False  # the tag was met
@@ -353,7 +358,7 @@ class MistralCalls(HeldCalls):
         if not self._tagged and self._content_until(MISTRAL_TAG):
             self._pending = self._pending[len(MISTRAL_TAG) :]
             self._tagged = True
-            self._begin(MISTRAL_TAG, between=",", listed=True)
+            self._begin(MISTRAL_TAG, between=",", listed=True, named=True)
         if self._tagged:
             self._read_untagged(len(self._pending) - _partial_tag(self._pending, MISTRAL_TAG))
         return self._taken()

@@ -124,6 +124,10 @@ MISTRAL_ANSWERS = [
     "a [TOOL_CA is not the tag",
     f"[TOOL_CALLS] [{WEATHER}][TOOL_CALLS] [{TIME}]",  # a tag and a list per call
     f'[TOOL_CALLS][{WEATHER}, {{"no": 1}}] after',  # the calls, then text
+    # Tokenizer v11 and later: a tag per call, name[ARGS]{...}, maybe [CALL_ID]id.
+    'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}[TOOL_CALLS]get_time[ARGS]{}',
+    '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Zürich"}',
+    "[TOOL_CALLS]get weather",  # no name[ARGS]: text
 ]
 
 
@@ -142,6 +146,15 @@ def test_a_whole_mistral_answer_is_its_text_and_the_calls_after_the_tag() -> Non
     assert content is None and [n for n, _ in _names(calls)] == ["get_weather", "get_time"]
     content, calls = split_mistral(MISTRAL_ANSWERS[6])
     assert content == '{"no": 1}] after' and len(calls) == 1
+    content, calls = split_mistral(MISTRAL_ANSWERS[7])
+    assert content == "Sure." and _names(calls) == [
+        ("get_weather", {"city": "Zürich"}),
+        ("get_time", {}),
+    ]
+    content, calls = split_mistral(MISTRAL_ANSWERS[8])
+    assert content is None and _names(calls) == [("get_weather", {"city": "Zürich"})]
+    assert calls[0]["id"] != "a1B2c3D4e"  # ids are the gateway's, as every format's
+    assert split_mistral(MISTRAL_ANSWERS[9]) == (MISTRAL_ANSWERS[9], [])
 
 
 CASES = (
@@ -203,6 +216,7 @@ STREAMED_ARGUMENTS = '{"city": "Zürich", "days": [1, {"from": "}\\"{"}]}'
                       "</tool_call>"),
         (Llama3JsonCalls, f'<|python_tag|>{{"name": "w", "parameters": {STREAMED_ARGUMENTS}}}'),
         (MistralCalls, f'[TOOL_CALLS][{{"name": "w", "arguments": {STREAMED_ARGUMENTS}}}]'),
+        (MistralCalls, f"[TOOL_CALLS]w[ARGS]{STREAMED_ARGUMENTS}"),
         (ForcedCalls, f'[{{"name": "w", "parameters": {STREAMED_ARGUMENTS}}}]'),
     ],
 )  # fmt: skip
@@ -214,7 +228,7 @@ def test_a_calls_arguments_stream_as_the_model_writes_them(
     stream = kind()
     fed = [stream.feed(char) for char in answer]
     opened = next(i for i, pieces in enumerate(fed) if any(k == "call" for k, _ in pieces))
-    assert answer[: opened + 1].endswith(": {")  # no later than its arguments' first brace
+    assert answer[: opened + 1].endswith((": {", "[ARGS]{"))  # at its arguments' brace
     call = next(v for k, v in fed[opened] if k == "call")
     assert call["function"] == {"name": "w", "arguments": ""}
     streamed = [(i, v) for i, pieces in enumerate(fed) for k, v in pieces if k == "arguments"]
@@ -499,6 +513,7 @@ FRAGMENTS = [
     "<|python_tag|>", "{", "}", "[", "]", ",", ";", '"', "\\", ": ", '"name"', '"arguments"',
     '"parameters"', '"f"', '"g\\"x"', '{"a": 1}', '"}{]["', "not json", WEATHER, TIME,
     LLAMA_WEATHER, '{"name": "f", "arguments": ', '[{"name": "g", "parameters": {', "}}",
+    "get_x", "[ARGS]", "[CALL_ID]", "a1",
 ]  # fmt: skip
 
 
