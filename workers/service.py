@@ -910,7 +910,11 @@ class WorkerService:
         if sent is not chunk:  # too big to carry: the caller got an error ending instead
             chunk, error = sent, True
         self._resync.finished(st)
-        if error and chunk.error is not None and _caller_error(chunk.error):
+        if (
+            error
+            and chunk.error is not None
+            and (_caller_error(chunk.error) or self._deadline_too_tight(st, chunk.error))
+        ):
             pass  # a bad parameter, a prompt too long: the breakers must not see an outage
         elif error or chunk.finish_reason != "abort":
             # A request its caller cancelled (or whose gateway went silent) says nothing
@@ -919,6 +923,19 @@ class WorkerService:
             self.telemetry.finished(time.time() - st.start if first else None, error=error)
         self.observer.answered(st, chunk, error=error)
         self._poke()
+
+    def _deadline_too_tight(self, st: Flight, error: ErrorInfo) -> bool:
+        """A deadline missed that its caller set tighter than the group's own latency bar
+        (its breaker threshold): the caller's choice, not an outage. Counted, one tenant
+        sending requests with 150 ms deadlines opened a healthy group's breaker, then its
+        fallback's, each half-open spell re-opened by its probes."""
+        deadline_ms = st.request.deadline_ms
+        if error.code != "deadline_exceeded" or deadline_ms is None:
+            return False
+        group = self.config.groups[self.group]
+        kind = group.breaker.p99_kind
+        slo_ms = group.slo_e2e_p99_ms if kind == "e2e" else group.slo_ttft_ms
+        return deadline_ms - st.start * 1000 < max(group.breaker.p99_threshold_ms, slo_ms)
 
     async def _publish(self, st: Flight, chunk: Chunk) -> Chunk:
         """Send ``chunk``; returns what went out in its place: ``chunk`` itself, or the

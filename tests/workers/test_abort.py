@@ -131,15 +131,18 @@ async def test_a_cancelled_request_counts_by_outcome_only_and_its_ttft_when_it_c
     assert (service.telemetry.requests_done, service.telemetry.errors) == (0, 0)
 
 
+@pytest.mark.parametrize("budget_ms", [700, 300])
 async def test_an_abort_after_the_deadline_is_a_deadline_error(
-    start_worker: Any, client: QosClient
+    start_worker: Any, client: QosClient, budget_ms: int
 ) -> None:
     """The gateway answers 504 at the deadline and aborts: the worker, whose own deadline
-    check runs every half second, counted that abort as a success."""
+    check runs every half second, counted that abort as a success. A deadline its caller
+    set under the group's latency bar (short's 500 ms) is the caller's choice: an error in
+    the metrics, none for the breakers (one tenant's 150 ms deadlines opened them)."""
     engine = SimEngine(max_batch_size=4, max_seq_len=1024, cost=SimCost(base_s=0.005))
     service = await start_worker(engine=engine)
     registry = service.observer.registry
-    deadline_ms = int(time.time() * 1000) + 400
+    deadline_ms = int(time.time() * 1000) + budget_ms
     params = RequestParams(max_tokens=400, ignore_eos=True, temperature=0)
     stream = client.generate(
         group="short", prompt_token_ids=list(range(1, 20)), params=params, deadline_ms=deadline_ms
@@ -153,7 +156,8 @@ async def test_an_abort_after_the_deadline_is_a_deadline_error(
     await stream.aclose()
     assert _total(registry, "qos_request_errors_total", code="deadline_exceeded") == 1
     assert _total(registry, "qos_request_success_total") == 0
-    assert (service.telemetry.requests_done, service.telemetry.errors) == (0, 1)
+    breakers_see = 1 if budget_ms > 500 else 0
+    assert (service.telemetry.requests_done, service.telemetry.errors) == (0, breakers_see)
 
 
 async def test_a_request_s_own_mistake_is_not_counted_against_the_group(
