@@ -161,7 +161,14 @@ class TelemetryWindows:
         if known is None or known.report.group != report.group:
             # New here, or moved: its counters start counting for this group from now.
             if known is not None:
-                self.moves_seen[report.worker] = (now, known.report.group, report.group)
+                seen = self.moves_seen.get(report.worker)
+                if seen is not None and seen[1:] == (report.group, known.report.group):
+                    # Back where it came from (its bind failed): no move happened, and its
+                    # cooldowns, merged in again, kept both groups from giving up a replica
+                    # after the failed move had lifted them.
+                    del self.moves_seen[report.worker]
+                else:
+                    self.moves_seen[report.worker] = (now, known.report.group, report.group)
             known = _Worker(report, now, base_finished=report.requests_done + report.errors,
                             base_errors=report.errors)  # fmt: skip
             self._workers[report.worker] = known

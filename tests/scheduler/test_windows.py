@@ -177,6 +177,20 @@ def test_moves_and_stopped_workers_are_forgotten():
     assert w.moves_seen == {}
 
 
+def test_a_replica_back_in_its_group_after_a_failed_bind_is_no_move_seen() -> None:
+    """Its bounce back re-imposed both groups' cooldowns for a minute, though the failed
+    move had lifted them so that another replica could go."""
+    w = TelemetryWindows(["short", "long"], silent_s=3.0, window_samples=5, window_s=10.0,
+                         moves_kept_s=100.0)  # fmt: skip
+    w.observe(tel("a", "short"), 0.0)
+    w.observe(tel("a", "long"), 1.0)  # binding to long
+    assert [m[1:] for m in w.recent_moves(2.0, 60.0)] == [("a", "short", "long")]
+    w.observe(tel("a", "short"), 3.0)  # the bind failed: back
+    assert w.recent_moves(4.0, 60.0) == []
+    w.observe(tel("a", "long"), 70.0)  # a later move is seen as ever
+    assert [m[1:] for m in w.recent_moves(71.0, 60.0)] == [("a", "short", "long")]
+
+
 def test_a_stored_history_no_run_writes_starts_empty_rather_than_stop_the_rebalancer() -> None:
     """An hour off the week or a NaN slot decoded fine, then made every rebalance raise
     (an index error, ceil(NaN)): the rebalancer stopped for good."""
