@@ -13,6 +13,7 @@ COMMANDS: dict[str, str] = {
     "warmup": "a fresh replica's first requests with and without the engine's warm-up",
     "host_step": "host work per step from kept arrays vs lists rebuilt (block tables, penalties)",
     "guided": "guided decoding's cost: output tok/s guided vs not, a row's mask time",
+    "tool_calls": "reading streamed tool calls: each format fed a character at a time",
     "priority": "urgent requests into a full engine with and without priority preemption",
     "serve": "serving benchmark through the gateway (like vllm bench serve)",
     "replicas": "capacity by worker replica count: the most req/s within the SLO for 1, 2, 4 …",
