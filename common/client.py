@@ -475,13 +475,14 @@ class QosClient:
                 try:
                     # What came in time goes out first, however slowly the caller reads; a
                     # wait (a task per call) only when nothing is waiting already.
-                    item = (
-                        ready.get_nowait()
-                        if not ready.empty()
-                        else await asyncio.wait_for(
-                            ready.get(), max(min(left, CLOSED_CHECK_S), 0.0)
-                        )
-                    )
+                    if not ready.empty():
+                        item = ready.get_nowait()
+                    else:
+                        # Not wait_for: on Python 3.11 it can return a chunk and swallow a
+                        # cancel that came with it, so a caller's timeout never fired and
+                        # no abort reached the worker. A cancelled get leaves its item.
+                        async with asyncio.timeout(max(min(left, CLOSED_CHECK_S), 0.0)):
+                            item = await ready.get()
                 except TimeoutError:
                     if self.nc.is_closed:  # a connection the caller made: no callback told us
                         raise _connection_lost() from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import inspect
 import logging
 import math
 import ssl
@@ -80,6 +81,12 @@ class _TlsRequiredClient(Client):
                 "anything in clear (a man in the middle strips TLS that way)"
             )
         await super()._process_info(info, initial_connection)
+
+
+# nats-py before 2.10 called _process_info without awaiting it: the override above would
+# never run (only a "never awaited" warning), and TLS stripping would pass unnoticed.
+if not inspect.iscoroutinefunction(Client._process_info):  # pragma: no cover - old nats-py
+    raise ImportError("qosserve needs nats-py >= 2.10 (its TLS guard overrides an awaited hook)")
 
 
 def must_see_tls_required(cfg: NatsConfig, tls: ssl.SSLContext | None) -> bool:

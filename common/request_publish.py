@@ -49,6 +49,13 @@ async def publish_request(
                 raise
             log.info("publishing request %s timed out; asking again (same id)",
                      headers.get("Nats-Msg-Id"))  # fmt: skip
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+            if attempt == 0:
+                raise
+            # JetStream went away after an earlier attempt timed out, which it may have
+            # stored: as a timeout, the caller treats the request as maybe queued (and
+            # aborts it), not as one that never was.
+            raise nats.errors.TimeoutError from None
     raise AssertionError("unreachable")
 
 

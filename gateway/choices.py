@@ -182,7 +182,10 @@ class ChoiceRun:
                 if await self.request.is_disconnected():
                     raise ClientGone
             try:
-                return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+                # Not wait_for: on Python 3.11 it can return a result and swallow a cancel
+                # that came with it (the handler then ran on after its client left).
+                async with asyncio.timeout(DISCONNECT_POLL_S):
+                    return await self.events.get()
             except TimeoutError:
                 if time.monotonic() >= self.ends_at + WRITE_STALL_S:
                     # Every choice ends itself at the deadline; this is a backstop.

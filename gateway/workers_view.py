@@ -190,7 +190,8 @@ class WorkersView:
         self._waiters.append(entry)
         try:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.shield(waiter)
         finally:
             self._waiters.remove(entry)
         return waiter.done()

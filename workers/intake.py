@@ -121,7 +121,8 @@ class Intake:
                 await self._empty_local_queue(take=not self._draining())
                 if not self._stop and not self._ready():  # re-check: no lost wake-up
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self._timeout)
+                        async with asyncio.timeout(self._timeout):
+                            await self._wake.wait()
                 continue
             if not self._connected():
                 # nats-py buffers a pull sent while reconnecting: each would go out at the

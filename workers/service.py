@@ -403,7 +403,8 @@ class WorkerService:
                 break
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), min(left, 0.5))
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self._wake.wait()
         if not self._inflight and not self._starting:
             return
         log.warning(
