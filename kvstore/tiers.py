@@ -379,7 +379,8 @@ class KVTiers:
         # Cut short by the step (its other loads took their time), the load is no slower
         # than redis.load_min_gbps: what arrived counts, and the breaker hears no failure.
         cut_by_step = step_s is not None and step_s < own_s
-        deadline = time.monotonic() + (min(own_s, max(0.0, step_s)) if cut_by_step else own_s)
+        budget_s = max(0.0, step_s) if step_s is not None and cut_by_step else own_s
+        deadline = time.monotonic() + budget_s
         step = self.batch_blocks
         group = Borrowers()
         try:
