@@ -241,6 +241,14 @@ def test_stats_report_usage_cache_and_work(path: Path) -> None:
     assert s.prefix_cache_hits == 8 and s.prefix_cache_queries == 20
     assert s.prefix_cache_hit_rate == pytest.approx(0.4)
     assert s.kv_usage == 0.0 and s.num_running == 0
+    # Caching off: nothing is looked up, so nothing is counted (a 0 % hit rate read as a
+    # useless cache rather than none).
+    off = LLMEngine(EngineArgs(str(path), block_size=4, num_kv_blocks=64, dtype="float32",
+                               enable_prefix_caching=False))  # fmt: skip
+    off.add_request("a", prompt_token_ids=list(range(2, 12)), params=greedy(2))
+    while off.has_unfinished():
+        off.step()
+    assert (off.stats().prefix_cache_queries, off.stats().prefix_cache_hits) == (0, 0)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -290,10 +290,16 @@ class BlockPool:
             req.block_table.append(block_id)
         for _ in range(num_new_blocks):
             req.block_table.append(self._take_free())
-        if admission and req.num_cached_tokens < 0 and not req.prompt_lp_pending:
+        if (
+            admission
+            and self.enable_prefix_caching
+            and req.num_cached_tokens < 0
+            and not req.prompt_lp_pending
+        ):
             # Its first admission only: one preempted comes back to its own freed blocks,
             # hits that said nothing about the cache's use and inflated its hit rate. One
-            # owing prompt logprobs looked nothing up.
+            # owing prompt logprobs looked nothing up, nor does any with caching off (its
+            # 0 % hit rate read as a useless cache).
             self.count_prefix_query(req.num_tokens, len(computed_blocks) * self.block_size)
         return True
 
