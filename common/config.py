@@ -817,6 +817,17 @@ class GatewayConfig(_Strict):
             "none = tools are refused (400)."
         ),
     )
+    # How a chat answer's thinking is told from its content (gateway/reasoning.py).
+    reasoning_parser: Literal["auto", "deepseek_r1", "qwen3", "none"] = Field(
+        "auto",
+        description=(
+            "How a chat answer's <think>...</think> is returned apart from its content, as "
+            "message.reasoning_content (streamed: delta.reasoning_content): auto = when the "
+            "model's chat template knows </think> (DeepSeek-R1 and its distills, Qwen3); "
+            "deepseek_r1 or qwen3 = always (one reader: the prompt says whether the answer "
+            "starts inside its thinking); none = the answer is content as written."
+        ),
+    )
     # "shared": every request may reuse every cached prompt prefix (system prompts, RAG
     # documents: the cheap path). "api_key": each key's requests reuse only their own key's
     # prefixes, on the workers and in the Redis tier, so no team can tell from a fast first

@@ -469,6 +469,9 @@ class RequestParams:
     # refuses a request that has them instead of answering it unguided.
     guided_kind: str | None = None
     guided_spec: str | None = None
+    # With them: the token (a reasoning model's </think>) up to which the output is free,
+    # the grammar holding after it. None is left out on the wire.
+    guided_after_token: int | None = None
 
     def logit_bias(self) -> dict[int, float] | None:
         return dict(zip(self.logit_bias_ids, self.logit_bias_values, strict=True)) or None
@@ -536,6 +539,11 @@ def _check_guided(params: RequestParams) -> None:
     why = shape_problem(kind, spec) if kind is not None and spec is not None else None
     if why is not None:
         raise ProtocolError(f"request.params.guided: {why}")
+    after = params.guided_after_token
+    if after is not None and (kind is None or not 0 <= after < 2**31):
+        raise ProtocolError(
+            "request.params.guided_after_token: a token id in [0, 2^31), with guided_kind"
+        )
 
 
 def _check_logit_bias(params: RequestParams) -> None:

@@ -58,6 +58,7 @@ from gateway.classifier import (
 from gateway.forced_calls import ForcedCalls
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.reasoning import THINK_CLOSE, ReasoningSplit, reads_reasoning, starts_thinking
 from gateway.responses import Echo, Kind, Shaper, merge, usage_dict
 from gateway.streams import (
     SSE_DONE,
@@ -181,6 +182,16 @@ class Generator:
         tag_text = CALL_TAGS.get(self.tool_format or "")
         tag = tokenizer.token_to_id(tag_text) if tag_text is not None else None
         self._tool_tags_special = tag is not None and tag in self._special_ids
+        # Whether chat answers' thinking is returned apart (gateway/reasoning.py), and
+        # whether its tags are special tokens the worker's text must keep to be read.
+        self.reads_reasoning = reads_reasoning(
+            config.gateway.reasoning_parser, "\n".join(tokenizer.chat_templates.values())
+        )
+        think = tokenizer.token_to_id(THINK_CLOSE) if self.reads_reasoning else None
+        self._think_tags_special = think is not None and think in self._special_ids
+        # One token (as in DeepSeek-R1's and Qwen3's vocabularies): a guided request that
+        # thinks first has its grammar hold from the token after it.
+        self._think_close_id = think
 
     def check_model(self, model: str | None) -> None:
         """404 for a model name this gateway does not serve (None: the served one)."""
@@ -597,16 +608,30 @@ class Generator:
 
     # -- over NATS -------------------------------------------------------------------------
 
+    def _reasoning(
+        self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
+    ) -> ReasoningSplit | None:
+        """How a chat answer's thinking is read (None: all of it is content). A guided
+        request is read so only when the answer starts inside its thinking and ``</think>``
+        is one token: the grammar then holds after it (see :meth:`_publish`); otherwise
+        the grammar shapes the whole output, and none of it is thinking."""
+        if not self.reads_reasoning or not isinstance(body, ChatCompletionRequest):
+            return None
+        # Whether the template opened the thinking for the model: the prompt's last tokens.
+        tail = self._tok.decode(prompt_ids[-8:], skip_special_tokens=False)
+        thinking = starts_thinking(tail)
+        if body.guided() is not None and not (thinking and self._think_close_id is not None):
+            return None
+        return ReasoningSplit(thinking=thinking, keep=body.include_reasoning)
+
     def _keeps_special(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
         """Whether the answer's text keeps special tokens: asked, or its tool calls' tags
         are special tokens (read, they are no content)."""
         if body.skip_special_tokens is False:
             return True
-        return (
-            self._tool_tags_special
-            and isinstance(body, ChatCompletionRequest)
-            and body.calls_tools()
-        )
+        if not isinstance(body, ChatCompletionRequest):
+            return False
+        return (self._tool_tags_special and body.calls_tools()) or self._think_tags_special
 
     def _take_off(
         self,
@@ -642,6 +667,7 @@ class Generator:
             index=index,
             echo=echo,
             tool_calls=_tool_calls(body, self.tool_format),
+            reasoning=self._reasoning(body, prompt_ids),
         )
         headers = {"X-Request-Id": response_id, GROUP_HEADER: route.group}
         if route.is_fallback:
@@ -682,6 +708,9 @@ class Generator:
         )  # fmt: skip
         if self._keeps_special(body):
             params.skip_special_tokens = False
+        reasoning = flight.shaper.reasoning
+        if reasoning is not None and reasoning.thinking and params.guided_kind is not None:
+            params.guided_after_token = self._think_close_id  # the grammar holds after it
         request_id = flight.stream.request_id
         message = GenerateRequest(
             id=request_id,

@@ -544,6 +544,8 @@ class ChatCompletionRequest(_SamplingBody):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     parallel_tool_calls: bool | None = None  # no effect without tools
+    # vLLM's: False leaves a reasoning model's thinking out of the answer.
+    include_reasoning: bool = True
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None

@@ -15,11 +15,12 @@ import codecs
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from common.errors import QosError
 from common.protocol import TopLogprobs, Usage
+from gateway.reasoning import ReasoningSplit
 from gateway.streams import Delivery, sse_event
 from gateway.tool_calls import ToolCallStream
 
@@ -88,6 +89,7 @@ class Shaper:
         index: int = 0,
         echo: Echo | None = None,
         tool_calls: ToolCallStream | None = None,
+        reasoning: ReasoningSplit | None = None,
     ) -> None:
         self.kind = kind
         self.index = index  # the choice's index (OpenAI's n: one Shaper per choice)
@@ -96,6 +98,8 @@ class Shaper:
         self.echo = echo
         # A chat answer's tool calls, read from its text as it streams (None: text only).
         self.tool_calls = tool_calls
+        # A chat answer's thinking, read apart from its content (None: all is content).
+        self.reasoning = reasoning
         # Tokens whose text the output leaves out (special tokens under skip_special_tokens):
         # they take no room in text_offset, which indexes the returned text.
         self._silent_ids = silent_ids
@@ -182,7 +186,30 @@ class Shaper:
 
     def delta_event(self, delivery: Delivery) -> bytes:
         """One SSE chunk with the delivery's text (and logprobs / finish reason); with tool
-        calls read, the chunks of what can be told apart so far (maybe none)."""
+        calls or reasoning read, the chunks of what can be told apart so far (maybe none)."""
+        if self.reasoning is not None:
+            return self._reasoning_events(delivery, self.reasoning)
+        return self._content_events(delivery)
+
+    def _reasoning_events(self, delivery: Delivery, split: ReasoningSplit) -> bytes:
+        """The delivery's thinking as ``delta.reasoning_content`` chunks, then its content
+        (tool calls read there) as any delivery's."""
+        pieces = split.feed(delivery.text)
+        if delivery.finish_reason is not None:
+            pieces += split.finish()
+        out = b""
+        for kind, text in pieces:
+            if kind == "reasoning":
+                choice = {"index": self.index, "delta": {"reasoning_content": text},
+                          "logprobs": None, "finish_reason": None}  # fmt: skip
+                out += sse_event(self._chunk(choice, delivery.completion_tokens))
+        content = "".join(text for kind, text in pieces if kind == "content")
+        logprobs_due = self.logprobs is not None and bool(delivery.token_ids)
+        if content or delivery.finish_reason is not None or logprobs_due:
+            out += self._content_events(replace(delivery, text=content))
+        return out
+
+    def _content_events(self, delivery: Delivery) -> bytes:
         if self.tool_calls is not None:
             return self._tool_events(delivery, self.tool_calls)
         if delivery.finish_reason is None and self.logprobs is None:
@@ -284,12 +311,19 @@ class Shaper:
             }
             obj = "text_completion"
         else:
+            reasoning = None
+            if self.reasoning is not None:
+                reasoning, text = self.reasoning.split(text)
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning is not None:  # as vLLM's: an answer that only thought says null
+                message["content"] = text or None
             if self.tool_calls is not None:
                 content, calls = self.tool_calls.split(text)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish_reason = self.tool_calls.finish_reason(finish_reason, len(calls))
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             choice = {
                 "index": self.index,
                 "message": message,

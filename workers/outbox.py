@@ -166,6 +166,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams
         include_stop_str_in_output=bool(p.include_stop_str_in_output),
         logit_bias=p.logit_bias(),
         guided=GuidedSpec(p.guided_kind, p.guided_spec or "") if p.guided_kind else None,
+        guided_after=p.guided_after_token if p.guided_kind else None,
     )  # fmt: skip
 
 

@@ -668,7 +668,9 @@ class WorkerService:
             # on the engine thread every running request would wait out.
             began = time.perf_counter()
             try:
-                guide = await asyncio.to_thread(self.engine.guide, params.guided, resume)
+                guide = await asyncio.to_thread(
+                    self.engine.guide, params.guided, resume, params.guided_after
+                )
             except InvalidRequestError as exc:
                 await self._send_error(st, exc)
                 return

@@ -312,3 +312,31 @@ def test_the_tokenizer_view_is_built_once_and_a_failed_build_is_remembered(
     monkeypatch.setattr(engine_module, "GUIDES_RETRY_S", 0.0)
     ask()
     assert len(builds) == 2
+
+
+def test_a_grammar_after_a_token_leaves_the_output_free_up_to_it(demo: LLM) -> None:
+    """A reasoning model thinks, then answers in shape: with ``guided_after`` (its
+    ``</think>``), the tokens up to that one are the model's own, the grammar holds after."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    free = demo.generate(["import os\n"], greedy)[0].token_ids
+    marker = free[2]  # a token the model writes by itself: the "</think>" of this test
+    assert marker not in free[:2]
+    digits = spec("regex", "[0-9]{3}")
+    params = SamplingParams(temperature=0.0, max_tokens=12, guided=digits, guided_after=marker)
+    out = demo.generate(["import os\n"], params)[0]
+    assert out.token_ids[:3] == free[:3]  # free up to and including the marker
+    answer = demo.engine.tokenizer.decode(out.token_ids[3:])
+    assert re.fullmatch("[0-9]{3}", answer) and out.finish_reason == "stop", answer
+    # Redelivered after the marker and a digit, the grammar goes on from there.
+    engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu"))
+    said = out.token_ids[:4]
+    prompt = engine.tokenizer.encode("import os\n")
+    engine.add_request("r", prompt_token_ids=prompt + said, resumed_tokens=len(said),
+                       params=params)  # fmt: skip
+    text = ""
+    while engine.has_unfinished():
+        for delta in engine.step():
+            text += delta.text
+    assert re.fullmatch("[0-9]{2}", text), text
+    with pytest.raises(SamplingParamsError, match="guided_after"):
+        SamplingParams(guided_after=marker)  # with guided only

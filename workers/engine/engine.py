@@ -303,7 +303,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         if params.guided is not None and guide is None:
-            guide = self.guide(params.guided, ids[len(ids) - resumed_tokens :])
+            guide = self.guide(params.guided, ids[len(ids) - resumed_tokens :], params.guided_after)
         elif params.guided is None:
             guide = None
         req = Request(
@@ -342,9 +342,12 @@ class LLMEngine:
             self._prompt_lp_owed.add(req)
         self.batcher.add(req)
 
-    def guide(self, spec: GuidedSpec, resumed: Sequence[int] = ()) -> Guide:
+    def guide(
+        self, spec: GuidedSpec, resumed: Sequence[int] = (), after: int | None = None
+    ) -> Guide:
         """A matcher for ``spec`` that has read a redelivered request's output so far
-        (``resumed``), for :meth:`add_request`. Safe to call from another thread. Raises
+        (``resumed``), holding from the token after ``after`` (``SamplingParams.guided_after``),
+        for :meth:`add_request`. Safe to call from another thread. Raises
         :class:`InvalidRequestError` for a spec that cannot compile or output it rejects."""
         if self.tokenizer is None:
             raise InvalidRequestError(
@@ -353,7 +356,7 @@ class LLMEngine:
             )
         guides = self._guides or self._build_guides()
         try:
-            return guides.start(spec, list(resumed))
+            return guides.start(spec, list(resumed), after)
         except GuidedSpecError as exc:
             raise InvalidRequestError(f"guided: {exc}", param="guided") from None
 

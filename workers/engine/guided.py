@@ -29,26 +29,44 @@ _executor: Any = None  # llguidance's thread pool for a batch's masks, made at f
 
 
 class Guide:
-    """A request's matcher: what may come next, and the tokens so far fed to it."""
+    """A request's matcher: what may come next, and the tokens so far fed to it. With
+    ``after`` (a reasoning model's ``</think>``), the output is free up to that token and
+    the grammar holds from the one after it: the model thinks, then answers in shape."""
 
-    def __init__(self, matcher: Any, words: int) -> None:
+    def __init__(self, matcher: Any, words: int, after: int | None = None) -> None:
         self._matcher = matcher
         self.words = words  # int32 words of its packed mask: one bit per token id
+        self.after = after
+        self.active = after is None  # the grammar holds now
 
     def consume(self, token: int) -> None:
         """Feed a chosen token (the mask allowed it)."""
-        self._matcher.consume_token(token)
+        if self.active:
+            self._matcher.consume_token(token)
+        elif token == self.after:
+            self.active = True
+
+    def replay(self, tokens: list[int]) -> bool:
+        """Feed a redelivered request's output so far; False when the grammar rejects it."""
+        if not self.active:
+            if self.after not in tokens:
+                return True
+            tokens = tokens[tokens.index(self.after) + 1 :]
+            self.active = True
+        return not tokens or bool(self._matcher.consume_tokens(tokens))
 
     @property
     def error(self) -> str | None:
         """Why the matcher failed (a parser limit of llguidance's reached mid-output: its
         mask then allows only EOS), or None. The output so far matches nothing whole."""
-        return str(self._matcher.get_error()) if self._matcher.is_error() else None
+        if not self.active or not self._matcher.is_error():
+            return None
+        return str(self._matcher.get_error())
 
     @property
     def done(self) -> bool:
         """The grammar is complete and nothing may follow (or the matcher failed)."""
-        return bool(self._matcher.is_stopped() or self._matcher.is_error())
+        return self.active and bool(self._matcher.is_stopped() or self._matcher.is_error())
 
 
 def allows_beyond(packed: np.ndarray, ids: Collection[int]) -> bool:
@@ -78,9 +96,10 @@ class Guides:
         self._fresh: OrderedDict[GuidedSpec, Any] = OrderedDict()
         self._lock = threading.Lock()  # the cache only: compiles run side by side
 
-    def start(self, spec: GuidedSpec, resumed: list[int]) -> Guide:
+    def start(self, spec: GuidedSpec, resumed: list[int], after: int | None = None) -> Guide:
         """A matcher for ``spec`` that has read ``resumed`` (a redelivered request's output
-        so far). Raises :class:`GuidedSpecError`."""
+        so far), holding from the token after ``after`` when given (see :class:`Guide`).
+        Raises :class:`GuidedSpecError`."""
         import llguidance
 
         with self._lock:
@@ -97,9 +116,10 @@ class Guides:
                 if len(self._fresh) > _CACHED_MATCHERS:
                     self._fresh.popitem(last=False)
                 matcher = fresh.deep_copy()
-        if resumed and not matcher.consume_tokens(resumed):
+        guide = Guide(matcher, self._words, after)
+        if resumed and not guide.replay(resumed):
             raise GuidedSpecError("the output so far does not match: " + matcher.get_error())
-        return Guide(matcher, self._words)
+        return guide
 
 
 def packed_masks(guides: list[Guide]) -> np.ndarray:
@@ -112,7 +132,7 @@ def packed_masks(guides: list[Guide]) -> np.ndarray:
     # in this step's batch, to be thrown away) allows every token: never an empty row.
     live: list[tuple[int, Guide]] = []
     for row, g in enumerate(guides):
-        if g.done:
+        if g.done or not g.active:  # ended, or not holding yet: every token allowed
             out[row] = -1
         else:
             live.append((row, g))

@@ -36,6 +36,8 @@ class SamplingParams:
     penalties, filters and the draw (logprobs stay those of the model's own distribution).
     ``guided`` (structured output): the output matches this JSON schema, regex, choice or
     grammar (:mod:`common.guided`); it ends with ``stop`` once nothing more can match.
+    ``guided_after``: a token id (a reasoning model's ``</think>``) up to which the output
+    is free; the grammar holds from the token after it.
     """
 
     max_tokens: int = 16
@@ -59,6 +61,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     guided: GuidedSpec | None = None
+    guided_after: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +146,13 @@ class SamplingParams:
             why = shape_problem(self.guided.kind, self.guided.spec)
             if why is not None:
                 raise SamplingParamsError("guided", why)
+        if self.guided_after is not None and (
+            self.guided is None
+            or isinstance(self.guided_after, bool)
+            or not isinstance(self.guided_after, int)
+            or self.guided_after < 0
+        ):
+            raise SamplingParamsError("guided_after", "a token id, with guided only")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop", "must be non-empty strings")
         if len(self.stop) > 16:

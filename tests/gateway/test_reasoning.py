@@ -1,0 +1,174 @@
+"""Reasoning (<think>...</think>) returned apart from content: the reader whole and as it
+streams, and through the gateway to the official openai client, tool calls included."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any, ClassVar
+
+import openai
+import pytest
+
+from common.config import NatsConfig
+from common.protocol import Chunk
+from common.tokenizer import ByteTokenizer
+from gateway.reasoning import ReasoningSplit, reads_reasoning, starts_thinking
+from tests.gateway.conftest import MODEL, gateway_config, serve
+from tests.gateway.fake_worker import Job, running_worker
+
+# (the answer begins inside its thinking, the answer, its reasoning, its content)
+CASES = [
+    (False, "Plain answer.", None, "Plain answer."),
+    (False, "<think>\n2 + 2 is 4.\n</think>\n\nIt is 4.", "2 + 2 is 4.", "It is 4."),
+    (True, "\nThe user asks.\n\nSo: 4.\n</think>\n\n4", "The user asks.\n\nSo: 4.", "4"),
+    (True, "cut by max_tokens while thinking", "cut by max_tokens while thinking", ""),
+    (False, "  <thi is not the tag", None, "  <thi is not the tag"),
+    (False, "<think></think>Answer at once.", None, "Answer at once."),
+    (False, "   ", None, "   "),
+]
+
+
+@pytest.mark.parametrize(("thinking", "answer", "reasoning", "content"), CASES)
+def test_an_answer_reads_the_same_whole_and_however_it_streams(
+    thinking: bool, answer: str, reasoning: str | None, content: str
+) -> None:
+    assert ReasoningSplit(thinking).split(answer) == (reasoning, content)
+    rng = random.Random(answer)
+    for _ in range(100):
+        split, pieces, at = ReasoningSplit(thinking), [], 0
+        while at < len(answer):
+            step = rng.randint(1, 5)
+            pieces += split.feed(answer[at : at + step])
+            at += step
+        pieces += split.finish()
+        assert ("".join(t for k, t in pieces if k == "reasoning") or None) == reasoning
+        assert "".join(t for k, t in pieces if k == "content") == content
+
+
+def test_thinking_streams_before_the_block_closes_and_can_be_left_out() -> None:
+    split = ReasoningSplit(thinking=True)
+    assert split.feed("Let me") == [("reasoning", "Let me")]
+    assert split.feed(" think.</thi") == [("reasoning", " think.")]  # the tag's start held
+    assert split.feed("nk>\nDone.") == [("content", "Done.")]
+    dropped = ReasoningSplit(thinking=True, keep=False)
+    assert dropped.split("secret plans</think>Hi") == (None, "Hi")
+
+
+def test_the_prompt_and_the_template_decide_what_is_read() -> None:
+    assert starts_thinking("<|im_start|>assistant\n<think>\n")
+    assert not starts_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
+    assert not starts_thinking("<|im_start|>assistant\n")
+    assert reads_reasoning("auto", "{{ content.split('</think>')[-1] }}")
+    assert not reads_reasoning("auto", "{{ messages }}")
+    assert reads_reasoning("qwen3", "") and not reads_reasoning("none", "</think>")
+
+
+class ThinkingByteTokenizer(ByteTokenizer):
+    """Bytes as tokens; a template that opens the thinking for the model (as DeepSeek-R1's
+    does) and renders tools as Qwen's."""
+
+    CHAT_TEMPLATE = (
+        "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+        "{# history: content.split('</think>')[-1] #}"
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n<think>\n{% endif %}"
+    )
+
+
+def _answers(text: str) -> Any:
+    async def behaviour(job: Job) -> None:
+        ids = list(text.encode())
+        cut = len(ids) // 3
+        await job.send(0, ids[:cut])
+        await job.send(cut, ids[cut:], finish_reason="stop", usage=job.usage(len(ids)))
+
+    return behaviour
+
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+ANSWER = (
+    f"\nThe user wants the weather.\n</think>\n\nLooking.\n<tool_call>\n{WEATHER}\n</tool_call>"
+)
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+]
+
+
+async def test_the_openai_client_gets_reasoning_content_and_the_calls_after_it(
+    nats_config: NatsConfig,
+) -> None:
+    config = gateway_config(nats_config, short__max_seq_len=2048, tool_call_parser="hermes")
+    async with (
+        serve(config, ThinkingByteTokenizer()) as gw,
+        running_worker(nats_config, "short", behaviour=_answers(ANSWER)),
+    ):
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        ask: dict[str, Any] = {"model": MODEL, "max_tokens": 300, "tools": TOOLS,
+                               "messages": [{"role": "user", "content": "Weather in Oslo?"}]}  # fmt: skip
+        whole = await client.chat.completions.create(**ask)
+        chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+        hidden = await client.chat.completions.create(
+            **ask, extra_body={"include_reasoning": False}
+        )
+    message = whole.choices[0].message
+    assert message.model_extra is not None
+    assert message.model_extra["reasoning_content"] == "The user wants the weather."
+    assert message.content == "Looking." and whole.choices[0].finish_reason == "tool_calls"
+    (call,) = message.tool_calls or []
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    said = "".join(d.content or "" for d in deltas)
+    assert thought == "The user wants the weather." and said == "Looking."
+    first_content = next(i for i, d in enumerate(deltas) if d.content)
+    assert all(not (d.model_extra or {}).get("reasoning_content") for d in deltas[first_content:])
+    assert any(d.tool_calls for d in deltas)
+    assert "reasoning_content" not in (hidden.choices[0].message.model_extra or {})
+    assert hidden.choices[0].message.content == "Looking."
+
+
+class SpecialThinkTokenizer(ThinkingByteTokenizer):
+    """As DeepSeek-R1's and Qwen3's vocabularies have it: </think> is one (special) token."""
+
+    CLOSE_ID = 300
+    _SPECIALS: ClassVar[dict[int, str]] = {**ByteTokenizer._SPECIALS, CLOSE_ID: "</think>"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.all_special_ids = sorted(self._SPECIALS)
+
+
+async def test_a_guided_answer_of_a_thinking_model_is_shaped_after_its_thinking(
+    nats_config: NatsConfig,
+) -> None:
+    """Guided from its first token, a model that starts inside its thinking could not
+    think; the grammar holds after its </think> instead (the worker's engine keeps it so:
+    tests/engine/test_guided.py), and the answer's thinking comes back apart."""
+    thought, said = b"JSON it is.", b'{"a": 1}'
+
+    async def thinks_then_answers(job: Job) -> None:
+        ids = [*thought, SpecialThinkTokenizer.CLOSE_ID, *said]
+        text = thought.decode() + "</think>" + said.decode()
+        chunk = Chunk(id=job.request.id, seq=0, token_ids=ids, text=text,
+                      worker=job.worker.worker_id, finish_reason="stop",
+                      usage=job.usage(len(ids)))  # fmt: skip
+        await job.worker.nc.publish(job.request.reply, chunk.to_bytes())
+
+    config = gateway_config(nats_config, short__max_seq_len=2048)
+    async with (
+        serve(config, SpecialThinkTokenizer()) as gw,
+        running_worker(nats_config, "short", behaviour=thinks_then_answers) as worker,
+    ):
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        reply = await client.chat.completions.create(
+            model=MODEL, max_tokens=100, response_format={"type": "json_object"},
+            messages=[{"role": "user", "content": "JSON please"}],
+        )  # fmt: skip
+    (job,) = worker.jobs
+    assert job.request.params.guided_kind == "json_schema"
+    assert job.request.params.guided_after_token == SpecialThinkTokenizer.CLOSE_ID
+    assert job.request.params.skip_special_tokens is False  # the tag reaches the text
+    message = reply.choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] == "JSON it is."
+    assert json.loads(message.content or "") == {"a": 1}
