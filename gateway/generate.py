@@ -486,6 +486,8 @@ class Generator:
             "add_generation_prompt": body.add_generation_prompt,
             **(body.chat_template_kwargs or {}),
         }
+        if body.reasoning_effort is not None:  # as vLLM passes it: for templates that read it
+            kwargs.setdefault("reasoning_effort", body.reasoning_effort)
         tools = body.tool_dicts()
         if tools is not None:
             if self.tool_format is None and not body.forces_call():
@@ -619,7 +621,7 @@ class Generator:
             return None
         # Whether the template opened the thinking for the model: the prompt's last tokens.
         tail = self._tok.decode(prompt_ids[-8:], skip_special_tokens=False)
-        thinking = starts_thinking(tail)
+        thinking = starts_thinking(self._config.gateway.reasoning_parser, tail)
         if body.guided() is not None and not (thinking and self._think_close_id is not None):
             return None
         return ReasoningSplit(thinking=thinking, keep=body.include_reasoning)
@@ -755,8 +757,9 @@ class Generator:
         if every is None:
             return
         # The added tokens a template writes (<think>, <tool_call>) are the model's own
-        # output, sent back in its assistant turns by every multi-turn client (there is no
-        # reasoning or tool parser here): only the special tokens are refused there.
+        # output, sent back in its assistant turns by every multi-turn client (its reasoning
+        # and calls, read apart, come back as fields the template renders with their tags):
+        # only the special tokens are refused there.
         special = self._tok.control_token_pattern(template_tokens=False)
         # Every string the template may print: contents, names, tool arguments, reasoning,
         # and the tools and documents passed through chat_template_kwargs; as sent and as

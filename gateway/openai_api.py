@@ -550,7 +550,9 @@ class ChatCompletionRequest(_SamplingBody):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
-    reasoning_effort: Any = None
+    # Accepted and passed to the chat template (gpt-oss's reads it; others ignore it):
+    # the engine sets no thinking budget of its own.
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -645,6 +647,12 @@ class ChatCompletionRequest(_SamplingBody):
                 "tool calls)",
                 param="logprobs",
             )
+        if self.include_reasoning is False and self.logprobs:
+            raise InvalidRequestError(
+                "logprobs with include_reasoning false would spell out the thinking left "
+                "out: ask for one or the other",
+                param="logprobs",
+            )
 
     def top_logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -663,10 +671,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
     "functions": (lambda v: v in (None, []), "function calling is not supported"),
     "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not supported"),
-    "reasoning_effort": (
-        lambda v: v is None,
-        "reasoning_effort is not supported (not a reasoning model)",
-    ),
     "modalities": (lambda v: v in (None, ["text"]), "only the text modality is served"),
     "audio": (lambda v: v is None, "audio output is not supported"),
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),

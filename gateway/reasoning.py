@@ -7,8 +7,11 @@ then ``content``. Whether an answer starts inside its thinking is the prompt's t
 template that ends the generation prompt with ``<think>`` (DeepSeek-R1 and its distills,
 Qwen3's thinking models) has the model write only the closing tag, and one that does not
 (Qwen3's hybrid models: ``enable_thinking`` decides) has it open the block itself, or not
-think at all. So one reader serves both parsers' models. An answer cut before its thinking
-ended is all reasoning (vLLM's reading too).
+think at all. So one reader serves both kinds of template (``auto``, ``qwen3``);
+``deepseek_r1`` holds every answer to begin inside its thinking, as vLLM's parser of that
+name does (DeepSeek-R1 sometimes skips the opening tag its template leaves to it). A
+leading ``<think>`` the model writes anyway is dropped. An answer cut before its thinking
+ended is all reasoning (vLLM's deepseek_r1 reading; its qwen3 one calls it content).
 
 Reasoning is stripped of the blank lines around it, content of those before it (the
 templates strip both when they render the message back); a whole answer reads the same
@@ -34,10 +37,10 @@ def reads_reasoning(setting: ReasoningParser, template_source: str) -> bool:
     return setting != "auto" or THINK_CLOSE in template_source
 
 
-def starts_thinking(prompt_tail: str) -> bool:
-    """Whether an answer to a prompt ending in ``prompt_tail`` begins inside its thinking
-    (the template opened the block for the model)."""
-    return prompt_tail.rstrip().endswith(THINK_OPEN)
+def starts_thinking(setting: ReasoningParser, prompt_tail: str) -> bool:
+    """Whether an answer to a prompt ending in ``prompt_tail`` begins inside its thinking:
+    the template opened the block for the model (always, for ``deepseek_r1``)."""
+    return setting == "deepseek_r1" or prompt_tail.rstrip().endswith(THINK_OPEN)
 
 
 def _partial(text: str, tag: str) -> int:
@@ -58,8 +61,10 @@ class ReasoningSplit:
     # "start" (before any word), "reasoning", "after" (its closing tag) or "content"
     _state: str = "start"
     _pending: str = ""  # what may still be the start of a tag
+    _lead: list[str] = field(default_factory=list)  # blanks before the first word, held
     _blanks: list[str] = field(default_factory=list)  # reasoning's trailing blanks, held
     _said: bool = False  # a word of reasoning went out
+    _lead_done: bool = False  # the blanks and tag before the first word are read
     _out: list[Piece] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -89,16 +94,28 @@ class ReasoningSplit:
     def _step(self, final: bool) -> bool:
         """Consume what can be decided now; True when it should be called again."""
         pending = self._pending
-        if not pending:
+        if not pending and not (final and self._state == "start" and any(self._lead)):
             return False
-        if self._state == "start":
-            head = pending.lstrip()
-            if head.startswith(THINK_OPEN):
-                self._state, self._pending = "reasoning", head[len(THINK_OPEN) :]
+        if self._state in ("start", "reasoning") and not self._said and not self._lead_done:
+            # Before any word: blanks kept apart (a long run costs its length), then the
+            # opening tag, which starts the thinking (or, inside it already, is dropped).
+            words = pending.lstrip()
+            self._lead.append(pending[: len(pending) - len(words)])
+            self._pending = pending = words
+            if not words:
+                if final and self._state == "start":
+                    self._state, self._pending = "content", "".join(self._lead)
+                    return True
+                return False
+            if words.startswith(THINK_OPEN):
+                self._state, self._pending = "reasoning", words[len(THINK_OPEN) :]
+                self._lead_done = True
                 return True
-            if not final and (not head or THINK_OPEN.startswith(head)):
-                return False  # blanks, or what may become the tag
-            self._state = "content"  # no thinking: all of it is content, as it came
+            if not final and THINK_OPEN.startswith(words):
+                return False  # what may become the tag
+            self._lead_done = True
+            if self._state == "start":  # no thinking: all of it is content, as it came
+                self._state, self._pending = "content", "".join(self._lead) + words
             return True
         if self._state == "after":  # the blank lines after the thinking are no content
             rest = pending.lstrip("\r\n")

@@ -206,7 +206,8 @@ class Shaper:
         content = "".join(text for kind, text in pieces if kind == "content")
         logprobs_due = self.logprobs is not None and bool(delivery.token_ids)
         if content or delivery.finish_reason is not None or logprobs_due:
-            out += self._content_events(replace(delivery, text=content))
+            shown = delivery if content == delivery.text else replace(delivery, text=content)
+            out += self._content_events(shown)
         return out
 
     def _content_events(self, delivery: Delivery) -> bytes:

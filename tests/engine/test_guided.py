@@ -340,3 +340,14 @@ def test_a_grammar_after_a_token_leaves_the_output_free_up_to_it(demo: LLM) -> N
     assert re.fullmatch("[0-9]{2}", text), text
     with pytest.raises(SamplingParamsError, match="guided_after"):
         SamplingParams(guided_after=marker)  # with guided only
+
+
+def test_before_its_grammar_holds_an_answer_cannot_end(demo: LLM) -> None:
+    """It ended "stop" at once (this prompt's greedy answer is EOS), nothing in shape;
+    now only max_tokens ends it before the marker comes."""
+    assert demo.generate(["def main():\n"], SamplingParams(temperature=0.0))[0].token_ids == [1]
+    params = SamplingParams(temperature=0.0, max_tokens=5, guided=spec("regex", "[0-9]{3}"),
+                            guided_after=4000)  # fmt: skip
+    out = demo.generate(["def main():\n"], params)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert 1 not in out.token_ids

@@ -26,6 +26,10 @@ CASES = [
     (False, "  <thi is not the tag", None, "  <thi is not the tag"),
     (False, "<think></think>Answer at once.", None, "Answer at once."),
     (False, "   ", None, "   "),
+    # A model that opens its thinking though the template did: the tag is dropped.
+    (True, " <think>\nLet me see.\n</think>\n\n4", "Let me see.", "4"),
+    (True, "\n\n", None, ""),
+    (False, "\n\n<think>x</think>y", "x", "y"),
 ]
 
 
@@ -56,9 +60,12 @@ def test_thinking_streams_before_the_block_closes_and_can_be_left_out() -> None:
 
 
 def test_the_prompt_and_the_template_decide_what_is_read() -> None:
-    assert starts_thinking("<|im_start|>assistant\n<think>\n")
-    assert not starts_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
-    assert not starts_thinking("<|im_start|>assistant\n")
+    assert starts_thinking("auto", "<|im_start|>assistant\n<think>\n")
+    off = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's enable_thinking false
+    assert not starts_thinking("auto", off) and not starts_thinking("qwen3", off)
+    assert not starts_thinking("auto", "<|im_start|>assistant\n")
+    # deepseek_r1: always inside (R1 sometimes skips the opening tag left to it).
+    assert starts_thinking("deepseek_r1", "<|Assistant|>")
     assert reads_reasoning("auto", "{{ content.split('</think>')[-1] }}")
     assert not reads_reasoning("auto", "{{ messages }}")
     assert reads_reasoning("qwen3", "") and not reads_reasoning("none", "</think>")
@@ -101,7 +108,7 @@ async def test_the_openai_client_gets_reasoning_content_and_the_calls_after_it(
     config = gateway_config(nats_config, short__max_seq_len=2048, tool_call_parser="hermes")
     async with (
         serve(config, ThinkingByteTokenizer()) as gw,
-        running_worker(nats_config, "short", behaviour=_answers(ANSWER)),
+        running_worker(nats_config, "short", behaviour=_answers(ANSWER)) as worker,
     ):
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
         ask: dict[str, Any] = {"model": MODEL, "max_tokens": 300, "tools": TOOLS,
@@ -111,6 +118,9 @@ async def test_the_openai_client_gets_reasoning_content_and_the_calls_after_it(
         hidden = await client.chat.completions.create(
             **ask, extra_body={"include_reasoning": False}
         )
+        # The openai client sends reasoning_effort to reasoning models: accepted, and passed
+        # to the template (gpt-oss's reads it).
+        effort = await client.chat.completions.create(**ask, reasoning_effort="low")
     message = whole.choices[0].message
     assert message.model_extra is not None
     assert message.model_extra["reasoning_content"] == "The user wants the weather."
@@ -126,6 +136,7 @@ async def test_the_openai_client_gets_reasoning_content_and_the_calls_after_it(
     assert any(d.tool_calls for d in deltas)
     assert "reasoning_content" not in (hidden.choices[0].message.model_extra or {})
     assert hidden.choices[0].message.content == "Looking."
+    assert effort.choices[0].message.content == "Looking." and len(worker.jobs) == 4
 
 
 class SpecialThinkTokenizer(ThinkingByteTokenizer):

@@ -123,6 +123,9 @@ BAD_PARAMETERS = [
     ("chat/completions", {"logprobs": 3}, "logprobs"),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    # The thinking left out would be spelled out by the logprobs.
+    ("chat/completions", {"include_reasoning": False, "logprobs": True}, "logprobs"),
+    ("chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),

@@ -33,11 +33,16 @@ class Guide:
     ``after`` (a reasoning model's ``</think>``), the output is free up to that token and
     the grammar holds from the one after it: the model thinks, then answers in shape."""
 
-    def __init__(self, matcher: Any, words: int, after: int | None = None) -> None:
+    def __init__(
+        self, matcher: Any, words: int, after: int | None = None, eos: tuple[int, ...] = ()
+    ) -> None:
         self._matcher = matcher
         self.words = words  # int32 words of its packed mask: one bit per token id
         self.after = after
         self.active = after is None  # the grammar holds now
+        # Before it holds, the output may not end: an answer that never reached its
+        # grammar ended "stop" with nothing in shape (max_tokens still ends it, "length").
+        self.eos = eos
 
     def consume(self, token: int) -> None:
         """Feed a chosen token (the mask allowed it)."""
@@ -93,6 +98,7 @@ class Guides:
         # A mask's int32 words: llguidance's vocabulary may be the tokenizer's, not n_vocab
         # (a byte vocabulary's), and its buffers must be exactly this size.
         self._words = (self._tokenizer.vocab_size + 31) // 32
+        self._eos = tuple(eos)
         self._fresh: OrderedDict[GuidedSpec, Any] = OrderedDict()
         self._lock = threading.Lock()  # the cache only: compiles run side by side
 
@@ -116,7 +122,7 @@ class Guides:
                 if len(self._fresh) > _CACHED_MATCHERS:
                     self._fresh.popitem(last=False)
                 matcher = fresh.deep_copy()
-        guide = Guide(matcher, self._words, after)
+        guide = Guide(matcher, self._words, after, self._eos)
         if resumed and not guide.replay(resumed):
             raise GuidedSpecError("the output so far does not match: " + matcher.get_error())
         return guide
@@ -131,9 +137,15 @@ def packed_masks(guides: list[Guide]) -> np.ndarray:
     # A finished guide's row (its request ended on the token just read back, its row still
     # in this step's batch, to be thrown away) allows every token: never an empty row.
     live: list[tuple[int, Guide]] = []
+    bits = out.view(np.uint32)
     for row, g in enumerate(guides):
-        if g.done or not g.active:  # ended, or not holding yet: every token allowed
+        if g.done:  # ended: every token allowed (its row is thrown away)
             out[row] = -1
+        elif not g.active:  # not holding yet: every token but EOS
+            out[row] = -1
+            for t in g.eos:
+                if t >> 5 < words:
+                    bits[row, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
         else:
             live.append((row, g))
     if not live:
