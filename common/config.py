@@ -823,9 +823,10 @@ class GatewayConfig(_Strict):
         description=(
             "How a chat answer's <think>...</think> is returned apart from its content, as "
             "message.reasoning_content (streamed: delta.reasoning_content): auto = when the "
-            "model's chat template knows </think> (DeepSeek-R1 and its distills, Qwen3); "
-            "deepseek_r1 or qwen3 = always (one reader: the prompt says whether the answer "
-            "starts inside its thinking); none = the answer is content as written."
+            "model's chat template knows </think> (DeepSeek-R1 and its distills, Qwen3), the "
+            "prompt's end saying whether the answer starts inside its thinking; qwen3 = "
+            "always so; deepseek_r1 = always, every answer starting inside its thinking; "
+            "none = the answer is content as written."
         ),
     )
     # "shared": every request may reuse every cached prompt prefix (system prompts, RAG
