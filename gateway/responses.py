@@ -194,15 +194,11 @@ class Shaper:
     def _reasoning_events(self, delivery: Delivery, split: ReasoningSplit) -> bytes:
         """The delivery's thinking as ``delta.reasoning_content`` chunks, then its content
         (tool calls read there) as any delivery's."""
-        pieces = split.feed(delivery.text)
-        if delivery.finish_reason is not None:
-            pieces += split.finish()
+        pieces = _read_pieces(split, delivery)
         out = b""
         for kind, text in pieces:
             if kind == "reasoning":
-                choice = {"index": self.index, "delta": {"reasoning_content": text},
-                          "logprobs": None, "finish_reason": None}  # fmt: skip
-                out += sse_event(self._chunk(choice, delivery.completion_tokens))
+                out += self._delta_event({"reasoning_content": text}, delivery)
         content = "".join(text for kind, text in pieces if kind == "content")
         logprobs_due = self.logprobs is not None and bool(delivery.token_ids)
         if content or delivery.finish_reason is not None or logprobs_due:
@@ -233,9 +229,7 @@ class Shaper:
         """The content and tool calls in ``delivery``'s text, one chunk each: a call's
         opening delta (its index, id and name), or more of its arguments as they come;
         the end's reason is ``tool_calls`` once a call was made, as vLLM answers."""
-        pieces = stream.feed(delivery.text)
-        if delivery.finish_reason is not None:
-            pieces += stream.finish()
+        pieces = _read_pieces(stream, delivery)
         out = b""
         for kind, value in pieces:
             if kind == "content":
@@ -246,15 +240,18 @@ class Shaper:
             else:
                 piece = {"index": stream.calls_sent, **value}
                 stream.calls_sent += 1
-            choice = {"index": self.index, "delta": {"tool_calls": [piece]}, "logprobs": None,
-                      "finish_reason": None}  # fmt: skip
-            out += sse_event(self._chunk(choice, delivery.completion_tokens))
+            out += self._delta_event({"tool_calls": [piece]}, delivery)
         if delivery.finish_reason is not None:
             reason = stream.finish_reason(delivery.finish_reason, stream.calls)
             choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}
             choice["stop_reason"] = delivery.stop_reason
             out += sse_event(self._chunk(choice, delivery.completion_tokens))
         return out
+
+    def _delta_event(self, delta: dict[str, Any], delivery: Delivery) -> bytes:
+        """A chat chunk carrying ``delta`` alone (reasoning, a tool call's piece)."""
+        choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return sse_event(self._chunk(choice, delivery.completion_tokens))
 
     def usage_event(self, usage: dict[str, Any]) -> bytes:
         """The ``include_usage`` chunk: empty choices, the whole request's usage."""
@@ -438,6 +435,14 @@ class Shaper:
         alternatives = tops[i]
         pairs = zip(alternatives.token_ids, alternatives.logprobs, strict=False)
         return [(self.token_bytes(t), v) for t, v in list(pairs)[: self.logprobs]]
+
+
+def _read_pieces(reader: ToolCallStream | ReasoningSplit, delivery: Delivery) -> list[Any]:
+    """What ``reader`` can tell apart in ``delivery``'s text, its end's too at the last."""
+    pieces: list[Any] = list(reader.feed(delivery.text))
+    if delivery.finish_reason is not None:
+        pieces += reader.finish()
+    return pieces
 
 
 def _joined(prompt: dict[str, Any], output: dict[str, Any] | None) -> dict[str, Any]:
