@@ -3,6 +3,7 @@ failure (garbage, truncation, another layout, a full queue, a dead server) is a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -397,13 +398,12 @@ def test_with_a_shared_secret_a_value_planted_without_it_is_a_counted_miss(
         assert open_reader.lookup(HASHES[:2]) == 0  # two never reject and overwrite each other
 
 
-def test_a_load_slower_than_its_budget_is_given_up_and_frees_its_reader(
-    redis_config: RedisConfig,
-) -> None:
-    """A Redis slow but never silent (a throttled link: every read gets a few bytes within
-    the socket timeout) held the engine, and every decode in its batch, for the whole load:
-    no timeout fired and the breaker stayed closed. Now a load keeps to its budget (the
-    bytes at redis.load_min_gbps), keeps what arrived, and aborts the rest's reads."""
+@contextlib.contextmanager
+def throttled_tiers(redis_config: RedisConfig, hashes: list[bytes]) -> Iterator[KVTiers]:
+    """Tiers reading ``hashes`` (32 blocks, stored and found) through a link that moves
+    8 KiB a second, so their load would take 4 s, the load's own budget ~0.9 s
+    (redis.load_min_gbps 1e-4). Closed on the way out, timed: a load that freed its readers
+    leaves no trickle to wait for (~3 s more)."""
     from tests.reliability.tcp_proxy import TcpProxy
 
     host, port = redis_config.url.removeprefix("redis://").split("/")[0].split(":")
@@ -411,15 +411,32 @@ def test_a_load_slower_than_its_budget_is_given_up_and_frees_its_reader(
     slow = redis_config.model_copy(
         update={"url": f"redis://127.0.0.1:{proxy.port}/0", "load_min_gbps": 1e-4}
     )
-    hashes = [bytes([7, i]) * 8 for i in range(32)]
     try:
         with make(redis_config) as writer:
-            writer.store_async(hashes, blocks(32, seed=3))
+            writer.store_async(hashes, blocks(len(hashes), seed=hashes[0][0]))
             assert writer.flush()
         tiers = make(slow)
-        closed = False
-        assert tiers.lookup(hashes) == 32
-        proxy.throttle(8 * 1024)  # 32 KiB of values would take 4 s
+        try:
+            assert tiers.lookup(hashes) == 32
+            proxy.throttle(8 * 1024)
+            yield tiers
+        finally:
+            t0 = time.monotonic()
+            tiers.close()
+            assert time.monotonic() - t0 < 1.5
+    finally:
+        proxy.close()
+
+
+def test_a_load_slower_than_its_budget_is_given_up_and_frees_its_reader(
+    redis_config: RedisConfig,
+) -> None:
+    """A Redis slow but never silent (a throttled link: every read gets a few bytes within
+    the socket timeout) held the engine, and every decode in its batch, for the whole load:
+    no timeout fired and the breaker stayed closed. Now a load keeps to its budget (the
+    bytes at redis.load_min_gbps), keeps what arrived, and aborts the rest's reads."""
+    hashes = [bytes([7, i]) * 8 for i in range(32)]
+    with throttled_tiers(redis_config, hashes) as tiers:
         budget = tiers.load_budget_s(32)
         assert 0.8 < budget < 1.0
         t0 = time.monotonic()
@@ -427,14 +444,6 @@ def test_a_load_slower_than_its_budget_is_given_up_and_frees_its_reader(
         took = time.monotonic() - t0
         assert took < budget + 1.0 and len(loaded) < 32  # margins for a loaded CI machine
         assert tiers.stats().redis.errors == 1
-        t0 = time.monotonic()
-        tiers.close()  # its reader was freed: no wait for the trickle to end (~3 s more)
-        closed = True
-        assert time.monotonic() - t0 < 1.5
-    finally:
-        if not closed:
-            tiers.close()
-        proxy.close()
 
 
 def test_a_load_cut_by_its_engine_steps_time_is_no_redis_failure(
@@ -444,33 +453,15 @@ def test_a_load_cut_by_its_engine_steps_time_is_no_redis_failure(
     load keeps to it, keeps what came, and frees its readers, but Redis was not slower
     than redis.load_min_gbps: no error, no breaker failure. Its time is counted with the
     loads, as every load's is, found something or not."""
-    from tests.reliability.tcp_proxy import TcpProxy
-
-    host, port = redis_config.url.removeprefix("redis://").split("/")[0].split(":")
-    proxy = TcpProxy(host, int(port)).start()
-    slow = redis_config.model_copy(
-        update={"url": f"redis://127.0.0.1:{proxy.port}/0", "load_min_gbps": 1e-4}
-    )
     hashes = [bytes([8, i]) * 8 for i in range(32)]
-    try:
-        with make(redis_config) as writer:
-            writer.store_async(hashes, blocks(32, seed=4))
-            assert writer.flush()
-        with make(slow) as tiers:
-            assert tiers.lookup(hashes) == 32
-            proxy.throttle(8 * 1024)  # 32 KiB of values would take 4 s; its own budget ~0.9
-            t0 = time.monotonic()
-            loaded = tiers.load(hashes, budget_s=0.2)
-            took = time.monotonic() - t0
-            assert took < 0.2 + 0.6 and len(loaded) < 32  # margins for a loaded CI machine
-            stats = tiers.stats().redis
-            assert stats.errors == 0 and tiers.breaker._failures == 0
-            assert stats.loads == 1 and stats.load_s >= 0.2
-            t0 = time.monotonic()
-        # Its readers were freed: the close waits for no trickle to end (~3 s more).
-        assert time.monotonic() - t0 < 1.5
-    finally:
-        proxy.close()
+    with throttled_tiers(redis_config, hashes) as tiers:
+        t0 = time.monotonic()
+        loaded = tiers.load(hashes, budget_s=0.2)
+        took = time.monotonic() - t0
+        assert took < 0.2 + 0.6 and len(loaded) < 32  # margins for a loaded CI machine
+        stats = tiers.stats().redis
+        assert stats.errors == 0 and tiers.breaker._failures == 0
+        assert stats.loads == 1 and stats.load_s >= 0.2
 
 
 def test_stores_the_server_refuses_pause_storing_and_say_why_while_reads_go_on(
