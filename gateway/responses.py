@@ -131,18 +131,24 @@ class Shaper:
             self._fast_prefix = (
                 f'data: {head[:-1]},"choices":[{{"index":{index},"delta":{{"content":'.encode()
             )
+        # A reasoning model's thinking: the same chunk with delta.reasoning_content.
+        self._fast_reasoning_prefix = self._fast_prefix.replace(
+            b'"delta":{"content":', b'"delta":{"reasoning_content":'
+        )
         self._fast_suffix = (close + tail + "}\n\n").encode()
         self._usage_head = (close + ',"logprobs":null,"finish_reason":null}],"usage":').encode()
 
     # -- streaming -------------------------------------------------------------------------
 
-    def _text_event(self, text: str, done: int) -> bytes:
-        """The common chunk: text only (chat: as ``delta.content``), not the last; ``done``:
-        the tokens generated so far (for continuous usage)."""
+    def _text_event(self, text: str, done: int, reasoning: bool = False) -> bytes:
+        """The common chunk: text only (chat: as ``delta.content``, or ``reasoning``: as
+        ``delta.reasoning_content``), not the last; ``done``: the tokens generated so far
+        (for continuous usage)."""
+        prefix = self._fast_reasoning_prefix if reasoning else self._fast_prefix
         if self.continuous_usage:
             usage = _dumps(self.usage_so_far(done)).encode()
-            return self._fast_prefix + _dumps(text).encode() + self._usage_head + usage + b"}\n\n"
-        return self._fast_prefix + _dumps(text).encode() + self._fast_suffix
+            return prefix + _dumps(text).encode() + self._usage_head + usage + b"}\n\n"
+        return prefix + _dumps(text).encode() + self._fast_suffix
 
     def usage_so_far(self, done: int) -> dict[str, int]:
         return {
@@ -198,7 +204,7 @@ class Shaper:
         out = b""
         for kind, text in pieces:
             if kind == "reasoning":
-                out += self._delta_event({"reasoning_content": text}, delivery)
+                out += self._text_event(text, delivery.completion_tokens, reasoning=True)
         content = "".join(text for kind, text in pieces if kind == "content")
         logprobs_due = self.logprobs is not None and bool(delivery.token_ids)
         if content or delivery.finish_reason is not None or logprobs_due:

@@ -183,3 +183,29 @@ async def test_a_guided_answer_of_a_thinking_model_is_shaped_after_its_thinking(
     message = reply.choices[0].message
     assert (message.model_extra or {})["reasoning_content"] == "JSON it is."
     assert json.loads(message.content or "") == {"a": 1}
+
+
+@pytest.mark.parametrize(("usage", "continuous"), [(False, False), (True, False), (True, True)])
+def test_a_reasoning_chunk_is_a_chat_chunk_with_its_usage_as_asked(
+    usage: bool, continuous: bool
+) -> None:
+    """Built from a kept prefix and suffix (a thinking model streams mostly thinking): the
+    same JSON as a chunk built whole."""
+    from gateway.responses import Shaper
+    from gateway.streams import Delivery
+
+    shaper = Shaper("chat", "chatcmpl-1", MODEL, 7, bytes, include_usage=usage,
+                    continuous_usage=continuous, prompt_tokens=3,
+                    reasoning=ReasoningSplit(thinking=True))  # fmt: skip
+    event = shaper.delta_event(Delivery(text='a "quoted" thought', completion_tokens=4))
+    chunk = json.loads(event.decode().removeprefix("data: "))
+    want: dict[str, Any] = {
+        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": MODEL,
+        "choices": [{"index": 0, "delta": {"reasoning_content": 'a "quoted" thought'},
+                     "logprobs": None, "finish_reason": None}],
+    }  # fmt: skip
+    if usage:
+        want["usage"] = (
+            {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7} if continuous else None
+        )
+    assert chunk == want
