@@ -376,8 +376,10 @@ class KVTiers:
         if leave is None:
             return []
         own_s = self.load_budget_s(len(hashes))
-        # Cut short by the step (its other loads took their time), the load is no slower
-        # than redis.load_min_gbps: what arrived counts, and the breaker hears no failure.
+        # Cut short by the step (its other loads took their time): what arrived counts, and
+        # the breaker hears neither a failure nor a success (a cut load says nothing of the
+        # rate; a success there cleared the failures of a Redis too slow, which never
+        # opened, each step held for its whole budget).
         cut_by_step = step_s is not None and step_s < own_s
         budget_s = max(0.0, step_s) if step_s is not None and cut_by_step else own_s
         deadline = time.monotonic() + budget_s
@@ -440,7 +442,7 @@ class KVTiers:
                 c.errors += 1
             self.breaker.failure(leave, failed)
         else:
-            self.breaker.success(leave)
+            self.breaker.success(leave, light=cut_by_step)
         # Every load that reached Redis, and the time the engine waited for it, found
         # something or not: the time spent on a sick Redis is the time to see.
         c.loads += 1

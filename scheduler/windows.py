@@ -31,6 +31,10 @@ from typing import Generic, TypeVar
 from common.protocol import Telemetry
 
 T = TypeVar("T")
+# A replica back in its group this soon after leaving it had its bind fail (binding retries
+# for a few seconds; a move is given up at 32 s): no move happened. A later return is a
+# move of its own.
+FAILED_BIND_S = 30.0
 
 
 class SlidingWindow(Generic[T]):
@@ -162,7 +166,11 @@ class TelemetryWindows:
             # New here, or moved: its counters start counting for this group from now.
             if known is not None:
                 seen = self.moves_seen.get(report.worker)
-                if seen is not None and seen[1:] == (report.group, known.report.group):
+                if (
+                    seen is not None
+                    and seen[1:] == (report.group, known.report.group)
+                    and now - seen[0] <= FAILED_BIND_S
+                ):
                     # Back where it came from (its bind failed): no move happened, and its
                     # cooldowns, merged in again, kept both groups from giving up a replica
                     # after the failed move had lifted them.

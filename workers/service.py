@@ -913,12 +913,12 @@ class WorkerService:
         if sent is not chunk:  # too big to carry: the caller got an error ending instead
             chunk, error = sent, True
         self._resync.finished(st)
-        if (
-            error
-            and chunk.error is not None
-            and (_caller_error(chunk.error) or self._deadline_too_tight(st, chunk.error))
-        ):
+        if error and chunk.error is not None and _caller_error(chunk.error):
             pass  # a bad parameter, a prompt too long: the breakers must not see an outage
+        elif error and chunk.error is not None and self._deadline_too_tight(st, chunk.error):
+            # The caller's choice, not an outage: no error, no latency sample, but it ended
+            # (uncounted, a replica serving mostly such requests read as stalled).
+            self.telemetry.finished(None, error=False)
         elif error or chunk.finish_reason != "abort":
             # A request its caller cancelled (or whose gateway went silent) says nothing
             # about this group's latency or health: the breakers do not see it.

@@ -466,6 +466,14 @@ def test_one_steps_tier_loads_keep_to_a_budget_together() -> None:
     assert all(s.start_pos == 20 for s in first.seqs)  # loaded, not recomputed
     second = run(b)
     assert "c" in ids(second) and tier.budgets[-1] == TIER_LOADS_PER_STEP_S
+    # Too little left for a load to bring anything: the next waits, not loads in vain.
+    clock2 = Clock()
+    tier2 = SlowLoadingTier(clock2, load_s=TIER_LOADS_PER_STEP_S - 0.3)
+    b2 = Batcher(BlockPool(64, BS, watermark=0.0), "continuous", 4, 256, 0.0, clock2,
+                 kv_tier=tier2)  # fmt: skip
+    b2.add(req("a", 21))
+    b2.add(req("b", 21))
+    assert ids(run(b2)) == ["a"] and len(tier2.budgets) == 1
 
 
 def test_a_whole_prompt_whose_step_failed_is_computed_whole_at_the_next_step() -> None:

@@ -189,6 +189,9 @@ def test_a_replica_back_in_its_group_after_a_failed_bind_is_no_move_seen() -> No
     assert w.recent_moves(4.0, 60.0) == []
     w.observe(tel("a", "long"), 70.0)  # a later move is seen as ever
     assert [m[1:] for m in w.recent_moves(71.0, 60.0)] == [("a", "short", "long")]
+    # A real move back, long after (a standby keeps moves for an hour): seen, not undone.
+    w.observe(tel("a", "short"), 1800.0)
+    assert [m[1:] for m in w.recent_moves(1801.0, 60.0)] == [("a", "long", "short")]
 
 
 def test_a_stored_history_no_run_writes_starts_empty_rather_than_stop_the_rebalancer() -> None:

@@ -104,9 +104,11 @@ class BatchPlan:
 TIER_LOOKUP_REUSE_S = 1.0
 # The longest one step's KV-tier loads may take together: each load is bounded by the
 # tier, but seven 20k-token prefixes at 0.3 GB/s in one step held every decode for a
-# minute, past the worker's stuck-engine limit (60 s). Once spent, the next request with
-# a tier hit waits for the next step, first in line.
+# minute, past the worker's stuck-engine limit (60 s). Once spent (less than
+# TIER_LOAD_MIN_LEFT_S left: too little for a load to bring anything), the next request
+# with a tier hit waits for the next step, first in line.
 TIER_LOADS_PER_STEP_S = 10.0
+TIER_LOAD_MIN_LEFT_S = 0.5
 
 
 class Batcher:
@@ -395,7 +397,7 @@ class Batcher:
                 break
             hit_blocks, hit_tokens = self.pool.get_computed_blocks(req)
             tier_tokens = self._tier_lookup(req, len(hit_blocks))
-            if tier_tokens and self._step_load_s >= TIER_LOADS_PER_STEP_S:
+            if tier_tokens and self._step_load_s > TIER_LOADS_PER_STEP_S - TIER_LOAD_MIN_LEFT_S:
                 # The step's loads took their time: this one waits for the next step,
                 # first in line (its lookup kept in _tier_seen), not recomputed.
                 break
