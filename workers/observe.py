@@ -33,6 +33,7 @@ from common.liveness import LoopBeat
 from common.logging import about, bind_request, bind_trace
 from common.metrics import MetricsServer
 from common.protocol import Chunk
+from common.trace_context import from_headers
 from common.trace_metrics import register_trace_metrics
 from workers.engine.outputs import RequestDelta, RequestOutput
 from workers.metrics import EngineView, RequestSeries, WorkerMetrics
@@ -122,6 +123,7 @@ class WorkerObserver:
         watch = Watch(group, self.metrics.series(group), time.time())
         st.watch = watch
         bind_request(req.id)
+        span = None
         if self.spans is not None:
             span = watch.span = self.spans.start(
                 req, msg.headers, group=group, attempt=st.attempt,
@@ -132,6 +134,13 @@ class WorkerObserver:
                 bind_trace(span.trace_id, span.span_id)
             elif span is not None:
                 context.attach(trace.set_span_in_context(span))
+        if span is None:
+            # Sampled out, or tracing off here: the lines still carry the trace the caller
+            # named (the gateway's carry it too), or logs joined by trace id missed the
+            # worker's part of most requests.
+            parent = from_headers(msg.headers)
+            if parent is not None:
+                bind_trace(parent.trace_id, parent.span_id)
 
     def guided(self, st: Flight, kind: str, seconds: float) -> None:
         """A guided request's matcher was made, in ``seconds`` (off the engine thread)."""

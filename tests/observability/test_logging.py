@@ -8,11 +8,13 @@ import io
 import json
 import logging
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from common.config import Config, LogConfig
 from common.logging import (
@@ -97,6 +99,30 @@ def test_a_worker_delivery_bound_as_plain_ids_tags_its_lines_unless_a_span_is_cu
     assert bound["span_id"] == "00f067aa0ba902b7"
     assert current["span_id"] != bound["span_id"]
     assert "trace_id" not in json.loads(formatter.format(record))  # only in that task
+
+
+def test_a_worker_without_a_span_for_a_delivery_logs_the_callers_trace_id() -> None:
+    """Tracing off in the worker (or the request sampled out): its log lines carried no
+    trace id, and logs joined by trace id missed the worker's part of most requests."""
+    from common.protocol import RequestParams
+    from workers.observe import WorkerObserver
+    from workers.outbox import Flight
+
+    observer = WorkerObserver(worker_id="w0", model="m", view=lambda: None, tracer=None,
+                              registry=CollectorRegistry(), gpus=False)  # fmt: skip
+    parent = "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-00"
+    msg = types.SimpleNamespace(subject="qos.req.short", headers={"traceparent": parent})
+    req = GenerateRequest(id="cmpl-log", group="short", reply="r", prompt_token_ids=[1],
+                          params=RequestParams(max_tokens=1))  # fmt: skip
+    record = logging.LogRecord("workers.service", logging.INFO, __file__, 1, "x", (), None)
+
+    def fetched() -> dict[str, object]:
+        observer.fetched(Flight(req, msg, 1, 1000.0), msg, "short")
+        return json.loads(JsonFormatter("worker").format(record))
+
+    line = contextvars.copy_context().run(fetched)
+    assert line["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    assert line["request_id"] == "cmpl-log"
 
 
 def test_a_line_about_a_request_outside_its_task_carries_its_id() -> None:
