@@ -10,11 +10,13 @@ import pytest
 import yaml
 
 from bench.policies import (
+    completed_all,
     field_comparison,
     group_figures,
     parse_args,
     ratios,
     replicas_for,
+    saturation,
     slo_summary,
     stack_config,
     step_figures,
@@ -122,6 +124,29 @@ def test_a_group_with_no_completed_request_misses_by_completion_not_by_a_nan_p99
     figures = step_figures(_phase(1, float("nan"), completed=0, failed=20))
     assert "short" not in figures.e2e_p99_ms
     assert (figures.sent, figures.completed) == (24, 4)
+
+
+def test_saturation_is_read_from_phases_that_completed_their_requests() -> None:
+    """The grouped stacks refused long documents at their top steps and completed more
+    short ones a second: read there, saturation was up to 1.8x the pool's, which queued."""
+    refusing = _phase(8, 450, completed=40, failed=6)
+    refusing["groups"]["all"]["req_s"] = 99.0
+    best = saturation([_phase(2, 300), _phase(4, 400), refusing], _phase(1, 200))
+    assert best["saturation_offered_sessions_s"] == 4
+    assert best["saturation_req_s"] == pytest.approx(4 * 1.6)
+    assert completed_all(_phase(4, 400)) and not completed_all(refusing)
+    # None completed: the fixed phase's.
+    assert saturation([refusing], _phase(1, 200))["saturation_offered_sessions_s"] == 1
+
+
+def test_every_step_carries_the_field_mix_not_a_draw_of_it() -> None:
+    """Drawn one by one, a 70-request step carried 11 % long documents, not 20 %."""
+    for seed in range(100, 108):
+        for n in (14, 35, 70):
+            share = Counter(s.kind for s in make_sessions(n, seed, 64) for _ in s.turns)
+            total = sum(share.values())
+            assert share["long_doc"] / total == pytest.approx(0.20, abs=0.04)
+            assert share["short"] / total == pytest.approx(0.50, abs=0.04)
 
 
 def test_geometric_sweep_spans_low_to_high_in_equal_ratios() -> None:
