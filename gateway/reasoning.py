@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.tag_hold import partial_tag
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ReasoningParser = Literal["auto", "deepseek_r1", "qwen3", "none"]
 
@@ -41,14 +43,6 @@ def starts_thinking(setting: ReasoningParser, prompt_tail: str) -> bool:
     """Whether an answer to a prompt ending in ``prompt_tail`` begins inside its thinking:
     the template opened the block for the model (always, for ``deepseek_r1``)."""
     return setting == "deepseek_r1" or prompt_tail.rstrip().endswith(THINK_OPEN)
-
-
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass
@@ -133,7 +127,7 @@ class ReasoningSplit:
             self._blanks.clear()  # the blanks before the closing tag are no reasoning
             self._state, self._pending = "after", pending[at + len(THINK_CLOSE) :]
             return True
-        held = 0 if final else _partial(pending, THINK_CLOSE)
+        held = 0 if final else partial_tag(pending, THINK_CLOSE)
         self._reason(pending[: len(pending) - held])
         self._pending = pending[len(pending) - held :]
         return False

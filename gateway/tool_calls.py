@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.call_objects import CallObjects, Piece
+from gateway.tag_hold import partial_tag
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what follows is a call
@@ -177,7 +178,7 @@ class ToolCallStream:
         pending = self._pending
         at = pending.find(tag)
         if at < 0:
-            at = len(pending) - _partial_tag(pending, tag)  # held: what may become the tag
+            at = len(pending) - partial_tag(pending, tag)  # held: what may become the tag
         self._content(pending[:at])
         self._pending = pending[at:]
         return self._pending.startswith(tag)
@@ -306,7 +307,7 @@ class HermesCalls(HeldCalls):
             pending = self._pending
             ends = [at for at in (pending.find(CLOSE), pending.find(OPEN)) if at >= 0]
             end = min(ends, default=-1)
-            held = max(_partial_tag(pending, CLOSE), _partial_tag(pending, OPEN))
+            held = max(partial_tag(pending, CLOSE), partial_tag(pending, OPEN))
             upto = end if end >= 0 else len(pending) - held
             self._pending = pending[upto:]
             self._read(pending[:upto])
@@ -334,14 +335,6 @@ class HermesCalls(HeldCalls):
         self._pending = rest + self._pending
 
 
-def _partial_tag(text: str, tag: str = OPEN) -> int:
-    """The length of the longest end of ``text`` that begins ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 @dataclass
 class MistralCalls(HeldCalls):
     """mistral: content streams until the tag (a possible start of it held), then the calls
@@ -360,7 +353,7 @@ class MistralCalls(HeldCalls):
             self._tagged = True
             self._begin(MISTRAL_TAG, between=",", listed=True, named=True)
         if self._tagged:
-            self._read_untagged(len(self._pending) - _partial_tag(self._pending, MISTRAL_TAG))
+            self._read_untagged(len(self._pending) - partial_tag(self._pending, MISTRAL_TAG))
         return self._taken()
 
     def finish(self) -> list[tuple[str, Any]]:
