@@ -626,14 +626,20 @@ class Generator:
             return None
         return ReasoningSplit(thinking=thinking, keep=body.include_reasoning)
 
-    def _keeps_special(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
-        """Whether the answer's text keeps special tokens: asked, or its tool calls' tags
-        are special tokens (read, they are no content)."""
+    def _keeps_special(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        reasoning: ReasoningSplit | None,
+    ) -> bool:
+        """Whether the answer's text keeps special tokens: asked, or the tags read out of it
+        (its tool calls', its thinking's) are special tokens (read, they are no content)."""
         if body.skip_special_tokens is False:
             return True
         if not isinstance(body, ChatCompletionRequest):
             return False
-        return (self._tool_tags_special and body.calls_tools()) or self._think_tags_special
+        if self._tool_tags_special and body.calls_tools():
+            return True
+        return self._think_tags_special and reasoning is not None
 
     def _take_off(
         self,
@@ -655,6 +661,8 @@ class Generator:
         index, response_id, created = choice or (0, request_id, int(time.time()))
         if choice is None:
             bind_request(request_id)
+        reasoning = self._reasoning(body, prompt_ids)
+        keeps_special = self._keeps_special(body, reasoning)
         shaper = Shaper(
             kind,
             response_id,
@@ -665,11 +673,11 @@ class Generator:
             include_usage=body.include_usage(),
             continuous_usage=body.continuous_usage(),
             prompt_tokens=len(prompt_ids),
-            silent_ids=frozenset() if self._keeps_special(body) else self._special_ids,
+            silent_ids=frozenset() if keeps_special else self._special_ids,
             index=index,
             echo=echo,
             tool_calls=_tool_calls(body, self.tool_format),
-            reasoning=self._reasoning(body, prompt_ids),
+            reasoning=reasoning,
         )
         headers = {"X-Request-Id": response_id, GROUP_HEADER: route.group}
         if route.is_fallback:
@@ -678,7 +686,7 @@ class Generator:
                 labels = (route.requested, route.group, route.reason or "")
                 self._metrics.fallbacks.labels(*labels).inc()
         decode_tail = self._decode_tail
-        if self._keeps_special(body):  # the worker's text keeps them: so must ours
+        if keeps_special:  # the worker's text keeps them: so must ours
             decode_tail = partial(self._decode_tail, skip_special_tokens=False)
         # Registered last: the caller's failure path frees the admission slot, not a stream
         # (one opened before a failing step stayed registered for good).
@@ -708,9 +716,9 @@ class Generator:
             max_tokens, flight.shaper.logprobs, self._sampling_defaults,
             flight.shaper.index % body.choices(), body.prompt_logprobs_count(),
         )  # fmt: skip
-        if self._keeps_special(body):
-            params.skip_special_tokens = False
         reasoning = flight.shaper.reasoning
+        if self._keeps_special(body, reasoning):
+            params.skip_special_tokens = False
         if reasoning is not None and reasoning.thinking and params.guided_kind is not None:
             params.guided_after_token = self._think_close_id  # the grammar holds after it
         request_id = flight.stream.request_id

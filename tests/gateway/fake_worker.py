@@ -105,6 +105,18 @@ async def echo_alphabet(job: Job, *, chunk_size: int = 3, delay_s: float = 0.0) 
         await job.send(start, part, **extra)
 
 
+def answers(text: str, cut: int = 2) -> Behaviour:
+    """Send ``text`` (bytes = ByteTokenizer ids) in two chunks, the first 1/``cut`` of it."""
+
+    async def behaviour(job: Job) -> None:
+        ids = list(text.encode())
+        at = len(ids) // cut
+        await job.send(0, ids[:at])
+        await job.send(at, ids[at:], finish_reason="stop", usage=job.usage(len(ids)))
+
+    return behaviour
+
+
 async def fail_with(job: Job, code: str = "invalid_request", after_tokens: int = 0) -> None:
     """Send ``after_tokens`` letters, then an error chunk."""
     if after_tokens:

@@ -15,7 +15,7 @@ from common.protocol import Chunk
 from common.tokenizer import ByteTokenizer
 from gateway.reasoning import ReasoningSplit, reads_reasoning, starts_thinking
 from tests.gateway.conftest import MODEL, gateway_config, serve
-from tests.gateway.fake_worker import Job, running_worker
+from tests.gateway.fake_worker import Job, answers, running_worker
 
 # (the answer begins inside its thinking, the answer, its reasoning, its content)
 CASES = [
@@ -83,16 +83,6 @@ class ThinkingByteTokenizer(ByteTokenizer):
     )
 
 
-def _answers(text: str) -> Any:
-    async def behaviour(job: Job) -> None:
-        ids = list(text.encode())
-        cut = len(ids) // 3
-        await job.send(0, ids[:cut])
-        await job.send(cut, ids[cut:], finish_reason="stop", usage=job.usage(len(ids)))
-
-    return behaviour
-
-
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 ANSWER = (
     f"\nThe user wants the weather.\n</think>\n\nLooking.\n<tool_call>\n{WEATHER}\n</tool_call>"
@@ -108,7 +98,7 @@ async def test_the_openai_client_gets_reasoning_content_and_the_calls_after_it(
     config = gateway_config(nats_config, short__max_seq_len=2048, tool_call_parser="hermes")
     async with (
         serve(config, ThinkingByteTokenizer()) as gw,
-        running_worker(nats_config, "short", behaviour=_answers(ANSWER)) as worker,
+        running_worker(nats_config, "short", behaviour=answers(ANSWER, cut=3)) as worker,
     ):
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
         ask: dict[str, Any] = {"model": MODEL, "max_tokens": 300, "tools": TOOLS,
@@ -183,6 +173,35 @@ async def test_a_guided_answer_of_a_thinking_model_is_shaped_after_its_thinking(
     message = reply.choices[0].message
     assert (message.model_extra or {})["reasoning_content"] == "JSON it is."
     assert json.loads(message.content or "") == {"a": 1}
+
+
+class SpecialThinkAskedTokenizer(SpecialThinkTokenizer):
+    """A template that leaves the thinking to the model (Qwen3's with thinking off)."""
+
+    CHAT_TEMPLATE = SpecialThinkTokenizer.CHAT_TEMPLATE.replace("<think>\n", "")
+
+
+async def test_a_guided_answer_that_cannot_think_keeps_special_tokens_out(
+    nats_config: NatsConfig,
+) -> None:
+    """Guided from its first token, none of the answer is thinking: its text needs no
+    </think>, so special tokens stay out of it as for any request (they were kept for every
+    chat request once </think> was a special token)."""
+
+    config = gateway_config(nats_config, short__max_seq_len=2048)
+    async with (
+        serve(config, SpecialThinkAskedTokenizer()) as gw,
+        running_worker(nats_config, "short", behaviour=answers('{"a": 1}')) as worker,
+    ):
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        reply = await client.chat.completions.create(
+            model=MODEL, max_tokens=100, response_format={"type": "json_object"},
+            messages=[{"role": "user", "content": "JSON please"}],
+        )  # fmt: skip
+    (job,) = worker.jobs
+    assert job.request.params.guided_after_token is None
+    assert job.request.params.skip_special_tokens is not False
+    assert json.loads(reply.choices[0].message.content or "") == {"a": 1}
 
 
 @pytest.mark.parametrize(("usage", "continuous"), [(False, False), (True, False), (True, True)])

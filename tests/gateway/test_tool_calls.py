@@ -24,7 +24,7 @@ from gateway.tool_calls import (
     tool_format,
 )
 from tests.gateway.conftest import MODEL, gateway_config, serve
-from tests.gateway.fake_worker import Job, running_worker
+from tests.gateway.fake_worker import answers, running_worker
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Zürich"}}'
 TIME = '{"name": "get_time", "arguments": {}}'
@@ -309,16 +309,6 @@ class HermesByteTokenizer(ByteTokenizer):
     )
 
 
-def _answers(text: str) -> Any:
-    async def behaviour(job: Job) -> None:
-        ids = list(text.encode())
-        half = len(ids) // 2
-        await job.send(0, ids[:half])
-        await job.send(half, ids[half:], finish_reason="stop", usage=job.usage(len(ids)))
-
-    return behaviour
-
-
 async def test_the_openai_client_gets_tool_calls_whole_and_streamed(
     nats_config: NatsConfig,
 ) -> None:
@@ -326,7 +316,7 @@ async def test_the_openai_client_gets_tool_calls_whole_and_streamed(
     answer = ANSWERS[2]
     async with (
         serve(gateway_config(nats_config, short__max_seq_len=2048), HermesByteTokenizer()) as gw,
-        running_worker(nats_config, "short", behaviour=_answers(answer)) as worker,
+        running_worker(nats_config, "short", behaviour=answers(answer)) as worker,
     ):
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
         ask: dict[str, Any] = {"model": MODEL, "max_tokens": 200, "tools": TOOLS,
@@ -404,7 +394,7 @@ class Llama31ByteTokenizer(ByteTokenizer):
 async def test_a_llama31_answer_that_is_a_call_comes_back_as_one(nats_config: NatsConfig) -> None:
     async with (
         serve(gateway_config(nats_config, short__max_seq_len=2048), Llama31ByteTokenizer()) as gw,
-        running_worker(nats_config, "short", behaviour=_answers(LLAMA_ANSWERS[2])),
+        running_worker(nats_config, "short", behaviour=answers(LLAMA_ANSWERS[2])),
     ):
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
         ask: dict[str, Any] = {"model": MODEL, "max_tokens": 200, "tools": TOOLS,
@@ -443,7 +433,7 @@ async def test_call_tags_that_are_special_tokens_are_kept_in_the_text_to_be_read
         serve(
             gateway_config(nats_config, short__max_seq_len=2048), SpecialTagByteTokenizer()
         ) as gw,
-        running_worker(nats_config, "short", behaviour=_answers(ANSWERS[1])) as worker,
+        running_worker(nats_config, "short", behaviour=answers(ANSWERS[1])) as worker,
         httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
     ):
         chat = {"model": MODEL, "max_tokens": 200, "messages": [{"role": "user", "content": "?"}]}
@@ -490,7 +480,7 @@ async def test_a_mistral_answer_keeps_its_special_tag_and_gets_nine_character_id
 ) -> None:
     async with (
         serve(gateway_config(nats_config, short__max_seq_len=2048), MistralByteTokenizer()) as gw,
-        running_worker(nats_config, "short", behaviour=_answers(MISTRAL_ANSWERS[2])) as worker,
+        running_worker(nats_config, "short", behaviour=answers(MISTRAL_ANSWERS[2])) as worker,
     ):
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
         ask: dict[str, Any] = {"model": MODEL, "max_tokens": 200, "tools": TOOLS,
