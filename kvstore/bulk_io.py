@@ -21,6 +21,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,6 +39,11 @@ TOO_LONG = -2  # a value larger than a row: skipped on the wire, a corrupt block
 # The longest reply line read (a header: "$<length>", "*<count>", an error's text): a peer
 # that sends bytes without a line's end must not grow the buffer without bound.
 MAX_LINE = 1 << 16
+# A connection idle longer is closed, not reused: a NAT, load balancer or proxy on the way
+# may have dropped the flow without a word, and its first command would then wait out the
+# socket timeout on the engine thread and count against the tier's breaker.
+MAX_IDLE_S = 30.0
+KEEPALIVE_IDLE_S = 15  # TCP keepalive probes from then on (every 5 s, 3 lost: closed)
 
 
 def _bulk(arg: bytes) -> bytes:
@@ -46,6 +52,21 @@ def _bulk(arg: bytes) -> bytes:
 
 def _command(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(_bulk(a) for a in args)
+
+
+def keepalive_options() -> dict[int, int]:
+    """TCP keepalive timings: probes from :data:`KEEPALIVE_IDLE_S` of silence, every 5 s,
+    3 lost and the connection is dead (Linux's and macOS's options; elsewhere the system's
+    defaults), so a flow dropped on the way is noticed by the kernel, not by a command."""
+    wanted = (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+    return {getattr(socket, n): v for n, v in wanted if hasattr(socket, n)}
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in keepalive_options().items():
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 class BulkConnection:
@@ -66,6 +87,7 @@ class BulkConnection:
             infos = (resolver or Resolver()).addresses(host, port, timeout)
             sock = connect(infos, timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keep_alive(sock)
         if config.url.startswith("rediss://"):
             context = ssl.create_default_context(cafile=config.tls_ca_file)
             if config.tls_cert_file and config.tls_key_file:
@@ -76,6 +98,7 @@ class BulkConnection:
         self._pending = bytearray()  # received, not yet parsed
         self._scratch = bytearray(_CHUNK)
         self._spoiled = False  # a reply left half read: never reused
+        self.idle_since = time.monotonic()  # set again each time it goes back to its pool
         try:
             # The URL's credentials win over the settings', as redis-py's from_url has it:
             # both clients must log in as the same user.
@@ -306,12 +329,13 @@ class BulkPool:
                 conn = self._idle.get_nowait()
             except queue.Empty:
                 return BulkConnection(self.config, self.resolver)
-            if conn.idle_and_open():
+            if time.monotonic() - conn.idle_since <= MAX_IDLE_S and conn.idle_and_open():
                 return conn
             conn.close()
 
     def give(self, conn: BulkConnection) -> None:
         """Return a connection whose last command finished cleanly (close it otherwise)."""
+        conn.idle_since = time.monotonic()
         try:
             self._idle.put_nowait(conn)
         except queue.Full:

@@ -33,6 +33,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from common.config import RedisConfig
+from kvstore.bulk_io import keepalive_options
 from kvstore.identity import KVIdentity
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,11 @@ def connection_pool(config: RedisConfig, read_size: int) -> aredis.BlockingConne
         username=config.username,
         password=config.password,
     )
+    if not config.url.startswith("unix://"):  # a Unix socket's connection takes no keepalive
+        # A flow dropped on the way (NAT, load balancer) without a word is noticed by the
+        # kernel, and the pool replaces the connection before a command waits on it.
+        kwargs["socket_keepalive"] = True
+        kwargs["socket_keepalive_options"] = keepalive_options()
     if config.url.startswith("rediss://"):
         # Said, not left to redis-py's default, which before 6.0 did not check the name
         # (the bulk client does: both must refuse a certificate issued for another host).

@@ -17,7 +17,16 @@ from redis.exceptions import ResponseError
 
 from common.config import RedisConfig
 from common.services import RedisServer
-from kvstore.bulk_io import MAX_LINE, MISSING, TOO_LONG, Borrowers, BulkConnection, BulkPool
+from kvstore.bulk_io import (
+    KEEPALIVE_IDLE_S,
+    MAX_IDLE_S,
+    MAX_LINE,
+    MISSING,
+    TOO_LONG,
+    Borrowers,
+    BulkConnection,
+    BulkPool,
+)
 from kvstore.identity import KVLayout
 from kvstore.resolver import AddrInfo, Resolver
 from kvstore.tiers import KVTiers
@@ -246,3 +255,25 @@ def test_a_reply_line_that_never_ends_is_an_error_not_a_growing_buffer() -> None
         conn.close()
         listener.close()
         talker.join(timeout=5)
+
+
+def test_the_pool_closes_a_connection_idle_too_long_and_keeps_tcp_alive(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flow a NAT or load balancer dropped while idle looks open to the poll: its first
+    command waited out the socket timeout on the engine thread and counted against the
+    breaker. Idle past the limit, a connection is replaced; TCP keepalive watches the rest."""
+    pool = BulkPool(RedisConfig(url=redis_server.url), size=2)
+    conn = pool.take()
+    assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+    pool.give(conn)
+    assert pool.take() is conn  # just idle: reused
+    pool.give(conn)
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + MAX_IDLE_S + 1)
+    fresh = pool.take()
+    assert fresh is not conn and fresh.expire_many([b"k"], 10) == ([False], "")
+    pool.give(fresh)
+    pool.close()
