@@ -37,6 +37,12 @@ async def publish_request(
     """JetStream's ack and the attempt it came on (0: the first; on a later one a
     ``duplicate`` ack is this request's own copy). ``deadline`` is on ``time.monotonic``.
     Raises nats-py's errors: :func:`publish_error` says what each means to a caller."""
+    # nats-py measures the body alone against the server's max_payload; the server counts
+    # the headers too, and past it closes the connection (every stream on it lost) where
+    # a request just under the limit should have been refused alone.
+    limit = getattr(getattr(js, "_nc", None), "max_payload", None)
+    if limit and len(payload) + header_bytes(headers, stream) > limit:
+        raise nats.errors.MaxPayloadError
     for attempt in range(PUBLISH_ATTEMPTS):
         timeout = max(0.1, min(PUBLISH_TIMEOUT_S, deadline - time.monotonic()))
         try:
@@ -57,6 +63,15 @@ async def publish_request(
             # aborts it), not as one that never was.
             raise nats.errors.TimeoutError from None
     raise AssertionError("unreachable")
+
+
+def header_bytes(headers: dict[str, str], stream: str | None) -> int:
+    """The size of a message's header block as nats-py writes it, JetStream's
+    ``Nats-Expected-Stream`` included (a slight overcount: values are sent stripped)."""
+    lines = {**headers, "Nats-Expected-Stream": stream} if stream else headers
+    return len(b"NATS/1.0\r\n\r\n") + sum(
+        len(k.encode()) + len(v.encode()) + 4 for k, v in lines.items()
+    )
 
 
 def publish_error(exc: Exception, payload_bytes: int, who: str) -> QosError | None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+import nats
 import nats.errors
 import nats.js.errors
 import pytest
 
-from common.request_publish import publish_request
+from common.request_publish import header_bytes, publish_request
+from common.services import NatsServer
 
 
 class FailingPublishes:
@@ -37,3 +40,25 @@ async def test_no_responders_after_a_timed_out_attempt_is_a_timeout() -> None:
     js = FailingPublishes(nats.js.errors.NoStreamResponseError())
     with pytest.raises(nats.js.errors.NoStreamResponseError):
         await publish_request(js, "s", b"x", {"Nats-Msg-Id": "r"}, time.monotonic() + 10)  # type: ignore[arg-type]
+
+
+async def test_a_request_whose_headers_take_it_past_max_payload_is_refused_alone(
+    tmp_path: Path,
+) -> None:
+    """nats-py checks the body only; the server counts the headers too, answers a message
+    over its max_payload with an error and closes the connection, which nats-py does not
+    reopen: one request just under the limit took the gateway's connection down."""
+    with NatsServer(store_dir=tmp_path / "nats", max_payload=4096) as server:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            await js.add_stream(name="REQS", subjects=["reqs"])
+            headers = {"Nats-Msg-Id": "r" * 40, "Qos-Deadline-Ms": "1" * 13}
+            fits = 4096 - header_bytes(headers, "REQS")
+            deadline = time.monotonic() + 10
+            with pytest.raises(nats.errors.MaxPayloadError):
+                await publish_request(js, "reqs", b"x" * (fits + 1), headers, deadline, "REQS")
+            ack, _ = await publish_request(js, "reqs", b"x" * fits, headers, deadline, "REQS")
+            assert ack.seq == 1 and nc.is_connected
+        finally:
+            await nc.close()
