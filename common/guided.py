@@ -97,6 +97,8 @@ def _grammar(kind: str, spec: str) -> str:
     if kind == "json_schema":
         try:
             schema = json.loads(spec)
+        except RecursionError:  # "[[[[..." past the parser's depth: a bad spec, not a 500
+            raise GuidedSpecError("the schema is nested too deeply") from None
         except ValueError as exc:
             raise GuidedSpecError(f"the schema is not JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
@@ -120,7 +122,7 @@ def _grammar(kind: str, spec: str) -> str:
 def _choices(spec: str) -> list[str]:
     try:
         choices = json.loads(spec)
-    except ValueError:
+    except (ValueError, RecursionError):
         choices = None
     if (
         not isinstance(choices, list)
