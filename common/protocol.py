@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+import reprlib
 import struct
 import sys
 import threading
@@ -80,6 +81,36 @@ def unpack_ints(data: bytes) -> list[int]:
 _packers = threading.local()
 
 
+_SHORT_REPR = reprlib.Repr()  # its keyword arguments are 3.12's
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = _SHORT_REPR.maxlong = 40
+_SHORT_REPR.maxlevel = 1
+
+
+def _shown(value: Any) -> str:
+    """A sender's value, cut short: errors are logged on every worker and sent back, and
+    an 8 MiB field echoed whole made a 32 MiB log line of each."""
+    return _SHORT_REPR.repr(value)
+
+
+class ContainerBudget:
+    """Counts the maps and arrays a payload decodes into, and stops the decode past a
+    budget: an empty map is one byte on the wire and ~100 in memory, so 8 MiB of them cost
+    ~700 MB and a second on the event loop before any schema check. No message needs one
+    container per 16 bytes (a top-logprobs entry, the smallest, takes ~25)."""
+
+    __slots__ = ("kind", "left")
+
+    def __init__(self, kind: str, size: int) -> None:
+        self.kind = kind
+        self.left = 64 + size // 16
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError(f"{self.kind}: too many maps and arrays for its size")
+        return container
+
+
 def _packer() -> msgpack.Packer:
     """This thread's msgpack packer: ``packb`` builds a new one per call, half its cost."""
     packer: msgpack.Packer | None = getattr(_packers, "packer", None)
@@ -107,10 +138,14 @@ class Message:
             raise ProtocolError(f"{cls.KIND}: payload must be bytes")
         if len(data) > max_bytes:
             raise ProtocolError(f"{cls.KIND}: payload of {len(data)} bytes exceeds {max_bytes}")
+        count = ContainerBudget(cls.KIND, len(data))
         try:
             # unpackb bounds every container by the buffer length, so a small payload
             # cannot claim a huge array; strict_map_key keeps map keys to str/bytes.
-            obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+            obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True,
+                                  object_hook=count, list_hook=count)  # fmt: skip
+        except ProtocolError:
+            raise
         except Exception as exc:  # msgpack raises several unrelated types
             raise ProtocolError(f"{cls.KIND}: not valid msgpack ({type(exc).__name__})") from None
         return cls.from_dict(obj)
@@ -123,7 +158,7 @@ class Message:
         # An int, exactly: True and 1.0 compare equal to 1.
         if type(version) is not int or version != WIRE_VERSION:
             raise ProtocolError(
-                f"{cls.KIND}: unsupported version v={version!r} (want {WIRE_VERSION})"
+                f"{cls.KIND}: unsupported version v={_shown(version)} (want {WIRE_VERSION})"
             )
         schema: type = cls
         message: T = _decoder(schema, True)(obj, cls.KIND)
@@ -331,7 +366,7 @@ def _checker(hint: Any) -> Checker:
         def check_literal(value: Any, where: str) -> Any:
             if isinstance(value, bool | int | float | str) and value in allowed:
                 return value
-            raise ProtocolError(f"{where}: {value!r} is not one of {list(allowed)}")
+            raise ProtocolError(f"{where}: {_shown(value)} is not one of {list(allowed)}")
 
         return check_literal
     if origin is list:
@@ -383,8 +418,9 @@ def _decoder(cls: type, top: bool = False) -> typing.Callable[[dict[str, Any], s
 
     def decode(obj: dict[str, Any], where: str) -> Any:
         if not allowed.issuperset(obj):
-            unknown = [k for k in obj if k not in allowed]
-            raise ProtocolError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
+            unknown = sorted(_shown(k) for k in obj if k not in allowed)
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise ProtocolError(f"{where}: unknown field(s) {', '.join(unknown[:5])}{more}")
         kwargs: dict[str, Any] = {}
         for name, required, packed, kind, exact, check in plan:
             value: Any = obj.get(name)

@@ -17,7 +17,15 @@ import msgpack
 
 from common.errors import QosError
 from common.guided import GuidedSpec
-from common.protocol import Chunk, ErrorInfo, FinishReason, GenerateRequest, TopLogprobs, Usage
+from common.protocol import (
+    Chunk,
+    ContainerBudget,
+    ErrorInfo,
+    FinishReason,
+    GenerateRequest,
+    TopLogprobs,
+    Usage,
+)
 from common.subjects import is_subject_token
 from workers.engine.outputs import RequestDelta
 from workers.engine.sampling_params import SamplingParams
@@ -180,10 +188,12 @@ def raw_reply(data: bytes, out_subject: Callable[[str], str]) -> tuple[str | Non
     still has a caller waiting on its out subject. The id is "" (and the reply None) when
     unreadable.
     """
+    count = ContainerBudget("request", len(data))  # a payload of empty maps stops early
     try:
         obj = msgpack.unpackb(
-            bytes(data), raw=False, unicode_errors="surrogateescape", strict_map_key=False
-        )
+            bytes(data), raw=False, unicode_errors="surrogateescape", strict_map_key=False,
+            object_hook=count, list_hook=count,
+        )  # fmt: skip
     except Exception:  # msgpack raises several unrelated types
         return None, ""
     if not isinstance(obj, dict):

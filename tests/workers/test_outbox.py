@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import msgpack
+
 from common.protocol import GenerateRequest
-from workers.outbox import Flight
+from workers.outbox import Flight, raw_reply
 
 
 def test_a_final_chunk_without_an_engine_delta_still_counts_the_prompt():
@@ -47,3 +49,16 @@ def test_prompt_logprobs_ride_once_on_the_first_chunk_and_not_into_a_resumed_att
     assert st.take_chunk("w0").prompt_logprobs == []
     assert sampling_params(req, 4).prompt_logprobs == 1
     assert sampling_params(req, 2).prompt_logprobs is None  # the caller has the first chunk
+
+
+def test_the_reply_of_an_undecodable_request_is_read_without_building_a_flood_of_maps() -> None:
+    """A request refused for its shape is read again for its id, to answer its caller: that
+    read built every one of 8 MiB of empty maps (~700 MB) the refusal had stopped short of."""
+
+    def out(rid: str) -> str:
+        return f"P.out.{rid}"
+
+    bad = msgpack.packb({"v": 1, "id": "r1", "prompt": 5})
+    assert raw_reply(bad, out) == ("P.out.r1", "r1")
+    flood = msgpack.packb({"v": 1, "id": "r1", "x": [{}] * 200_000})
+    assert raw_reply(flood, out) == (None, "")
