@@ -960,7 +960,7 @@ class WorkerConfig(_Strict):
     )
     telemetry_interval_s: float = Field(
         1.0,
-        gt=0,
+        ge=0.01,  # under it, a busy loop of reports
         description=(
             "Seconds between the worker's telemetry reports (load, latency, batch cap) to the "
             "scheduler and gateways. scheduler.worker_silent_s must exceed twice it."
@@ -1073,7 +1073,7 @@ class SchedulerConfig(_Strict):
     # Breakers are sampled and evaluated every tick: a transition acts within one tick.
     tick_interval_s: float = Field(
         0.5,
-        gt=0,
+        ge=0.01,  # under it, a busy loop of breaker judgements
         description=(
             "Seconds between scheduler ticks. Breakers are sampled and judged every tick, so a "
             "transition acts within one."
@@ -1357,7 +1357,7 @@ class Config(_Strict):
         # one every whole number of ticks that spans 0.9 reports (ticks of 0.7 s and
         # reports of 1 s give one every 1.4 s, not every 1 s).
         tick = self.scheduler.tick_interval_s
-        most = self.scheduler.window_s / (tick * math.ceil(0.9 * beat / tick - 1e-9))
+        most = self.scheduler.window_s / (tick * max(1, math.ceil(0.9 * beat / tick - 1e-9)))
         for name, group in self.groups.items():
             need = min(group.breaker.min_samples, group.breaker.window_samples)
             if need > most:
@@ -1504,6 +1504,12 @@ def load_config(
             )
     groups_in = _deep_merge(data.get("groups") or {}, overrides.get("groups") or {})
     merged = _deep_merge(data, overrides)
+    flag = merged.get("groups_replace_defaults")
+    if flag is not None and not isinstance(flag, bool):  # "false" is truthy: it replaced them
+        raise ConfigError(
+            f"invalid configuration ({source}): groups_replace_defaults must be true or "
+            f"false, not {flag!r}"[:300]
+        )
     if "groups" in merged:
         # The flag from the environment too (QOS_GROUPS_REPLACE_DEFAULTS=true).
         base = defaults if not merged.get("groups_replace_defaults") else {}

@@ -284,6 +284,14 @@ def test_a_whole_section_variable_merges_with_its_keys_variables_in_any_order() 
         ({"QOS_SCHEDULER__ALERT_WEBHOOK_URL": "null"}, "alert_webhook_url"),
         # Meaningless, and silently read as 0.
         ({"QOS_SCHEDULER__MIN_REPLICAS": '{"short": -1}'}, "min_replicas"),
+        # Truthy strings replaced the default groups whatever they said.
+        (
+            {"QOS_GROUPS_REPLACE_DEFAULTS": '"false"', "QOS_GROUPS__BATCH": "{}"},
+            "groups_replace_defaults must be true or false",
+        ),
+        # A bare ZeroDivisionError naming no key (and a busy loop of reports before).
+        ({"QOS_WORKER__TELEMETRY_INTERVAL_S": "1e-10"}, "telemetry_interval_s"),
+        ({"QOS_SCHEDULER__TICK_INTERVAL_S": "1e300"}, "min_samples"),
     ],
 )
 def test_settings_that_would_fail_later_are_refused_at_load(
