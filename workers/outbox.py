@@ -55,6 +55,9 @@ class Flight:
     first_sent: bool = False
     error: QosError | None = None  # why it was aborted here (deadline), if it was
     orphaned: bool = False  # aborted here because its gateway went silent
+    # A chunk of it was too big to send (workers.service._too_big): the rest of its output is
+    # dropped, and the error that task sends is its only ending.
+    output_lost: bool = False
     watch: Any = None  # metrics/tracing state (workers.observe.Watch), while observed
     sent_chunks: list[Chunk] = field(default_factory=list)  # for a resync (workers.resync)
     # Its name in the engine: the request id and a number of this flight's own, so output

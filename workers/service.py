@@ -805,7 +805,7 @@ class WorkerService:
 
     async def _on_event(self, event: BridgeEvent) -> None:
         st = self._flight_of(event)
-        if st is None:
+        if st is None or st.output_lost:
             return
         if isinstance(event, RequestFailed):
             error = event.error
@@ -980,7 +980,9 @@ class WorkerService:
                 await self.nc.publish(st.request.reply, ending.to_bytes())
             return ending
         # Mid-answer: stop it in the engine and end it (its own task: this may run inside
-        # the flush loop over every flight).
+        # the flush loop over every flight). Output already on its way is dropped: an ending
+        # in the same batch went out as a success behind the gap.
+        st.output_lost = True
         self._abort_in_engine(st)
         self._spawn(self._send_error_if_ours(st, error), "too-big")
         return chunk
