@@ -753,15 +753,8 @@ class SchedulerService:
             self._history_saved = self._clock()  # a history is saved only once it is loaded
             self._leader_synced = self._term_announced = False
         if held:
-            if not self._leader_synced:
-                # A failure (a JetStream timeout) retries at the next refresh. The histories
-                # too: a standby learns no demand, and its first save would overwrite the
-                # bucket's.
-                await self._load_breakers()
-                await self._load_served()
-                await self._load_histories()
-                self._recall_breaker_windows()
-                self._leader_synced = True
+            if not self._leader_synced and not await self._sync_term():
+                return
             if not self._term_announced:
                 await self._announce_term()
         else:
@@ -769,6 +762,40 @@ class SchedulerService:
             # Only the leader's figure may reach autoscalers (they take the max over replicas).
             self.metrics.desired_replicas.clear()
             await self._load_breakers()  # a standby follows the leader's decisions
+
+    async def _sync_term(self) -> bool:
+        """A new term's loads from the bucket; whether the term is still this replica's
+        when they end. A failure (a JetStream timeout) raises, and the next refresh retries.
+        The histories too: a standby learns no demand, and its first save would overwrite
+        the bucket's.
+
+        The loads run side by side and the lease is renewed while they do: one after another
+        with no renewal, on a bucket slow enough that they outlasted the lease's TTL, the
+        standby took it, started the same sync, lost it back the same way, and neither
+        replica ever acted."""
+        assert self.lease is not None
+        term = self.lease.term
+        loads = asyncio.gather(
+            self._load_breakers(), self._load_served(), self._load_histories(),
+            return_exceptions=True,  # each ends before one's failure is raised: none left behind
+        )  # fmt: skip
+        try:
+            while not loads.done():
+                await asyncio.wait({loads}, timeout=self.cfg.lease_renew_s)
+                if not loads.done() and (not await self.lease.refresh() or self.lease.term != term):
+                    return False  # lost meanwhile: the loads are cancelled below
+            for result in loads.result():
+                if isinstance(result, BaseException):
+                    raise result
+        finally:
+            if not loads.done():
+                loads.cancel()
+                await asyncio.gather(loads, return_exceptions=True)
+        if not (self.lease.held and self.lease.term == term):
+            return False
+        self._recall_breaker_windows()
+        self._leader_synced = True
+        return True
 
     async def _load_breakers(self) -> None:
         """Each breaker continues from ``breaker.<group>`` (missing = closed)."""

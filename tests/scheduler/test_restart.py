@@ -494,3 +494,39 @@ async def test_livez_answers_while_the_scheduler_is_still_connecting(nats_config
         silent.close()
     with pytest.raises(OSError):  # the failed start let its port go
         await asyncio.to_thread(livez)
+
+
+async def test_a_new_leader_keeps_its_lease_through_a_sync_slower_than_the_lease(
+    nats_config, monkeypatch
+):
+    """Taking over, a leader read its state from the bucket one key after another with no
+    renewal: on a bucket slow enough that the reads outlasted the lease, the standby took
+    the lease, began the same sync, lost it back the same way, and neither ever acted."""
+    config = make_config(nats_config)  # lease: 1.5 s, renewed every 0.3 s
+    async with hand_driven(config) as (service, _):
+        lease, kv = service.lease, service.kv
+        assert lease is not None and kv is not None
+        rival = Lease(kv, "standby", config.scheduler.lease_ttl_s)
+        renew, get = lease.refresh, kv.get
+
+        async def lost() -> bool:
+            lease.held = False
+            return False
+
+        async def slow_get(key: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if key != LEASE_KEY:
+                await asyncio.sleep(0.9)  # two groups: the sync's reads take ~5 s in a row
+            return await get(key, *args, **kwargs)
+
+        monkeypatch.setattr(lease, "refresh", lost)
+        await service._refresh_lease()  # a standby for a moment
+        monkeypatch.setattr(lease, "refresh", renew)
+        monkeypatch.setattr(kv, "get", slow_get)
+        await rival.refresh()  # the lease is still the leader's: no
+        taking = asyncio.create_task(service._refresh_lease())  # a new term, its sync slow
+        rival_held = []
+        while not taking.done():
+            await asyncio.sleep(0.3)
+            rival_held.append(await rival.refresh())
+        await taking
+        assert service.acts and not any(rival_held)
