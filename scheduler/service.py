@@ -404,7 +404,8 @@ class SchedulerService:
         if another leader's write stands there: a deposed leader's ``open``, queued while it
         was cut off and stored when it got back, would otherwise divert the group's traffic
         until it went stale (30 s), and a later leader would continue it."""
-        assert self.kv is not None
+        assert self.kv is not None and self.lease is not None
+        term = self.lease.term
         for group, breaker in self.breakers.items():
             if (
                 breaker.state != "closed"
@@ -419,6 +420,13 @@ class SchedulerService:
                 continue  # missing reads as closed
             except Exception as exc:
                 log.warning("breaker %s: reading the record back failed: %s", group, exc)
+                continue
+            if not (self.acts and self.lease.term == term and breaker.state == "closed"):
+                # A new term began during the read (the lease's task): it dropped what was
+                # queued and took the bucket's state up, an open breaker's included, so a
+                # "closed" queued now would overwrite a live incident and resolve its alert.
+                return
+            if group in self._unsaved:
                 continue
             record = BreakerRecord.from_bytes(entry.value)
             if record is not None and record.state != "closed":

@@ -530,3 +530,28 @@ async def test_a_new_leader_keeps_its_lease_through_a_sync_slower_than_the_lease
             rival_held.append(await rival.refresh())
         await taking
         assert service.acts and not any(rival_held)
+
+
+async def test_a_closed_record_read_back_across_a_new_term_is_not_rewritten(nats_config):
+    """The read-back of a closed breaker's record awaited the bucket while the lease's task
+    began a new term, dropped what was queued and took up another leader's open record:
+    the read-back then queued "closed" over it anyway (and alerted the incident resolved)."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        lease, kv = service.lease, service.kv
+        assert lease is not None and kv is not None
+        other = BreakerRecord("open", 0, "slow", None, 4, "other", fence=lease.fence + 1)
+        get = kv.get
+
+        async def read_across_a_new_term(key: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if key == breaker_key("short"):
+                await kv.put(key, other.to_bytes())  # the other leader's, meanwhile
+                lease.term += 1  # renewed over it: a new term, synced from the bucket
+                service._drop_unsaved()
+            return await get(key, *args, **kwargs)
+
+        kv.get = read_across_a_new_term  # type: ignore[method-assign]
+        try:
+            await service._heal_closed_records(now[0] + BREAKER_RENEW_S + 1)
+        finally:
+            kv.get = get  # type: ignore[method-assign]
+        assert "short" not in service._unsaved
