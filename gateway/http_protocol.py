@@ -19,6 +19,9 @@ has not read yet; a request waiting on ``Expect: 100-continue`` that sent none o
 is closed at once, or its next request would be read as that body. uvicorn's own 400 for a
 malformed request is in OpenAI's error shape too.
 
+A request asking to switch protocols (``Upgrade: h2c``, Java's HttpClient) is served as
+HTTP/1.1 with its body (httptools dropped it: :meth:`BoundedHeadProtocol._decline_upgrade`).
+
 ``/health`` and ``/metrics`` are answered past ``gateway.max_connections``: uvicorn
 answered every request 503 once that many connections were open, idle keep-alives
 included, so a gateway saturated by long streams failed its liveness probe (Kubernetes
@@ -35,6 +38,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common.errors import ServiceUnavailableError
@@ -72,6 +76,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_seen = False  # bytes of the current request's body have arrived
         self._draining = False  # answered early: the rest of its body is read and dropped
+        self._resuming_body = False  # a declined upgrade's body: its stand-in head is parsed
 
     # -- the head's time ------------------------------------------------------------------
 
@@ -83,7 +88,21 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         super().connection_lost(exc)
 
+    def on_message_begin(self) -> None:
+        if not self._resuming_body:
+            super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        if not self._resuming_body:
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._resuming_body:
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        if self._resuming_body:
+            return
         self._reading_head = False
         self._cancel_head_timer()
         # A head that arrived in one read (uvloop reads up to 256 KiB) was never counted by
@@ -179,7 +198,17 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._reading_head:
             self._head_bytes += len(data)
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.send_400_response("Invalid HTTP request received.")  # uvicorn's own words
+            return
+        except httptools.HttpParserUpgrade as upgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+                return
+            self._decline_upgrade(data[upgrade.args[0] :])
         # Judged after parsing: the chunk that completes a head may carry body bytes too.
         if (
             self._reading_head
@@ -187,6 +216,42 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             and not self.transport.is_closing()
         ):
             self._refuse_large_head()
+
+    def _decline_upgrade(self, rest: bytes) -> None:
+        """A request asking to switch protocols (``Upgrade: h2c``, sent by Java's
+        HttpClient on every ``http://`` request) is served as plain HTTP/1.1, as RFC 9110
+        §7.8 allows. httptools skips such a request's body and stops (uvicorn's bug #2722:
+        the app read an empty body, a 400 "not valid JSON"; the body's bytes, arriving
+        later, were taken for a malformed next request): the body is read here instead,
+        by a fresh parser that is handed a stand-in head of the same framing."""
+        log.debug("declined an upgrade to %r from %s", self._get_upgrade(), _peer(self.client))
+        self.parser = httptools.HttpRequestParser(self)
+        cycle = self.cycle
+        framing = self._body_framing()
+        if framing is not None and cycle is not None and not cycle.response_complete:
+            # The app has not run yet (it starts on this callback's return): its first
+            # read waits for the body, which the end of the stand-in message completes.
+            cycle.more_body = True
+            self._reading_head = False
+            self._resuming_body = True
+            try:
+                self.parser.feed_data(b"POST / HTTP/1.1\r\n" + framing + b"\r\n")
+            finally:
+                self._resuming_body = False
+        if rest:
+            self.data_received(rest)
+
+    def _body_framing(self) -> bytes | None:
+        """The request's body framing header, for the stand-in head (None: no body)."""
+        length = None
+        for name, value in self.headers:
+            if name == b"transfer-encoding" and b"chunked" in value.lower():
+                return b"transfer-encoding: chunked\r\n"
+            if name == b"content-length":
+                length = value
+        if length is None or length.strip() in (b"", b"0"):
+            return None
+        return b"content-length: " + length.strip() + b"\r\n"
 
     def _refuse_large_head(self) -> None:
         self._refuse(

@@ -350,3 +350,42 @@ async def test_a_malformed_request_gets_400_in_openai_shape(nats_config: NatsCon
         assert body["error"]["code"] == "invalid_http_request"
         assert await _closed(reader)
         writer.close()
+
+
+@pytest.mark.parametrize("framing", ["one packet", "body later", "chunked"])
+async def test_a_request_asking_to_upgrade_to_h2c_is_served_as_http_1_1(
+    nats_config: NatsConfig, framing: str
+) -> None:
+    """Java's HttpClient asks every http:// request to upgrade (``Upgrade: h2c``): httptools
+    skipped its body, so the app read none (a 400, "not valid JSON") and the body's bytes,
+    coming later, were read as a malformed next request. The upgrade is declined, the
+    request served, and the connection stays usable."""
+    body = json.dumps({"model": MODEL, "prompt": "abc"}).encode()
+    head = (b"POST /v1/tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAEAAEAA\r\n")  # fmt: skip
+    if framing == "chunked":
+        head += b"Transfer-Encoding: chunked\r\n\r\n"
+        parts = [
+            head + b"%x\r\n%s\r\n" % (5, body[:5]),
+            b"%x\r\n%s\r\n0\r\n\r\n" % (len(body) - 5, body[5:]),
+        ]
+    else:
+        head += b"Content-Length: %d\r\n\r\n" % len(body)
+        parts = [head + body] if framing == "one packet" else [head, body]
+    async with serve(gateway_config(nats_config)) as gw:
+        reader, writer = await _connect(gw.url)
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        status, answer = await _answer(reader)
+        async with httpx.AsyncClient(base_url=gw.url) as http:  # the same, asked plainly
+            plain = (await http.post("/v1/tokenize", content=body)).json()
+        assert status == b"HTTP/1.1 200 OK" and answer == plain, answer
+        # The same connection, a request without a body asking again, then a plain one.
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                     b"Upgrade: h2c\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")  # fmt: skip
+        for _ in range(2):
+            status, models = await _answer(reader)
+            assert status == b"HTTP/1.1 200 OK" and models["data"]
+        writer.close()
