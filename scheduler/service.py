@@ -728,10 +728,15 @@ class SchedulerService:
                         self.pending_moves.deadline_s)  # fmt: skip
 
     def _seen_move_cooldowns(self, now: float) -> dict[str, float]:
-        """The cooldowns of the moves seen in the workers' reports, whoever ordered them."""
+        """The cooldowns of the moves seen in the workers' reports, whoever ordered them,
+        once done (the replica serves in its new group). One still binding may fail and
+        come back, and the failure lifts only its order's cooldowns (moves.after_failure):
+        taken up meanwhile, later than those, they held both groups for a full cooldown."""
         cooldown_s = self.rebalance_settings.cooldown_s
         cooldown: dict[str, float] = {}
         for at, worker, src, dst in self.windows.recent_moves(now, cooldown_s):
+            if not self.windows.serving_in(worker, dst):
+                continue
             for key in (f"worker:{worker}", f"group:{src}", f"group:{dst}"):
                 cooldown[key] = max(cooldown.get(key, 0.0), at + cooldown_s)
         return cooldown

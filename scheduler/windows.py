@@ -207,6 +207,11 @@ class TelemetryWindows:
             del self.moves_seen[worker]
         return [w.report for w in gone]
 
+    def serving_in(self, worker: str, group: str) -> bool:
+        """Whether ``worker``'s latest report has it serving in ``group``."""
+        known = self._workers.get(worker)
+        return known is not None and known.report.group == group and known.report.state == "serving"
+
     def worker_ids(self) -> set[str]:
         """Workers reporting now (neither silent nor stopped)."""
         return set(self._workers)

@@ -241,3 +241,22 @@ async def test_a_move_whose_bind_failed_is_not_counted_done(nats_config):
         await long_backlog_rounds(service, now, ("a", "b"), rounds=1)
         assert moves_counted(service, "qos_rebalance_moves_failed_total") == 1
         assert moves_counted(service, "qos_rebalance_moves_total") == 0
+
+
+async def test_a_move_seen_binding_that_fails_lifts_the_cooldowns_it_was_given(nats_config):
+    """A rebalance saw the replica report from its destination while it bound, and merged
+    that move's cooldowns (later than the order's); the bind failed, the replica went back,
+    and the failure lifted only the order's: both groups stayed held, and the next idle
+    replica waited out the cooldown while long's backlog grew."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        assert await long_backlog_rounds(service, now, ("a", "b")) == ["a"]
+        ordered = now[0]
+        now[0] += 10.0  # drained, then bound in long
+        binding = Telemetry(worker="a", group="long", ts_ms=0, state="draining")
+        service.windows.observe(binding, now[0])
+        await service.rebalance()
+        now[0] += 1.0  # the bind failed: a serves short again
+        await long_backlog_rounds(service, now, ("a", "b"), rounds=1)
+        now[0] = ordered + service.pending_moves.deadline_s
+        assert await long_backlog_rounds(service, now, ("a", "b")) == ["a", "b"]
+        assert moves_counted(service, "qos_rebalance_moves_failed_total") == 1
