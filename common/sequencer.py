@@ -16,7 +16,9 @@ from dataclasses import replace
 from common.errors import InternalError, ServiceUnavailableError, error_from_code
 from common.protocol import Chunk, Control, ResumeQuery, ResumeReply
 
-# Out-of-order chunks held while a gap fills; a worker never needs more than a few.
+# Out-of-order chunks held while a gap fills; those past it are dropped, not held: the
+# resync that fills the gap resends every chunk from it (workers/resync.py), final one
+# included, and a gap no resync fills ends the answer at GAP_GIVE_UP_S, retryable.
 MAX_EARLY_CHUNKS = 256
 # A gap still open this long reads as chunks lost (not only late): the caller asks the
 # workers to resync (its heartbeat's count). One no resync filled in GAP_GIVE_UP_S (the
@@ -137,10 +139,8 @@ class ChunkSequencer:
             self.finished = True
             raise InternalError("the worker failed the request")
         if chunk.seq > len(self.token_ids):
-            if len(self._early) >= MAX_EARLY_CHUNKS:
-                self.finished = True
-                raise InternalError("the worker's stream has a gap that never filled")
-            self._early[chunk.seq] = chunk
+            if len(self._early) < MAX_EARLY_CHUNKS:  # (a 500 here cut a stream its
+                self._early[chunk.seq] = chunk  # resync was about to mend, at ~1 s of tokens)
             return []
         out = self._accept(chunk)
         while self._early and not self.finished:

@@ -123,3 +123,14 @@ def test_a_chunk_of_another_request_is_ignored() -> None:
     foreign = Chunk(id="other", seq=0, token_ids=[9], text="x", finish_reason="stop")
     assert stream.feed(foreign) == [] and not stream.finished
     assert delivered(stream, chunk(0, [1], final=True)) == [1] and stream.finished
+
+
+def test_chunks_past_a_long_gap_are_dropped_not_fatal_and_the_resend_completes_it() -> None:
+    """A fast stream holds 256 chunks past a lost one in about a second, before the resync
+    (asked at 0.5 s, at most one a second per caller) resends them: the stream failed with
+    a 500, though the worker was alive and resends every chunk from the gap on."""
+    stream = ResponseStream("r")
+    sent = [chunk(i, [i + 1]) for i in range(400)] + [chunk(400, [401], final=True)]
+    assert delivered(stream, *sent[1:]) == [] and not stream.finished  # chunk 0 was lost
+    assert stream.holding_gap  # the gap watch still sees it (its resync, its give-up)
+    assert delivered(stream, *sent) == list(range(1, 402)) and stream.finished
