@@ -139,8 +139,9 @@ class ChunkSequencer:
             self.finished = True
             raise InternalError("the worker failed the request")
         if chunk.seq > len(self.token_ids):
-            if len(self._early) < MAX_EARLY_CHUNKS:  # (a 500 here cut a stream its
-                self._early[chunk.seq] = chunk  # resync was about to mend, at ~1 s of tokens)
+            # Past the bound, dropped: a 500 here cut streams their resync was about to mend.
+            if len(self._early) < MAX_EARLY_CHUNKS:
+                self._early[chunk.seq] = chunk
             return []
         out = self._accept(chunk)
         while self._early and not self.finished:
