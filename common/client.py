@@ -298,6 +298,10 @@ class QosClient:
         if timeout_s is not None or deadline_ms is None:
             relative = now_ms + int(1000 * (DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s))
             deadline_ms = relative if deadline_ms is None else min(deadline_ms, relative)
+        # The wire carries the wall-clock deadline (the worker's); this call waits on the
+        # monotonic clock: an NTP step forward aborted healthy requests, one back let a call
+        # whose worker died wait past its timeout.
+        ends_at = time.monotonic() + max(0.0, deadline_ms / 1000 - time.time())
         rid = request_id or uuid.uuid4().hex
         request = GenerateRequest(
             id=rid,
@@ -417,7 +421,7 @@ class QosClient:
                 ack, attempt = await publish_request(
                     self.js, self.subjects.request(group), payload,
                     {**(headers or {}), "Nats-Msg-Id": rid},
-                    time.monotonic() + max(0.0, deadline_ms / 1000 - time.time()),
+                    ends_at,
                     stream=self._stream,
                 )  # fmt: skip
             except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
@@ -471,7 +475,7 @@ class QosClient:
                     )
                 )
             while not done:
-                left = deadline_ms / 1000 - time.time()
+                left = ends_at - time.monotonic()
                 try:
                     # What came in time goes out first, however slowly the caller reads; a
                     # wait (a task per call) only when nothing is waiting already.
@@ -499,20 +503,24 @@ class QosClient:
         finally:
             stream.finished = True
             gap.cancel()
-            for sub in subs:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
             self._live[rid] -= 1
             if not self._live[rid]:
                 del self._live[rid]
                 self._heard.forget(rid)
             if queued is not None or maybe_queued:  # ours in the stream (not a duplicate)
                 self._closed.add(rid)
-            if not worker_done[0] and (queued is not None or maybe_queued):
-                await self._abort(group, rid, "client stopped reading", queued)
-            # Last: close() waits for this before it closes the connection, which cancelled
-            # an unsubscribe or abort still under way here.
-            self._failers.discard(fail)
+            try:
+                for sub in subs:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                if not worker_done[0] and (queued is not None or maybe_queued):
+                    await self._abort(group, rid, "client stopped reading", queued)
+            finally:
+                # Last: close() waits for this before it closes the connection, which
+                # cancelled an unsubscribe or abort still under way here. In a finally: a
+                # second cancel (anyio's scopes cancel at every await) skipped it, and the
+                # call's state stayed in memory, close() waiting a second on it.
+                self._failers.discard(fail)
 
     async def _abort(
         self, group: str, request_id: str, reason: str, queued: tuple[str, int] | None = None

@@ -513,3 +513,49 @@ async def test_a_group_the_configuration_lacks_is_refused_before_it_is_published
 
     got, exc = await _run(client, played, finish)
     assert exc is None and got[-1].finish_reason == "length"
+
+
+async def test_a_call_cancelled_again_while_it_aborts_leaves_no_state_behind(
+    client: QosClient, played: dict[str, Any]
+) -> None:
+    """The abort after a cancel is a round trip (the message's delete); anyio's scopes
+    cancel again at every await, and that second cancel skipped the call's cleanup: its
+    sequencer and queue stayed in the client for good, and close() waited on them."""
+    gate = asyncio.Event()
+    abort = client._abort
+
+    async def slow_abort(*args: Any, **kwargs: Any) -> None:
+        await gate.wait()  # the delete's round trip, long enough to be cancelled in
+        await abort(*args, **kwargs)
+
+    client._abort = slow_abort  # type: ignore[method-assign]
+    reader = asyncio.ensure_future(client.collect(group="long", prompt_token_ids=[1]))
+    await asyncio.wait_for(played["requests"].get(), 5)
+    assert client._failers
+    reader.cancel()  # the caller stops: the call aborts
+    await asyncio.sleep(0.05)
+    reader.cancel()  # and again, mid-abort
+    with contextlib.suppress(asyncio.CancelledError):
+        await reader
+    assert not client._failers
+
+
+async def test_a_calls_timeout_runs_on_the_monotonic_clock(
+    client: QosClient, played: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait was measured on the wall clock: an NTP step forward mid-call ended a healthy
+    request at once, with a DeadlineExceededError and an abort to its worker."""
+    reader = asyncio.ensure_future(
+        client.collect(group="long", prompt_token_ids=[1], timeout_s=30)
+    )
+    msg = await asyncio.wait_for(played["requests"].get(), 5)
+    rid = GenerateRequest.from_bytes(msg.data).id
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 120)  # the clock stepped 2 min on
+    await asyncio.sleep(client_module.CLOSED_CHECK_S + 0.2)  # a wait has timed out since
+    assert not reader.done()
+    chunk = Chunk(id=rid, seq=0, token_ids=[5], text="f", finish_reason="stop",
+                  usage=Usage(1, 1))  # fmt: skip
+    await client.nc.publish(client.subjects.out(rid), chunk.to_bytes())
+    ids, _, final = await asyncio.wait_for(reader, 5)
+    assert ids == [5] and final.finish_reason == "stop"
