@@ -173,16 +173,20 @@ async def ask_resume(
 
 
 async def reject_undecodable(
-    nc: Client, msg: Msg, exc: ProtocolError, worker_id: str, subjects: Subjects
+    nc: Client, msg: Msg, exc: ProtocolError, worker_id: str, subjects: Subjects, attempt: int
 ) -> None:
     """An error chunk to the request's reply when one can be read from it, then ``term()``:
-    a payload that cannot be decoded never will be, so it must not be redelivered."""
+    a payload that cannot be decoded never will be, so it must not be redelivered. The
+    chunk carries the delivery's ``attempt``: stamped 1 on a redelivery, its caller (who
+    follows the first attempt's worker, or a later one) took it for a second run's and
+    dropped it, and waited to its deadline."""
     reply, rid = raw_reply(msg.data, subjects.out)
     log.warning("undecodable request (reply %r): %s", reply, exc.message)
     if reply is not None:
         chunk = Chunk(
-            id=rid, finish_reason="error", worker=worker_id, error=ErrorInfo(exc.code, exc.message)
-        )
+            id=rid, attempt=attempt, finish_reason="error", worker=worker_id,
+            error=ErrorInfo(exc.code, exc.message),
+        )  # fmt: skip
         with contextlib.suppress(Exception):
             await nc.publish(reply, chunk.to_bytes())
     await settle(msg.term)

@@ -496,7 +496,7 @@ class WorkerService:
             req = GenerateRequest.from_bytes(msg.data, self._max_payload)
         except ProtocolError as exc:
             assert self.nc is not None
-            await reject_undecodable(self.nc, msg, exc, self.worker_id, self.subjects)
+            await reject_undecodable(self.nc, msg, exc, self.worker_id, self.subjects, attempt)
             return  # the caller's mistake: nothing about this group's health
         if req.id in self._aborted:
             await settle(msg.ack)

@@ -9,6 +9,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import nats.errors
@@ -546,9 +547,7 @@ async def test_a_calls_timeout_runs_on_the_monotonic_clock(
 ) -> None:
     """The wait was measured on the wall clock: an NTP step forward mid-call ended a healthy
     request at once, with a DeadlineExceededError and an abort to its worker."""
-    reader = asyncio.ensure_future(
-        client.collect(group="long", prompt_token_ids=[1], timeout_s=30)
-    )
+    reader = asyncio.ensure_future(client.collect(group="long", prompt_token_ids=[1], timeout_s=30))
     msg = await asyncio.wait_for(played["requests"].get(), 5)
     rid = GenerateRequest.from_bytes(msg.data).id
     wall = time.time
@@ -560,3 +559,28 @@ async def test_a_calls_timeout_runs_on_the_monotonic_clock(
     await client.nc.publish(client.subjects.out(rid), chunk.to_bytes())
     ids, _, final = await asyncio.wait_for(reader, 5)
     assert ids == [5] and final.finish_reason == "stop"
+
+
+async def test_a_redelivery_refused_as_undecodable_ends_the_call_that_followed_its_first_worker(
+    client: QosClient, nc: Client, played: dict[str, Any], subjects: Subjects
+) -> None:
+    """A worker that cannot read a redelivered request (an older version, a field it does
+    not know) answered with an error chunk stamped attempt 1: the caller, following the
+    first delivery's worker, took it for a second run of that delivery, dropped it, and
+    waited to its deadline."""
+    from workers.intake import reject_undecodable
+
+    async def dies_then_refused(rid: str) -> None:
+        first = Chunk(id=rid, seq=0, attempt=1, token_ids=[5], text="f", worker="w-a")
+        await nc.publish(subjects.out(rid), first.to_bytes())
+        await asyncio.sleep(0.05)  # w-a died; the request's second delivery reaches w-b
+        redelivered = SimpleNamespace(data=GenerateRequest(id=rid, group="long",
+                                                           reply=subjects.out(rid)).to_bytes(),
+                                      term=lambda: asyncio.sleep(0))  # fmt: skip
+        refused = ProtocolError("request: unknown field(s) 'newer'")
+        await reject_undecodable(nc, redelivered, refused, "w-b", subjects, attempt=2)  # type: ignore[arg-type]
+
+    started = time.monotonic()
+    got, exc = await _run(client, played, dies_then_refused, timeout_s=8)
+    assert isinstance(exc, ProtocolError) and "newer" in exc.message, exc
+    assert [c.token_ids for c in got] == [[5]] and time.monotonic() - started < 4
