@@ -194,9 +194,12 @@ class ResponseStream:
         return self._seq.take_second_run()
 
     def fail(self, error: QosError) -> None:
-        """End the stream with ``error`` (the reader raises or sends it as an SSE event)."""
+        """End the stream with ``error`` (the reader raises or sends it as an SSE event).
+        Resume queries are answered ``closed`` from now on, as the NATS client's are: a
+        redelivered attempt was told where to resume and generated for nobody until the
+        error event had reached a slow reader and the request was landed."""
         if not self.finished:
-            self.finished = True
+            self.finished = self._seq.finished = True
             self._push(Delivery(error=error))
 
     def hang_up(self) -> None:

@@ -66,6 +66,16 @@ def test_a_stream_the_gateway_ends_itself_says_why_in_its_log(caplog: pytest.Log
     ]
 
 
+def test_a_stream_the_gateway_failed_answers_resume_queries_closed():
+    """Failed by the gateway's own verdict (a gap given up, an undecodable chunk), it still
+    told a redelivered attempt where to resume, which then generated for nobody until the
+    error had reached the reader (the NATS client answered closed)."""
+    stream = _stream()
+    stream.feed(_chunk(0, "abc"))
+    stream.fail(RateLimitError("given up"))
+    assert stream.resume(ResumeQuery(id="cmpl-x", attempt=2)).closed
+
+
 def test_out_of_order_chunks_are_held_until_the_gap_fills():
     stream = _stream()
     stream.feed(_chunk(3, "def"))
