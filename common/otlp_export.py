@@ -62,7 +62,7 @@ class OtlpSettings:
         endpoints are plaintext for ``http://`` unless ``…_INSECURE`` says otherwise; an
         HTTP base endpoint gets ``/v1/traces`` appended, a traces endpoint is used as is;
         the timeout is in seconds (as the Python SDK reads it), or milliseconds (as the spec
-        and the other SDKs write it) when over 1000."""
+        and the other SDKs write it) when over 60."""
 
         def var(name: str) -> str | None:
             value = env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or env.get(
@@ -91,6 +91,9 @@ class OtlpSettings:
                 endpoint = signal.strip()
             else:
                 endpoint = (base or "http://localhost:4318").strip().rstrip("/") + "/v1/traces"
+            url = urlsplit(endpoint)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError(f"OTEL_EXPORTER_OTLP_ENDPOINT={endpoint!r}: not an http(s) URL")
         compression = (var("COMPRESSION") or "none").lower()
         if compression not in ("none", "gzip", "deflate") or (
             compression == "deflate" and protocol == "grpc"
@@ -113,11 +116,15 @@ class OtlpSettings:
 def _timeout_s(raw: str | None) -> float:
     """``OTEL_EXPORTER_OTLP_TIMEOUT``: seconds for the Python SDK, milliseconds for the spec
     and every other SDK. A config shared with them says 10000 for 10 s, which read as seconds
-    let one stalled export hold the export thread for hours: above 1000 it is milliseconds."""
-    value = float(raw) if raw else 10.0
+    let one stalled export hold the export thread for hours, and 1000 (1 s) for 17 minutes:
+    above 60 it is milliseconds (no export waits a minute, none is given 60 ms)."""
+    try:
+        value = float(raw) if raw else 10.0
+    except ValueError:
+        value = -1.0
     if not value > 0:
         raise ValueError(f"OTEL_EXPORTER_OTLP_TIMEOUT={raw!r}: must be a positive number")
-    return value / 1000 if value > 1000 else value
+    return value / 1000 if value > 60 else value
 
 
 @dataclass(frozen=True)

@@ -114,9 +114,12 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
         protocol = "http/protobuf"
     if protocol not in ("grpc", "http/protobuf"):
         raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: use grpc or http/protobuf")
+    # Read here in either case: a bad value is the service's clear error at start, where
+    # the export process died of it and every span failed for the life of the service.
+    settings = OtlpSettings.from_env(env, protocol)
     if env.get(ENV_SWITCH, "").strip().lower() in _TRUE:
         return ProcessSpanExporter(env, protocol)
-    return OtlpSpanExporter(OtlpSettings.from_env(env, protocol))
+    return OtlpSpanExporter(settings)
 
 
 def _sdk_otlp_exporter(env: Mapping[str, str], protocol: str) -> SpanExporter:

@@ -336,9 +336,21 @@ def landed(
 
 def forward_traceparent(request_headers: Any, headers: MutableMapping[str, str]) -> None:
     """Copy a well-formed client ``traceparent`` (and its ``tracestate``) onto the NATS
-    message, as is: tracing is off here, but the client's trace goes on."""
-    parent = parse(request_headers.get("traceparent"), request_headers.get("tracestate"))
-    if parent is not None:  # by the W3C rules (no version ff, no all-zero ids)
-        headers["traceparent"] = request_headers.get("traceparent").strip()
+    message, as is: tracing is off here, but the client's trace goes on. Read as the
+    traced path reads them (gateway.observe): the last ``traceparent``, and several
+    ``tracestate`` headers as one list (W3C; the first alone lost a proxy's members)."""
+    getlist = getattr(request_headers, "getlist", None)
+    if getlist is not None:
+        parents, states = getlist("traceparent"), getlist("tracestate")
+        traceparent = parents[-1] if parents else None
+        tracestate = ",".join(states) if states else None
+    else:
+        traceparent, tracestate = (
+            request_headers.get("traceparent"),
+            request_headers.get("tracestate"),
+        )
+    parent = parse(traceparent, tracestate)
+    if parent is not None and traceparent is not None:  # by the W3C rules (no version ff...)
+        headers["traceparent"] = traceparent.strip()
         if parent.tracestate:  # whole members only, within the spec's limits
             headers["tracestate"] = parent.tracestate

@@ -358,8 +358,9 @@ def test_settings_read_the_variables_as_the_sdk_exporters_do() -> None:
     assert OtlpSettings.from_env(signal, "http/protobuf").endpoint == "http://t:9/custom"
     assert OtlpSettings.from_env({}, "http/protobuf").endpoint == "http://localhost:4318/v1/traces"
     # The spec's (and every other SDK's) milliseconds: 10000 is 10 s, not 2.8 hours.
-    shared = OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_TIMEOUT": "10000"}, "http/protobuf")
-    assert shared.timeout_s == 10.0
+    for raw, seconds in (("10000", 10.0), ("1000", 1.0), ("500", 0.5), ("30", 30.0)):
+        shared = OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_TIMEOUT": raw}, "http/protobuf")
+        assert shared.timeout_s == seconds, raw  # 1000 was 17 minutes
     with pytest.raises(ValueError):
         OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_COMPRESSION": "deflate"}, "grpc")
 

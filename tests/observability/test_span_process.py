@@ -208,3 +208,22 @@ def test_a_child_killed_with_spans_in_hand_counts_them_failed(
     exporter.shutdown()
     assert (exporter.delivered, exporter.failed_spans) == (3, 3)
     assert len(got.spans()) == 3
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"OTEL_EXPORTER_OTLP_COMPRESSION": "zstd"},
+        {"OTEL_EXPORTER_OTLP_TIMEOUT": "10s"},
+        {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT": "c:4318"},
+    ],
+)
+def test_a_bad_otlp_setting_is_refused_at_start_with_the_export_process_too(
+    bad: dict[str, str],
+) -> None:
+    """The service handed the settings to its export process unread: the child died of the
+    bad value, the service started as if fine, and every span failed for its life. In
+    process, the same value was the clear start-up error the services turn into exit 2."""
+    env = {"OTEL_TRACES_EXPORTER": "otlp", "QOSSERVE_OTLP_EXPORT_PROCESS": "1", **bad}
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP"):
+        init_tracing("worker", env=env, set_global=False)

@@ -357,6 +357,15 @@ def test_tracestate_is_forwarded_as_whole_well_formed_members_within_the_limits(
     out = {}
     forward_traceparent({"traceparent": TRACEPARENT, "tracestate": ",".join(members)}, out)
     assert out["traceparent"] == TRACEPARENT and out["tracestate"] == cleaned
+    # A proxy's tracestate header next to the client's: one list, as the traced path reads
+    # it (the first header alone was forwarded).
+    from starlette.datastructures import Headers
+
+    two = Headers(raw=[(b"traceparent", TRACEPARENT.encode()), (b"tracestate", b"client=1"),
+                       (b"tracestate", b"proxy=2")])  # fmt: skip
+    out = {}
+    forward_traceparent(two, out)
+    assert out == {"traceparent": TRACEPARENT, "tracestate": "client=1,proxy=2"}
 
 
 async def test_an_attempt_stopped_while_it_was_admitted_still_ends_its_span(
