@@ -15,7 +15,7 @@ from common.protocol import Chunk
 from common.tokenizer import ByteTokenizer
 from gateway.reasoning import ReasoningSplit, reads_reasoning, starts_thinking
 from tests.gateway.conftest import MODEL, gateway_config, serve
-from tests.gateway.fake_worker import Job, answers, running_worker
+from tests.gateway.fake_worker import Behaviour, Job, answers, running_worker
 
 # (the answer begins inside its thinking, the answer, its reasoning, its content)
 CASES = [
@@ -140,6 +140,25 @@ class SpecialThinkTokenizer(ThinkingByteTokenizer):
         self.all_special_ids = sorted(self._SPECIALS)
 
 
+async def _ask_for_json(
+    nats_config: NatsConfig, tokenizer: ByteTokenizer, behaviour: Behaviour
+) -> tuple[Job, Any]:
+    """One chat request with ``response_format: json_object`` through the openai client:
+    the job the worker got, and the reply."""
+    config = gateway_config(nats_config, short__max_seq_len=2048)
+    async with (
+        serve(config, tokenizer) as gw,
+        running_worker(nats_config, "short", behaviour=behaviour) as worker,
+    ):
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        reply = await client.chat.completions.create(
+            model=MODEL, max_tokens=100, response_format={"type": "json_object"},
+            messages=[{"role": "user", "content": "JSON please"}],
+        )  # fmt: skip
+    (job,) = worker.jobs
+    return job, reply
+
+
 async def test_a_guided_answer_of_a_thinking_model_is_shaped_after_its_thinking(
     nats_config: NatsConfig,
 ) -> None:
@@ -156,17 +175,7 @@ async def test_a_guided_answer_of_a_thinking_model_is_shaped_after_its_thinking(
                       usage=job.usage(len(ids)))  # fmt: skip
         await job.worker.nc.publish(job.request.reply, chunk.to_bytes())
 
-    config = gateway_config(nats_config, short__max_seq_len=2048)
-    async with (
-        serve(config, SpecialThinkTokenizer()) as gw,
-        running_worker(nats_config, "short", behaviour=thinks_then_answers) as worker,
-    ):
-        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
-        reply = await client.chat.completions.create(
-            model=MODEL, max_tokens=100, response_format={"type": "json_object"},
-            messages=[{"role": "user", "content": "JSON please"}],
-        )  # fmt: skip
-    (job,) = worker.jobs
+    job, reply = await _ask_for_json(nats_config, SpecialThinkTokenizer(), thinks_then_answers)
     assert job.request.params.guided_kind == "json_schema"
     assert job.request.params.guided_after_token == SpecialThinkTokenizer.CLOSE_ID
     assert job.request.params.skip_special_tokens is False  # the tag reaches the text
@@ -187,18 +196,8 @@ async def test_a_guided_answer_that_cannot_think_keeps_special_tokens_out(
     """Guided from its first token, none of the answer is thinking: its text needs no
     </think>, so special tokens stay out of it as for any request (they were kept for every
     chat request once </think> was a special token)."""
-
-    config = gateway_config(nats_config, short__max_seq_len=2048)
-    async with (
-        serve(config, SpecialThinkAskedTokenizer()) as gw,
-        running_worker(nats_config, "short", behaviour=answers('{"a": 1}')) as worker,
-    ):
-        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
-        reply = await client.chat.completions.create(
-            model=MODEL, max_tokens=100, response_format={"type": "json_object"},
-            messages=[{"role": "user", "content": "JSON please"}],
-        )  # fmt: skip
-    (job,) = worker.jobs
+    tokenizer = SpecialThinkAskedTokenizer()
+    job, reply = await _ask_for_json(nats_config, tokenizer, answers('{"a": 1}'))
     assert job.request.params.guided_after_token is None
     assert job.request.params.skip_special_tokens is not False
     assert json.loads(reply.choices[0].message.content or "") == {"a": 1}
