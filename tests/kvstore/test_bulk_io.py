@@ -277,3 +277,31 @@ def test_the_pool_closes_a_connection_idle_too_long_and_keeps_tcp_alive(
     assert fresh is not conn and fresh.expire_many([b"k"], 10) == ([False], "")
     pool.give(fresh)
     pool.close()
+
+
+def test_a_name_with_several_unreachable_addresses_holds_a_connect_one_timeout() -> None:
+    """Each address was given the whole socket timeout: a name resolving to a few that
+    never answer (an AAAA record without a route) held the engine thread that many times."""
+    from kvstore.resolver import connect
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(0)  # a full backlog: further connects are never answered
+    filler = []
+    for _ in range(3):
+        sock = socket.socket()
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            sock.connect(hole.getsockname())
+        filler.append(sock)
+    time.sleep(0.1)
+    silent: AddrInfo = (socket.AF_INET, socket.SOCK_STREAM, 6, "", hole.getsockname())
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(OSError):
+            connect([silent] * 4, 0.3)
+        took = time.monotonic() - t0
+    finally:
+        for sock in (*filler, hole):
+            sock.close()
+    assert took < 0.6  # one timeout, not four (1.2 s)
