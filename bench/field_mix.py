@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -62,6 +62,22 @@ def task_weights(mix: dict[str, int], turns: int) -> dict[str, int]:
     """Weights per task (what locust picks) that give ``mix`` per request: a conversation
     task sends ``turns`` requests, every other task one."""
     return {kind: w if kind == "conversation" else w * turns for kind, w in mix.items()}
+
+
+def interleaved(weights: dict[str, int]) -> Iterator[str]:
+    """Kinds in the weights' proportions at every length of the sequence, each count within
+    one of its exact share (smooth weighted round robin, as nginx spreads requests over its
+    upstreams). Drawn at random one by one (locust's own pick), a 60 s run of ~730 tasks
+    carried 16.8 % long documents and 24.3 % turns where the mix says 19 and 28.5."""
+    if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
+        raise ValueError(f"weights {weights}: none negative, some positive")
+    current, total = dict.fromkeys(weights, 0), sum(weights.values())
+    while True:
+        for kind, weight in weights.items():
+            current[kind] += weight
+        chosen = max(current, key=current.__getitem__)
+        current[chosen] -= total
+        yield chosen
 
 
 def parse_mix(text: str) -> dict[str, int]:

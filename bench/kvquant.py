@@ -38,8 +38,10 @@ prompts int8 keeps 98.4 % exact (3 answers change, each at a token whose top two
 log-probabilities were within 0.14 nats), on the 46 adversarial ones (typos, vague or
 ambiguous questions, where the model is unsure) 87.0 %; fp8 96.2 % / 63.0 %. The agreement
 set (stdlib Q/A and code, 32 tokens) is the model's least certain text. Rounding only the
-KV to bf16 (simulated) drops golden EM 0.9 and agreement EM 1.5 points: 16-bit KV passes the
-bar, 8-bit does not on this model.
+KV to bf16 (simulated) drops golden EM 0.9 [0.0, 2.2] (2 answers changed) and agreement EM
+1.5 [0.5, 2.8] points: even 16-bit KV is not shown to be under the bar on this model (only
+its golden point estimate is), so the bar sits at this model's own noise; 8-bit is well
+over it.
 
 Simulated schemes on the fp32 model (golden EM / agreement EM drop; the calibrated ones
 calibrated on 64 stdlib excerpts holding no measured answer): fp8 per token per head 10.4 / 16.8
@@ -86,8 +88,11 @@ from bench.kvquant_schemes import (
     simulating,
 )
 from bench.make_golden import OUT as GOLDEN
+from bench.make_golden import fingerprint
 from bench.paired_bootstrap import paired_drop
+from bench.provenance import git_state
 from bench.rouge import rouge_l
+from bench.serve_stack import machine_info
 from workers.engine import LLM, SamplingParams
 from workers.engine.kernels.kv_quant import KV_QUANT_DTYPES, QMAX, dequantize, quantize
 
@@ -317,6 +322,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[tuple[str, str], Run] = {}
     report: dict[str, Any] = {
         "python": sys.version.split()[0],  # the stdlib the code and calibration text come from
+        # Which weights and code: the figures moved 15.2 -> 3.9 points with a retrained
+        # checkpoint, and nothing in the file said which one made them.
+        "model_fingerprint": fingerprint(Path(args.model))
+        if Path(args.model, "config.json").is_file()
+        else None,
+        "git": git_state(),
+        "torch": torch.__version__,
+        "machine": machine_info(),
         "kv_bytes_per_token": {},
         "golden": {},
         "agreement": {},
@@ -403,6 +416,10 @@ def _simulate(
             "golden": golden(work.golden_rows, run, base),
             "agreement": agreement(run, base),
         }
+        # Judged as the real runs are: a point estimate under the bar is not the bar met
+        # (bf16 alone passed golden EM at 0.87 while its agreement interval was 0.5-2.75).
+        for measure in ("golden", "agreement"):
+            entry[measure]["target_met"] = target(entry[measure])
         if name in SHIPPED and ("float32", SHIPPED[name]) in runs:
             real = runs["float32", SHIPPED[name]]
             entry["reproduces_real_run"] = (run.tokens, run.golden_texts) == (

@@ -2,9 +2,10 @@
 
 Of the requests the users send, invalid ones make 5 %, and of the valid ones long-document
 QA makes 20 %, the turns of multi-turn conversations that resend their whole history every
-turn 30 %, short generations 50 % (19 / 28.5 / 47.5 % of all; locust picks tasks: a
-conversation task, ``--turns`` requests, is weighted down by its turns,
-``bench.field_mix.task_weights``): malformed JSON, wrong types, unknown parameters, out-of-range values, empty
+turn 30 %, short generations 50 % (19 / 28.5 / 47.5 % of all; tasks come in one
+interleaved sequence per process that keeps these shares at every moment of the run,
+``bench.field_mix.interleaved``, a conversation task, ``--turns`` requests, weighted down
+by its turns, ``bench.field_mix.task_weights``): malformed JSON, wrong types, unknown parameters, out-of-range values, empty
 messages, over-long prompts. Valid requests stream; invalid ones must get a 4xx — a 5xx, a
 2xx or a hang (``--invalid-timeout-s``) is a failure. Besides each request's end-to-end time
 (its own row), TTFT and inter-token latency are recorded as custom events, so they show up
@@ -45,10 +46,11 @@ import itertools
 import json
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from locust import HttpUser, between, events
+from locust import HttpUser, TaskSet, between, events
 
 from bench.field_mix import (
     INVALID_KINDS,
@@ -56,6 +58,7 @@ from bench.field_mix import (
     QA,
     DocumentCache,
     StreamClock,
+    interleaved,
     invalid_request,
     keyed_document,
     load_qa,
@@ -139,10 +142,18 @@ def _apply_mix(environment: Any, **_: Any) -> None:
         return
     if options.long_doc_pool < 0:
         raise ValueError("--long-doc-pool must be 0 (a new document each request) or more")
-    weights = task_weights(parse_mix(options.mix), options.turns)
-    FieldMixUser.tasks = [
-        getattr(FieldMixUser, name) for name, weight in weights.items() for _ in range(weight)
-    ]
+    FieldMixUser.order = interleaved(task_weights(parse_mix(options.mix), options.turns))
+
+
+def _next_of_the_mix(tasks: TaskSet) -> None:
+    """The next kind of this process's one sequence (``bench.field_mix.interleaved``), run
+    by the user: the mix's proportions hold at any moment of the run. Locust's own pick, at
+    random from a weighted list, drifted from the mix by several points a minute."""
+    getattr(tasks.user, next(FieldMixUser.order))()
+
+
+class InterleavedTasks(TaskSet):
+    tasks = [_next_of_the_mix]  # noqa: RUF012 (locust declares it an instance variable)
 
 
 class FieldMixUser(HttpUser):
@@ -236,12 +247,10 @@ class FieldMixUser(HttpUser):
             else:
                 resp.failure(f"{kind}: HTTP {resp.status_code} (want 4xx): {resp.text[:200]}")
 
-    # A weighted task list (locust picks one uniformly) for the default 3 turns; _apply_mix
-    # rebuilds it from --mix and --turns.
-    _weights = task_weights(MIX, 3)
-    tasks: list[Any] = [long_doc] * _weights["long_doc"]
-    tasks += [conversation] * _weights["conversation"]
-    tasks += [short] * _weights["short"] + [invalid] * _weights["invalid"]
+    # The order of task kinds for the default 3 turns; _apply_mix makes it again from --mix
+    # and --turns.
+    order: ClassVar[Iterator[str]] = interleaved(task_weights(MIX, 3))
+    tasks = [InterleavedTasks]  # noqa: RUF012 (as above)
 
     # --- streaming ---------------------------------------------------------------------------
 

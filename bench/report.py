@@ -30,7 +30,7 @@ from bench.replicas import top_step_was_a_retry, without_retries
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KNOWN = ("engine", "kernels", "serve", "replicas", "kvtier", "incident", "policies", "golden",
-         "tracing_overhead", "locust")  # fmt: skip
+         "tracing_overhead", "locust", "kvquant")  # fmt: skip
 # How each benchmark is run when its JSON does not record the command line.
 DEFAULT_COMMANDS = {
     "engine": "python -m bench.engine --model bench/models/pystd-tiny --out engine.json",
@@ -236,10 +236,16 @@ def section_engine(doc: Doc, png: Path) -> list[str]:
 
 def section_locust(doc: Doc, png: Path) -> list[str]:
     head = [doc["summary"]] if doc.get("summary") else []
-    # Locust's "Aggregated" row pools requests with the TTFT/ITL timing events and the
-    # invalid requests' 4xx answers: its percentiles describe nothing, so it is left out.
-    rows = [[r["Type"], r["Name"], r["Request Count"], r["Failure Count"], r["Median Response Time"],
-             r.get("95%"), r.get("99%")] for r in doc["rows"] if r["Name"] != "Aggregated"]  # fmt: skip
+    by_request = doc.get("result", {}).get("by_request")
+    if by_request:  # the run's own rows (a CSV named by a bare file name was another run's)
+        rows = [[*key.split(" ", 1), v["requests"], v["failures"], v["p50_ms"], v["p95_ms"],
+                 v["p99_ms"]] for key, v in by_request.items()]  # fmt: skip
+    else:
+        # Locust's "Aggregated" row pools requests with the TTFT/ITL timing events and the
+        # invalid requests' 4xx answers: its percentiles describe nothing, so it is left out.
+        rows = [[r["Type"], r["Name"], r["Request Count"], r["Failure Count"],
+                 r["Median Response Time"], r.get("95%"), r.get("99%")]
+                for r in doc.get("rows", []) if r["Name"] != "Aggregated"]  # fmt: skip
     return [
         *head,
         table(["type", "name", "requests", "failures", "median ms", "p95 ms", "p99 ms"], rows),
@@ -264,6 +270,41 @@ def generic(doc: Doc, limit: int = 24) -> list[str]:
     return lines or ["(no scalar figures)"]
 
 
+def section_kvquant(doc: Doc, png: Path) -> list[str]:
+    """Each quantised KV's drop against its model dtype's own KV, with its interval, real
+    runs then simulated schemes: the headline of bench.kvquant, past the generic lines'
+    limit before."""
+    if "golden" not in doc:
+        return generic(doc)
+
+    def drop(entry: Doc, key: str) -> str:
+        d = entry.get("drop", {}).get(key)
+        return f"{d['points']:.2f} [{d['ci95_low']:.2f}, {d['ci95_high']:.2f}]" if d else "-"
+
+    bar = doc.get("target_drop_points", 1)
+
+    def met(entry: Doc) -> str:  # bench.kvquant.target's strict reading: whole intervals
+        drops = entry.get("drop", {}).values()
+        return "yes" if drops and all(d["ci95_high"] < bar for d in drops) else "no"
+
+    rows = [
+        [model, kv, drop(g, "exact_match"), drop(g, "rouge_l"),
+         drop(doc["agreement"].get(model, {}).get(kv, {}), "exact_match"), met(g)]
+        for model, by_kv in doc["golden"].items() for kv, g in by_kv.items() if kv != "auto"
+    ]  # fmt: skip
+    for name, entry in (doc.get("simulated_schemes") or {}).items():
+        rows.append(["float32 (simulated)", name, drop(entry["golden"], "exact_match"),
+                     drop(entry["golden"], "rouge_l"), drop(entry["agreement"], "exact_match"),
+                     met(entry["golden"])])  # fmt: skip
+    head = ["model", "KV", "golden EM drop", "golden ROUGE-L drop", "agreement EM drop",
+            "golden under the bar"]  # fmt: skip
+    return [
+        f"Drops in points against the same model's unquantised KV, [95 % interval]; "
+        f"the bar: under {bar:g} point, the whole interval included.",
+        table(head, rows),
+    ]
+
+
 SECTIONS: dict[str, Callable[[Doc, Path], list[str]]] = {
     "policies": section_policies,
     "golden": section_golden,
@@ -271,6 +312,7 @@ SECTIONS: dict[str, Callable[[Doc, Path], list[str]]] = {
     "replicas": section_replicas,
     "engine": section_engine,
     "locust": section_locust,
+    "kvquant": section_kvquant,
 }
 
 
