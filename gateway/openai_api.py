@@ -608,7 +608,13 @@ class ChatCompletionRequest(_SamplingBody):
             # A tool's "#/$defs/X" pointers name its own root; nested in the list schema
             # they must find its definitions at the new root (pydantic writes them so).
             for key in ("$defs", "definitions"):
-                for name, definition in (parameters.pop(key, None) or {}).items():
+                found = parameters.pop(key, None) or {}
+                if not isinstance(found, dict):  # {"$defs": 5}: a 500 from .items() before
+                    raise InvalidRequestError(
+                        f"tools: {f.name!r}'s parameters.{key} must be an object of schemas",
+                        param="tools",
+                    )
+                for name, definition in found.items():
                     if defs.setdefault(f"{key}/{name}", definition) != definition:
                         raise InvalidRequestError(
                             f"tools define {key} {name!r} twice, differently: tool_choice "

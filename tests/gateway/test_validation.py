@@ -128,6 +128,15 @@ BAD_PARAMETERS = [
     ("chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    # Forced calls gather the tools' definitions: one not an object raised a 500.
+    (
+        "chat/completions",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": 5}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
     ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
     ("chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("completions", {"guided_regex": "("}, "guided_regex"),
