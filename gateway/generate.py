@@ -1025,6 +1025,10 @@ def _tool_calls(
     if body.forces_call():
         new_id = mistral_call_id if fmt == "mistral" else call_id  # its templates' ids
         return ForcedCalls(parallel, function=body.forced_function(), new_id=new_id)
+    if body.guided() is not None:
+        # The answer's shape is the client's schema, not the model's call format: guided
+        # JSON with a "name" key was read as a llama3_json call to a tool of that name.
+        return None
     return tool_call_stream(fmt, parallel=parallel) if fmt is not None else None
 
 

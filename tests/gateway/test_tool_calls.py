@@ -409,6 +409,31 @@ async def test_a_llama31_answer_that_is_a_call_comes_back_as_one(nats_config: Na
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+async def test_a_guided_answer_with_tools_offered_is_content_not_a_call(
+    nats_config: NatsConfig,
+) -> None:
+    """Tools offered (``auto``) and the answer guided by the client's JSON schema (the
+    Agents SDK's structured output): the schema's object, ``{"name": "Alice", ...}``, was
+    read as a llama3_json call to a tool named Alice, and the client got no content."""
+    person = '{"name": "Alice", "age": 30}'
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}}}  # fmt: skip
+    async with (
+        serve(gateway_config(nats_config, short__max_seq_len=2048), Llama31ByteTokenizer()) as gw,
+        running_worker(nats_config, "short", behaviour=answers(person)),
+    ):
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        reply = await client.chat.completions.create(
+            model=MODEL, max_tokens=200, tools=TOOLS,
+            messages=[{"role": "user", "content": "Who?"}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": schema}},
+        )  # fmt: skip
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "stop" and not message.tool_calls
+    assert json.loads(message.content or "") == {"name": "Alice", "age": 30}
+
+
 class SpecialTagByteTokenizer(HermesByteTokenizer):
     """A Hermes model whose call tags are special tokens (dropped from text by default)."""
 
