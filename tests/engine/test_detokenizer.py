@@ -515,3 +515,26 @@ def test_random_byte_streams_new_and_redelivered_at_every_cut_add_up_to_the_deco
                 tok, prompt + ids[:k], stop, skip, resumed_tokens=k, delivered_text_len=len(sent)
             )
             assert sent + sent_text(req, ids[k:], end=True) == whole, (prompt, ids, stop, k)
+
+
+def test_a_guided_output_completed_by_eos_keeps_the_eos_out_of_its_text_with_ignore_eos() -> None:
+    """The grammar allows EOS where it accepts but could go on (``a+``); with ``ignore_eos``
+    that EOS was no stop, so its text (``skip_special_tokens`` off, as tool-calling models
+    have it) joined the output, which then broke the regex it was guided by."""
+    from types import SimpleNamespace
+
+    from common.detokenizer import IncrementalDetokenizer
+    from workers.engine.sampling_params import SamplingParams
+    from workers.engine.stopping import settle_token
+
+    tok = ByteTokenizer()
+    params = SamplingParams(ignore_eos=True, skip_special_tokens=False)
+    req = SimpleNamespace(params=params, stop_matcher=None, stop_reason=None, num_output_tokens=0,
+                          detokenizer=IncrementalDetokenizer(tok, [104], skip_special_tokens=False))  # fmt: skip
+    text, reason = "", None
+    for token, complete in ((ord("a"), False), (tok.EOS, True)):
+        req.num_output_tokens += 1
+        piece, reason = settle_token(req, token, {tok.EOS}, False, primary_eos=tok.EOS,
+                                     complete=complete)  # fmt: skip
+        text += piece
+    assert (text, reason) == ("a", "stop")

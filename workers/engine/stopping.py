@@ -38,7 +38,9 @@ def settle_token(
     params = req.params
     reason: str | None = None
     armed = req.num_output_tokens > params.min_tokens
-    if armed and not params.ignore_eos and token in eos_token_ids:
+    # An EOS that completed a guided output ends it as any EOS does, ignore_eos or not: its
+    # text (specials kept) joined the output and broke the grammar it was guided by.
+    if token in eos_token_ids and ((armed and not params.ignore_eos) or complete):
         reason = "stop"
         if token != primary_eos:
             req.stop_reason = token
