@@ -296,3 +296,26 @@ def test_a_request_preempted_for_an_urgent_one_still_gives_transformers_tokens(
     for rid, prompt in zip(("low-a", "low-b", "urgent"), batch, strict=True):
         assert outs[rid] == hf_greedy(path, prompt, 10), rid
     assert engine.pool.num_used_blocks == 0
+
+
+def test_no_one_is_preempted_for_a_head_whose_tier_hit_will_not_fit() -> None:
+    """The head's KV-tier hit needs blocks too, and its lookup came only at admission: the
+    estimate without it preempted a victim, then the head with its tier prefix did not fit,
+    and the victim waited behind it having lost its cache for nothing."""
+    from tests.engine.test_batcher import SlowLoadingTier
+
+    clock = Clock()
+    pool = BlockPool(14, BS, watermark=0.0)
+    b = Batcher(pool, "hybrid", 4, 8, 0.0, clock, priority_preemption=True,
+                kv_tier=SlowLoadingTier(clock, load_s=0.0))  # fmt: skip
+    b.add(req("a", 32, max_tokens=50, priority=0, arrival=1.0))
+    b.add(req("v", 12, max_tokens=50, priority=5, arrival=2.0))
+    while len([r for r in b.running if r.num_output_tokens > 0]) < 2:
+        run(b)
+    run(b)  # both decoding, for a few steps more without a new block
+    assert pool.num_free_blocks == 1  # too few for a 6-token chunk without preemption
+    # 41 tokens, 40 of them in the tier: 11 blocks, more than the victim's would free.
+    b.add(req("head", 41, max_tokens=4, priority=1, arrival=3.0))
+    run(b)
+    assert b.num_priority_preemptions == 0
+    assert {r.request_id for r in b.running} == {"a", "v"}

@@ -296,10 +296,10 @@ class Batcher:
         pool = self.pool
         hit_blocks, hit_tokens = pool.get_computed_blocks(head)
         hits = set(hit_blocks)
-        # Its KV-tier hit needs blocks too: the answer a failed admission left (none is
-        # asked here, a Redis round trip a step).
-        seen = self._tier_seen.get(head.request_id)
-        tier = seen[2] if seen is not None and seen[:2] == (head.num_tokens, len(hit_blocks)) else 0
+        # Its KV-tier hit needs blocks too. Asked here when not known yet (a fresh arrival):
+        # counted as none, a victim went for a head that then did not fit with its tier
+        # prefix. The answer is kept a second, so the admission below asks nothing again.
+        tier = self._tier_lookup(head, len(hit_blocks))
         todo = head.num_tokens - hit_tokens - tier
         # A hit on a free named block takes it off the free list too.
         revived = sum(1 for b in hit_blocks if pool.blocks[b].ref_count == 0)
