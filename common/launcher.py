@@ -88,6 +88,12 @@ class Child:
             self.proc.wait()
 
 
+# Every child runs ``python -m <package>``, which puts the working folder first on the
+# import path: started from a project with its own ``common/`` (or ``gateway/``...), each
+# child imported that one and died with a traceback. Safe path: the installed packages.
+CHILD_PYTHON = {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
+
+
 def parse_replicas(text: str, config: Config) -> dict[str, int]:
     """``"short=2,long=1"`` → per-group counts; groups not named get one replica."""
     counts = dict.fromkeys(config.groups, 1)
@@ -362,7 +368,7 @@ def _run(args: argparse.Namespace) -> int:
         QOS_NATS__URL=nats.url,
         QOS_REDIS__URL=redis.url,
         **LOCAL_SERVERS_OPEN,
-        PYTHONUNBUFFERED="1",
+        **CHILD_PYTHON,
         # Several torch processes share the cores: one thread each avoids oversubscription.
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
     )

@@ -457,3 +457,22 @@ def test_an_up_stack_waits_out_the_launchers_ordered_stop_before_killing_it() ->
             assert stack.stop_timeout_s > worst
         finally:
             stack.stop()
+
+
+def test_children_import_the_installed_packages_whatever_folder_the_stack_starts_in(
+    tmp_path: Path,
+) -> None:
+    """``python -m scheduler`` puts the working folder first on the import path: started from
+    a project with a ``common/`` package of its own, every child imported that one and died
+    with a traceback while NATS and Redis were already up."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "__init__.py").write_text("")
+    (tmp_path / "common" / "config.py").write_text("# another project's\n")
+    env = {**os.environ, **launcher.CHILD_PYTHON}
+    done = subprocess.run([sys.executable, "-m", "scheduler", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
