@@ -1477,10 +1477,19 @@ def load_config(
     source = "defaults"
     if path is not None:
         file = Path(path)
+        if file.exists() and not file.is_file():
+            raise ConfigError(f"config file {file}: not a file")
         if not file.is_file():
             raise ConfigError(f"config file not found: {file}")
         try:
-            loaded = yaml.safe_load(file.read_text()) or {}
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:  # unreadable, or UTF-16 from PowerShell
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+            raise ConfigError(
+                f"config file {file}: cannot read it ({reason}); it must be UTF-8 YAML"
+            ) from None
+        try:
+            loaded = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             # The problem and where, not the parser's snippet: that line may hold a secret.
             mark = getattr(exc, "problem_mark", None)

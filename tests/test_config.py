@@ -209,6 +209,32 @@ def test_a_yaml_error_does_not_quote_the_line(tmp_path: Path) -> None:
     assert "s3cr3t" not in info.value.message
 
 
+def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A UTF-16 file (PowerShell 5.1's ``>``) or one the user may not read raised a raw
+    UnicodeDecodeError or PermissionError: a traceback where every other mistake in the
+    file is one line."""
+    utf16 = tmp_path / "qos.yaml"
+    utf16.write_text("gateway: {port: 9000}\n", encoding="utf-16")
+    with pytest.raises(ConfigError, match=re.escape("qos.yaml: cannot read it (not UTF-8)")):
+        load_config(utf16, env={})
+    locked = tmp_path / "locked.yaml"
+    locked.write_text("{}")
+
+    def denied(self: Path, *args: object, **kwargs: object) -> str:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(
+        ConfigError, match=re.escape("locked.yaml: cannot read it (Permission denied)")
+    ):
+        load_config(locked, env={})
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="not a file"):
+        load_config(tmp_path, env={})
+
+
 def test_changed_settings_load_back_into_the_same_config(tmp_path: Path) -> None:
     """--changed printed every group in full for one changed key, and dropped
     groups_replace_defaults (set from the environment it did nothing at all)."""
