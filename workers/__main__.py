@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML config file (else $QOS_CONFIG, else defaults)")
     p.add_argument("--group", required=True, help="instance group to serve (e.g. short)")
     p.add_argument("--model", help="model folder, dummy:<shape> or demo (default worker.model)")
-    p.add_argument("--engine", choices=("real", "sim"), default="real", help="engine kind")
+    p.add_argument("--engine", choices=("real", "sim"), default="real",
+                   help="engine kind (default real; sim: a timed simulation, no model run)")  # fmt: skip
     p.add_argument("--worker-id", default=None, help="default <hostname>-<pid>")
     p.add_argument("--nats-url", help="overrides nats.url")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default worker.device)")
@@ -78,12 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=("static", "dynamic", "continuous", "hybrid"),
                    help="batching policy (default: the group's)")  # fmt: skip
     p.add_argument("--max-batch", type=_positive_int,
-                   help="engine batch size (default: the largest group's; a group's own applies)")  # fmt: skip
+                   help="engine batch size (default: the largest group's); a group's max_batch "
+                        "still caps what runs: raise groups.<group>.max_batch to run more")  # fmt: skip
     p.add_argument("--max-seq-len", type=_positive_int,
-                   help="context length (default: the longest group's, within the model's)")  # fmt: skip
-    p.add_argument("--grace-s", type=float, default=30.0, help="drain grace period on SIGTERM")
+                   help="context length (default: the longest group's, within the model's); a "
+                        "group's max_seq_len still caps its requests")  # fmt: skip
+    p.add_argument("--grace-s", type=float, default=30.0,
+                   help="seconds to drain on SIGTERM before requests are handed back (default 30)")  # fmt: skip
     p.add_argument("--engine-stuck-s", type=float, default=60.0,
-                   help="one engine step this long is a hung device: hand requests back, exit 1")  # fmt: skip
+                   help="seconds one engine step may take before the device counts as hung: "
+                        "requests handed back, exit 1 (default 60)")  # fmt: skip
     p.add_argument(
         "--coalesce-ms", type=float, help="chunk coalescing (default worker.coalesce_ms)"
     )
@@ -91,16 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     from workers.sim import SimCost
 
     fitted = SimCost()  # an H200 running a 1B model (workers/sim.py)
-    sim.add_argument(
-        "--sim-base-ms", type=float, default=fitted.base_s * 1e3, help="fixed cost of a step"
-    )
-    sim.add_argument(
-        "--sim-prefill-us-per-token", type=float, default=fitted.prefill_s_per_token * 1e6
-    )
-    sim.add_argument("--sim-decode-us-per-seq", type=float, default=fitted.decode_s_per_seq * 1e6)
+    sim.add_argument("--sim-base-ms", type=float, default=fitted.base_s * 1e3,
+                     help="fixed cost of a step, ms (default %(default).3g: an H200, 1B model)")  # fmt: skip
+    sim.add_argument("--sim-prefill-us-per-token", type=float,
+                     default=fitted.prefill_s_per_token * 1e6,
+                     help="cost of a prompt token, µs (default %(default).3g)")  # fmt: skip
+    sim.add_argument("--sim-decode-us-per-seq", type=float, default=fitted.decode_s_per_seq * 1e6,
+                     help="cost of a running sequence a step, µs (default %(default).3g)")  # fmt: skip
     sim.add_argument("--sim-slowdown-ms", type=float, default=0.0, help="extra time per step")
     sim.add_argument("--tokenizer", help="tokenizer folder for sim text (default: the model's)")
-    p.add_argument("--metrics-port", type=int, help="/metrics port (default worker.metrics_port)")
+    p.add_argument("--metrics-port", type=int,
+                   help="/metrics port, 0 = a free one (default worker.metrics_port)")  # fmt: skip
     add_log_flags(p)
     return p
 
@@ -240,6 +246,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--group {args.group!r}: not one of {sorted(config.groups)}")
         if args.worker_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", args.worker_id):
             raise ConfigError(f"--worker-id {args.worker_id!r}: use [A-Za-z0-9_-]{{1,128}}")
+        group = config.groups[args.group]
+        if args.max_batch is not None and args.max_batch > group.max_batch:
+            # Said, not silently capped: the group's limit applies to every replica in it.
+            log.warning("--max-batch %d: group %s runs at most %d at a time "
+                        "(groups.%s.max_batch)", args.max_batch, args.group, group.max_batch,
+                        args.group)  # fmt: skip
         return runtime.run(serve(config, args))
     except ConfigError as exc:
         print(f"qosserve-worker: {exc.message}", file=sys.stderr)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from common.config import Config, WorkerConfig, default_groups
@@ -87,3 +89,25 @@ async def test_a_replica_moved_to_another_group_takes_its_batcher_settings() -> 
     finally:
         await bridge.stop()
     assert settings == (False, 0.0)
+
+
+def test_a_max_batch_over_the_groups_is_said_not_silently_capped(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine was built for --max-batch 16, then the long group's limit of 2 capped what
+    ran, and nothing said so: the README read as if the flag overrode it."""
+    import logging
+
+    import workers.__main__ as worker_main
+
+    def started(coro: Any) -> int:
+        coro.close()  # not run: the warning comes before the service starts
+        return 0
+
+    monkeypatch.setattr(worker_main.runtime, "run", started)
+    monkeypatch.setattr(worker_main, "init_tracing", lambda *a, **k: None)
+    monkeypatch.setattr(worker_main, "setup_logging", lambda *a, **k: None)
+    with caplog.at_level(logging.WARNING, logger="workers"):
+        assert worker_main.main(["--group", "long", "--max-batch", "16", "--engine", "sim",
+                                 "--model", "dummy:tiny"]) == 0  # fmt: skip
+    assert any("groups.long.max_batch" in r.getMessage() for r in caplog.records)
