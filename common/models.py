@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.errors import ConfigError
+from common.model_specs import hf_config
 
 DEMO_MODEL_NAME = "pystd-tiny"
 
@@ -32,11 +33,10 @@ def resolve_model(spec: str) -> str:
 
 
 def check_model_folder(spec: str) -> None:
-    """A worker's model: a dummy spec, or a folder with ``config.json`` (a gateway needs only
-    the tokenizer's files); ConfigError otherwise, before anything starts."""
-    resolve_model(spec)
-    if not spec.startswith("dummy:") and not (Path(spec) / "config.json").is_file():
-        raise ConfigError(f"model {spec!r}: no config.json in that folder")
+    """A worker's model: a known dummy spec, or a folder whose ``config.json`` the engine
+    can serve (a gateway needs only the tokenizer's files); ConfigError otherwise, before
+    anything starts."""
+    hf_config(resolve_model(spec))
 
 
 def served_name(spec: str) -> str:

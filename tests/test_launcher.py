@@ -313,7 +313,7 @@ def test_a_model_folder_that_is_not_one_is_one_line_and_starts_nothing(
                           "--state-dir", str(tmp_path / "state")])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
-    assert ("no such folder" if folder == "nowhere" else "no config.json") in err
+    assert ("no such folder" if folder == "nowhere" else "needs config.json") in err
     assert not (tmp_path / "state" / "nats").exists()
 
 
@@ -476,3 +476,24 @@ def test_children_import_the_installed_packages_whatever_folder_the_stack_starts
     done = subprocess.run([sys.executable, "-m", "scheduler", "--help"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("model", ["dummy:tinyy", "quantized"])
+def test_a_model_the_engine_cannot_serve_is_one_line_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    """Only the spec's form was checked: the stack started (NATS, Redis, scheduler, workers,
+    gateway), every worker died on the typo or the quantized checkpoint, and up said 1."""
+    if model == "quantized":
+        folder = tmp_path / "quantized"
+        folder.mkdir()
+        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                  "quantization_config": {"quant_method": "awq"}}  # fmt: skip
+        (folder / "config.json").write_text(json.dumps(config))
+        model = str(folder)
+    code = launcher.main(["--model", model, "--port", "0",
+                          "--state-dir", str(tmp_path / "state")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "unknown dummy model" in err or "quantized checkpoints" in err
+    assert not (tmp_path / "state" / "nats").exists()  # no server was started
