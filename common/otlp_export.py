@@ -91,8 +91,8 @@ class OtlpSettings:
                 endpoint = signal.strip()
             else:
                 endpoint = (base or "http://localhost:4318").strip().rstrip("/") + "/v1/traces"
-            url = urlsplit(endpoint)
-            if url.scheme not in ("http", "https") or not url.hostname:
+            target = urlsplit(endpoint)
+            if target.scheme not in ("http", "https") or not target.hostname:
                 raise ValueError(f"OTEL_EXPORTER_OTLP_ENDPOINT={endpoint!r}: not an http(s) URL")
         compression = (var("COMPRESSION") or "none").lower()
         if compression not in ("none", "gzip", "deflate") or (
