@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from common.services import (
     die_with_parent,
     free_port,
     log_tail,
+    port_in_use,
 )
 
 log = logging.getLogger("qosserve.up")
@@ -229,27 +229,6 @@ def _health(url: str) -> dict | None:
         return None
 
 
-def _port_in_use(host: str, port: int) -> bool:
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        # As uvicorn binds: a port left in TIME_WAIT by the last run (its readiness probes)
-        # is free to take; one a process listens on is still refused.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OverflowError:
-            raise ConfigError(f"--port {port}: must be in 0-65535") from None
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return True
-            # Not "in use": an address this machine does not have, a name that resolves
-            # to nothing; said as such, not as a port to free.
-            raise ConfigError(f"the gateway cannot listen on {host}:{port}: {exc}") from None
-    return False
-
-
 def _nvidia_gpu_present() -> bool:
     """An NVIDIA driver is loaded: a hint, read without importing torch into the launcher
     (seconds of start-up for one line of advice)."""
@@ -335,10 +314,10 @@ def _run(args: argparse.Namespace) -> int:
     # A bad flag is one line before anything starts, not a stack whose workers all exit 2.
     with_settings(config, "flags", worker={"device": device})
     served = settings.served_model_name
-    if _port_in_use(host, port):
+    if port_in_use(host, port):
         raise ConfigError(
             f"the gateway's port {port} on {host} is in use (another `qosserve up`?); "
-            "stop it or pass --port"
+            "stop it, or pass --port and a --state-dir of its own"
         )
     model = model_name if args.engine == "sim" else resolve_model(model_name)
     if args.engine != "sim":

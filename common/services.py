@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import errno
 import functools
 import http.client
 import importlib
@@ -167,6 +168,27 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a process listens on ``host:port`` (a gateway's port, checked before anything
+    starts); ConfigError for an address this machine cannot listen on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        # As uvicorn binds: a port left in TIME_WAIT by the last run (its readiness probes)
+        # is free to take; one a process listens on is still refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OverflowError:
+            raise ConfigError(f"--port {port}: must be in 0-65535") from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            # Not "in use": an address this machine does not have, a name that resolves
+            # to nothing; said as such, not as a port to free.
+            raise ConfigError(f"the gateway cannot listen on {host}:{port}: {exc}") from None
+    return False
 
 
 def die_with_parent(parent_pid: int) -> Callable[[], None]:

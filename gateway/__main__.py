@@ -15,6 +15,7 @@ from common.config import Config, load_config, with_settings
 from common.errors import ConfigError
 from common.logging import add_log_flags, log_config_from, setup_logging
 from common.models import resolve_model, served_name
+from common.services import port_in_use
 from common.tokenizer import load_tokenizer
 from common.tracing import init_tracing
 
@@ -55,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             config.log.access_log = False
         setup_logging("gateway", config.log)
         init_tracing("qosserve-gateway")
+        # Before NATS: uvicorn binds only after the app's start-up, then exits 3.
+        if port_in_use(config.gateway.host, config.gateway.port):
+            raise ConfigError(
+                f"port {config.gateway.port} on {config.gateway.host} is in use; stop what "
+                "listens there or pass --port"
+            )
     except (ConfigError, ValueError) as exc:
         print(f"qosserve-gateway: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import pytest
 from common import launcher
 from common.config import load_config
 from common.errors import ConfigError
+from common.services import port_in_use
 
 
 def settings(tmp_path: Path, yaml_text: str, argv: list[str], env: dict[str, str] | None = None):
@@ -124,7 +125,7 @@ def test_a_port_the_last_run_left_in_time_wait_is_free_and_port_0_picks_one(
     conn.close()  # the server closes first: its side waits
     client.close()
     server.close()
-    assert not launcher._port_in_use("127.0.0.1", port)
+    assert not port_in_use("127.0.0.1", port)
     got = settings(tmp_path, "gateway: {port: 0}\n", [])
     assert got.port > 0
 
@@ -497,3 +498,20 @@ def test_a_model_the_engine_cannot_serve_is_one_line_and_starts_nothing(
     assert code == 2 and "Traceback" not in err
     assert "unknown dummy model" in err or "quantized checkpoints" in err
     assert not (tmp_path / "state" / "nats").exists()  # no server was started
+
+
+def test_a_standalone_gateway_on_a_busy_port_is_one_line_before_it_reaches_nats(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """uvicorn binds only after the app's start-up (NATS, streams), then exits 3 with a log
+    line: the same mistake was rc 2 and one line from ``qosserve up``."""
+    from gateway.__main__ import main as gateway_main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # No NATS at this URL: reaching for it would fail differently (rc 1).
+        code = gateway_main(["--port", str(port), "--host", "127.0.0.1"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"port {port}" in err and "Traceback" not in err
