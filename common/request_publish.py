@@ -9,6 +9,7 @@ its sequence, and the request is served or cleaned up as any other.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -49,6 +50,12 @@ async def publish_request(
             ack = await js.publish(
                 subject, payload, timeout=timeout, stream=stream, headers=headers
             )
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # nats-py waits for the ack with asyncio.wait_for, which on 3.11 returns a
+                # result that came with a cancel and drops the cancel: the caller's cancel
+                # (or timeout) was lost and the call ran on. Said again here.
+                raise asyncio.CancelledError
             return ack, attempt
         except nats.errors.TimeoutError:
             if attempt + 1 == PUBLISH_ATTEMPTS or deadline - time.monotonic() < 0.2:

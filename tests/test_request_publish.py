@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import nats
@@ -62,3 +63,29 @@ async def test_a_request_whose_headers_take_it_past_max_payload_is_refused_alone
             assert ack.seq == 1 and nc.is_connected
         finally:
             await nc.close()
+
+
+async def test_a_cancel_that_came_with_the_ack_is_not_lost() -> None:
+    """nats-py waits for JetStream's ack with asyncio.wait_for, which on Python 3.11 returns
+    a result that arrives with a cancel and drops the cancel: a caller's cancel or timeout
+    during the publish was lost and the call ran on."""
+    import asyncio
+    import contextlib
+
+    inside = asyncio.Event()
+
+    class SwallowingPublish:
+        async def publish(self, *args: Any, **kwargs: Any) -> Any:
+            inside.set()
+            with contextlib.suppress(asyncio.CancelledError):  # the ack came with it
+                await asyncio.sleep(10)
+            return SimpleNamespace(seq=1, duplicate=False)
+
+    js: Any = SwallowingPublish()
+    call = asyncio.ensure_future(
+        publish_request(js, "s", b"x", {"Nats-Msg-Id": "r"}, time.monotonic() + 10)
+    )
+    await inside.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
