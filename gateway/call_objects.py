@@ -43,9 +43,14 @@ def call_piece(name: str, arguments: str, call_id: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def read_call(obj: object, new_id: Callable[[], str]) -> dict[str, Any] | None:
-    """A decoded object's call, or None when it is none (no name)."""
+def read_call(
+    obj: object, new_id: Callable[[], str], needs_arguments: bool = False
+) -> dict[str, Any] | None:
+    """A decoded object's call, or None when it is none (no name; no arguments when
+    ``needs_arguments``)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    if needs_arguments and "arguments" not in obj and "parameters" not in obj:
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(arguments, str):  # OpenAI's arguments are a JSON string
@@ -87,6 +92,9 @@ class CallObjects:
     between: str = ""
     listed: bool = False
     named: bool = False  # calls may be Mistral v11's name[ARGS]{...}
+    # An object is a call only with its arguments (llama3_json: no tag says it is one, and
+    # a JSON answer with a "name" key was a call to a tool of that name; vLLM's rule).
+    needs_arguments: bool = False
     read: int = 0  # calls read so far
     _text: str = ""  # not read yet: the object being read begins it (less arguments sent)
     _state: str = "between"  # "between" objects, in an "object", or all "text" now
@@ -185,7 +193,7 @@ class CallObjects:
         if self._streaming:
             return True  # streamed: what follows its arguments is no part of the call
         try:
-            call = read_call(json.loads(obj_text), self.new_id)
+            call = read_call(json.loads(obj_text), self.new_id, self.needs_arguments)
         except (ValueError, RecursionError):
             call = None
         if call is None:

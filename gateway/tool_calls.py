@@ -198,9 +198,14 @@ class HeldCalls(ToolCallStream):
     _held: list[str] = field(default_factory=list)  # the text since the marker, no call read
 
     def _begin(
-        self, marker: str, between: str = "", listed: bool = False, named: bool = False
+        self,
+        marker: str,
+        between: str = "",
+        listed: bool = False,
+        named: bool = False,
+        needs_arguments: bool = False,
     ) -> None:
-        self._reader = CallObjects(self.new_id, between, listed, named)
+        self._reader = CallObjects(self.new_id, between, listed, named, needs_arguments)
         self._held = [marker]
 
     def _read(self, text: str, raw: str | None = None) -> None:
@@ -258,7 +263,8 @@ class Llama3JsonCalls(HeldCalls):
         if head.startswith("{") or head.startswith(PYTHON_TAG):
             self._decided = True
             body = head.removeprefix(PYTHON_TAG)
-            self._begin("".join(self._lead) + head[: len(head) - len(body)], between=";")
+            marker = "".join(self._lead) + head[: len(head) - len(body)]
+            self._begin(marker, between=";", needs_arguments=True)
             self._read(body)
         elif head and not PYTHON_TAG.startswith(head):  # not the tag's first characters
             self._decided = True

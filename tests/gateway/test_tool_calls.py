@@ -111,6 +111,15 @@ def test_a_whole_llama3_json_answer_is_calls_up_to_the_first_thing_that_is_none(
     assert len(split_llama3_json(LLAMA_ANSWERS[2], parallel=False)[1]) == 1
     for text in (LLAMA_ANSWERS[3], LLAMA_ANSWERS[5]):
         assert split_llama3_json(text) == (text, [])
+    # No tag says a llama3_json answer is a call: an object with a name and no arguments is
+    # content (vLLM's rule; a JSON answer about a person was a call to a tool "Alice"),
+    # whole and streamed a character at a time.
+    person = '{"name": "Alice", "age": 30}'
+    assert split_llama3_json(person) == (person, [])
+    reader = Llama3JsonCalls(True)
+    pieces = [p for ch in person for p in reader.feed(ch)] + reader.finish()
+    assert "".join(text for kind, text in pieces if kind == "content") == person
+    assert not [p for p in pieces if p[0] == "call"]
     # Streamed, a call is out before what follows it is known: the rest is content.
     content, calls = split_llama3_json(LLAMA_ANSWERS[4])
     assert content == "and then some words" and len(calls) == 1
