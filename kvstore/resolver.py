@@ -79,17 +79,18 @@ def connect(infos: Sequence[AddrInfo], timeout: float) -> socket.socket:
     """A TCP connection to the first of ``infos`` that answers (``create_connection``'s
     loop, over addresses already resolved), all of them within ``timeout`` together: each
     given the whole of it, a name with unreachable addresses (an AAAA record without a
-    route) held the engine thread that many times over."""
+    route) held the engine thread that many times over. Each address gets its share of
+    what is left, so a silent first one cannot keep a live second from being tried."""
     error: OSError | None = None
     deadline = time.monotonic() + timeout
-    for family, kind, proto, _, address in infos:
+    for i, (family, kind, proto, _, address) in enumerate(infos):
         left = deadline - time.monotonic()
         if left <= 0:
             error = error or TimeoutError("timed out")
             break
         sock = socket.socket(family, kind, proto)
         try:
-            sock.settimeout(left)
+            sock.settimeout(left / (len(infos) - i))
             sock.connect(address)
             return sock
         except OSError as exc:

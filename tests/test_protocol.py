@@ -289,10 +289,14 @@ def test_empty_containers_stop_the_decode_before_they_cost_memory(cls: type[Mess
         payload = msgpack.packb({"v": WIRE_VERSION, "x": nested})
         with pytest.raises(ProtocolError, match="too many maps and arrays"):
             cls.from_bytes(payload)
-    # A real chunk, top logprobs on every token (its smallest containers), decodes.
-    tops = [TopLogprobs(token_ids=[1], logprobs=[-1.0]) for _ in range(5000)]
-    chunk = Chunk(id="a", seq=0, token_ids=list(range(5000)), top_logprobs=tops)
-    assert Chunk.from_bytes(chunk.to_bytes()).top_logprobs == tops
+    # Real chunks decode: top logprobs on every token, and the smallest containers of all,
+    # a token's entry with no alternatives (logprobs without top_logprobs: empty maps).
+    for alternatives in (1, 0):
+        tops = [TopLogprobs(token_ids=[1] * alternatives, logprobs=[-1.0] * alternatives)
+                for _ in range(5000)]  # fmt: skip
+        chunk = Chunk(id="a", seq=0, token_ids=list(range(5000)), logprobs=[-0.5] * 5000,
+                      top_logprobs=tops)  # fmt: skip
+        assert Chunk.from_bytes(chunk.to_bytes()).top_logprobs == tops
 
 
 def test_a_refused_value_is_echoed_cut_short() -> None:
