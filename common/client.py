@@ -63,7 +63,7 @@ from common.protocol import (
     ResumeReply,
 )
 from common.recent_ids import RecentIds
-from common.request_publish import publish_error, publish_request
+from common.request_publish import CancelledAfterAck, publish_error, publish_request
 from common.sequencer import (
     GAP_GIVE_UP_S,
     GAP_RESYNC_S,
@@ -424,6 +424,10 @@ class QosClient:
                     ends_at,
                     stream=self._stream,
                 )  # fmt: skip
+            except CancelledAfterAck as cancelled:
+                if not (cancelled.ack.duplicate and cancelled.attempt == 0):  # ours: delete it
+                    queued = (cancelled.ack.stream, cancelled.ack.seq)
+                raise
             except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
                 maybe_queued = False
                 raise ServiceUnavailableError(

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,10 +89,15 @@ class Child:
             self.proc.wait()
 
 
-# Every child runs ``python -m <package>``, which puts the working folder first on the
-# import path: started from a project with its own ``common/`` (or ``gateway/``...), each
-# child imported that one and died with a traceback. Safe path: the installed packages.
-CHILD_PYTHON = {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
+def child_python(env: Mapping[str, str]) -> dict[str, str]:
+    """How a child's Python finds qosserve: every child runs ``python -m <package>``, which
+    puts the working folder first on the import path, and started from a project with its
+    own ``common/`` (or ``gateway/``...) each child imported that one and died with a
+    traceback. Safe path, then this launcher's own package root first on ``PYTHONPATH``:
+    the children import the code the launcher runs, installed or a bare checkout."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", "PYTHONPATH": path}
 
 
 def parse_replicas(text: str, config: Config) -> dict[str, int]:
@@ -347,7 +353,7 @@ def _run(args: argparse.Namespace) -> int:
         QOS_NATS__URL=nats.url,
         QOS_REDIS__URL=redis.url,
         **LOCAL_SERVERS_OPEN,
-        **CHILD_PYTHON,
+        **child_python(env),
         # Several torch processes share the cores: one thread each avoids oversubscription.
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
     )

@@ -21,6 +21,17 @@ from nats.js.api import PubAck
 from common.errors import PayloadTooLargeError, QosError, ServiceUnavailableError
 
 PUBLISH_TIMEOUT_S = 5.0
+
+
+class CancelledAfterAck(asyncio.CancelledError):
+    """The publish's cancel, raised with the ack JetStream gave it (and the attempt it
+    came on): the request is in the stream, and the caller's abort must delete it."""
+
+    def __init__(self, ack: PubAck, attempt: int) -> None:
+        super().__init__()
+        self.ack, self.attempt = ack, attempt
+
+
 # Publishes of one request (same Nats-Msg-Id) before a timeout is a 503.
 PUBLISH_ATTEMPTS = 3
 
@@ -54,8 +65,9 @@ async def publish_request(
             if task is not None and task.cancelling():
                 # nats-py waits for the ack with asyncio.wait_for, which on 3.11 returns a
                 # result that came with a cancel and drops the cancel: the caller's cancel
-                # (or timeout) was lost and the call ran on. Said again here.
-                raise asyncio.CancelledError
+                # (or timeout) was lost and the call ran on. Said again here, with the ack:
+                # its sequence is what the caller's abort deletes from the stream.
+                raise CancelledAfterAck(ack, attempt)
             return ack, attempt
         except nats.errors.TimeoutError:
             if attempt + 1 == PUBLISH_ATTEMPTS or deadline - time.monotonic() < 0.2:

@@ -41,7 +41,7 @@ from common.errors import (
 )
 from common.logging import bind_request
 from common.protocol import GenerateRequest
-from common.request_publish import publish_error, publish_request
+from common.request_publish import CancelledAfterAck, publish_error, publish_request
 from common.sampling_defaults import SamplingDefaults
 from common.subjects import Subjects
 from common.tokenizer import BaseTokenizer, ByteTokenizer, ChatTemplateError
@@ -752,6 +752,9 @@ class Generator:
                     stream=self._config.nats.stream,
                 )  # fmt: skip
             flight.stream.stream_seq = ack.seq
+        except CancelledAfterAck as cancelled:  # queued: the abort deletes it by this
+            flight.stream.stream_seq = cancelled.ack.seq
+            raise
         except Exception as exc:
             error = publish_error(exc, len(payload), "the gateway")
             if error is None:

@@ -473,7 +473,8 @@ def test_children_import_the_installed_packages_whatever_folder_the_stack_starts
     (tmp_path / "common").mkdir()
     (tmp_path / "common" / "__init__.py").write_text("")
     (tmp_path / "common" / "config.py").write_text("# another project's\n")
-    env = {**os.environ, **launcher.CHILD_PYTHON}
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {**base, **launcher.child_python(base)}
     done = subprocess.run([sys.executable, "-m", "scheduler", "--help"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

@@ -12,7 +12,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from common.request_publish import header_bytes, publish_request
+from common.request_publish import CancelledAfterAck, header_bytes, publish_request
 from common.services import NatsServer
 
 
@@ -87,5 +87,6 @@ async def test_a_cancel_that_came_with_the_ack_is_not_lost() -> None:
     )
     await inside.wait()
     call.cancel()
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(CancelledAfterAck) as raised:  # a CancelledError, with the ack
         await call
+    assert raised.value.ack.seq == 1 and raised.value.attempt == 0

@@ -592,3 +592,32 @@ async def test_a_redelivery_refused_as_undecodable_ends_the_call_that_followed_i
     got, exc = await _run(client, played, dies_then_refused, timeout_s=8)
     assert isinstance(exc, ProtocolError) and "newer" in exc.message, exc
     assert [c.token_ids for c in got] == [[5]] and time.monotonic() - started < 4
+
+
+async def test_a_call_cancelled_as_its_ack_came_deletes_its_queued_request(
+    client: QosClient, played: dict[str, Any], worker_config: Config
+) -> None:
+    """The cancel that came with JetStream's ack (dropped by nats-py's wait_for on 3.11) is
+    raised again after the publish; raised bare, it lost the ack's sequence, and the abort
+    left the request in the stream for a later replica to run for nobody."""
+    publish = client.js.publish
+
+    async def ack_with_the_cancel(*args: Any, **kwargs: Any) -> Any:
+        ack = await publish(*args, **kwargs)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)  # the caller's cancel lands here, as the ack does
+        return ack
+
+    client.js.publish = ack_with_the_cancel  # type: ignore[method-assign]
+    reader = asyncio.ensure_future(client.collect(group="long", prompt_token_ids=[1]))
+    await asyncio.wait_for(played["requests"].get(), 5)
+    await asyncio.sleep(0.1)  # inside the publish, its ack in hand
+    reader.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(reader, 5)
+    for _ in range(50):  # the delete goes out after the abort
+        info = await client.js.stream_info(worker_config.nats.stream)
+        if info.state.messages == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert info.state.messages == 0, info.state
