@@ -255,7 +255,7 @@ class Shaper:
         return out
 
     def _delta_event(self, delta: dict[str, Any], delivery: Delivery) -> bytes:
-        """A chat chunk carrying ``delta`` alone (reasoning, a tool call's piece)."""
+        """A chat chunk carrying ``delta`` alone (a tool call's piece)."""
         choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
         return sse_event(self._chunk(choice, delivery.completion_tokens))
 

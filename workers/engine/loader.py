@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-from common.model_specs import (  # noqa: F401 (re-exported: the engine's names)
+from common.model_specs import (  # noqa: F401 (DUMMY_SHAPES re-exported: the engine's)
     DUMMY_SHAPES,
-    SUPPORTED_ARCHITECTURES,
     ModelLoadError,
     hf_config,
     is_dummy,
