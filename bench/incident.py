@@ -167,7 +167,7 @@ class Bench:
             out.status = "error"
         finally:
             out.end = self.now()
-            admission.release(route.group)
+            admission.release(route)
 
     async def drive(self, client: QosClient, admission: Admission, stop: asyncio.Event) -> None:
         async def arrivals(group: str) -> None:

@@ -724,6 +724,19 @@ class GatewayConfig(_Strict):
             "one second's worth, at least 1."
         ),
     )
+    # Per API key: requests (a response's choices and prompts each count) it may have in
+    # flight through one gateway at once; 0 = no cap. The rate limit bounds arrivals
+    # only: one key's long streams, or a batch of 64 prompts x n=4, filled a group's
+    # max_pending and every other team got 429s until they finished.
+    api_key_max_in_flight: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Requests (each choice and prompt of a response counts) one API key may have in "
+            "flight through one gateway process at once; beyond it, 429 with Retry-After. "
+            "0 = no cap."
+        ),
+    )
     max_body_bytes: int = Field(
         4 * 1024 * 1024,
         ge=1024,

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from common.config import Config
 from common.errors import RateLimitError, ServiceUnavailableError
+from gateway.auth import KeySlots
 from gateway.workers_view import WorkersView
 
 ADMISSION_WAIT_S = 2.0
@@ -46,6 +47,7 @@ class Route:
     group: str
     requested: str
     reason: str | None = None  # None = the requested group itself
+    key: KeySlots | None = field(default=None, compare=False)  # the key's slots it holds
 
     @property
     def is_fallback(self) -> bool:
@@ -98,12 +100,32 @@ class Admission:
         time_left_s: float,
         allowed: Collection[str] | None = None,
         count: int = 1,
+        key: KeySlots | None = None,
     ) -> Route:
         """Choose the group for a request needing ``need_tokens`` of context, and take a
         slot in it; release it with :meth:`release`. Raises 429/503 errors. ``allowed``:
         the groups the caller's key may use (a fallback outside them is not taken).
         ``count``: slots taken together, in one group (a response's choices and prompts:
-        admitted one by one they could land in different groups, or half of them)."""
+        admitted one by one they could land in different groups, or half of them).
+        ``key``: the caller's key's own cap, taken first and held with the group's."""
+        if key is None:
+            return await self._admit(group, need_tokens, time_left_s, allowed, count)
+        key.take(count)
+        try:
+            route = await self._admit(group, need_tokens, time_left_s, allowed, count)
+        except BaseException:
+            key.give_back(count)
+            raise
+        return replace(route, key=key)
+
+    async def _admit(
+        self,
+        group: str,
+        need_tokens: int,
+        time_left_s: float,
+        allowed: Collection[str] | None,
+        count: int,
+    ) -> Route:
         # A half-open group's turn is decided once per request, however often it is asked.
         turns: dict[str, bool] = {}
         route = self._pick(group, need_tokens, turns, allowed, count)
@@ -118,9 +140,14 @@ class Admission:
                     and need_tokens <= self.seq_limit(c)  # else no retry could be served
                     for c in usable
                 ):
-                    raise  # full, and served: come back shortly
+                    limit = self._groups[group].max_pending
+                    raise RateLimitError(  # full, and served: come back shortly
+                        f"instance group {group!r} has {limit} requests waiting for a "
+                        "worker already",
+                        retry_after_s=RETRY_AFTER_FULL_S,
+                    ) from None
                 # Full of requests stuck since its workers went away: no worker is the news.
-                raise self._unavailable(group) from None
+                raise self._unavailable(group, allowed) from None
             try:
                 route = await self._wait_for_route(
                     group, need_tokens, turns, allowed, time_left_s, count
@@ -132,7 +159,10 @@ class Admission:
                 # closed (or a record gone stale) meanwhile would have lost its request.
                 route = self._pick(group, need_tokens, turns, allowed, count)
             if route is None:
-                raise self._unavailable(group)
+                full = self._full_half_open(group, need_tokens, allowed, count)
+                if full is not None:  # served, only full: come back shortly
+                    self._take(full, count=count)  # raises its 429
+                raise self._unavailable(group, allowed)
         self._take(route.group, count=count)
         return route
 
@@ -163,24 +193,49 @@ class Admission:
                 return route
         return None
 
-    def _unavailable(self, group: str) -> ServiceUnavailableError:
+    def _full_half_open(
+        self, group: str, need_tokens: int, allowed: Collection[str] | None, count: int
+    ) -> str | None:
+        """The first group of the chain the request could use that was passed over only
+        because it is half-open and full (:meth:`_pick` leaves it its probes' room): the
+        request is then told to come back (429), not that nobody serves it (503)."""
+        for c in self._chains[group]:
+            if (
+                (allowed is None or c in allowed)
+                and self._view.breaker(c) == "half_open"
+                and self._view.is_live(c)
+                and need_tokens <= self.seq_limit(c)
+                and count <= self._groups[c].max_pending
+                and self._in_flight[c] + count > self._groups[c].max_pending
+            ):
+                return c
+        return None
+
+    def _unavailable(
+        self, group: str, allowed: Collection[str] | None = None
+    ) -> ServiceUnavailableError:
         return ServiceUnavailableError(
             f"no worker of instance group {group!r} (or its fallbacks) is available",
-            retry_after_s=self._retry_after_unavailable(group),
+            retry_after_s=self._retry_after_unavailable(group, allowed),
         )
 
-    def _retry_after_unavailable(self, group: str) -> float:
-        """2 s, or, when every group of the chain is shut by an open breaker that says when
-        it probes, until the first probes (at most a minute): the wait grows with each
-        re-open, and a fixed 2 s sent clients back into the same 503 up to 60 times."""
-        waits = [self._view.opens_for_s(c) for c in self._chains[group]]
+    def _retry_after_unavailable(self, group: str, allowed: Collection[str] | None = None) -> float:
+        """2 s, or, when every group of the chain the key may use is shut by an open
+        breaker that says when it probes, until the first probes (at most a minute): the
+        wait grows with each re-open, and a fixed 2 s sent clients back into the same 503
+        up to 60 times. A group the key may not use says nothing of when it is served."""
+        chain = [c for c in self._chains[group] if allowed is None or c in allowed]
+        waits = [self._view.opens_for_s(c) for c in chain or self._chains[group]]
         known = [w for w in waits if w is not None]
         if not known or len(known) < len(waits):
             return RETRY_AFTER_UNAVAILABLE_S
         return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_UNAVAILABLE_S, min(known)))
 
-    def release(self, group: str, count: int = 1) -> None:
-        self._in_flight[group] -= count
+    def release(self, route: Route, count: int = 1) -> None:
+        """Give back ``count`` slots ``route`` took (its group's and its key's)."""
+        self._in_flight[route.group] -= count
+        if route.key is not None:
+            route.key.give_back(count)
 
     def _take(self, group: str, counts: dict[str, int] | None = None, count: int = 1) -> None:
         """``count`` slots of ``group`` in ``counts`` (the admitted ones by default), or a

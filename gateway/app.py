@@ -149,6 +149,7 @@ def create_app(
             groups=config.gateway.api_key_groups,
             min_priority=config.gateway.api_key_min_priority,
             isolate_cache=config.gateway.cache_isolation == "api_key",
+            max_in_flight=config.gateway.api_key_max_in_flight,
         ),
         metrics=GatewayMetrics(registry),
         view=view,

@@ -11,6 +11,10 @@ With ``gateway.api_key_rate_limit_rps`` set, each key has a token bucket of that
 ``rate_limit_exceeded`` and a ``Retry-After`` of when the next token is due, before it
 costs anything else. Limits are per gateway process.
 
+With ``gateway.api_key_max_in_flight`` set, each key may have that many requests (each
+choice and prompt of a response counts) in flight at once (:class:`KeySlots`, taken with
+the group's slots at admission, given back when the request lands): beyond it, 429.
+
 ``gateway.api_key_groups`` binds a key to the instance groups it may use: :meth:`ApiKeys.check`
 returns them, and classification and admission keep its requests inside them (403
 ``permission_denied`` for a group it names and may not use).
@@ -34,9 +38,14 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from common.errors import AuthenticationError, PermissionDeniedError, RateLimitError
+from common.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    RateLimitError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,7 @@ class KeyGrant:
     groups: frozenset[str] | None = None
     cache_namespace: str = ""
     min_priority: int | None = None  # the most urgent priority it may ask for; None: any
+    slots: KeySlots | None = field(default=None, compare=False)  # None: no in-flight cap
 
     def priority(self, asked: int | None) -> int:
         """The priority a request of this key runs at: what it asked for (0 if nothing, or
@@ -66,6 +76,39 @@ class KeyGrant:
                 param="priority",
             )
         return asked
+
+
+class KeySlots:
+    """The requests one key has in flight through this gateway, at most ``limit``: its
+    share of the groups' slots, so one tenant's long streams or wide batches cannot fill a
+    group's ``max_pending`` for everyone else (the rate limit bounds arrivals, not
+    occupancy)."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, count: int = 1) -> None:
+        """Hold ``count`` more, or raise: 400 for more than the key may ever hold (a 429
+        would invite retries for ever), else 429 while it holds too many."""
+        if count > self.limit:
+            raise InvalidRequestError(
+                f"{count} choices and prompts exceed this API key's limit of {self.limit} "
+                "requests in flight",
+                param="n",
+            )
+        if self.held + count > self.limit:
+            raise RateLimitError(
+                f"this API key has {self.held} requests in flight, its limit is {self.limit}",
+                retry_after_s=1.0,
+                code="rate_limit_exceeded",
+            )
+        self.held += count
+
+    def give_back(self, count: int = 1) -> None:
+        self.held -= count
 
 
 OPEN_GRANT = KeyGrant()
@@ -117,6 +160,7 @@ class ApiKeys:
         groups: Mapping[str, Iterable[str]] | None = None,
         min_priority: Mapping[str, int] | None = None,
         isolate_cache: bool = False,
+        max_in_flight: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         wrong = ValueError("gateway.api_key_sha256 entries must be sha256 hex digests")
@@ -132,7 +176,12 @@ class ApiKeys:
         }
         floors = {bytes.fromhex(d.strip().lower()): p for d, p in (min_priority or {}).items()}
         self._grants = [
-            KeyGrant(by_digest.get(d), cache_namespace(d) if isolate_cache else "", floors.get(d))
+            KeyGrant(
+                by_digest.get(d),
+                cache_namespace(d) if isolate_cache else "",
+                floors.get(d),
+                KeySlots(max_in_flight) if max_in_flight > 0 else None,
+            )
             for d in self._digests
         ]
         self._buckets: list[TokenBucket] | None = None

@@ -133,7 +133,7 @@ class ChoiceRun:
                 )  # fmt: skip
             except BaseException:
                 # Nothing else holds the slots of those not taken off yet.
-                gen._admission.release(route.group, self.count - k)
+                gen._admission.release(route, self.count - k)
                 raise
             flight.trace = self.trace
             self.flights[k] = flight  # from here, landing the run lands it

@@ -306,7 +306,7 @@ class Generator:
                 kind, body, route, prompt_ids, logprobs, started, deadline_ms, echo=echoes[0]
             )
         except BaseException as exc:
-            self._admission.release(route.group)  # nothing else holds the slot yet
+            self._admission.release(route)  # nothing else holds the slot yet
             self._metrics.finished(
                 route.group, exc.http_status if isinstance(exc, QosError) else 500
             )
@@ -382,7 +382,7 @@ class Generator:
         need = prompt_tokens + classified.max_tokens
         try:
             route = await self._admission.admit(
-                classified.group, need, left_s, grant.groups, count=count
+                classified.group, need, left_s, grant.groups, count=count, key=grant.slots
             )
         except ServiceUnavailableError:
             if time.monotonic() >= ends_at:
@@ -395,7 +395,7 @@ class Generator:
         if time.monotonic() >= ends_at:
             # Admitted on the wait's last look, past the deadline: publishing it cost a
             # JetStream write, an abort and a delete for a 504 all the same.
-            self._admission.release(route.group, count)
+            self._admission.release(route, count)
             raise DeadlineExceededError("the request's deadline passed before it was admitted")
         if route.group != classified.group and max_tokens is None:
             # Settled for the group it asked for (realtime's 1,024 left a long prompt 24
@@ -873,7 +873,7 @@ class Generator:
         # Not when the worker ended it; when the gateway did (a bad chunk, a gap), it must.
         self._dispatcher.close(stream, abort=not stream.worker_done, reason=reason)
         group = flight.route.group
-        self._admission.release(group)
+        self._admission.release(flight.route)
         series = self._metrics.series(group, self._model)
         series.in_flight.dec()
         if flight.completion_tokens:

@@ -15,7 +15,7 @@ from common.config import Config, NatsConfig, SchedulerConfig
 from common.errors import ContextLengthExceededError, RateLimitError, ServiceUnavailableError
 from common.nats import connect
 from common.protocol import Telemetry
-from gateway.admission import Admission
+from gateway.admission import Admission, Route
 from gateway.classifier import classify
 from gateway.workers_view import BREAKER_STALE_S, WorkersView, decode_breaker
 from scheduler.records import BREAKER_RENEW_S
@@ -237,7 +237,7 @@ async def test_a_half_open_group_with_nowhere_to_fall_back_admits_only_its_share
         except ServiceUnavailableError:
             continue
         admitted += 1
-        admission.release(route.group)
+        admission.release(route)
     assert admitted == 2
 
 
@@ -251,7 +251,7 @@ async def test_requests_the_half_open_group_could_not_serve_spend_none_of_its_tu
     for _ in range(3):  # realtime falls back to short, then long: too long for short
         route = await admission.admit("realtime", too_long, 1.0)
         assert route.group == "long"
-        admission.release(route.group)
+        admission.release(route)
     routes = [await admission.admit("short", 10, 1.0) for _ in range(4)]
     # Its turns start where they would have: the fourth of its own requests (share 0.25).
     assert [r.group == "short" for r in routes] == [False, False, False, True]
@@ -423,8 +423,9 @@ async def test_a_fallback_outside_the_keys_groups_is_not_taken():
     view = _all_live(config)
     view.set_breaker("short", "open")  # short falls back to long ...
     admission = Admission(config, view, wait_s=0.01)
-    assert (await admission.admit("short", 10, 1.0)).group == "long"
-    admission.release("long")
+    route = await admission.admit("short", 10, 1.0)
+    assert route.group == "long"
+    admission.release(route)
     with pytest.raises(ServiceUnavailableError):  # ... but not for a key kept to short
         await admission.admit("short", 10, 1.0, allowed={"short"})
 
@@ -595,7 +596,7 @@ async def test_slots_taken_together_go_to_one_group_and_need_a_half_open_turn_ea
     groups = {**config.groups, "short": short.model_copy(update={"breaker": share})}
     full_share = Admission(config.model_copy(update={"groups": groups}), view)
     assert (await full_share.admit("short", 10, 1.0, count=3)).group == "short"
-    full_share.release("short", 3)
+    full_share.release(Route("short", "short"), 3)
     assert full_share.in_flight("short") == 0
 
 
@@ -621,3 +622,93 @@ async def test_slots_taken_together_need_room_for_all_of_them():
     assert admission.in_flight("short") == 3
     await admission.admit("short", 10, 1.0)
     assert admission.in_flight("short") == 4
+
+
+async def test_a_503_says_when_a_group_the_key_may_use_probes():
+    """Retry-After looked at the whole chain: a key bound to short, whose breaker probes in
+    40 s, was told 2 s because long (closed, not the key's) says nothing, and came back
+    into the same 503 twenty times."""
+    import datetime
+
+    now = 1_000_000.0
+    config = gateway_config(NatsConfig())
+    view = WorkersView(config.groups, wall=lambda: now)
+    for group in config.groups:
+        view.on_telemetry(_report(group))
+    record = json.dumps({"state": "open", "written_ms": int(now * 1000),
+                         "probe_at_ms": int((now + 40) * 1000)}).encode()  # fmt: skip
+    view.on_breaker_entry(
+        "breaker.short", record, None, datetime.datetime.fromtimestamp(now, datetime.UTC)
+    )
+    admission = Admission(config, view, wait_s=0.05)
+    with pytest.raises(ServiceUnavailableError) as refused:
+        await admission.admit("short", 10, 5.0, allowed={"short"})
+    assert refused.value.headers()["Retry-After"] == "40"
+
+
+async def test_a_full_half_open_group_with_nowhere_else_to_go_is_429_not_503():
+    """Passed over because it was full (its probes need room), the half-open group left the
+    request with no route: it got 503 "no worker is available" while the group served."""
+    config = gateway_config(NatsConfig(), short__max_pending=2)
+    view = _all_live(config)
+    view.set_breaker("short", "half_open")
+    admission = Admission(config, view, wait_s=0.05)
+    admission._take("short", count=2)
+    with pytest.raises(RateLimitError) as refused:
+        await admission.admit("short", 10, 5.0, allowed={"short"})
+    assert "at its limit of 2 pending" in refused.value.message
+    assert admission.in_flight("short") == 2  # the refusal took nothing
+    view.set_breaker("short", "open")  # shut, not full: nobody serves it
+    with pytest.raises(ServiceUnavailableError):
+        await admission.admit("short", 10, 5.0, allowed={"short"})
+
+
+async def test_a_full_waiting_room_says_so():
+    config = gateway_config(NatsConfig(), short__max_pending=1)
+    view = WorkersView(config.groups)
+    view.on_telemetry(_report("long"))  # short: no worker, long: its live fallback
+    view.set_breaker("long", "half_open")
+    admission = Admission(config, view, wait_s=0.3)
+    admission._take("short", admission._waiting)
+    with pytest.raises(RateLimitError) as refused:
+        await admission.admit("short", 10, 5.0, count=1)
+    assert "waiting for a worker" in refused.value.message
+
+
+async def test_a_key_holds_at_most_its_share_of_the_slots(nats_config: NatsConfig):
+    """The rate limit bounded arrivals only: one key's long streams, or one batch of
+    prompts x n, filled a group's max_pending and every other team got 429s until they
+    finished. With api_key_max_in_flight a key holds at most that many; others are served."""
+    from gateway.auth import key_digest
+
+    slow = functools.partial(echo_alphabet, delay_s=0.4)
+    config = gateway_config(
+        nats_config,
+        api_key_sha256=[key_digest("sk-greedy"), key_digest("sk-other")],
+        api_key_max_in_flight=2,
+    )
+    greedy = {"Authorization": "Bearer sk-greedy"}
+    other = {"Authorization": "Bearer sk-other"}
+    async with (
+        serve(config) as gw,
+        running_worker(nats_config, "short", behaviour=slow),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        await until_live(http, "short")
+        responses = await asyncio.gather(
+            *(http.post("/v1/completions", json=BODY, headers=greedy) for _ in range(3)),
+            http.post("/v1/completions", json=BODY, headers=other),
+        )
+        statuses = [r.status_code for r in responses]
+        assert sorted(statuses[:3]) == [200, 200, 429] and statuses[3] == 200
+        shed = next(r for r in responses if r.status_code == 429)
+        assert shed.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "its limit is 2" in shed.json()["error"]["message"]
+        assert int(shed.headers["Retry-After"]) >= 1
+        # More choices than the key may ever hold: a 400, not a 429 to retry for ever.
+        wide = await http.post("/v1/completions", json={**BODY, "n": 3}, headers=greedy)
+        assert wide.status_code == 400 and wide.json()["error"]["param"] == "n"
+        # Its slots came back, on every path: two choices fit again.
+        again = await http.post("/v1/completions", json={**BODY, "n": 2}, headers=greedy)
+        assert again.status_code == 200 and len(again.json()["choices"]) == 2
+        assert (await http.get("/health")).json()["groups"]["short"]["in_flight"] == 0
