@@ -286,6 +286,47 @@ async def barrier(nc: Client, timeout_s: float = 2.0) -> None:
         await nc.request("$JS.API.INFO", b"", timeout=timeout_s)
 
 
+# How long a service that may not create a JetStream object (deploy/nats/permissions.conf
+# leaves that to the gateway) waits for the gateway to make it, before it gives up.
+MADE_ELSEWHERE_WAIT_S = 60.0
+MADE_ELSEWHERE_POLL_S = 1.0
+
+
+async def _create_or_wait_for(
+    what: str,
+    create: Callable[[], Any],
+    lookup: Callable[[], Any],
+    missing: type[Exception],
+    wait_s: float | None = None,
+) -> Any:
+    """``create()``, or, when that gets no answer, ``lookup()`` until it finds what someone
+    else made. A NATS server drops a publish the user may not make and answers nothing
+    (the API call times out): with the secure permissions only the gateway creates the
+    stream, consumers and bucket, and a scheduler or worker that started first died of a
+    bare timeout and crash-looped until the gateway came up."""
+    try:
+        return await create()
+    except TimeoutError:
+        pass
+    wait_s = MADE_ELSEWHERE_WAIT_S if wait_s is None else wait_s
+    log.warning(
+        "%s does not exist and creating it got no answer (this NATS user may not create "
+        "it: with deploy/nats/permissions.conf the gateway does); waiting up to %.0f s for it",
+        what, wait_s,
+    )  # fmt: skip
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(missing, TimeoutError):
+            return await lookup()
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"{what} does not exist and this service could not create it within "
+                f"{wait_s:.0f} s: start the gateway first (it creates the JetStream "
+                "objects), or give this NATS user the permission to create it"
+            )
+        await asyncio.sleep(MADE_ELSEWHERE_POLL_S)
+
+
 async def _created_meanwhile(
     js: JetStreamContext, stream: str, exc: nats.js.errors.APIError
 ) -> api.StreamInfo:
@@ -336,7 +377,12 @@ async def ensure_stream(
         info = await js.stream_info(cfg.stream)
     except nats.js.errors.NotFoundError:
         try:
-            return await js.add_stream(_stream_config(cfg, first_seq))
+            return await _create_or_wait_for(
+                f"stream {cfg.stream}",
+                lambda: js.add_stream(_stream_config(cfg, first_seq)),
+                lambda: js.stream_info(cfg.stream),
+                nats.js.errors.NotFoundError,
+            )
         except nats.js.errors.BadRequestError as exc:
             info = await _created_meanwhile(js, cfg.stream, exc)
     have = info.config
@@ -435,9 +481,22 @@ async def ensure_group_consumer(
         log.info("consumer %s: updating filter/ack_wait/max_deliver/max_ack_pending", name)
     try:
         # The server's create is create-or-update, and a no-op for an identical config.
-        return await js.add_consumer(cfg.stream, want)
+        if info is not None:
+            return await js.add_consumer(cfg.stream, want)
+        return await _create_or_wait_for(
+            f"consumer {name} on stream {cfg.stream}",
+            lambda: js.add_consumer(cfg.stream, want),
+            lambda: js.consumer_info(cfg.stream, name),
+            nats.js.errors.NotFoundError,
+        )
     except nats.js.errors.APIError as exc:
         raise ConfigError(f"consumer {name} on stream {cfg.stream}: {exc}") from exc
+    except TimeoutError:
+        # An update this user may not make (the secure permissions leave it to the
+        # gateway, whose config it follows): served as it is, said once.
+        log.warning("consumer %s: no answer to updating it to this service's settings "
+                    "(this NATS user may not change it?): left as it is", name)  # fmt: skip
+        return info
 
 
 async def ensure_kv(
@@ -449,12 +508,17 @@ async def ensure_kv(
     try:
         kv = await js.key_value(cfg.kv_bucket)
     except nats.js.errors.BucketNotFoundError:
-        return await js.create_key_value(
-            bucket=cfg.kv_bucket,
-            description="qosserve breakers, worker registry, assignments",
-            history=history,
-            storage=api.StorageType.FILE,
-            replicas=cfg.replicas,
+        return await _create_or_wait_for(
+            f"KV bucket {cfg.kv_bucket}",
+            lambda: js.create_key_value(
+                bucket=cfg.kv_bucket,
+                description="qosserve breakers, worker registry, assignments",
+                history=history,
+                storage=api.StorageType.FILE,
+                replicas=cfg.replicas,
+            ),
+            lambda: js.key_value(cfg.kv_bucket),
+            nats.js.errors.BucketNotFoundError,
         )
     have = (await kv.status()).stream_info.config
     if (have.num_replicas or 1) != cfg.replicas:

@@ -33,3 +33,27 @@ def test_what_is_free_bounds_the_cache_and_it_is_never_negative() -> None:
     )
     assert crowded == int(20 * GiB - 1 * GiB - TOTAL * FREE_MARGIN_FRACTION)
     assert kv_budget_bytes(total=TOTAL, free=GiB, own=GiB, working=2 * GiB, utilization=0.9) == 0
+
+
+def test_a_whole_prompt_policy_longer_than_the_profile_is_warned_of(caplog) -> None:  # type: ignore[no-untyped-def]
+    """The profile run reserves activations for at most 32k tokens; continuous, dynamic and
+    static prefill a whole prompt in one forward, so a longer max_seq_len could run out of
+    GPU memory mid-serving with nothing said at start-up."""
+    import logging
+    from types import SimpleNamespace
+
+    from workers.engine.engine import LLMEngine
+
+    def warned(policy: str, max_seq_len: int, profiled: int | None) -> bool:
+        engine = SimpleNamespace(
+            args=SimpleNamespace(policy=policy), max_seq_len=max_seq_len, _profiled_tokens=profiled
+        )
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "workers.engine.engine"):
+            LLMEngine._warn_if_prefill_outgrows_profile(engine)  # type: ignore[arg-type]
+        return "may run out of GPU memory" in caplog.text
+
+    assert warned("continuous", 131072, 32768)
+    assert not warned("hybrid", 131072, 8192)  # chunked: never more than the budget
+    assert not warned("continuous", 32768, 32768)
+    assert not warned("continuous", 131072, None)  # not profiled: the CPU, a set budget

@@ -192,3 +192,34 @@ async def test_the_scheduler_user_may_sweep_heartbeats_of_workers_gone(
         await worker.close()
         await scheduler.close()
     assert "Violation" not in secured_nats.log_tail(200)
+
+
+async def test_a_service_that_may_not_create_the_jetstream_objects_waits_for_the_gateway(
+    secured_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under permissions.conf only the gateway creates the stream, consumers and bucket: a
+    scheduler that started first died of a bare 5 s timeout and crash-looped until the
+    gateway came up. It now waits for them, and past the wait says what to do."""
+    nats = NatsConfig(url=secured_nats.url, connect_timeout_s=2.0, reconnect_wait_s=0.1)
+    config = build_config(nats, {"short": group(4)})
+    scheduler = await qnats.connect(
+        as_user(config, "scheduler").nats, "s-first", service="scheduler"
+    )
+    gateway = await qnats.connect(as_user(config, "gateway").nats, "g-late", service="gateway")
+    monkeypatch.setattr(qnats, "MADE_ELSEWHERE_POLL_S", 0.05)
+    try:
+        js = scheduler.jetstream(timeout=0.5)
+        monkeypatch.setattr(qnats, "MADE_ELSEWHERE_WAIT_S", 0.3)
+        with pytest.raises(qnats.ConfigError, match="start the gateway first"):
+            await qnats.ensure_jetstream(js, config.nats, ["short"])
+        monkeypatch.setattr(qnats, "MADE_ELSEWHERE_WAIT_S", 30.0)
+        waiting = asyncio.create_task(qnats.ensure_jetstream(js, config.nats, ["short"]))
+        await asyncio.sleep(1.0)  # its create went unanswered: it waits
+        assert not waiting.done()
+        await qnats.ensure_jetstream(gateway.jetstream(), config.nats, ["short"])
+        stream, consumers, kv = await asyncio.wait_for(waiting, 20)
+        assert stream.config.name == config.nats.stream and list(consumers) == ["short"]
+        assert (await kv.status()).bucket == config.nats.kv_bucket
+    finally:
+        await scheduler.close()
+        await gateway.close()

@@ -116,6 +116,7 @@ class LLMEngine:
             args.seed,
             kv_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype),
         )
+        self._profiled_tokens: int | None = None  # the memory profile's forward, on CUDA
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.pool = BlockPool(
@@ -132,6 +133,7 @@ class LLMEngine:
             if kv_tier.accepts_offloads:
                 self.pool.evictions = []
         self.max_seq_len = self._resolve_max_seq_len()
+        self._warn_if_prefill_outgrows_profile()
         capture = self.device.type == "cuda" and not args.enforce_eager and self.backend == "triton"
         self.runner.prepare(self.max_seq_len, args.max_batch_size, capture=capture)
         self.batcher = Batcher(
@@ -209,6 +211,7 @@ class LLMEngine:
             if args.policy != "hybrid":  # a whole prompt may exceed the budget
                 want = args.max_seq_len or self.model_config.max_position_embeddings
                 max_tokens = max(max_tokens, min(want, _MAX_PROFILE_TOKENS))
+            self._profiled_tokens = max_tokens
             n = self.runner.profile_num_blocks(
                 args.gpu_memory_utilization, max_tokens, args.max_batch_size
             )
@@ -221,6 +224,20 @@ class LLMEngine:
                 param="kv_cache_gib",
             )
         return n
+
+    def _warn_if_prefill_outgrows_profile(self) -> None:
+        """A policy without chunked prefill runs a whole prompt in one forward; the memory
+        profile (capped: a 128k-token profile run needs that much KV just to measure)
+        reserved activations for fewer tokens, so a longer prompt may run out of memory."""
+        profiled = self._profiled_tokens
+        if profiled is None or self.args.policy == "hybrid" or self.max_seq_len <= profiled:
+            return
+        log.warning(
+            "policy %s prefills a whole prompt in one step, but activation memory was "
+            "reserved for %d tokens and max_seq_len is %d: a longer prompt may run out of "
+            "GPU memory; use policy hybrid (chunked prefill) or max_seq_len <= %d",
+            self.args.policy, profiled, self.max_seq_len, profiled,
+        )  # fmt: skip
 
     def _resolve_max_seq_len(self) -> int:
         cfg, bs = self.model_config, self.args.block_size
