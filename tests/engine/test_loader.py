@@ -98,6 +98,39 @@ def test_sliding_windows_follow_transformers_defaults_and_cap_the_context() -> N
     assert ModelConfig.from_hf(_hf(sliding_window=4096)).context_len == 32768
 
 
+def _their_window(given: dict[str, object]) -> int | None:
+    """The attention window transformers gives some layer of ``given``, or None."""
+    import transformers as tf
+
+    theirs = tf.AutoConfig.for_model(**given)
+    window = getattr(theirs, "sliding_window", None)
+    layer_types = getattr(theirs, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def test_sliding_windows_cap_the_context_exactly_where_transformers_windows() -> None:
+    """The cases above, read from transformers itself rather than from memory: a release
+    that changes a default must show here."""
+    qwen = _hf(model_type="qwen2", sliding_window=1024, num_hidden_layers=4)
+    sliding = ["full_attention", "sliding_attention", "full_attention", "full_attention"]
+    cases = [
+        _hf(model_type="mistral"),
+        _hf(model_type="mistral", sliding_window=None),
+        qwen,
+        {**qwen, "use_sliding_window": True},
+        {**qwen, "use_sliding_window": True, "max_window_layers": 2},
+        {**qwen, "use_sliding_window": True, "max_window_layers": 4, "layer_types": sliding},
+        {**qwen, "use_sliding_window": True, "max_window_layers": 2,
+         "layer_types": ["full_attention"] * 4},
+    ]  # fmt: skip
+    for given in cases:
+        window = _their_window(given)
+        want = 32768 if window is None else min(window, 32768)
+        assert ModelConfig.from_hf(given).context_len == want, given
+
+
 def test_config_mistakes_are_named() -> None:
     incomplete = _hf()
     del incomplete["intermediate_size"]
@@ -111,19 +144,28 @@ def test_a_malformed_generation_config_is_a_load_error_naming_it(tmp_path: Path)
         generation_config_eos(str(tmp_path))
 
 
-def test_llama3_rope_takes_its_original_length_as_transformers_does() -> None:
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+def test_llama3_rope_takes_its_original_length_as_transformers_does(model_type: str) -> None:
+    """Read from transformers itself: a top-level original_max_position_embeddings was
+    taken first here (4096 below) where transformers reads the rope parameters' (8192)."""
+    import transformers as tf
+
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0}  # fmt: skip
-    missing = ModelConfig.from_hf(_hf(rope_scaling=scaling))
-    assert missing.rope_scaling is not None
-    assert missing.rope_scaling["original_max_position_embeddings"] == 32768
-    top = ModelConfig.from_hf(
-        _hf(rope_scaling={**scaling, "original_max_position_embeddings": 8192},
-            original_max_position_embeddings=4096)
-    )  # fmt: skip
-    assert top.rope_scaling is not None
-    assert top.rope_scaling["original_max_position_embeddings"] == 4096
-    assert rope_inv_freq(top).shape == (4,)
+    cases = [
+        {"rope_scaling": scaling},
+        {"rope_scaling": scaling, "original_max_position_embeddings": 4096},
+        {"rope_scaling": {**scaling, "original_max_position_embeddings": 8192},
+         "original_max_position_embeddings": 4096},
+    ]  # fmt: skip
+    for case in cases:
+        given = _hf(model_type=model_type, **case)
+        theirs = tf.AutoConfig.for_model(**given)
+        ours = ModelConfig.from_hf(given)
+        assert ours.rope_scaling is not None, case
+        want = theirs.rope_parameters["original_max_position_embeddings"]
+        assert ours.rope_scaling["original_max_position_embeddings"] == want, case
+    assert rope_inv_freq(ours).shape == (ours.head_dim // 2,)
     # transformers 4.x rope_scaling wins over a 5.x rope_parameters naming only the theta.
     both = ModelConfig.from_hf(_hf(rope_scaling=scaling, rope_parameters={"rope_theta": 5e5}))
     assert both.rope_scaling is not None and both.rope_scaling["rope_type"] == "llama3"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 
@@ -30,7 +29,9 @@ async def test_a_deposed_leaders_late_move_is_dropped_once_a_new_leader_took_ove
     await until(lambda: new.acts, 5, "the new leader to take over the stale lease")
     assert new.lease is not None and new.lease.fence > old_fence and new.nc is not None
     await barrier(new.nc)
-    await asyncio.sleep(0.3)  # its term's first commands reach the worker
+    # Its term's first command reached the worker (a fixed sleep here lost the race on a
+    # loaded machine, and the late move was taken as the newest term's).
+    await until(lambda: worker._fences.fence == new.lease.fence, 5, "the new term's command")
     late = Control(action="assign_group", issued_ms=ordered_ms, group="long",
                    reason="rebalance: queued while cut off", fence=old_fence)  # fmt: skip
     await observer.nc.publish(new.subjects.control("w1"), late.to_bytes())

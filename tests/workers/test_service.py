@@ -254,7 +254,10 @@ async def test_held_tokens_go_out_when_their_window_ends_though_the_engine_goes_
     start_worker: Any, client: QosClient, worker_config: Config
 ) -> None:
     config = worker_config.model_copy(
-        update={"worker": worker_config.worker.model_copy(update={"coalesce_ms": 30.0})}
+        # 300 ms: token 3 must cross from the engine thread inside the window (at 30 ms a
+        # descheduled thread on a loaded machine split the chunk), and the window still ends
+        # well before the 1.5 s stall.
+        update={"worker": worker_config.worker.model_copy(update={"coalesce_ms": 300.0})}
     )
     await start_worker(engine=StallingSim(1.5, cost=SimCost(base_s=0.001)), config=config)
     params = RequestParams(max_tokens=6, ignore_eos=True)

@@ -107,11 +107,12 @@ class ModelConfig:
                 f"rope type {rope_type!r} needs {', '.join(missing)} in its parameters"
             )
         max_positions = int(cfg.get("max_position_embeddings", 2048))
-        if rope_type == "llama3":  # the pre-scaling length: top level first, as transformers
+        if rope_type == "llama3":
+            # The pre-scaling length, where transformers reads it for these architectures:
+            # in the rope parameters, else max_position_embeddings. A top-level key (Phi-3's
+            # place for it) is not read: taking it first gave other frequencies than theirs.
             rope["original_max_position_embeddings"] = int(
-                cfg.get("original_max_position_embeddings")
-                or rope.get("original_max_position_embeddings")
-                or max_positions
+                rope.get("original_max_position_embeddings") or max_positions
             )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
