@@ -220,6 +220,49 @@ def test_requests_not_asking_compute_no_prompt_rows(
     )
 
 
+@pytest.mark.parametrize("async_output", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_generated_tokens_logprobs_equal_transformers(
+    kind: str, async_output: bool, root: str
+) -> None:
+    """The decode path's ``logprobs``/``top_logprobs``, not only the prompt's: each generated
+    token's value and the top k are transformers' ``log_softmax`` at its position, the
+    model's raw distribution whatever the sampling (temperature, penalties, a seed)
+    changed in the choice. Greedy parity alone would not see a value read from the wrong
+    row or after the penalties."""
+    path = checkpoint(kind, root)
+    eng = engine(
+        path, policy="hybrid", max_batch_size=4, max_num_batched_tokens=6, async_output=async_output
+    )
+    batch = prompts(BS, seed=6)[1:]  # 3, 4, 5 and 14 tokens: decodes beside chunked prefill
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3),
+        SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS, logprobs=2, seed=11,
+                       repetition_penalty=1.5, presence_penalty=0.5),
+        SamplingParams(temperature=0.7, top_k=5, max_tokens=MAX_TOKENS, logprobs=0, seed=3),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=4,
+                       frequency_penalty=1.0),
+    ]  # fmt: skip
+    for i, (ids, sp) in enumerate(zip(batch, params, strict=True)):
+        eng.add_request(str(i), prompt_token_ids=ids, params=sp)
+    outputs, _ = drain(eng)
+    for i, (ids, sp) in enumerate(zip(batch, params, strict=True)):
+        out = outputs[str(i)]
+        assert out.logprobs is not None and out.top_logprobs is not None
+        assert len(out.logprobs) == len(out.token_ids) == len(out.top_logprobs) > 0
+        ref = hf_logprobs(path, ids + out.token_ids)
+        rows = [ref[len(ids) - 1 + n] for n in range(len(out.token_ids))]
+        want = [float(row[t]) for row, t in zip(rows, out.token_ids, strict=True)]
+        assert out.logprobs == pytest.approx(want, abs=ATOL), (kind, i)
+        for row, top in zip(rows, out.top_logprobs, strict=True):
+            assert sp.logprobs is not None and len(top) == sp.logprobs
+            assert [v for _, v in top] == pytest.approx(
+                row.topk(sp.logprobs).values.tolist() if sp.logprobs else [], abs=ATOL
+            )
+            assert [v for _, v in top] == pytest.approx([float(row[t]) for t, _ in top], abs=ATOL)
+        assert out.cumulative_logprob == pytest.approx(sum(want), abs=ATOL * len(want))
+
+
 # --- caches -------------------------------------------------------------------------------
 
 
