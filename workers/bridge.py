@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from common.errors import GuidedDecodingError, InternalError, InvalidRequestError, QosError
-from workers.engine.outputs import EngineStats, RequestDelta
+from workers.engine.outputs import ENGINE_FAILED, GUIDED_FAILED, EngineStats, RequestDelta
 from workers.engine.sampling_params import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
@@ -117,11 +117,16 @@ class AddRequest:
 
 
 def _failed_ending(delta: RequestDelta) -> list[BridgeEvent]:
-    """A request the engine ended itself with an error (its guided decoding failed): its
-    last token goes out as any other (with the engine's output, for its trace), then the
-    error, a 400: the client's grammar hit the library's limits."""
-    why = delta.output.stop_reason if delta.output is not None else None
-    error = GuidedDecodingError(str(why or "guided decoding failed"), param="guided")
+    """A request the engine ended itself with an error: its last token goes out as any
+    other (with the engine's output, for its trace), then the error: a 400 when its guided
+    decoding failed (the client's grammar hit the library's limits), else a 500 for this
+    request alone (the engine failed on it; the exception is in the worker's log)."""
+    why = str(delta.output.stop_reason or "") if delta.output is not None else ""
+    error: QosError
+    if why.startswith(ENGINE_FAILED):
+        error = InternalError(f"{why}; it was stopped")
+    else:
+        error = GuidedDecodingError(why or GUIDED_FAILED, param="guided")
     return [
         replace(delta, finished=False, finish_reason=None),
         RequestFailed(delta.request_id, error),

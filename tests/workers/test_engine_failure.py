@@ -7,6 +7,8 @@ import asyncio
 import threading
 from typing import Any
 
+import pytest
+
 from common.client import QosClient
 from common.lifecycle import run_until_signalled
 from common.protocol import RequestParams
@@ -159,3 +161,49 @@ async def test_an_engine_whose_every_step_fails_stops_taking_work_and_exits_1(
     # Every one served by another replica: those of the failed steps retried, the rest
     # handed back.
     assert all(final.worker == "healthy" for _, _, final in done), done
+
+
+async def test_a_request_the_engine_fails_on_ends_alone_with_a_500(
+    start_worker: Any, client: QosClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settling one request's token raised out of the engine's step (a tokenizer's decode,
+    the grammar library): the bridge failed every running request with a 500. Now that
+    request ends alone, after the tokens it had, and its neighbour answers in full."""
+    from common.errors import InternalError
+    from common.models import demo_model_path
+    from workers.engine import LLMEngine
+    from workers.engine import engine as engine_module
+    from workers.engine.args import EngineArgs
+
+    settle = engine_module.settle_token
+    victim: list[str] = []
+
+    def fails_once(req: Any, *args: Any, **kwargs: Any) -> Any:
+        if req.num_output_tokens == 3 and not victim:
+            victim.append(req.request_id)
+            raise RuntimeError("decode failed")
+        return settle(req, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "settle_token", fails_once)
+    engine = LLMEngine(EngineArgs(model=str(demo_model_path()), device="cpu", max_batch_size=4))
+    await start_worker(engine=engine)
+    params = RequestParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+
+    async def one(prompt: list[int]) -> tuple[list[int], BaseException | None]:
+        got: list[int] = []
+        try:
+            async for chunk in client.generate(
+                group="short", prompt_token_ids=prompt, params=params
+            ):
+                got += chunk.token_ids
+        except Exception as exc:
+            return got, exc
+        return got, None
+
+    results = await asyncio.gather(one([10, 11, 12]), one([20, 21, 22, 23]))
+    failed = [(got, exc) for got, exc in results if exc is not None]
+    served = [got for got, exc in results if exc is None]
+    assert len(failed) == 1 and len(served) == 1 and len(served[0]) == 8
+    got, exc = failed[0]
+    assert isinstance(exc, InternalError) and "engine failed on this request" in exc.message
+    assert len(got) == 2  # the tokens before the one that failed went out

@@ -40,7 +40,14 @@ from workers.engine.loader import (
     load_model_config,
 )
 from workers.engine.model_runner import GiB, ModelRunner, PromptLogprobs, PromptRows, TokenFeed
-from workers.engine.outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
+from workers.engine.outputs import (
+    ENGINE_FAILED,
+    GUIDED_FAILED,
+    EngineStats,
+    RequestDelta,
+    RequestMetrics,
+    RequestOutput,
+)
 from workers.engine.request import PLACEHOLDER, Request
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.stopping import primary_eos, settle_token
@@ -502,21 +509,11 @@ class LLMEngine:
         out = self.sampler.sample(logits, live)
         now = time.time()
         self.num_generation_tokens += len(live)
-        # Every token in place before any is settled, as _read_back does: an accept that
-        # raises (a tokenizer's decode) must not cost the requests after it their tokens.
-        for req, token in zip(live, out.token_ids, strict=True):
-            req.append_token(token)
-        failed: BaseException | None = None
         for i, req in enumerate(live):
+            req.append_token(out.token_ids[i])
             logprob = out.logprobs[i] if out.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
-            try:
-                token = out.token_ids[i]
-                deltas.append(self._accept(req, token, logprob, top, now, appended=True))
-            except Exception as exc:  # the others' tokens still count; raised once all are in
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+            deltas.append(self._accept_or_fail(req, out.token_ids[i], logprob, top, now))
 
     def _prompt_rows(self, plan: BatchPlan) -> list[tuple[PromptRows, Request]]:
         """The prompt positions of this step whose logprobs their requests still owe: those
@@ -713,7 +710,6 @@ class LLMEngine:
             req.pending_row = -1
             req.token_ids[-1] = req.output_token_ids[-1] = tokens[row]
             landed.append((row, req))
-        failed: BaseException | None = None
         for row, req in landed:
             self.num_generation_tokens += 1
             logprob: float | None = None
@@ -723,13 +719,9 @@ class LLMEngine:
                 logprob = chosen[row]
                 if top_ids is not None and top_values is not None:
                     top = list(zip(top_ids[row][:k], top_values[row][:k], strict=True))
-            try:
-                token = req.output_token_ids[-1]
-                deltas.append(self._accept(req, token, logprob, top, now, appended=True))
-            except Exception as exc:  # the others' tokens still count; raised once all are in
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+            deltas.append(
+                self._accept_or_fail(req, req.output_token_ids[-1], logprob, top, now)
+            )
 
     def _feed(self, plan: BatchPlan) -> TokenFeed | None:
         """Which sequences take their last input token from the step still in flight."""
@@ -800,6 +792,36 @@ class LLMEngine:
                 req.num_computed_tokens = min(req.num_computed_tokens, first * bs)
         self.pool.forget(loaded)
 
+    def _accept_or_fail(
+        self,
+        req: Request,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        now: float,
+    ) -> RequestDelta:
+        """:meth:`_accept` an appended token; a request it raises for (a tokenizer's decode,
+        the grammar library) ends alone with an error. Raised out of the step, it failed
+        every running request with a 500, and one preempted in the same step was left with
+        a token its caller never got."""
+        try:
+            return self._accept(req, token, logprob, top, now, appended=True)
+        except Exception as exc:
+            log.exception("request %s: settling its token failed; ending it", req.request_id)
+            if req.request_id in self.requests:
+                req.stop_reason = f"{ENGINE_FAILED} ({type(exc).__name__})"
+                self._finish(req, "error", now)
+            return RequestDelta(
+                request_id=req.request_id,
+                token_ids=[],
+                text="",
+                finished=True,
+                finish_reason="error",
+                output=RequestOutput.of(req),
+                num_output_tokens=req.num_output_tokens,
+                at=now,
+            )
+
     def _accept(
         self,
         req: Request,
@@ -842,7 +864,7 @@ class LLMEngine:
         if failed is not None:
             # Not "stop": what came out matches nothing whole. The worker answers an error.
             log.warning("request %s: guided decoding failed: %s", req.request_id, failed)
-            reason, req.stop_reason = "error", f"guided decoding failed: {failed}"
+            reason, req.stop_reason = "error", f"{GUIDED_FAILED}: {failed}"
         if text:
             req.text_pieces.append(text)
         if reason is not None:

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from workers.engine.request import Request
 
+# stop_reason of a request ended with "error": the first part says why (the bridge answers
+# a guided failure with a 400, the engine's own with a 500).
+GUIDED_FAILED = "guided decoding failed"
+ENGINE_FAILED = "the engine failed on this request"
 
 @dataclass(frozen=True)
 class RequestMetrics:
@@ -53,7 +57,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    # "stop" | "length" | "abort" | "error" (guided decoding failed); None while running
+    # "stop" | "length" | "abort" | "error" (its guided decoding failed, or the engine failed
+    # on this request alone: stop_reason says which); None while running
     finish_reason: str | None
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     cumulative_logprob: float | None
