@@ -606,6 +606,24 @@ class KVTiers:
         self._store_busy_mark = now
         self._stores_running += change
 
+    def offload_wanted(self, hashes: Sequence[bytes]) -> list[int]:
+        """The indices of the evicted blocks whose bytes the host tier takes: those it does
+        not hold (a held one is only made recent: copying it off the device again moved
+        its bytes for nothing), and of those only the last as many as it has slots (the
+        device evicts the least recently used first; the rest would push one another out
+        on arrival). Every evicted block used to be copied into one pinned buffer: a
+        long prompt's admission evicting thousands took gigabytes of page-locked memory,
+        which torch's host allocator then kept."""
+        if self.host is None:
+            return []
+        wanted = []
+        for i, h in enumerate(hashes):
+            if h in self.host:
+                self.host.get(h)  # made recent, as an offload of it did
+            else:
+                wanted.append(i)
+        return wanted[-self.host.num_slots :] if self.host.num_slots else []
+
     def offload(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         """Keep blocks the device cache is about to overwrite in host memory."""
         if self.host is None:

@@ -104,6 +104,56 @@ def test_host_tier_keeps_within_its_capacity(tiny_llama: Path) -> None:
     assert t.host_evictions > 0 and t.host.store_blocks == 6 + t.host_evictions
 
 
+def test_evictions_are_copied_out_only_as_far_as_the_host_tier_takes_them(
+    tiny_llama: Path, reference: Callable[[list[list[int]]], list[list[int]]]
+) -> None:
+    """Every evicted block was copied into one pinned buffer per step, however many: a long
+    prompt's admission took gigabytes of page-locked memory, for blocks the host tier
+    already held or would push out again on arrival."""
+    with KVTiers(host_capacity_bytes=3 * 2048, pin_host=False) as tier:
+        eng = engine(tiny_llama, tier, num_kv_blocks=16)
+        real, sizes = eng.runner.export_blocks_async, []
+
+        def counted(block_ids: Sequence[int]) -> object:
+            sizes.append(len(block_ids))
+            return real(block_ids)
+
+        eng.runner.export_blocks_async = counted  # type: ignore[method-assign]
+        prompts = [prompt(s) for s in range(6)] + [prompt(5)] * 2
+        got = serve(eng, prompts)
+        t = tier.stats()
+    assert got == reference(prompts)
+    assert sizes and max(sizes) <= 3  # the host tier's slots, not the step's evictions
+    # Only blocks it did not hold were copied (a held one's age is refreshed in place).
+    assert sum(s for s in sizes if s) == t.host.store_blocks + t.host.drops
+
+
+def test_a_failed_copy_out_of_evicted_blocks_loses_the_offloads_not_the_loads(
+    tiny_llama: Path, reference: Callable[[list[list[int]]], list[list[int]]]
+) -> None:
+    """The copy out and the loads in failed together: out of pinned memory for the evicted
+    rows, the step's tier loads (perhaps a long prefix just fetched) were recomputed, and
+    their requests never used the tiers again."""
+    prompts = [prompt(s) for s in range(5)]
+    with KVTiers(host_capacity_bytes=64 * 2048, pin_host=False) as tier:
+        eng = engine(tiny_llama, tier, num_kv_blocks=16)
+        serve(eng, prompts)  # prompt 0's blocks went down to the host tier
+        failed = []
+
+        def out_of_memory(block_ids: Sequence[int]) -> object:
+            failed.append(len(block_ids))
+            raise RuntimeError("injected: pinned allocation failed")
+
+        eng.runner.export_blocks_async = out_of_memory  # type: ignore[method-assign]
+        computed = eng.stats().num_prompt_tokens_computed
+        again = serve(eng, prompts[:1])  # its loads evict other blocks in the same step
+        s = eng.stats()
+    assert failed  # the copy out was tried, and failed
+    assert again == reference(prompts[:1])
+    # The loads still came in: only the prompt's tail was computed, not all of it again.
+    assert s.num_prompt_tokens_computed - computed == len(prompts[0]) - 5 * BS
+
+
 @pytest.mark.parametrize("policy", ["continuous", "hybrid"])
 def test_a_second_engine_loads_the_prefix_and_keeps_the_tokens(
     tiny_llama: Path,
@@ -350,16 +400,16 @@ def test_a_step_whose_tier_load_fails_recomputes_the_loads_and_serves_everyone(
     with KVTiers(host_capacity_bytes=64 * 2048, pin_host=False) as tier:
         eng = engine(tiny_llama, tier, num_kv_blocks=8, policy=policy)
         serve(eng, [p, *others])  # the others' blocks evict p's to the host tier
-        real = eng.runner.swap_blocks
+        real = eng.runner.import_blocks
         calls = {"loads": 0}
 
         def failing_once(*args: object) -> object:
-            if args[1] and not calls["loads"]:  # the first swap that brings tier hits in
-                calls["loads"] = len(args[1])  # type: ignore[arg-type]
+            if not calls["loads"]:  # the first swap that brings tier hits in
+                calls["loads"] = len(args[0])  # type: ignore[arg-type]
                 raise RuntimeError("injected: swap failed")
             return real(*args)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(eng.runner, "swap_blocks", failing_once)
+        monkeypatch.setattr(eng.runner, "import_blocks", failing_once)
         short = [7, 8, 9]  # decoding alongside (static: admitted in the same batch)
         eng.add_request("a", prompt_token_ids=short, params=GREEDY)
         eng.add_request("b", prompt_token_ids=p, params=GREEDY)

@@ -103,6 +103,12 @@ class KVTier(Protocol):
         """``blocks`` filled blocks were not offered while ``accepts_stores`` was false:
         count them with the tier's drops."""
 
+    def offload_wanted(self, hashes: Sequence[bytes]) -> list[int]:
+        """Which of the blocks the device cache evicts (in eviction order) :meth:`offload`
+        wants the bytes of: at most what it holds, and none it has already (those are
+        only made recent)."""
+        ...
+
     def offload(self, hashes: Sequence[bytes], data: np.ndarray) -> None:
         """Keep blocks that the device cache evicts."""
 

@@ -719,9 +719,7 @@ class LLMEngine:
                 logprob = chosen[row]
                 if top_ids is not None and top_values is not None:
                     top = list(zip(top_ids[row][:k], top_values[row][:k], strict=True))
-            deltas.append(
-                self._accept_or_fail(req, req.output_token_ids[-1], logprob, top, now)
-            )
+            deltas.append(self._accept_or_fail(req, req.output_token_ids[-1], logprob, top, now))
 
     def _feed(self, plan: BatchPlan) -> TokenFeed | None:
         """Which sequences take their last input token from the step still in flight."""
@@ -742,33 +740,50 @@ class LLMEngine:
         return TokenFeed(step.tokens, rows) if (rows >= 0).any() else None
 
     def _swap_kv(self, plan: BatchPlan) -> None:
-        """Before the step overwrites them, evicted named blocks are copied out, to go down
-        to the host tier once their bytes land (the copy used to make the host wait for the
-        step in flight: with the prefix cache full, nearly every step evicts); tier hits
-        come in. Loads may be views of host-tier slots: offload goes last."""
+        """Before the step overwrites them, evicted named blocks the host tier wants are
+        copied out, to go down to it once their bytes land (the copy used to make the host
+        wait for the step in flight: with the prefix cache full, nearly every step evicts);
+        then tier hits come in (a block may be both: the copies run in that order on one
+        stream). Loads may be views of host-tier slots: offload goes last. Each side fails
+        on its own: a failed copy out only loses the offloads (it cost the step's loads,
+        perhaps a long prefix just fetched from Redis)."""
         assert self.kv_tier is not None
         evicted = self.pool.evictions or []
+        wanted = (
+            [evicted[i] for i in self.kv_tier.offload_wanted([h for _, h in evicted])]
+            if evicted
+            else []
+        )
+        evicted.clear()
+        export: _Export | None = None
         try:
-            rows, copied = self.runner.swap_blocks([b for b, _ in evicted], plan.kv_loads)
-        except Exception:
-            # Out of memory for a staging copy, a bad view: the tier is a cache, so the
-            # requests that loaded compute those tokens instead and the step goes on (it
-            # failed every request in the batch). A sticky device error fails the next op.
-            log.warning(
-                "KV tier swap failed (%d blocks out, %d in); the loads are recomputed",
-                len(evicted), len(plan.kv_loads), exc_info=True,
-            )  # fmt: skip
-            evicted.clear()  # their copy may be half done: never offered under their names
-            self._recompute_loads(plan)
-            return
+            if wanted:
+                try:
+                    rows, copied = self.runner.export_blocks_async([b for b, _ in wanted])
+                    export = _Export([h for _, h in wanted], rows, copied, offload=True)
+                except Exception:
+                    # Out of pinned memory for the rows: the host tier is a cache.
+                    log.warning("copying %d evicted KV blocks out failed; the host tier "
+                                "does not get them", len(wanted), exc_info=True)  # fmt: skip
+            if plan.kv_loads:
+                try:
+                    self.runner.import_blocks(
+                        [b for b, _ in plan.kv_loads], [d for _, d in plan.kv_loads]
+                    )
+                except Exception:
+                    # Out of memory for a staging copy, a bad view: the tier is a cache, so
+                    # the requests that loaded compute those tokens instead and the step
+                    # goes on (it failed every request in the batch). A sticky device
+                    # error fails the next op.
+                    log.warning("KV tier load failed (%d blocks in); the loads are "
+                                "recomputed", len(plan.kv_loads), exc_info=True)  # fmt: skip
+                    export = None  # a device error may have spoiled its copy too
+                    self._recompute_loads(plan)
         except BaseException:
             self._undo_loads(plan)
-            evicted.clear()
             raise
-        if evicted:
-            assert rows is not None
-            self._exports.append(_Export([h for _, h in evicted], rows, copied, offload=True))
-            evicted.clear()
+        if export is not None:
+            self._exports.append(export)
 
     def _recompute_loads(self, plan: BatchPlan) -> None:
         """The loads never reached the cache: their requests leave this step and are queued

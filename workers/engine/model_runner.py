@@ -270,20 +270,6 @@ class ModelRunner:
             compute_dtype=str(self.dtype).removeprefix("torch."),
         )
 
-    def swap_blocks(
-        self, out_ids: Sequence[int], loads: Sequence[tuple[int, memoryview]]
-    ) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
-        """Copy ``out_ids`` out (as :meth:`export_blocks_async`: rows and their event, or
-        None without blocks), then the loads in. A block may be both, evicted and reused
-        for a load: the copies are queued in that order on one stream, so the export reads
-        it before the load overwrites it, and nothing here waits for the device."""
-        saved: tuple[torch.Tensor | None, torch.cuda.Event | None] = (None, None)
-        if out_ids:
-            saved = self.export_blocks_async(out_ids)
-        if loads:
-            self.import_blocks([b for b, _ in loads], [d for _, d in loads])
-        return saved
-
     def import_blocks(self, block_ids: Sequence[int], data: Sequence[memoryview]) -> None:
         """Copy blocks in the :meth:`export_blocks` format into the cache, a bounded chunk
         at a time (a whole load staged at once on the device could be gigabytes)."""

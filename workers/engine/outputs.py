@@ -11,6 +11,7 @@ from workers.engine.request import Request
 GUIDED_FAILED = "guided decoding failed"
 ENGINE_FAILED = "the engine failed on this request"
 
+
 @dataclass(frozen=True)
 class RequestMetrics:
     """Times are ``time.time()`` seconds; ``first_token_time - arrival_time`` is the TTFT."""
