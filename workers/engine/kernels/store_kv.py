@@ -96,7 +96,10 @@ def _store_kv_kernel(
 def _quantize_rows(x, scale_ptr, mask_h, QMAX: tl.constexpr, ROUND: tl.constexpr):
     """Store each row's scale ``amax / QMAX``; return the rows divided by it, saturated."""
     x = x.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 1), AMAX_FLOOR) / QMAX
+    # IEEE divisions (div_rn): '/' compiles to the approximate one on GPUs, and a value
+    # at a .5 boundary then rounded one step off from torch's (kv_quant.quantize).
+    amax = tl.maximum(tl.max(tl.abs(x), 1), AMAX_FLOOR)
+    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + QMAX)
     # max/maximum skip NaN (maxnum): a NaN row got a finite scale and the NaN became -QMAX,
     # plausible attention instead of the visible NaN the reference (and a 16-bit cache)
     # gives. A NaN scale makes the whole row read back NaN, as there.
@@ -104,7 +107,7 @@ def _quantize_rows(x, scale_ptr, mask_h, QMAX: tl.constexpr, ROUND: tl.constexpr
     scale = tl.where(has_nan, float("nan"), scale)
     tl.store(scale_ptr, scale, mask=mask_h)
     # Same arithmetic as kv_quant.quantize: multiply by the reciprocal.
-    y = x * (1.0 / scale)[:, None]
+    y = x * tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)[:, None]
     if ROUND:
         y = tl.floor(y + 0.5)
     return tl.minimum(tl.maximum(y, -QMAX), QMAX)
