@@ -18,6 +18,10 @@ group and left its probes no room); then **503** with
 ``Retry-After``. A route that is not ``g`` records why (``no_worker``, ``breaker_open``,
 ``breaker_half_open``, ``too_many``) for the response header and the fallback counter.
 
+When every group a key may use is serving and full, a request is answered 429 before its
+prompt is rendered and tokenized (:meth:`Admission.shed_if_all_full`): whatever its group,
+it would be refused.
+
 A response of several choices (OpenAI's ``n``, a batch of prompts) takes its slots at once,
 in one group: one whose ``max_pending`` could never hold them is passed over, and a
 half-open group takes it only with a turn for each choice (so, at a share under 1, never).
@@ -88,6 +92,19 @@ class Admission:
         names = list(self._groups) if groups is None else list(groups)
         names = [n for n in names if allowed is None or n in allowed] or names
         return max(self.seq_limit(name) for name in names)
+
+    def shed_if_all_full(self, allowed: Collection[str] | None = None) -> None:
+        """429 at once when every group the key may use is serving and full: whatever group
+        the request is classified into, admission would refuse it, and under a flood each
+        such request had its chat template rendered and its prompt tokenized first."""
+        names = [g for g in self._groups if allowed is None or g in allowed]
+        if names and all(
+            self._view.is_live(g)
+            and self._view.breaker(g) != "open"
+            and self._in_flight[g] >= self._groups[g].max_pending
+            for g in names
+        ):
+            self._take(names[0])  # raises its 429
 
     def in_flight(self, group: str) -> int:
         """Requests holding a slot of ``group``: admitted, or waiting for a route."""

@@ -232,10 +232,11 @@ class Generator:
                 else parse_body(ChatCompletionRequest, raw)
             )
             body.check_fields()
-            if body.guided() is not None:  # compiled off the loop: tens of ms for a grammar
-                await asyncio.to_thread(body.check_guided)
             self.check_model(body.model)
             priority = grant.priority(body.priority)
+            self._admission.shed_if_all_full(grant.groups)  # before the costly part
+            if body.guided() is not None:  # compiled off the loop: tens of ms for a grammar
+                await asyncio.to_thread(body.check_guided)
             logprobs = body.top_logprobs_count()
             prompts, prompt_param = await self.prompts(body, big=len(raw) > INLINE_TOKENIZE_CHARS)
             max_tokens = (

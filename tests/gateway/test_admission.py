@@ -712,3 +712,25 @@ async def test_a_key_holds_at_most_its_share_of_the_slots(nats_config: NatsConfi
         again = await http.post("/v1/completions", json={**BODY, "n": 2}, headers=greedy)
         assert again.status_code == 200 and len(again.json()["choices"]) == 2
         assert (await http.get("/health")).json()["groups"]["short"]["in_flight"] == 0
+
+
+async def test_a_request_no_group_could_take_is_shed_before_it_is_tokenized():
+    """Under a flood with every group full, each request had its template rendered and its
+    prompt tokenized before the 429 that was sure to come."""
+    config = gateway_config(NatsConfig(), realtime__max_pending=1, short__max_pending=1,
+                            long__max_pending=1)  # fmt: skip
+    view = _all_live(config)
+    admission = Admission(config, view)
+    admission.shed_if_all_full()  # room everywhere: nothing said
+    for group in ("realtime", "short"):
+        admission._take(group)
+    admission.shed_if_all_full()  # long has room: the request may be classified there
+    with pytest.raises(RateLimitError):
+        admission.shed_if_all_full(allowed={"realtime", "short"})  # not for this key
+    admission._take("long")
+    with pytest.raises(RateLimitError) as shed:
+        admission.shed_if_all_full()
+    assert shed.value.headers()["Retry-After"] == "1"
+    view.set_breaker("long", "open")  # not full: shut, which the full path answers
+    admission.shed_if_all_full()
+    assert [admission.in_flight(g) for g in ("realtime", "short", "long")] == [1, 1, 1]
