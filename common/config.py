@@ -232,6 +232,18 @@ class GroupConfig(_Strict):
             "false = it waits for a free slot, as in vLLM."
         ),
     )
+    # 0: strict priority (vLLM's): a steady stream of urgent requests holds less urgent ones
+    # back for as long as it lasts.
+    priority_aging_s: float = Field(
+        0.0,
+        ge=0,
+        le=86400,
+        description=(
+            "hybrid only: seconds of waiting worth one priority level; a request that arrived "
+            "this much earlier than one a level more urgent goes first, so no priority "
+            "starves. 0 = strict priority, as in vLLM."
+        ),
+    )
     # Queued + running requests the gateway admits before it sheds with 429.
     max_pending: int = Field(
         64,

@@ -164,6 +164,7 @@ def build_engine(config: Config, args: argparse.Namespace) -> Any:
         policy=args.policy or group.policy,
         prefill_delay_factor=group.prefill_delay_factor,
         priority_preemption=group.priority_preemption,
+        priority_aging_s=group.priority_aging_s,
         max_batch_size=max_batch,
         max_num_batched_tokens=max(2048, max_batch),
         # The longest group's limit within the model's context and, unless the flag asked

@@ -151,13 +151,18 @@ def apply_batch_cap(engine: Any, cap: int) -> int:
     return cap
 
 
-def apply_group_scheduling(engine: Any, priority_preemption: bool, delay_factor: float) -> None:
+def apply_group_scheduling(
+    engine: Any, priority_preemption: bool, delay_factor: float, aging_s: float = 0.0
+) -> None:
     """A group's batcher settings (its policy stays the engine's own): the project's engine
-    has them, the sim engine none."""
+    has them all, the sim engine only the aging."""
     batcher = getattr(engine, "batcher", None)
     if batcher is not None:
         batcher.priority_preemption = priority_preemption
         batcher.prefill_delay_factor = delay_factor
+        batcher.priority_aging_s = aging_s
+    elif hasattr(engine, "priority_aging_s"):
+        engine.priority_aging_s = aging_s
 
 
 def running_ids(engine: Any) -> list[str]:
@@ -247,9 +252,11 @@ class EngineBridge:
         self._queue.put(("seq_limit", self.seq_limit))
         return self.seq_limit
 
-    def set_group_scheduling(self, priority_preemption: bool, delay_factor: float) -> None:
+    def set_group_scheduling(
+        self, priority_preemption: bool, delay_factor: float, aging_s: float = 0.0
+    ) -> None:
         """The group's priority preemption and prefill delay, from the next step on."""
-        self._queue.put(("scheduling", (priority_preemption, delay_factor)))
+        self._queue.put(("scheduling", (priority_preemption, delay_factor, aging_s)))
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; await its result.

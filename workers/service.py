@@ -1412,8 +1412,8 @@ class WorkerService:
             self._set_serving(not self._drained)
 
     def _apply_group_limits(self, group: str) -> None:
-        """The group's batch size, sequence length, priority preemption and prefill delay,
-        within what the engine was built for (``build_engine`` sizes it for every group, so
+        """The group's batch size, sequence length, priority preemption and aging and
+        prefill delay, within what the engine was built for (``build_engine`` sizes it for every group, so
         a moved replica serves its new group's requests, not its first group's limits)."""
         assert self.bridge is not None
         limits = self.config.groups[group]
@@ -1421,7 +1421,9 @@ class WorkerService:
         seq = self.bridge.set_seq_limit(limits.max_seq_len)
         # Per group too (the engine's policy is its build's): a replica moved into a group
         # served by its own settings, not its first group's.
-        self.bridge.set_group_scheduling(limits.priority_preemption, limits.prefill_delay_factor)
+        self.bridge.set_group_scheduling(
+            limits.priority_preemption, limits.prefill_delay_factor, limits.priority_aging_s
+        )
         if batch < limits.max_batch or seq < limits.max_seq_len:
             log.info("group %s asks batch %d, %d tokens; this engine serves %d, %d",
                      group, limits.max_batch, limits.max_seq_len, batch, seq)  # fmt: skip

@@ -158,6 +158,7 @@ class SimEngine:
         self.num_blocks = num_kv_blocks
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.priority_aging_s = 0.0  # the group's (apply_group_scheduling)
         self.slowdown_s = 0.0
         self._sleep = sleep
         self._free_blocks = num_kv_blocks
@@ -277,7 +278,12 @@ class SimEngine:
     def _admit(self) -> list[_SimRequest]:
         admitted: list[_SimRequest] = []
         budget = self.max_num_batched_tokens
-        ordered = sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        aging = self.priority_aging_s  # as the engine's Request.urgency
+        ordered = sorted(
+            self.waiting,
+            key=lambda r: (r.priority + (r.arrival_time / aging if aging > 0 else 0.0),
+                           r.arrival_time),
+        )  # fmt: skip
         for req in ordered:
             need = -(-req.max_total_tokens // self.block_size)
             n_prompt = len(req.prompt_token_ids)

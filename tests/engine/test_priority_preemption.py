@@ -72,6 +72,37 @@ def test_switched_off_an_urgent_arrival_waits_for_a_free_slot() -> None:
     assert b.num_preemptions == 0
 
 
+def test_with_aging_an_urgent_stream_cannot_hold_a_less_urgent_request_back_for_ever() -> None:
+    """Strict priority: while urgent requests kept arriving, a priority-5 one waited for as
+    long as they did. Aged at 10 s a level, it goes ahead of urgent arrivals 50 s younger,
+    and once running no younger urgent arrival takes its slot."""
+    strict, aged = make_batcher(max_batch_size=1), make_batcher(max_batch_size=1)
+    aged.priority_aging_s = 10.0
+    for b in (strict, aged):
+        b.add(req("busy", 3, max_tokens=2, priority=0, arrival=0.0))
+        run(b)
+        b.add(req("low", 3, max_tokens=3, priority=5, arrival=1.0))
+        for t in (20.0, 52.0):  # 19 s, then 51 s after it (one level: 10 s)
+            b.add(req(f"urgent@{t:g}", 3, max_tokens=3, priority=0, arrival=t))
+    order = {"strict": [], "aged": []}  # type: dict[str, list[str]]
+    for name, b in (("strict", strict), ("aged", aged)):
+        while b.has_unfinished():
+            for r in run(b).requests:
+                if r.request_id not in order[name]:
+                    order[name].append(r.request_id)
+    assert order["strict"] == ["busy", "urgent@20", "urgent@52", "low"]
+    assert order["aged"] == ["busy", "urgent@20", "low", "urgent@52"]
+    # Running, it is not the victim of a younger urgent arrival it was aged past.
+    b = make_batcher(max_batch_size=1)
+    b.priority_aging_s = 10.0
+    b.add(req("low", 3, max_tokens=6, priority=5, arrival=1.0))
+    run(b)
+    b.add(req("urgent", 3, max_tokens=2, priority=0, arrival=60.0))
+    assert not run(b).preempted and b.num_preemptions == 0
+    b.add(req("urgent-early", 3, max_tokens=2, priority=0, arrival=30.0))  # 29 s: not past it
+    assert [r.request_id for r in run(b).preempted] == ["low"]
+
+
 def test_only_as_many_go_as_the_blocks_need_least_urgent_first() -> None:
     # 12 blocks of 4. Three low-priority requests hold 4 blocks each (13 + 2 tokens).
     b = make_batcher(num_blocks=12, max_batch_size=8)

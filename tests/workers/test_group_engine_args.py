@@ -77,18 +77,26 @@ async def test_a_replica_moved_to_another_group_takes_its_batcher_settings() -> 
 
     torch.set_num_threads(1)
     config = Config(worker=WorkerConfig(model="dummy:tiny", device="cpu", kv_cache_gib=0.05))
+    short = config.groups["short"].model_copy(update={"priority_aging_s": 30.0})
+    config = config.model_copy(update={"groups": {**config.groups, "short": short}})
     engine = build_engine(config, build_parser().parse_args(["--group", "short"]))
-    assert (engine.batcher.priority_preemption, engine.batcher.prefill_delay_factor) == (True, 1.0)
+    b = engine.batcher
+    assert (b.priority_preemption, b.prefill_delay_factor, b.priority_aging_s) == (True, 1.0, 30.0)
     bridge = EngineBridge(engine, lambda events: None, asyncio.get_running_loop())
     bridge.start()
     try:
-        bridge.set_group_scheduling(False, 0.0)  # what WorkerService._apply_group_limits sends
+        # What WorkerService._apply_group_limits sends.
+        bridge.set_group_scheduling(False, 0.0, 0.0)
         settings = await bridge.call(
-            lambda e: (e.batcher.priority_preemption, e.batcher.prefill_delay_factor)
+            lambda e: (
+                e.batcher.priority_preemption,
+                e.batcher.prefill_delay_factor,
+                e.batcher.priority_aging_s,
+            )
         )
     finally:
         await bridge.stop()
-    assert settings == (False, 0.0)
+    assert settings == (False, 0.0, 0.0)
 
 
 def test_a_max_batch_over_the_groups_is_said_not_silently_capped(

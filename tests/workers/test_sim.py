@@ -242,3 +242,16 @@ def test_the_sim_refuses_and_withholds_what_the_engine_does() -> None:
     )  # fmt: skip
     tokens = [t for d in run(engine)["ban"] for t in d.token_ids]
     assert len(tokens) == 20 and all(t % 10 == 0 for t in tokens)
+
+
+@pytest.mark.parametrize("aging_s", [0.0, 10.0])
+def test_the_sim_ages_priorities_as_the_engine_does(aging_s: float) -> None:
+    from workers.bridge import apply_group_scheduling
+
+    engine = SimEngine(max_batch_size=1, cost=SimCost(0, 0, 0))
+    apply_group_scheduling(engine, True, 0.0, aging_s)
+    one = SamplingParams(max_tokens=1)
+    engine.add_request("low", params=one, prompt_token_ids=[1], priority=5, arrival_time=1.0)
+    engine.add_request("urgent", params=one, prompt_token_ids=[1], priority=0, arrival_time=60.0)
+    first = [d.request_id for d in engine.step()]
+    assert first == (["low"] if aging_s else ["urgent"])  # 59 s: past 5 levels of 10 s

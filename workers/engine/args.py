@@ -54,6 +54,8 @@ class EngineArgs:
     # hybrid: a waiting request more urgent than running ones that the batch size or the
     # blocks keep out preempts the least urgent of them (batcher.py, "Priority preemption").
     priority_preemption: bool = True
+    # hybrid: seconds of waiting worth one priority level (0: strict priority, as vLLM).
+    priority_aging_s: float = 0.0
     # A max_seq_len the KV cache cannot hold: refuse to start (an explicit choice), or, with
     # this, serve what the cache holds (a worker sized for every group's limit: the gateway
     # learns the real one from its telemetry).
@@ -116,6 +118,10 @@ class EngineArgs:
             )
         if not isinstance(self.max_wait_ms, int | float) or self.max_wait_ms < 0:
             raise bad("max_wait_ms", "must be >= 0")
+        if not isinstance(self.priority_aging_s, int | float) or not (
+            0 <= self.priority_aging_s <= 86400
+        ):
+            raise bad("priority_aging_s", "must be in [0, 86400] seconds")
         if not isinstance(self.prefill_delay_factor, int | float) or not (
             0 <= self.prefill_delay_factor <= 100
         ):

@@ -36,6 +36,12 @@ that make it fit. Only a head that would then fit makes anyone go, and equal pri
 never preempt each other, so nothing thrashes: a victim comes back when room frees, and
 its full blocks are usually still in the prefix cache.
 
+Priority aging (``hybrid``, ``priority_aging_s`` > 0): a waiting request gains one level
+of urgency for each ``priority_aging_s`` seconds it arrived before another, so a steady
+stream of urgent arrivals cannot hold less urgent ones back for ever: the queue is
+ordered by ``priority + arrival / priority_aging_s`` (the same order at any moment, see
+``Request.urgency``), and a victim must be less urgent by class and once aged.
+
 With a KV tier (host memory, Redis), admission extends the device cache's prefix hit with
 the tier's: those blocks are allocated like computed ones and their bytes ride in the plan
 (``kv_loads``) for the engine to copy in before the step runs.
@@ -126,6 +132,7 @@ class Batcher:
         prefill_delay_factor: float = 0.0,
         timer: Callable[[], float] | None = None,
         priority_preemption: bool = False,
+        priority_aging_s: float = 0.0,
     ) -> None:
         self.pool = pool
         self.kv_tier = kv_tier
@@ -142,6 +149,7 @@ class Batcher:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.priority_preemption = priority_preemption
+        self.priority_aging_s = priority_aging_s  # for arrivals from now on (Request.urgency)
         self.num_priority_preemptions = 0  # of num_preemptions, those to let an urgent one in
         self.tier_query_tokens = 0  # tokens asked of the KV tier at admission
         self.tier_hit_tokens = 0  # of which loaded from it
@@ -165,6 +173,7 @@ class Batcher:
         """Queue a new request."""
         req.status = RequestStatus.WAITING
         req.queued_since = self.timer() - max(0.0, self.clock() - req.arrival_time)
+        req.aging_s = self.priority_aging_s
         if self.policy == "hybrid":
             bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
         else:
@@ -287,7 +296,13 @@ class Batcher:
         head = self.waiting[0]
         victims = sorted(
             # One whose last token is on its way back is finishing anyway.
-            (r for r in self.running if r.priority > head.priority and not r.out_of_budget),
+            # Strictly less urgent, by class and once aged: an old request aged past new
+            # urgent ones is not taken out by each of them in turn.
+            (
+                r
+                for r in self.running
+                if r.priority > head.priority and r.urgency > head.urgency and not r.out_of_budget
+            ),
             key=lambda r: r.sort_key,
             reverse=True,  # least urgent, then newest, first
         )

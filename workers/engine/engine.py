@@ -152,6 +152,7 @@ class LLMEngine:
             kv_tier=kv_tier,
             prefill_delay_factor=args.prefill_delay_factor,
             priority_preemption=args.priority_preemption,
+            priority_aging_s=args.priority_aging_s,
         )
         from workers.engine.sampler import Sampler
 

@@ -1,8 +1,9 @@
 """One request's state inside the engine: tokens, status, KV blocks and bookkeeping.
 
 Priority follows vLLM: a *lower* value is served first; the default is 0. The waiting
-queue of the ``hybrid`` policy is ordered by ``(priority, arrival_time)``, and preemption
-picks the request with the largest ``(priority, arrival_time)``: least urgent, then newest.
+queue of the ``hybrid`` policy is ordered by ``(urgency, arrival_time)``, and preemption
+picks the request with the largest: least urgent, then newest. Urgency is the priority,
+aged when the batcher has ``priority_aging_s`` (see :attr:`Request.urgency`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Request:
     params: SamplingParams
     priority: int = 0
     arrival_time: float = field(default_factory=time.time)
+    # Seconds of waiting worth one priority level (0: none); set by the batcher on arrival.
+    aging_s: float = 0.0
     # What the batcher's timers (max wait, prefill delay) count from: the arrival, unless that
     # is later than the batcher's own clock (a caller's clock ahead of this host's).
     queued_since: float = 0.0
@@ -162,9 +165,18 @@ class Request:
         )
 
     @property
-    def sort_key(self) -> tuple[int, float]:
+    def urgency(self) -> float:
+        """Its priority, aged: one level more urgent per ``aging_s`` it has waited more than
+        another. Linear aging orders two requests the same at any moment (p + t/s against
+        q + u/s), so the key is fixed at arrival and a sorted queue stays sorted."""
+        if self.aging_s <= 0:
+            return float(self.priority)
+        return self.priority + self.arrival_time / self.aging_s
+
+    @property
+    def sort_key(self) -> tuple[float, float]:
         """Queue order: most urgent first, then oldest."""
-        return (self.priority, self.arrival_time)
+        return (self.urgency, self.arrival_time)
 
     @property
     def output_text(self) -> str:
