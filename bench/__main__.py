@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "guided": "guided decoding's cost: output tok/s guided vs not, a row's mask time",
     "tool_calls": "reading streamed tool calls: each format fed a character at a time",
     "priority": "urgent requests into a full engine with and without priority preemption",
+    "aging": "less urgent requests under a steady urgent stream: strict priority vs aging",
     "serve": "serving benchmark through the gateway (like vllm bench serve)",
     "replicas": "capacity by worker replica count: the most req/s within the SLO for 1, 2, 4 …",
     "policies": "the four batching policies side by side through the full stack",
