@@ -485,6 +485,7 @@ class Generator:
         # continue_final_message (transformers' own, handled by the tokenizer).
         kwargs = {
             "add_generation_prompt": body.add_generation_prompt,
+            **({"continue_final_message": True} if body.continue_final_message else {}),
             **(body.chat_template_kwargs or {}),
         }
         if body.reasoning_effort is not None:  # as vLLM passes it: for templates that read it
@@ -519,6 +520,11 @@ class Generator:
             off_loop = big or len(body.messages) > INLINE_RENDER_MESSAGES
             text = await asyncio.to_thread(render) if off_loop else render()
         except ChatTemplateError as exc:
+            top_level = exc.param == "continue_final_message" and "continue_final_message" not in (
+                body.chat_template_kwargs or {}
+            )
+            if top_level:  # given as vLLM's top-level field
+                raise InvalidRequestError(str(exc), param=exc.param) from None
             if exc.param in ("tools", "documents", "continue_final_message"):
                 # given in chat_template_kwargs
                 raise InvalidRequestError(
@@ -529,7 +535,8 @@ class Generator:
             raise InvalidRequestError(
                 f"chat_template_kwargs: {exc}", param="chat_template_kwargs"
             ) from None
-        ids = await self.encode(text, add_special_tokens=chat_special_tokens)
+        special = chat_special_tokens or body.add_special_tokens
+        ids = await self.encode(text, add_special_tokens=special)
         return ids, "messages"
 
     async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:

@@ -116,7 +116,11 @@ class ChatMessage(BaseModel):
         elif self.content is not None:
             out["content"] = self.text()
         calls = out.get("tool_calls")
-        if isinstance(calls, list):
+        if isinstance(calls, list) and not calls:
+            # No calls (some clients send []): Llama 3.1's template raises on any list not
+            # of one call, and vLLM drops it too.
+            del out["tool_calls"]
+        elif isinstance(calls, list):
             out["tool_calls"] = [_decoded_call(c) for c in calls]
         return out
 
@@ -543,6 +547,10 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM's top-level template controls: continue the last (assistant) message rather
+    # than open a new turn (a prefill), and encode with the tokenizer's own BOS/EOS too.
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
     parallel_tool_calls: bool | None = None  # no effect without tools
     # vLLM's: False leaves a reasoning model's thinking out of the answer.
     include_reasoning: bool = True
@@ -552,12 +560,15 @@ class ChatCompletionRequest(_SamplingBody):
     function_call: Any = None
     # Accepted and passed to the chat template (gpt-oss's reads it; others ignore it):
     # the engine sets no thinking budget of its own.
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # The openai SDK's ReasoningEffort, as vLLM takes it ("none" turns thinking off there).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    verbosity: Any = None
+    verbosity: Any = None  # OpenAI's hint on answer length: accepted and ignored, as vLLM
     moderation: Any = None
     prompt_cache_options: dict[str, Any] | None = None  # a cache hint: a no-op, as the others
 
@@ -681,7 +692,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "audio": (lambda v: v is None, "audio output is not supported"),
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),
     "web_search_options": (lambda v: v is None, "web search is not supported"),
-    "verbosity": (lambda v: v is None, "verbosity is not supported"),
     "moderation": (lambda v: v is None, "moderation is not supported"),
 }
 

@@ -1,9 +1,9 @@
 """Reasoning in a chat model's answer: what it thinks, ``<think>...</think>``, apart from
 what it says, as vLLM's ``deepseek_r1`` and ``qwen3`` reasoning parsers split it.
 
-A message gets the thinking as ``reasoning_content`` and the rest as ``content`` (where
-tool calls are read); streamed, deltas carry ``reasoning_content`` while the model thinks,
-then ``content``. Whether an answer starts inside its thinking is the prompt's to say: a
+A message gets the thinking as ``reasoning`` and ``reasoning_content`` (the names vLLM's
+clients read since 2026 and before, DeepSeek's) and the rest as ``content`` (where tool
+calls are read); streamed, deltas carry both while the model thinks, then ``content``. Whether an answer starts inside its thinking is the prompt's to say: a
 template that ends the generation prompt with ``<think>`` (DeepSeek-R1 and its distills,
 Qwen3's thinking models) has the model write only the closing tag, and one that does not
 (Qwen3's hybrid models: ``enable_thinking`` decides) has it open the block itself, or not

@@ -131,9 +131,11 @@ class Shaper:
             self._fast_prefix = (
                 f'data: {head[:-1]},"choices":[{{"index":{index},"delta":{{"content":'.encode()
             )
-        # A reasoning model's thinking: the same chunk with delta.reasoning_content.
+        # A reasoning model's thinking: the same chunk with the text under both names
+        # clients read it by, delta.reasoning (vLLM's since 2026) and
+        # delta.reasoning_content (vLLM's before, DeepSeek's, litellm's).
         self._fast_reasoning_prefix = self._fast_prefix.replace(
-            b'"delta":{"content":', b'"delta":{"reasoning_content":'
+            b'"delta":{"content":', b'"delta":{"reasoning":'
         )
         self._fast_suffix = (close + tail + "}\n\n").encode()
         self._usage_head = (close + ',"logprobs":null,"finish_reason":null}],"usage":').encode()
@@ -142,13 +144,17 @@ class Shaper:
 
     def _text_event(self, text: str, done: int, reasoning: bool = False) -> bytes:
         """The common chunk: text only (chat: as ``delta.content``, or ``reasoning``: as
-        ``delta.reasoning_content``), not the last; ``done``: the tokens generated so far
-        (for continuous usage)."""
-        prefix = self._fast_reasoning_prefix if reasoning else self._fast_prefix
+        ``delta.reasoning`` and ``delta.reasoning_content``), not the last; ``done``: the
+        tokens generated so far (for continuous usage)."""
+        body = _dumps(text).encode()
+        if reasoning:
+            head = self._fast_reasoning_prefix + body + b',"reasoning_content":' + body
+        else:
+            head = self._fast_prefix + body
         if self.continuous_usage:
             usage = _dumps(self.usage_so_far(done)).encode()
-            return prefix + _dumps(text).encode() + self._usage_head + usage + b"}\n\n"
-        return prefix + _dumps(text).encode() + self._fast_suffix
+            return head + self._usage_head + usage + b"}\n\n"
+        return head + self._fast_suffix
 
     def usage_so_far(self, done: int) -> dict[str, int]:
         return {
@@ -198,7 +204,7 @@ class Shaper:
         return self._content_events(delivery)
 
     def _reasoning_events(self, delivery: Delivery, split: ReasoningSplit) -> bytes:
-        """The delivery's thinking as ``delta.reasoning_content`` chunks, then its content
+        """The delivery's thinking as ``delta.reasoning`` chunks, then its content
         (tool calls read there) as any delivery's."""
         pieces = _read_pieces(split, delivery)
         out = b""
@@ -326,8 +332,8 @@ class Shaper:
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish_reason = self.tool_calls.finish_reason(finish_reason, len(calls))
-            if reasoning is not None:
-                message["reasoning_content"] = reasoning
+            if reasoning is not None:  # under both names clients read (see __init__)
+                message["reasoning"] = message["reasoning_content"] = reasoning
             choice = {
                 "index": self.index,
                 "message": message,

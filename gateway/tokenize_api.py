@@ -43,6 +43,7 @@ class TokenizeRequest(_Strict):
     # None: True for a prompt (as /v1/completions), False for a chat (its template has them).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -76,6 +77,7 @@ async def tokenize(
         chat = ChatCompletionRequest(
             messages=body.messages,
             add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
         )
         # The template's text, with the tokenizer's BOS too when asked: encoded from the

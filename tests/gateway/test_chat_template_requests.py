@@ -165,6 +165,9 @@ async def test_chat_template_kwargs_continue_the_final_message_as_transformers(
         top_level = await tokenize(
             add_generation_prompt=False, chat_template_kwargs={"continue_final_message": True}
         )
+        # vLLM's top-level field, as its clients send it (extra_body).
+        vllm_style = await tokenize(add_generation_prompt=False, continue_final_message=True)
+        vllm_both = await tokenize(continue_final_message=True)
         no_prompt = await tokenize(chat_template_kwargs={"add_generation_prompt": False})
         both = await tokenize(chat_template_kwargs={"continue_final_message": True})
         chat = await http.post(
@@ -175,6 +178,9 @@ async def test_chat_template_kwargs_continue_the_final_message_as_transformers(
     assert cont.status_code == 200, cont.text
     assert cont.json()["tokens"] == list(continued)
     assert top_level.json()["tokens"] == list(continued)
+    assert vllm_style.status_code == 200, vllm_style.text
+    assert vllm_style.json()["tokens"] == list(continued)
+    assert "add_generation_prompt" in _error(vllm_both, "continue_final_message")["message"]
     assert no_prompt.status_code == 200, no_prompt.text
     assert no_prompt.json()["tokens"] == list(closed)
     error = _error(both, "chat_template_kwargs")

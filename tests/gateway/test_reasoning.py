@@ -113,12 +113,15 @@ async def test_the_openai_client_gets_reasoning_content_and_the_calls_after_it(
         effort = await client.chat.completions.create(**ask, reasoning_effort="low")
     message = whole.choices[0].message
     assert message.model_extra is not None
+    # Under both names: vLLM's clients read reasoning now, DeepSeek's reasoning_content.
     assert message.model_extra["reasoning_content"] == "The user wants the weather."
+    assert message.model_extra["reasoning"] == "The user wants the weather."
     assert message.content == "Looking." and whole.choices[0].finish_reason == "tool_calls"
     (call,) = message.tool_calls or []
     assert json.loads(call.function.arguments) == {"city": "Oslo"}
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert thought == "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas)
     said = "".join(d.content or "" for d in deltas)
     assert thought == "The user wants the weather." and said == "Looking."
     first_content = next(i for i, d in enumerate(deltas) if d.content)
@@ -219,7 +222,8 @@ def test_a_reasoning_chunk_is_a_chat_chunk_with_its_usage_as_asked(
     chunk = json.loads(event.decode().removeprefix("data: "))
     want: dict[str, Any] = {
         "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": MODEL,
-        "choices": [{"index": 0, "delta": {"reasoning_content": 'a "quoted" thought'},
+        "choices": [{"index": 0, "delta": {"reasoning": 'a "quoted" thought',
+                                            "reasoning_content": 'a "quoted" thought'},
                      "logprobs": None, "finish_reason": None}],
     }  # fmt: skip
     if usage:

@@ -206,6 +206,23 @@ async def test_openai_parameters_that_ask_for_nothing_are_accepted(fields: dict[
     assert result.for_template() == {"role": "tool", "name": "weather", "content": "sunny"}
 
 
+async def test_what_current_openai_and_vllm_clients_send_is_accepted() -> None:
+    """The SDK's reasoning efforts past "high" ("none" is how gpt-5 clients turn thinking
+    off), OpenAI's verbosity hint, vLLM's top-level template controls, and an assistant
+    turn with an empty tool_calls list (Llama 3.1's template raised on it): 400s before."""
+    for effort in ("none", "minimal", "xhigh", "max"):
+        body = {**OK_CHAT, "reasoning_effort": effort, "verbosity": "low"}
+        parse_body(ChatCompletionRequest, json.dumps(body).encode())
+    vllm = {**OK_CHAT, "continue_final_message": True, "add_generation_prompt": False,
+            "add_special_tokens": True}  # fmt: skip
+    parsed = parse_body(ChatCompletionRequest, json.dumps(vllm).encode())
+    assert parsed.continue_final_message and parsed.add_special_tokens
+    turn = {"role": "assistant", "content": "done", "tool_calls": []}
+    history = {**OK_CHAT, "messages": [{"role": "user", "content": "hi"}, turn]}
+    message = parse_body(ChatCompletionRequest, json.dumps(history).encode()).messages[1]
+    assert message.for_template() == {"role": "assistant", "content": "done"}
+
+
 async def test_logit_bias_travels_as_ascending_ids_and_their_biases() -> None:
     body = {**OK_CHAT, "logit_bias": {"50256": -100, "7": 2.5, "0": 1}}  # ints for floats too
     params = parse_body(ChatCompletionRequest, json.dumps(body).encode()).wire_params(4, None)
@@ -411,6 +428,35 @@ async def test_a_batch_of_prompts_long_together_is_tokenized_off_the_event_loop(
             await http.post("/v1/completions", json=body)  # no worker: a 503 after
             assert len(tokenizer.threads) == len(prompts)
             assert all((name != loop_thread) == off_loop for name in tokenizer.threads)
+
+
+class SpecialNotingTokenizer(ByteTokenizer):
+    """Bytes as tokens; notes each encode's add_special_tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.special: list[bool] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.special.append(add_special_tokens)
+        return super().encode(text, add_special_tokens)
+
+
+async def test_a_chat_asking_for_special_tokens_is_encoded_with_them(
+    nats_config: NatsConfig,
+) -> None:
+    """vLLM's top-level add_special_tokens on a chat (False by default: the template has
+    its own BOS): accepted, and the rendered conversation is encoded with them."""
+    tokenizer = SpecialNotingTokenizer()
+    async with (
+        serve(gateway_config(nats_config), tokenizer) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        for asked in (False, True):
+            tokenizer.special.clear()
+            body = {**OK_CHAT, "max_tokens": 1, "add_special_tokens": asked}
+            await http.post("/v1/chat/completions", json=body)  # no worker: a 503 after
+            assert tokenizer.special == [asked]
 
 
 @pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
