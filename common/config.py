@@ -35,6 +35,19 @@ _SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 # Keys whose variables are taken as raw strings, never parsed (nor quoted in errors).
 SECRET_KEYS = frozenset({"password", "token", "alert_webhook_url", "kv_mac_secret"})
 Policy = Literal["static", "dynamic", "continuous", "hybrid"]
+# deploy/k8s/components/secure/secret.example.yaml's value for every secret: a public
+# password, refused wherever a secret is read (else one left in place went unnoticed).
+SECRET_PLACEHOLDER = "REPLACE-ME"
+
+
+def _not_the_placeholder(value: str | None) -> str | None:
+    if value is not None and value.strip().upper() == SECRET_PLACEHOLDER:
+        # The message leaves the value out, as for any secret.
+        raise ValueError(
+            "is still the example Secret's placeholder: set a real secret "
+            "(deploy/k8s/README.md, Secure mode)"
+        )
+    return value
 
 
 class _Strict(BaseModel):
@@ -391,6 +404,8 @@ class NatsConfig(_Strict):
         ),
     )
 
+    _secrets_set = field_validator("password", "token")(_not_the_placeholder)
+
     @field_validator("url")
     @classmethod
     def _nats_url(cls, value: str) -> str:
@@ -641,6 +656,8 @@ class RedisConfig(_Strict):
             "is not private to the workers; never printed."
         ),
     )
+
+    _password_set = field_validator("password", "kv_mac_secret")(_not_the_placeholder)
 
     @field_validator("url")
     @classmethod

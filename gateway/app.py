@@ -220,7 +220,13 @@ def create_app(
             await nc.close()
             state.nc = state.generator = state.stream_keeper = None
 
-    app = FastAPI(title="qosserve gateway", version="0.1.0", lifespan=lifespan, **_no_native_otel())
+    # No redirect for a trailing slash: Starlette's answered 307 to whatever Host the client
+    # sent, as http://, before any key was checked (and the openai client resends the body
+    # there); the 404 says which path is served.
+    app = FastAPI(
+        title="qosserve gateway", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
+        **_no_native_otel(),
+    )  # fmt: skip
     app.state.gateway = state
     quiet_server_duplicates()
     if tracer is not None or config.log.access_log:

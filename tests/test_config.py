@@ -118,6 +118,19 @@ def test_an_empty_or_short_kv_secret_is_refused_not_taken_as_off() -> None:
     assert load_config(None, env={"QOS_REDIS__KV_MAC_SECRET": secret}).redis.kv_mac_secret == secret
 
 
+def test_the_example_secrets_placeholder_is_refused_for_every_secret() -> None:
+    """secret.example.yaml's REPLACE-ME stopped only the API keys and the MAC secret: NATS
+    and Redis ran on a public password nothing complained about."""
+    for key in ("NATS__PASSWORD", "NATS__TOKEN", "REDIS__PASSWORD"):
+        with pytest.raises(ConfigError) as error:
+            load_config(None, env={f"QOS_{key}": "REPLACE-ME"})
+        assert "placeholder" in str(error.value), key
+        assert key.lower().replace("__", ".") in str(error.value)
+    with pytest.raises(ConfigError, match="kv_mac_secret"):  # under 16 characters too
+        load_config(None, env={"QOS_REDIS__KV_MAC_SECRET": "REPLACE-ME"})
+    assert load_config(None, env={"QOS_NATS__PASSWORD": "gw-pw-1"}).nats.password == "gw-pw-1"
+
+
 def test_a_redis_ca_file_needs_a_tls_url() -> None:
     with pytest.raises(ConfigError, match="rediss://"):
         load_config(None, env={"QOS_REDIS__TLS_CA_FILE": "/ca.pem"})

@@ -356,6 +356,18 @@ async def test_models_are_listed_under_a_group_base_url_too(client: httpx.AsyncC
     assert _assert_openai_error(bogus, 404, None)["code"] == "group_not_found"
 
 
+async def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_clients_host(
+    client: httpx.AsyncClient,
+):
+    """Starlette answered 307 to http://<the Host the client sent>/v1/completions before
+    any key was checked, and the openai client resends the body to a redirect."""
+    response = await client.post(
+        "/v1/completions/", json=OK_COMPLETION, headers={"Host": "evil.example"}
+    )
+    assert "location" not in response.headers
+    _assert_openai_error(response, 404, None)
+
+
 async def test_unknown_group_in_path_is_404(client: httpx.AsyncClient):
     response = await client.post("/v1/bogus/completions", json=OK_COMPLETION)
     error = _assert_openai_error(response, 404, None)
