@@ -28,6 +28,10 @@ _MODULES: dict[str, tuple[str, str]] = {
     "worker": ("workers", "run one worker replica of an instance group"),
     "scheduler": ("scheduler", "run the scheduler service (breakers, rebalancing)"),
     "bench": ("bench", "run a benchmark (engine, kernels, serve, kvtier, …)"),
+    "provision": (
+        "common.provision",
+        "create or check the JetStream stream, consumers and bucket (as an admin NATS user)",
+    ),
 }
 
 

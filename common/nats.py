@@ -287,7 +287,7 @@ async def barrier(nc: Client, timeout_s: float = 2.0) -> None:
 
 
 # How long a service that may not create a JetStream object (deploy/nats/permissions.conf
-# leaves that to the gateway) waits for the gateway to make it, before it gives up.
+# leaves that to `qosserve provision`, as qos-admin) waits for it, before it gives up.
 MADE_ELSEWHERE_WAIT_S = 60.0
 MADE_ELSEWHERE_POLL_S = 1.0
 
@@ -301,9 +301,9 @@ async def _create_or_wait_for(
 ) -> Any:
     """``create()``, or, when that gets no answer, ``lookup()`` until it finds what someone
     else made. A NATS server drops a publish the user may not make and answers nothing
-    (the API call times out): with the secure permissions only the gateway creates the
-    stream, consumers and bucket, and a scheduler or worker that started first died of a
-    bare timeout and crash-looped until the gateway came up."""
+    (the API call times out): with the secure permissions no service creates the stream,
+    consumers or bucket (``qosserve provision`` does), and a service that started first
+    died of a bare timeout and crash-looped until they were made."""
     try:
         return await create()
     except TimeoutError:
@@ -311,7 +311,8 @@ async def _create_or_wait_for(
     wait_s = MADE_ELSEWHERE_WAIT_S if wait_s is None else wait_s
     log.warning(
         "%s does not exist and creating it got no answer (this NATS user may not create "
-        "it: with deploy/nats/permissions.conf the gateway does); waiting up to %.0f s for it",
+        "it: with deploy/nats/permissions.conf `qosserve provision` does, as qos-admin); "
+        "waiting up to %.0f s for it",
         what, wait_s,
     )  # fmt: skip
     deadline = time.monotonic() + wait_s
@@ -320,9 +321,9 @@ async def _create_or_wait_for(
             return await lookup()
         if time.monotonic() >= deadline:
             raise ConfigError(
-                f"{what} does not exist and this service could not create it within "
-                f"{wait_s:.0f} s: start the gateway first (it creates the JetStream "
-                "objects), or give this NATS user the permission to create it"
+                f"{what} does not exist and this NATS user could not create it (waited "
+                f"{wait_s:.0f} s): run `qosserve provision` as a user that may "
+                "(deploy/nats/permissions.conf: qos-admin)"
             )
         await asyncio.sleep(MADE_ELSEWHERE_POLL_S)
 
@@ -359,7 +360,11 @@ def _stream_config(cfg: NatsConfig, first_seq: int | None = None) -> api.StreamC
 
 
 async def ensure_stream(
-    js: JetStreamContext, cfg: NatsConfig, groups: Iterable[str] = (), first_seq: int | None = None
+    js: JetStreamContext,
+    cfg: NatsConfig,
+    groups: Iterable[str] = (),
+    first_seq: int | None = None,
+    wait_s: float | None = None,
 ) -> api.StreamInfo:
     """Create or verify the request stream (``QOS_REQ``: ``<prefix>.req.*``, WorkQueue, file).
     ``first_seq``: where a stream created here starts numbering (one recreated after a
@@ -382,6 +387,7 @@ async def ensure_stream(
                 lambda: js.add_stream(_stream_config(cfg, first_seq)),
                 lambda: js.stream_info(cfg.stream),
                 nats.js.errors.NotFoundError,
+                wait_s,
             )
         except nats.js.errors.BadRequestError as exc:
             info = await _created_meanwhile(js, cfg.stream, exc)
@@ -421,6 +427,11 @@ async def ensure_stream(
             return await js.update_stream(updated)
         except nats.js.errors.APIError as exc:
             raise ConfigError(f"stream {cfg.stream}: cannot update it: {exc}") from exc
+        except TimeoutError:
+            # Denied (no service may change it under the secure permissions): served as it
+            # is; `qosserve provision` with this configuration updates it.
+            log.warning("stream %s: no answer to updating it to this service's settings "
+                        "(this NATS user may not change it?): left as it is", cfg.stream)  # fmt: skip
     return info
 
 
@@ -445,6 +456,7 @@ async def ensure_group_consumer(
     group: str,
     *,
     max_ack_pending: int = DEFAULT_MAX_ACK_PENDING,
+    wait_s: float | None = None,
 ) -> api.ConsumerInfo:
     """Create or verify ``grp-<group>``, the durable pull consumer all replicas share.
 
@@ -488,6 +500,7 @@ async def ensure_group_consumer(
             lambda: js.add_consumer(cfg.stream, want),
             lambda: js.consumer_info(cfg.stream, name),
             nats.js.errors.NotFoundError,
+            wait_s,
         )
     except nats.js.errors.APIError as exc:
         raise ConfigError(f"consumer {name} on stream {cfg.stream}: {exc}") from exc
@@ -500,7 +513,11 @@ async def ensure_group_consumer(
 
 
 async def ensure_kv(
-    js: JetStreamContext, cfg: NatsConfig, *, history: int = DEFAULT_KV_HISTORY
+    js: JetStreamContext,
+    cfg: NatsConfig,
+    *,
+    history: int = DEFAULT_KV_HISTORY,
+    wait_s: float | None = None,
 ) -> KeyValue:
     """Create or verify the state bucket (``qos_state``: file storage, ``history`` 1..5)."""
     if not 1 <= history <= 5:
@@ -519,6 +536,7 @@ async def ensure_kv(
             ),
             lambda: js.key_value(cfg.kv_bucket),
             nats.js.errors.BucketNotFoundError,
+            wait_s,
         )
     have = (await kv.status()).stream_info.config
     if (have.num_replicas or 1) != cfg.replicas:
@@ -530,7 +548,11 @@ async def ensure_kv(
             f"delete it (nats kv del {cfg.kv_bucket}) or set nats.kv_bucket to another name"
         )
     if have.max_msgs_per_subject != history:
-        await js.update_stream(have.evolve(max_msgs_per_subject=history))
+        try:
+            await js.update_stream(have.evolve(max_msgs_per_subject=history))
+        except TimeoutError:  # denied: as ensure_stream's update
+            log.warning("KV bucket %s: no answer to setting its history to %d (this NATS "
+                        "user may not change it?): left as it is", cfg.kv_bucket, history)  # fmt: skip
     return kv
 
 
@@ -555,13 +577,16 @@ async def group_pull_subscription(
 
 
 async def ensure_jetstream(
-    js: JetStreamContext, cfg: NatsConfig, groups: Iterable[str]
+    js: JetStreamContext, cfg: NatsConfig, groups: Iterable[str], wait_s: float | None = None
 ) -> tuple[api.StreamInfo, dict[str, api.ConsumerInfo], KeyValue]:
-    """Everything a deployment needs: the stream, one consumer per group, the KV bucket."""
+    """Everything a deployment needs: the stream, one consumer per group, the KV bucket.
+    ``wait_s``: how long to wait for one this user may not create (None: the default)."""
     groups = list(groups)
-    stream = await ensure_stream(js, cfg, groups)
-    consumers = {group: await ensure_group_consumer(js, cfg, group) for group in groups}
-    kv = await ensure_kv(js, cfg)
+    stream = await ensure_stream(js, cfg, groups, wait_s=wait_s)
+    consumers = {
+        group: await ensure_group_consumer(js, cfg, group, wait_s=wait_s) for group in groups
+    }
+    kv = await ensure_kv(js, cfg, wait_s=wait_s)
     return stream, consumers, kv
 
 

@@ -3,9 +3,10 @@
 Every service makes sure they exist when it starts, but they can go while the deployment
 runs: an operator's ``nats consumer rm`` or ``nats stream rm``, a NATS server that lost
 its store. Workers then fetch from nothing, and every request waits out its deadline
-until some service restarts. The gateway (the one service that may create them under
-``deploy/nats/permissions.conf``) looks every ``gateway.jetstream_check_s`` and recreates
-what is gone. Workers need no help: a pull names its consumer, so their next fetch reaches
+until some service restarts. The gateway looks every ``gateway.jetstream_check_s`` and
+recreates what is gone, where its NATS user may: under ``deploy/nats/permissions.conf``
+no service may (whoever can create a consumer on the request stream can read its
+prompts), and each look logs what is missing until ``qosserve provision`` runs again. Workers need no help: a pull names its consumer, so their next fetch reaches
 the new one. What the stream held when it was deleted is lost with it; the gateway fails
 those requests as their deadlines pass.
 """
@@ -89,7 +90,8 @@ class StreamKeeper:
             info = await self._js.stream_info(cfg.stream)
         except nats.js.errors.NotFoundError:
             first = max(self._last_seq, self._held_seq()) + SEQ_GAP
-            await ensure_stream(self._js, cfg, self._groups, first_seq=first)
+            # wait_s 0: not allowed to, it says so now; the next look tries again.
+            await ensure_stream(self._js, cfg, self._groups, first_seq=first, wait_s=0)
             put_back.append(f"stream {cfg.stream}")
             self._created = None  # the next look learns the new one's
             self._on_replaced()
@@ -105,7 +107,7 @@ class StreamKeeper:
             try:
                 await self._js.consumer_info(cfg.stream, name)
             except nats.js.errors.NotFoundError:
-                await ensure_group_consumer(self._js, cfg, group)
+                await ensure_group_consumer(self._js, cfg, group, wait_s=0)
                 put_back.append(f"consumer {name}")
         if put_back:
             log.warning("recreated %s: deleted while the deployment ran (requests queued "

@@ -97,7 +97,7 @@ def nats_users() -> dict[str, tuple[str, str]]:
         r'\{\s*user:\s*"([^"]+)",\s*password:\s*\$(\w+),\s*permissions:\s*\$(\w+)\s*\}',
         PERMISSIONS.read_text(),
     )
-    assert len(users) == 3, users
+    assert len(users) == 4, users
     return {block: (user, variable) for user, variable, block in users}
 
 
@@ -222,6 +222,31 @@ def test_each_service_reads_its_credentials_from_the_secret_as_its_own_nats_user
     # One password per user: every worker shares one, no two users share one.
     assert all(len(keys) == 1 for keys in password_keys.values()), password_keys
     assert len(set.union(*password_keys.values())) == 3, password_keys
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "hpa"])
+def test_only_the_provision_job_connects_as_qos_admin_and_it_reads_the_services_config(
+    secure: dict[str, list[Obj]], overlay: str
+) -> None:
+    """No service may create the JetStream objects under permissions.conf; the Job that
+    does runs `qosserve provision` as qos-admin, with the ConfigMap the services mount (the
+    stream's and consumers' settings come from it)."""
+    objects = secure[overlay]
+    (job,) = by_kind(objects, "Job").values()
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = env_entries(container)
+    users = nats_users()
+    assert env["QOS_NATS__USER"].get("value") == users["ADMIN"][0] == "qos-admin"
+    secret_key(env["QOS_NATS__PASSWORD"])
+    assert container["args"] == ["python", "-m", "common.provision"]
+    mounted = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/etc/qosserve"]
+    assert mounted[mount["name"]]["configMap"]["name"] == config_map(objects)["metadata"]["name"]
+    assert job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "qosserve"
+    admin = [d for d, c in containers(objects) if env_entries(c)["QOS_NATS__USER"].get("value")
+             == "qos-admin"]  # fmt: skip
+    assert admin == []
 
 
 @pytest.mark.parametrize("overlay", [*OVERLAYS, "hpa"])
@@ -350,6 +375,10 @@ def test_the_nats_and_redis_helm_values_read_the_keys_the_services_read(
         component(d).upper(): secret_key(env_entries(d["spec"]["template"]["spec"]["containers"][0])["QOS_NATS__PASSWORD"])
         for d in deployments.values()
     }  # fmt: skip
+    job = by_kind(secure["cpu-demo"], "Job")["qosserve-provision"]
+    read_by["ADMIN"] = secret_key(
+        env_entries(job["spec"]["template"]["spec"]["containers"][0])["QOS_NATS__PASSWORD"]
+    )
     nats = yaml.safe_load((K8S / "helm-values" / "nats-secure.yaml").read_text())
     (include,) = [v for k, v in nats["config"]["merge"].items() if k.endswith("$include")]
     assert include == PERMISSIONS.name

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NATS_DIR = ROOT / "deploy" / "nats"
 PERMISSIONS = NATS_DIR / "permissions.conf"
 # The server's password variables: not QOS_*, which the services read as configuration keys.
-PASSWORDS = [f"NATS_QOS_{user}_PASSWORD" for user in ("GATEWAY", "WORKER", "SCHEDULER")]
+PASSWORDS = [f"NATS_QOS_{user}_PASSWORD" for user in ("GATEWAY", "WORKER", "SCHEDULER", "ADMIN")]
 
 
 def password_variables() -> list[str]:

@@ -14,6 +14,7 @@ import pytest
 
 import common.nats as qnats
 from common.config import Config, NatsConfig
+from common.provision import provision
 from common.services import NatsServer
 from common.tokenizer import BaseTokenizer
 from scheduler.service import SchedulerService
@@ -23,7 +24,7 @@ from tests.reliability.harness import stack_config as build_config
 from workers.service import WorkerOptions, WorkerService
 
 PERMISSIONS = ROOT / "deploy" / "nats" / "permissions.conf"
-PASSWORDS = {"gateway": "gw-pw-1", "worker": "wk-pw-2", "scheduler": "sc-pw-3"}
+PASSWORDS = {"gateway": "gw-pw-1", "worker": "wk-pw-2", "scheduler": "sc-pw-3", "admin": "ad-pw-4"}
 
 
 @pytest.fixture
@@ -50,6 +51,8 @@ def secured_stack(
     nats = NatsConfig(url=secured_nats.url, connect_timeout_s=2.0, reconnect_wait_s=0.1)
     config = build_config(nats, {"short": group(4)})
     config.scheduler.metrics_port = 0
+    # No service may create the stream, consumers or bucket: `qosserve provision` does.
+    asyncio.run(provision(as_user(config, "admin")))
     with Stack(as_user(config, "gateway"), tokenizer, str(model_dir), tmp_path) as stack:
         worker = WorkerService(
             as_user(config, "worker"), sim_engine(tokenizer),
@@ -194,32 +197,68 @@ async def test_the_scheduler_user_may_sweep_heartbeats_of_workers_gone(
     assert "Violation" not in secured_nats.log_tail(200)
 
 
-async def test_a_service_that_may_not_create_the_jetstream_objects_waits_for_the_gateway(
+async def test_no_service_may_create_the_jetstream_objects_and_each_waits_for_provision(
     secured_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under permissions.conf only the gateway creates the stream, consumers and bucket: a
-    scheduler that started first died of a bare 5 s timeout and crash-looped until the
-    gateway came up. It now waits for them, and past the wait says what to do."""
+    """Only qos-admin (`qosserve provision`) creates the stream, consumers and bucket. A
+    service that starts first waits for them (it died of a bare 5 s timeout and
+    crash-looped), and past the wait says what to run."""
     nats = NatsConfig(url=secured_nats.url, connect_timeout_s=2.0, reconnect_wait_s=0.1)
     config = build_config(nats, {"short": group(4)})
-    scheduler = await qnats.connect(
-        as_user(config, "scheduler").nats, "s-first", service="scheduler"
-    )
-    gateway = await qnats.connect(as_user(config, "gateway").nats, "g-late", service="gateway")
+    services = {
+        s: await qnats.connect(as_user(config, s).nats, f"{s}-first", service=s)
+        for s in ("gateway", "scheduler")
+    }
     monkeypatch.setattr(qnats, "MADE_ELSEWHERE_POLL_S", 0.05)
     try:
-        js = scheduler.jetstream(timeout=0.5)
-        monkeypatch.setattr(qnats, "MADE_ELSEWHERE_WAIT_S", 0.3)
-        with pytest.raises(qnats.ConfigError, match="start the gateway first"):
-            await qnats.ensure_jetstream(js, config.nats, ["short"])
-        monkeypatch.setattr(qnats, "MADE_ELSEWHERE_WAIT_S", 30.0)
-        waiting = asyncio.create_task(qnats.ensure_jetstream(js, config.nats, ["short"]))
+        for nc in services.values():
+            js = nc.jetstream(timeout=0.5)
+            with pytest.raises(qnats.ConfigError, match="qosserve provision"):
+                await qnats.ensure_jetstream(js, config.nats, ["short"], wait_s=0.3)
+        js = services["scheduler"].jetstream(timeout=0.5)
+        waiting = asyncio.create_task(qnats.ensure_jetstream(js, config.nats, ["short"], 30.0))
         await asyncio.sleep(1.0)  # its create went unanswered: it waits
         assert not waiting.done()
-        await qnats.ensure_jetstream(gateway.jetstream(), config.nats, ["short"])
+        made = await provision(as_user(config, "admin"))
+        assert made == ["stream QOS_REQ (qos.req.*)", "consumer grp-short (short)",
+                        "KV bucket qos_state"]  # fmt: skip
         stream, consumers, kv = await asyncio.wait_for(waiting, 20)
         assert stream.config.name == config.nats.stream and list(consumers) == ["short"]
         assert (await kv.status()).bucket == config.nats.kv_bucket
     finally:
-        await scheduler.close()
+        for nc in services.values():
+            await nc.close()
+
+
+async def test_the_gateway_user_cannot_cap_park_or_read_a_groups_queue(
+    secured_stack: tuple[Stack, Config],
+) -> None:
+    """The gateway's user could create and update consumers on the request stream: cap a
+    group at one request (max_ack_pending 1), park it (another filter), or read every
+    prompt through a push consumer of its own; and seal the stream for good."""
+    from nats.js import api
+
+    _, config = secured_stack
+    gateway = await qnats.connect(as_user(config, "gateway").nats, "gw-evil", service="gateway")
+    try:
+        js = gateway.jetstream(timeout=0.5)
+        have = (await js.consumer_info(config.nats.stream, "grp-short")).config
+        for attempt in (
+            js.add_consumer(config.nats.stream, have.evolve(max_ack_pending=1)),
+            js.add_consumer(config.nats.stream, have.evolve(filter_subject="qos.req.parked")),
+            js.add_consumer(config.nats.stream, api.ConsumerConfig(
+                durable_name="steal", deliver_subject="_INBOX_gateway.steal",
+                filter_subject="qos.req.short")),
+        ):  # fmt: skip
+            with pytest.raises(nats.errors.TimeoutError):
+                await attempt
+        info = await js.stream_info(config.nats.stream)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.update_stream(info.config.evolve(sealed=True))
+        after = (await js.consumer_info(config.nats.stream, "grp-short")).config
+        assert (after.max_ack_pending, after.filter_subject) == (
+            have.max_ack_pending,
+            have.filter_subject,
+        )
+    finally:
         await gateway.close()
