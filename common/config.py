@@ -766,6 +766,16 @@ class GatewayConfig(_Strict):
             "0 = no cap."
         ),
     )
+    # OpenAI pads every streamed chunk by default; vLLM does not. A chunk per decode step
+    # tells a passive observer of the TLS traffic each token's length without it.
+    stream_obfuscation: bool = Field(
+        False,
+        description=(
+            "Pad streamed chunks with a random 'obfuscation' field (OpenAI's "
+            "stream_options.include_obfuscation) when a request does not say: hides token "
+            "lengths from whoever sees the encrypted traffic, for ~64 bytes a chunk."
+        ),
+    )
     max_body_bytes: int = Field(
         4 * 1024 * 1024,
         ge=1024,

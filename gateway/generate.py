@@ -57,6 +57,7 @@ from gateway.classifier import (
 )
 from gateway.forced_calls import ForcedCalls
 from gateway.metrics import GatewayMetrics
+from gateway.obfuscation import pad_events
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.reasoning import THINK_CLOSE, ReasoningSplit, reads_reasoning, starts_thinking
 from gateway.responses import Echo, Kind, Shaper, merge, usage_dict
@@ -686,6 +687,7 @@ class Generator:
             echo=echo,
             tool_calls=_tool_calls(body, self.tool_format),
             reasoning=reasoning,
+            obfuscate=body.obfuscation(self._config.gateway.stream_obfuscation),
         )
         headers = {"X-Request-Id": response_id, GROUP_HEADER: route.group}
         if route.is_fallback:
@@ -963,6 +965,7 @@ async def sse_events(
     reason: str | None = None
     done = 0
     opened: set[int] = set()
+    pad = pad_events if shaper_of(first[0]).obfuscate else _as_is
     try:
         i, delivery = first
         while True:
@@ -971,7 +974,7 @@ async def sse_events(
                 return  # nobody to tell; landing aborts the workers
             if delivery.error is not None:
                 status = delivery.error.http_status
-                yield Shaper.error_event(delivery.error) + SSE_DONE
+                yield pad(Shaper.error_event(delivery.error) + SSE_DONE)
                 return
             shaper = shaper_of(i)
             parts: list[bytes] = []
@@ -979,7 +982,7 @@ async def sse_events(
                 opened.add(i)
                 opening = await opening_events(shaper, delivery)
                 if len(opening) > BIG_EVENT_BYTES:
-                    yield opening  # an echoed prompt's logprobs: not copied into the rest
+                    yield pad(opening)  # an echoed prompt's logprobs: not copied into the rest
                 else:
                     parts.append(opening)
             if delivery.finish_reason is not None:
@@ -991,18 +994,18 @@ async def sse_events(
                         parts.append(shaper.usage_event(usage()))
                     status = 200
                     # The last events leave in one write: SseResponse ends the body with it.
-                    yield b"".join((*parts, SSE_DONE))
+                    yield pad(b"".join((*parts, SSE_DONE)))
                     return
             elif delivery.text or (shaper.logprobs is not None and delivery.token_ids):
                 parts.append(shaper.delta_event(delivery))  # maybe b"": a tool call's tag held
             out = b"".join(parts)  # one part: that part, not a copy
             if out:
-                yield out
+                yield pad(out)
             try:
                 i, delivery = await next_event()
             except DeadlineExceededError as exc:
                 status = exc.http_status
-                yield Shaper.error_event(exc) + SSE_DONE
+                yield pad(Shaper.error_event(exc) + SSE_DONE)
                 return
     except (GeneratorExit, asyncio.CancelledError):
         # The response stopped reading (client gone, its deadline) or the server is
@@ -1011,6 +1014,10 @@ async def sse_events(
         raise
     finally:
         land(status, reason)
+
+
+def _as_is(data: bytes) -> bytes:
+    return data
 
 
 async def opening_events(shaper: Shaper, first: Delivery) -> bytes:

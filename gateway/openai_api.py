@@ -55,7 +55,9 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
     # vLLM's: with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool | None = None
-    include_obfuscation: bool | None = None  # padding against side channels: not needed here
+    # OpenAI's padding against the token-length side channel (gateway/obfuscation.py); unset:
+    # gateway.stream_obfuscation decides.
+    include_obfuscation: bool | None = None
 
 
 class _Part(BaseModel):
@@ -423,6 +425,11 @@ class _SamplingBody(_Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def obfuscation(self, default: bool) -> bool:
+        """Whether a stream's chunks are padded (``include_obfuscation``, else ``default``)."""
+        asked = self.stream_options.include_obfuscation if self.stream_options else None
+        return default if asked is None else asked
 
     def continuous_usage(self) -> bool:
         """vLLM's ``continuous_usage_stats``: usage on every chunk (with include_usage)."""

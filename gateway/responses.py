@@ -90,8 +90,11 @@ class Shaper:
         echo: Echo | None = None,
         tool_calls: ToolCallStream | None = None,
         reasoning: ReasoningSplit | None = None,
+        obfuscate: bool = False,
     ) -> None:
         self.kind = kind
+        # Streamed chunks padded against the token-length side channel (obfuscation.py).
+        self.obfuscate = obfuscate
         self.index = index  # the choice's index (OpenAI's n: one Shaper per choice)
         # A completion's ``echo``: its prompt's text before the generated text, and (with
         # logprobs) its tokens' logprobs before theirs.

@@ -419,3 +419,47 @@ async def test_a_400_gives_the_reason_of_the_parameter_it_names(gateway: Served)
         await client.completions.create(model=MODEL, prompt="hi", temperature=5, n=2)
     assert bad.value.param == "temperature", bad.value.message
     assert "n=1" not in bad.value.message
+
+
+async def test_streamed_chunks_asked_to_be_obfuscated_are_padded_and_still_parse(
+    gateway: Served, nats_config: NatsConfig
+):
+    """include_obfuscation was accepted and ignored: each SSE event's size was a token's
+    length plus a constant, which a passive observer of TLS traffic reads replies from.
+    Padded, events of one token each fall in a few size buckets, and the client's text is
+    the same."""
+    async with running_worker(nats_config, "short"):
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        ask: dict[str, Any] = {"model": MODEL, "messages": CHAT, "max_tokens": 30, "stream": True}
+        padded = [
+            c
+            async for c in await client.chat.completions.create(
+                **ask, stream_options={"include_obfuscation": True, "include_usage": True}
+            )
+        ]
+        plain = [c async for c in await client.chat.completions.create(**ask)]
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+            body = {**ask, "stream_options": {"include_obfuscation": True}}
+            raw = (await http.post("/v1/chat/completions", json=body)).content
+    text = "".join(c.choices[0].delta.content or "" for c in padded if c.choices)
+    assert text == "".join(c.choices[0].delta.content or "" for c in plain if c.choices)
+    assert text == expected_reply(30)[0] and padded[-1].usage is not None
+    # The SDK's ChatCompletionChunk has the field: OpenAI sends it.
+    assert all(isinstance(c.obfuscation, str) and c.obfuscation for c in padded)
+    assert all(c.obfuscation is None for c in plain)
+    events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    sizes = {len(e) // 64 for e in events}
+    assert len(events) > 5 and len(sizes) <= 3, sorted(len(e) for e in events)
+    assert raw.endswith(b"data: [DONE]\n\n")
+
+
+def test_padding_keeps_every_event_whole_json_and_leaves_done_alone() -> None:
+    from gateway.obfuscation import BUCKET, JITTER, pad_events
+
+    events = b'data: {"a":1}\n\ndata: {"b":"xyz"}\n\ndata: [DONE]\n\n'
+    out = pad_events(events)
+    parts = out.split(b"\n\n")
+    assert parts[-2:] == [b"data: [DONE]", b""]
+    for part in parts[:2]:
+        doc = json.loads(part.removeprefix(b"data: "))
+        assert doc["obfuscation"].isalnum() and len(part) < 2 * BUCKET + JITTER
