@@ -665,12 +665,6 @@ class ChatCompletionRequest(_SamplingBody):
                 param="tool_choice",
             )
         super().check_fields()
-        if self.calls_tools() and self.logprobs:
-            raise InvalidRequestError(
-                "logprobs are not served with tools (the answer's text is rewritten into "
-                "tool calls)",
-                param="logprobs",
-            )
         if self.include_reasoning is False and self.logprobs:
             raise InvalidRequestError(
                 "logprobs with include_reasoning false would spell out the thinking left "

@@ -243,29 +243,42 @@ class Shaper:
     def _tool_events(self, delivery: Delivery, stream: ToolCallStream) -> bytes:
         """The content and tool calls in ``delivery``'s text, one chunk each: a call's
         opening delta (its index, id and name), or more of its arguments as they come;
-        the end's reason is ``tool_calls`` once a call was made, as vLLM answers."""
+        the end's reason is ``tool_calls`` once a call was made, as vLLM answers. The
+        delivery's logprobs, when asked, ride on its first chunk (one of their own, with an
+        empty delta, when the reader held all of its text back): every token's, in order,
+        across the stream, whatever its text became."""
         pieces = _read_pieces(stream, delivery)
+        lp = self._logprobs(delivery) if self.logprobs is not None and delivery.token_ids else None
         out = b""
         for kind, value in pieces:
             if kind == "content":
-                out += self._text_event(value, delivery.completion_tokens)
+                if lp is None:
+                    out += self._text_event(value, delivery.completion_tokens)
+                else:
+                    out += self._delta_event({"content": value}, delivery, lp)
+                    lp = None
                 continue
             if kind == "arguments":  # more of the last call's arguments
                 piece = {"index": stream.calls_sent - 1, "function": {"arguments": value}}
             else:
                 piece = {"index": stream.calls_sent, **value}
                 stream.calls_sent += 1
-            out += self._delta_event({"tool_calls": [piece]}, delivery)
+            out += self._delta_event({"tool_calls": [piece]}, delivery, lp)
+            lp = None
         if delivery.finish_reason is not None:
             reason = stream.finish_reason(delivery.finish_reason, stream.calls)
-            choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+            choice = {"index": self.index, "delta": {}, "logprobs": lp, "finish_reason": reason}
             choice["stop_reason"] = delivery.stop_reason
             out += sse_event(self._chunk(choice, delivery.completion_tokens))
+        elif lp is not None:
+            out += self._delta_event({}, delivery, lp)
         return out
 
-    def _delta_event(self, delta: dict[str, Any], delivery: Delivery) -> bytes:
-        """A chat chunk carrying ``delta`` alone (a tool call's piece)."""
-        choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
+    def _delta_event(
+        self, delta: dict[str, Any], delivery: Delivery, logprobs: Any = None
+    ) -> bytes:
+        """A chat chunk carrying ``delta`` (a tool call's piece), with ``logprobs``."""
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
         return sse_event(self._chunk(choice, delivery.completion_tokens))
 
     def usage_event(self, usage: dict[str, Any]) -> bytes:

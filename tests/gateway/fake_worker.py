@@ -106,13 +106,24 @@ async def echo_alphabet(job: Job, *, chunk_size: int = 3, delay_s: float = 0.0) 
 
 
 def answers(text: str, cut: int = 2) -> Behaviour:
-    """Send ``text`` (bytes = ByteTokenizer ids) in two chunks, the first 1/``cut`` of it."""
+    """Send ``text`` (bytes = ByteTokenizer ids) in two chunks, the first 1/``cut`` of it;
+    with logprobs when asked, token i scoring -i / 100 (its alternatives: itself)."""
 
     async def behaviour(job: Job) -> None:
         ids = list(text.encode())
         at = len(ids) // cut
-        await job.send(0, ids[:at])
-        await job.send(at, ids[at:], finish_reason="stop", usage=job.usage(len(ids)))
+        k = job.request.params.logprobs
+
+        def scores(start: int, part: list[int]) -> dict[str, object]:
+            if k is None:
+                return {}
+            values = [-(start + i) / 100 for i in range(len(part))]
+            tops = [TopLogprobs([t][:k], [v][:k]) for t, v in zip(part, values, strict=True)]
+            return {"logprobs": values, "top_logprobs": tops}
+
+        await job.send(0, ids[:at], **scores(0, ids[:at]))
+        await job.send(at, ids[at:], finish_reason="stop", usage=job.usage(len(ids)),
+                       **scores(at, ids[at:]))  # fmt: skip
 
     return behaviour
 

@@ -365,6 +365,38 @@ async def test_the_openai_client_gets_tool_calls_whole_and_streamed(
     assert declined.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("cut", [2, 5])
+async def test_logprobs_come_with_tool_calls_every_token_once_in_order(
+    nats_config: NatsConfig, cut: int
+) -> None:
+    """logprobs with tools was a 400 (LangChain's ChatOpenAI(logprobs=True).bind_tools
+    failed on every call); OpenAI and vLLM give the generated tokens' logprobs whatever
+    their text became. Streamed, a delivery's ride on its first chunk, or on an empty
+    delta of their own when the reader held all its text back (a call's tag)."""
+    answer = ANSWERS[2]
+    async with (
+        serve(gateway_config(nats_config, short__max_seq_len=2048), HermesByteTokenizer()) as gw,
+        running_worker(nats_config, "short", behaviour=answers(answer, cut=cut)),
+    ):
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        ask: dict[str, Any] = {"model": MODEL, "max_tokens": 200, "tools": TOOLS,
+                               "logprobs": True, "top_logprobs": 1,
+                               "messages": [{"role": "user", "content": "Weather and time?"}]}  # fmt: skip
+        whole = await client.chat.completions.create(**ask)
+        chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+    want = [-i / 100 for i in range(len(answer.encode()))]
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls or []) == 2
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(want)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content or []]  # fmt: skip
+    assert [t.logprob for t in streamed] == pytest.approx(want)
+    assert all(len(t.top_logprobs) == 1 for t in streamed)
+    assert _client_calls(chunks) == [(0, "get_weather", {"city": "Zürich"}), (1, "get_time", {})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 async def test_tools_are_refused_clearly_where_they_cannot_be_served(
     nats_config: NatsConfig,
 ) -> None:
@@ -379,14 +411,13 @@ async def test_tools_are_refused_clearly_where_they_cannot_be_served(
         replies = {
             "tool_choice": await http.post(url, json={**chat, "tool_choice": "anything"}),
             "tool_choice named": await http.post(url, json={**chat, "tool_choice": named}),
-            "logprobs": await http.post(url, json={**chat, "logprobs": True}),
             "tools shape": await http.post(url, json={**chat, "tools": [{"type": "custom"}]}),
             "no format": await http.post(f"{plain.url}/v1/chat/completions", json=chat),
         }
     params = {name: r.json()["error"]["param"] for name, r in replies.items()}
     assert all(r.status_code == 400 for r in replies.values()), params
     assert params == {"tool_choice": "tool_choice", "tool_choice named": "tool_choice",
-                      "logprobs": "logprobs", "tools shape": "tools",
+                      "tools shape": "tools",
                       "no format": "tools"}  # fmt: skip
     assert "not among the tools" in replies["tool_choice named"].json()["error"]["message"]
 
