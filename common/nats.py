@@ -365,6 +365,7 @@ async def ensure_stream(
     groups: Iterable[str] = (),
     first_seq: int | None = None,
     wait_s: float | None = None,
+    strict: bool = False,
 ) -> api.StreamInfo:
     """Create or verify the request stream (``QOS_REQ``: ``<prefix>.req.*``, WorkQueue, file).
     ``first_seq``: where a stream created here starts numbering (one recreated after a
@@ -429,7 +430,10 @@ async def ensure_stream(
             raise ConfigError(f"stream {cfg.stream}: cannot update it: {exc}") from exc
         except TimeoutError:
             # Denied (no service may change it under the secure permissions): served as it
-            # is; `qosserve provision` with this configuration updates it.
+            # is; `qosserve provision` with this configuration updates it (``strict``: it
+            # must, so it says it could not).
+            if strict:
+                raise _unanswered(f"updating stream {cfg.stream}") from None
             log.warning("stream %s: no answer to updating it to this service's settings "
                         "(this NATS user may not change it?): left as it is", cfg.stream)  # fmt: skip
     return info
@@ -457,6 +461,7 @@ async def ensure_group_consumer(
     *,
     max_ack_pending: int = DEFAULT_MAX_ACK_PENDING,
     wait_s: float | None = None,
+    strict: bool = False,
 ) -> api.ConsumerInfo:
     """Create or verify ``grp-<group>``, the durable pull consumer all replicas share.
 
@@ -505,8 +510,10 @@ async def ensure_group_consumer(
     except nats.js.errors.APIError as exc:
         raise ConfigError(f"consumer {name} on stream {cfg.stream}: {exc}") from exc
     except TimeoutError:
-        # An update this user may not make (the secure permissions leave it to the
-        # gateway, whose config it follows): served as it is, said once.
+        # An update this user may not make (the secure permissions leave it to
+        # `qosserve provision`): served as it is, said once.
+        if strict:
+            raise _unanswered(f"updating consumer {name}") from None
         log.warning("consumer %s: no answer to updating it to this service's settings "
                     "(this NATS user may not change it?): left as it is", name)  # fmt: skip
         return info
@@ -518,6 +525,7 @@ async def ensure_kv(
     *,
     history: int = DEFAULT_KV_HISTORY,
     wait_s: float | None = None,
+    strict: bool = False,
 ) -> KeyValue:
     """Create or verify the state bucket (``qos_state``: file storage, ``history`` 1..5)."""
     if not 1 <= history <= 5:
@@ -551,6 +559,8 @@ async def ensure_kv(
         try:
             await js.update_stream(have.evolve(max_msgs_per_subject=history))
         except TimeoutError:  # denied: as ensure_stream's update
+            if strict:
+                raise _unanswered(f"setting KV bucket {cfg.kv_bucket}'s history") from None
             log.warning("KV bucket %s: no answer to setting its history to %d (this NATS "
                         "user may not change it?): left as it is", cfg.kv_bucket, history)  # fmt: skip
     return kv
@@ -577,17 +587,30 @@ async def group_pull_subscription(
 
 
 async def ensure_jetstream(
-    js: JetStreamContext, cfg: NatsConfig, groups: Iterable[str], wait_s: float | None = None
+    js: JetStreamContext,
+    cfg: NatsConfig,
+    groups: Iterable[str],
+    wait_s: float | None = None,
+    strict: bool = False,
 ) -> tuple[api.StreamInfo, dict[str, api.ConsumerInfo], KeyValue]:
     """Everything a deployment needs: the stream, one consumer per group, the KV bucket.
-    ``wait_s``: how long to wait for one this user may not create (None: the default)."""
+    ``wait_s``: how long to wait for one this user may not create (None: the default);
+    ``strict``: an update that gets no answer is an error, not left as it is."""
     groups = list(groups)
-    stream = await ensure_stream(js, cfg, groups, wait_s=wait_s)
+    stream = await ensure_stream(js, cfg, groups, wait_s=wait_s, strict=strict)
     consumers = {
-        group: await ensure_group_consumer(js, cfg, group, wait_s=wait_s) for group in groups
+        group: await ensure_group_consumer(js, cfg, group, wait_s=wait_s, strict=strict)
+        for group in groups
     }
-    kv = await ensure_kv(js, cfg, wait_s=wait_s)
+    kv = await ensure_kv(js, cfg, wait_s=wait_s, strict=strict)
     return stream, consumers, kv
+
+
+def _unanswered(what: str) -> ConfigError:
+    return ConfigError(
+        f"{what} got no answer: this NATS user may not (run as qos-admin, "
+        "deploy/nats/permissions.conf), or JetStream is too slow to answer"
+    )
 
 
 async def heartbeat_keys(js: JetStreamContext, bucket: str) -> list[str]:

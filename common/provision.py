@@ -35,9 +35,16 @@ async def provision(config: Config, wait_s: float = 0.0) -> list[str]:
     nc = await connect(config.nats, "qosserve-provision", service="admin")
     try:
         js = nc.jetstream()
-        stream, consumers, kv = await ensure_jetstream(
-            js, config.nats, config.groups, wait_s=wait_s
-        )
+        # Strict: a change it could not make is its failure (a service leaves it as is).
+        try:
+            stream, consumers, kv = await ensure_jetstream(
+                js, config.nats, config.groups, wait_s=wait_s, strict=True
+            )
+        except TimeoutError:
+            raise ConfigError(
+                f"JetStream did not answer user {config.nats.user or '(none)'}: run as "
+                "qos-admin under deploy/nats/permissions.conf (replies come on _INBOX_admin)"
+            ) from None
         status = await kv.status()
         return [
             f"stream {stream.config.name} ({', '.join(stream.config.subjects or [])})",

@@ -100,15 +100,25 @@ class KeySlots:
                 param="n",
             )
         if self.held + count > self.limit:
-            raise RateLimitError(
-                f"this API key has {self.held} requests in flight, its limit is {self.limit}",
-                retry_after_s=1.0,
-                code="rate_limit_exceeded",
-            )
+            raise self._full()
         self.held += count
 
     def give_back(self, count: int = 1) -> None:
         self.held -= count
+
+    def shed_if_full(self) -> None:
+        """429 at once when the key holds all it may: checked before the request's prompt
+        is rendered and tokenized, which a one-key flood spent on requests sure to be
+        refused."""
+        if self.held >= self.limit:
+            raise self._full()
+
+    def _full(self) -> RateLimitError:
+        return RateLimitError(
+            f"this API key has {self.held} requests in flight, its limit is {self.limit}",
+            retry_after_s=1.0,
+            code="rate_limit_exceeded",
+        )
 
 
 OPEN_GRANT = KeyGrant()

@@ -235,7 +235,10 @@ class Generator:
             body.check_fields()
             self.check_model(body.model)
             priority = grant.priority(body.priority)
-            self._admission.shed_if_all_full(grant.groups)  # before the costly part
+            # Refusals sure to come, before the costly part (template, tokens, grammar).
+            if grant.slots is not None:
+                grant.slots.shed_if_full()
+            self._admission.shed_if_all_full(grant.groups)
             if body.guided() is not None:  # compiled off the loop: tens of ms for a grammar
                 await asyncio.to_thread(body.check_guided)
             logprobs = body.top_logprobs_count()

@@ -89,12 +89,16 @@ class StreamKeeper:
         try:
             info = await self._js.stream_info(cfg.stream)
         except nats.js.errors.NotFoundError:
-            first = max(self._last_seq, self._held_seq()) + SEQ_GAP
+            # Gone: the sequences open requests hold name nothing now, whoever makes it
+            # again (this gateway, another, `qosserve provision` numbering from 1), so they
+            # are forgotten first, not once it is back: an abort meanwhile would delete a
+            # new request under an old number.
+            first = max(self._last_seq, self._held_seq()) + SEQ_GAP  # before they go
+            self._created = None  # the next look learns the new one's
+            self._on_replaced()
             # wait_s 0: not allowed to, it says so now; the next look tries again.
             await ensure_stream(self._js, cfg, self._groups, first_seq=first, wait_s=0)
             put_back.append(f"stream {cfg.stream}")
-            self._created = None  # the next look learns the new one's
-            self._on_replaced()
         else:
             self._last_seq = max(self._last_seq, info.state.last_seq)
             if self._created is not None and info.created != self._created:

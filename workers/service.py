@@ -349,10 +349,11 @@ class WorkerService:
             await asyncio.to_thread(tier.close)
         log.info("worker %s stopped", self.worker_id)
 
-    async def _bind(self, group: str) -> None:
-        """Join ``group``: its consumer (created if missing) and its control subject."""
+    async def _bind(self, group: str, wait_s: float | None = None) -> None:
+        """Join ``group``: its consumer (created if missing, or waited for ``wait_s``
+        where this user may not create it) and its control subject."""
         assert self.nc is not None and self.js is not None
-        await qnats.ensure_group_consumer(self.js, self.config.nats, group)
+        await qnats.ensure_group_consumer(self.js, self.config.nats, group, wait_s=wait_s)
         self._ack_wait_checked = 0.0  # another consumer now: read its ack_wait at the next tick
         psub = await qnats.group_pull_subscription(self.js, self.config.nats, group)
         self._group_ctl = await self.nc.subscribe(
@@ -1437,7 +1438,10 @@ class WorkerService:
                 return False
             self.group = group
             try:
-                await self._bind(group)
+                # No minute's wait for a consumer this user may not create (the secure
+                # permissions): the retries are the wait, and the replica is drained and
+                # holds the switch meanwhile.
+                await self._bind(group, wait_s=0)
                 return True
             except Exception as exc:
                 await self._unbind()  # whatever half of it was made

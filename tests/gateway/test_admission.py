@@ -734,3 +734,46 @@ async def test_a_request_no_group_could_take_is_shed_before_it_is_tokenized():
     view.set_breaker("long", "open")  # not full: shut, which the full path answers
     admission.shed_if_all_full()
     assert [admission.in_flight(g) for g in ("realtime", "short", "long")] == [1, 1, 1]
+
+
+async def test_requests_sure_to_be_refused_are_refused_before_their_prompt_is_tokenized(
+    nats_config: NatsConfig,
+):
+    """Every group full, or the key at its in-flight cap: the 429 came only after the chat
+    template was rendered and the prompt tokenized, which a flood paid for each refusal."""
+    from common.tokenizer import ByteTokenizer
+    from gateway.auth import key_digest
+
+    class Counting(ByteTokenizer):
+        encodes = 0
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            Counting.encodes += 1
+            return super().encode(text, add_special_tokens)
+
+    config = gateway_config(nats_config, api_key_sha256=[key_digest("sk-a")],
+                            api_key_max_in_flight=1)  # fmt: skip
+    headers = {"Authorization": "Bearer sk-a"}
+    async with (
+        serve(config, Counting()) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        state = gw.app.state.gateway
+        for group in config.groups:
+            state.view.on_telemetry(_report(group))
+            state.admission._take(group, count=config.groups[group].max_pending)
+        Counting.encodes = 0
+        full = await http.post("/v1/completions", json=BODY, headers=headers)
+        assert full.status_code == 429 and Counting.encodes == 0
+        for group in config.groups:
+            state.admission.release(Route(group, group), config.groups[group].max_pending)
+        (grant,) = state.keys._grants
+        grant.slots.take(1)  # the key's one request in flight
+        capped = await http.post("/v1/completions", json=BODY, headers=headers)
+        assert capped.status_code == 429 and Counting.encodes == 0
+        assert "its limit is 1" in capped.json()["error"]["message"]
+        grant.slots.give_back(1)
+        # Admitted now (no worker really serves: its deadline ends it).
+        short = {**headers, "X-QoS-Deadline-Ms": "300"}
+        served = await http.post("/v1/completions", json=BODY, headers=short)
+        assert served.status_code == 504 and Counting.encodes == 1  # tokenized, then on

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import nats
 import nats.js.errors
+import pytest
 
 from common.services import NatsServer
 from common.subjects import Subjects
@@ -117,5 +118,50 @@ async def test_a_stream_made_again_by_another_service_keeps_its_new_requests_fro
         await dispatcher.stop()
         with contextlib.suppress(Exception):
             await js.delete_stream(cfg.stream)
+            await js.delete_stream(f"KV_{cfg.kv_bucket}")
+        await nc.close()
+
+
+async def test_a_gateway_that_may_not_recreate_the_stream_forgets_its_sequences_at_once(
+    nats_server: NatsServer, monkeypatch: Any
+) -> None:
+    """Under the secure permissions the gateway may not make the stream again, and the
+    sequences its open requests held were forgotten only once it saw the new stream: if
+    `qosserve provision` made it (numbering from 1) in between, an abort deleted a new
+    request under an old number."""
+    import uuid
+
+    from common.config import NatsConfig
+    from common.errors import ConfigError
+    from common.nats import ensure_jetstream
+    from gateway import stream_keeper
+    from gateway.streams import Dispatcher
+
+    tag = uuid.uuid4().hex[:8]
+    cfg = NatsConfig(url=nats_server.url, subject_prefix=f"f{tag}", stream=f"F_{tag}",
+                     kv_bucket=f"f_{tag}")  # fmt: skip
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    subjects = Subjects(cfg.subject_prefix)
+    await ensure_jetstream(js, cfg, ["short"])
+    dispatcher = Dispatcher(nc, subjects, cfg.max_payload_bytes, cfg.stream)
+    keeper = stream_keeper.StreamKeeper(nc, js, cfg, ["short"], 60.0,
+                                        held_seq=dispatcher.highest_seq,
+                                        on_replaced=dispatcher.forget_sequences)  # fmt: skip
+
+    async def not_allowed(*args: Any, **kwargs: Any) -> None:
+        raise ConfigError("stream does not exist and this NATS user could not create it")
+
+    try:
+        await keeper.check()
+        held = dispatcher.open("held", "short", lambda *args, **kwargs: "")
+        held.stream_seq = (await js.publish(subjects.request("short"), b"old")).seq
+        await js.delete_stream(cfg.stream)
+        monkeypatch.setattr(stream_keeper, "ensure_stream", not_allowed)
+        with pytest.raises(ConfigError):  # said in the log at each look, until provision runs
+            await keeper.check()
+        assert held.stream_seq is None and dispatcher.highest_seq() == 0
+    finally:
+        with contextlib.suppress(Exception):
             await js.delete_stream(f"KV_{cfg.kv_bucket}")
         await nc.close()

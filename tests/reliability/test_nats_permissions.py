@@ -262,3 +262,22 @@ async def test_the_gateway_user_cannot_cap_park_or_read_a_groups_queue(
         )
     finally:
         await gateway.close()
+
+
+async def test_provision_fails_when_it_cannot_make_a_change_a_service_would_leave(
+    secured_stack: tuple[Stack, Config],
+) -> None:
+    """A service leaves a consumer it may not update as it is; `qosserve provision`, whose
+    job the update is, printed "ok" and exited 0 run as the wrong user."""
+    _, config = secured_stack
+    changed = config.model_copy(
+        update={"nats": config.nats.model_copy(update={"ack_wait_s": config.nats.ack_wait_s + 7})}
+    )
+    gateway = as_user(changed, "gateway")
+    with pytest.raises(qnats.ConfigError, match="did not answer user qos-gateway"):
+        await provision(gateway)  # its replies are not for _INBOX_admin
+    own_inbox = gateway.nats.model_copy(update={"inbox_prefix": "_INBOX_gateway"})
+    with pytest.raises(qnats.ConfigError, match="updating consumer grp-short got no answer"):
+        await provision(gateway.model_copy(update={"nats": own_inbox}))
+    made = await provision(as_user(changed, "admin"))  # qos-admin may: it is updated
+    assert "consumer grp-short (short)" in made

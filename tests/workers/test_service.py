@@ -608,9 +608,10 @@ async def test_a_moved_replica_reports_no_old_latency_and_takes_its_new_groups_c
     during_bind: list[tuple[str, int]] = []
     real_bind = service._bind
 
-    async def watched_bind(group: str) -> None:
+    async def watched_bind(group: str, wait_s: float | None = None) -> None:
         during_bind.append((service.group, service.telemetry.e2e.percentiles_ms()[2]))
-        await real_bind(group)
+        assert wait_s == 0  # a move does not wait a minute for a consumer it may not make
+        await real_bind(group, wait_s)
 
     service._bind = watched_bind
     move = Control(action="assign_group", group="long", batch_cap=1)
@@ -674,7 +675,7 @@ async def test_a_move_that_can_bind_neither_group_exits_1_instead_of_serving_not
     it report serving while nothing fetched. It exits 1 for its supervisor instead."""
     service = await start_worker()
 
-    async def unreachable(group: str) -> None:
+    async def unreachable(group: str, wait_s: float | None = None) -> None:
         raise nats.errors.TimeoutError
 
     monkeypatch.setattr(service, "_bind", unreachable)
