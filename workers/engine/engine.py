@@ -824,8 +824,10 @@ class LLMEngine:
             return self._accept(req, token, logprob, top, now, appended=True)
         except Exception as exc:
             log.exception("request %s: settling its token failed; ending it", req.request_id)
+            # Said whether or not it had finished already: the bridge reads the error's kind
+            # from it (a guided failure's 400 is not this).
+            req.stop_reason = f"{ENGINE_FAILED} ({type(exc).__name__})"
             if req.request_id in self.requests:
-                req.stop_reason = f"{ENGINE_FAILED} ({type(exc).__name__})"
                 self._finish(req, "error", now)
             return RequestDelta(
                 request_id=req.request_id,
