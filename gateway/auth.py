@@ -106,10 +106,12 @@ class KeySlots:
     def give_back(self, count: int = 1) -> None:
         self.held -= count
 
-    def shed_if_full(self) -> None:
-        """429 at once when the key holds all it may: checked before the request's prompt
-        is rendered and tokenized, which a one-key flood spent on requests sure to be
-        refused."""
+    def shed_if_full(self, count: int = 1) -> None:
+        """:meth:`take`'s refusals, taking nothing, for a request of at least ``count``:
+        checked before its prompt is rendered and tokenized, which a one-key flood spent on
+        requests sure to be refused (a 400 first: a 429 would invite retries for ever)."""
+        if count > self.limit:
+            self.take(count)  # raises its 400
         if self.held >= self.limit:
             raise self._full()
 

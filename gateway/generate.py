@@ -57,7 +57,7 @@ from gateway.classifier import (
 )
 from gateway.forced_calls import ForcedCalls
 from gateway.metrics import GatewayMetrics
-from gateway.obfuscation import pad_events
+from gateway.obfuscation import Padder
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.reasoning import THINK_CLOSE, ReasoningSplit, reads_reasoning, starts_thinking
 from gateway.responses import Echo, Kind, Shaper, merge, usage_dict
@@ -237,7 +237,7 @@ class Generator:
             priority = grant.priority(body.priority)
             # Refusals sure to come, before the costly part (template, tokens, grammar).
             if grant.slots is not None:
-                grant.slots.shed_if_full()
+                grant.slots.shed_if_full(body.choices())
             self._admission.shed_if_all_full(grant.groups)
             if body.guided() is not None:  # compiled off the loop: tens of ms for a grammar
                 await asyncio.to_thread(body.check_guided)
@@ -968,7 +968,7 @@ async def sse_events(
     reason: str | None = None
     done = 0
     opened: set[int] = set()
-    pad = pad_events if shaper_of(first[0]).obfuscate else _as_is
+    pad = Padder() if shaper_of(first[0]).obfuscate else _as_is
     try:
         i, delivery = first
         while True:
@@ -985,7 +985,7 @@ async def sse_events(
                 opened.add(i)
                 opening = await opening_events(shaper, delivery)
                 if len(opening) > BIG_EVENT_BYTES:
-                    yield pad(opening)  # an echoed prompt's logprobs: not copied into the rest
+                    yield pad(opening)  # an echoed prompt's logprobs: not copied (nor padded)
                 else:
                     parts.append(opening)
             if delivery.finish_reason is not None:

@@ -1,34 +1,61 @@
 """Stream obfuscation, as OpenAI's ``stream_options.include_obfuscation``: each streamed
-chunk gets an ``obfuscation`` field of random characters, so its size no longer tells a
-passive observer of the TLS traffic the length of the token it carries.
+chunk gets an ``obfuscation`` field of filler, so its size no longer tells a passive
+observer of the TLS traffic the length of the token it carries.
 
 A worker sends a chunk per engine step (``worker.coalesce_ms`` is shorter than a decode
 step), so without it each SSE event's size is a token's length plus a constant, and a
 reply can be largely reconstructed from those lengths (Weiss et al., 2024, "What Was
-Your Prompt?"). Each event is padded to the next multiple of ``BUCKET`` bytes, plus a
-random 0 to ``JITTER - 1``: tokens of up to a few dozen bytes all look alike.
+Your Prompt?"). A stream's events are padded to one size, its first event's plus
+``HEADROOM`` bytes rounded up to ``BUCKET``: every chunk whose token (and growing usage
+counters) fits in that headroom is the same size, byte for byte. A larger one goes to a
+bucket above, with a random offset before rounding, so its bucket is not its length's.
+Events over ``BIG_EVENT_BYTES`` (an echoed prompt's logprobs) are left as they are:
+padding hides nothing there and would copy megabytes on the event loop.
 """
 
 from __future__ import annotations
 
+import base64
+import os
 import random
 
 BUCKET = 64
-JITTER = 32
+HEADROOM = 48
+BIG_EVENT_BYTES = 16 * 1024
 _FIELD = b',"obfuscation":"'
-_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-_rng = random.SystemRandom()
+_CLOSE = b'"}'
+_rng = random.Random(os.urandom(16))  # the sizes' offsets: not secrets, only unpredictable
 
 
-def pad_events(data: bytes) -> bytes:
-    """``data``'s SSE events (``data: {...}\\n\\n``), each JSON object with an
-    ``obfuscation`` field that pads it; ``[DONE]`` and anything not an object unchanged."""
-    out = []
-    for event in data.split(b"\n\n"):
-        if event.startswith(b"data: {") and event.endswith(b"}"):
-            size = len(event) + len(_FIELD) + 2  # the field's closing quote and brace
-            target = -(-size // BUCKET) * BUCKET + _rng.randrange(JITTER)
-            fill = bytes(_rng.choice(_ALPHABET) for _ in range(max(1, target - size)))
-            event = event[:-1] + _FIELD + fill + b'"}'
-        out.append(event)
-    return b"\n\n".join(out)
+class Padder:
+    """Pads one stream's events (see the module docstring)."""
+
+    __slots__ = ("floor",)
+
+    def __init__(self) -> None:
+        self.floor = 0  # set by the stream's first event
+
+    def __call__(self, data: bytes) -> bytes:
+        """``data``'s SSE events (``data: {...}\\n\\n``), each JSON object with an
+        ``obfuscation`` field; ``[DONE]``, big events and anything not an object as is."""
+        out = []
+        for event in data.split(b"\n\n"):
+            if event.startswith(b"data: {") and event.endswith(b"}"):
+                event = self._padded(event)
+            out.append(event)
+        return b"\n\n".join(out)
+
+    def _padded(self, event: bytes) -> bytes:
+        size = len(event) - 1 + len(_FIELD) + len(_CLOSE)  # the event's "}" goes
+        if size > BIG_EVENT_BYTES:
+            return event
+        if not self.floor:
+            self.floor = _bucket(size + HEADROOM)
+        target = self.floor if size <= self.floor else _bucket(size + _rng.randrange(BUCKET))
+        n = max(1, target - size)
+        fill = base64.urlsafe_b64encode(os.urandom(n * 3 // 4 + 3))[:n]
+        return event[:-1] + _FIELD + fill + _CLOSE
+
+
+def _bucket(size: int) -> int:
+    return -(-size // BUCKET) * BUCKET

@@ -777,3 +777,18 @@ async def test_requests_sure_to_be_refused_are_refused_before_their_prompt_is_to
         short = {**headers, "X-QoS-Deadline-Ms": "300"}
         served = await http.post("/v1/completions", json=BODY, headers=short)
         assert served.status_code == 504 and Counting.encodes == 1  # tokenized, then on
+
+
+def test_a_response_wider_than_the_keys_cap_is_a_400_even_while_the_key_is_busy() -> None:
+    """Checked early, the key's busy 429 came first: a request that can never be served was
+    told to come back."""
+    from common.errors import InvalidRequestError
+    from gateway.auth import KeySlots
+
+    slots = KeySlots(2)
+    slots.take(2)
+    with pytest.raises(InvalidRequestError):
+        slots.shed_if_full(3)
+    with pytest.raises(RateLimitError):
+        slots.shed_if_full(1)
+    assert slots.held == 2  # nothing taken

@@ -453,13 +453,27 @@ async def test_streamed_chunks_asked_to_be_obfuscated_are_padded_and_still_parse
     assert raw.endswith(b"data: [DONE]\n\n")
 
 
-def test_padding_keeps_every_event_whole_json_and_leaves_done_alone() -> None:
-    from gateway.obfuscation import BUCKET, JITTER, pad_events
+def test_padding_makes_a_streams_small_chunks_one_size_and_leaves_done_alone() -> None:
+    """Rounded to a bucket with the jitter after it, a chunk's bucket was its length's:
+    tokens either side of a boundary always told apart. A stream's events are now one
+    size up to its headroom, whatever their token; [DONE] and big events as they are."""
+    from gateway.obfuscation import BIG_EVENT_BYTES, HEADROOM, Padder
 
-    events = b'data: {"a":1}\n\ndata: {"b":"xyz"}\n\ndata: [DONE]\n\n'
-    out = pad_events(events)
-    parts = out.split(b"\n\n")
-    assert parts[-2:] == [b"data: [DONE]", b""]
-    for part in parts[:2]:
-        doc = json.loads(part.removeprefix(b"data: "))
-        assert doc["obfuscation"].isalnum() and len(part) < 2 * BUCKET + JITTER
+    def chunk(token: str) -> bytes:
+        head = '{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",'
+        return ("data: " + head + '"choices":[{"index":0,"delta":{"content":'
+                + json.dumps(token) + '},"finish_reason":null}]}\n\n').encode()  # fmt: skip
+
+    for name_pad in range(0, 64, 7):  # the constant part at every offset within a bucket
+        pad = Padder()
+        sizes = set()
+        for token in ["a", "abcd", "x" * 20, "y" * (HEADROOM - 8), "é\n"]:
+            out = pad(chunk(token).replace(b'"model":"m"', b'"model":"' + b"m" * name_pad + b'"'))
+            (event, end) = out.split(b"\n\n")
+            assert end == b"" and json.loads(event.removeprefix(b"data: "))["obfuscation"]
+            sizes.add(len(event))
+        assert len(sizes) == 1, (name_pad, sizes)
+    pad = Padder()
+    assert pad(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+    big = b'data: {"x":"' + b"z" * BIG_EVENT_BYTES + b'"}\n\n'
+    assert pad(big) == big
