@@ -22,7 +22,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from redis.connection import parse_url
@@ -95,6 +95,11 @@ class BulkConnection:
             sock = context.wrap_socket(sock, server_hostname=url.get("host"))
         sock.settimeout(timeout)
         self.sock = sock
+        self._timeout = timeout
+        # time.monotonic() by which the command in progress must have its reply (None: each
+        # read within the socket timeout only): a server trickling bytes just fast enough
+        # for no socket timeout to fire held a lookup, and the engine's step, for as long.
+        self.deadline: float | None = None
         self._pending = bytearray()  # received, not yet parsed
         self._scratch = bytearray(_CHUNK)
         self._spoiled = False  # a reply left half read: never reused
@@ -139,8 +144,29 @@ class BulkConnection:
 
     # --- reading -----------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def replies_within(self, seconds: float) -> Iterator[None]:
+        """The commands in the block must have their replies within ``seconds`` in all,
+        or :class:`TimeoutError` (the connection is then spoiled, never reused)."""
+        self.deadline = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self.deadline = None
+            with contextlib.suppress(OSError):
+                self.sock.settimeout(self._timeout)
+
+    def _recv_into(self, buffer: bytearray | memoryview) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                self._spoiled = True  # the reply's rest would be the next command's
+                raise TimeoutError("redis: the reply did not come within its deadline")
+            self.sock.settimeout(min(self._timeout, left))
+        return self.sock.recv_into(buffer)
+
     def _fill(self) -> None:
-        n = self.sock.recv_into(self._scratch)
+        n = self._recv_into(self._scratch)
         if n == 0:
             raise ConnectionError("redis closed the connection")
         self._pending += memoryview(self._scratch)[:n]
@@ -163,7 +189,7 @@ class BulkConnection:
         out[:have] = self._pending[:have]
         del self._pending[:have]
         while have < len(out):
-            n = self.sock.recv_into(out[have:])
+            n = self._recv_into(out[have:])
             if n == 0:
                 raise ConnectionError("redis closed the connection")
             have += n

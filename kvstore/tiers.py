@@ -268,7 +268,15 @@ class KVTiers:
         ttl = self.redis_config.ttl_s
         paused = self._stores_refused()
 
+        within_s = self.redis_config.socket_timeout_s
+
         def ask(conn: BulkConnection) -> tuple[list[bool], str]:
+            # One socket timeout for the whole answer, not for each read: a lookup runs in
+            # the engine's step, and a trickling server held it for as long as it liked.
+            with conn.replies_within(within_s):
+                return ask_within(conn)
+
+        def ask_within(conn: BulkConnection) -> tuple[list[bool], str]:
             refusal = ""
             if not paused:  # writes are refused: no EXPIRE to be refused as well
                 found, refusal = conn.expire_many(keys, ttl)

@@ -677,3 +677,35 @@ def test_two_failures_far_apart_do_not_open_the_breaker() -> None:
     now[0] += 1.0
     b.failure(b.allow())  # soon after: the same trouble
     assert b.state == "open"
+
+
+def test_a_lookup_answered_by_a_trickle_gives_up_within_one_socket_timeout(
+    redis_config: RedisConfig,
+) -> None:
+    """A lookup runs in the engine's step; its reply read a few bytes at a time, each
+    within the socket timeout, held the step for as long as the server liked (3 s here).
+    Now the whole reply must come within one socket timeout: past it, a miss and a
+    failure the breaker counts; the spoiled connection is not reused."""
+    from tests.reliability.tcp_proxy import TcpProxy
+
+    hashes = [bytes([8, i]) * 8 for i in range(32)]
+    host, port = redis_config.url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = TcpProxy(host, int(port)).start()
+    slow = redis_config.model_copy(
+        update={"url": f"redis://127.0.0.1:{proxy.port}/0", "socket_timeout_s": 0.5}
+    )
+    try:
+        with make(redis_config) as writer:
+            writer.store_async(hashes, blocks(len(hashes), seed=8))
+            assert writer.flush()
+        with make(slow) as tiers:
+            assert tiers.lookup(hashes) == 32  # a quick link: found
+            proxy.throttle(40, piece=4)  # 128 bytes of reply: 3.2 s, 4 bytes every 0.1 s
+            t0 = time.monotonic()
+            assert tiers.lookup(hashes) == 0
+            assert time.monotonic() - t0 < 1.5
+            assert tiers.stats().redis.errors == 1
+            proxy.restore()
+            assert tiers.lookup(hashes) == 32  # a fresh connection, the same answer
+    finally:
+        proxy.close()

@@ -23,6 +23,7 @@ class TcpProxy:
         self._open = True
         self._stalled = False
         self._rate = 0.0  # server-to-client bytes/s; 0 = unthrottled
+        self._piece = 1024  # bytes sent at a time under a throttle
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
@@ -43,8 +44,10 @@ class TcpProxy:
         """Forward nothing more, in either direction, and close nothing."""
         self._stalled = True
 
-    def throttle(self, bytes_per_s: float) -> None:
-        self._rate = bytes_per_s
+    def throttle(self, bytes_per_s: float, piece: int = 1024) -> None:
+        """Server-to-client bytes at ``bytes_per_s``, ``piece`` bytes at a time (small
+        pieces trickle: every read gets something within any socket timeout)."""
+        self._rate, self._piece = bytes_per_s, piece
 
     def restore(self) -> None:
         self._stalled = False
@@ -107,10 +110,11 @@ class TcpProxy:
                 if self._stalled:
                     continue  # lost on the way
                 if downstream and self._rate:
-                    for i in range(0, len(data), 1024):
-                        writer.write(data[i : i + 1024])
+                    piece = self._piece
+                    for i in range(0, len(data), piece):
+                        writer.write(data[i : i + piece])
                         await writer.drain()
-                        await asyncio.sleep(1024 / self._rate)
+                        await asyncio.sleep(piece / self._rate)
                     continue
                 writer.write(data)
                 await writer.drain()
