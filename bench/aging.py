@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.output import emit
-from bench.percentiles import pct
+from bench.percentiles import p50_p90_max
 from bench.provenance import git_state
 from common.models import demo_model_path
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
@@ -101,20 +101,13 @@ def run(ns: argparse.Namespace, aging_s: float) -> dict[str, Any]:
         "priority_aging_s": aging_s,
         "low_arrived": added,
         "low_served": len(low_first),
-        "low_ttft_ms": _percentiles(low_ttft),
+        "low_ttft_ms": p50_p90_max(low_ttft),
         "low_ttft_is_a_floor": len(low_first) < added,
-        "urgent_ttft_ms": _percentiles(urgent_ttft),
+        "urgent_ttft_ms": p50_p90_max(urgent_ttft),
         "urgent_tok_s": round(urgent_tokens / window, 1),
         "window_s": round(window, 2),
         "preemptions": engine.stats().num_preemptions,
     }
-
-
-def _percentiles(sorted_ms: list[float]) -> dict[str, float]:
-    if not sorted_ms:
-        return {"p50": float("nan"), "p90": float("nan"), "max": float("nan")}
-    return {"p50": round(pct(sorted_ms, 50), 1), "p90": round(pct(sorted_ms, 90), 1),
-            "max": round(sorted_ms[-1], 1)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

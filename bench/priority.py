@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.output import emit
-from bench.percentiles import pct
+from bench.percentiles import p50_p90_max
 from bench.provenance import git_state
 from common.models import demo_model_path
 from workers.engine import EngineArgs, LLMEngine, SamplingParams
@@ -124,8 +124,8 @@ def run(ns: argparse.Namespace, preemption: bool) -> dict[str, Any]:
     return {
         "priority_preemption": preemption,
         "urgent": ns.urgent,
-        "urgent_ttft_ms": _percentiles(ttft),
-        "urgent_e2e_ms": _percentiles(e2e),
+        "urgent_ttft_ms": p50_p90_max(ttft),
+        "urgent_e2e_ms": p50_p90_max(e2e),
         "background_tokens_per_step": round(background_tokens / max(1, steps), 3),
         "background_tok_s": round(background_tokens / window, 1),
         "window_s": round(window, 2),
@@ -137,11 +137,6 @@ def run(ns: argparse.Namespace, preemption: bool) -> dict[str, Any]:
         "preemptions": stats.num_preemptions - before.num_preemptions,
         "priority_preemptions": stats.num_priority_preemptions,
     }
-
-
-def _percentiles(sorted_ms: list[float]) -> dict[str, float]:
-    return {"p50": round(pct(sorted_ms, 50), 1), "p90": round(pct(sorted_ms, 90), 1),
-            "max": round(sorted_ms[-1], 1)}  # fmt: skip
 
 
 def _mean(runs: list[dict[str, Any]], *keys: str) -> float:
