@@ -21,7 +21,7 @@ from common.tracing import init_tracing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="qosserve-gateway", description=__doc__)
+    parser = argparse.ArgumentParser(prog="qosserve gateway", description=__doc__)
     parser.add_argument("--config", help="YAML config file (default: $QOS_CONFIG, else defaults)")
     parser.add_argument(
         "--model",

@@ -259,7 +259,7 @@ _UNSERVED_OPENAI = ("embeddings", "responses", "audio", "images", "moderations",
                     "batches", "fine_tuning", "assistants", "threads", "vector_stores",
                     "uploads", "realtime")  # fmt: skip
 SERVED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/tokenize",
-                "/v1/detokenize", "/health", "/metrics")  # fmt: skip
+                "/v1/detokenize")  # fmt: skip
 
 
 def not_found_message(method: str, path: str) -> str:
@@ -269,7 +269,7 @@ def not_found_message(method: str, path: str) -> str:
     what = "is not served by qosserve" if unserved else "does not exist here"
     return (
         f"{method} {path[:200]} {what}; this gateway serves {', '.join(SERVED_PATHS)} "
-        "(also under /v1/<group>/ for an instance group)"
+        "(also under /v1/<group>/ for an instance group), /health and /metrics"
     )
 
 

@@ -28,7 +28,7 @@ from scheduler.service import SchedulerService
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qosserve-scheduler", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="qosserve scheduler", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="YAML config file (else $QOS_CONFIG, else defaults)")
     p.add_argument("--nats-url", help="overrides nats.url")
     p.add_argument("--metrics-port", type=int, help="overrides scheduler.metrics_port (0 = off)")

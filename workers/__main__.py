@@ -61,7 +61,7 @@ def resolve_model(model: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qosserve-worker", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="qosserve worker", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="YAML config file (else $QOS_CONFIG, else defaults)")
     p.add_argument("--group", required=True, help="instance group to serve (e.g. short)")
     p.add_argument("--model", help="model folder, dummy:<shape> or demo (default worker.model)")

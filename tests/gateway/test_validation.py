@@ -337,6 +337,10 @@ async def test_an_unserved_path_says_what_is_served(client: httpx.AsyncClient):
     assert "/v1/chat/completions" in error["message"]
     typo = _assert_openai_error(await client.get("/v1/chat/complete"), 404, None)
     assert "GET /v1/chat/complete does not exist here" in typo["message"]
+    # /health is not under a group's path: the message said it was.
+    assert (
+        "(also under /v1/<group>/ for an instance group), /health and /metrics" in (typo["message"])
+    )
 
 
 async def test_models_are_listed_under_a_group_base_url_too(client: httpx.AsyncClient):
