@@ -713,6 +713,17 @@ class GatewayConfig(_Strict):
             "anyone may call the API (a warning is logged at start-up)."
         ),
     )
+    # Per key (its digest): the name its requests, tokens and refusals are counted under in
+    # the qos_gateway_key_* metrics (a team's, for chargeback); unnamed keys are counted
+    # under their digest's first 8 hex digits.
+    api_key_names: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Per key digest: the name the qos_gateway_key_* metrics count its requests, tokens "
+            "and refusals under (1-64 of A-Z a-z 0-9 . _ -). Unnamed keys: their digest's "
+            "first 8 hex digits. Each digest must be in api_key_sha256."
+        ),
+    )
     # Per key (its digest): the instance groups it may use, by name or by length routing,
     # fallbacks included (another team's key kept off realtime, say). A key not listed may
     # use every group.
@@ -1379,6 +1390,19 @@ class Config(_Strict):
                 raise ValueError(
                     f"gateway.api_key_min_priority: {digest[:12]}… is not in gateway.api_key_sha256"
                 )
+        names = self.gateway.api_key_names
+        for digest, name in names.items():
+            if digest.strip().lower() not in known:
+                raise ValueError(
+                    f"gateway.api_key_names: {digest[:12]}… is not in gateway.api_key_sha256"
+                )
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+                raise ValueError(
+                    f"gateway.api_key_names.{digest[:12]}…: {name[:40]!r} must be 1-64 of "
+                    "A-Z a-z 0-9 . _ -"
+                )
+        if len(set(names.values())) < len(names):
+            raise ValueError("gateway.api_key_names: two keys share a name (their metrics would)")
         return self
 
     @model_validator(mode="after")

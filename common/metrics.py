@@ -194,6 +194,24 @@ GW_FALLBACKS = Spec(
     ("from_group", "to_group", "reason"),
 )
 GW_TOKENS = Spec("qos_gateway_generation_tokens", "Completion tokens delivered", ("group",))
+# Per API key (gateway.api_key_names, else the digest's first 8 hex digits): what each
+# tenant used and was refused, bounded by the configured keys.
+GW_KEY_REQUESTS = Spec(
+    "qos_gateway_key_requests",
+    "Admitted generation requests by API key and how they ended (status code)",
+    ("key", "status"),
+)
+GW_KEY_TOKENS = Spec(
+    "qos_gateway_key_tokens",
+    "Tokens of admitted requests by API key: prompt (each prompt once) and completion",
+    ("key", "kind"),
+)
+GW_KEY_REFUSED = Spec(
+    "qos_gateway_key_refused",
+    "Requests refused for the key's own limits: rate (api_key_rate_limit_rps) or "
+    "in_flight (api_key_max_in_flight)",
+    ("key", "reason"),
+)
 GW_LIVE_WORKERS = Spec(
     "qos_gateway_live_workers", "Workers per group whose telemetry is recent and says serving",
     ("group",),

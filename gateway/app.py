@@ -140,6 +140,7 @@ def create_app(
         if sampling.given():
             log.info("sampling defaults from the model's generation_config.json (fields a "
                      "request leaves out): %s", sampling.given())  # fmt: skip
+    metrics = GatewayMetrics(registry)
     state = GatewayState(
         config=config,
         keys=ApiKeys(
@@ -150,8 +151,10 @@ def create_app(
             min_priority=config.gateway.api_key_min_priority,
             isolate_cache=config.gateway.cache_isolation == "api_key",
             max_in_flight=config.gateway.api_key_max_in_flight,
+            names=config.gateway.api_key_names,
+            on_refused=metrics.key_refused_for,
         ),
-        metrics=GatewayMetrics(registry),
+        metrics=metrics,
         view=view,
         admission=Admission(config, view, wait_s=admission_wait_s),
         served_model=served,

@@ -39,6 +39,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 from common.errors import (
     AuthenticationError,
@@ -60,6 +61,7 @@ class KeyGrant:
     cache_namespace: str = ""
     min_priority: int | None = None  # the most urgent priority it may ask for; None: any
     slots: KeySlots | None = field(default=None, compare=False)  # None: no in-flight cap
+    name: str = ""  # what the qos_gateway_key_* metrics count it under; "": an open gateway
 
     def priority(self, asked: int | None) -> int:
         """The priority a request of this key runs at: what it asked for (0 if nothing, or
@@ -84,11 +86,12 @@ class KeySlots:
     group's ``max_pending`` for everyone else (the rate limit bounds arrivals, not
     occupancy)."""
 
-    __slots__ = ("held", "limit")
+    __slots__ = ("held", "limit", "on_full")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, on_full: Callable[[], None] = lambda: None) -> None:
         self.limit = limit
         self.held = 0
+        self.on_full = on_full  # told of each 429 (the key's refusals metric)
 
     def take(self, count: int = 1) -> None:
         """Hold ``count`` more, or raise: 400 for more than the key may ever hold (a 429
@@ -116,6 +119,7 @@ class KeySlots:
             raise self._full()
 
     def _full(self) -> RateLimitError:
+        self.on_full()
         return RateLimitError(
             f"this API key has {self.held} requests in flight, its limit is {self.limit}",
             retry_after_s=1.0,
@@ -173,8 +177,13 @@ class ApiKeys:
         min_priority: Mapping[str, int] | None = None,
         isolate_cache: bool = False,
         max_in_flight: int = 0,
+        names: Mapping[str, str] | None = None,
+        on_refused: Callable[[str, str], None] = lambda key, reason: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``names``: per digest, the name its metrics go under (else its first 8 hex
+        digits); ``on_refused(name, reason)``: told of each 429 for the key's own limits
+        (``rate``, ``in_flight``)."""
         wrong = ValueError("gateway.api_key_sha256 entries must be sha256 hex digests")
         try:
             self._digests = [bytes.fromhex(d.strip().lower()) for d in digests]
@@ -187,15 +196,23 @@ class ApiKeys:
             bytes.fromhex(d.strip().lower()): frozenset(g) for d, g in (groups or {}).items()
         }
         floors = {bytes.fromhex(d.strip().lower()): p for d, p in (min_priority or {}).items()}
-        self._grants = [
-            KeyGrant(
-                by_digest.get(d),
-                cache_namespace(d) if isolate_cache else "",
-                floors.get(d),
-                KeySlots(max_in_flight) if max_in_flight > 0 else None,
+        named = {bytes.fromhex(d.strip().lower()): n for d, n in (names or {}).items()}
+        self._on_refused = on_refused
+        self._grants = []
+        for d in self._digests:
+            name = named.get(d) or d.hex()[:8]
+            slots = None
+            if max_in_flight > 0:
+                slots = KeySlots(max_in_flight, partial(on_refused, name, "in_flight"))
+            self._grants.append(
+                KeyGrant(
+                    by_digest.get(d),
+                    cache_namespace(d) if isolate_cache else "",
+                    floors.get(d),
+                    slots,
+                    name,
+                )
             )
-            for d in self._digests
-        ]
         self._buckets: list[TokenBucket] | None = None
         if rate_per_s > 0:
             depth = burst or max(1, math.ceil(rate_per_s))
@@ -237,6 +254,7 @@ class ApiKeys:
         if self._buckets is not None and rate_limited:
             wait_s = self._buckets[matched].take()
             if wait_s > 0:
+                self._on_refused(self._grants[matched].name, "rate")
                 raise RateLimitError(
                     "this API key is over its request rate limit "
                     f"({self._buckets[matched].rate:g} requests/s)",

@@ -80,6 +80,7 @@ class ChoiceRun:
         self.count = self.n * len(prompts)
         # Each prompt once, as OpenAI counts them, however many choices it has.
         self.prompt_tokens = sum(len(ids) for ids in prompts)
+        self.key = ""  # the API key's name (serve_choices sets it)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         self.response_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -136,6 +137,7 @@ class ChoiceRun:
                 gen._admission.release(route, self.count - k)
                 raise
             flight.trace = self.trace
+            flight.key = self.key
             self.flights[k] = flight  # from here, landing the run lands it
             run = self._run(k, flight, classified.max_tokens, salt, priority)
             self.tasks.append(asyncio.create_task(run, name=f"{self.response_id}-choice-{k}"))
@@ -218,7 +220,10 @@ class ChoiceRun:
                 self.trace, status=status, prompt_tokens=self.prompt_tokens,
                 completion_tokens=completion, finish_reason=finish_reason,
             )  # fmt: skip
-        self.gen.account(group, status, self.started, self.first_token_at)
+        self.gen.account(
+            group, status, self.started, self.first_token_at,
+            key=self.key, tokens=(self.prompt_tokens, completion),
+        )  # fmt: skip
 
     def usage(self) -> dict[str, object]:
         """The response's usage: each prompt once (as OpenAI counts it), every choice's
@@ -281,6 +286,7 @@ async def serve_choices(
     """Answer a request of more than one choice (see the module docstring)."""
     run = ChoiceRun(gen, kind, request, body, classified, prompts, echoes, logprobs, started,
                     deadline_ms)  # fmt: skip
+    run.key = grant.name
     bind_request(run.response_id)
     streaming = False
     try:

@@ -135,6 +135,7 @@ class Flight:
     quiet: bool = False
     # The prompt's scores only (echo, max_tokens 0): the token generated is dropped.
     scores_only: bool = False
+    key: str = ""  # the API key's name its usage is counted under ("": an open gateway)
 
 
 class Generator:
@@ -310,6 +311,7 @@ class Generator:
             flight = self._take_off(
                 kind, body, route, prompt_ids, logprobs, started, deadline_ms, echo=echoes[0]
             )
+            flight.key = grant.name
         except BaseException as exc:
             self._admission.release(route)  # nothing else holds the slot yet
             self._metrics.finished(
@@ -898,15 +900,27 @@ class Generator:
                 flight.trace, status=status, prompt_tokens=flight.prompt_tokens,
                 completion_tokens=flight.completion_tokens, finish_reason=flight.finish_reason,
             )  # fmt: skip
-        self.account(group, status, flight.started, flight.first_token_at)
+        self.account(
+            group, status, flight.started, flight.first_token_at,
+            key=flight.key, tokens=(flight.prompt_tokens, flight.completion_tokens),
+        )  # fmt: skip
 
     def account(
-        self, group: str, status: int, started: float, first_token_at: float | None
+        self,
+        group: str,
+        status: int,
+        started: float,
+        first_token_at: float | None,
+        key: str = "",
+        tokens: tuple[int, int] = (0, 0),
     ) -> None:
         """One HTTP generation request answered ``status``: counted, and its E2E (or the
-        TTFT it waited out) observed."""
+        TTFT it waited out) observed; with its API key's name, its (prompt, completion)
+        ``tokens`` counted for that key."""
         series = self._metrics.series(group, self._model)
         self._metrics.finished(group, status)
+        if key:
+            self._metrics.key_usage(key, status, *tokens)
         if status == 200:
             series.e2e.observe(time.monotonic() - started)
         elif first_token_at is None and status in WAITED_OUT:

@@ -41,6 +41,9 @@ class GatewayMetrics:
         self.in_flight = m.gauge(m.GW_IN_FLIGHT, r)
         self.fallbacks = m.counter(m.GW_FALLBACKS, r)
         self.tokens = m.counter(m.GW_TOKENS, r)
+        self.key_requests = m.counter(m.GW_KEY_REQUESTS, r)
+        self.key_tokens = m.counter(m.GW_KEY_TOKENS, r)
+        self.key_refused = m.counter(m.GW_KEY_REFUSED, r)
         self.live_workers = m.gauge(m.GW_LIVE_WORKERS, r)
         self.breaker_state = m.gauge(m.GW_BREAKER, r)
         m.register_build_info(r, "gateway")
@@ -52,6 +55,18 @@ class GatewayMetrics:
         if child is None:
             child = self._finished[key] = self.requests.labels(group, str(status))
         child.inc()
+
+    def key_usage(self, key: str, status: int, prompt_tokens: int, completion_tokens: int) -> None:
+        """One admitted request of API key ``key`` answered ``status``, with its tokens."""
+        self.key_requests.labels(key, str(status)).inc()
+        if prompt_tokens:
+            self.key_tokens.labels(key, "prompt").inc(prompt_tokens)
+        if completion_tokens:
+            self.key_tokens.labels(key, "completion").inc(completion_tokens)
+
+    def key_refused_for(self, key: str, reason: str) -> None:
+        """A request of ``key`` refused for the key's own limit (``rate``, ``in_flight``)."""
+        self.key_refused.labels(key, reason).inc()
 
     def series(self, group: str, model: str) -> GroupSeries:
         """The per-request series of ``group``, looked up once."""

@@ -339,3 +339,17 @@ def test_settings_that_would_fail_later_are_refused_at_load(
     with pytest.raises(ConfigError, match=named) as info:
         load_config(None, env=env)
     assert "secret-9" not in str(info.value)
+
+
+def test_api_key_names_must_name_configured_keys_once_each_in_label_characters() -> None:
+    a, b = "a" * 64, "b" * 64
+    ok = {"QOS_GATEWAY__API_KEY_SHA256": f'["{a}", "{b}"]'}
+    named = load_config(None, env={**ok, "QOS_GATEWAY__API_KEY_NAMES": f'{{"{a}": "team-a"}}'})
+    assert named.gateway.api_key_names == {a: "team-a"}
+    for names, says in (
+        (f'{{"{"c" * 64}": "x"}}', "not in gateway.api_key_sha256"),
+        (f'{{"{a}": "team a"}}', "must be 1-64"),
+        (f'{{"{a}": "t", "{b}": "t"}}', "share a name"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, env={**ok, "QOS_GATEWAY__API_KEY_NAMES": names})

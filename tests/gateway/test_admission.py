@@ -792,3 +792,50 @@ def test_a_response_wider_than_the_keys_cap_is_a_400_even_while_the_key_is_busy(
     with pytest.raises(RateLimitError):
         slots.shed_if_full(1)
     assert slots.held == 2  # nothing taken
+
+
+async def test_each_keys_requests_tokens_and_refusals_are_counted_under_its_name(
+    nats_config: NatsConfig,
+):
+    """Serving many teams, the operator saw per-group figures only: nothing said which
+    team used the capacity, or was being refused for its own limits."""
+    from gateway.auth import key_digest
+
+    slow = functools.partial(echo_alphabet, delay_s=0.3)
+    team = key_digest("sk-team-a")
+    other = key_digest("sk-other")
+    config = gateway_config(
+        nats_config, api_key_sha256=[team, other], api_key_names={team: "team-a"},
+        api_key_max_in_flight=1, api_key_rate_limit_rps=0.2, api_key_rate_limit_burst=3,
+    )  # fmt: skip
+    a = {"Authorization": "Bearer sk-team-a"}
+    b = {"Authorization": "Bearer sk-other"}
+    async with (
+        serve(config) as gw,
+        running_worker(nats_config, "short", behaviour=slow),
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+    ):
+        await until_live(http, "short")
+        both = await asyncio.gather(*(http.post("/v1/completions", json=BODY, headers=a)
+                                      for _ in range(2)))  # fmt: skip
+        assert sorted(r.status_code for r in both) == [200, 429]  # one in flight at a time
+        assert (
+            await http.post("/v1/completions", json={**BODY, "n": 1}, headers=b)
+        ).status_code == 200
+        assert (await http.post("/v1/completions", json=BODY, headers=a)).status_code == 200
+        assert (await http.post("/v1/completions", json=BODY, headers=a)).status_code == 429  # rate
+        metrics = (await http.get("/metrics")).text
+
+    def value(name: str, **labels: str) -> float:
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        line = next((x for x in metrics.splitlines() if x.startswith(f"{name}{{{want}}}")), None)
+        return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+    prompt = 1 + len("hi")  # ByteTokenizer: BOS + a token per byte
+    assert value("qos_gateway_key_requests_total", key="team-a", status="200") == 2
+    assert value("qos_gateway_key_tokens_total", key="team-a", kind="prompt") == 2 * prompt
+    assert value("qos_gateway_key_tokens_total", key="team-a", kind="completion") == 2 * 6
+    assert value("qos_gateway_key_refused_total", key="team-a", reason="in_flight") == 1
+    assert value("qos_gateway_key_refused_total", key="team-a", reason="rate") == 1
+    unnamed = other[:8]  # an unnamed key: its digest's first 8 hex digits
+    assert value("qos_gateway_key_requests_total", key=unnamed, status="200") == 1
