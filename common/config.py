@@ -1401,8 +1401,14 @@ class Config(_Strict):
                     f"gateway.api_key_names.{digest[:12]}…: {name[:40]!r} must be 1-64 of "
                     "A-Z a-z 0-9 . _ -"
                 )
-        if len(set(names.values())) < len(names):
-            raise ValueError("gateway.api_key_names: two keys share a name (their metrics would)")
+        # Unnamed keys go by their digest's first 8 hex digits: no two labels may meet.
+        named = {d.strip().lower() for d in names}
+        labels = [*names.values(), *(d[:8] for d in known - named)]
+        if len(set(labels)) < len(labels):
+            raise ValueError(
+                "gateway.api_key_names: two keys would share a label in the metrics (a name "
+                "given twice, or equal to an unnamed key's first 8 hex digits)"
+            )
         return self
 
     @model_validator(mode="after")

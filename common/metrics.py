@@ -203,7 +203,7 @@ GW_KEY_REQUESTS = Spec(
 )
 GW_KEY_TOKENS = Spec(
     "qos_gateway_key_tokens",
-    "Tokens of admitted requests by API key: prompt (each prompt once) and completion",
+    "Tokens by API key: prompt (each prompt once, of requests that ran) and completion",
     ("key", "kind"),
 )
 GW_KEY_REFUSED = Spec(

@@ -115,7 +115,7 @@ class KeySlots:
         requests sure to be refused (a 400 first: a 429 would invite retries for ever)."""
         if count > self.limit:
             self.take(count)  # raises its 400
-        if self.held >= self.limit:
+        if self.held + count > self.limit:
             raise self._full()
 
     def _full(self) -> RateLimitError:

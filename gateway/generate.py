@@ -237,8 +237,11 @@ class Generator:
             self.check_model(body.model)
             priority = grant.priority(body.priority)
             # Refusals sure to come, before the costly part (template, tokens, grammar).
-            if grant.slots is not None:
-                grant.slots.shed_if_full(body.choices())
+            if grant.slots is not None:  # each choice of each prompt is a slot
+                prompts_sent = (
+                    len(body.prompt_inputs()) if isinstance(body, CompletionRequest) else 1
+                )
+                grant.slots.shed_if_full(body.choices() * prompts_sent)
             self._admission.shed_if_all_full(grant.groups)
             if body.guided() is not None:  # compiled off the loop: tens of ms for a grammar
                 await asyncio.to_thread(body.check_guided)
@@ -920,7 +923,11 @@ class Generator:
         series = self._metrics.series(group, self._model)
         self._metrics.finished(group, status)
         if key:
-            self._metrics.key_usage(key, status, *tokens)
+            prompt, completion = tokens
+            # Its prompt is billed once it ran (an answer, or tokens made): not for one
+            # that timed out queued, nor a 503 or 499 before a worker took it.
+            ran = status == 200 or completion > 0
+            self._metrics.key_usage(key, status, prompt if ran else 0, completion)
         if status == 200:
             series.e2e.observe(time.monotonic() - started)
         elif first_token_at is None and status in WAITED_OUT:
@@ -982,7 +989,8 @@ async def sse_events(
     reason: str | None = None
     done = 0
     opened: set[int] = set()
-    pad = Padder() if shaper_of(first[0]).obfuscate else _as_is
+    obfuscate = shaper_of(first[0]).obfuscate
+    pad = Padder(shaper_of(first[0]).logprobs) if obfuscate else _as_is
     try:
         i, delivery = first
         while True:
@@ -998,8 +1006,10 @@ async def sse_events(
             if i not in opened:
                 opened.add(i)
                 opening = await opening_events(shaper, delivery)
+                if obfuscate:  # apart: its size is not a chunk's, and sets the stream's none
+                    opening = Padder()(opening)
                 if len(opening) > BIG_EVENT_BYTES:
-                    yield pad(opening)  # an echoed prompt's logprobs: not copied (nor padded)
+                    yield opening  # an echoed prompt's logprobs: not copied into the rest
                 else:
                     parts.append(opening)
             if delivery.finish_reason is not None:

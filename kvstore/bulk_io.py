@@ -72,9 +72,22 @@ def _keep_alive(sock: socket.socket) -> None:
 class BulkConnection:
     """One blocking connection (TCP, TLS or a Unix socket), authenticated and on its db."""
 
-    def __init__(self, config: RedisConfig, resolver: Resolver | None = None) -> None:
+    def __init__(
+        self,
+        config: RedisConfig,
+        resolver: Resolver | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        """``deadline`` (``time.monotonic()``): by when the connection must be open, logged
+        in and on its db (a lookup's, which opening it counts against); None: each step
+        within the socket timeout."""
         url = parse_url(config.url)
         timeout = config.socket_timeout_s
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("redis: no time left to connect")
+            timeout = min(timeout, left)
         path = url.get("path")
         if path:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -93,13 +106,13 @@ class BulkConnection:
             if config.tls_cert_file and config.tls_key_file:
                 context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
             sock = context.wrap_socket(sock, server_hostname=url.get("host"))
+        self._timeout = config.socket_timeout_s
         sock.settimeout(timeout)
         self.sock = sock
-        self._timeout = timeout
         # time.monotonic() by which the command in progress must have its reply (None: each
         # read within the socket timeout only): a server trickling bytes just fast enough
         # for no socket timeout to fire held a lookup, and the engine's step, for as long.
-        self.deadline: float | None = None
+        self.deadline: float | None = deadline  # the log-in's replies keep to it too
         self._pending = bytearray()  # received, not yet parsed
         self._scratch = bytearray(_CHUNK)
         self._spoiled = False  # a reply left half read: never reused
@@ -117,6 +130,8 @@ class BulkConnection:
         except BaseException:
             self.close()
             raise
+        self.deadline = None
+        sock.settimeout(self._timeout)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -145,10 +160,11 @@ class BulkConnection:
     # --- reading -----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def replies_within(self, seconds: float) -> Iterator[None]:
-        """The commands in the block must have their replies within ``seconds`` in all,
-        or :class:`TimeoutError` (the connection is then spoiled, never reused)."""
-        self.deadline = time.monotonic() + seconds
+    def replies_by(self, deadline: float) -> Iterator[None]:
+        """The commands in the block must have their replies by ``deadline``
+        (``time.monotonic()``), or :class:`TimeoutError` (the connection is then spoiled,
+        never reused)."""
+        self.deadline = deadline
         try:
             yield
         finally:
@@ -348,13 +364,13 @@ class BulkPool:
         self.resolver = resolver or Resolver()  # shared: one lookup in flight, answers kept
         self._idle: queue.LifoQueue[BulkConnection] = queue.LifoQueue(size)
 
-    def take(self) -> BulkConnection:
-        """An idle connection that is still sound, or a new one."""
+    def take(self, deadline: float | None = None) -> BulkConnection:
+        """An idle connection that is still sound, or a new one (open by ``deadline``)."""
         while True:
             try:
                 conn = self._idle.get_nowait()
             except queue.Empty:
-                return BulkConnection(self.config, self.resolver)
+                return BulkConnection(self.config, self.resolver, deadline)
             if time.monotonic() - conn.idle_since <= MAX_IDLE_S and conn.idle_and_open():
                 return conn
             conn.close()

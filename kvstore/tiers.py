@@ -203,7 +203,10 @@ class KVTiers:
         return self.host is not None and self.host.num_slots > 0
 
     def _with_connection(
-        self, call: Callable[[BulkConnection], T], group: Borrowers | None = None
+        self,
+        call: Callable[[BulkConnection], T],
+        group: Borrowers | None = None,
+        deadline: float | None = None,
     ) -> T:
         """``call`` on a pooled connection, held in ``group`` (a load's: abandoned at its
         deadline) and the tiers' own; one that failed mid-command is closed, never reused
@@ -211,7 +214,7 @@ class KVTiers:
         assert self._bulk is not None
         if group is not None and group.abandoned:  # not worth a pooled connection
             raise ConnectionError("kv tier I/O abandoned")
-        conn = self._bulk.take()
+        conn = self._bulk.take(deadline)  # a new one opens by the caller's deadline
         groups = (self._io,) if group is None else (self._io, group)
         try:
             for g in groups:
@@ -271,9 +274,7 @@ class KVTiers:
         within_s = self.redis_config.socket_timeout_s
 
         def ask(conn: BulkConnection) -> tuple[list[bool], str]:
-            # One socket timeout for the whole answer, not for each read: a lookup runs in
-            # the engine's step, and a trickling server held it for as long as it liked.
-            with conn.replies_within(within_s):
+            with conn.replies_by(deadline):
                 return ask_within(conn)
 
         def ask_within(conn: BulkConnection) -> tuple[list[bool], str]:
@@ -291,7 +292,11 @@ class KVTiers:
 
         try:
             keys = [self.identity.key(h) for h in hashes]
-            found, refusal = self._with_connection(ask)
+            # One socket timeout for the whole answer, opening a connection included, not
+            # for each read: a lookup runs in the engine's step, and a trickling server
+            # held it for as long as it liked.
+            deadline = time.monotonic() + within_s
+            found, refusal = self._with_connection(ask, deadline=deadline)
             if refusal and not paused:
                 self._refuse_stores()
                 log.warning("kv tiers: Redis refused EXPIRE (storing paused %.0f s, lookups "

@@ -349,7 +349,8 @@ def test_api_key_names_must_name_configured_keys_once_each_in_label_characters()
     for names, says in (
         (f'{{"{"c" * 64}": "x"}}', "not in gateway.api_key_sha256"),
         (f'{{"{a}": "team a"}}', "must be 1-64"),
-        (f'{{"{a}": "t", "{b}": "t"}}', "share a name"),
+        (f'{{"{a}": "t", "{b}": "t"}}', "share a label"),
+        (f'{{"{a}": "bbbbbbbb"}}', "share a label"),
     ):
         with pytest.raises(ConfigError, match=says):
             load_config(None, env={**ok, "QOS_GATEWAY__API_KEY_NAMES": names})

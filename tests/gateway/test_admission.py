@@ -839,3 +839,18 @@ async def test_each_keys_requests_tokens_and_refusals_are_counted_under_its_name
     assert value("qos_gateway_key_refused_total", key="team-a", reason="rate") == 1
     unnamed = other[:8]  # an unnamed key: its digest's first 8 hex digits
     assert value("qos_gateway_key_requests_total", key=unnamed, status="200") == 1
+
+
+def test_the_early_cap_check_counts_every_prompt_of_a_batch() -> None:
+    """It counted n only: a batch of 64 prompts against a cap of 8 was told to come back
+    (429) while the key was busy, and tokenized in full when it was idle."""
+    from common.errors import InvalidRequestError
+    from gateway.auth import KeySlots
+
+    slots = KeySlots(8)
+    with pytest.raises(InvalidRequestError):
+        slots.shed_if_full(64)
+    slots.take(6)
+    with pytest.raises(RateLimitError):
+        slots.shed_if_full(3)  # 6 held + 3 > 8: it would be refused
+    slots.shed_if_full(2)

@@ -441,16 +441,21 @@ async def test_streamed_chunks_asked_to_be_obfuscated_are_padded_and_still_parse
         async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
             body = {**ask, "stream_options": {"include_obfuscation": True}}
             raw = (await http.post("/v1/chat/completions", json=body)).content
+            asked = {**body, "logprobs": True, "top_logprobs": 2}
+            raw_logprobs = (await http.post("/v1/chat/completions", json=asked)).content
     text = "".join(c.choices[0].delta.content or "" for c in padded if c.choices)
     assert text == "".join(c.choices[0].delta.content or "" for c in plain if c.choices)
     assert text == expected_reply(30)[0] and padded[-1].usage is not None
     # The SDK's ChatCompletionChunk has the field: OpenAI sends it.
     assert all(isinstance(c.obfuscation, str) and c.obfuscation for c in padded)
     assert all(c.obfuscation is None for c in plain)
-    events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
-    sizes = {len(e) // 64 for e in events}
-    assert len(events) > 5 and len(sizes) <= 3, sorted(len(e) for e in events)
-    assert raw.endswith(b"data: [DONE]\n\n")
+    # After the opening (the role, padded apart), every chunk one size: the letters, the
+    # ending, and with logprobs too (each alternative spells its token out again).
+    for stream in (raw, raw_logprobs):
+        events = [e for e in stream.split(b"\n\n") if e.startswith(b"data: {")]
+        sizes = {len(e) for e in events[1:]}
+        assert len(events) > 5 and len(sizes) == 1, sorted(len(e) for e in events)
+        assert stream.endswith(b"data: [DONE]\n\n")
 
 
 def test_padding_makes_a_streams_small_chunks_one_size_and_leaves_done_alone() -> None:

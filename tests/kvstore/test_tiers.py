@@ -709,3 +709,29 @@ def test_a_lookup_answered_by_a_trickle_gives_up_within_one_socket_timeout(
             assert tiers.lookup(hashes) == 32  # a fresh connection, the same answer
     finally:
         proxy.close()
+
+
+def test_a_lookup_that_opens_its_connection_counts_the_log_in_against_its_deadline(
+    redis_config: RedisConfig,
+) -> None:
+    """The deadline started once a connection was in hand: one opened for the lookup (the
+    last one spoiled by a trickle) read its log-in's replies a byte at a time, each within
+    the socket timeout, on the engine's thread."""
+    from tests.reliability.tcp_proxy import TcpProxy
+
+    hashes = [bytes([6, i]) * 8 for i in range(4)]
+    host, port = redis_config.url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = TcpProxy(host, int(port)).start()
+    # db 1: the connection's log-in sends SELECT, whose reply the link trickles.
+    slow = redis_config.model_copy(
+        update={"url": f"redis://127.0.0.1:{proxy.port}/1", "socket_timeout_s": 0.5}
+    )
+    try:
+        with make(slow) as tiers:
+            proxy.throttle(4, piece=1)  # "+OK\r\n": a byte every 0.25 s
+            t0 = time.monotonic()
+            assert tiers.lookup(hashes) == 0
+            assert time.monotonic() - t0 < 1.2
+            assert tiers.stats().redis.errors == 1
+    finally:
+        proxy.close()
