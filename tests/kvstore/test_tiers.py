@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -399,19 +400,27 @@ def test_with_a_shared_secret_a_value_planted_without_it_is_a_counted_miss(
 
 
 @contextlib.contextmanager
+def proxied(redis_config: RedisConfig, db: int = 0, **settings: object) -> Iterator[Any]:
+    """(a TCP proxy in front of ``redis_config``'s server, the config through it on ``db``
+    with ``settings``); the proxy closed on the way out."""
+    from tests.reliability.tcp_proxy import TcpProxy
+
+    host, port = redis_config.url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = TcpProxy(host, int(port)).start()
+    try:
+        url = f"redis://127.0.0.1:{proxy.port}/{db}"
+        yield proxy, redis_config.model_copy(update={"url": url, **settings})
+    finally:
+        proxy.close()
+
+
+@contextlib.contextmanager
 def throttled_tiers(redis_config: RedisConfig, hashes: list[bytes]) -> Iterator[KVTiers]:
     """Tiers reading ``hashes`` (32 blocks, stored and found) through a link that moves
     8 KiB a second, so their load would take 4 s, the load's own budget ~0.9 s
     (redis.load_min_gbps 1e-4). Closed on the way out, timed: a load that freed its readers
     leaves no trickle to wait for (~3 s more)."""
-    from tests.reliability.tcp_proxy import TcpProxy
-
-    host, port = redis_config.url.removeprefix("redis://").split("/")[0].split(":")
-    proxy = TcpProxy(host, int(port)).start()
-    slow = redis_config.model_copy(
-        update={"url": f"redis://127.0.0.1:{proxy.port}/0", "load_min_gbps": 1e-4}
-    )
-    try:
+    with proxied(redis_config, load_min_gbps=1e-4) as (proxy, slow):
         with make(redis_config) as writer:
             writer.store_async(hashes, blocks(len(hashes), seed=hashes[0][0]))
             assert writer.flush()
@@ -424,8 +433,6 @@ def throttled_tiers(redis_config: RedisConfig, hashes: list[bytes]) -> Iterator[
             t0 = time.monotonic()
             tiers.close()
             assert time.monotonic() - t0 < 1.5
-    finally:
-        proxy.close()
 
 
 def test_a_load_slower_than_its_budget_is_given_up_and_frees_its_reader(
@@ -686,15 +693,8 @@ def test_a_lookup_answered_by_a_trickle_gives_up_within_one_socket_timeout(
     within the socket timeout, held the step for as long as the server liked (3 s here).
     Now the whole reply must come within one socket timeout: past it, a miss and a
     failure the breaker counts; the spoiled connection is not reused."""
-    from tests.reliability.tcp_proxy import TcpProxy
-
     hashes = [bytes([8, i]) * 8 for i in range(32)]
-    host, port = redis_config.url.removeprefix("redis://").split("/")[0].split(":")
-    proxy = TcpProxy(host, int(port)).start()
-    slow = redis_config.model_copy(
-        update={"url": f"redis://127.0.0.1:{proxy.port}/0", "socket_timeout_s": 0.5}
-    )
-    try:
+    with proxied(redis_config, socket_timeout_s=0.5) as (proxy, slow):
         with make(redis_config) as writer:
             writer.store_async(hashes, blocks(len(hashes), seed=8))
             assert writer.flush()
@@ -707,8 +707,6 @@ def test_a_lookup_answered_by_a_trickle_gives_up_within_one_socket_timeout(
             assert tiers.stats().redis.errors == 1
             proxy.restore()
             assert tiers.lookup(hashes) == 32  # a fresh connection, the same answer
-    finally:
-        proxy.close()
 
 
 def test_a_lookup_that_opens_its_connection_counts_the_log_in_against_its_deadline(
@@ -717,21 +715,14 @@ def test_a_lookup_that_opens_its_connection_counts_the_log_in_against_its_deadli
     """The deadline started once a connection was in hand: one opened for the lookup (the
     last one spoiled by a trickle) read its log-in's replies a byte at a time, each within
     the socket timeout, on the engine's thread."""
-    from tests.reliability.tcp_proxy import TcpProxy
-
     hashes = [bytes([6, i]) * 8 for i in range(4)]
-    host, port = redis_config.url.removeprefix("redis://").split("/")[0].split(":")
-    proxy = TcpProxy(host, int(port)).start()
     # db 1: the connection's log-in sends SELECT, whose reply the link trickles.
-    slow = redis_config.model_copy(
-        update={"url": f"redis://127.0.0.1:{proxy.port}/1", "socket_timeout_s": 0.5}
-    )
-    try:
-        with make(slow) as tiers:
-            proxy.throttle(4, piece=1)  # "+OK\r\n": a byte every 0.25 s
-            t0 = time.monotonic()
-            assert tiers.lookup(hashes) == 0
-            assert time.monotonic() - t0 < 1.2
-            assert tiers.stats().redis.errors == 1
-    finally:
-        proxy.close()
+    with (
+        proxied(redis_config, db=1, socket_timeout_s=0.5) as (proxy, slow),
+        make(slow) as tiers,
+    ):
+        proxy.throttle(4, piece=1)  # "+OK\r\n": a byte every 0.25 s
+        t0 = time.monotonic()
+        assert tiers.lookup(hashes) == 0
+        assert time.monotonic() - t0 < 1.2
+        assert tiers.stats().redis.errors == 1
