@@ -94,27 +94,24 @@ class KeySlots:
         self.on_full = on_full  # told of each 429 (the key's refusals metric)
 
     def take(self, count: int = 1) -> None:
-        """Hold ``count`` more, or raise: 400 for more than the key may ever hold (a 429
-        would invite retries for ever), else 429 while it holds too many."""
-        if count > self.limit:
-            raise InvalidRequestError(
-                f"{count} choices and prompts exceed this API key's limit of {self.limit} "
-                "requests in flight",
-                param="n",
-            )
-        if self.held + count > self.limit:
-            raise self._full()
+        """Hold ``count`` more, or raise as :meth:`shed_if_full` does."""
+        self.shed_if_full(count)
         self.held += count
 
     def give_back(self, count: int = 1) -> None:
         self.held -= count
 
     def shed_if_full(self, count: int = 1) -> None:
-        """:meth:`take`'s refusals, taking nothing, for a request of at least ``count``:
-        checked before its prompt is rendered and tokenized, which a one-key flood spent on
-        requests sure to be refused (a 400 first: a 429 would invite retries for ever)."""
+        """Raise, taking nothing, where ``count`` more could not be held: 400 for more than
+        the key may ever hold (a 429 would invite retries for ever), else 429 while it holds
+        too many. Also checked before a request's prompt is rendered and tokenized, which a
+        one-key flood spent on requests sure to be refused."""
         if count > self.limit:
-            self.take(count)  # raises its 400
+            raise InvalidRequestError(
+                f"{count} choices and prompts exceed this API key's limit of {self.limit} "
+                "requests in flight",
+                param="n",
+            )
         if self.held + count > self.limit:
             raise self._full()
 
