@@ -1003,15 +1003,16 @@ async def sse_events(
                 return
             shaper = shaper_of(i)
             parts: list[bytes] = []
+            head = b""  # the choice's opening, padded apart (its size is no chunk's)
             if i not in opened:
                 opened.add(i)
                 opening = await opening_events(shaper, delivery)
-                if obfuscate:  # apart: its size is not a chunk's, and sets the stream's none
+                if obfuscate:
                     opening = Padder()(opening)
                 if len(opening) > BIG_EVENT_BYTES:
                     yield opening  # an echoed prompt's logprobs: not copied into the rest
                 else:
-                    parts.append(opening)
+                    head = opening
             if delivery.finish_reason is not None:
                 done += 1
                 reason = reason or delivery.finish_reason
@@ -1021,13 +1022,15 @@ async def sse_events(
                         parts.append(shaper.usage_event(usage()))
                     status = 200
                     # The last events leave in one write: SseResponse ends the body with it.
-                    yield pad(b"".join((*parts, SSE_DONE)))
+                    yield head + pad(b"".join((*parts, SSE_DONE)))
                     return
             elif delivery.text or (shaper.logprobs is not None and delivery.token_ids):
                 parts.append(shaper.delta_event(delivery))  # maybe b"": a tool call's tag held
-            out = b"".join(parts)  # one part: that part, not a copy
+            out = pad(b"".join(parts))  # one part: that part, not a copy
+            if head:
+                out = head + out
             if out:
-                yield pad(out)
+                yield out
             try:
                 i, delivery = await next_event()
             except DeadlineExceededError as exc:

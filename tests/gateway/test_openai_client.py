@@ -443,6 +443,12 @@ async def test_streamed_chunks_asked_to_be_obfuscated_are_padded_and_still_parse
             raw = (await http.post("/v1/chat/completions", json=body)).content
             asked = {**body, "logprobs": True, "top_logprobs": 2}
             raw_logprobs = (await http.post("/v1/chat/completions", json=asked)).content
+            # An echoed prompt opens the stream: it must not size the chunks after it.
+            echoed = {"model": MODEL, "prompt": "x" * 150, "echo": True, "max_tokens": 12,
+                      "stream": True, "stream_options": {"include_obfuscation": True}}  # fmt: skip
+            raw_echo = (await http.post("/v1/completions", json=echoed)).content
+    after_echo = [e for e in raw_echo.split(b"\n\n") if e.startswith(b"data: {")][1:]
+    assert len({len(e) for e in after_echo}) == 1 and len(after_echo[0]) <= 320, after_echo
     text = "".join(c.choices[0].delta.content or "" for c in padded if c.choices)
     assert text == "".join(c.choices[0].delta.content or "" for c in plain if c.choices)
     assert text == expected_reply(30)[0] and padded[-1].usage is not None
@@ -456,6 +462,7 @@ async def test_streamed_chunks_asked_to_be_obfuscated_are_padded_and_still_parse
         sizes = {len(e) for e in events[1:]}
         assert len(events) > 5 and len(sizes) == 1, sorted(len(e) for e in events)
         assert stream.endswith(b"data: [DONE]\n\n")
+        assert all(e.count(b'"obfuscation"') == 1 for e in events)  # padded once each
 
 
 def test_padding_makes_a_streams_small_chunks_one_size_and_leaves_done_alone() -> None:
