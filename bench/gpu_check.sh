@@ -43,6 +43,7 @@ step() {
 step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider \
   tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_sampler.py \
   tests/engine/test_greedy_matches_transformers.py tests/engine/test_async_output.py \
+  tests/engine/test_triton_backend.py::test_triton_backend_gives_transformers_tokens_end_to_end \
   tests/engine/test_prompt_logprobs.py::test_on_cuda_with_graphs_and_async_output_the_values_are_transformers \
   tests/engine/test_guided.py::test_on_cuda_with_graphs_and_async_output_guided_rows_match_and_others_keep_theirs \
   tests/kvstore/test_engine_tiers.py::test_a_step_that_fills_blocks_returns_while_the_device_still_runs_it \
