@@ -1005,8 +1005,15 @@ async def sse_events(
             parts: list[bytes] = []
             head = b""  # the choice's opening, padded apart (its size is no chunk's)
             if i not in opened:
-                opened.add(i)
-                opening = await opening_events(shaper, delivery)
+                # A chat's roles go out for every choice at once, in index order: the
+                # openai client's stream helper files choices by order of appearance
+                # (IndexError, or one choice's text in another's, when choice 1 spoke
+                # first), and vLLM sends them so.
+                ahead = range(choices) if shaper.kind == "chat" else (i,)
+                opening = b"".join(
+                    [await opening_events(shaper_of(j), delivery) for j in ahead if j not in opened]
+                )
+                opened.update(ahead)
                 if obfuscate:
                     opening = Padder()(opening)
                 if len(opening) > BIG_EVENT_BYTES:

@@ -489,3 +489,27 @@ def test_padding_makes_a_streams_small_chunks_one_size_and_leaves_done_alone() -
     assert pad(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
     big = b'data: {"x":"' + b"z" * BIG_EVENT_BYTES + b'"}\n\n'
     assert pad(big) == big
+
+
+async def test_streamed_choices_reach_the_stream_helper_in_order_whichever_speaks_first(
+    gateway: Served, nats_config: NatsConfig
+):
+    """Each choice is a request of its own, so choice 1 may speak first. The openai
+    client's stream helper files choices by order of appearance: with choice 1's role chunk
+    first it raised IndexError (or filed one choice's text under the other)."""
+
+    async def later_choice_first(job: Job) -> None:
+        index = job.request.params.seed - 7  # seeded seed + index
+        if index == 0:
+            await asyncio.sleep(0.3)
+        text = b"first" if index == 0 else b"second"
+        await job.send(0, list(text), finish_reason="stop", usage=job.usage(len(text)))
+
+    async with running_worker(nats_config, "short", behaviour=later_choice_first):
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        async with client.chat.completions.stream(
+            model=MODEL, messages=CHAT, max_tokens=8, n=2, seed=7  # type: ignore[arg-type]
+        ) as stream:
+            final = await stream.get_final_completion()
+    assert [c.message.content for c in final.choices] == ["first", "second"]
+    assert [c.index for c in final.choices] == [0, 1]
