@@ -13,12 +13,25 @@ import json
 import logging
 import threading
 import urllib.request
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+from scheduler.records import BreakerRecord
 
 log = logging.getLogger(__name__)
 
 WEBHOOK_TIMEOUT_S = 5.0
+
+
+@dataclass(eq=False)
+class QueuedAlert:
+    """A breaker transition's alert, waiting for its ``record`` to be stored. One object
+    wherever it is queued, so it is sent once whichever path confirms it first."""
+
+    record: BreakerRecord
+    event: dict[str, Any]
+    sent: bool = False
 
 
 class Alerter:

@@ -56,7 +56,7 @@ from common.liveness import LoopBeat
 from common.protocol import Control
 from common.subjects import Subjects, read_telemetry
 from common.tasks import cancel_and_wait
-from scheduler.alerts import Alerter
+from scheduler.alerts import Alerter, QueuedAlert
 from scheduler.breaker import (
     LEGAL,
     Breaker,
@@ -191,10 +191,10 @@ class SchedulerService:
         self._unsaved: dict[str, BreakerRecord] = {}  # breaker states the bucket lacks
         # group -> alerts waiting for its record to be stored: a transition whose record
         # never was (a failed write, then the lease lost) was undone by the reload.
-        self._alerts: dict[str, list[tuple[BreakerRecord, dict[str, Any]]]] = {}
+        self._alerts: dict[str, list[QueuedAlert]] = {}
         # Alerts of records whose write failed as this replica's term ended: one may have
         # been stored all the same (its acknowledgement lost), which the next load tells.
-        self._unconfirmed: dict[str, list[tuple[BreakerRecord, dict[str, Any]]]] = {}
+        self._unconfirmed: dict[str, list[QueuedAlert]] = {}
         self._breaker_written: dict[str, float] = {}  # group -> when this replica last wrote it
         self._history_saved = 0.0
         self._stop_requested = asyncio.Event()
@@ -505,7 +505,7 @@ class SchedulerService:
             "ts_ms": record.since_ms if ts_ms is None else ts_ms,
             "scheduler": self.id,
         }
-        self._alerts.setdefault(group, []).append((record, event))
+        self._alerts.setdefault(group, []).append(QueuedAlert(record, event))
 
     def _drop_unsaved(self) -> None:
         """Forget the records not stored: the bucket's word counts now. Their alerts wait
@@ -520,12 +520,19 @@ class SchedulerService:
         wrote it (its write took effect though its acknowledgement was lost); drop the rest."""
         queued = self._unconfirmed.pop(group, [])
         stored = next(
-            (i for i, (r, _) in enumerate(queued) if record is not None and r == record), None
+            (i for i, a in enumerate(queued) if record is not None and a.record == record), None
         )
         if stored is None:
             return
-        for _, event in queued[: stored + 1]:
-            self.alerter.breaker(event)
+        for alert in queued[: stored + 1]:
+            self._send_alert(alert)
+
+    def _send_alert(self, alert: QueuedAlert) -> None:
+        """Send ``alert`` unless it went already: a write acknowledged after the lease went
+        (or a new term began) sends it, and so does the load that confirms its record."""
+        if not alert.sent:
+            alert.sent = True
+            self.alerter.breaker(alert.event)
 
     def _record(self, group: str, state: State, since: float, reason: str) -> BreakerRecord:
         """The bucket's record of ``group``'s breaker in ``state`` since ``since`` (our clock)."""
@@ -545,7 +552,7 @@ class SchedulerService:
         for group, record in list(self._unsaved.items()):
             if not self.acts:
                 return  # kept unsaved: a new term reloads the bucket and starts over
-            events = [event for _, event in self._alerts.get(group, ())]  # up to this record
+            events = list(self._alerts.get(group, ()))  # up to this record
             try:
                 await self.kv.put(breaker_key(group), record.to_bytes())
             except Exception as exc:
@@ -558,8 +565,8 @@ class SchedulerService:
                 del self._unsaved[group]
             if left := self._alerts.pop(group, [])[len(events) :]:
                 self._alerts[group] = left  # a later record's
-            for event in events:
-                self.alerter.breaker(event)
+            for alert in events:
+                self._send_alert(alert)
 
     async def _reconcile_caps(self, now: float) -> None:
         """Tell a worker whose cap disagrees with its group's breaker (joined, restarted)."""
@@ -687,8 +694,8 @@ class SchedulerService:
         log.info("desired replicas %s: %d (%s; now %d)", view.name, replicas, why, view.serving)
 
     async def _order_move(self, move: Move) -> None:
-        if not self.acts:
-            return
+        # Leading may have lapsed during the desired.* writes: _publish refuses then, and the
+        # refusal lifts the cooldowns the decision set (a bare return kept them a minute).
         control = Control(
             action="assign_group",
             issued_ms=int(self._wall() * 1000),

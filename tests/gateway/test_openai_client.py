@@ -508,7 +508,11 @@ async def test_streamed_choices_reach_the_stream_helper_in_order_whichever_speak
     async with running_worker(nats_config, "short", behaviour=later_choice_first):
         client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
         async with client.chat.completions.stream(
-            model=MODEL, messages=CHAT, max_tokens=8, n=2, seed=7  # type: ignore[arg-type]
+            model=MODEL,
+            messages=CHAT,  # type: ignore[arg-type]
+            max_tokens=8,
+            n=2,
+            seed=7,
         ) as stream:
             final = await stream.get_final_completion()
     assert [c.message.content for c in final.choices] == ["first", "second"]

@@ -141,3 +141,24 @@ async def test_a_stale_open_record_read_as_closed_gets_its_resolving_alert(
         assert sent[0]["ts_ms"] > stale.since_ms and sent[0]["ts_ms"] >= wall_ms
         record = BreakerRecord.from_bytes((await kv.get(breaker_key("long"))).value)
         assert record is not None and record.state == "closed"
+
+
+async def test_a_record_acknowledged_after_the_lease_went_is_alerted_once(nats_config, monkeypatch):
+    """The lease went while a breaker write was in flight: the reload found the record
+    stored and sent its alert, then the write's acknowledgement sent it again (a duplicate
+    page)."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        sent = recorded(service, monkeypatch)
+        assert service.kv is not None
+        real_put = service.kv.put
+
+        async def lease_lost_during_the_write(key: str, value: bytes, *a: Any, **kw: Any) -> int:
+            revision = await real_put(key, value, *a, **kw)
+            if key.startswith("breaker."):
+                await lose_the_lease(service, monkeypatch)  # reloads: finds the record
+            return revision
+
+        monkeypatch.setattr(service.kv, "put", lease_lost_during_the_write)
+        await open_short(service, now)
+        assert service.breakers["short"].state == "open"  # the bucket's word: stored
+        assert [(e["from"], e["to"]) for e in sent] == [("closed", "open")]

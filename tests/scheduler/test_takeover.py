@@ -7,6 +7,7 @@ import time
 
 from common.nats import barrier
 from common.protocol import Control, Telemetry
+from scheduler.rebalancer import Move, RebalancerState
 from scheduler.records import BreakerRecord, breaker_key, served_key
 from scheduler.service import SchedulerService
 from tests.scheduler.conftest import hand_driven, make_config, until
@@ -121,3 +122,18 @@ async def test_deleting_a_groups_served_record_stops_its_refill_without_a_restar
         await sched.kv.delete(served_key("long"))
         await short_only_rounds(sched, now)
         assert "long" not in sched.served_groups and not sched.moves
+
+
+async def test_a_move_not_sent_because_leading_lapsed_holds_no_cooldown(nats_config):
+    """The lease lapsed for a moment during the rebalance's slow bucket writes: the move was
+    not sent, yet its cooldowns stayed, and the backlogged group waited a minute more."""
+    async with hand_driven(make_config(nats_config)) as (service, now):
+        until_s = now[0] + 60
+        service.rebalancer_state = RebalancerState(
+            cooldown_until={"worker:w1": until_s, "group:short": until_s, "group:long": until_s}
+        )
+        service._leader_synced = False  # not acting for now
+        await service._order_move(Move("w1", "short", "long", "backlog"))
+        cooldowns = service.rebalancer_state.cooldown_until
+        assert "group:short" not in cooldowns and "group:long" not in cooldowns
+        assert cooldowns["worker:w1"] <= now[0] and not service.moves
